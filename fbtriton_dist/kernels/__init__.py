@@ -1,0 +1,10 @@
+"""Triton kernels and their launchers. No autograd, modules or process groups here.
+
+The kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` was set before
+``triton`` was first imported (the interpreter; slow, for tests on small shapes).
+"""
+
+from fbtriton_dist.kernels.tbe_backward import tbe_backward
+from fbtriton_dist.kernels.tbe_forward import tbe_forward
+
+__all__ = ["tbe_backward", "tbe_forward"]

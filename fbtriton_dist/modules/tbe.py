@@ -1,0 +1,259 @@
+"""TableBatchedEmbedding: many embedding tables looked up and pooled in one launch."""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from fbtriton_dist import optim
+from fbtriton_dist.ops.tbe import BoundsCheck, FusedOptimizer, TBELayout, check_backend, tbe_lookup
+
+POOLING = {"sum": 0, "mean": 1}
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class TableBatchedEmbedding(nn.Module):
+    """Pooled lookups into T features over ``len(tables)`` tables, FBGEMM's TBE conventions.
+
+    Args:
+        tables: ``[(num_embeddings E, embedding_dim D), ...]``, one per table.
+        feature_table_map: table of each feature (several features may share one); default
+            one feature per table.
+        pooling: ``"sum"`` or ``"mean"`` (divided by the bag length; empty bags give zeros).
+        optimizer: None (weights are a plain Parameter with a dense, or ``sparse``, gradient)
+            or a fused optimizer from ``fbtriton_dist.optim``, applied in backward in place.
+        weights_dtype, output_dtype: storage of the rows and of the pooled output; sums are
+            accumulated in fp32 whatever they are.
+        bounds_check: out-of-range ids raise (``"error"``), are dropped with a warning
+            (``"warn"``), or are not checked (``"ignore"``: the caller promises valid ids).
+        backend: ``"auto"`` (Triton for CUDA weights, the PyTorch reference on CPU),
+            ``"triton"`` or ``"reference"``.
+        stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
+
+    ``forward(indices [N], offsets [T*B+1], per_sample_weights [N] | None) -> [B, sum(D)]``.
+
+    Example::
+
+        tbe = TableBatchedEmbedding([(1000, 16), (50, 8)], feature_table_map=[0, 0, 1],
+                                    optimizer=optim.RowWiseAdagrad(lr=0.1))
+        out = tbe(indices, offsets)  # offsets of length 3 * B + 1 -> out [B, 16 + 16 + 8]
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[tuple[int, int]],
+        feature_table_map: Sequence[int] | None = None,
+        pooling: Literal["sum", "mean"] = "sum",
+        optimizer: optim.Optimizer | None = None,
+        weights_dtype: torch.dtype = torch.float32,
+        output_dtype: torch.dtype = torch.float32,
+        bounds_check: BoundsCheck = "error",
+        device: torch.device | str | None = None,
+        backend: Literal["auto", "triton", "reference"] = "auto",
+        stochastic_rounding: bool = True,
+        sparse: bool = False,
+        table_names: Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        tables = [(int(E), int(D)) for E, D in tables]
+        if not tables or any(E < 1 or D < 1 for E, D in tables):
+            raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
+        ftm = (
+            list(range(len(tables)))
+            if feature_table_map is None
+            else [int(t) for t in feature_table_map]
+        )
+        if not ftm or any(not 0 <= t < len(tables) for t in ftm):
+            raise ValueError(
+                f"feature_table_map: expected table ids in [0, {len(tables)}), got {ftm}"
+            )
+        if pooling not in POOLING:
+            raise ValueError(f"pooling: expected one of {list(POOLING)}, got {pooling!r}")
+        if weights_dtype not in WEIGHT_DTYPES or output_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weights_dtype/output_dtype: expected one of {WEIGHT_DTYPES}, got "
+                f"{weights_dtype}/{output_dtype}"
+            )
+        if optimizer is not None and not isinstance(
+            optimizer, optim.SGD | optim.RowWiseAdagrad | optim.Adam
+        ):
+            raise ValueError(
+                "optimizer: expected None or fbtriton_dist.optim.SGD / RowWiseAdagrad / Adam, "
+                f"got {optimizer!r}"
+            )
+        if backend not in ("auto", "triton", "reference"):
+            raise ValueError(
+                f"backend: expected one of ['auto', 'triton', 'reference'], got {backend!r}"
+            )
+        if bounds_check not in ("error", "warn", "ignore"):
+            raise ValueError(
+                f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
+            )
+        names = (
+            list(table_names)
+            if table_names is not None
+            else [f"table_{t}" for t in range(len(tables))]
+        )
+        if len(names) != len(tables):
+            raise ValueError(f"table_names: expected {len(tables)} names, got {len(names)}")
+
+        self.tables = tables
+        self.feature_table_map = ftm
+        self.table_names = names
+        self.pooling = pooling
+        self.optimizer = optimizer
+        self.output_dtype = output_dtype
+        self.bounds_check = bounds_check
+        self.backend = backend
+        self.stochastic_rounding = stochastic_rounding
+        self.sparse = sparse
+        self.step = 0
+        self.seed = int(torch.randint(2**31 - 1, ()).item()) if seed is None else int(seed)
+
+        sizes = [E * D for E, D in tables]
+        self.table_offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        self.table_row_offsets = [0, *torch.tensor([E for E, _ in tables]).cumsum(0).tolist()]
+        dims = [tables[t][1] for t in ftm]
+        per_feature = {
+            "w_offsets": [self.table_offsets[t] for t in ftm],
+            "dims": dims,
+            "row_offsets": [self.table_row_offsets[t] for t in ftm],
+            "D_offsets": [0, *torch.tensor(dims).cumsum(0).tolist()],
+            "rows": [tables[t][0] for t in ftm],
+        }
+        for name, values in per_feature.items():
+            self.register_buffer(
+                f"_{name}", torch.tensor(values, dtype=torch.int64, device=device), persistent=False
+            )
+
+        fused = optimizer is not None
+        self.weights = nn.Parameter(
+            torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device),
+            requires_grad=not fused,
+        )
+        n1, n2 = 0, 0
+        if isinstance(optimizer, optim.RowWiseAdagrad):
+            n1 = self.table_row_offsets[-1]  # one fp32 accumulator per row
+        elif isinstance(optimizer, optim.Adam):
+            n1 = n2 = self.table_offsets[-1]  # fp32 moments per element
+        self.register_buffer("momentum1", torch.zeros(n1, dtype=torch.float32, device=device))
+        self.register_buffer("momentum2", torch.zeros(n2, dtype=torch.float32, device=device))
+        # autograd only calls backward when an input requires grad: with a fused optimizer the
+        # weights don't, so this empty tensor does (FBGEMM's placeholder trick)
+        self._anchor = torch.zeros(0, requires_grad=True) if fused else None
+        self.reset_parameters()
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_table_map)
+
+    def reset_parameters(self) -> None:
+        """Rows of each table uniform in [-1/sqrt(E), 1/sqrt(E)] (TorchRec's default); states 0."""
+        with torch.no_grad():
+            for (E, _), view in zip(self.tables, self.split_embedding_weights(), strict=True):
+                view.uniform_(-1.0 / math.sqrt(E), 1.0 / math.sqrt(E))
+            self.momentum1.zero_()
+            self.momentum2.zero_()
+        self.step = 0
+
+    def _layout(self) -> TBELayout:
+        return TBELayout(
+            w_offsets=self._w_offsets,
+            dims=self._dims,
+            row_offsets=self._row_offsets,
+            D_offsets=self._D_offsets,
+            rows=self._rows,
+            max_D=max(D for _, D in self.tables),
+            total_D=sum(self.tables[t][1] for t in self.feature_table_map),
+            feature_table_map=self.feature_table_map,
+            table_names=self.table_names,
+        )
+
+    def resolved_backend(self) -> Literal["triton", "reference"]:
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if self.weights.device.type == "cuda" else "reference"
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``indices`` [N], ``offsets`` [T*B+1] feature-major -> pooled ``[B, sum(D)]``."""
+        backend = self.resolved_backend()
+        check_backend(backend, self.weights.device)
+        fused = None
+        if self.optimizer is not None:
+            fused = FusedOptimizer(
+                optimizer=self.optimizer,
+                momentum1=self.momentum1,
+                momentum2=self.momentum2,
+                step=self.step,
+                stochastic_rounding=self.stochastic_rounding,
+                seed=self.seed,
+                on_step=self._count_step,
+            )
+        return tbe_lookup(
+            self.weights,
+            indices,
+            offsets,
+            per_sample_weights,
+            layout=self._layout(),
+            pooling=POOLING[self.pooling],
+            output_dtype=self.output_dtype,
+            backend=backend,
+            bounds_check=self.bounds_check,
+            fused=fused,
+            anchor=self._anchor if fused is not None and torch.is_grad_enabled() else None,
+            sparse=self.sparse,
+        )
+
+    def _count_step(self) -> None:
+        self.step += 1
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per-table views ``[E_t, D_t]`` of the flat weights (writes go to the module)."""
+        w = self.weights.detach()
+        return [
+            w[self.table_offsets[t] : self.table_offsets[t + 1]].view(E, D)
+            for t, (E, D) in enumerate(self.tables)
+        ]
+
+    def split_optimizer_states(self) -> list[list[torch.Tensor]]:
+        """Per table, views of its optimizer states: [] (SGD or none), [momentum [E]] (rowwise
+        Adagrad), [exp_avg [E, D], exp_avg_sq [E, D]] (Adam)."""
+        out = []
+        for t, (E, D) in enumerate(self.tables):
+            if isinstance(self.optimizer, optim.RowWiseAdagrad):
+                r0, r1 = self.table_row_offsets[t], self.table_row_offsets[t + 1]
+                out.append([self.momentum1[r0:r1]])
+            elif isinstance(self.optimizer, optim.Adam):
+                e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
+                out.append([self.momentum1[e0:e1].view(E, D), self.momentum2[e0:e1].view(E, D)])
+            else:
+                out.append([])
+        return out
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the fused optimizer's learning rate (a scheduler's hook)."""
+        if self.optimizer is None:
+            raise ValueError("set_learning_rate: this module has no fused optimizer")
+        self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
+
+    def get_extra_state(self) -> dict:
+        return {"step": self.step}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    def extra_repr(self) -> str:
+        return (
+            f"tables={self.tables}, feature_table_map={self.feature_table_map}, "
+            f"pooling={self.pooling}, optimizer={self.optimizer}, "
+            f"weights_dtype={self.weights.dtype}, backend={self.backend}"
+        )

@@ -1,0 +1,293 @@
+"""TBE lookup op: validate a batch, then run forward/backward on Triton or the reference.
+
+Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B+1]
+(feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``.
+"""
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from fbtriton_dist import optim, reference
+
+BoundsCheck = Literal["error", "warn", "ignore"]
+Backend = Literal["triton", "reference"]
+
+
+@dataclass(kw_only=True, frozen=True, eq=False)
+class TBELayout:
+    """Where each feature's table lives in the flat weights, and where it writes its output."""
+
+    w_offsets: torch.Tensor
+    """[T] int64: element offset of feature f's table in the flat weights."""
+    dims: torch.Tensor
+    """[T] int64: embedding dim D of feature f's table."""
+    row_offsets: torch.Tensor
+    """[T] int64: first linear row of feature f's table (rows of all tables back to back)."""
+    D_offsets: torch.Tensor
+    """[T + 1] int64: first output column of feature f."""
+    rows: torch.Tensor
+    """[T] int64: number of rows E of feature f's table (the bounds check)."""
+    max_D: int
+    total_D: int
+    feature_table_map: list[int]
+    table_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_table_map)
+
+
+@dataclass(kw_only=True, eq=False)
+class FusedOptimizer:
+    """What backward needs to update rows in place: the optimizer and its state."""
+
+    optimizer: optim.Optimizer
+    momentum1: torch.Tensor | None
+    momentum2: torch.Tensor | None
+    step: int
+    stochastic_rounding: bool
+    seed: int
+    on_step: Callable[[], None]
+    """Called after each fused update (the module counts its steps)."""
+
+
+def _impl(backend: Backend):
+    if backend == "triton":
+        from fbtriton_dist import kernels  # noqa: PLC0415 (triton only when asked for)
+
+        return kernels
+    return reference
+
+
+def check_backend(backend: Backend, device: torch.device) -> None:
+    """Refuse Triton on CPU tensors unless the interpreter is on (it must be set before import)."""
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "backend='triton' on CPU tensors runs the kernels in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 in the environment before Python starts (before triton is "
+            "imported), or use backend='reference' / 'auto' on CPU"
+        )
+
+
+def check_inputs(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    layout: TBELayout,
+    bounds_check: BoundsCheck,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Validate one batch (one device round trip at most). Returns the batch to look up: the
+    same tensors, or, with ``bounds_check="warn"``, copies without the out-of-range ids.
+    """
+    T = layout.num_features
+    for name, t in (("indices", indices), ("offsets", offsets)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{name}: expected a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}"
+            )
+    if (offsets.numel() - 1) % T != 0 or offsets.numel() < 1:
+        raise ValueError(
+            f"offsets: expected length T*B+1 with T={T} features, got {offsets.numel()} "
+            f"({offsets.numel() - 1} is not a multiple of {T})"
+        )
+    if per_sample_weights is not None:
+        if per_sample_weights.shape != indices.shape or not per_sample_weights.is_floating_point():
+            raise ValueError(
+                f"per_sample_weights: expected a float tensor of shape {tuple(indices.shape)} "
+                f"(one per id), got {per_sample_weights.dtype} {tuple(per_sample_weights.shape)}"
+            )
+    if bounds_check == "ignore":
+        return indices, offsets, per_sample_weights
+    if bounds_check not in ("error", "warn"):
+        raise ValueError(
+            f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
+        )
+
+    N = indices.numel()
+    B = (offsets.numel() - 1) // T
+    pos = torch.arange(N, device=indices.device, dtype=offsets.dtype)
+    bags = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(T * B - 1, 0))
+    rows = layout.rows[bags // max(B, 1)] if B else torch.zeros_like(indices, dtype=torch.int64)
+    bad = (indices < 0) | (indices.to(torch.int64) >= rows)
+    decreasing = offsets[1:] < offsets[:-1]
+    flags = torch.stack([offsets[0] != 0, offsets[-1] != N, decreasing.any(), bad.any()]).tolist()
+    if flags[0] or flags[1]:
+        raise ValueError(
+            f"offsets: expected offsets[0] == 0 and offsets[-1] == len(indices) == {N}, got "
+            f"offsets[0]={int(offsets[0])}, offsets[-1]={int(offsets[-1])}"
+        )
+    if flags[2]:
+        i = int(torch.nonzero(decreasing)[0])
+        raise ValueError(
+            f"offsets: expected non-decreasing values, got offsets[{i}]={int(offsets[i])} > "
+            f"offsets[{i + 1}]={int(offsets[i + 1])}"
+        )
+    if not flags[3]:
+        return indices, offsets, per_sample_weights
+
+    where = torch.nonzero(bad).flatten()
+    p = int(where[0])
+    f, b = divmod(int(bags[p]), B)
+    t = layout.feature_table_map[f]
+    name = layout.table_names[t] if layout.table_names else f"table_{t}"
+    what = (
+        f"id {int(indices[p])} at indices[{p}] (feature {f}, sample {b}) is out of range for "
+        f"table '{name}' with {int(layout.rows[f])} rows: expected 0 <= id < {int(layout.rows[f])}"
+    )
+    if bounds_check == "error":
+        raise IndexError(what)
+    warnings.warn(f"dropping {where.numel()} out-of-range ids; first: {what}", stacklevel=3)
+    keep = ~bad
+    kept_per_bag = torch.zeros(T * B, dtype=torch.int64, device=indices.device)
+    kept_per_bag.index_add_(0, bags, keep.to(torch.int64))
+    new_offsets = torch.zeros(T * B + 1, dtype=offsets.dtype, device=offsets.device)
+    new_offsets[1:] = torch.cumsum(kept_per_bag, 0)
+    psw = per_sample_weights[keep] if per_sample_weights is not None else None
+    return indices[keep], new_offsets, psw
+
+
+class _TBELookup(torch.autograd.Function):
+    """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        weights,
+        anchor,
+        per_sample_weights,
+        indices,
+        offsets,
+        layout,
+        pooling,
+        output_dtype,
+        backend,
+        fused,
+        sparse,
+    ):
+        ctx.save_for_backward(indices, offsets, per_sample_weights)
+        ctx.weights = weights
+        ctx.args = (layout, pooling, backend, fused, sparse)
+        impl = _impl(backend)
+        return impl.tbe_forward(
+            weights,
+            layout.w_offsets,
+            layout.dims,
+            layout.D_offsets,
+            indices,
+            offsets,
+            per_sample_weights,
+            pooling=pooling,
+            max_D=layout.max_D,
+            total_D=layout.total_D,
+            output_dtype=output_dtype,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        indices, offsets, per_sample_weights = ctx.saved_tensors
+        layout, pooling, backend, fused, sparse = ctx.args
+        weights = ctx.weights
+        grad_psw = None
+        if ctx.needs_input_grad[2]:  # before a fused update changes the rows
+            grad_psw = reference.tbe_per_sample_weights_grad(
+                grad_output,
+                weights.detach(),
+                layout.w_offsets,
+                layout.dims,
+                layout.D_offsets,
+                indices,
+                offsets,
+                pooling=pooling,
+            ).to(per_sample_weights.dtype)
+        impl = _impl(backend)
+        common = dict(
+            pooling=pooling,
+            max_D=layout.max_D,
+            step=fused.step + 1 if fused else 0,
+            momentum1=fused.momentum1 if fused and fused.momentum1.numel() else None,
+            momentum2=fused.momentum2 if fused and fused.momentum2.numel() else None,
+            stochastic_rounding=fused.stochastic_rounding if fused else False,
+            seed=(fused.seed * 1000003 + fused.step) % (2**31 - 1) if fused else 0,
+        )
+        result = impl.tbe_backward(
+            grad_output,
+            weights.detach(),
+            layout.w_offsets,
+            layout.dims,
+            layout.row_offsets,
+            layout.D_offsets,
+            indices,
+            offsets,
+            per_sample_weights,
+            optimizer=fused.optimizer if fused else None,
+            **common,
+        )
+        grad_w = None
+        if fused:
+            fused.on_step()
+        elif ctx.needs_input_grad[0]:
+            grad_w = _rows_to_grad(result, weights, sparse)
+        return grad_w, None, grad_psw, None, None, None, None, None, None, None, None
+
+
+def _rows_to_grad(result, weights: torch.Tensor, sparse: bool) -> torch.Tensor:
+    """Dense (or sparse COO) flat weight gradient from per-row gradients."""
+    row_elems, row_dims, row_grads = result
+    width = row_grads.shape[1]
+    cols = torch.arange(width, device=weights.device)
+    mask = cols[None, :] < row_dims[:, None]
+    elems = (row_elems[:, None] + cols[None, :])[mask]
+    values = row_grads[mask].to(weights.dtype)
+    if sparse:
+        return torch.sparse_coo_tensor(elems[None, :], values, weights.shape, is_coalesced=True)
+    grad = torch.zeros_like(weights)
+    grad[elems] = values
+    return grad
+
+
+def tbe_lookup(
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    layout: TBELayout,
+    pooling: int,
+    output_dtype: torch.dtype,
+    backend: Backend,
+    bounds_check: BoundsCheck = "error",
+    fused: FusedOptimizer | None = None,
+    anchor: torch.Tensor | None = None,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """Pooled embedding lookup of T features; ``[B, sum(D)]``.
+
+    Example: two features on tables of D=4 and D=8, B=2::
+
+        out = tbe_lookup(w, indices=[3, 1, 1, 0, 2], offsets=[0, 2, 2, 4, 5], ...)  # [2, 12]
+
+    ``fused`` makes backward update the rows in place (``anchor`` must require grad so that
+    autograd reaches it); otherwise ``weights`` gets a dense or ``sparse`` gradient.
+    """
+    check_backend(backend, weights.device)
+    indices, offsets, per_sample_weights = check_inputs(
+        indices, offsets, per_sample_weights, layout, bounds_check
+    )
+    return _TBELookup.apply(
+        weights,
+        anchor,
+        per_sample_weights,
+        indices,
+        offsets,
+        layout,
+        pooling,
+        output_dtype,
+        backend,
+        fused,
+        sparse,
+    )

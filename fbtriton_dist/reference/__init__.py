@@ -1,0 +1,13 @@
+"""Slow, obvious pure-PyTorch twins of every kernel, with the same signatures.
+
+They are the specification, the CPU backend and the test oracle.
+"""
+
+from fbtriton_dist.reference.tbe import (
+    stochastic_round,
+    tbe_backward,
+    tbe_forward,
+    tbe_per_sample_weights_grad,
+)
+
+__all__ = ["stochastic_round", "tbe_backward", "tbe_forward", "tbe_per_sample_weights_grad"]

@@ -1,0 +1,208 @@
+"""Pure-PyTorch TBE: the spec of kernels/tbe_forward.py and kernels/tbe_backward.py."""
+
+import torch
+
+from fbtriton_dist import optim
+
+
+def _bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
+    """Bag id (f * B + b) of every id position."""
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)[
+        :N
+    ]
+
+
+def tbe_forward(
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    pooling: int,
+    max_D: int,
+    total_D: int,
+    output_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``."""
+    T = dims.numel()
+    B = (offsets.numel() - 1) // T
+    out = torch.zeros((B, total_D), dtype=torch.float32, device=weights.device)
+    bags = _bags(offsets, indices.numel())
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+    for f in range(T):
+        D, base, col = int(dims[f]), int(w_offsets[f]), int(D_offsets[f])
+        sel = (bags // B) == f
+        ids = indices[sel].to(torch.int64)
+        rows = weights[base + ids[:, None] * D + torch.arange(D, device=weights.device)]
+        rows = rows.to(torch.float32)
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights[sel].to(torch.float32)[:, None]
+        pooled = torch.zeros((B, D), dtype=torch.float32, device=weights.device)
+        pooled.index_add_(0, bags[sel] - f * B, rows)
+        if pooling == 1:
+            pooled = pooled / lengths[f * B : (f + 1) * B].clamp(min=1)[:, None]
+        out[:, col : col + D] = pooled
+    return out.to(output_dtype)
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round fp32 ``x`` to ``dtype`` up or down with probability given by the distance: add
+    uniform noise of one ulp of ``dtype`` at x, then round toward zero. Unbiased in expectation.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    mantissa, min_exp = (10, -14) if dtype == torch.float16 else (7, -126)
+    _, exp = torch.frexp(x)  # x = m * 2^exp with 0.5 <= |m| < 1
+    ulp_exp = (torch.clamp(exp - 1, min=min_exp) - mantissa).clamp(min=-126)
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    noisy = x + torch.sign(x) * u * torch.pow(2.0, ulp_exp.to(torch.float32))
+    return _round_toward_zero(noisy, dtype)
+
+
+def _round_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = x.to(dtype)  # round to nearest even, then step back where it rounded away from zero
+    away = y.to(torch.float32).abs() > x.abs()
+    if away.any():
+        bits = y.view(torch.int16)
+        y = torch.where(away, (bits - 1).view(dtype), y)  # |value| - 1 ulp, same sign
+    return y
+
+
+def tbe_backward(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    row_offsets: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    pooling: int,
+    max_D: int,
+    optimizer: optim.Optimizer | None,
+    step: int,
+    momentum1: torch.Tensor | None,
+    momentum2: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Same contract as kernels.tbe_backward: update in place, or return
+    ``(row_elems, row_dims, row_grads)``."""
+    device = weights.device
+    T = dims.numel()
+    B = (offsets.numel() - 1) // T
+    N = indices.numel()
+    bags = _bags(offsets, N)
+    feats = bags // B
+    scale = torch.ones(N, dtype=torch.float32, device=device)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.to(torch.float32)
+    if pooling == 1:
+        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+        scale = scale / lengths[bags]
+    keys = row_offsets[feats] + indices.to(torch.int64)
+
+    # Per table (one representative feature per distinct row offset): sum each row's gradient.
+    row_elems, row_dims, row_grads = [], [], []
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for base in torch.unique(row_offsets).tolist():
+        f_of_table = [f for f in range(T) if int(row_offsets[f]) == base]
+        f0 = f_of_table[0]
+        D, w_base = int(dims[f0]), int(w_offsets[f0])
+        sel = torch.isin(feats, torch.tensor(f_of_table, device=device))
+        if not bool(sel.any()):
+            continue
+        cols = D_offsets[feats[sel]][:, None] + torch.arange(D, device=device)
+        g = grad_output.to(torch.float32)[(bags[sel] % B)[:, None], cols] * scale[sel][:, None]
+        rows, inverse = torch.unique(keys[sel] - base, return_inverse=True)
+        grad = torch.zeros((rows.numel(), D), dtype=torch.float32, device=device)
+        grad.index_add_(0, inverse, g)
+        elems = w_base + rows[:, None] * D + torch.arange(D, device=device)
+        if optimizer is None:
+            row_elems.append(elems[:, 0])
+            row_dims.append(torch.full_like(rows, D))
+            row_grads.append(torch.nn.functional.pad(grad, (0, max_D - D)))
+            continue
+        w = weights[elems].to(torch.float32)
+        w = _apply_optimizer(optimizer, w, grad, step, momentum1, momentum2, base + rows, elems)
+        if stochastic_rounding:
+            weights[elems] = stochastic_round(w, weights.dtype, generator)
+        else:
+            weights[elems] = w.to(weights.dtype)
+    if optimizer is not None:
+        return None
+    if not row_elems:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.empty((0, max_D), dtype=torch.float32, device=device)
+    return torch.cat(row_elems), torch.cat(row_dims), torch.cat(row_grads)
+
+
+def tbe_per_sample_weights_grad(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    pooling: int,
+) -> torch.Tensor:
+    """d out / d per_sample_weights[i] = <grad_output[b, cols(f)], row_i> (/ bag length)."""
+    T = dims.numel()
+    B = (offsets.numel() - 1) // T
+    bags = _bags(offsets, indices.numel())
+    grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
+    for f in range(T):
+        D, base, col = int(dims[f]), int(w_offsets[f]), int(D_offsets[f])
+        sel = (bags // B) == f
+        ids = indices[sel].to(torch.int64)
+        rows = weights[base + ids[:, None] * D + torch.arange(D, device=weights.device)]
+        g = grad_output[bags[sel] - f * B, col : col + D]
+        grad[sel] = (rows.to(torch.float32) * g.to(torch.float32)).sum(dim=1)
+    if pooling == 1:
+        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+        grad = grad / lengths[bags]
+    return grad
+
+
+def _apply_optimizer(
+    optimizer: optim.Optimizer,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    step: int,
+    momentum1: torch.Tensor | None,
+    momentum2: torch.Tensor | None,
+    state_rows: torch.Tensor,
+    elems: torch.Tensor,
+) -> torch.Tensor:
+    """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows."""
+    if isinstance(optimizer, optim.SGD):
+        return w - optimizer.lr * g
+    if isinstance(optimizer, optim.RowWiseAdagrad):
+        wd = optimizer.weight_decay
+        decoupled = optimizer.weight_decay_mode == "decoupled"
+        g_wd = g if decoupled else g + wd * w
+        m = momentum1[state_rows] + (g_wd * g_wd).mean(dim=1)
+        momentum1[state_rows] = m
+        mult = optimizer.lr / (torch.sqrt(m) + optimizer.eps)
+        corr = torch.full_like(m, 1.0 - optimizer.lr * wd) if decoupled else 1.0 - mult * wd
+        return corr[:, None] * w - mult[:, None] * g
+    b1, b2 = optimizer.betas
+    m1 = b1 * momentum1[elems] + (1.0 - b1) * g
+    m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g
+    momentum1[elems] = m1
+    momentum2[elems] = m2
+    m_hat = m1 / (1.0 - b1**step)
+    v_hat = m2 / (1.0 - b2**step)
+    return w - optimizer.lr * (
+        m_hat / (torch.sqrt(v_hat) + optimizer.eps) + optimizer.weight_decay * w
+    )

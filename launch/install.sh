@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a virtual environment and installs fbtriton_dist with the right builds of
+# its dependencies. Usage: bash launch/install.sh [VENV_DIR]   (default: .venv in the repo root)
+#
+# Why not plain `pip install torchrec`: torchrec depends on `fbgemm-gpu`, the CUDA build, which
+# is huge and fails to load on a CPU-only torch. We install torchrec with --no-deps, then its own
+# needs by hand, and the fbgemm build that matches the machine: fbgemm-gpu-cpu without a GPU,
+# fbgemm-gpu with one. Versions are pinned to a set known to work together.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${1:-${FBTD_VENV:-$root/.venv}}
+python=${PYTHON:-python3}
+
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCHREC_VERSION=${TORCHREC_VERSION:-1.8.0}
+FBGEMM_VERSION=${FBGEMM_VERSION:-1.8.0}
+TRITON_VERSION=${TRITON_VERSION:-3.6.0}
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[install] creating virtual environment $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  gpu=1; fbgemm_pkg=fbgemm-gpu
+else
+  gpu=0; fbgemm_pkg=fbgemm-gpu-cpu
+fi
+echo "[install] gpu=$gpu: torch==$TORCH_VERSION triton==$TRITON_VERSION $fbgemm_pkg==$FBGEMM_VERSION torchrec==$TORCHREC_VERSION"
+
+if "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  :  # already there
+elif [ "$gpu" = 0 ] && "$venv/bin/python" - <<'PY' 2>/dev/null
+import urllib.request
+urllib.request.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=5)
+PY
+then
+  # The CPU wheel: never pull the multi-GB CUDA build onto a machine without a GPU.
+  "${pip[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+    --extra-index-url https://pypi.org/simple
+else
+  "${pip[@]}" "torch==$TORCH_VERSION"
+fi
+# triton 3.6's interpreter (TRITON_INTERPRET=1, used by the CPU kernel tests) breaks on numpy 2.4.
+"${pip[@]}" "triton==$TRITON_VERSION" "numpy<2.3" pyyaml
+"${pip[@]}" --no-deps "$fbgemm_pkg==$FBGEMM_VERSION" "torchrec==$TORCHREC_VERSION"
+# torchrec's own runtime needs (what --no-deps skipped), minus fbgemm-gpu.
+"${pip[@]}" tensordict torchmetrics pyre-extensions iopath tqdm
+"${pip[@]}" --no-deps -e "$root"
+if [ "${FBTD_DEV:-0}" = 1 ]; then
+  "${pip[@]}" pytest pytest-xdist pytest-timeout ruff
+fi
+"$venv/bin/python" - <<'PY'
+import torch, triton, torchrec, fbgemm_gpu  # noqa: F401
+import fbtriton_dist
+print(f"[install] ok: torch {torch.__version__}, triton {triton.__version__}, "
+      f"torchrec {torchrec.__version__ if hasattr(torchrec, '__version__') else '?'}, "
+      f"fbtriton_dist {fbtriton_dist.__version__}")
+PY
