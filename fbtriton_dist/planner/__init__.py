@@ -1,0 +1,56 @@
+"""The sharding planner: table specs, cost model, ``ShardingPlanner`` and ``ShardingPlan``.
+
+Pure Python: never imports torch, triton or torch.distributed, never touches tensors.
+TorchRec ``EmbeddingBagConfig`` objects are accepted by duck typing. See docs/planner.md.
+"""
+
+from ._yaml import ConfigError, FieldError
+from .cost import CostModel, PlanCost, RankCost, evaluate, state_bytes
+from .plan import (
+    SHARDING_TYPES,
+    PlanValidationError,
+    Shard,
+    ShardingPlan,
+    ShardingType,
+    TableSharding,
+)
+from .planner import PlanError, ShardingPlanner
+from .stats import IdDistribution, balanced_cuts, equal_cuts, generalized_harmonic
+from .tables import (
+    OPTIMIZERS,
+    TableConstraints,
+    TableSet,
+    TableSpec,
+    load_tables,
+    table_set_from_dict,
+    to_table_specs,
+)
+
+__all__ = [
+    "OPTIMIZERS",
+    "SHARDING_TYPES",
+    "ConfigError",
+    "CostModel",
+    "FieldError",
+    "IdDistribution",
+    "PlanCost",
+    "PlanError",
+    "PlanValidationError",
+    "RankCost",
+    "Shard",
+    "ShardingPlan",
+    "ShardingPlanner",
+    "ShardingType",
+    "TableConstraints",
+    "TableSet",
+    "TableSharding",
+    "TableSpec",
+    "balanced_cuts",
+    "equal_cuts",
+    "evaluate",
+    "generalized_harmonic",
+    "load_tables",
+    "state_bytes",
+    "table_set_from_dict",
+    "to_table_specs",
+]

@@ -1,0 +1,382 @@
+"""The cost model: memory, lookup bytes and communication bytes per rank per training step.
+
+Symbols: R ranks, H ranks per host, B local batch per rank, for a table: E rows, D columns,
+s bytes per weight, L ids per sample (sum of the pooling factors of its features), F features;
+i bytes per id, l bytes per bag length, o bytes per pooled value; for a shard: its rows
+``rows``, columns ``c`` and ``p``, the share of the table's lookups that hit its rows (from
+the table's :class:`IdDistribution`). Every term below is per rank, per step.
+
+* ``weight_bytes`` = rows x c x s
+* ``state_bytes``  (optimizer state, fp32 as in FBGEMM): none/sgd 0, rowwise_adagrad rows x 4,
+  adam 2 x rows x c x 4
+* ``lookups``      ids gathered in the forward: row-wise kinds R·B·L·p, table-/column-wise
+  R·B·L, data-parallel B·L
+* ``lookup_bytes`` = lookups x c x s (the forward gather; backward costs ``backward_factor``
+  times as much and is included in the time)
+* ``input_dist_bytes``  ids and lengths this rank receives: a row shard (R-1)·B·(L·p·i + F·l),
+  a table/column shard (R-1)·B·(L·i + F·l), data-parallel 0
+* ``output_dist_bytes`` pooled values and their gradients this rank receives (forward +
+  backward): every rank gets its B x c slice from each shard holder other than itself; a
+  holder gets the (R-1)·B x c gradients back (row-wise: the reduce-scatter / all-gather pair;
+  table-row-wise: (k-1)·R·B/k·c·o twice inside the host for k holders, plus R·B/k·c·o back);
+  data-parallel: the ring all-reduce of the dense gradient, 2·(R-1)/R·E·D·s
+* ``inter_host_bytes``  the part of the two comm terms that crosses hosts: traffic from all
+  other ranks crosses with odds (R-H)/(R-1); traffic from a known rank crosses if its host differs
+* ``time_s`` = lookup_bytes·(1 + backward_factor)/hbm_bandwidth
+  + intra-host bytes/intra_host_bandwidth + inter_host_bytes/inter_host_bandwidth
+
+Comm counts bytes *received*: links are full duplex and a step waits for the last arrival.
+The imbalance of a term is max/mean over ranks. Each holder's terms are linear in p, which
+is what makes the skew-aware row cuts (stats.balanced_cuts) exact bisections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ._yaml import check_int, check_number
+from .plan import GiB, Shard, ShardingPlan, TableSharding
+from .stats import IdDistribution
+from .tables import TableSpec
+
+__all__ = ["CostModel", "PlanCost", "RankCost", "evaluate", "fmt_bytes", "state_bytes"]
+
+UNIFORM = IdDistribution()
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostModel:
+    """Workload and machine numbers the cost terms are computed from."""
+
+    batch_size: int = 512
+    """B, samples per rank per step."""
+    index_bytes: int = 8
+    """i, bytes per id sent by input dist (int64)."""
+    length_bytes: int = 4
+    """l, bytes per bag length sent by input dist (int32)."""
+    output_bytes: int = 4
+    """o, bytes per pooled value and per gradient value sent by output dist (fp32)."""
+    hbm_bandwidth: float = 1.5e12
+    """Effective bytes/s of random row gathers (about a third of an H100/H200's peak)."""
+    intra_host_bandwidth: float = 300e9
+    """Bytes/s a rank receives from ranks of its own host (NVLink)."""
+    inter_host_bandwidth: float = 40e9
+    """Bytes/s a rank receives from other hosts (one 400 Gb/s NIC per GPU)."""
+    backward_factor: float = 2.0
+    """Backward + optimizer HBM traffic as a multiple of the forward gather."""
+
+    def __post_init__(self) -> None:
+        check_int("batch_size", self.batch_size, 1)
+        for name in ("index_bytes", "length_bytes", "output_bytes"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
+        check_number("backward_factor", self.backward_factor, 0.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RankCost:
+    """Every cost term of one rank (see the module docstring for the formulas)."""
+
+    rank: int
+    """The rank."""
+    weight_bytes: int
+    """Embedding weights stored on the rank."""
+    state_bytes: int
+    """Optimizer state stored on the rank."""
+    lookups: float
+    """Expected ids gathered per step (forward)."""
+    lookup_bytes: float
+    """Expected bytes gathered per step (forward)."""
+    input_dist_bytes: float
+    """Ids and lengths received per step."""
+    output_dist_bytes: float
+    """Pooled values, gradients and data-parallel gradient sync received per step."""
+    inter_host_bytes: float
+    """Part of the comm bytes that crosses hosts."""
+    time_s: float
+    """Estimated seconds per step spent on embeddings by this rank."""
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weight_bytes + self.state_bytes
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.input_dist_bytes + self.output_dist_bytes
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanCost:
+    """The cost of a plan: one :class:`RankCost` per rank."""
+
+    ranks: tuple[RankCost, ...]
+    """Indexed by rank."""
+
+    def imbalance(self, term: str = "time_s") -> float:
+        """max / mean of ``term`` over ranks (1.0 is perfect; 1.0 when every value is 0)."""
+        values = [float(getattr(r, term)) for r in self.ranks]
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else 1.0
+
+    def max(self, term: str = "time_s") -> float:
+        return max(float(getattr(r, term)) for r in self.ranks)
+
+
+def state_bytes(optimizer: str, rows: int, cols: int) -> int:
+    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it."""
+    if optimizer == "rowwise_adagrad":
+        return rows * 4
+    if optimizer == "adam":
+        return 2 * rows * cols * 4
+    return 0
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+class CostAccumulator:
+    """Per-rank running sums of the cost terms; the planner adds tables one at a time."""
+
+    TERMS = (
+        "weight_bytes",
+        "state_bytes",
+        "lookups",
+        "lookup_bytes",
+        "input_dist_bytes",
+        "output_dist_bytes",
+        "inter_host_bytes",
+    )
+
+    def __init__(self, world_size: int, local_world_size: int, model: CostModel) -> None:
+        self.R, self.H, self.model = world_size, local_world_size, model
+        self.terms = {t: [0.0] * world_size for t in self.TERMS}
+
+    def copy(self) -> CostAccumulator:
+        other = CostAccumulator(self.R, self.H, self.model)
+        other.terms = {t: list(v) for t, v in self.terms.items()}
+        return other
+
+    def add(self, rank: int, **terms: float) -> None:
+        for name, value in terms.items():
+            self.terms[name][rank] += value
+
+    def merge(self, other: CostAccumulator) -> None:
+        for name, values in other.terms.items():
+            mine = self.terms[name]
+            for r, v in enumerate(values):
+                mine[r] += v
+
+    def memory(self, rank: int) -> float:
+        return self.terms["weight_bytes"][rank] + self.terms["state_bytes"][rank]
+
+    def terms_time(self, terms: Mapping[str, float]) -> float:
+        """Time of a set of terms on their own (time is linear in every term)."""
+        m = self.model
+        comm = terms.get("input_dist_bytes", 0.0) + terms.get("output_dist_bytes", 0.0)
+        inter = terms.get("inter_host_bytes", 0.0)
+        return (
+            terms.get("lookup_bytes", 0.0) * (1.0 + m.backward_factor) / m.hbm_bandwidth
+            + (comm - inter) / m.intra_host_bandwidth
+            + inter / m.inter_host_bandwidth
+        )
+
+    def time(self, rank: int) -> float:
+        return self.terms_time({t: v[rank] for t, v in self.terms.items()})
+
+    def times(self) -> list[float]:
+        return [self.time(r) for r in range(self.R)]
+
+    def result(self) -> PlanCost:
+        return PlanCost(
+            ranks=tuple(
+                RankCost(
+                    rank=r,
+                    weight_bytes=int(self.terms["weight_bytes"][r]),
+                    state_bytes=int(self.terms["state_bytes"][r]),
+                    lookups=self.terms["lookups"][r],
+                    lookup_bytes=self.terms["lookup_bytes"][r],
+                    input_dist_bytes=self.terms["input_dist_bytes"][r],
+                    output_dist_bytes=self.terms["output_dist_bytes"][r],
+                    inter_host_bytes=self.terms["inter_host_bytes"][r],
+                    time_s=self.time(r),
+                )
+                for r in range(self.R)
+            )
+        )
+
+    # -- one table ------------------------------------------------------------------------
+    def _cross(self, a: int, b: int) -> float:
+        return 0.0 if a // self.H == b // self.H else 1.0
+
+    def _from_all(self) -> float:
+        """Share of traffic from all other ranks that crosses hosts: (R-H)/(R-1)."""
+        return (self.R - self.H) / (self.R - 1) if self.R > 1 else 0.0
+
+    def add_table(
+        self, spec: TableSpec, ts: TableSharding, dist: IdDistribution, optimizer: str
+    ) -> None:
+        """Add the terms of every shard of ``ts`` (one table's sharding) to the sums."""
+        opt = spec.optimizer or optimizer
+        s = spec.dtype_bytes
+        for sh in ts.shards:
+            self.add(
+                sh.rank,
+                weight_bytes=sh.num_rows * sh.num_cols * s,
+                state_bytes=state_bytes(opt, sh.num_rows, sh.num_cols),
+            )
+        if ts.sharding == "data_parallel":
+            self._add_replicas(spec)
+        elif ts.sharding in ("table_wise", "column_wise"):
+            for sh in ts.shards:
+                self._add_whole_rows(spec, sh)
+        else:
+            holders = [sh.rank for sh in ts.shards]
+            for sh in ts.shards:
+                p = dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
+                self.add_row_holder(spec, sh.rank, p, len(holders), ts.sharding)
+            for q in range(self.R):
+                self._add_pooled_slices(spec, q, holders, spec.embedding_dim, ts.sharding)
+
+    def _add_replicas(self, spec: TableSpec) -> None:
+        m, R = self.model, self.R
+        L, D, s = spec.ids_per_sample, spec.embedding_dim, spec.dtype_bytes
+        grad_sync = 2.0 * (R - 1) / R * spec.num_embeddings * D * s
+        for r in range(R):
+            lookups = m.batch_size * L
+            self.add(
+                r,
+                lookups=lookups,
+                lookup_bytes=lookups * D * s,
+                output_dist_bytes=grad_sync,
+                inter_host_bytes=grad_sync * self._from_all(),
+            )
+
+    def _add_whole_rows(self, spec: TableSpec, sh: Shard) -> None:
+        """A table-wise table or one column slice: its owner serves all R·B samples."""
+        m, R, B = self.model, self.R, self.model.batch_size
+        L, F, c = spec.ids_per_sample, len(spec.features), sh.num_cols
+        lookups = R * B * L
+        inp = (R - 1) * B * (L * m.index_bytes + F * m.length_bytes)
+        grads = (R - 1) * B * c * m.output_bytes
+        self.add(
+            sh.rank,
+            lookups=lookups,
+            lookup_bytes=lookups * c * spec.dtype_bytes,
+            input_dist_bytes=inp,
+            output_dist_bytes=grads,
+            inter_host_bytes=(inp + grads) * self._from_all(),
+        )
+        for q in range(R):
+            if q != sh.rank:
+                pooled = B * c * m.output_bytes
+                self.add(
+                    q, output_dist_bytes=pooled, inter_host_bytes=pooled * self._cross(q, sh.rank)
+                )
+
+    def row_holder_terms(
+        self, spec: TableSpec, p: float, k: int, sharding: str
+    ) -> dict[str, float]:
+        """Terms of a rank holding a row block with lookup share ``p``, one of ``k`` holders."""
+        m, R, B = self.model, self.R, self.model.batch_size
+        L, F, D, o = spec.ids_per_sample, len(spec.features), spec.embedding_dim, m.output_bytes
+        lookups = R * B * L * p
+        inp = (R - 1) * B * (L * p * m.index_bytes + F * m.length_bytes)
+        if sharding == "table_row_wise":
+            intra = 2.0 * (k - 1) * R * B / k * D * o  # reduce-scatter + all-gather in the host
+            back = R * B / k * D * o  # gradients of this holder's sample slice, from all ranks
+            out, inter = intra + back, (inp + back) * self._from_all()
+        else:
+            out = (R - 1) * B * D * o  # gradients of all other ranks' samples
+            inter = (inp + out) * self._from_all()
+        return {
+            "lookups": lookups,
+            "lookup_bytes": lookups * D * spec.dtype_bytes,
+            "input_dist_bytes": inp,
+            "output_dist_bytes": out,
+            "inter_host_bytes": inter,
+        }
+
+    def add_row_holder(self, spec: TableSpec, rank: int, p: float, k: int, sharding: str) -> None:
+        self.add(rank, **self.row_holder_terms(spec, p, k, sharding))
+
+    def _add_pooled_slices(
+        self, spec: TableSpec, q: int, holders: Sequence[int], c: int, sharding: str
+    ) -> None:
+        """Forward pooled values rank ``q`` receives for its B samples of a row-sharded table."""
+        o, B = self.model.output_bytes, self.model.batch_size
+        if sharding == "table_row_wise":  # one holder of the host sends q its reduced slice
+            if q in holders:
+                return  # counted as the in-host all-gather in row_holder_terms
+            pooled = B * c * o
+            self.add(
+                q, output_dist_bytes=pooled, inter_host_bytes=pooled * self._cross(q, holders[0])
+            )
+            return
+        others = [h for h in holders if h != q]
+        pooled = B * c * o
+        self.add(
+            q,
+            output_dist_bytes=pooled * len(others),
+            inter_host_bytes=pooled * sum(self._cross(q, h) for h in others),
+        )
+
+
+def evaluate(
+    plan: ShardingPlan,
+    tables: Sequence[TableSpec],
+    stats: Mapping[str, IdDistribution] | None = None,
+    model: CostModel | None = None,
+    optimizer: str = "rowwise_adagrad",
+) -> PlanCost:
+    """The per-rank cost of ``plan`` for ``tables`` (any plan: ours, loaded, TorchRec's)."""
+    acc = CostAccumulator(plan.world_size, plan.local_world_size, model or CostModel())
+    by_name = {t.name: t for t in tables}
+    for ts in plan.tables:
+        acc.add_table(by_name[ts.name], ts, (stats or {}).get(ts.name, UNIFORM), optimizer)
+    return acc.result()
+
+
+def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
+    """``rows 0..1000 x 128 cols x 4 B + state 4.0 KiB (rowwise_adagrad) = 504.0 KiB``."""
+    opt = spec.optimizer or optimizer
+    w = sh.num_rows * sh.num_cols * spec.dtype_bytes
+    st = state_bytes(opt, sh.num_rows, sh.num_cols)
+    return (
+        f"rows {sh.row_start}..{sh.row_end} x {sh.num_cols} cols x {spec.dtype_bytes} B"
+        f" + state {fmt_bytes(st)} ({opt}) = {fmt_bytes(w + st)}"
+    )
+
+
+def memory_problems(
+    plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
+) -> list[str]:
+    """One message per rank whose weights + optimizer state exceed ``budget_bytes``."""
+    by_name = {t.name: t for t in tables}
+    cost = evaluate(plan, tables, optimizer=optimizer)
+    problems = []
+    for rc in cost.ranks:
+        if rc.memory_bytes <= budget_bytes:
+            continue
+        shards = plan.shards_for_rank(rc.rank)
+
+        def size(item: tuple[str, Shard]) -> int:
+            spec, sh = by_name[item[0]], item[1]
+            opt = spec.optimizer or optimizer
+            return sh.num_rows * sh.num_cols * spec.dtype_bytes + state_bytes(
+                opt, sh.num_rows, sh.num_cols
+            )
+
+        name, big = max(shards, key=size)
+        rest = rc.memory_bytes - size((name, big))
+        others = f" + {fmt_bytes(rest)} of {len(shards) - 1} other shard(s)" if rest else ""
+        problems.append(
+            f"rank {rc.rank} needs {fmt_bytes(rc.memory_bytes)}, budget {fmt_bytes(budget_bytes)}: "
+            f"table '{name}' {shard_equation(by_name[name], big, optimizer)}{others}"
+        )
+    return problems

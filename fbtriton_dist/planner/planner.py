@@ -1,0 +1,411 @@
+"""``ShardingPlanner``: choose a sharding type and placement for every table.
+
+The search is greedy and cost-driven (largest tables first, as in longest-processing-time
+scheduling): for each table, every allowed sharding type proposes its best placement given
+what earlier tables already put on each rank; the proposal with the smallest resulting
+per-rank maximum of ``time_s`` wins (ties: the smallest total), among those that fit the memory
+budget. Row-wise kinds cut rows with :func:`stats.balanced_cuts`, so a skewed table gets short
+hot blocks and long cold ones, capped by each rank's free memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+from ._yaml import check_choice, check_int, check_number
+from .cost import (
+    UNIFORM,
+    CostAccumulator,
+    CostModel,
+    PlanCost,
+    evaluate,
+    fmt_bytes,
+    state_bytes,
+)
+from .plan import SHARDING_TYPES, Shard, ShardingPlan, TableSharding
+from .stats import IdDistribution, balanced_cuts, equal_cuts
+from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
+
+__all__ = ["PlanError", "ShardingPlanner"]
+
+RowCuts = Literal["balanced", "equal"]
+MIN_COLUMN_SLICE = 32
+"""Column-wise slices are at least this wide (narrower slices waste the TBE kernel's lanes)."""
+TW_CANDIDATE_RANKS = 4
+"""Table-wise tries this many of the least-loaded ranks that have room."""
+
+
+class PlanError(ValueError):
+    """The tables do not fit; the message explains which table and by how much."""
+
+
+class ShardingPlanner:
+    """Plans how ``tables`` are sharded over ``world_size`` ranks.
+
+    Args:
+        world_size: R, the number of ranks.
+        local_world_size: ranks per host (default: all R on one host).
+        hbm_bytes_per_rank: device memory of one rank.
+        reserved_fraction: share of ``hbm_bytes_per_rank`` kept for the dense model,
+            activations and communication buffers; the rest is the embedding budget.
+        cost_model: workload and machine numbers (batch size, bandwidths, ...).
+        optimizer: fused optimizer of tables that do not name their own.
+        row_cuts: ``balanced`` (skew-aware, equal cost per rank) or ``equal`` (TorchRec's
+            equal row blocks, for comparison).
+    """
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        hbm_bytes_per_rank: float,
+        local_world_size: int | None = None,
+        reserved_fraction: float = 0.1,
+        cost_model: CostModel | None = None,
+        optimizer: str = "rowwise_adagrad",
+        row_cuts: RowCuts = "balanced",
+    ) -> None:
+        check_int("world_size", world_size, 1)
+        local_world_size = world_size if local_world_size is None else local_world_size
+        check_int("local_world_size", local_world_size, 1)
+        if world_size % local_world_size:
+            raise ValueError(
+                f"local_world_size: expected a divisor of world_size={world_size}, "
+                f"got {local_world_size}"
+            )
+        check_number("hbm_bytes_per_rank", hbm_bytes_per_rank, 0.0, strict=True)
+        check_number("reserved_fraction", reserved_fraction, 0.0)
+        if reserved_fraction >= 1.0:
+            raise ValueError(f"reserved_fraction: expected a number < 1, got {reserved_fraction}")
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        check_choice("row_cuts", row_cuts, ("balanced", "equal"))
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.hbm_bytes_per_rank = hbm_bytes_per_rank
+        self.reserved_fraction = reserved_fraction
+        self.cost_model = cost_model or CostModel()
+        self.optimizer = optimizer
+        self.row_cuts = row_cuts
+
+    @property
+    def budget_bytes(self) -> float:
+        """Embedding memory per rank: ``hbm_bytes_per_rank x (1 - reserved_fraction)``."""
+        return self.hbm_bytes_per_rank * (1.0 - self.reserved_fraction)
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def describe(self) -> str:
+        return (
+            f"{self.world_size} ranks ({self.num_hosts} host(s) x {self.local_world_size}), "
+            f"budget {fmt_bytes(self.budget_bytes)}/rank "
+            f"({fmt_bytes(self.hbm_bytes_per_rank)} HBM - {self.reserved_fraction:.0%} reserved), "
+            f"batch {self.cost_model.batch_size}/rank, optimizer {self.optimizer}"
+        )
+
+    # -- public API -----------------------------------------------------------------------
+    def plan(
+        self,
+        tables: Iterable[Any],
+        constraints: Mapping[str, TableConstraints] | None = None,
+        stats: Mapping[str, IdDistribution] | None = None,
+    ) -> ShardingPlan:
+        """A plan for ``tables`` (TableSpecs or EmbeddingBagConfigs); raises :class:`PlanError`.
+
+        ``constraints`` and ``stats`` (id distributions) are keyed by table name; tables
+        without stats are taken as uniform.
+        """
+        specs = to_table_specs(tables)
+        cons = table_constraints(constraints, specs)
+        for name in stats or {}:
+            if name not in cons:
+                raise ValueError(f"stats: unknown table {name!r}, expected one of {list(cons)}")
+        for spec in specs:
+            self._check_constraints(spec, cons[spec.name])
+        self._check_total_memory(specs)
+        acc = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
+        chosen: dict[str, TableSharding] = {}
+        for spec in self._order(specs):
+            dist = (stats or {}).get(spec.name, UNIFORM)
+            chosen[spec.name] = self._place(spec, cons[spec.name], dist, acc)
+        return ShardingPlan(
+            world_size=self.world_size,
+            local_world_size=self.local_world_size,
+            tables=tuple(chosen[s.name] for s in specs),
+        )
+
+    def cost(
+        self,
+        plan: ShardingPlan,
+        tables: Iterable[Any],
+        stats: Mapping[str, IdDistribution] | None = None,
+    ) -> PlanCost:
+        """This planner's cost model applied to any plan of ``tables``."""
+        return evaluate(plan, to_table_specs(tables), stats, self.cost_model, self.optimizer)
+
+    # -- checks ---------------------------------------------------------------------------
+    def _check_constraints(self, spec: TableSpec, c: TableConstraints) -> None:
+        bad = [r for r in c.ranks or () if r >= self.world_size]
+        if bad:
+            raise ValueError(
+                f"constraints['{spec.name}'].ranks: expected ranks < world_size="
+                f"{self.world_size}, got {bad}"
+            )
+        if not self._allowed_types(c):
+            raise ValueError(
+                f"constraints['{spec.name}'].sharding: {list(c.sharding or ())} leaves no usable "
+                f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more)"
+            )
+
+    def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:
+        opt = spec.optimizer or self.optimizer
+        return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+
+    def _check_total_memory(self, specs: Sequence[TableSpec]) -> None:
+        need = sum(self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs)
+        weights = sum(t.num_embeddings * t.embedding_dim * t.dtype_bytes for t in specs)
+        have = self.world_size * self.budget_bytes
+        if need <= have:
+            return
+        per_rank = self.budget_bytes
+        size = {t.name: self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs}
+        biggest = max(specs, key=lambda t: size[t.name])
+        raise PlanError(
+            f"the {len(specs)} tables need {fmt_bytes(need)} (weights {fmt_bytes(weights)} + "
+            f"optimizer state {fmt_bytes(need - weights)}, {self.optimizer}), but "
+            f"{self.world_size} ranks x {fmt_bytes(per_rank)} budget = {fmt_bytes(have)}; "
+            f"short by {fmt_bytes(need - have)}. At this budget it takes at least "
+            f"{math.ceil(need / per_rank)} ranks (or more HBM, a smaller dtype, a lighter "
+            f"optimizer). Largest table: '{biggest.name}' {biggest.num_embeddings} rows x "
+            f"{biggest.embedding_dim} x {biggest.dtype_bytes} B + state = "
+            f"{fmt_bytes(size[biggest.name])}"
+        )
+
+    def _allowed_types(self, c: TableConstraints) -> list[str]:
+        types = list(c.sharding or SHARDING_TYPES)
+        if self.num_hosts < 2 and c.sharding is None:
+            types.remove("table_row_wise")  # the same as row_wise on one host
+        if self.num_hosts < 2 and c.sharding is not None and "table_row_wise" in types:
+            types = [t if t != "table_row_wise" else "row_wise" for t in types]
+        return list(dict.fromkeys(types))
+
+    # -- search ---------------------------------------------------------------------------
+    def _order(self, specs: Sequence[TableSpec]) -> list[TableSpec]:
+        """Largest first, by the larger of its share of all memory and of all lookup bytes."""
+        mem = [self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs]
+        work = [t.ids_per_sample * t.embedding_dim * t.dtype_bytes for t in specs]
+        tm, tw = sum(mem) or 1, sum(work) or 1
+        key = {t.name: max(m / tm, w / tw) for t, m, w in zip(specs, mem, work, strict=True)}
+        return sorted(specs, key=lambda t: -key[t.name])
+
+    def _place(
+        self, spec: TableSpec, c: TableConstraints, dist: IdDistribution, acc: CostAccumulator
+    ) -> TableSharding:
+        best, best_score, failures = None, None, []
+        base = acc.times()
+        for sharding in self._allowed_types(c):
+            proposals = list(self._proposals(spec, sharding, c, dist, acc))
+            if not proposals:
+                failures.append(self._why_not(spec, sharding, c, acc))
+            for ts in proposals:
+                add = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
+                add.add_table(spec, ts, dist, self.optimizer)
+                over = [
+                    r
+                    for r in range(self.world_size)
+                    if acc.memory(r) + add.memory(r) > self.budget_bytes
+                ]
+                if over:
+                    failures.append(self._why_not(spec, sharding, c, acc))
+                    continue
+                extra = add.times()
+                score = (max(b + e for b, e in zip(base, extra, strict=True)), sum(extra))
+                if best_score is None or score < best_score:
+                    best, best_score, best_add = ts, score, add
+        if best is None:
+            full = self._table_bytes(spec, spec.num_embeddings, spec.embedding_dim)
+            reasons = "\n  ".join(dict.fromkeys(failures))
+            raise PlanError(
+                f"table '{spec.name}' ({spec.num_embeddings} rows x {spec.embedding_dim} x "
+                f"{spec.dtype_bytes} B + state = {fmt_bytes(full)}) does not fit in a budget of "
+                f"{fmt_bytes(self.budget_bytes)} per rank after the larger tables were placed:\n"
+                f"  {reasons}"
+            )
+        acc.merge(best_add)
+        return best
+
+    def _candidate_ranks(self, c: TableConstraints) -> list[int]:
+        return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
+
+    def _proposals(
+        self,
+        spec: TableSpec,
+        sharding: str,
+        c: TableConstraints,
+        dist: IdDistribution,
+        acc: CostAccumulator,
+    ) -> Iterator[TableSharding]:
+        E, D = spec.num_embeddings, spec.embedding_dim
+        ranks = self._candidate_ranks(c)
+        lo, hi = c.min_shards or 1, c.max_shards or self.world_size
+
+        def make(shards: list[Shard]) -> TableSharding:
+            return TableSharding(
+                name=spec.name,
+                sharding=sharding,  # type: ignore[arg-type]
+                num_embeddings=E,
+                embedding_dim=D,
+                shards=tuple(shards),
+            )
+
+        by_load = sorted(ranks, key=lambda r: (acc.time(r), acc.memory(r), r))
+        if sharding == "data_parallel":
+            if len(ranks) == self.world_size:
+                yield make(
+                    [
+                        Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)
+                        for r in range(self.world_size)
+                    ]
+                )
+        elif sharding == "table_wise":
+            if lo <= 1:
+                need = self._table_bytes(spec, E, D)
+                fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+                for r in fits[:TW_CANDIDATE_RANKS]:
+                    yield make([Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)])
+        elif sharding == "column_wise":
+            for k in range(max(2, lo), min(hi, len(ranks)) + 1):
+                if D % k or (D // k < MIN_COLUMN_SLICE and D // k != D) or D // k % 4:
+                    continue
+                w = D // k
+                need = self._table_bytes(spec, E, w)
+                fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+                if len(fits) >= k:
+                    owners = sorted(fits[:k])
+                    yield make(
+                        [
+                            Shard(
+                                rank=r, row_start=0, row_end=E, col_start=i * w, col_end=(i + 1) * w
+                            )
+                            for i, r in enumerate(owners)
+                        ]
+                    )
+        else:
+            for group in self._row_groups(sharding, ranks, by_load, lo, hi):
+                cuts = self._cut(spec, sharding, group, dist, acc)
+                if cuts is not None:
+                    yield make(
+                        [
+                            Shard(rank=r, row_start=a, row_end=b, col_start=0, col_end=D)
+                            for r, a, b in zip(group, cuts, cuts[1:], strict=False)
+                            if b > a
+                        ]
+                    )
+
+    def _row_groups(
+        self, sharding: str, ranks: list[int], by_load: list[int], lo: int, hi: int
+    ) -> Iterator[list[int]]:
+        """Rank groups a row-wise kind may use: all allowed ranks (the least loaded ``hi`` of
+        them), or for table_row_wise the allowed ranks of each host."""
+        if sharding == "row_wise":
+            group = sorted(by_load[:hi])
+            if len(group) >= lo:
+                yield group
+            return
+        H = self.local_world_size
+        for h in range(self.num_hosts):
+            group = sorted([r for r in by_load if r // H == h][:hi])
+            if len(group) >= max(lo, 1):
+                yield group
+
+    def _cut(
+        self,
+        spec: TableSpec,
+        sharding: str,
+        group: list[int],
+        dist: IdDistribution,
+        acc: CostAccumulator,
+    ) -> list[int] | None:
+        E, D = spec.num_embeddings, spec.embedding_dim
+        per_row = self._table_bytes(spec, 1, D)
+        caps = [max(0, int((self.budget_bytes - acc.memory(r)) // per_row)) for r in group]
+        if self.row_cuts == "equal":
+            cuts = equal_cuts(E, len(group))
+            ok = all(b - a <= cap for a, b, cap in zip(cuts, cuts[1:], caps, strict=False))
+            return cuts if ok else None
+        # every rank's load before this table, plus the pooled slices it will receive
+        probe = acc.copy()
+        probe.add_table(
+            spec,
+            TableSharding(
+                name=spec.name,
+                sharding=sharding,  # type: ignore[arg-type]
+                num_embeddings=E,
+                embedding_dim=D,
+                shards=tuple(
+                    Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D) for r in group
+                ),
+            ),
+            UNIFORM,
+            self.optimizer,
+        )
+        # probe gave each holder the full table's share (p=1); undo that linear part per rank
+        k = len(group)
+        t0 = acc.terms_time(acc.row_holder_terms(spec, 0.0, k, sharding))
+        t1 = acc.terms_time(acc.row_holder_terms(spec, 1.0, k, sharding))
+        base = [probe.time(r) - t1 for r in group]
+
+        def load(j: int, share: float) -> float:
+            return base[j] + t0 + (t1 - t0) * share
+
+        return balanced_cuts(E, dist, load, caps)
+
+    def _why_not(
+        self, spec: TableSpec, sharding: str, c: TableConstraints, acc: CostAccumulator
+    ) -> str:
+        """One line: why ``sharding`` cannot hold this table, with the numbers."""
+        E, D = spec.num_embeddings, spec.embedding_dim
+        ranks = self._candidate_ranks(c)
+        free = {r: max(0.0, self.budget_bytes - acc.memory(r)) for r in ranks}
+        most = max(free, key=lambda r: free[r])
+        full = self._table_bytes(spec, E, D)
+        if sharding == "data_parallel":
+            return (
+                f"data_parallel: needs {fmt_bytes(full)} on every rank, "
+                f"least free is {fmt_bytes(min(free.values()))}"
+                + ("" if len(ranks) == self.world_size else " (and it cannot be pinned to ranks)")
+            )
+        if sharding == "table_wise":
+            return (
+                f"table_wise: needs {fmt_bytes(full)} on one rank, "
+                f"most free is {fmt_bytes(free[most])} (rank {most})"
+            )
+        if sharding == "column_wise":
+            k = min(c.max_shards or len(ranks), len(ranks), max(1, D // MIN_COLUMN_SLICE))
+            slice_bytes = self._table_bytes(spec, E, max(1, D // k))
+            return (
+                f"column_wise: {k} slices of {E} rows x {D // k} cols need "
+                f"{fmt_bytes(slice_bytes)} each, most free is {fmt_bytes(free[most])} (rank {most})"
+            )
+        per_row = self._table_bytes(spec, 1, D)
+        if sharding == "table_row_wise":
+            H = self.local_world_size
+            host_free = max(
+                sum(v for r, v in free.items() if r // H == h) for h in range(self.num_hosts)
+            )
+            return (
+                f"table_row_wise: needs {E} rows x {fmt_bytes(per_row)}/row = {fmt_bytes(full)} on "
+                f"one host, most free on a host is {fmt_bytes(host_free)}; short by "
+                f"{fmt_bytes(full - host_free)}"
+            )
+        total_free = sum(free.values())
+        short = f"; short by {fmt_bytes(full - total_free)}" if full > total_free else ""
+        return (
+            f"row_wise: needs {E} rows x {fmt_bytes(per_row)}/row (= {D} x {spec.dtype_bytes} B "
+            f"+ state) = {fmt_bytes(full)} over {len(ranks)} rank(s) with "
+            f"{fmt_bytes(total_free)} free{short}"
+            + ("" if self.row_cuts == "balanced" else " (equal row blocks)")
+        )

@@ -1,0 +1,344 @@
+"""Table specs, per-table planner constraints, and the YAML table-set format.
+
+A table set file (``configs/tables/*.yaml``)::
+
+    defaults:                     # optional; merged under every table entry
+      embedding_dim: 128
+      dtype: fp32
+    tables:
+      - name: t_cat_0             # TableSpec fields
+        num_embeddings: 39884406
+        features: [cat_0]
+        pooling: sum
+        pooling_factors: 3        # one number for all features, a list, or {feature: L}
+        optimizer: adam           # optional, else the planner's
+        id_distribution: {kind: zipf, alpha: 1.1}   # optional, else uniform
+        sharding: [row_wise, table_row_wise]        # optional constraints (TableConstraints)
+        ranks: [0, 1, 2, 3]
+        min_shards: 2
+        max_shards: 4
+
+See docs/planner.md for every key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._yaml import (
+    ConfigError,
+    FieldError,
+    build,
+    check_choice,
+    check_int,
+    check_name,
+    check_number,
+    choices_text,
+    expect_list,
+    expect_mapping,
+    read_yaml,
+)
+from .plan import SHARDING_TYPES, ShardingType
+from .stats import IdDistribution
+
+__all__ = [
+    "DTYPE_BYTES",
+    "OPTIMIZERS",
+    "TableConstraints",
+    "TableSet",
+    "TableSpec",
+    "load_tables",
+    "to_table_specs",
+]
+
+DType = Literal["fp32", "fp16", "bf16"]
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
+Pooling = Literal["sum", "mean"]
+Optimizer = Literal["none", "sgd", "rowwise_adagrad", "adam"]
+OPTIMIZERS: tuple[str, ...] = Optimizer.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(kw_only=True, frozen=True)
+class TableSpec:
+    """What the planner needs to know about one embedding table."""
+
+    name: str
+    """Table name, as in ``EmbeddingBagConfig.name``."""
+    num_embeddings: int
+    """E, rows."""
+    embedding_dim: int
+    """D, columns."""
+    features: tuple[str, ...]
+    """Feature names looked up in this table (``EmbeddingBagConfig.feature_names``)."""
+    pooling: Pooling = "sum"
+    """Bag pooling, ``sum`` or ``mean`` (does not change the cost)."""
+    dtype: DType = "fp32"
+    """Weights dtype: ``fp32``, ``fp16`` or ``bf16``."""
+    pooling_factors: tuple[float, ...] = ()
+    """L, mean ids per bag, one per feature; empty means 1.0 for every feature."""
+    optimizer: Optimizer | None = None
+    """Fused optimizer of this table; None takes the planner's ``optimizer``."""
+
+    def __post_init__(self) -> None:
+        check_name("name", self.name)
+        check_int("num_embeddings", self.num_embeddings, 1)
+        check_int("embedding_dim", self.embedding_dim, 1)
+        if not isinstance(self.features, tuple) or not self.features:
+            raise FieldError(
+                "features", f"expected a non-empty list of names, got {self.features!r}"
+            )
+        for i, f in enumerate(self.features):
+            check_name(f"features[{i}]", f)
+        check_choice("pooling", self.pooling, Pooling.__args__)  # type: ignore[attr-defined]
+        check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        if self.pooling_factors and len(self.pooling_factors) != len(self.features):
+            raise FieldError(
+                "pooling_factors",
+                f"expected one per feature ({len(self.features)}), got {len(self.pooling_factors)}",
+            )
+        for i, L in enumerate(self.pooling_factors):
+            check_number(f"pooling_factors[{i}]", L, 0.0)
+        if self.optimizer is not None:
+            check_choice("optimizer", self.optimizer, OPTIMIZERS)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Sum of L over the table's features: ids one sample looks up in this table."""
+        return (
+            float(sum(self.pooling_factors)) if self.pooling_factors else float(len(self.features))
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class TableConstraints:
+    """Limits on how the planner may shard one table (all optional)."""
+
+    sharding: tuple[ShardingType, ...] | None = None
+    """Allowed sharding types; None lets the planner choose among all of them."""
+    ranks: tuple[int, ...] | None = None
+    """Ranks the table's shards may go to; None means any rank."""
+    min_shards: int | None = None
+    """At least this many shards (rows blocks or column slices)."""
+    max_shards: int | None = None
+    """At most this many shards."""
+
+    def __post_init__(self) -> None:
+        if self.sharding is not None:
+            if not isinstance(self.sharding, tuple) or not self.sharding:
+                raise FieldError("sharding", f"expected a non-empty list, got {self.sharding!r}")
+            for i, s in enumerate(self.sharding):
+                check_choice(f"sharding[{i}]", s, SHARDING_TYPES)
+        if self.ranks is not None:
+            if not isinstance(self.ranks, tuple) or not self.ranks:
+                raise FieldError("ranks", f"expected a non-empty list of ranks, got {self.ranks!r}")
+            for i, r in enumerate(self.ranks):
+                check_int(f"ranks[{i}]", r, 0)
+            if len(set(self.ranks)) != len(self.ranks):
+                raise FieldError("ranks", f"expected distinct ranks, got {list(self.ranks)}")
+        for name in ("min_shards", "max_shards"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        if self.min_shards and self.max_shards and self.min_shards > self.max_shards:
+            raise FieldError(
+                "max_shards", f"expected >= min_shards={self.min_shards}, got {self.max_shards}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class TableSet:
+    """A loaded table-set file: specs plus the optional per-table constraints and statistics."""
+
+    tables: tuple[TableSpec, ...]
+    """The tables, in file order."""
+    constraints: Mapping[str, TableConstraints] = field(default_factory=dict)
+    """Per table name, its constraints (only tables that have some)."""
+    stats: Mapping[str, IdDistribution] = field(default_factory=dict)
+    """Per table name, its id distribution (only tables that have one)."""
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise FieldError("tables", f"table name(s) {dup} appear more than once")
+        features = [f for t in self.tables for f in t.features]
+        dup = sorted({f for f in features if features.count(f) > 1})
+        if dup:
+            raise FieldError("tables", f"feature(s) {dup} are looked up in more than one table")
+
+
+_CONSTRAINT_KEYS = ("sharding", "ranks", "min_shards", "max_shards")
+_TABLE_KEYS = (
+    "name",
+    "num_embeddings",
+    "embedding_dim",
+    "features",
+    "pooling",
+    "dtype",
+    "pooling_factors",
+    "optimizer",
+)
+
+
+def _names(value: Any, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a name or a list of names, got {value!r}")
+    return tuple(value)
+
+
+def _ints(value: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def load_tables(path: str | os.PathLike[str]) -> TableSet:
+    """Read a table-set YAML file (``yaml.safe_load``); errors name the file and key path."""
+    where = os.fspath(path)
+    return table_set_from_dict(read_yaml(where), where)
+
+
+def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
+    top = expect_mapping(where, "", data)
+    unknown = [k for k in top if k not in ("defaults", "tables")]
+    if unknown:
+        raise ConfigError(where, str(unknown[0]), "unknown key, expected one of [defaults, tables]")
+    if "tables" not in top:
+        raise ConfigError(where, "", "missing required key [tables]")
+    defaults = dict(expect_mapping(where, "defaults", top.get("defaults") or {}))
+    items = expect_list(where, "tables", top["tables"])
+    if not items:
+        raise ConfigError(where, "tables", "expected at least one table")
+    valid = (*_TABLE_KEYS, "id_distribution", *_CONSTRAINT_KEYS)
+    for k in defaults:
+        if k not in valid or k == "name":
+            raise ConfigError(
+                where, f"defaults.{k}", f"unknown key, expected one of {choices_text(valid[1:])}"
+            )
+    tables, constraints, stats = [], {}, {}
+    for i, raw in enumerate(items):
+        key = f"tables[{i}]"
+        entry = {**defaults, **expect_mapping(where, key, raw)}
+        for k in entry:
+            if k not in valid:
+                raise ConfigError(
+                    where, f"{key}.{k}", f"unknown key, expected one of {choices_text(valid)}"
+                )
+        spec_part = {k: v for k, v in entry.items() if k in _TABLE_KEYS}
+        if isinstance(spec_part.get("pooling_factors"), (Mapping, int, float)):
+            spec_part["pooling_factors"] = _per_feature(entry, where, key)
+        spec = build(
+            TableSpec,
+            spec_part,
+            where,
+            key,
+            convert={"features": _names, "pooling_factors": _floats},
+        )
+        tables.append(spec)
+        cons_part = {k: v for k, v in entry.items() if k in _CONSTRAINT_KEYS}
+        if cons_part:
+            constraints[spec.name] = build(
+                TableConstraints,
+                cons_part,
+                where,
+                key,
+                convert={"sharding": _names, "ranks": _ints},
+            )
+        if entry.get("id_distribution") is not None:
+            stats[spec.name] = build(
+                IdDistribution,
+                entry["id_distribution"],
+                where,
+                f"{key}.id_distribution",
+                convert={"histogram": _floats},
+            )
+    try:
+        return TableSet(tables=tuple(tables), constraints=constraints, stats=stats)
+    except FieldError as e:
+        raise ConfigError(where, e.field, e.message) from e
+
+
+def _floats(value: Any, key: str) -> tuple[float, ...]:
+    if isinstance(value, tuple):
+        return value
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a list of numbers, got {value!r}")
+    return tuple(value)
+
+
+def _per_feature(entry: Mapping[str, Any], where: str, key: str) -> tuple[Any, ...]:
+    """``pooling_factors`` given as one number or as ``{feature: L}`` -> one per feature."""
+    value = entry["pooling_factors"]
+    features = entry.get("features")
+    names = [features] if isinstance(features, str) else list(features or [])
+    if not isinstance(value, Mapping):
+        return tuple(value for _ in names)
+    unknown = [f for f in value if f not in names]
+    if unknown:
+        raise ConfigError(
+            where,
+            f"{key}.pooling_factors.{unknown[0]}",
+            f"not a feature of this table, expected one of {choices_text(names)}",
+        )
+    return tuple(value.get(f, 1.0) for f in names)
+
+
+def _enum_name(value: Any) -> str:
+    return str(getattr(value, "name", value)).lower()
+
+
+def to_table_specs(
+    tables: Iterable[Any],
+    pooling_factors: Mapping[str, float] | None = None,
+) -> tuple[TableSpec, ...]:
+    """TableSpecs from TableSpecs or ``torchrec.EmbeddingBagConfig``-like objects.
+
+    Config objects are read by attribute (``name``, ``num_embeddings``, ``embedding_dim``,
+    ``feature_names``, ``pooling``, ``data_type``), so torchrec is never imported here.
+    ``pooling_factors`` maps feature name to L (default 1.0).
+    """
+    out = []
+    for i, t in enumerate(tables):
+        if isinstance(t, TableSpec):
+            out.append(t)
+            continue
+        try:
+            features = tuple(t.feature_names)
+            dtype = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(_enum_name(t.data_type))
+            spec = TableSpec(
+                name=t.name,
+                num_embeddings=t.num_embeddings,
+                embedding_dim=t.embedding_dim,
+                features=features,
+                pooling=_enum_name(t.pooling),  # type: ignore[arg-type]
+                dtype=dtype or _enum_name(t.data_type),  # type: ignore[arg-type]
+                pooling_factors=tuple(float((pooling_factors or {}).get(f, 1.0)) for f in features),
+            )
+        except AttributeError as e:
+            raise ValueError(
+                f"tables[{i}]: expected a TableSpec or an EmbeddingBagConfig-like object, "
+                f"got {type(t).__name__} ({e})"
+            ) from e
+        except FieldError as e:
+            raise ValueError(f"tables[{i}] ('{getattr(t, 'name', '?')}'): {e}") from e
+        out.append(spec)
+    return tuple(out)
+
+
+def table_constraints(
+    constraints: Mapping[str, TableConstraints] | None, tables: Sequence[TableSpec]
+) -> dict[str, TableConstraints]:
+    """Check that every constrained table exists; return a dict with one entry per table."""
+    names = [t.name for t in tables]
+    for name in constraints or {}:
+        if name not in names:
+            raise ValueError(f"constraints: unknown table {name!r}, expected one of {names}")
+    return {n: (constraints or {}).get(n, TableConstraints()) for n in names}
