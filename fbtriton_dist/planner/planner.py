@@ -1,10 +1,12 @@
 """``ShardingPlanner``: choose a sharding type and placement for every table.
 
 The search is greedy and cost-driven (largest tables first, as in longest-processing-time
-scheduling): for each table, every allowed sharding type proposes its best placement given
-what earlier tables already put on each rank; the proposal with the smallest resulting
-per-rank maximum of ``time_s`` wins (ties: the smallest total), among those that fit the memory
-budget. Row-wise kinds cut rows with :func:`stats.balanced_cuts`, so a skewed table gets short
+scheduling): for each table, every allowed sharding type proposes placements given what
+earlier tables already put on each rank; among those that fit the memory budget, the one whose
+per-rank ``time_s`` vector, sorted from the slowest rank down, is smallest wins (compared
+element by element to ``TIME_QUANTUM``: first the step time, then the next-slowest rank, and
+so on, which spreads work that does not change the step time onto idle ranks; ties: the
+smallest total). Row-wise kinds cut rows with :func:`stats.balanced_cuts`, so a skewed table gets short
 hot blocks and long cold ones, capped by each rank's free memory.
 """
 
@@ -33,6 +35,8 @@ __all__ = ["PlanError", "ShardingPlanner"]
 RowCuts = Literal["balanced", "equal"]
 MIN_COLUMN_SLICE = 32
 """Column-wise slices are at least this wide (narrower slices waste the TBE kernel's lanes)."""
+TIME_QUANTUM = 1e-8
+"""Per-rank times closer than this (seconds) count as equal when comparing proposals."""
 TW_CANDIDATE_RANKS = 4
 """Table-wise tries this many of the least-loaded ranks that have room."""
 
@@ -222,7 +226,8 @@ class ShardingPlanner:
                     failures.append(self._why_not(spec, sharding, c, acc))
                     continue
                 extra = add.times()
-                score = (max(b + e for b, e in zip(base, extra, strict=True)), sum(extra))
+                new = sorted((b + e for b, e in zip(base, extra, strict=True)), reverse=True)
+                score = (tuple(round(t / TIME_QUANTUM) for t in new), sum(extra))
                 if best_score is None or score < best_score:
                     best, best_score, best_add = ts, score, add
         if best is None:
@@ -308,12 +313,19 @@ class ShardingPlanner:
     def _row_groups(
         self, sharding: str, ranks: list[int], by_load: list[int], lo: int, hi: int
     ) -> Iterator[list[int]]:
-        """Rank groups a row-wise kind may use: all allowed ranks (the least loaded ``hi`` of
-        them), or for table_row_wise the allowed ranks of each host."""
+        """Rank groups a row-wise kind may use: the least loaded k allowed ranks for k = H, 2H,
+        4H, ... up to all of them (at most ``hi``), or for table_row_wise each host's ranks."""
         if sharding == "row_wise":
-            group = sorted(by_load[:hi])
-            if len(group) >= lo:
-                yield group
+            # all allowed ranks, or fewer (whole hosts' worth, doubling): fewer holders trade
+            # lookup spreading for less output-dist traffic, which grows with the holders
+            sizes = {min(hi, len(ranks))}
+            k = self.local_world_size
+            while k < min(hi, len(ranks)):
+                sizes.add(k)
+                k *= 2
+            for k in sorted(sizes):
+                if k >= lo:
+                    yield sorted(by_load[:k])
             return
         H = self.local_world_size
         for h in range(self.num_hosts):
