@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from fbtriton_dist import optim
-from fbtriton_dist.kernels.tbe_forward import block_sizes
+from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz
 
 OPT_NONE = 0
 OPT_SGD = 1
@@ -226,8 +226,10 @@ def _tbe_row_update_kernel(
             ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
             noise = tl.rand(seed, (key * BLOCK_D + d).to(tl.int32)) * ulp
             w = tl.where(w < 0, w - noise, w + noise)
-            w = w.to(weights_ptr.dtype.element_ty, fp_downcast_rounding="rtz")
-        tl.store(w_ptrs, w.to(weights_ptr.dtype.element_ty), mask=d_mask)
+            w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
+        else:
+            w_new = cast_rne(w, weights_ptr.dtype.element_ty)
+        tl.store(w_ptrs, w_new, mask=d_mask)
 
 
 def sort_by_row(

@@ -15,6 +15,28 @@ POOL_MEAN = 1
 
 
 @triton.jit
+def cast_rne(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE, rounding to nearest even. bf16 is rounded by hand on the bits so that the
+    interpreter (which truncates) and the GPU agree."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def cast_rtz(x, DTYPE: tl.constexpr):
+    """fp32 -> fp16/bf16 rounding toward zero (bf16: drop the low 16 bits)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(DTYPE, fp_downcast_rounding="rtz")
+
+
+@triton.jit
 def _tbe_forward_kernel(
     weights_ptr,  # [sum(E_t * D_t)] flat table rows, fp32/fp16/bf16
     w_offsets_ptr,  # [T] int64: element offset of feature f's table in weights
@@ -59,7 +81,7 @@ def _tbe_forward_kernel(
         acc += tl.sum(rows, axis=0)
     if POOLING == 1:
         acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + b * out_stride + col + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def block_sizes(max_D: int) -> tuple[int, int]:

@@ -1,0 +1,103 @@
+"""The Triton TBE kernels on their own: hot rows, determinism, stochastic rounding."""
+
+import pytest
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim, reference
+from tests.conftest import DEVICE, TRITON_OK
+
+pytestmark = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+
+def test_hot_row_is_split_into_chunks_and_stays_precise():
+    """One row hit HITS times in one batch (spread over many bags), plus a few cold rows: the
+    chunked reduction must equal the fp64 sum, not a long fp32 chain."""
+    from fbtriton_dist.kernels.tbe_backward import CHUNK
+
+    hits = 20 * CHUNK + 7  # 20 chunks and a ragged tail
+    B = 64
+    ids = torch.zeros(hits, dtype=torch.int64)
+    ids[::97] = torch.arange(1, ids[::97].numel() + 1) % 5 + 1  # some cold rows among them
+    lengths = torch.full((B,), hits // B)
+    lengths[-1] += hits - int(lengths.sum())
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tbe = TableBatchedEmbedding([(8, 5)], backend="triton", device=DEVICE)
+    grad = torch.randn(B, 5, dtype=torch.float64) * 1e3 + 1.0
+    out = tbe(ids.to(DEVICE), offsets.to(DEVICE))
+    out.backward(grad.float().to(DEVICE))
+    exact = torch.zeros(8, 5, dtype=torch.float64)
+    bag = torch.repeat_interleave(torch.arange(B), lengths)
+    exact.index_add_(0, ids, grad[bag])
+    magnitude = torch.zeros(8, 5, dtype=torch.float64).index_add_(0, ids, grad[bag].abs())
+    got = tbe.weights.grad.view(8, 5).double().cpu()
+    # error relative to sum |g|: blocked fp32 sums stay near eps; one serial fp32 chain over
+    # 5,000 terms would sit around sqrt(5000) * eps = 4e-6
+    assert torch.all((got - exact).abs() <= 5e-7 * magnitude + 1e-6), (got - exact).abs().max()
+
+
+def test_backward_is_bit_identical_run_to_run():
+    tables, ftm = [(6, 7), (3, 16)], [0, 1, 0]
+    g = torch.Generator().manual_seed(5)
+    B = 16
+    lengths = torch.randint(0, 40, (len(ftm) * B,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = torch.randint(0, 3, (int(offsets[-1]),), generator=g)
+    grad = torch.randn(B, 30, generator=g) * 100
+    results = []
+    for _ in range(2):
+        tbe = TableBatchedEmbedding(
+            tables,
+            ftm,
+            optimizer=optim.RowWiseAdagrad(lr=0.1),
+            backend="triton",
+            device=DEVICE,
+            seed=1,
+        )
+        with torch.no_grad():
+            tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+        tbe(ids.to(DEVICE), offsets.to(DEVICE)).backward(grad.to(DEVICE))
+        results.append((tbe.weights.detach().cpu().clone(), tbe.momentum1.cpu().clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_reference_is_unbiased(dtype):
+    x = torch.full((200_000,), 1.0 + 1.0 / 3.0 * 2.0**-7)  # between two bf16/fp16 values
+    x[100_000:] = -x[100_000:] * 1e-3
+    y = reference.stochastic_round(x, dtype, torch.Generator().manual_seed(0)).float()
+    lo = x.to(dtype).float()
+    # every result is one of the two neighbours, and the mean is x (RNE would be biased)
+    for part in (slice(0, 100_000), slice(100_000, None)):
+        assert y[part].unique().numel() == 2
+        assert abs(y[part].mean().item() - x[part][0].item()) < 2e-3 * abs(x[part][0].item()) * 0.1
+        assert not torch.equal(y[part], lo[part])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_in_fused_update(dtype):
+    """A tiny SGD step on half weights: round-to-nearest loses it, stochastic rounding keeps it
+    on average, and every result is within one ulp of the exact fp32 update."""
+    E, D = 64, 32
+    updates = {}
+    for sr in (False, True):
+        tbe = TableBatchedEmbedding(
+            [(E, D)],
+            optimizer=optim.SGD(lr=1e-4),
+            weights_dtype=dtype,
+            backend="triton",
+            device=DEVICE,
+            stochastic_rounding=sr,
+            seed=3,
+        )
+        with torch.no_grad():
+            tbe.weights.fill_(1.0)
+        ids = torch.arange(E, device=DEVICE)
+        offsets = torch.arange(E + 1, device=DEVICE)  # B = E bags of one id each
+        tbe(ids, offsets).backward(torch.ones(E, D, device=DEVICE))
+        updates[sr] = tbe.weights.detach().float().cpu() - 1.0
+    assert torch.all(updates[False] == 0)  # 1 - 1e-4 rounds back to 1 in fp16/bf16
+    ulp = 2.0**-11 if dtype == torch.float16 else 2.0**-8  # spacing just below 1.0
+    assert set(updates[True].unique().tolist()) <= {0.0, -ulp}
+    mean = updates[True].mean().item()
+    assert abs(mean - -1e-4) < 0.25e-4, mean

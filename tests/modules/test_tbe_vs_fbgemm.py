@@ -1,0 +1,123 @@
+"""TableBatchedEmbedding against FBGEMM's own CPU TBE (SplitTableBatchedEmbeddingBagsCodegen):
+forward output, then weights and optimizer state after 3 fused training steps.
+
+FBGEMM's CPU TBE needs D % 4 == 0 and, for rowwise Adagrad, the features of one table
+adjacent in feature_table_map; our module takes any map (tested against the reference)."""
+
+import pytest
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim
+from tests.conftest import TRITON_OK
+from tests.helpers import make_batch, upstream_grad
+
+fbgemm = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: E402
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: E402
+    EmbeddingLocation,
+    PoolingMode,
+)
+
+SPARSE_TYPE = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
+TABLE_SETS = {
+    "T1": ([(1, 4)], [0], 3, 4),
+    "T3-shared": ([(20, 8), (5, 4), (12, 12)], [0, 0, 1, 2, 2], 6, 8),
+    "T8-B32": ([(40, 16), (9, 4), (64, 8), (3, 4)], [0, 0, 1, 2, 2, 2, 3, 3], 32, 12),
+}
+
+
+def _fbgemm_tbe(tables, ftm, opt, pooling, wdt):
+    kwargs = {}
+    if isinstance(opt, optim.SGD):
+        kind = EmbOptimType.EXACT_SGD
+    else:
+        kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        kwargs = dict(eps=opt.eps)
+    return fbgemm.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[
+            (E, D, EmbeddingLocation.HOST, fbgemm.ComputeDevice.CPU) for E, D in tables
+        ],
+        feature_table_map=ftm,
+        optimizer=kind,
+        learning_rate=opt.lr,
+        pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN,
+        weights_precision=SPARSE_TYPE[wdt],
+        output_dtype=SparseType.FP32,
+        stochastic_rounding=False,
+        **kwargs,
+    )
+
+
+CASES = [
+    # (tables, optimizer, pooling, weights dtype, weighted, hot, index dtype)
+    ("T1", "sgd", "sum", torch.float32, False, False, torch.int64),
+    ("T1", "adagrad", "sum", torch.float32, True, True, torch.int32),
+    ("T3-shared", "sgd", "mean", torch.float32, False, True, torch.int32),
+    ("T3-shared", "adagrad", "sum", torch.float32, True, False, torch.int64),
+    ("T3-shared", "adagrad", "mean", torch.float32, False, True, torch.int64),
+    ("T3-shared", "sgd", "sum", torch.float16, True, False, torch.int64),
+    ("T8-B32", "adagrad", "sum", torch.float32, False, True, torch.int64),
+    ("T8-B32", "adagrad", "sum", torch.float16, False, False, torch.int32),
+    ("T8-B32", "sgd", "mean", torch.float32, False, True, torch.int64),
+    # MEAN with per-sample weights is left out: FBGEMM's CPU forward gives sum(w_i row_i) / L
+    # but its backward updates rows by w_i * g without the 1 / L (not the gradient of its own
+    # forward); ours is the true gradient, checked against autograd in test_tbe_module.py.
+]
+# Rowwise Adagrad's weight decay is not compared here: fbgemm-gpu-cpu 1.8.0's CPU kernel takes
+# weight_decay and weight_decay_mode but leaves both the state and the rows undecayed (checked by
+# hand); ours follows FBGEMM's CUDA update and is tested against the reference instead.
+OPTS = {"sgd": optim.SGD(lr=0.1), "adagrad": optim.RowWiseAdagrad(lr=0.1, eps=1e-6)}
+
+
+def _id(case):
+    name, opt, pooling, wdt, weighted, hot, idt = case
+    return "-".join(
+        [name, opt, pooling, str(wdt)[6:], str(idt)[6:]]
+        + (["weighted"] if weighted else [])
+        + (["hot"] if hot else [])
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_fbgemm_cpu(case, backend):
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    name, opt_name, pooling, wdt, weighted, hot, idt = case
+    tables, ftm, B, max_L = TABLE_SETS[name]
+    opt = OPTS[opt_name]
+    ours = TableBatchedEmbedding(
+        tables,
+        ftm,
+        pooling=pooling,
+        optimizer=opt,
+        weights_dtype=wdt,
+        backend=backend,
+        stochastic_rounding=False,
+    )
+    theirs = _fbgemm_tbe(tables, ftm, opt, pooling, wdt)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        a.copy_(b)
+    g = torch.Generator().manual_seed(11)
+    atol = 1e-5 if wdt == torch.float32 else 2e-3
+    for step in range(3):
+        indices, offsets, psw = make_batch(
+            tables, ftm, B, max_L, index_dtype=idt, weighted=weighted, hot=hot, generator=g
+        )
+        out_ours = ours(indices, offsets, psw)
+        out_theirs = theirs(indices, offsets, per_sample_weights=psw)
+        torch.testing.assert_close(out_ours, out_theirs, atol=atol, rtol=atol)
+        grad = upstream_grad(out_ours, step)
+        out_ours.backward(grad)
+        out_theirs.backward(grad)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b.float(), a.float(), atol=atol, rtol=atol)
+    if isinstance(opt, optim.SGD):  # FBGEMM lists no states at all for SGD
+        assert theirs.split_optimizer_states() == [] and ours.split_optimizer_states() == [
+            []
+        ] * len(tables)
+        return
+    for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(), strict=True):
+        assert len(a) == len(b) == 1
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x.view_as(y).float(), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,109 @@
+"""Bad input is refused with an error naming the table, the id and the bound; never a crash."""
+
+import warnings
+
+import pytest
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim
+from tests.conftest import TRITON_OK
+
+BACKENDS = ["reference"] + (["triton"] if TRITON_OK else [])
+
+
+def _tbe(backend, **kw):
+    return TableBatchedEmbedding(
+        [(10, 4), (3, 2)], [0, 1], table_names=["ads", "geo"], backend=backend, **kw
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad_id", [3, -1, 1 << 40])
+def test_out_of_range_id_error_names_table_id_and_size(backend, bad_id):
+    tbe = _tbe(backend)
+    indices = torch.tensor([1, 2, bad_id, 0])
+    offsets = torch.tensor([0, 2, 2, 3, 4])  # B=2: feature 1 (table 'geo', E=3) gets the bad id
+    with pytest.raises(
+        IndexError, match=rf"id {bad_id} .* table 'geo' with 3 rows: expected 0 <= id < 3"
+    ):
+        tbe(indices, offsets)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_warn_drops_bad_ids(backend):
+    tbe = _tbe(backend, bounds_check="warn", optimizer=optim.SGD(lr=0.1))
+    clean = _tbe(backend, optimizer=optim.SGD(lr=0.1))
+    clean.load_state_dict(tbe.state_dict())
+    indices = torch.tensor([1, 2, 7, 0, 11])
+    offsets = torch.tensor([0, 2, 2, 4, 5])
+    psw = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    with pytest.warns(UserWarning, match="dropping 2 out-of-range ids"):
+        out = tbe(indices, offsets, psw)
+    expected = clean(
+        torch.tensor([1, 2, 0]), torch.tensor([0, 2, 2, 3, 3]), torch.tensor([1.0, 2.0, 4.0])
+    )
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(tbe.weights, clean.weights)
+
+
+@pytest.mark.parametrize(
+    "indices, offsets, psw, message",
+    [
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([0, 1, 2, 2]),
+            None,
+            "offsets: expected length T\\*B\\+1",
+        ),
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([0, 2, 1, 2, 2]),
+            None,
+            "non-decreasing.*offsets\\[1\\]=2 > offsets\\[2\\]=1",
+        ),
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([0, 1, 1, 1, 1]),
+            None,
+            "offsets\\[-1\\] == len\\(indices\\) == 2",
+        ),
+        (torch.tensor([1, 2]), torch.tensor([1, 1, 2, 2, 2]), None, "offsets\\[0\\] == 0"),
+        (
+            torch.tensor([1, 2]),
+            torch.tensor([0, 1, 2, 2, 2]),
+            torch.ones(3),
+            "per_sample_weights: expected a float tensor of shape \\(2,\\)",
+        ),
+        (
+            torch.tensor([1.0, 2.0]),
+            torch.tensor([0, 1, 2, 2, 2]),
+            None,
+            "indices: expected a 1-D int32/int64",
+        ),
+    ],
+)
+def test_malformed_batches_raise_value_error(indices, offsets, psw, message):
+    with pytest.raises(ValueError, match=message):
+        _tbe("reference")(indices, offsets, psw)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="tables: expected a non-empty list"):
+        TableBatchedEmbedding([(0, 4)])
+    with pytest.raises(ValueError, match=r"feature_table_map: expected table ids in \[0, 1\)"):
+        TableBatchedEmbedding([(5, 4)], feature_table_map=[0, 1])
+    with pytest.raises(ValueError, match="pooling: expected one of"):
+        TableBatchedEmbedding([(5, 4)], pooling="max")
+    with pytest.raises(ValueError, match="RowWiseAdagrad.weight_decay_mode"):
+        optim.RowWiseAdagrad(weight_decay_mode="l1")
+    with pytest.raises(ValueError, match="Adam.betas"):
+        optim.Adam(betas=(0.9, 1.5))
+
+
+def test_ignore_skips_checks():
+    tbe = _tbe("reference", bounds_check="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tbe(torch.tensor([1, 2]), torch.tensor([0, 1, 2, 2, 2]))
