@@ -1,0 +1,148 @@
+"""The ``fbtriton-dist`` command: one argparse subcommand per task (``plan``; ``train`` later).
+
+Exit status: 0 done, 1 the tables do not fit (the message says which table and by how much),
+2 bad input (a YAML error names the file, the key path and the valid choices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["build_parser", "main"]
+
+GiB = 1024**3
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from fbtriton_dist.planner.tables import OPTIMIZERS
+
+    p = sub.add_parser(
+        "plan",
+        help="shard a table set over ranks and print per-rank memory, lookups, comm, imbalance",
+        description=(
+            "Plan how the tables of TABLES.yaml are sharded over --world-size ranks, print the "
+            "plan and its estimated per-rank cost, and optionally write it as YAML (--out). "
+            "With --check, evaluate an existing plan file instead of planning."
+        ),
+    )
+    p.add_argument("tables", metavar="TABLES.yaml", help="table set (see docs/planner.md)")
+    p.add_argument("--world-size", type=_positive_int, required=True, help="R, number of ranks")
+    p.add_argument(
+        "--local-world-size", type=_positive_int, default=None, help="ranks per host (default 8)"
+    )
+    p.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per rank in GiB (default 80)")
+    p.add_argument(
+        "--reserved",
+        type=float,
+        default=0.1,
+        help="share of HBM kept for the dense model and buffers (default 0.1)",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=512, help="B per rank (default 512)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad")
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=None,
+        metavar="ALPHA",
+        help="Zipf exponent of the ids of every table without its own id_distribution",
+    )
+    p.add_argument(
+        "--row-cuts",
+        choices=("balanced", "equal"),
+        default="balanced",
+        help="skew-aware row cuts (default) or TorchRec-style equal row blocks",
+    )
+    p.add_argument("--out", metavar="PLAN.yaml", help="write the plan here (atomically)")
+    p.add_argument("--check", metavar="PLAN.yaml", help="evaluate this plan instead of planning")
+    p.set_defaults(func=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from fbtriton_dist.planner import (
+        CostModel,
+        IdDistribution,
+        ShardingPlan,
+        ShardingPlanner,
+        load_tables,
+    )
+    from fbtriton_dist.planner.report import format_report
+
+    table_set = load_tables(args.tables)
+    specs = table_set.tables
+    stats = dict(table_set.stats)
+    if args.zipf is not None:
+        zipf = IdDistribution(kind="zipf", alpha=args.zipf)
+        stats = {t.name: stats.get(t.name, zipf) for t in specs}
+    H = args.local_world_size or min(args.world_size, 8)
+    if args.world_size % H:
+        H = args.world_size if args.local_world_size is None else H
+    planner = ShardingPlanner(
+        world_size=args.world_size,
+        local_world_size=H,
+        hbm_bytes_per_rank=args.hbm_gb * GiB,
+        reserved_fraction=args.reserved,
+        cost_model=CostModel(batch_size=args.batch_size),
+        optimizer=args.optimizer,
+        row_cuts=args.row_cuts,
+    )
+    if args.check:
+        plan = ShardingPlan.load_yaml(args.check)
+        if (plan.world_size, plan.local_world_size) != (args.world_size, H):
+            raise ValueError(
+                f"{args.check}: plan is for world_size={plan.world_size}, local_world_size="
+                f"{plan.local_world_size}; the command line says {args.world_size}, {H}"
+            )
+    else:
+        plan = planner.plan(specs, table_set.constraints, stats)
+    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=args.optimizer)
+    cost = planner.cost(plan, specs, stats)
+    title = f"{args.check or args.tables}: {len(specs)} tables on {planner.describe()}"
+    print(format_report(plan, specs, cost, stats, title=title))
+    if args.out:
+        header = (
+            f"fbtriton_dist sharding plan for {args.tables}\n{planner.describe()}\n"
+            f"estimated step {cost.max() * 1e3:.3f} ms, imbalance (max/mean) {cost.imbalance():.3f}"
+        )
+        plan.save_yaml(args.out, header=header)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_plan(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fbtriton_dist.planner import ConfigError, PlanError, PlanValidationError
+
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except PlanError as e:
+        print(f"fbtriton-dist {args.command}: does not fit: {e}", file=sys.stderr)
+        return 1
+    except PlanValidationError as e:
+        print(f"fbtriton-dist {args.command}: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError) as e:
+        print(f"fbtriton-dist {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Cost terms against hand-computed numbers; the Zipf CDF against exact sums."""
+
+import math
+
+import pytest
+
+from fbtriton_dist.planner import (
+    CostModel,
+    IdDistribution,
+    Shard,
+    ShardingPlan,
+    TableSharding,
+    TableSpec,
+    evaluate,
+    generalized_harmonic,
+    state_bytes,
+)
+
+B = 4
+
+
+def one_table(sharding, shards, R=2, H=2, E=1000, D=16, dtype="fp16", L=(2.0,), optimizer=None):
+    spec = TableSpec(
+        name="t",
+        num_embeddings=E,
+        embedding_dim=D,
+        features=tuple(f"f{i}" for i in range(len(L))),
+        dtype=dtype,
+        pooling_factors=L,
+        optimizer=optimizer,
+    )
+    plan = ShardingPlan(
+        world_size=R,
+        local_world_size=H,
+        tables=(
+            TableSharding(
+                name="t", sharding=sharding, num_embeddings=E, embedding_dim=D, shards=tuple(shards)
+            ),
+        ),
+    )
+    return spec, plan
+
+
+def test_state_bytes():
+    assert state_bytes("none", 10, 8) == state_bytes("sgd", 10, 8) == 0
+    assert state_bytes("rowwise_adagrad", 10, 8) == 40
+    assert state_bytes("adam", 10, 8) == 2 * 10 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    "optimizer, state", [("sgd", 0), ("rowwise_adagrad", 250 * 4), ("adam", 2 * 250 * 16 * 4)]
+)
+def test_row_wise_by_hand(optimizer, state):
+    shards = [
+        Shard(rank=0, row_start=0, row_end=250, col_start=0, col_end=16),
+        Shard(rank=1, row_start=250, row_end=1000, col_start=0, col_end=16),
+    ]
+    spec, plan = one_table("row_wise", shards, optimizer=optimizer)
+    model = CostModel(batch_size=B)
+    r0, r1 = evaluate(plan, [spec], model=model).ranks
+    assert r0.weight_bytes == 250 * 16 * 2 and r1.weight_bytes == 750 * 16 * 2
+    assert r0.state_bytes == state
+    # uniform ids: rank 0 owns a quarter of the lookups of R*B*L = 2*4*2 = 16 ids
+    assert r0.lookups == pytest.approx(4.0) and r1.lookups == pytest.approx(12.0)
+    assert r0.lookup_bytes == pytest.approx(4.0 * 16 * 2)
+    # ids (R-1)*B*L*p*8 B + lengths (R-1)*B*F*4 B
+    assert r0.input_dist_bytes == pytest.approx(1 * 4 * 2 * 0.25 * 8 + 1 * 4 * 1 * 4)
+    # pooled slice from the other holder B*D*4 + gradients (R-1)*B*D*4
+    assert r0.output_dist_bytes == pytest.approx(4 * 16 * 4 + 1 * 4 * 16 * 4)
+    assert r0.inter_host_bytes == 0.0
+    m = model
+    expect = r0.lookup_bytes * 3 / m.hbm_bandwidth + r0.comm_bytes / m.intra_host_bandwidth
+    assert r0.time_s == pytest.approx(expect)
+
+
+def test_table_wise_across_hosts_by_hand():
+    shards = [Shard(rank=1, row_start=0, row_end=1000, col_start=0, col_end=16)]
+    spec, plan = one_table("table_wise", shards, R=4, H=2, dtype="fp32")
+    cost = evaluate(plan, [spec], model=CostModel(batch_size=B), optimizer="adam")
+    owner, other = cost.ranks[1], cost.ranks[2]
+    assert owner.memory_bytes == 1000 * 16 * 4 + 2 * 1000 * 16 * 4
+    assert owner.lookups == 4 * B * 2
+    assert owner.input_dist_bytes == 3 * B * (2 * 8 + 1 * 4)
+    assert owner.output_dist_bytes == 3 * B * 16 * 4
+    # 2 of the 3 other ranks are on the other host
+    assert owner.inter_host_bytes == pytest.approx((owner.comm_bytes) * 2 / 3)
+    assert other.output_dist_bytes == B * 16 * 4 == other.inter_host_bytes
+    assert cost.ranks[0].inter_host_bytes == 0.0  # same host as the owner
+    assert cost.imbalance("lookups") == pytest.approx(4.0)
+
+
+def test_data_parallel_by_hand():
+    shards = [Shard(rank=r, row_start=0, row_end=10, col_start=0, col_end=16) for r in range(2)]
+    spec, plan = one_table("data_parallel", shards, E=10)
+    r0 = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks[0]
+    assert r0.lookups == B * 2
+    assert r0.output_dist_bytes == pytest.approx(2 * 1 / 2 * 10 * 16 * 2)
+
+
+def test_zipf_cdf_matches_exact_sum():
+    E, alpha = 200_000, 1.1
+    exact = math.fsum(k**-alpha for k in range(1, E + 1))
+    assert generalized_harmonic(E, alpha) == pytest.approx(exact, rel=1e-12)
+    exact1 = math.fsum(1 / k for k in range(1, E + 1))
+    assert generalized_harmonic(E, 1.0) == pytest.approx(exact1, rel=1e-12)
+    z = IdDistribution(kind="zipf", alpha=alpha)
+    head = math.fsum(k**-alpha for k in range(1, 5001)) / exact
+    assert z.cdf(E, 5000) == pytest.approx(head, rel=1e-12)
+    assert z.fraction(E, 0, E) == 1.0
+    assert z.cdf(10_000_000_000, 1) == pytest.approx(1 / generalized_harmonic(1e10, alpha))
+    r = z.inverse_cdf(E, 0.5)
+    assert z.cdf(E, r) <= 0.5 < z.cdf(E, r + 1)
