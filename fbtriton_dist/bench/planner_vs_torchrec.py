@@ -171,7 +171,7 @@ def compare(
 
 def format_rows(results: Sequence[Comparison]) -> str:
     lines = [
-        f"{'R':>4}  {'planner':<18} {'time max/mean':>13} {'slowest ms':>10} "
+        f"{'R':>4}  {'planner':<21} {'time max/mean':>13} {'slowest ms':>10} "
         f"{'memory max/mean':>15} {'lookups max/mean':>16}"
     ]
     for c in results:
@@ -181,7 +181,8 @@ def format_rows(results: Sequence[Comparison]) -> str:
             ("torchrec", c.torchrec),
         ):
             lines.append(
-                f"{c.world_size:>4}  {name:<18} {cost.imbalance():>13.3f} {cost.max() * 1e3:>10.3f} "
+                f"{c.world_size:>4}  {name:<21} {cost.imbalance():>13.3f} "
+                f"{cost.max() * 1e3:>10.3f} "
                 f"{cost.imbalance('memory_bytes'):>15.3f} {cost.imbalance('lookups'):>16.3f}"
             )
     return "\n".join(lines)
@@ -212,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for R in args.world_sizes
     ]
     print(
-        f"tables: {args.tables}; batch {args.batch_size}/rank; HBM {args.hbm_gb:g} GiB; scored with our cost model"
+        f"tables: {args.tables}; batch {args.batch_size}/rank; HBM {args.hbm_gb:g} GiB; "
+        "scored with our cost model"
     )
     print(format_rows(results))
 

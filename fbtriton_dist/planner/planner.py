@@ -6,8 +6,8 @@ earlier tables already put on each rank; among those that fit the memory budget,
 per-rank ``time_s`` vector, sorted from the slowest rank down, is smallest wins (compared
 element by element to ``TIME_QUANTUM``: first the step time, then the next-slowest rank, and
 so on, which spreads work that does not change the step time onto idle ranks; ties: the
-smallest total). Row-wise kinds cut rows with :func:`stats.balanced_cuts`, so a skewed table gets short
-hot blocks and long cold ones, capped by each rank's free memory.
+smallest total). Row-wise kinds cut rows with :func:`stats.balanced_cuts`, so a skewed table
+gets short hot blocks and long cold ones, capped by each rank's free memory.
 """
 
 from __future__ import annotations
@@ -282,9 +282,7 @@ class ShardingPlanner:
                 for r in fits[:TW_CANDIDATE_RANKS]:
                     yield make([Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)])
         elif sharding == "column_wise":
-            for k in range(max(2, lo), min(hi, len(ranks)) + 1):
-                if D % k or (D // k < MIN_COLUMN_SLICE and D // k != D) or D // k % 4:
-                    continue
+            for k in self._column_splits(D, c, len(ranks)):
                 w = D // k
                 need = self._table_bytes(spec, E, w)
                 fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
@@ -309,6 +307,16 @@ class ShardingPlanner:
                             if b > a
                         ]
                     )
+
+    def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
+        """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
+        (narrower only when the table's ``min_shards`` asks for it), within the constraints."""
+        lo, hi = max(2, c.min_shards or 1), min(c.max_shards or num_ranks, num_ranks)
+        return [
+            k
+            for k in range(lo, hi + 1)
+            if D % k == 0 and (D // k >= MIN_COLUMN_SLICE or k == c.min_shards)
+        ]
 
     def _row_groups(
         self, sharding: str, ranks: list[int], by_load: list[int], lo: int, hi: int
@@ -396,7 +404,14 @@ class ShardingPlanner:
                 f"most free is {fmt_bytes(free[most])} (rank {most})"
             )
         if sharding == "column_wise":
-            k = min(c.max_shards or len(ranks), len(ranks), max(1, D // MIN_COLUMN_SLICE))
+            splits = self._column_splits(D, c, len(ranks))
+            if not splits:
+                return (
+                    f"column_wise: no slice count in [{max(2, c.min_shards or 1)}, "
+                    f"{min(c.max_shards or len(ranks), len(ranks))}] cuts D={D} into equal "
+                    f"slices of >= {MIN_COLUMN_SLICE} columns"
+                )
+            k = max(splits)
             slice_bytes = self._table_bytes(spec, E, max(1, D // k))
             return (
                 f"column_wise: {k} slices of {E} rows x {D // k} cols need "

@@ -66,7 +66,17 @@ def format_report(
                 rank_ranges(ts.ranks),
             ]
         )
-    header = ["table", "rows E", "dim D", "dtype", "ids/sample", "ids", "sharding", "shards", "ranks"]
+    header = [
+        "table",
+        "rows E",
+        "dim D",
+        "dtype",
+        "ids/sample",
+        "ids",
+        "sharding",
+        "shards",
+        "ranks",
+    ]
     lines += _table(header, rows, right={1, 2, 4, 7})
     lines.append("")
     rows = [

@@ -144,7 +144,10 @@ def test_yaml_round_trip(tmp_path):
     [
         ("tables: [\n", "not valid YAML: line 2"),
         ("[1, 2]", "expected a mapping, got list"),
-        ("version: 2\nworld_size: 2\nlocal_world_size: 2\ntables: []", "version: expected 1, got 2"),
+        (
+            "version: 2\nworld_size: 2\nlocal_world_size: 2\ntables: []",
+            "version: expected 1, got 2",
+        ),
         ("world_size: 2\nlocal_world_size: 2\ntables: []\nextra: 1", "extra: unknown key"),
         ("world_size: 2\ntables: []", "missing required key(s) [local_world_size]"),
         (

@@ -84,7 +84,10 @@ tables:
             "- {name: a, num_embeddings: 10, embedding_dim: 4, features: [f], pooling_factor: 2}",
             "tables[0].pooling_factor: unknown key, expected one of [name, num_embeddings",
         ),
-        ("- {name: a, embedding_dim: 4, features: [f]}", "tables[0]: missing required key(s) [num_embeddings]"),
+        (
+            "- {name: a, embedding_dim: 4, features: [f]}",
+            "tables[0]: missing required key(s) [num_embeddings]",
+        ),
         (
             "- {name: a, num_embeddings: 10, embedding_dim: 4, features: [f],\n"
             "   pooling_factors: {g: 2}}",
@@ -142,7 +145,9 @@ def test_embedding_bag_config_duck_typing():
         dtype="fp16",
         pooling_factors=(1.0, 3.0),
     )
-    with pytest.raises(ValueError, match=r"tables\[0\]: expected a TableSpec or an EmbeddingBagConfig"):
+    with pytest.raises(
+        ValueError, match=r"tables\[0\]: expected a TableSpec or an EmbeddingBagConfig"
+    ):
         to_table_specs([object()])
 
 

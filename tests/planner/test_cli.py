@@ -1,0 +1,67 @@
+"""``fbtriton-dist plan``: output, the plan file, exit codes and messages."""
+
+import pathlib
+
+import pytest
+
+from fbtriton_dist.cli import main
+from fbtriton_dist.planner import ShardingPlan, load_tables
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tables"
+CRITEO = str(CONFIGS / "criteo_terabyte.yaml")
+
+
+def test_plan_prints_and_writes(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    rc = main(["plan", CRITEO, "--world-size", "8", "--batch-size", "256", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "26 tables on 8 ranks (1 host(s) x 8), budget 72.0 GiB/rank" in text
+    assert "batch 256/rank" in text
+    assert "t_cat_20" in text and "max/mean" in text and "step estimate" in text
+    assert f"wrote {out}" in text
+    plan = ShardingPlan.load_yaml(out)
+    tables = load_tables(CRITEO).tables
+    plan.validate(tables, budget_bytes=72 * 1024**3)
+    assert out.read_text().startswith("# fbtriton_dist sharding plan for")
+    # the written plan can be checked again
+    assert main(["plan", CRITEO, "--world-size", "8", "--check", str(out)]) == 0
+    assert "step estimate" in capsys.readouterr().out
+
+
+def test_zipf_and_equal_rows(capsys):
+    assert main(["plan", CRITEO, "--world-size", "2", "--zipf", "1.1", "--row-cuts", "equal"]) == 0
+    assert "zipf(1.1)" in capsys.readouterr().out
+
+
+def test_does_not_fit(capsys):
+    rc = main(["plan", str(CONFIGS / "ten_billion_rows.yaml"), "--world-size", "8"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("fbtriton-dist plan: does not fit: the 7 tables need 1.2 TiB")
+    assert "short by 653.3 GiB" in err
+
+
+def test_bad_yaml_and_bad_check(tmp_path, capsys):
+    bad = tmp_path / "t.yaml"
+    bad.write_text(
+        "tables:\n- {name: a, num_embeddings: 10, embedding_dim: 4, features: [f],"
+        " sharding: rowwise}\n"
+    )
+    assert main(["plan", str(bad), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {bad}: tables[0].sharding[0]: expected one of [row_wise" in err
+    plan = tmp_path / "p.yaml"
+    assert main(["plan", CRITEO, "--world-size", "2", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["plan", CRITEO, "--world-size", "4", "--check", str(plan)]) == 2
+    assert "plan is for world_size=2" in capsys.readouterr().err
+
+
+def test_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", CRITEO])
+    assert e.value.code == 2
+    assert "--world-size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])

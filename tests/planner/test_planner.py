@@ -1,0 +1,149 @@
+"""ShardingPlanner: constraints, skew-aware cuts, the 10-billion-row set, no-fit explanations."""
+
+import pathlib
+
+import pytest
+
+from fbtriton_dist.planner import (
+    CostModel,
+    IdDistribution,
+    PlanError,
+    ShardingPlanner,
+    TableConstraints,
+    TableSpec,
+    load_tables,
+)
+
+GiB = 1024**3
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tables"
+ZIPF = IdDistribution(kind="zipf", alpha=1.1)
+
+
+def spec(name, E, D=64, L=1.0, dtype="fp32"):
+    return TableSpec(
+        name=name,
+        num_embeddings=E,
+        embedding_dim=D,
+        features=(f"{name}_f",),
+        pooling_factors=(L,),
+        dtype=dtype,
+    )
+
+
+def planner(R=8, H=None, hbm=80 * GiB, **kw):
+    return ShardingPlanner(world_size=R, local_world_size=H, hbm_bytes_per_rank=hbm, **kw)
+
+
+def test_every_plan_is_valid_and_in_budget():
+    tables = [spec(f"t{i}", 10**i, D=16 * (i + 1), L=i + 1) for i in range(7)]
+    for R, H in ((1, 1), (2, 2), (8, 4), (16, 8)):
+        p = planner(R, H)
+        plan = p.plan(tables)
+        plan.validate(tables, budget_bytes=p.budget_bytes)
+
+
+def test_constraints_are_obeyed():
+    tables = [spec("a", 100_000, L=10), spec("b", 5000), spec("c", 2_000_000, L=4)]
+    cons = {
+        "a": TableConstraints(sharding=("row_wise",), ranks=(2, 3, 4), min_shards=2, max_shards=3),
+        "b": TableConstraints(sharding=("table_wise",), ranks=(7,)),
+        "c": TableConstraints(sharding=("column_wise",), min_shards=4, max_shards=4),
+    }
+    plan = planner(8).plan(tables, cons)
+    a, b, c = plan.tables
+    assert a.sharding == "row_wise" and set(a.ranks) <= {2, 3, 4} and 2 <= len(a.shards) <= 3
+    assert b.sharding == "table_wise" and b.ranks == (7,)
+    assert c.sharding == "column_wise" and len(c.shards) == 4
+    assert [s.num_cols for s in c.shards] == [16] * 4
+
+
+def test_constraint_errors():
+    with pytest.raises(
+        ValueError, match=r"constraints\['a'\].ranks: expected ranks < world_size=8"
+    ):
+        planner(8).plan([spec("a", 10)], {"a": TableConstraints(ranks=(8,))})
+    with pytest.raises(ValueError, match="constraints: unknown table 'zz'"):
+        planner(8).plan([spec("a", 10)], {"zz": TableConstraints()})
+    with pytest.raises(ValueError, match="stats: unknown table 'zz'"):
+        planner(8).plan([spec("a", 10)], stats={"zz": ZIPF})
+
+
+@pytest.mark.parametrize("R", [4, 8])
+def test_skew_aware_cuts_balance_zipf(R):
+    """Zipf(1.1) ids, one big row-wise table: balanced cuts <= 1.10, equal blocks worse."""
+    tables = [spec("big", 50_000_000, D=128, L=20)]
+    cons = {"big": TableConstraints(sharding=("row_wise",))}
+    stats = {"big": ZIPF}
+    model = CostModel(batch_size=1024)
+    ours = planner(R, cost_model=model)
+    equal = planner(R, cost_model=model, row_cuts="equal")
+    plan = ours.plan(tables, cons, stats)
+    eq_plan = equal.plan(tables, cons, stats)
+    cost, eq_cost = ours.cost(plan, tables, stats), ours.cost(eq_plan, tables, stats)
+    assert cost.imbalance() <= 1.10
+    assert cost.imbalance("lookups") <= 1.10
+    assert eq_cost.imbalance() > cost.imbalance()
+    assert eq_cost.imbalance("lookups") > 2.0
+    bounds = plan.row_boundaries("big")
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert sizes[0] < sizes[-1] / 100  # the hot block is short, the cold one long
+
+
+def test_skew_cuts_respect_memory():
+    """With a tight budget the cold ranks cannot take all the rows they would like."""
+    t = spec("big", 40_000_000, D=128, L=20)
+    per_rank_min = 40_000_000 * (128 * 4 + 4) / 4  # the table spread evenly on 4 ranks
+    p = planner(4, hbm=per_rank_min * 1.05, reserved_fraction=0.0)
+    plan = p.plan([t], {"big": TableConstraints(sharding=("row_wise",))}, {"big": ZIPF})
+    plan.validate([t], budget_bytes=p.budget_bytes)
+    free = planner(4).plan([t], {"big": TableConstraints(sharding=("row_wise",))}, {"big": ZIPF})
+    assert plan.row_boundaries("big") != free.row_boundaries("big")
+
+
+def test_ten_billion_rows_planned_across_ranks():
+    ts = load_tables(CONFIGS / "ten_billion_rows.yaml")
+    total = sum(t.num_embeddings * (t.embedding_dim * 2 + 4) for t in ts.tables)
+    assert total > 80 * GiB * 10  # far more than one GPU
+    p = planner(32, 8)
+    plan = p.plan(ts.tables, ts.constraints, ts.stats)
+    plan.validate(ts.tables, budget_bytes=p.budget_bytes)
+    ad = plan.table("ad_id")
+    assert ad.sharding in ("row_wise", "table_row_wise") and len(ad.shards) > 8
+    cost = p.cost(plan, ts.tables, ts.stats)
+    assert max(r.memory_bytes for r in cost.ranks) <= p.budget_bytes
+
+
+def test_does_not_fit_at_all_explains_totals():
+    ts = load_tables(CONFIGS / "ten_billion_rows.yaml")
+    with pytest.raises(PlanError) as e:
+        planner(8, 8).plan(ts.tables, ts.constraints, ts.stats)
+    msg = str(e.value)
+    assert "the 7 tables need 1.2 TiB (weights 1.2 TiB + optimizer state 37.3 GiB" in msg
+    assert "8 ranks x 72.0 GiB budget = 576.0 GiB; short by 653.3 GiB" in msg
+    assert "at least 18 ranks" in msg
+    assert "Largest table: 'ad_id' 5000000000 rows x 64 x 2 B + state = 614.7 GiB" in msg
+
+
+def test_does_not_fit_one_table_explains_options():
+    # fits in total, but a table pinned to 2 ranks cannot hold it
+    tables = [spec("a", 30_000_000, D=128), spec("b", 10)]
+    cons = {"a": TableConstraints(ranks=(0, 1))}
+    with pytest.raises(PlanError) as e:
+        planner(8, hbm=8 * GiB).plan(tables, cons)
+    msg = str(e.value)
+    assert "table 'a' (30000000 rows x 128 x 4 B + state = 14.4 GiB) does not fit" in msg
+    assert "table_wise: needs 14.4 GiB on one rank, most free is 7.2 GiB (rank 0)" in msg
+    assert "row_wise: needs 30000000 rows x 516 B/row (= 128 x 4 B + state) = 14.4 GiB over " in msg
+    assert "short by" in msg
+
+
+def test_embedding_bag_configs_accepted():
+    torchrec = pytest.importorskip("torchrec")
+    cfgs = [
+        torchrec.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=1000 * (i + 1), embedding_dim=32, feature_names=[f"f{i}"]
+        )
+        for i in range(3)
+    ]
+    plan = planner(2).plan(cfgs)
+    assert [t.name for t in plan.tables] == ["t0", "t1", "t2"]
