@@ -1,7 +1,20 @@
-"""fbtriton_dist: sharded embedding bags on Triton TBE kernels, a drop-in for TorchRec."""
+"""fbtriton_dist: sharded embedding bags on Triton TBE kernels, a drop-in for TorchRec.
 
-from fbtriton_dist import optim
-from fbtriton_dist.modules import TableBatchedEmbedding
+The package imports lazily: ``fbtriton_dist.planner`` and the ``fbtriton-dist plan`` command
+never load torch or triton.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 __all__ = ["TableBatchedEmbedding", "optim"]
+
+
+def __getattr__(name: str):
+    if name == "TableBatchedEmbedding":
+        from fbtriton_dist.modules import TableBatchedEmbedding
+
+        return TableBatchedEmbedding
+    if name == "optim":
+        return importlib.import_module("fbtriton_dist.optim")
+    raise AttributeError(f"module 'fbtriton_dist' has no attribute {name!r}")

@@ -41,3 +41,15 @@ def upstream_grad(out: torch.Tensor, step: int) -> torch.Tensor:
     """A fixed, non-uniform gradient for the pooled output of a given step."""
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(out.shape, generator=g).to(out.device, torch.float32)
+
+
+def device_for(backend: str) -> str:
+    """Where a test runs a backend: Triton on the GPU if there is one (else interpreted on the
+    CPU), the reference on the CPU."""
+    from tests.conftest import DEVICE
+
+    return DEVICE if backend == "triton" else "cpu"
+
+
+def to(device: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else t.to(device) for t in tensors)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fbtriton_dist import TableBatchedEmbedding, optim
 from tests.conftest import DEVICE, TRITON_OK
-from tests.helpers import make_batch, upstream_grad
+from tests.helpers import device_for, make_batch, to, upstream_grad
 
 TABLE_SETS = {
     "one-row-table": ([(1, 5)], [0], 1, 3),
@@ -122,12 +122,14 @@ def test_matches_torch_embedding_bag(backend, pooling):
     tables, ftm = [(10, 3), (7, 8), (1, 5)], [0, 1, 0, 2]
     B = 5
     indices, offsets, psw = make_batch(tables, ftm, B, 6, weighted=True)
-    tbe = TableBatchedEmbedding(tables, ftm, pooling=pooling, backend=backend)
-    out = tbe(indices, offsets, psw)
+    dev = device_for(backend)
+    tbe = TableBatchedEmbedding(tables, ftm, pooling=pooling, backend=backend, device=dev)
+    out = tbe(*to(dev, indices, offsets, psw))
     grad = upstream_grad(out, 0)
     out.backward(grad)
+    out, grad = out.cpu(), grad.cpu()
 
-    weights = [w.clone().requires_grad_() for w in tbe.split_embedding_weights()]
+    weights = [w.cpu().clone().requires_grad_() for w in tbe.split_embedding_weights()]
     expected = []
     for f, t in enumerate(ftm):
         o = offsets[f * B : (f + 1) * B + 1]
@@ -143,7 +145,7 @@ def test_matches_torch_embedding_bag(backend, pooling):
     torch.testing.assert_close(out.detach(), expected.detach(), atol=1e-6, rtol=1e-5)
     expected.backward(grad)
     ours = [
-        tbe.weights.grad[tbe.table_offsets[t] : tbe.table_offsets[t + 1]].view(E, D)
+        tbe.weights.grad.cpu()[tbe.table_offsets[t] : tbe.table_offsets[t + 1]].view(E, D)
         for t, (E, D) in enumerate(tables)
     ]
     for a, b in zip(ours, weights, strict=True):
@@ -156,8 +158,12 @@ def test_sparse_grad_and_per_sample_weight_grad(backend):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
     tables, ftm = [(10, 3), (7, 8)], [0, 1, 0]
     indices, offsets, psw = make_batch(tables, ftm, 4, 5, weighted=True, hot=True)
-    dense = TableBatchedEmbedding(tables, ftm, pooling="mean", backend=backend)
-    sparse = TableBatchedEmbedding(tables, ftm, pooling="mean", backend=backend, sparse=True)
+    dev = device_for(backend)
+    indices, offsets, psw = to(dev, indices, offsets, psw)
+    dense = TableBatchedEmbedding(tables, ftm, pooling="mean", backend=backend, device=dev)
+    sparse = TableBatchedEmbedding(
+        tables, ftm, pooling="mean", backend=backend, sparse=True, device=dev
+    )
     sparse.load_state_dict(dense.state_dict())
     psw_d, psw_s = psw.clone().requires_grad_(), psw.clone().requires_grad_()
     for m, p in ((dense, psw_d), (sparse, psw_s)):

@@ -9,7 +9,7 @@ import torch
 
 from fbtriton_dist import TableBatchedEmbedding, optim
 from tests.conftest import TRITON_OK
-from tests.helpers import make_batch, upstream_grad
+from tests.helpers import device_for, make_batch, to, upstream_grad
 
 fbgemm = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType  # noqa: E402
@@ -93,25 +93,26 @@ def test_matches_fbgemm_cpu(case, backend):
         optimizer=opt,
         weights_dtype=wdt,
         backend=backend,
+        device=device_for(backend),
         stochastic_rounding=False,
     )
     theirs = _fbgemm_tbe(tables, ftm, opt, pooling, wdt)
     for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
-        a.copy_(b)
+        a.copy_(b.cpu())
     g = torch.Generator().manual_seed(11)
     atol = 1e-5 if wdt == torch.float32 else 2e-3
     for step in range(3):
         indices, offsets, psw = make_batch(
             tables, ftm, B, max_L, index_dtype=idt, weighted=weighted, hot=hot, generator=g
         )
-        out_ours = ours(indices, offsets, psw)
+        out_ours = ours(*to(device_for(backend), indices, offsets, psw)).cpu()
         out_theirs = theirs(indices, offsets, per_sample_weights=psw)
         torch.testing.assert_close(out_ours, out_theirs, atol=atol, rtol=atol)
         grad = upstream_grad(out_ours, step)
         out_ours.backward(grad)
         out_theirs.backward(grad)
     for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
-        torch.testing.assert_close(b.float(), a.float(), atol=atol, rtol=atol)
+        torch.testing.assert_close(b.float().cpu(), a.float(), atol=atol, rtol=atol)
     if isinstance(opt, optim.SGD):  # FBGEMM lists no states at all for SGD
         assert theirs.split_optimizer_states() == [] and ours.split_optimizer_states() == [
             []
@@ -120,4 +121,4 @@ def test_matches_fbgemm_cpu(case, backend):
     for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(), strict=True):
         assert len(a) == len(b) == 1
         for x, y in zip(a, b, strict=True):
-            torch.testing.assert_close(y, x.view_as(y).float(), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(y.cpu(), x.view_as(y).float(), atol=1e-5, rtol=1e-4)

@@ -7,13 +7,19 @@ import torch
 
 from fbtriton_dist import TableBatchedEmbedding, optim
 from tests.conftest import TRITON_OK
+from tests.helpers import device_for, to
 
 BACKENDS = ["reference"] + (["triton"] if TRITON_OK else [])
 
 
 def _tbe(backend, **kw):
     return TableBatchedEmbedding(
-        [(10, 4), (3, 2)], [0, 1], table_names=["ads", "geo"], backend=backend, **kw
+        [(10, 4), (3, 2)],
+        [0, 1],
+        table_names=["ads", "geo"],
+        backend=backend,
+        device=device_for(backend),
+        **kw,
     )
 
 
@@ -26,7 +32,7 @@ def test_out_of_range_id_error_names_table_id_and_size(backend, bad_id):
     with pytest.raises(
         IndexError, match=rf"id {bad_id} .* table 'geo' with 3 rows: expected 0 <= id < 3"
     ):
-        tbe(indices, offsets)
+        tbe(*to(device_for(backend), indices, offsets))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -38,9 +44,14 @@ def test_warn_drops_bad_ids(backend):
     offsets = torch.tensor([0, 2, 2, 4, 5])
     psw = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     with pytest.warns(UserWarning, match="dropping 2 out-of-range ids"):
-        out = tbe(indices, offsets, psw)
+        out = tbe(*to(device_for(backend), indices, offsets, psw))
     expected = clean(
-        torch.tensor([1, 2, 0]), torch.tensor([0, 2, 2, 3, 3]), torch.tensor([1.0, 2.0, 4.0])
+        *to(
+            device_for(backend),
+            torch.tensor([1, 2, 0]),
+            torch.tensor([0, 2, 2, 3, 3]),
+            torch.tensor([1.0, 2.0, 4.0]),
+        )
     )
     torch.testing.assert_close(out, expected)
     out.sum().backward()
