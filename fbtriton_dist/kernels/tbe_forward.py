@@ -81,7 +81,9 @@ def _tbe_forward_kernel(
         acc += tl.sum(rows, axis=0)
     if POOLING == 1:
         acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 def block_sizes(max_D: int) -> tuple[int, int]:
