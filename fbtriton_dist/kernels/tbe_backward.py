@@ -334,6 +334,9 @@ def tbe_backward(
     )
     hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
+    # runs are mostly short (uniform ids: ~1 id per row); size the id tile to the mean run so
+    # that a program does not load a BLOCK_L x BLOCK_D tile that is mostly masked
+    row_block_l = min(block_l, triton.next_power_of_2(max(1, N // max(U, 1))))
     _tbe_row_update_kernel[(U,)](
         grad_output,
         grad_output.stride(0),
@@ -362,7 +365,7 @@ def tbe_backward(
         MANTISSA=mantissa,
         MIN_EXP=min_exp,
         CHUNK_SIZE=CHUNK,
-        BLOCK_L=block_l,
+        BLOCK_L=row_block_l,
         BLOCK_D=block_d,
         num_warps=4 if block_d <= 256 else 8,
     )
