@@ -1,6 +1,7 @@
 """Fused optimizers for TableBatchedEmbedding: configuration only, applied inside backward.
 
-Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM): the
+Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
+ADAM): the
 gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
 rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
 """
@@ -26,6 +27,22 @@ class SGD:
         _check_positive("SGD", lr=self.lr)
 
     num_states = 0
+
+
+@dataclass(kw_only=True, frozen=True)
+class Adagrad:
+    """Per-element Adagrad (FBGEMM EXACT_ADAGRAD, torch.optim.Adagrad without decay):
+    ``m += g^2``, ``w -= lr * g / (sqrt(m) + eps)``."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float = 1e-10
+    """Added to sqrt(m) in the denominator."""
+
+    def __post_init__(self) -> None:
+        _check_positive("Adagrad", lr=self.lr, eps=self.eps)
+
+    num_states = 1
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -83,4 +100,4 @@ class Adam:
     num_states = 2
 
 
-Optimizer = SGD | RowWiseAdagrad | Adam
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam

@@ -23,6 +23,7 @@ OPT_NONE = 0
 OPT_SGD = 1
 OPT_ROWWISE_ADAGRAD = 2
 OPT_ADAM = 3
+OPT_ADAGRAD = 4
 CHUNK = 256  # ids per program before a run is split into chunks
 
 
@@ -30,9 +31,13 @@ def optimizer_code(optimizer: optim.Optimizer | None) -> int:
     """The kernels' integer code for an optimizer config (None: plain gradients)."""
     if optimizer is None:
         return OPT_NONE
-    return {optim.SGD: OPT_SGD, optim.RowWiseAdagrad: OPT_ROWWISE_ADAGRAD, optim.Adam: OPT_ADAM}[
-        type(optimizer)
-    ]
+    codes = {
+        optim.SGD: OPT_SGD,
+        optim.Adagrad: OPT_ADAGRAD,
+        optim.RowWiseAdagrad: OPT_ROWWISE_ADAGRAD,
+        optim.Adam: OPT_ADAM,
+    }
+    return codes[type(optimizer)]
 
 
 @triton.jit
@@ -129,7 +134,7 @@ def _tbe_row_update_kernel(
     run_chunks_ptr,  # [U] int64 first chunk of each long run in partial
     partial_ptr,  # [C, BLOCK_D] fp32 chunk sums
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
-    mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adam: [sum(E_t * D_t)] fp32
+    mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
     mom2_ptr,  # adam: [sum(E_t * D_t)] fp32
     B,  # batch size
     lr,
@@ -211,6 +216,11 @@ def _tbe_row_update_kernel(
             else:
                 corr = 1.0 - mult * weight_decay
             w = corr * w - mult * g
+        elif OPTIMIZER == 4:
+            s_ptrs = tl.load(w_offsets_ptr + f) + row * D + d
+            m = tl.load(mom1_ptr + s_ptrs, mask=d_mask, other=0.0) + g * g
+            tl.store(mom1_ptr + s_ptrs, m, mask=d_mask)
+            w = w - lr * g / (tl.sqrt(m) + eps)
         else:
             s_ptrs = tl.load(w_offsets_ptr + f) + row * D + d
             m1 = beta1 * tl.load(mom1_ptr + s_ptrs, mask=d_mask, other=0.0) + (1.0 - beta1) * g

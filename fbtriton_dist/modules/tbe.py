@@ -27,6 +27,8 @@ class TableBatchedEmbedding(nn.Module):
             or a fused optimizer from ``fbtriton_dist.optim``, applied in backward in place.
         weights_dtype, output_dtype: storage of the rows and of the pooled output; sums are
             accumulated in fp32 whatever they are.
+        weights: optional flat ``[sum(E_t * D_t)]`` storage to use for the rows (shared, for
+            instance, with per-table parameters); with ``init_weights=False`` it is kept as is.
         bounds_check: out-of-range ids raise (``"error"``), are dropped with a warning
             (``"warn"``), or are not checked (``"ignore"``: the caller promises valid ids).
         backend: ``"auto"`` (Triton for CUDA weights, the PyTorch reference on CPU),
@@ -57,6 +59,8 @@ class TableBatchedEmbedding(nn.Module):
         sparse: bool = False,
         table_names: Sequence[str] | None = None,
         seed: int | None = None,
+        weights: torch.Tensor | None = None,
+        init_weights: bool = True,
     ) -> None:
         super().__init__()
         tables = [(int(E), int(D)) for E, D in tables]
@@ -78,13 +82,6 @@ class TableBatchedEmbedding(nn.Module):
                 f"weights_dtype/output_dtype: expected one of {WEIGHT_DTYPES}, got "
                 f"{weights_dtype}/{output_dtype}"
             )
-        if optimizer is not None and not isinstance(
-            optimizer, optim.SGD | optim.RowWiseAdagrad | optim.Adam
-        ):
-            raise ValueError(
-                "optimizer: expected None or fbtriton_dist.optim.SGD / RowWiseAdagrad / Adam, "
-                f"got {optimizer!r}"
-            )
         if backend not in ("auto", "triton", "reference"):
             raise ValueError(
                 f"backend: expected one of ['auto', 'triton', 'reference'], got {backend!r}"
@@ -105,7 +102,6 @@ class TableBatchedEmbedding(nn.Module):
         self.feature_table_map = ftm
         self.table_names = names
         self.pooling = pooling
-        self.optimizer = optimizer
         self.output_dtype = output_dtype
         self.bounds_check = bounds_check
         self.backend = backend
@@ -130,22 +126,49 @@ class TableBatchedEmbedding(nn.Module):
                 f"_{name}", torch.tensor(values, dtype=torch.int64, device=device), persistent=False
             )
 
-        fused = optimizer is not None
-        self.weights = nn.Parameter(
-            torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device),
-            requires_grad=not fused,
-        )
+        if weights is None:
+            weights = torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device)
+        elif weights.shape != (self.table_offsets[-1],) or weights.dtype != weights_dtype:
+            raise ValueError(
+                f"weights: expected a flat {weights_dtype} tensor of {self.table_offsets[-1]} "
+                f"elements, got {weights.dtype} {tuple(weights.shape)}"
+            )
+        self.weights = nn.Parameter(weights, requires_grad=True)
+        self.register_buffer("momentum1", torch.zeros(0, device=device))
+        self.register_buffer("momentum2", torch.zeros(0, device=device))
+        self.optimizer = None
+        self.set_optimizer(optimizer)
+        if init_weights:
+            self.reset_parameters()
+
+    def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:
+        """Switch the fused optimizer (None: plain gradients). State is kept when the kind of
+        optimizer stays (only hyper-parameters change), else allocated anew at zero."""
+        if optimizer is not None and not isinstance(optimizer, optim.Optimizer):
+            raise ValueError(
+                "optimizer: expected None or fbtriton_dist.optim.SGD / Adagrad / "
+                f"RowWiseAdagrad / Adam, got {optimizer!r}"
+            )
+        same_kind = type(optimizer) is type(self.optimizer)
+        self.optimizer = optimizer
+        # a fused module's weights are updated in backward, not by torch optimizers
+        self.weights.requires_grad_(optimizer is None)
+        # autograd only calls backward when an input requires grad: with a fused optimizer the
+        # weights don't, so this empty tensor does (FBGEMM's placeholder trick)
+        self._anchor = torch.zeros(0, requires_grad=True) if optimizer is not None else None
+        if same_kind:
+            return
         n1, n2 = 0, 0
         if isinstance(optimizer, optim.RowWiseAdagrad):
             n1 = self.table_row_offsets[-1]  # one fp32 accumulator per row
+        elif isinstance(optimizer, optim.Adagrad):
+            n1 = self.table_offsets[-1]  # one fp32 accumulator per element
         elif isinstance(optimizer, optim.Adam):
             n1 = n2 = self.table_offsets[-1]  # fp32 moments per element
-        self.register_buffer("momentum1", torch.zeros(n1, dtype=torch.float32, device=device))
-        self.register_buffer("momentum2", torch.zeros(n2, dtype=torch.float32, device=device))
-        # autograd only calls backward when an input requires grad: with a fused optimizer the
-        # weights don't, so this empty tensor does (FBGEMM's placeholder trick)
-        self._anchor = torch.zeros(0, requires_grad=True) if fused else None
-        self.reset_parameters()
+        device = self.weights.device
+        self.momentum1 = torch.zeros(n1, dtype=torch.float32, device=device)
+        self.momentum2 = torch.zeros(n2, dtype=torch.float32, device=device)
+        self.step = 0
 
     @property
     def num_features(self) -> int:
@@ -170,6 +193,7 @@ class TableBatchedEmbedding(nn.Module):
             max_D=max(D for _, D in self.tables),
             total_D=sum(self.tables[t][1] for t in self.feature_table_map),
             feature_table_map=self.feature_table_map,
+            table_rows=[E for E, _ in self.tables],
             table_names=self.table_names,
         )
 
@@ -185,6 +209,18 @@ class TableBatchedEmbedding(nn.Module):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``indices`` [N], ``offsets`` [T*B+1] feature-major -> pooled ``[B, sum(D)]``."""
+        return self.lookup(indices, offsets, per_sample_weights)
+
+    def lookup(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        grad_targets: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``forward``, with, when not fused, the weight gradient delivered to
+        ``grad_targets`` (one ``[E_t, D_t]`` tensor per table, e.g. per-table parameters that
+        are views of ``weights``) instead of to ``weights``."""
         backend = self.resolved_backend()
         check_backend(backend, self.weights.device)
         fused = None
@@ -211,6 +247,8 @@ class TableBatchedEmbedding(nn.Module):
             fused=fused,
             anchor=self._anchor if fused is not None and torch.is_grad_enabled() else None,
             sparse=self.sparse,
+            grad_targets=grad_targets,
+            table_offsets=self.table_offsets,
         )
 
     def _count_step(self) -> None:
@@ -232,6 +270,9 @@ class TableBatchedEmbedding(nn.Module):
             if isinstance(self.optimizer, optim.RowWiseAdagrad):
                 r0, r1 = self.table_row_offsets[t], self.table_row_offsets[t + 1]
                 out.append([self.momentum1[r0:r1]])
+            elif isinstance(self.optimizer, optim.Adagrad):
+                e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
+                out.append([self.momentum1[e0:e1].view(E, D)])
             elif isinstance(self.optimizer, optim.Adam):
                 e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
                 out.append([self.momentum1[e0:e1].view(E, D), self.momentum2[e0:e1].view(E, D)])

@@ -6,7 +6,7 @@ Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -35,6 +35,8 @@ class TBELayout:
     max_D: int
     total_D: int
     feature_table_map: list[int]
+    table_rows: list[int] = field(default_factory=list)
+    """E of each table (not feature): shapes of per-table gradients."""
     table_names: list[str] = field(default_factory=list)
 
     @property
@@ -151,6 +153,9 @@ def check_inputs(
     return indices[keep], new_offsets, psw
 
 
+_NUM_INPUTS = 12  # _TBELookup.forward's inputs before *grad_targets
+
+
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
 
@@ -168,10 +173,13 @@ class _TBELookup(torch.autograd.Function):
         backend,
         fused,
         sparse,
+        table_offsets,
+        *grad_targets,
     ):
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         ctx.weights = weights
-        ctx.args = (layout, pooling, backend, fused, sparse)
+        ctx.args = (layout, pooling, backend, fused, sparse, table_offsets)
+        ctx.num_targets = len(grad_targets)
         impl = _impl(backend)
         return impl.tbe_forward(
             weights,
@@ -190,7 +198,7 @@ class _TBELookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         indices, offsets, per_sample_weights = ctx.saved_tensors
-        layout, pooling, backend, fused, sparse = ctx.args
+        layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
         grad_psw = None
         if ctx.needs_input_grad[2]:  # before a fused update changes the rows
@@ -227,12 +235,20 @@ class _TBELookup(torch.autograd.Function):
             optimizer=fused.optimizer if fused else None,
             **common,
         )
-        grad_w = None
+        grad_w, grad_targets = None, [None] * ctx.num_targets
         if fused:
             fused.on_step()
+        elif ctx.num_targets:
+            flat = _rows_to_grad(result, weights, sparse=False)
+            grad_targets = [
+                flat[a:b].view(E, -1) if ctx.needs_input_grad[_NUM_INPUTS + t] else None
+                for t, (a, b, E) in enumerate(
+                    zip(table_offsets[:-1], table_offsets[1:], layout.table_rows, strict=True)
+                )
+            ]
         elif ctx.needs_input_grad[0]:
             grad_w = _rows_to_grad(result, weights, sparse)
-        return grad_w, None, grad_psw, None, None, None, None, None, None, None, None
+        return (grad_w, None, grad_psw, *[None] * (_NUM_INPUTS - 3), *grad_targets)
 
 
 def _rows_to_grad(result, weights: torch.Tensor, sparse: bool) -> torch.Tensor:
@@ -264,6 +280,8 @@ def tbe_lookup(
     fused: FusedOptimizer | None = None,
     anchor: torch.Tensor | None = None,
     sparse: bool = False,
+    grad_targets: Sequence[torch.Tensor] | None = None,
+    table_offsets: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Pooled embedding lookup of T features; ``[B, sum(D)]``.
 
@@ -272,12 +290,15 @@ def tbe_lookup(
         out = tbe_lookup(w, indices=[3, 1, 1, 0, 2], offsets=[0, 2, 2, 4, 5], ...)  # [2, 12]
 
     ``fused`` makes backward update the rows in place (``anchor`` must require grad so that
-    autograd reaches it); otherwise ``weights`` gets a dense or ``sparse`` gradient.
+    autograd reaches it); otherwise ``weights`` gets a dense or ``sparse`` gradient, or, given
+    ``grad_targets`` (one ``[E_t, D_t]`` tensor per table) and ``table_offsets`` (where each
+    table starts in ``weights``, then the end), each target gets its table's dense gradient.
     """
     check_backend(backend, weights.device)
     indices, offsets, per_sample_weights = check_inputs(
         indices, offsets, per_sample_weights, layout, bounds_check
     )
+    targets = tuple(grad_targets) if grad_targets is not None and fused is None else ()
     return _TBELookup.apply(
         weights,
         anchor,
@@ -290,4 +311,6 @@ def tbe_lookup(
         backend,
         fused,
         sparse,
+        table_offsets,
+        *targets,
     )

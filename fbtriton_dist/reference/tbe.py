@@ -196,6 +196,10 @@ def _apply_optimizer(
         mult = optimizer.lr / (torch.sqrt(m) + optimizer.eps)
         corr = torch.full_like(m, 1.0 - optimizer.lr * wd) if decoupled else 1.0 - mult * wd
         return corr[:, None] * w - mult[:, None] * g
+    if isinstance(optimizer, optim.Adagrad):
+        m = momentum1[elems] + g * g
+        momentum1[elems] = m
+        return w - optimizer.lr * g / (torch.sqrt(m) + optimizer.eps)
     b1, b2 = optimizer.betas
     m1 = b1 * momentum1[elems] + (1.0 - b1) * g
     m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g

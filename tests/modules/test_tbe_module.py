@@ -24,6 +24,7 @@ OPTIMIZERS = {
         lr=0.1, weight_decay=0.01, weight_decay_mode="decoupled"
     ),
     "adam": optim.Adam(lr=0.05, weight_decay=0.01),
+    "adagrad-elementwise": optim.Adagrad(lr=0.1),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -41,6 +42,8 @@ CASES = [
     ("mixed-shared", "adagrad", "sum", torch.float16, torch.int64, False, True),
     ("mixed-shared", "sgd", "sum", torch.bfloat16, torch.int32, True, False),
     ("T8", "adagrad", "sum", torch.float32, torch.int32, False, True),
+    ("T8", "adagrad-elementwise", "mean", torch.float32, torch.int64, True, True),
+    ("mixed-shared", "adagrad-elementwise", "sum", torch.bfloat16, torch.int64, False, False),
     ("T8", "adam", "mean", torch.float32, torch.int64, False, False),
     ("T8", "none", "sum", torch.bfloat16, torch.int64, True, False),
     ("T8", "sgd", "sum", torch.float16, torch.int64, False, False),

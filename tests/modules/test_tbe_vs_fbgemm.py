@@ -30,6 +30,9 @@ def _fbgemm_tbe(tables, ftm, opt, pooling, wdt):
     kwargs = {}
     if isinstance(opt, optim.SGD):
         kind = EmbOptimType.EXACT_SGD
+    elif isinstance(opt, optim.Adagrad):
+        kind = EmbOptimType.EXACT_ADAGRAD
+        kwargs = dict(eps=opt.eps)
     else:
         kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
         kwargs = dict(eps=opt.eps)
@@ -58,6 +61,8 @@ CASES = [
     ("T3-shared", "sgd", "sum", torch.float16, True, False, torch.int64),
     ("T8-B32", "adagrad", "sum", torch.float32, False, True, torch.int64),
     ("T8-B32", "adagrad", "sum", torch.float16, False, False, torch.int32),
+    ("T3-shared", "adagrad-elementwise", "sum", torch.float32, True, True, torch.int64),
+    ("T8-B32", "adagrad-elementwise", "mean", torch.float32, False, False, torch.int32),
     ("T8-B32", "sgd", "mean", torch.float32, False, True, torch.int64),
     # MEAN with per-sample weights is left out: FBGEMM's CPU forward gives sum(w_i row_i) / L
     # but its backward updates rows by w_i * g without the 1 / L (not the gradient of its own
@@ -66,7 +71,11 @@ CASES = [
 # Rowwise Adagrad's weight decay is not compared here: fbgemm-gpu-cpu 1.8.0's CPU kernel takes
 # weight_decay and weight_decay_mode but leaves both the state and the rows undecayed (checked by
 # hand); ours follows FBGEMM's CUDA update and is tested against the reference instead.
-OPTS = {"sgd": optim.SGD(lr=0.1), "adagrad": optim.RowWiseAdagrad(lr=0.1, eps=1e-6)}
+OPTS = {
+    "sgd": optim.SGD(lr=0.1),
+    "adagrad": optim.RowWiseAdagrad(lr=0.1, eps=1e-6),
+    "adagrad-elementwise": optim.Adagrad(lr=0.1, eps=1e-6),
+}
 
 
 def _id(case):
@@ -120,5 +129,6 @@ def test_matches_fbgemm_cpu(case, backend):
         return
     for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(), strict=True):
         assert len(a) == len(b) == 1
+        a = [x.view_as(b[0]) for x in a]
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y.cpu(), x.view_as(y).float(), atol=1e-5, rtol=1e-4)
