@@ -7,7 +7,7 @@ never load torch or triton.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["TableBatchedEmbedding", "optim"]
+__all__ = ["EmbeddingBagCollection", "TableBatchedEmbedding", "optim"]
 
 
 def __getattr__(name: str):
@@ -15,6 +15,10 @@ def __getattr__(name: str):
         from fbtriton_dist.modules import TableBatchedEmbedding
 
         return TableBatchedEmbedding
+    if name == "EmbeddingBagCollection":
+        from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+
+        return EmbeddingBagCollection
     if name == "optim":
         return importlib.import_module("fbtriton_dist.optim")
     raise AttributeError(f"module 'fbtriton_dist' has no attribute {name!r}")

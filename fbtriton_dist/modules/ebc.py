@@ -1,0 +1,305 @@
+"""EmbeddingBagCollection: TorchRec's unsharded module on our TableBatchedEmbedding.
+
+Same constructor, same KeyedJaggedTensor in / KeyedTensor out, same state_dict keys
+(``embedding_bags.<table>.weight``, shapes [E, D]) as ``torchrec.EmbeddingBagCollection``.
+Each table's weight is a real ``nn.EmbeddingBag`` parameter, and a view into the flat buffer of
+one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serves the group.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fbtriton_dist import optim
+from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.sparse import keyed_tensor, kjt_to_batch
+
+DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+POOLINGS = {"SUM": "sum", "MEAN": "mean"}
+
+
+def fused_optimizer_from_torch(cls: type, kwargs: dict, where: str) -> optim.Optimizer:
+    """Our fused optimizer for a ``(optimizer class, kwargs)`` annotation left by
+    ``torchrec.optim.apply_optimizer_in_backward`` (or torch's). Raises if it has no exact
+    fused equivalent."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+
+    def unsupported(key, value, allowed):
+        return ValueError(
+            f"{where}: {name}({key}={value!r}) has no fused equivalent (supported: {key}={allowed})"
+        )
+
+    def require(key, allowed, default):
+        value = kwargs.get(key, default)
+        if value != allowed:
+            raise unsupported(key, value, allowed)
+
+    if cls is torch.optim.SGD:
+        for key in ("momentum", "weight_decay", "dampening"):
+            require(key, 0, 0)
+        require("nesterov", False, False)
+        return optim.SGD(lr=kwargs.get("lr", 1e-3))
+    if cls is torch.optim.Adagrad:
+        for key in ("lr_decay", "weight_decay", "initial_accumulator_value"):
+            require(key, 0, 0)
+        return optim.Adagrad(lr=kwargs.get("lr", 1e-2), eps=kwargs.get("eps", 1e-10))
+    if cls is torch.optim.Adam:
+        require("weight_decay", 0, 0)  # torch's L2 decay differs from FBGEMM's
+        require("amsgrad", False, False)
+        return optim.Adam(
+            lr=kwargs.get("lr", 1e-3),
+            betas=tuple(kwargs.get("betas", (0.9, 0.999))),
+            eps=kwargs.get("eps", 1e-8),
+        )
+    if cls.__name__ == "RowWiseAdagrad" and cls.__module__.startswith("torchrec"):
+        require("lr_decay", 0, 0)
+        require("initial_accumulator_value", 0, 0)
+        return optim.RowWiseAdagrad(
+            lr=kwargs.get("lr", 1e-2),
+            eps=kwargs.get("eps", 1e-10),
+            weight_decay=kwargs.get("weight_decay", 0.0),
+            weight_decay_mode="l2",
+        )
+    raise ValueError(
+        f"{where}: optimizer {name} has no fused equivalent; use torch.optim.SGD, "
+        "torch.optim.Adagrad, torch.optim.Adam or torchrec.optim.RowWiseAdagrad"
+    )
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Drop-in for ``torchrec.EmbeddingBagCollection``: pooled embeddings of many tables.
+
+    Args:
+        tables: ``torchrec.EmbeddingBagConfig`` per table (``num_embeddings``,
+            ``embedding_dim``, ``feature_names``, ``pooling`` SUM/MEAN, ``data_type``
+            FP32/FP16/BF16, ``init_fn`` / ``weight_init_min``/``max``).
+        is_weighted: whether the input KeyedJaggedTensor carries per-id weights.
+        device: where the tables live; ``"meta"`` allocates nothing.
+        backend, bounds_check: passed to each TableBatchedEmbedding.
+
+    ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per feature, in config
+    order, ``[B, sum(D)]`` fp32 values. Weights are ordinary parameters (any torch optimizer
+    works); parameters annotated by ``apply_optimizer_in_backward`` are instead updated by the
+    fused TBE backward (SGD, Adagrad, torchrec RowWiseAdagrad, Adam).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence,
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        backend: str = "auto",
+        bounds_check: str = "error",
+    ) -> None:
+        super().__init__()
+        names = [t.name for t in tables]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"tables: duplicate table names {duplicates}")
+        self._is_weighted = is_weighted
+        self._embedding_bag_configs = list(tables)
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        for cfg in tables:
+            if not cfg.feature_names:
+                cfg.feature_names = [cfg.name]
+        self.embedding_bags = nn.ModuleDict()
+        self._groups: dict[tuple[torch.dtype, str], list[int]] = {}
+        for t, cfg in enumerate(tables):
+            key = (self._dtype(cfg), self._pooling(cfg))
+            self._groups.setdefault(key, []).append(t)
+
+        self._tbes: list[TableBatchedEmbedding] = []  # not submodules: the parameters are ours
+        self._feature_order: list[str] = []
+        views: dict[int, torch.Tensor] = {}
+        for (dtype, pooling), members in self._groups.items():
+            shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
+            flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
+            ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
+            tbe = TableBatchedEmbedding(
+                shapes,
+                ftm,
+                pooling=pooling,
+                weights_dtype=dtype,
+                device=self._device,
+                backend=backend,
+                bounds_check=bounds_check,
+                table_names=[tables[t].name for t in members],
+                weights=flat,
+                init_weights=False,
+            )
+            tbe.weights.requires_grad_(False)
+            views.update(zip(members, tbe.split_embedding_weights(), strict=True))
+            self._feature_order += [f for t in members for f in tables[t].feature_names]
+            self._tbes.append(tbe)
+        for t, cfg in enumerate(tables):  # in config order, as TorchRec
+            dtype, pooling = self._dtype(cfg), self._pooling(cfg)
+            self.embedding_bags[cfg.name] = nn.EmbeddingBag(
+                cfg.num_embeddings,
+                cfg.embedding_dim,
+                mode=pooling,
+                _weight=views[t],
+                include_last_offset=True,
+                device=self._device,
+                dtype=dtype,
+            )
+
+        self._embedding_names = [f for cfg in tables for f in cfg.feature_names]
+        self._lengths_per_embedding = [
+            cfg.embedding_dim for cfg in tables for _ in cfg.feature_names
+        ]
+        # output columns come out group after group; src puts them back in config order
+        first_feature = [
+            0,
+            *torch.tensor([len(c.feature_names) for c in tables]).cumsum(0).tolist(),
+        ]
+        produced = [
+            first_feature[t] + j
+            for members in self._groups.values()
+            for t in members
+            for j in range(len(tables[t].feature_names))
+        ]
+        dims = self._lengths_per_embedding
+        start, col = {}, 0
+        for k in produced:
+            start[k], col = col, col + dims[k]
+        src = [start[k] + d for k in range(len(dims)) for d in range(dims[k])]
+        self._column_order = None if src == list(range(col)) else torch.tensor(src)
+        self.reset_parameters()
+
+    @staticmethod
+    def _dtype(cfg) -> torch.dtype:
+        name = getattr(cfg.data_type, "name", str(cfg.data_type))
+        if name not in DATA_TYPES:
+            raise ValueError(
+                f"table '{cfg.name}' data_type: expected one of {list(DATA_TYPES)}, got {name}"
+            )
+        return DATA_TYPES[name]
+
+    @staticmethod
+    def _pooling(cfg) -> str:
+        name = getattr(cfg.pooling, "name", str(cfg.pooling))
+        if name not in POOLINGS:
+            raise ValueError(
+                f"table '{cfg.name}' pooling: expected one of {list(POOLINGS)}, got {name}"
+            )
+        return POOLINGS[name]
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> list:
+        return self._embedding_bag_configs
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def reset_parameters(self) -> None:
+        """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max)."""
+        if self._device.type == "meta":
+            return
+        for cfg in self._embedding_bag_configs:
+            weight = self.embedding_bags[cfg.name].weight
+            with torch.no_grad():
+                if cfg.init_fn is not None:
+                    cfg.init_fn(weight)
+                else:
+                    weight.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+
+    def _group_params(self, members: list[int]) -> list[nn.Parameter]:
+        return [self.embedding_bags[self._embedding_bag_configs[t].name].weight for t in members]
+
+    def _bind(self, tbe: TableBatchedEmbedding, params: list[nn.Parameter]) -> None:
+        """Make sure the TBE reads the parameters' current storage: after ``.to()``, a
+        ``load_state_dict(assign=True)`` or a ``.data`` swap, pack them into one buffer again
+        and make the parameters views of it."""
+        flat = tbe.weights
+        esize = flat.element_size()
+        bound = all(
+            p.device == flat.device
+            and p.dtype == flat.dtype
+            and p.is_contiguous()
+            and p.data_ptr() == flat.data_ptr() + a * esize
+            for p, a in zip(params, tbe.table_offsets, strict=False)
+        )
+        if bound:
+            return
+        packed = torch.cat([p.detach().reshape(-1) for p in params])
+        tbe.weights = nn.Parameter(packed, requires_grad=False)
+        for p, view in zip(params, tbe.split_embedding_weights(), strict=True):
+            p.data = view
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            params = self._group_params(members)
+            tbe._parameters["weights"] = None  # moved from the parameters by _bind, not twice
+            tbe._apply(fn)
+            tbe.weights = nn.Parameter(
+                torch.empty(0, dtype=params[0].dtype, device=params[0].device), requires_grad=False
+            )
+            self._bind(tbe, params)
+        if self._tbes:
+            self._device = self._tbes[0].weights.device
+        return self
+
+    def _fused_optimizer(self, members: list[int]) -> optim.Optimizer | None:
+        """The fused optimizer asked for by ``apply_optimizer_in_backward`` on this group's
+        parameters (all or none of them, with one optimizer), or None."""
+        params = self._group_params(members)
+        specs = [
+            (p._optimizer_classes[0], p._optimizer_kwargs[0])
+            if getattr(p, "_optimizer_classes", None)
+            else None
+            for p in params
+        ]
+        if all(s is None for s in specs):
+            return None
+        names = [self._embedding_bag_configs[t].name for t in members]
+        if any(s != specs[0] for s in specs):
+            raise ValueError(
+                f"tables {names}: apply_optimizer_in_backward must give tables of one dtype and "
+                f"pooling the same optimizer (or none); got {specs}"
+            )
+        cls, kwargs = specs[0]
+        return fused_optimizer_from_torch(cls, dict(kwargs), f"tables {names}")
+
+    @torch.compiler.disable  # the lookup runs eagerly: a graph break around the kernels
+    def forward(self, features):
+        """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order."""
+        batch = kjt_to_batch(features, self._feature_order, self._is_weighted)
+        T_seen, pooled = 0, []
+        offsets_cpu = None
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            params = self._group_params(members)
+            self._bind(tbe, params)
+            fused = self._fused_optimizer(members)
+            if fused != tbe.optimizer:
+                tbe.set_optimizer(fused)
+                tbe.weights.requires_grad_(False)  # gradients go to the per-table parameters
+            T = tbe.num_features
+            indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
+            if len(self._tbes) > 1:  # this group's features only
+                B = batch.batch_size
+                if offsets_cpu is None:
+                    offsets_cpu = (
+                        batch.offsets[:: max(B, 1)].tolist()
+                        if B
+                        else [0] * (len(self._feature_order) + 1)
+                    )
+                a, b = offsets_cpu[T_seen], offsets_cpu[T_seen + T]
+                indices = indices[a:b]
+                offsets = offsets[T_seen * B : (T_seen + T) * B + 1] - a
+                psw = psw[a:b] if psw is not None else None
+            pooled.append(tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params))
+            T_seen += T
+        values = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
+        if self._column_order is not None:
+            values = values.index_select(1, self._column_order.to(values.device))
+        return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
+
+    def extra_repr(self) -> str:
+        groups = ", ".join(f"{len(m)} x {dt} {pool}" for (dt, pool), m in self._groups.items())
+        return f"tables: {groups}, is_weighted={self._is_weighted}"

@@ -1,0 +1,89 @@
+"""The one bridge to TorchRec's sparse types: KeyedJaggedTensor in, KeyedTensor out.
+
+Everything else in the package speaks FBGEMM's TBE batch: ``indices`` [N], ``offsets``
+[T*B+1] feature-major, ``per_sample_weights`` [N] or None.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+
+@dataclass(frozen=True, eq=False)
+class JaggedBatch:
+    """T features of B samples each, feature-major, in a given feature order."""
+
+    indices: torch.Tensor
+    """[N] ids of all features, feature after feature."""
+    offsets: torch.Tensor
+    """[T * B + 1] bag boundaries into indices."""
+    per_sample_weights: torch.Tensor | None
+    """[N] weight of each id, or None."""
+    batch_size: int
+    """B."""
+
+
+def kjt_to_batch(
+    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
+) -> JaggedBatch:
+    """Reorder ``features`` to ``feature_names`` and flatten it to a TBE batch.
+
+    Keys may come in any order; a missing or unknown feature, per-key batch sizes, lengths that
+    do not add up to the values, or a weighted/unweighted mismatch raise ValueError.
+    """
+    keys = list(features.keys())
+    missing = [f for f in feature_names if f not in keys]
+    unknown = [k for k in keys if k not in feature_names]
+    if missing or unknown:
+        raise ValueError(
+            f"KeyedJaggedTensor keys: missing features {missing}, unknown features {unknown}; "
+            f"expected exactly {list(feature_names)}"
+        )
+    if features.variable_stride_per_key():
+        raise ValueError(
+            "KeyedJaggedTensor: a batch size per feature (variable stride per key) is not "
+            "supported; give every feature the same number of samples"
+        )
+    values = features.values()
+    if values.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"KeyedJaggedTensor values: expected int32/int64 ids, got {values.dtype}")
+    weights = features.weights_or_none()
+    if weighted and weights is None:
+        raise ValueError(
+            "KeyedJaggedTensor: the module is weighted but the features have no weights"
+        )
+    T, B = len(keys), features.stride()
+    lengths = features.lengths()
+    if lengths.numel() != T * B:
+        raise ValueError(
+            f"KeyedJaggedTensor lengths: expected {T} features x {B} samples = {T * B} "
+            f"lengths, got {lengths.numel()}"
+        )
+    per_key = lengths.view(T, B).sum(dim=1).tolist() if T else []
+    if sum(per_key) != values.numel():
+        ends = torch.tensor(per_key).cumsum(0).tolist()
+        bad = next((k for k, e in zip(keys, ends, strict=True) if e > values.numel()), keys[-1])
+        raise ValueError(
+            f"KeyedJaggedTensor feature '{bad}': lengths add up to {sum(per_key)} ids in all, "
+            f"but values holds {values.numel()}"
+        )
+    if keys != list(feature_names):
+        order = [keys.index(f) for f in feature_names]
+        features = features.permute(order)
+        lengths, values = features.lengths(), features.values()
+        weights = features.weights_or_none()
+    offsets = torch.zeros(T * B + 1, dtype=lengths.dtype, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return JaggedBatch(
+        indices=values,
+        offsets=offsets.to(values.dtype),
+        per_sample_weights=weights if weighted else None,
+        batch_size=B,
+    )
+
+
+def keyed_tensor(keys: Sequence[str], dims: Sequence[int], values: torch.Tensor) -> KeyedTensor:
+    """``[B, sum(dims)]`` pooled embeddings as a KeyedTensor, one key per feature."""
+    return KeyedTensor(keys=list(keys), length_per_key=list(dims), values=values, key_dim=1)
