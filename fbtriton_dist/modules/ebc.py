@@ -232,17 +232,15 @@ class EmbeddingBagCollection(nn.Module):
             p.data = view
 
     def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.half()``...: convert the parameters, then rebuild each
+        group's buffer from them; the TBEs' own buffers (layout, optimizer state) only move."""
         super()._apply(fn, recurse)
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
-            tbe._parameters["weights"] = None  # moved from the parameters by _bind, not twice
-            tbe._apply(fn)
-            tbe.weights = nn.Parameter(
-                torch.empty(0, dtype=params[0].dtype, device=params[0].device), requires_grad=False
-            )
+            tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
+            tbe.to(params[0].device)
             self._bind(tbe, params)
-        if self._tbes:
-            self._device = self._tbes[0].weights.device
+        self._device = self._tbes[0].weights.device
         return self
 
     def _fused_optimizer(self, members: list[int]) -> optim.Optimizer | None:

@@ -352,3 +352,29 @@ def test_dlrm_trains_and_matches_torchrec_step_by_step():
     )
     first, last = sum(losses[id(ours)][:10]) / 10, sum(losses[id(ours)][-10:]) / 10
     assert last < 0.8 * first, (first, last)
+
+
+def test_to_and_half_rebind_the_tables():
+    theirs, ours = _pair("two-tables", "reference")
+    kjt = _kjt(_configs("two-tables"), B=3)
+    ours.half()
+    assert all(p.dtype == torch.float16 for p in ours.parameters())
+    assert ours._tbes[0].weights.dtype == torch.float16
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), atol=2e-3, rtol=2e-3)
+    ours.float()
+    kt = ours(kjt)
+    kt.values().sum().backward()
+    assert ours.embedding_bags["t1"].weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_move_runs_triton():
+    theirs, _ = _pair("shared-mixed-mean", "reference")
+    ours = fbtriton_dist.EmbeddingBagCollection(tables=_configs("shared-mixed-mean"))  # auto
+    ours.load_state_dict(theirs.state_dict())
+    ours = ours.cuda()
+    assert ours._tbes[0].resolved_backend() == "triton"
+    kjt = _kjt(_configs("shared-mixed-mean"), B=4)
+    torch.testing.assert_close(
+        ours(kjt.to(torch.device("cuda"))).values().cpu(), theirs(kjt).values()
+    )
