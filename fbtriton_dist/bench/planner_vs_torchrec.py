@@ -39,6 +39,7 @@ _TORCHREC_TYPES = {
     "column_wise": "column_wise",
     "table_column_wise": "column_wise",
     "table_row_wise": "table_row_wise",
+    "grid_shard": "grid_shard",
     "data_parallel": "data_parallel",
 }
 

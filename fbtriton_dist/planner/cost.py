@@ -18,7 +18,9 @@ the table's :class:`IdDistribution`). Every term below is per rank, per step.
 * ``output_dist_bytes`` pooled values and their gradients this rank receives (forward +
   backward): every rank gets its B x c slice from each shard holder other than itself; a
   holder gets the (R-1)·B x c gradients back (row-wise: the reduce-scatter / all-gather pair;
-  table-row-wise: (k-1)·R·B/k·c·o twice inside the host for k holders, plus R·B/k·c·o back);
+  table-row-wise: (k-1)·R·B/k·c·o twice inside the host for k holders, plus R·B/k·c·o back;
+  grid-shard: each column slice of c columns counts as a table-row-wise table of width c on
+  its host, so every slice gathers, and receives the ids of, all the table's lookups);
   data-parallel: the ring all-reduce of the dense gradient, 2·(R-1)/R·E·D·s
 * ``inter_host_bytes``  the part of the two comm terms that crosses hosts: traffic from all
   other ranks crosses with odds (R-H)/(R-1); traffic from a known rank crosses if its host differs
@@ -235,13 +237,15 @@ class CostAccumulator:
         elif ts.sharding in ("table_wise", "column_wise"):
             for sh in ts.shards:
                 self._add_whole_rows(spec, sh)
-        else:
-            holders = [sh.rank for sh in ts.shards]
-            for sh in ts.shards:
-                p = dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
-                self.add_row_holder(spec, sh.rank, p, len(holders), ts.sharding)
-            for q in range(self.R):
-                self._add_pooled_slices(spec, q, holders, spec.embedding_dim, ts.sharding)
+        else:  # row_wise, table_row_wise, grid_shard (one table-row-wise part per slice)
+            kind = "table_row_wise" if ts.sharding == "grid_shard" else ts.sharding
+            for a, b, shards in ts.column_slices():
+                holders = [sh.rank for sh in shards]
+                for sh in shards:
+                    p = dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
+                    self.add_row_holder(spec, sh.rank, p, len(holders), kind, b - a)
+                for q in range(self.R):
+                    self._add_pooled_slices(spec, q, holders, b - a, kind)
 
     def _add_replicas(self, spec: TableSpec) -> None:
         m, R = self.model, self.R
@@ -280,14 +284,16 @@ class CostAccumulator:
                 )
 
     def row_holder_terms(
-        self, spec: TableSpec, p: float, k: int, sharding: str
+        self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None
     ) -> dict[str, float]:
-        """Terms of a rank holding a row block with lookup share ``p``, one of ``k`` holders."""
+        """Terms of a rank holding a row block with lookup share ``p``, one of ``k`` holders,
+        ``cols`` columns wide (default: all D; a grid-shard slice is narrower)."""
         m, R, B = self.model, self.R, self.model.batch_size
-        L, F, D, o = spec.ids_per_sample, len(spec.features), spec.embedding_dim, m.output_bytes
+        L, F, o = spec.ids_per_sample, len(spec.features), m.output_bytes
+        D = spec.embedding_dim if cols is None else cols
         lookups = R * B * L * p
         inp = (R - 1) * B * (L * p * m.index_bytes + F * m.length_bytes)
-        if sharding == "table_row_wise":
+        if sharding in ("table_row_wise", "grid_shard"):
             intra = 2.0 * (k - 1) * R * B / k * D * o  # reduce-scatter + all-gather in the host
             back = R * B / k * D * o  # gradients of this holder's sample slice, from all ranks
             out, inter = intra + back, (inp + back) * self._from_all()
@@ -302,8 +308,10 @@ class CostAccumulator:
             "inter_host_bytes": inter,
         }
 
-    def add_row_holder(self, spec: TableSpec, rank: int, p: float, k: int, sharding: str) -> None:
-        self.add(rank, **self.row_holder_terms(spec, p, k, sharding))
+    def add_row_holder(
+        self, spec: TableSpec, rank: int, p: float, k: int, sharding: str, cols: int
+    ) -> None:
+        self.add(rank, **self.row_holder_terms(spec, p, k, sharding, cols))
 
     def _add_pooled_slices(
         self, spec: TableSpec, q: int, holders: Sequence[int], c: int, sharding: str

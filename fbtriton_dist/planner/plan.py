@@ -7,7 +7,10 @@ The data structure the sharded module consumes, deliberately plain::
     Shard(rank, row_start, row_end, col_start, col_end)     # half-open ranges
 
 Row-wise and table-row-wise tables keep their shards in row order, so ``row_boundaries``
-is what input dist bucketizes ids with. A data-parallel table has one full shard per rank.
+is what input dist bucketizes ids with. A grid-shard table is cut into column slices, each
+table-row-wise on the ranks of one host (TorchRec's ``grid_shard``); its shards are listed
+slice by slice, each slice in row order (``column_slices``). A data-parallel table has one
+full shard per rank.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ __all__ = [
     "TableSharding",
 ]
 
-ShardingType = Literal["row_wise", "table_wise", "column_wise", "table_row_wise", "data_parallel"]
+ShardingType = Literal[
+    "row_wise", "table_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel"
+]
 SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__  # type: ignore[attr-defined]
 PLAN_VERSION = 1
 GiB = 1024**3
@@ -128,9 +133,19 @@ class TableSharding:
     def row_boundaries(self) -> tuple[int, ...]:
         """Sorted distinct row cuts ``(0, ..., E)``; block k is rows ``[b[k], b[k+1])``.
 
-        For table-wise, column-wise and data-parallel tables this is ``(0, E)``.
+        For table-wise, column-wise and data-parallel tables this is ``(0, E)``; a grid-shard
+        table has one set per column slice (see ``column_slices``).
         """
         return tuple(sorted({0, self.num_embeddings, *(s.row_start for s in self.shards)}))
+
+    def column_slices(self) -> tuple[tuple[int, int, tuple[Shard, ...]], ...]:
+        """``(col_start, col_end, shards)`` per distinct column range, in column order; the
+        shards of a slice keep their listed (row) order."""
+        ranges = sorted({(s.col_start, s.col_end) for s in self.shards})
+        return tuple(
+            (a, b, tuple(s for s in self.shards if (s.col_start, s.col_end) == (a, b)))
+            for a, b in ranges
+        )
 
     def validate(self, world_size: int, local_world_size: int) -> list[str]:
         """Every problem of this table's shards, one message each (empty when valid)."""
@@ -191,6 +206,29 @@ def _validate_shape(t: TableSharding, local_world_size: int, where: str) -> list
             ]
     if t.sharding == "column_wise" and not full_rows:
         return [f"{where}: every shard must span all {t.num_embeddings} rows"]
+    if t.sharding == "grid_shard":
+        return _validate_grid(t, local_world_size, where)
+    return []
+
+
+def _validate_grid(t: TableSharding, local_world_size: int, where: str) -> list[str]:
+    """Column slices that do not overlap, listed slice by slice in row order, each on one host."""
+    slices = t.column_slices()
+    for (a, b, _), (c, d, _) in zip(slices, slices[1:], strict=False):
+        if c < b:
+            return [f"{where}: column slices overlap: cols {a}..{b} and cols {c}..{d}"]
+    order = [(s.col_start, s.row_start) for s in t.shards]
+    if order != sorted(order):
+        return [
+            f"{where}: shards must be listed slice by slice (by col_start), each in increasing "
+            f"row order, got (col_start, row_start) {order}"
+        ]
+    for a, b, shards in slices:
+        if len({s.rank // local_world_size for s in shards}) != 1:
+            return [
+                f"{where}: the shards of column slice {a}..{b} must stay on the ranks of one host "
+                f"(local_world_size={local_world_size}), got ranks {[s.rank for s in shards]}"
+            ]
     return []
 
 

@@ -110,3 +110,29 @@ def test_zipf_cdf_matches_exact_sum():
     assert z.cdf(10_000_000_000, 1) == pytest.approx(1 / generalized_harmonic(1e10, alpha))
     r = z.inverse_cdf(E, 0.5)
     assert z.cdf(E, r) <= 0.5 < z.cdf(E, r + 1)
+
+
+def test_grid_shard_by_hand():
+    # two slices of 8 columns: cols 0..8 on host 0 (ranks 0, 1), cols 8..16 on host 1 (2, 3)
+    shards = [
+        Shard(rank=0, row_start=0, row_end=250, col_start=0, col_end=8),
+        Shard(rank=1, row_start=250, row_end=1000, col_start=0, col_end=8),
+        Shard(rank=2, row_start=0, row_end=500, col_start=8, col_end=16),
+        Shard(rank=3, row_start=500, row_end=1000, col_start=8, col_end=16),
+    ]
+    spec, plan = one_table("grid_shard", shards, R=4, H=2)
+    plan.validate([spec])
+    cost = evaluate(plan, [spec], model=CostModel(batch_size=B))
+    r0 = cost.ranks[0]
+    assert r0.weight_bytes == 250 * 8 * 2 and r0.state_bytes == 250 * 4
+    # a quarter of all R*B*L = 32 ids, 8 columns wide
+    assert r0.lookups == pytest.approx(8.0) and r0.lookup_bytes == pytest.approx(8 * 8 * 2)
+    # every slice gathers every id once: the table's lookups counted once per slice
+    assert sum(r.lookups for r in cost.ranks) == pytest.approx(2 * 4 * B * 2)
+    inp = 3 * B * (2 * 0.25 * 8 + 1 * 4)
+    assert r0.input_dist_bytes == pytest.approx(inp)
+    # in-host reduce-scatter + all-gather 2(k-1)R*B/k*c*o, gradients of its sample slice
+    # R*B/k*c*o, and the pooled 8 columns of the other slice from host 1
+    back = 4 * B / 2 * 8 * 4
+    assert r0.output_dist_bytes == pytest.approx(2 * 1 * 4 * B / 2 * 8 * 4 + back + B * 8 * 4)
+    assert r0.inter_host_bytes == pytest.approx((inp + back) * 2 / 3 + B * 8 * 4)

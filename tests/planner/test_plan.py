@@ -154,7 +154,7 @@ def test_yaml_round_trip(tmp_path):
             "world_size: 2\nlocal_world_size: 2\ntables:\n- {name: a, sharding: rowwise, "
             "num_embeddings: 4, embedding_dim: 2, shards: [{rank: 0, rows: [0, 4], cols: [0, 2]}]}",
             "tables[0].sharding: expected one of [row_wise, table_wise, column_wise, "
-            "table_row_wise, data_parallel], got 'rowwise'",
+            "table_row_wise, grid_shard, data_parallel], got 'rowwise'",
         ),
         (
             "world_size: 2\nlocal_world_size: 2\ntables:\n- {name: a, sharding: row_wise, "
@@ -175,3 +175,31 @@ def test_yaml_errors(tmp_path, text, message):
         ShardingPlan.load_yaml(path)
     assert str(e.value).startswith(str(path))
     assert message in str(e.value)
+
+
+def cols(rank, a, b, c0, c1):
+    return Shard(rank=rank, row_start=a, row_end=b, col_start=c0, col_end=c1)
+
+
+def test_grid_shard_slices_each_on_one_host():
+    good = [
+        cols(0, 0, 50, 0, 4),
+        cols(1, 50, 100, 0, 4),
+        cols(2, 0, 30, 4, 8),
+        cols(3, 30, 100, 4, 8),
+    ]
+    t = table(sharding="grid_shard", shards=good)
+    plan(t, R=4, H=2).validate()
+    slices = [(a, b, [s.rank for s in sh]) for a, b, sh in t.column_slices()]
+    assert slices == [(0, 4, [0, 1]), (4, 8, [2, 3])]
+    spread = [cols(0, 0, 50, 0, 4), cols(2, 50, 100, 0, 4), cols(1, 0, 100, 4, 8)]
+    msg = problems(plan(table(sharding="grid_shard", shards=spread), R=4, H=2))
+    assert (
+        "the shards of column slice 0..4 must stay on the ranks of one host "
+        "(local_world_size=2), got ranks [0, 2]"
+    ) in msg
+    msg = problems(plan(table(sharding="grid_shard", shards=good[2:] + good[:2]), R=4, H=2))
+    assert "shards must be listed slice by slice (by col_start), each in increasing row" in msg
+    overlap = [cols(0, 0, 100, 0, 6), cols(2, 0, 100, 4, 8)]
+    msg = problems(plan(table(sharding="grid_shard", shards=overlap), R=4, H=2))
+    assert "column slices overlap: cols 0..6 and cols 4..8" in msg

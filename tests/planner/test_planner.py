@@ -108,9 +108,44 @@ def test_ten_billion_rows_planned_across_ranks():
     plan = p.plan(ts.tables, ts.constraints, ts.stats)
     plan.validate(ts.tables, budget_bytes=p.budget_bytes)
     ad = plan.table("ad_id")
-    assert ad.sharding in ("row_wise", "table_row_wise") and len(ad.shards) > 8
+    assert ad.sharding in ("row_wise", "table_row_wise", "grid_shard") and len(ad.shards) > 8
     cost = p.cost(plan, ts.tables, ts.stats)
     assert max(r.memory_bytes for r in cost.ranks) <= p.budget_bytes
+
+
+def test_grid_shard_needs_two_hosts():
+    t = [spec("big", 1_000_000, D=128, L=50)]
+    only_grid = {"big": TableConstraints(sharding=("grid_shard",))}
+    assert planner(8).plan(t, only_grid).table("big").sharding == "row_wise"  # one host
+    p = planner(16, 8)
+    plan = p.plan(t, only_grid)
+    plan.validate(t, budget_bytes=p.budget_bytes)
+    g = plan.table("big")
+    assert g.sharding == "grid_shard"
+    assert [(a, b, len({s.rank // 8 for s in sh})) for a, b, sh in g.column_slices()] == [
+        (0, 64, 1),
+        (64, 128, 1),
+    ]
+
+
+def test_criteo_64_grid_shards_the_heavy_table():
+    # t_cat_20 (L = 100) alone costs more than a mean rank on whichever host holds it; grid
+    # sharding it over several hosts lowers the step time and the imbalance
+    ts = load_tables(CONFIGS / "criteo_terabyte.yaml")
+    p = planner(64, 8)
+    plan = p.plan(ts.tables, ts.constraints, ts.stats)
+    plan.validate(ts.tables, budget_bytes=p.budget_bytes)
+    assert plan.table("t_cat_20").sharding == "grid_shard"
+    no_grid = {
+        "t_cat_20": TableConstraints(
+            sharding=("row_wise", "table_wise", "column_wise", "table_row_wise")
+        )
+    }
+    old = p.plan(ts.tables, no_grid, ts.stats)
+    assert old.table("t_cat_20").sharding == "table_row_wise"
+    new_cost, old_cost = p.cost(plan, ts.tables, ts.stats), p.cost(old, ts.tables, ts.stats)
+    assert new_cost.max() < 0.8 * old_cost.max()
+    assert new_cost.imbalance() < 1.15 < old_cost.imbalance()
 
 
 def test_does_not_fit_at_all_explains_totals():

@@ -70,7 +70,7 @@ tables:
         (
             "- {name: a, num_embeddings: 10, embedding_dim: 4, features: [f], sharding: rowwise}",
             "tables[0].sharding[0]: expected one of [row_wise, table_wise, column_wise, "
-            "table_row_wise, data_parallel], got 'rowwise'",
+            "table_row_wise, grid_shard, data_parallel], got 'rowwise'",
         ),
         (
             "- {name: a, num_embeddings: 0, embedding_dim: 4, features: [f]}",
