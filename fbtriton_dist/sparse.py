@@ -6,6 +6,7 @@ Everything else in the package speaks FBGEMM's TBE batch: ``indices`` [N], ``off
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -63,17 +64,30 @@ def kjt_to_batch(
         )
     per_key = lengths.view(T, B).sum(dim=1).tolist() if T else []
     if sum(per_key) != values.numel():
-        ends = torch.tensor(per_key).cumsum(0).tolist()
+        ends = list(accumulate(per_key))
         bad = next((k for k, e in zip(keys, ends, strict=True) if e > values.numel()), keys[-1])
         raise ValueError(
             f"KeyedJaggedTensor feature '{bad}': lengths add up to {sum(per_key)} ids in all, "
             f"but values holds {values.numel()}"
         )
     if keys != list(feature_names):
+        # reorder the per-feature segments with plain torch ops (KJT.permute needs fbgemm's
+        # CUDA ops on GPU tensors); a feature may be asked for twice (two tables)
         order = [keys.index(f) for f in feature_names]
-        features = features.permute(order)
-        lengths, values = features.lengths(), features.values()
-        weights = features.weights_or_none()
+        starts = [0, *accumulate(per_key)]
+        new_sizes = [per_key[k] for k in order]
+        new_starts = [0, *accumulate(new_sizes)]
+        shift = torch.tensor(
+            [starts[k] - new_starts[i] for i, k in enumerate(order)], device=values.device
+        )
+        n_new = sum(new_sizes)
+        gather = torch.arange(n_new, device=values.device) + torch.repeat_interleave(
+            shift, torch.tensor(new_sizes, device=values.device), output_size=n_new
+        )
+        lengths = lengths.view(T, B)[torch.tensor(order, device=lengths.device)].reshape(-1)
+        values = values[gather]
+        weights = weights[gather] if weights is not None else None
+        T = len(order)
     offsets = torch.zeros(T * B + 1, dtype=lengths.dtype, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return JaggedBatch(

@@ -378,3 +378,16 @@ def test_cuda_move_runs_triton():
     torch.testing.assert_close(
         ours(kjt.to(torch.device("cuda"))).values().cpu(), theirs(kjt).values()
     )
+
+
+def test_kjt_reorder_matches_torchrec_permute_with_weights_and_repeats():
+    from fbtriton_dist.sparse import kjt_to_batch
+
+    kjt = _kjt(_configs("shared-mixed-mean"), B=4, weighted=True, seed=3)
+    names = ["g", "u1", "i", "u2", "u1"]  # any order, one feature twice
+    batch = kjt_to_batch(kjt, names, weighted=True)
+    expected = kjt.permute([kjt.keys().index(f) for f in names])
+    assert torch.equal(batch.indices, expected.values())
+    assert torch.equal(batch.per_sample_weights, expected.weights())
+    assert torch.equal(batch.offsets, expected.offsets())
+    assert batch.batch_size == 4
