@@ -1,4 +1,4 @@
-"""The ``fbtriton-dist`` command: one argparse subcommand per task (``plan``; ``train`` later).
+"""The ``fbtriton-dist`` command: one argparse subcommand per task (``plan``, ``train``).
 
 Exit status: 0 done, 1 the tables do not fit (the message says which table and by how much),
 2 bad input (a YAML error names the file, the key path and the valid choices).
@@ -117,12 +117,34 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from fbtriton_dist.train.config import add_arguments  # torch-free
+
+    p = sub.add_parser(
+        "train",
+        help="train a DLRM job from a YAML file (torchrun for several ranks)",
+        description=(
+            "Train the job described by JOB.yaml (configs/jobs/, docs/training.md): in this "
+            "process, or under torchrun on every rank. Same as python -m fbtriton_dist.train."
+        ),
+    )
+    add_arguments(p)
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from fbtriton_dist.train.job import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)
+    _add_train(sub)
     return parser
 
 

@@ -1,0 +1,568 @@
+"""The training job's YAML file as frozen dataclasses, and the command-line arguments of a job.
+
+A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
+
+    name: quickstart                 # default: the file's stem; the run folder is runs/<name>
+    seed: 0
+    deterministic: true              # torch.use_deterministic_algorithms, exact resume
+    device: auto                     # auto | cpu | cuda
+    backend: auto                    # TBE backend: auto | reference | triton
+    tables: ../tables/small.yaml     # a table-set file (relative to this file), or a list of
+                                     # table entries in the table-set schema (docs/planner.md)
+    model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
+    data:
+      source: synthetic              # synthetic | random_rec | criteo
+      num_dense: 13
+      synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5}
+      random_rec: {ids_per_feature: null, num_generated_batches: 10}
+      criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
+    sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null}
+    optimizer:
+      embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
+      dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
+    train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4}
+    checkpoint: {enabled: true, dir: null, every: 100, keep: 2}
+    logging: {run_dir: null, metrics: metrics.jsonl, log_every: 10, progress_bar: true,
+              tensorboard: null}
+
+Errors name the file, the key path and the valid choices, e.g.
+``configs/jobs/x.yaml: optimizer.embedding.type: expected one of [sgd, adagrad, ...], got 'ada'``.
+Never imports torch: ``fbtriton-dist plan`` and argument parsing stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from fbtriton_dist.planner import ConfigError, FieldError, TableSet, load_tables
+from fbtriton_dist.planner._yaml import (
+    build,
+    check_choice,
+    check_int,
+    check_name,
+    check_number,
+    expect_mapping,
+    read_yaml,
+)
+from fbtriton_dist.planner.tables import table_set_from_dict
+
+__all__ = [
+    "CheckpointConfig",
+    "CriteoConfig",
+    "DataConfig",
+    "DenseOptimizerConfig",
+    "EmbeddingOptimizerConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RandomRecConfig",
+    "ShardingConfig",
+    "SyntheticConfig",
+    "TrainConfig",
+    "add_arguments",
+    "job_from_dict",
+    "load_job",
+]
+
+EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
+DataSource = Literal["synthetic", "random_rec", "criteo"]
+CRITEO_DENSE, CRITEO_SPARSE = 13, 26
+
+
+def _choices(lit: Any) -> tuple[str, ...]:
+    return lit.__args__
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise FieldError(name, f"expected true or false, got {value!r}")
+
+
+def _check_optional(check: Callable[..., None], name: str, value: Any, *args: Any) -> None:
+    if value is not None:
+        check(name, value, *args)
+
+
+def _ints(value: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise FieldError(key, f"expected a non-empty list of integers, got {value!r}")
+    for i, v in enumerate(value):
+        check_int(f"{key}[{i}]", v, 1)
+    return tuple(value)
+
+
+def _strings(value: Any, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a path or a list of paths, got {value!r}")
+    for i, v in enumerate(value):
+        check_name(f"{key}[{i}]", v)
+    return tuple(value)
+
+
+def _numbers_by_name(value: Any, key: str) -> Mapping[str, float]:
+    if not isinstance(value, Mapping):
+        raise FieldError(key, f"expected a mapping of feature name to number, got {value!r}")
+    for name, v in value.items():
+        check_number(f"{key}.{name}", v, 0.0)
+    return dict(value)
+
+
+def _pair(value: Any, key: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise FieldError(key, f"expected a list of two numbers, got {value!r}")
+    for i, v in enumerate(value):
+        check_number(f"{key}[{i}]", v, 0.0)
+    return (value[0], value[1])
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    """``torchrec.models.dlrm.DLRM`` around the EmbeddingBagCollection."""
+
+    dense_arch: tuple[int, ...] = (64, 16)
+    """Layer sizes of the MLP over the dense features; the last must equal every table's D."""
+    over_arch: tuple[int, ...] = (64, 1)
+    """Layer sizes of the MLP over the interactions; at least two, the last is 1 (the logit)."""
+
+    def __post_init__(self) -> None:
+        if len(self.over_arch) < 2 or self.over_arch[-1] != 1:
+            raise FieldError(
+                "over_arch", f"expected at least two layer sizes ending in 1, got {self.over_arch}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class SyntheticConfig:
+    """Zipf ids, Poisson bag lengths around each feature's pooling factor, learnable labels."""
+
+    zipf: float = 1.05
+    """Zipf exponent of features whose table has no ``id_distribution: {kind: zipf}``."""
+    zipf_per_feature: Mapping[str, float] = field(default_factory=dict)
+    """Exponent per feature name, overriding the above and the table set."""
+    noise: float = 0.5
+    """Std of the Gaussian noise added to the hidden logit (0: labels fully learnable)."""
+
+    def __post_init__(self) -> None:
+        check_number("zipf", self.zipf, 0.0)
+        check_number("noise", self.noise, 0.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RandomRecConfig:
+    """``torchrec.datasets.random.RandomRecDataset`` (uniform ids, random labels)."""
+
+    ids_per_feature: int | None = None
+    """Ids per bag; None: each feature's pooling factor, rounded, at least 1."""
+    num_generated_batches: int = 10
+    """Distinct batches it generates and then cycles through."""
+
+    def __post_init__(self) -> None:
+        _check_optional(check_int, "ids_per_feature", self.ids_per_feature, 1)
+        check_int("num_generated_batches", self.num_generated_batches, 1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CriteoConfig:
+    """Criteo click-logs TSV files: label, 13 integer and 26 hex categorical columns."""
+
+    train: tuple[str, ...]
+    """Training files, read in this order (relative paths: from the job file's folder)."""
+    eval: tuple[str, ...] = ()
+    """Evaluation files; empty: no evaluation."""
+    features: tuple[str, ...] = ()
+    """Feature name of each categorical column C1..C26; empty: the tables' features in order."""
+
+    def __post_init__(self) -> None:
+        if not self.train:
+            raise FieldError("train", "expected at least one file")
+        if self.features and len(self.features) != CRITEO_SPARSE:
+            raise FieldError(
+                "features", f"expected {CRITEO_SPARSE} names (C1..C26), got {len(self.features)}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Where batches come from; only the section of ``source`` is used."""
+
+    source: DataSource = "synthetic"
+    """``synthetic``, ``random_rec`` or ``criteo``."""
+    num_dense: int = CRITEO_DENSE
+    """Dense features per sample (13 for Criteo)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    """Options of ``source: synthetic``."""
+    random_rec: RandomRecConfig = field(default_factory=RandomRecConfig)
+    """Options of ``source: random_rec``."""
+    criteo: CriteoConfig | None = None
+    """Options of ``source: criteo`` (required with it)."""
+
+    def __post_init__(self) -> None:
+        check_choice("source", self.source, _choices(DataSource))
+        check_int("num_dense", self.num_dense, 1)
+        if self.source == "criteo":
+            if self.criteo is None:
+                raise FieldError("criteo", "required with source: criteo (train: [files])")
+            if self.num_dense != CRITEO_DENSE:
+                raise FieldError(
+                    "num_dense",
+                    f"expected {CRITEO_DENSE} with source: criteo, got {self.num_dense}",
+                )
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShardingConfig:
+    """How the tables are sharded: a plan file, or the planner's options."""
+
+    plan: str | None = None
+    """A plan YAML (``fbtriton-dist plan --out``) for exactly this world size; None: plan."""
+    hbm_gb: float = 80.0
+    """Device memory per rank in GiB."""
+    reserved: float = 0.1
+    """Share of it kept for the dense model and buffers."""
+    row_cuts: Literal["balanced", "equal"] = "balanced"
+    """Skew-aware row cuts or equal row blocks."""
+    local_world_size: int | None = None
+    """Ranks per host; None: torchrun's LOCAL_WORLD_SIZE."""
+
+    def __post_init__(self) -> None:
+        _check_optional(check_name, "plan", self.plan)
+        check_number("hbm_gb", self.hbm_gb, 0.0, strict=True)
+        check_number("reserved", self.reserved, 0.0)
+        if self.reserved >= 1:
+            raise FieldError("reserved", f"expected a number < 1, got {self.reserved}")
+        check_choice("row_cuts", self.row_cuts, ("balanced", "equal"))
+        _check_optional(check_int, "local_world_size", self.local_world_size, 1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmbeddingOptimizerConfig:
+    """The fused optimizer of every table (``apply_optimizer_in_backward``)."""
+
+    type: EmbeddingOptimizer = "rowwise_adagrad"
+    """``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``."""
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float | None = None
+    """Denominator epsilon; None: the optimizer's default."""
+    weight_decay: float = 0.0
+    """L2 weight decay (``rowwise_adagrad`` only)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decays."""
+
+    def __post_init__(self) -> None:
+        check_choice("type", self.type, _choices(EmbeddingOptimizer))
+        check_number("lr", self.lr, 0.0)
+        _check_optional(check_number, "eps", self.eps, 0.0)
+        check_number("weight_decay", self.weight_decay, 0.0)
+        if self.weight_decay and self.type != "rowwise_adagrad":
+            raise FieldError(
+                "weight_decay", f"only supported with type: rowwise_adagrad, got type: {self.type}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class DenseOptimizerConfig:
+    """The torch optimizer of the dense parameters."""
+
+    type: DenseOptimizer = "adagrad"
+    """``sgd``, ``adagrad``, ``adam`` or ``adamw``."""
+    lr: float = 0.01
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decays."""
+    eps: float | None = None
+    """Denominator epsilon; None: the optimizer's default."""
+
+    def __post_init__(self) -> None:
+        check_choice("type", self.type, _choices(DenseOptimizer))
+        for name in ("lr", "weight_decay", "momentum"):
+            check_number(name, getattr(self, name), 0.0)
+        _check_optional(check_number, "eps", self.eps, 0.0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    embedding: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    """Fused embedding optimizer."""
+    dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    """Dense optimizer."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    steps: int | None = None
+    """Stop after this many steps (in all; a resumed job counts the steps already done)."""
+    epochs: int | None = None
+    """Stop after this many passes over the data (Criteo files); None: only ``steps``."""
+    batch_size: int = 256
+    """B, samples per rank per step."""
+    eval_every: int = 0
+    """Evaluate every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Batches per rank in one evaluation (0: never evaluate)."""
+
+    def __post_init__(self) -> None:
+        _check_optional(check_int, "steps", self.steps, 1)
+        _check_optional(check_int, "epochs", self.epochs, 1)
+        if self.steps is None and self.epochs is None:
+            raise FieldError("steps", "give steps or epochs (or both)")
+        check_int("batch_size", self.batch_size, 1)
+        check_int("eval_every", self.eval_every, 0)
+        check_int("eval_batches", self.eval_batches, 0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    """Save checkpoints (every ``every`` steps and at the end)."""
+    dir: str | None = None
+    """Where; None: ``<run_dir>/checkpoints``."""
+    every: int = 0
+    """Save every this many steps (0: only at the end)."""
+    keep: int = 2
+    """Keep the newest this many complete checkpoints."""
+
+    def __post_init__(self) -> None:
+        _check_bool("enabled", self.enabled)
+        _check_optional(check_name, "dir", self.dir)
+        check_int("every", self.every, 0)
+        check_int("keep", self.keep, 1)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig:
+    run_dir: str | None = None
+    """Run folder (plan.yaml, metrics, checkpoints); None: ``runs/<name>``."""
+    metrics: str = "metrics.jsonl"
+    """Metrics JSONL file, relative to ``run_dir``."""
+    log_every: int = 10
+    """Write a train record every this many steps."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar (rank 0)."""
+    tensorboard: str | None = None
+    """TensorBoard log folder, relative to ``run_dir``; None: off."""
+
+    def __post_init__(self) -> None:
+        _check_optional(check_name, "run_dir", self.run_dir)
+        check_name("metrics", self.metrics)
+        check_int("log_every", self.log_every, 1)
+        _check_bool("progress_bar", self.progress_bar)
+        _check_optional(check_name, "tensorboard", self.tensorboard)
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobConfig:
+    """One training job; ``base_dir`` is the job file's folder (relative paths start there)."""
+
+    name: str
+    """Job name (default: the file's stem)."""
+    tables: TableSet
+    """The embedding tables, with their pooling factors and id distributions."""
+    base_dir: str = "."
+    """The job file's folder."""
+    seed: int = 0
+    """Seeds the model's initial weights and the synthetic data."""
+    deterministic: bool = False
+    """``torch.use_deterministic_algorithms(True)``: a resumed run repeats the same losses."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: cuda (LOCAL_RANK's GPU) when available, else cpu."""
+    backend: Literal["auto", "reference", "triton"] = "auto"
+    """TBE backend."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        check_name("name", self.name)
+        check_int("seed", self.seed, 0)
+        _check_bool("deterministic", self.deterministic)
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("backend", self.backend, ("auto", "reference", "triton"))
+        dims = {t.name: t.embedding_dim for t in self.tables.tables}
+        D = self.model.dense_arch[-1]
+        wrong = {n: d for n, d in dims.items() if d != D}
+        if wrong:
+            raise FieldError(
+                "model.dense_arch",
+                f"DLRM needs every table's embedding_dim == dense_arch[-1] = {D}; "
+                f"tables {wrong} differ",
+            )
+        features = [f for t in self.tables.tables for f in t.features]
+        unknown = [f for f in self.data.synthetic.zipf_per_feature if f not in features]
+        if unknown:
+            raise FieldError(
+                f"data.synthetic.zipf_per_feature.{unknown[0]}",
+                f"not a feature of the tables, expected one of [{', '.join(features)}]",
+            )
+        criteo = self.data.criteo
+        if self.data.source == "criteo" and criteo is not None:
+            if not criteo.features and len(features) != CRITEO_SPARSE:
+                raise FieldError(
+                    "data.criteo.features",
+                    f"the tables have {len(features)} features, Criteo has {CRITEO_SPARSE} "
+                    "categorical columns: list the feature of each column",
+                )
+            bad = [f for f in criteo.features if f not in features]
+            if bad:
+                raise FieldError(
+                    "data.criteo.features",
+                    f"{bad[0]!r} is not a feature of the tables, expected one of "
+                    f"[{', '.join(features)}]",
+                )
+            missing = [f for f in features if criteo.features and f not in criteo.features]
+            if missing:
+                raise FieldError(
+                    "data.criteo.features", f"no column for the tables' feature(s) {missing}"
+                )
+        if self.train.steps is None and self.data.source != "criteo":
+            raise FieldError("train.steps", f"required with data.source: {self.data.source}")
+
+    def path(self, p: str) -> str:
+        """``p`` relative to the job file's folder (absolute paths unchanged)."""
+        return p if os.path.isabs(p) else os.path.normpath(os.path.join(self.base_dir, p))
+
+    @property
+    def run_dir(self) -> str:
+        return self.logging.run_dir or os.path.join("runs", self.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+
+
+def _section(cls: type, where: str, convert: Mapping[str, Callable] | None = None) -> Callable:
+    def make(value: Any, key: str) -> Any:
+        return build(cls, value if value is not None else {}, where, key, convert=convert)
+
+    return make
+
+
+def _tables(where: str, base_dir: str) -> Callable[[Any, str], TableSet]:
+    def make(value: Any, key: str) -> TableSet:
+        if isinstance(value, str):
+            path = value if os.path.isabs(value) else os.path.join(base_dir, value)
+            return load_tables(os.path.normpath(path))
+        if isinstance(value, list):
+            return table_set_from_dict({"tables": value}, where)
+        raise FieldError(key, f"expected a table-set file path or a list of tables, got {value!r}")
+
+    return make
+
+
+def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobConfig:
+    """Build a :class:`JobConfig` from the YAML mapping ``data`` found in ``where``."""
+    top = dict(expect_mapping(where, "", data))
+    name = top.pop("name", None)
+    if name is None:
+        name = os.path.splitext(os.path.basename(where))[0] if where != "<job>" else "job"
+    converters: dict[str, Callable] = {
+        "tables": _tables(where, base_dir),
+        "model": _section(ModelConfig, where, {"dense_arch": _ints, "over_arch": _ints}),
+        "data": _section(
+            DataConfig,
+            where,
+            {
+                "synthetic": _section(
+                    SyntheticConfig, where, {"zipf_per_feature": _numbers_by_name}
+                ),
+                "random_rec": _section(RandomRecConfig, where),
+                "criteo": _section(
+                    CriteoConfig,
+                    where,
+                    {"train": _strings, "eval": _strings, "features": _strings},
+                ),
+            },
+        ),
+        "sharding": _section(ShardingConfig, where),
+        "optimizer": _section(
+            OptimizerConfig,
+            where,
+            {
+                "embedding": _section(EmbeddingOptimizerConfig, where, {"betas": _pair}),
+                "dense": _section(DenseOptimizerConfig, where, {"betas": _pair}),
+            },
+        ),
+        "train": _section(TrainConfig, where),
+        "checkpoint": _section(CheckpointConfig, where),
+        "logging": _section(LoggingConfig, where),
+    }
+    top.setdefault("train", {})
+    return build(
+        JobConfig, top, where, "", convert=converters, extra={"name": name, "base_dir": base_dir}
+    )
+
+
+def apply_overrides(data: Any, overrides: Sequence[str], where: str) -> dict[str, Any]:
+    """``key.path=value`` assignments (value parsed as YAML) applied to the job mapping."""
+    out = dict(expect_mapping(where, "", data or {}))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(
+                "command line", item, "expected an override KEY.PATH=VALUE, e.g. train.steps=50"
+            )
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError("command line", key, f"value is not valid YAML: {text!r}") from e
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, Mapping):
+                raise ConfigError(
+                    "command line", ".".join(parts[: i + 1]), "is not a mapping in the job file"
+                )
+            node[part] = child = dict(child)
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_job(
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), steps: int | None = None
+) -> JobConfig:
+    """Read a job YAML file (``yaml.safe_load``) with ``key.path=value`` overrides applied."""
+    where = os.fspath(path)
+    data = read_yaml(where)
+    if steps is not None:
+        overrides = [*overrides, f"train.steps={steps}"]
+    if overrides:
+        data = apply_overrides(data, overrides, where)
+    return job_from_dict(data, where, os.path.dirname(os.path.abspath(where)))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``train`` command's arguments (``python -m fbtriton_dist.train``, ``fbtriton-dist
+    train``)."""
+    p.add_argument("--config", required=True, metavar="JOB.yaml", help="job file (configs/jobs/)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint"
+    )
+    p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY.PATH=VALUE",
+        help="override job keys, e.g. train.batch_size=512 optimizer.dense.lr=0.1",
+    )

@@ -1,0 +1,365 @@
+"""Data sources of the training job; each yields :class:`Batch` es of this rank's samples.
+
+* :class:`SyntheticSource`: Zipf ids, Poisson bag lengths around each feature's pooling factor,
+  Gaussian dense features, and labels from a hidden function of dense and sparse inputs (so the
+  loss can go down). Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)``.
+* :class:`RandomRecSource`: TorchRec's ``RandomRecDataset`` (uniform ids, random labels).
+* :class:`CriteoSource`: Criteo click-logs TSV lines (label, 13 integer, 26 hex categorical
+  columns; any column may be empty), line ``g`` of an epoch going to rank ``g % R``.
+
+Every source has ``train_batches(position)`` yielding ``(batch, position after it)`` until the
+epoch ends (synthetic ones never end) and ``eval_batches(n)``. A :class:`DataPosition` counts the
+samples consumed by all ranks in the current epoch, so a resumed job -- even on another number
+of ranks -- continues where the checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from fbtriton_dist.planner import TableSet
+
+from .config import CRITEO_DENSE, CRITEO_SPARSE, CriteoConfig, DataConfig, RandomRecConfig
+
+__all__ = [
+    "Batch",
+    "CriteoSource",
+    "DataPosition",
+    "FeatureSpec",
+    "RandomRecSource",
+    "SyntheticSource",
+    "feature_specs",
+    "make_source",
+    "parse_criteo_line",
+    "zipf_ids",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """B samples of one rank."""
+
+    dense: torch.Tensor
+    """[B, num_dense] float32 dense features."""
+    sparse: KeyedJaggedTensor
+    """Ids of every feature, B bags each."""
+    labels: torch.Tensor
+    """[B] float32 click labels in {0, 1}."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.labels.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the data stream is: samples consumed by all ranks so far in epoch ``epoch``."""
+
+    epoch: int = 0
+    samples: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "samples": self.samples}
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One sparse feature as the data sources see it."""
+
+    name: str
+    num_rows: int
+    """E of the feature's table: ids are in [0, E)."""
+    pooling_factor: float
+    """L, mean ids per bag."""
+    zipf: float
+    """Zipf exponent of the ids (0: uniform)."""
+
+
+def feature_specs(tables: TableSet, data: DataConfig) -> list[FeatureSpec]:
+    """Every feature of ``tables`` in table order, with its rows, pooling factor and exponent
+    (``data.synthetic.zipf_per_feature``, else the table's ``id_distribution``, else
+    ``data.synthetic.zipf``)."""
+    out = []
+    for t in tables.tables:
+        stats = tables.stats.get(t.name)
+        alpha = data.synthetic.zipf
+        if stats is not None and stats.kind in ("zipf", "uniform"):
+            alpha = stats.alpha if stats.kind == "zipf" else 0.0
+        for i, f in enumerate(t.features):
+            L = t.pooling_factors[i] if t.pooling_factors else 1.0
+            a = data.synthetic.zipf_per_feature.get(f, alpha)
+            out.append(FeatureSpec(name=f, num_rows=t.num_embeddings, pooling_factor=L, zipf=a))
+    return out
+
+
+def zipf_ids(E: int, n: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
+    """``n`` ids in [0, E), row 0 hottest, ``P(id >= k) ~ (k + 1) ** (1 - alpha)``.
+
+    Inverse-CDF sampling of the continuous bounded power law on [1, E + 1), floored: O(n)
+    whatever E is (no E-sized table), close to the discrete Zipf(alpha) the planner assumes.
+    """
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    top = float(E + 1)
+    if abs(alpha - 1.0) < 1e-9:
+        x = top**u
+    else:
+        p = 1.0 - alpha
+        x = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
+    return (x.floor().long() - 1).clamp_(0, E - 1)
+
+
+def _row_score(ids: torch.Tensor, salt: int) -> torch.Tensor:
+    """A fixed pseudo-random score in [-1, 1) per (feature, row): the hidden embedding."""
+    h = ((ids % 2147483647) * 2654435761 + salt * 40503 + 12345) % 4294967296
+    h = (h ^ (h >> 15)) * 2246822519 % 4294967296
+    return h.double() / 2147483648.0 - 1.0
+
+
+def _mix(*values: int) -> int:
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = ((x ^ (v & 0xFFFFFFFFFFFF)) * 0x100000001B3) % (1 << 63)
+    return x
+
+
+class SyntheticSource:
+    """Synthetic batches, batch ``k`` of rank ``rank`` a pure function of ``(seed, rank, k)``.
+
+    Bag lengths are Poisson(L); ids Zipf over the table's rows. The label of a sample is
+    ``1[dense . w / sqrt(n) + 2 * mean_f(mean of h_f(id) over the bag) + noise * N(0,1) > 0]``
+    with fixed hidden ``w`` and per-row scores ``h_f`` in [-1, 1): the dense and embedding
+    layers can both learn it.
+    """
+
+    def __init__(
+        self,
+        features: Sequence[FeatureSpec],
+        *,
+        num_dense: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        noise: float = 0.5,
+    ) -> None:
+        self.features = list(features)
+        self.num_dense, self.batch_size = num_dense, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.noise = noise
+        g = torch.Generator().manual_seed(_mix(seed, 0xD15E))
+        self._w = torch.randn(num_dense, generator=g, dtype=torch.float64)
+
+    def batch(self, k: int, split: int = 0) -> Batch:
+        """Batch ``k`` of this rank; ``split`` 0 trains, 1 evaluates (a disjoint stream)."""
+        g = torch.Generator().manual_seed(_mix(self.seed, split, self.rank, k))
+        B, T = self.batch_size, len(self.features)
+        dense = torch.randn(B, self.num_dense, generator=g, dtype=torch.float64)
+        logit = dense @ self._w / math.sqrt(self.num_dense)
+        lengths, values = [], []
+        sparse_signal = torch.zeros(B, dtype=torch.float64)
+        for i, f in enumerate(self.features):
+            L = torch.poisson(torch.full((B,), float(f.pooling_factor)), generator=g).long()
+            ids = zipf_ids(f.num_rows, int(L.sum()), f.zipf, g)
+            sample = torch.repeat_interleave(torch.arange(B), L)
+            score = torch.zeros(B, dtype=torch.float64).index_add_(0, sample, _row_score(ids, i))
+            sparse_signal += score / L.clamp(min=1)
+            lengths.append(L)
+            values.append(ids)
+        logit = logit + 2.0 * sparse_signal / max(T, 1)
+        logit = logit + self.noise * torch.randn(B, generator=g, dtype=torch.float64)
+        kjt = KeyedJaggedTensor(
+            keys=[f.name for f in self.features],
+            values=torch.cat(values),
+            lengths=torch.cat(lengths),
+        )
+        return Batch(dense=dense.float(), sparse=kjt, labels=(logit > 0).float())
+
+    def train_batches(self, position: DataPosition) -> Iterator[tuple[Batch, DataPosition]]:
+        step = self.world_size * self.batch_size
+        for k in itertools.count(position.samples // step):
+            yield self.batch(k), DataPosition(epoch=position.epoch, samples=(k + 1) * step)
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        return [self.batch(k, split=1) for k in range(n)]
+
+
+class RandomRecSource:
+    """``torchrec.datasets.random.RandomRecDataset`` batches (rank ``r`` seeded by ``seed`` and
+    ``r``), converted to :class:`Batch`. Ids are uniform and labels random: nothing to learn,
+    the source measures speed."""
+
+    def __init__(
+        self,
+        features: Sequence[FeatureSpec],
+        cfg: RandomRecConfig,
+        *,
+        num_dense: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.features, self.cfg = list(features), cfg
+        self.num_dense, self.batch_size = num_dense, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+    def _dataset(self, split: int) -> Iterable:
+        from torchrec.datasets.random import RandomRecDataset
+
+        ids = [self.cfg.ids_per_feature or max(1, round(f.pooling_factor)) for f in self.features]
+        return RandomRecDataset(
+            keys=[f.name for f in self.features],
+            batch_size=self.batch_size,
+            hash_sizes=[f.num_rows for f in self.features],
+            ids_per_features=ids,
+            num_dense=self.num_dense,
+            manual_seed=_mix(self.seed, split, self.rank) % (1 << 31),
+            num_generated_batches=self.cfg.num_generated_batches,
+        )
+
+    @staticmethod
+    def _convert(b) -> Batch:
+        return Batch(
+            dense=b.dense_features.float(), sparse=b.sparse_features, labels=b.labels.float()
+        )
+
+    def train_batches(self, position: DataPosition) -> Iterator[tuple[Batch, DataPosition]]:
+        step = self.world_size * self.batch_size
+        k0 = position.samples // step
+        for k, b in enumerate(itertools.islice(self._dataset(0), k0, None), start=k0):
+            yield self._convert(b), DataPosition(epoch=position.epoch, samples=(k + 1) * step)
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        return [self._convert(b) for b in itertools.islice(self._dataset(1), n)]
+
+
+def parse_criteo_line(
+    line: str, hash_sizes: Sequence[int], where: str = "<line>"
+) -> tuple[float, list[float], list[int | None]]:
+    """One Criteo TSV line -> (label, 13 dense values ``log(1 + max(x, 0))`` with empty = 0,
+    26 categorical ids ``int(hex, 16) % E_j`` with empty = None)."""
+    cols = line.rstrip("\r\n").split("\t")
+    n = 1 + CRITEO_DENSE + CRITEO_SPARSE
+    if len(cols) != n:
+        raise ValueError(f"{where}: expected {n} tab-separated columns, got {len(cols)}")
+    try:
+        label = float(cols[0] or 0)
+        dense = [math.log1p(max(float(c), 0.0)) if c else 0.0 for c in cols[1 : 1 + CRITEO_DENSE]]
+        cats = [
+            int(c, 16) % E if c else None
+            for c, E in zip(cols[1 + CRITEO_DENSE :], hash_sizes, strict=True)
+        ]
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    if label not in (0.0, 1.0):
+        raise ValueError(f"{where}: expected label 0 or 1, got {cols[0]!r}")
+    return label, dense, cats
+
+
+class CriteoSource:
+    """Criteo TSV files, read in order; global line ``g`` of an epoch belongs to rank ``g % R``.
+
+    One step consumes ``R * B`` lines; a last group shorter than that is dropped (every rank
+    runs the same number of steps). Resuming at ``samples`` skips that many lines.
+    """
+
+    def __init__(
+        self,
+        features: Sequence[FeatureSpec],
+        cfg: CriteoConfig,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        resolve=lambda p: p,
+    ) -> None:
+        by_name = {f.name: f for f in features}
+        columns = list(cfg.features) if cfg.features else [f.name for f in features]
+        self.columns = columns
+        self.hash_sizes = [by_name[c].num_rows for c in columns]
+        self.train_paths = [resolve(p) for p in cfg.train]
+        self.eval_paths = [resolve(p) for p in cfg.eval]
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+
+    @staticmethod
+    def _lines(paths: Sequence[str]) -> Iterator[tuple[str, str]]:
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f, start=1):
+                    yield line, f"{path}:{i}"
+
+    def _batch(self, lines: Sequence[tuple[str, str]]) -> Batch:
+        parsed = [parse_criteo_line(line, self.hash_sizes, where) for line, where in lines]
+        B = len(parsed)
+        labels = torch.tensor([p[0] for p in parsed], dtype=torch.float32)
+        dense = torch.tensor([p[1] for p in parsed], dtype=torch.float32).reshape(B, CRITEO_DENSE)
+        lengths, values = [], []
+        for j in range(CRITEO_SPARSE):  # feature-major
+            col = [p[2][j] for p in parsed]
+            lengths += [0 if v is None else 1 for v in col]
+            values += [v for v in col if v is not None]
+        kjt = KeyedJaggedTensor(
+            keys=self.columns,
+            values=torch.tensor(values, dtype=torch.int64),
+            lengths=torch.tensor(lengths, dtype=torch.int64),
+        )
+        return Batch(dense=dense, sparse=kjt, labels=labels)
+
+    def _batches(self, paths: Sequence[str], skip: int) -> Iterator[tuple[Batch, int]]:
+        R, B = self.world_size, self.batch_size
+        lines = itertools.islice(self._lines(paths), skip, None)
+        consumed = skip
+        while True:
+            group = list(itertools.islice(lines, R * B))
+            if len(group) < R * B:
+                return
+            consumed += R * B
+            yield self._batch(group[self.rank :: R]), consumed
+
+    def train_batches(self, position: DataPosition) -> Iterator[tuple[Batch, DataPosition]]:
+        for batch, consumed in self._batches(self.train_paths, position.samples):
+            yield batch, DataPosition(epoch=position.epoch, samples=consumed)
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        if not self.eval_paths:
+            return []
+        return [b for b, _ in itertools.islice(self._batches(self.eval_paths, 0), n)]
+
+
+def make_source(
+    tables: TableSet,
+    data: DataConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    resolve=lambda p: p,
+) -> SyntheticSource | RandomRecSource | CriteoSource:
+    """The source ``data.source`` names, for this rank."""
+    features = feature_specs(tables, data)
+    common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
+    if data.source == "synthetic":
+        return SyntheticSource(
+            features, num_dense=data.num_dense, seed=seed, noise=data.synthetic.noise, **common
+        )
+    if data.source == "random_rec":
+        return RandomRecSource(
+            features, data.random_rec, num_dense=data.num_dense, seed=seed, **common
+        )
+    if data.criteo is None:  # JobConfig checks it; a direct caller may not have
+        raise ValueError("data.criteo: required with data.source: criteo")
+    return CriteoSource(features, data.criteo, resolve=resolve, **common)

@@ -1,0 +1,167 @@
+"""Metrics of the training job: AUC, a per-step time split, a JSONL writer, the final summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["STAGES", "MetricsWriter", "StageTimer", "auc", "format_summary"]
+
+STAGES = ("input_dist", "lookup", "output_dist", "dense", "backward")
+"""Named parts of a step; the unsharded job reports lookup, dense and backward."""
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve: the probability that a random positive scores above a random
+    negative, ties counting one half (Mann-Whitney U from average ranks). NaN without both
+    classes. ``scores`` and ``labels`` are ``[N]``; labels are 0/1."""
+    scores = scores.detach().reshape(-1).double().cpu()
+    pos = labels.detach().reshape(-1).cpu() > 0.5
+    n_pos = int(pos.sum())
+    n_neg = pos.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = torch.argsort(scores)
+    _, inverse, counts = torch.unique_consecutive(
+        scores[order], return_inverse=True, return_counts=True
+    )
+    ends = counts.cumsum(0).double()  # 1-based rank of the last element of each tie group
+    average = ends - (counts.double() - 1.0) / 2.0
+    ranks = torch.empty_like(scores)
+    ranks[order] = average[inverse]
+    u = ranks[pos].sum().item() - n_pos * (n_pos + 1) / 2.0
+    return u / (n_pos * n_neg)
+
+
+class StageTimer:
+    """Accumulates seconds per named stage (:data:`STAGES`) over a logging window.
+
+    On CPU stages are ``time.perf_counter`` intervals (no synchronisation needed). On CUDA
+    each stage records a pair of events and the window is resolved once in :meth:`take`, so
+    the step itself never synchronises.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._open: dict[str, Any] = {}
+        self._pending: list[tuple[str, Any, Any]] = []
+        self._window: dict[str, float] = {}
+        self._total: dict[str, float] = {}
+        self._steps = 0
+        self._total_steps = 0
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, stage: str) -> None:
+        self._open[stage] = self._now()
+
+    def stop(self, stage: str) -> None:
+        begin = self._open.pop(stage, None)
+        if begin is None:
+            return
+        end = self._now()
+        if self.cuda:
+            self._pending.append((stage, begin, end))
+        else:
+            self._window[stage] = self._window.get(stage, 0.0) + end - begin
+
+    def step_done(self) -> None:
+        self._steps += 1
+
+    def take(self) -> dict[str, float]:
+        """Mean milliseconds per step of each stage since the last call (and reset)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            for stage, begin, end in self._pending:
+                self._window[stage] = self._window.get(stage, 0.0) + begin.elapsed_time(end) / 1e3
+            self._pending.clear()
+        steps = max(self._steps, 1)
+        out = {s: 1e3 * v / steps for s, v in self._window.items()}
+        for s, v in self._window.items():
+            self._total[s] = self._total.get(s, 0.0) + v
+        self._total_steps += self._steps
+        self._window, self._steps = {}, 0
+        return _ordered(out)
+
+    def totals(self) -> dict[str, float]:
+        """Mean milliseconds per step of each stage over every window taken so far."""
+        steps = max(self._total_steps, 1)
+        return _ordered({s: 1e3 * v / steps for s, v in self._total.items()})
+
+
+def _ordered(ms: dict[str, float]) -> dict[str, float]:
+    """:data:`STAGES` first, in their order, then any other stage."""
+    return {s: ms[s] for s in (*STAGES, *sorted(set(ms) - set(STAGES))) if s in ms}
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (rank 0 only; others pass ``path=None``),
+    and mirrors numbers to TensorBoard when ``tensorboard_dir`` is set and it is installed."""
+
+    def __init__(self, path: str | None, tensorboard_dir: str | None = None) -> None:
+        self.path = path
+        self._file = None
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._tb = None
+        if path is not None and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn(
+                    "logging.tensorboard is set but tensorboard is not installed "
+                    "(pip install tensorboard); metrics go to the JSONL file only"
+                )
+            else:
+                self._tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, kind: str, step: int, **values: Any) -> None:
+        if self._file is None:
+            return
+        record = {"kind": kind, "step": step, "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in _flatten(values):
+                self._tb.add_scalar(f"{kind}/{name}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, float]]:
+    for k, v in values.items():
+        if isinstance(v, Mapping):
+            yield from _flatten(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{prefix}{k}", float(v)
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The end-of-job summary, one ``key: value`` per line."""
+    lines = ["training summary"]
+    for k, v in summary.items():
+        if isinstance(v, Mapping):
+            v = ", ".join(f"{s} {ms:.2f} ms" for s, ms in v.items()) or "-"
+        elif isinstance(v, float):
+            v = f"{v:.4f}" if abs(v) < 1e4 else f"{v:,.0f}"
+        lines.append(f"  {k}: {v}")
+    return "\n".join(lines)

@@ -1,0 +1,190 @@
+"""The job end to end in one process: loss goes down, metrics, plan and checkpoints are
+written; N steps == N/2 steps + --resume for N/2; a crash while saving keeps the last
+checkpoint; the ``fbtriton-dist train`` command."""
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from fbtriton_dist import cli
+from fbtriton_dist.train import checkpoint as ckpt
+from fbtriton_dist.train.job import main
+
+TINY = {
+    "seed": 3,
+    "deterministic": True,
+    "tables": [
+        {
+            "name": "t_a",
+            "num_embeddings": 300,
+            "embedding_dim": 8,
+            "features": ["a", "a2"],
+            "pooling_factors": [2, 3],
+            "id_distribution": {"kind": "zipf", "alpha": 1.1},
+        },
+        {
+            "name": "t_b",
+            "num_embeddings": 40,
+            "embedding_dim": 8,
+            "features": ["b"],
+            "pooling": "mean",
+        },
+    ],
+    "model": {"dense_arch": [16, 8], "over_arch": [8, 1]},
+    "data": {"num_dense": 4, "synthetic": {"noise": 0.1}},
+    "optimizer": {
+        "embedding": {"type": "rowwise_adagrad", "lr": 0.1},
+        "dense": {"type": "adagrad", "lr": 0.1},
+    },
+    "train": {"steps": 40, "batch_size": 64, "eval_every": 20, "eval_batches": 2},
+    "checkpoint": {"every": 20, "keep": 2},
+    "logging": {"log_every": 10, "progress_bar": False},
+}
+
+
+def write_job(tmp_path, name="tiny", **changes):
+    data = json.loads(json.dumps(TINY))
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    data.setdefault("logging", {})["run_dir"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def records(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_job_trains_and_writes_everything(tmp_path, capsys):
+    assert main(["--config", str(write_job(tmp_path))]) == 0
+    run = tmp_path / "tiny"
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [10, 20, 30, 40]
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"]
+    assert set(train[-1]["ms"]) == {"lookup", "dense", "backward"}
+    evals = records(run, "eval")
+    assert [r["step"] for r in evals] == [20, 40] and evals[-1]["auc"] > 0.7
+    (summary,) = records(run, "summary")
+    assert summary["steps"] == 40 and summary["samples_per_s"] > 0
+    assert yaml.safe_load((run / "plan.yaml").read_text())["world_size"] == 1
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000020", "step_00000040"]
+    out = capsys.readouterr().out
+    assert "t_a" in out and "training summary" in out and "eval_auc" in out
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
+
+
+@pytest.mark.parametrize("embedding", ["rowwise_adagrad", "adam"])
+def test_resume_repeats_the_uninterrupted_run(tmp_path, embedding):
+    opt = {"embedding": {"type": embedding, "lr": 0.05}, "dense": {"type": "adam", "lr": 0.01}}
+    common = {
+        "logging__log_every": 1,
+        "train__steps": 12,
+        "train__eval_every": 0,
+        "train__eval_batches": 0,
+        "checkpoint__every": 6,
+        "optimizer": opt,
+    }
+    full = write_job(tmp_path, "full", **common)
+    half = write_job(tmp_path, "half", **common)
+    assert main(["--config", str(full)]) == 0
+    assert main(["--config", str(half), "--steps", "6"]) == 0
+    assert main(["--config", str(half), "--resume"]) == 0
+    want, got = losses(tmp_path / "full"), losses(tmp_path / "half")
+    assert sorted(got) == list(range(1, 13))
+    for step in range(7, 13):
+        assert got[step] == pytest.approx(want[step], abs=1e-6, rel=0), step
+    assert [r["steps_this_run"] for r in records(tmp_path / "half", "summary")] == [6, 6]
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys):
+    path = write_job(tmp_path, train__steps=2, train__eval_batches=0)
+    assert main(["--config", str(path), "--resume", "checkpoint.enabled=false"]) == 0
+    assert "no complete checkpoint" in capsys.readouterr().out
+    assert not (tmp_path / "tiny" / "checkpoints").exists()
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = write_job(tmp_path, train__steps=4, train__eval_batches=0, checkpoint__every=2)
+    real_save = ckpt.dcp.save
+    calls = []
+
+    def crashing_save(state, **kw):
+        calls.append(kw["checkpoint_id"])
+        if len(calls) == 2:
+            real_save(state, **kw)  # files written, then the process "dies" before the rename
+            raise KeyboardInterrupt("killed while saving")
+        return real_save(state, **kw)
+
+    monkeypatch.setattr(ckpt.dcp, "save", crashing_save)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--config", str(path)])
+    folder = tmp_path / "tiny" / "checkpoints"
+    assert sorted(os.listdir(folder)) == [".tmp-step_00000004", "step_00000002"]
+    assert ckpt.latest_checkpoint(str(folder)).endswith("step_00000002")
+    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    assert main(["--config", str(path), "--resume"]) == 0
+    assert sorted(os.listdir(folder)) == ["step_00000002", "step_00000004"]
+    assert [r["steps_this_run"] for r in records(tmp_path / "tiny", "summary")] == [2]
+
+
+def test_checkpoint_round_trip_restores_every_state(tmp_path):
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.job import _dense_optimizer, build_model
+
+    cfg = load_job(write_job(tmp_path, optimizer={"embedding": {"type": "adam", "lr": 0.1}}))
+    model = build_model(cfg, torch.device("cpu"))
+    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    opt = _dense_optimizer(cfg.optimizer.dense, dense)
+    from fbtriton_dist.train.data import DataPosition, make_source
+
+    src = make_source(cfg.tables, cfg.data, batch_size=8, seed=0, rank=0, world_size=1)
+    for (b, _), _ in zip(src.train_batches(DataPosition()), range(2), strict=False):
+        torch.nn.functional.binary_cross_entropy_with_logits(
+            model(b.dense, b.sparse).squeeze(-1), b.labels
+        ).backward()
+        opt.step()
+    fused = ckpt.fused_optimizer_state_dict(model)
+    prefix = "sparse_arch.embedding_bag_collection."
+    assert fused[f"{prefix}t_a.step"] == 2 and fused[f"{prefix}t_a.momentum2"].shape == (300, 8)
+    path = ckpt.save_checkpoint(
+        str(tmp_path / "c"), 2, model, opt, {"step": 2, "epoch": 0, "samples": 16}
+    )
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    want_fused = {k: v.clone() if torch.is_tensor(v) else v for k, v in fused.items()}
+
+    fresh = build_model(cfg, torch.device("cpu"))
+    fresh_opt = _dense_optimizer(
+        cfg.optimizer.dense, [p for n, p in fresh.named_parameters() if "embedding_bags" not in n]
+    )
+    state = ckpt.load_checkpoint(path, fresh, fresh_opt)
+    assert state == {"step": 2, "epoch": 0, "samples": 16}
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    got = ckpt.fused_optimizer_state_dict(fresh)
+    for k, v in want_fused.items():
+        assert torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v, k
+    a, b = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(a[i]["sum"], b[i]["sum"]) for i in a)
+
+
+def test_cli_train_subcommand_and_errors(tmp_path, capsys):
+    path = write_job(tmp_path, train__steps=2, train__eval_batches=0)
+    assert cli.main(["train", "--config", str(path), "checkpoint.enabled=false"]) == 0
+    assert cli.main(["train", "--config", str(path), "train.stepz=3"]) == 2
+    assert "train.stepz: unknown key" in capsys.readouterr().err
+    assert main(["--config", str(path), "optimizer.dense.type=lamb"]) == 2
+    assert "optimizer.dense.type: expected one of [sgd, adagrad, adam, adamw]" in (
+        capsys.readouterr().err
+    )
