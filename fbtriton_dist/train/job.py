@@ -224,13 +224,26 @@ def _allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) ->
         offset += g.numel()
 
 
+def _timed(fn, timer: StageTimer, stage: str):
+    def wrapper(*args, **kwargs):
+        timer.start(stage)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.stop(stage)
+
+    return wrapper
+
+
 def _time_embeddings(model: nn.Module, fqns: Sequence[str], timer: StageTimer) -> None:
-    """Time each embedding module's forward as ``lookup``. A module that times its own stages
-    (the sharded one: input_dist, lookup, output_dist) gets the timer as ``stage_timer``."""
+    """Time each embedding module: a sharded one by its three stages (``input_dist``,
+    ``compute`` as ``lookup``, ``output_dist``), an unsharded one by its forward (``lookup``)."""
+    stages = {"input_dist": "input_dist", "compute": "lookup", "output_dist": "output_dist"}
     for fqn in fqns:
         m = model.get_submodule(fqn)
-        if hasattr(m, "stage_timer"):
-            m.stage_timer = timer
+        if all(callable(getattr(m, name, None)) for name in stages):
+            for name, stage in stages.items():
+                setattr(m, name, _timed(getattr(m, name), timer, stage))
             continue
         m.register_forward_pre_hook(lambda *_: timer.start("lookup"))
         m.register_forward_hook(lambda *_: timer.stop("lookup"))

@@ -188,3 +188,46 @@ def test_cli_train_subcommand_and_errors(tmp_path, capsys):
     assert "optimizer.dense.type: expected one of [sgd, adagrad, adam, adamw]" in (
         capsys.readouterr().err
     )
+
+
+def test_single_process_never_initialises_a_process_group(monkeypatch):
+    from fbtriton_dist.train.job import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with distributed("cpu") as env:
+        assert (env.rank, env.world_size, env.process_group) == (0, 1, None)
+        assert not torch.distributed.is_initialized()
+
+
+def test_sharded_stages_are_timed():
+    """A module with input_dist / compute / output_dist (the sharded EBC) is timed per stage."""
+    from fbtriton_dist.train.job import _time_embeddings
+    from fbtriton_dist.train.metrics import StageTimer
+
+    class Staged(torch.nn.Module):
+        def input_dist(self, x):
+            return x + 1
+
+        def compute(self, x):
+            return x * 2
+
+        def output_dist(self, x):
+            return x - 1
+
+        def forward(self, x):
+            return self.output_dist(self.compute(self.input_dist(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc, self.plain = Staged(), torch.nn.Identity()
+
+        def forward(self, x):
+            return self.plain(self.ebc(x))
+
+    timer = StageTimer("cpu")
+    model = Model()
+    _time_embeddings(model, ["ebc", "plain"], timer)
+    assert model(torch.ones(2)).tolist() == [3.0, 3.0]
+    timer.step_done()
+    assert list(timer.take()) == ["input_dist", "lookup", "output_dist"]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Multi-node (or single-node) training with torchrun and the c10d rendezvous.
+# Run the same command on every node; only NODE_RANK differs. docs/training.md has the how-to.
+#
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/multinode.sh configs/jobs/dlrm_criteo.yaml
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/multinode.sh configs/jobs/dlrm_criteo.yaml
+#
+# Knobs (environment):
+#   NNODES          nodes in the job (default 1)
+#   NODE_RANK       this node, 0..NNODES-1 (default 0)
+#   NPROC_PER_NODE  processes per node (default: the number of GPUs, else 2 CPU processes)
+#   MASTER_ADDR     host name or IP of node 0, reachable from every node (default localhost)
+#   MASTER_PORT     rendezvous port on node 0 (default 29500)
+#   RDZV_ID         job id shared by the nodes (default fbtd-$USER)
+#   FBTD_VENV       virtual environment (default .venv of the repository)
+#   FBTD_PG_TIMEOUT_S  collective timeout in seconds (default 600)
+# Arguments after the job file go to the job: --resume, --steps N, KEY.PATH=VALUE overrides.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${FBTD_VENV:-$root/.venv}
+if [[ $# -lt 1 ]]; then
+  echo "usage: [NNODES=..] [NODE_RANK=..] [MASTER_ADDR=..] $0 JOB.yaml [--resume] [KEY=VALUE ...]" >&2
+  exit 2
+fi
+job=$1
+shift
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l || echo 0)
+fi
+nproc=${NPROC_PER_NODE:-$([[ $gpus -gt 0 ]] && echo "$gpus" || echo 2)}
+nnodes=${NNODES:-1}
+node_rank=${NODE_RANK:-0}
+addr=${MASTER_ADDR:-localhost}
+port=${MASTER_PORT:-29500}
+echo "[multinode] node $node_rank/$nnodes, $nproc processes, rendezvous c10d at $addr:$port"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+cd "$root"
+exec "$venv/bin/torchrun" \
+  --nnodes "$nnodes" \
+  --node-rank "$node_rank" \
+  --nproc-per-node "$nproc" \
+  --rdzv-backend c10d \
+  --rdzv-endpoint "$addr:$port" \
+  --rdzv-id "${RDZV_ID:-fbtd-${USER:-job}}" \
+  --max-restarts 0 \
+  -m fbtriton_dist.train --config "$job" "$@"
