@@ -151,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from fbtriton_dist.planner import ConfigError, PlanError, PlanValidationError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":  # KEY.PATH=VALUE overrides may follow options
+        from fbtriton_dist.train.config import finish_arguments
+
+        args = finish_arguments(parser, args, extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

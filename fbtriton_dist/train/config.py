@@ -67,6 +67,7 @@ __all__ = [
     "SyntheticConfig",
     "TrainConfig",
     "add_arguments",
+    "finish_arguments",
     "job_from_dict",
     "load_job",
 ]
@@ -566,3 +567,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY.PATH=VALUE",
         help="override job keys, e.g. train.batch_size=512 optimizer.dense.lr=0.1",
     )
+
+
+def finish_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]
+) -> argparse.Namespace:
+    """Fold ``KEY.PATH=VALUE`` words that ``parse_known_args`` left over (overrides written
+    after an option, e.g. ``--steps 5 train.batch_size=64``) into ``args.overrides``."""
+    bad = [e for e in extra if e.startswith("-") or "=" not in e]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = [*args.overrides, *extra]
+    return args

@@ -49,6 +49,7 @@ from .config import (
     EmbeddingOptimizerConfig,
     JobConfig,
     add_arguments,
+    finish_arguments,
     load_job,
 )
 from .data import Batch, DataPosition, make_source
@@ -278,10 +279,18 @@ def _log(env: Env, text: str) -> None:
 
 def train(cfg: JobConfig, env: Env, resume: bool = False) -> dict[str, Any]:
     """Run the job on this rank; return the summary (the same on every rank)."""
-    torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    try:
+        return _train(cfg, env, resume)
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
     run_dir = cfg.run_dir
     if env.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -435,7 +444,7 @@ def _loop(cfg, env, model, optimizer, dense_params, emb_fqns, source, step, posi
         if eval_batches and (not t.eval_every or step % t.eval_every or not last_eval):
             last_eval = evaluate(model, eval_batches, env)
             metrics.write("eval", step, **last_eval)
-        if cfg.checkpoint.enabled and saved_at != step:
+        if cfg.checkpoint.enabled and steps_run and saved_at != step:
             last_ckpt = checkpoint()
         end = time.perf_counter()
         pause(end - last_step_end)
@@ -489,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m fbtriton_dist.train", description="Train a DLRM job from a YAML file."
     )
     add_arguments(p)
-    args = p.parse_args(argv)
+    args = finish_arguments(p, *p.parse_known_args(argv))
     try:
         return run(args)
     except (PlanError, PlanValidationError) as e:

@@ -181,7 +181,11 @@ def test_checkpoint_round_trip_restores_every_state(tmp_path):
 
 def test_cli_train_subcommand_and_errors(tmp_path, capsys):
     path = write_job(tmp_path, train__steps=2, train__eval_batches=0)
-    assert cli.main(["train", "--config", str(path), "checkpoint.enabled=false"]) == 0
+    argv = ["train", "--config", str(path), "--steps", "2", "checkpoint.enabled=false"]
+    assert cli.main(argv) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--config", str(path), "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert cli.main(["train", "--config", str(path), "train.stepz=3"]) == 2
     assert "train.stepz: unknown key" in capsys.readouterr().err
     assert main(["--config", str(path), "optimizer.dense.type=lamb"]) == 2
@@ -231,3 +235,42 @@ def test_sharded_stages_are_timed():
     assert model(torch.ones(2)).tolist() == [3.0, 3.0]
     timer.step_done()
     assert list(timer.take()) == ["input_dist", "lookup", "output_dist"]
+
+
+def test_criteo_job_runs_epochs_and_evaluates_on_files(tmp_path):
+    import random
+
+    from tests.train.test_data import criteo_line
+
+    rng = random.Random(1)
+    for name, n in (("train.tsv", 50), ("eval.tsv", 30)):
+        (tmp_path / name).write_text("".join(criteo_line(rng) for _ in range(n)))
+    tables = [
+        {"name": f"t{j}", "num_embeddings": 20 + j, "embedding_dim": 4, "features": [f"c{j}"]}
+        for j in range(26)
+    ]
+    path = write_job(
+        tmp_path,
+        tables=tables,
+        model={"dense_arch": [8, 4], "over_arch": [4, 1]},
+        data={"source": "criteo", "criteo": {"train": ["train.tsv"], "eval": ["eval.tsv"]}},
+        train={"epochs": 2, "batch_size": 8, "eval_batches": 10},
+        logging__log_every=1,
+    )
+    assert main(["--config", str(path)]) == 0
+    train = records(tmp_path / "tiny", "train")
+    assert [r["step"] for r in train] == list(range(1, 13))  # 50 // 8 = 6 steps per epoch
+    assert [r["epoch"] for r in train] == [0] * 6 + [1] * 5 + [1]  # position after the step
+    (ev,) = records(tmp_path / "tiny", "eval")
+    assert ev["samples"] == 24
+
+
+def test_random_rec_job(tmp_path):
+    path = write_job(
+        tmp_path,
+        data={"source": "random_rec", "num_dense": 4},
+        train__steps=3,
+        checkpoint__enabled=False,
+    )
+    assert main(["--config", str(path)]) == 0
+    assert [r["step"] for r in records(tmp_path / "tiny", "train")] == [3]
