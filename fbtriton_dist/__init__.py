@@ -7,7 +7,13 @@ never load torch or triton.
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["EmbeddingBagCollection", "TableBatchedEmbedding", "optim"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "ShardedEmbeddingBagCollection",
+    "TableBatchedEmbedding",
+    "optim",
+    "shard",
+]
 
 
 def __getattr__(name: str):
@@ -19,6 +25,10 @@ def __getattr__(name: str):
         from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 
         return EmbeddingBagCollection
+    if name in ("shard", "ShardedEmbeddingBagCollection"):
+        from fbtriton_dist import dist
+
+        return getattr(dist, name)
     if name == "optim":
         return importlib.import_module("fbtriton_dist.optim")
     raise AttributeError(f"module 'fbtriton_dist' has no attribute {name!r}")

@@ -74,19 +74,9 @@ def kjt_to_batch(
         # reorder the per-feature segments with plain torch ops (KJT.permute needs fbgemm's
         # CUDA ops on GPU tensors); a feature may be asked for twice (two tables)
         order = [keys.index(f) for f in feature_names]
-        starts = [0, *accumulate(per_key)]
-        new_sizes = [per_key[k] for k in order]
-        new_starts = [0, *accumulate(new_sizes)]
-        shift = torch.tensor(
-            [starts[k] - new_starts[i] for i, k in enumerate(order)], device=values.device
-        )
-        n_new = sum(new_sizes)
-        gather = torch.arange(n_new, device=values.device) + torch.repeat_interleave(
-            shift, torch.tensor(new_sizes, device=values.device), output_size=n_new
-        )
+        values = permute_segments(values, per_key, order)
+        weights = permute_segments(weights, per_key, order) if weights is not None else None
         lengths = lengths.view(T, B)[torch.tensor(order, device=lengths.device)].reshape(-1)
-        values = values[gather]
-        weights = weights[gather] if weights is not None else None
         T = len(order)
     offsets = torch.zeros(T * B + 1, dtype=lengths.dtype, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -96,6 +86,26 @@ def kjt_to_batch(
         per_sample_weights=weights if weighted else None,
         batch_size=B,
     )
+
+
+def permute_segments(
+    values: torch.Tensor, sizes: Sequence[int], order: Sequence[int]
+) -> torch.Tensor:
+    """``values`` cut into consecutive segments of ``sizes``, put back together in ``order``
+    (an index may repeat or be left out). Plain torch gather, no sync beyond the host sizes."""
+    starts = [0, *accumulate(sizes)]
+    new_sizes = [sizes[k] for k in order]
+    new_starts = [0, *accumulate(new_sizes)]
+    n = new_starts[-1]
+    shift = torch.tensor(
+        [starts[k] - new_starts[i] for i, k in enumerate(order)],
+        dtype=torch.int64,
+        device=values.device,
+    )
+    gather = torch.arange(n, device=values.device) + torch.repeat_interleave(
+        shift, torch.tensor(new_sizes, dtype=torch.int64, device=values.device), output_size=n
+    )
+    return values[gather]
 
 
 def keyed_tensor(keys: Sequence[str], dims: Sequence[int], values: torch.Tensor) -> KeyedTensor:

@@ -1,0 +1,268 @@
+"""ShardedEmbeddingBagCollection and ``shard()``: the three stages of a sharded lookup.
+
+    features (this rank's KJT) --input_dist--> ids of every rank for this rank's shards
+        --compute--> pooled partials [global batch, local shard columns]
+        --output_dist--> KeyedTensor [this rank's batch, sum(D)]
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fbtriton_dist import optim
+from fbtriton_dist.dist import input_dist
+from fbtriton_dist.dist.comm import gather_batch_sizes
+from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.dist.output_dist import OutputDist
+from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
+from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.sparse import JaggedBatch, keyed_tensor, kjt_to_batch
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """The shards of an EmbeddingBagCollection that live on this rank, and the collectives
+    that feed them. Same forward as the unsharded module, on this rank's local batch.
+
+    Args:
+        configs: the tables' ``EmbeddingBagConfig`` (every rank passes the same list).
+        plan: where each shard lives (``fbtriton_dist.planner.ShardingPlan``).
+        optimizer: the fused optimizer applied in backward to every local shard.
+        weights: optional full weights ``{table name: [E, D]}`` to copy this rank's shards
+            from; otherwise each shard is initialised with its table's ``init_fn``.
+    """
+
+    def __init__(
+        self,
+        configs: Sequence,
+        plan: ShardingPlan,
+        *,
+        optimizer: optim.Optimizer,
+        is_weighted: bool = False,
+        weights: dict[str, torch.Tensor] | None = None,
+        process_group=None,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if optimizer is None:
+            raise ValueError(
+                "sharded tables are trained with a fused optimizer: pass optimizer= to shard() "
+                "or annotate the embedding parameters with apply_optimizer_in_backward"
+            )
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
+        self._is_weighted = is_weighted
+        self._configs = list(configs)
+        local, ftm = self.layout.local_tables(self.rank)
+        self.local_tables = local
+        # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
+        self.tbes = nn.ModuleList()
+        self._group_features: list[int] = []
+        for dtype in dict.fromkeys(t.dtype for t in local):
+            members = [i for i, t in enumerate(local) if t.dtype == dtype]
+            sfs = [j for j, i in enumerate(ftm) if local[i].dtype == dtype]
+            tbe = TableBatchedEmbedding(
+                [local[i].shape for i in members],
+                [members.index(ftm[j]) for j in sfs],
+                pooling="sum",  # MEAN is divided by the global bag length after the reduction
+                optimizer=optimizer,
+                weights_dtype=dtype,
+                device=self.device,
+                backend=backend,
+                bounds_check="ignore",  # checked on the sending rank, before the collectives
+                table_names=[self._shard_name(local[i]) for i in members],
+                init_weights=False,
+            )
+            self.tbes.append(tbe)
+            self._group_features.append(len(sfs))
+        self._init_shards(weights)
+        self.output_dist_ = OutputDist(self.layout, self.rank, self.device)
+        self._embedding_names = self.layout.feature_names
+        self._dims = self.layout.feature_dims
+
+    def _shard_name(self, t) -> str:
+        return f"{self._configs[t.table].name}[{t.row_start}:{t.row_end}, {t.col_start}:{t.col_end}]"
+
+    def _local_views(self):
+        """(LocalTable, its [E_s, D_s] weight view) for every shard on this rank."""
+        views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
+        by_dtype = [t for dtype in dict.fromkeys(t.dtype for t in self.local_tables)
+                    for t in self.local_tables if t.dtype == dtype]
+        return list(zip(by_dtype, views, strict=True))
+
+    @torch.no_grad()
+    def _init_shards(self, weights: dict[str, torch.Tensor] | None) -> None:
+        for t, view in self._local_views():
+            cfg = self._configs[t.table]
+            if weights is not None:
+                view.copy_(weights[cfg.name][t.row_start : t.row_end, t.col_start : t.col_end])
+            elif cfg.init_fn is not None:
+                cfg.init_fn(view)
+            else:
+                view.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> list:
+        return self._configs
+
+    # -- the three stages -------------------------------------------------------------------
+    def input_dist(self, features) -> tuple[JaggedBatch, JaggedBatch, list[int]]:
+        """KJT of this rank -> (its own batch, the lookup batch of its shards, batch sizes)."""
+        batch = kjt_to_batch(features, self.layout.feature_names, self._is_weighted)
+        error = None
+        try:
+            input_dist.check_ids(batch, self.layout)
+        except IndexError as e:
+            error = e
+        sizes = gather_batch_sizes(batch.batch_size, error is not None, self.device, self.group)
+        if error is not None:
+            raise error
+        buckets = input_dist.bucketize(batch, self.layout)
+        return batch, input_dist.exchange(buckets, self.layout, self.rank, sizes, self.group), sizes
+
+    def compute(self, lookup: JaggedBatch) -> torch.Tensor:
+        """Pooled partials ``[global B, local shard columns]`` (fp32, SUM)."""
+        B = lookup.batch_size
+        if not self.tbes:  # no shards here; still a node of the graph (see OutputDist)
+            return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
+        outs, first = [], 0
+        single = len(self.tbes) == 1
+        for tbe, n in zip(self.tbes, self._group_features, strict=True):
+            indices, offsets, psw = lookup.indices, lookup.offsets, lookup.per_sample_weights
+            if not single:
+                a, b = (int(x) for x in lookup.offsets[[first * B, (first + n) * B]].tolist())
+                indices = indices[a:b]
+                offsets = offsets[first * B : (first + n) * B + 1] - a
+                psw = psw[a:b] if psw is not None else None
+            outs.append(tbe(indices, offsets, psw))
+            first += n
+        return outs[0] if single else torch.cat(outs, dim=1)
+
+    def output_dist(self, local: torch.Tensor, batch: JaggedBatch, sizes: list[int]):
+        out = self.output_dist_(local, sizes, self.group)
+        if any(self.layout.feature_mean):  # exact MEAN: divide by the global bag length
+            B = batch.batch_size
+            lengths = (batch.offsets[1:] - batch.offsets[:-1]).view(-1, B).to(out.dtype)
+            mean = torch.tensor(self.layout.feature_mean, device=out.device)[:, None]
+            scale = torch.where(mean, 1.0 / lengths.clamp(min=1), 1.0)
+            dims = torch.tensor(self._dims, device=out.device)
+            out = out * scale.t().repeat_interleave(dims, dim=1)
+        return keyed_tensor(self._embedding_names, self._dims, out)
+
+    def forward(self, features):
+        batch, lookup, sizes = self.input_dist(features)
+        return self.output_dist(self.compute(lookup), batch, sizes)
+
+    # -- full (unsharded) state -------------------------------------------------------------
+    @torch.no_grad()
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{embedding_bags.<table>.weight: [E, D]}`` on every rank, loadable by TorchRec's
+        EmbeddingBagCollection (fp32 sum of each rank's shards; replicas taken once)."""
+        local = self._local_views()
+        out = {}
+        for t, cfg in enumerate(self._configs):
+            dtype = self.layout.dtypes[t]
+            full = torch.zeros((cfg.num_embeddings, cfg.embedding_dim), dtype=torch.float32,
+                               device=self.device)
+            replica_elsewhere = self.layout.table_data_parallel[t] and self.rank != 0
+            for lt, view in local:
+                if lt.table == t and not replica_elsewhere:  # replicas: rank 0's copy only
+                    full[lt.row_start : lt.row_end, lt.col_start : lt.col_end] = view.float()
+            dist.all_reduce(full, group=self.group)
+            out[f"embedding_bags.{cfg.name}.weight"] = full.to(dtype)
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shards out of a full (e.g. TorchRec) state dict."""
+        weights = {}
+        for cfg in self._configs:
+            key = f"embedding_bags.{cfg.name}.weight"
+            if key not in state_dict:
+                raise KeyError(f"load_full_state_dict: missing '{key}'")
+            w = state_dict[key]
+            if tuple(w.shape) != (cfg.num_embeddings, cfg.embedding_dim):
+                raise ValueError(
+                    f"load_full_state_dict: '{key}' has shape {tuple(w.shape)}, expected "
+                    f"({cfg.num_embeddings}, {cfg.embedding_dim})"
+                )
+            weights[cfg.name] = w.to(self.device)
+        self._init_shards(weights)
+
+
+def _is_ebc(module: nn.Module) -> bool:
+    from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+
+    if isinstance(module, EmbeddingBagCollection):
+        return True
+    try:
+        import torchrec
+    except ImportError:
+        return False
+    return isinstance(module, torchrec.EmbeddingBagCollection)
+
+
+def _optimizer_of(ebc: nn.Module, name: str) -> optim.Optimizer | None:
+    specs = {
+        (p._optimizer_classes[0], tuple(sorted(p._optimizer_kwargs[0].items())))
+        for p in ebc.parameters()
+        if getattr(p, "_optimizer_classes", None)
+    }
+    if len(specs) > 1:
+        raise ValueError(f"{name}: one fused optimizer for all sharded tables, got {specs}")
+    if not specs:
+        return None
+    cls, kwargs = specs.pop()
+    return fused_optimizer_from_torch(cls, dict(kwargs), name)
+
+
+def shard(
+    module: nn.Module,
+    plan: ShardingPlan,
+    process_group=None,
+    device: torch.device | str | None = None,
+    *,
+    optimizer: optim.Optimizer | None = None,
+    backend: str = "auto",
+) -> nn.Module:
+    """Replace every EmbeddingBagCollection in ``module`` (ours or TorchRec's, at any depth)
+    by a ShardedEmbeddingBagCollection that keeps only this rank's shards. Weights are copied
+    from the module, or, for a module built on the meta device, initialised shard by shard
+    (a table is never materialised whole). The fused optimizer is ``optimizer`` or the one the
+    tables were annotated with by ``apply_optimizer_in_backward``. Returns the module (the
+    sharded collection itself if ``module`` was one)."""
+    if _is_ebc(module):
+        return _shard_one(module, "module", plan, process_group, device, optimizer, backend)
+    for name, child in list(module.named_modules()):
+        if not _is_ebc(child) or not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, _shard_one(child, name, plan, process_group, device, optimizer,
+                                         backend))
+    return module
+
+
+def _shard_one(ebc, name, plan, process_group, device, optimizer, backend):
+    configs = ebc.embedding_bag_configs()
+    first = next(iter(ebc.parameters()), None)
+    weights = None
+    if first is not None and not first.is_meta:
+        weights = {c.name: ebc.embedding_bags[c.name].weight.detach() for c in configs}
+    return ShardedEmbeddingBagCollection(
+        configs,
+        plan,
+        optimizer=optimizer if optimizer is not None else _optimizer_of(ebc, name),
+        is_weighted=ebc.is_weighted(),
+        weights=weights,
+        process_group=process_group,
+        device=device if device is not None else (first.device if first is not None and not first.is_meta else None),
+        backend=backend,
+    )

@@ -1,0 +1,62 @@
+"""Each collective alone, forward and gradient, on real gloo process groups."""
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+
+
+def _all_to_all(rank, world):
+    from fbtriton_dist.dist.comm import all_to_all
+
+    # rank r sends (q + 1) rows to rank q, each row filled with 100 r + q
+    in_splits = [q + 1 for q in range(world)]
+    out_splits = [rank + 1] * world
+    x = torch.cat([torch.full((q + 1, 2), 100.0 * rank + q) for q in range(world)])
+    x.requires_grad_()
+    y = all_to_all(x, in_splits, out_splits)
+    expected = torch.cat([torch.full((rank + 1, 2), 100.0 * r + rank) for r in range(world)])
+    # gradient: weight each received row by its value; comes back as the sent values
+    (y * y.detach()).sum().backward()
+    return torch.equal(y.detach(), expected), torch.equal(x.grad, x.detach())
+
+
+def _own_rows(rank, world):
+    from fbtriton_dist.dist.comm import own_rows
+
+    sizes = [2, 3, 1][:world]
+    x = torch.arange(sum(sizes) * 2, dtype=torch.float32).view(-1, 2).requires_grad_()
+    mine = own_rows(x, sizes, rank)
+    start = sum(sizes[:rank])
+    ok_fwd = torch.equal(mine.detach(), x.detach()[start : start + sizes[rank]])
+    mine.sum().mul(rank + 1).backward()
+    # every rank's gradient rows arrive everywhere: row block r is filled with r + 1
+    expected = torch.cat([torch.full((B, 2), float(r + 1)) for r, B in enumerate(sizes)])
+    return ok_fwd, torch.equal(x.grad, expected)
+
+
+def _failure_flag(rank, world):
+    from fbtriton_dist.dist.comm import gather_batch_sizes
+
+    try:
+        sizes = gather_batch_sizes(rank + 2, failed=rank == 1, device=torch.device("cpu"))
+    except RuntimeError as e:
+        return str(e)
+    return sizes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_forward_and_backward(world):
+    assert run_ranks(_all_to_all, world) == [(True, True)] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_own_rows_backward_all_gathers(world):
+    assert run_ranks(_own_rows, world) == [(True, True)] * world
+
+
+def test_failure_flag_reaches_every_rank():
+    out = run_ranks(_failure_flag, 3)
+    assert out[1] == [2, 3, 4]  # the failing rank gets the sizes, then raises its own error
+    for r in (0, 2):
+        assert "rank(s) [1] found bad input" in out[r]

@@ -1,0 +1,267 @@
+"""Sharded vs unsharded, on real gloo process groups of 2 and 3 ranks.
+
+Every rank builds the same unsharded EmbeddingBagCollection (the reference) and shards a copy
+with a hand-made plan (uneven row cuts, every sharding type alone and all mixed). Each step
+rank r feeds its slice of a global batch (unequal local batch sizes) to the sharded module;
+the reference runs the whole global batch in one process. Outputs, the gradient of a dense
+layer on top, and after 3 fused steps the weights and optimizer states must agree."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import run_ranks
+
+BATCH = [3, 5, 2]  # local batch sizes of ranks 0, 1, 2
+
+
+def _configs(weighted: bool):
+    from torchrec import EmbeddingBagConfig, PoolingType
+
+    mean = PoolingType.SUM if weighted else PoolingType.MEAN
+    c = EmbeddingBagConfig
+    return [
+        c(name="rw", num_embeddings=13, embedding_dim=4, feature_names=["f_rw"]),
+        c(name="tw", num_embeddings=7, embedding_dim=3, feature_names=["f_tw1", "f_tw2"]),
+        c(name="cw", num_embeddings=9, embedding_dim=6, feature_names=["f_cw"], pooling=mean),
+        c(name="twrw", num_embeddings=11, embedding_dim=5, feature_names=["f_twrw"], pooling=mean),
+        c(name="grid", num_embeddings=10, embedding_dim=4, feature_names=["f_grid"]),
+        c(name="dp", num_embeddings=5, embedding_dim=2, feature_names=["f_dp"]),
+    ]
+
+
+def _row_cuts(E, R):
+    """Uneven cuts: rank r gets about (r + 1) parts."""
+    weights = [r + 1 for r in range(R)]
+    cuts = [0]
+    for w in weights[:-1]:
+        cuts.append(min(E - (R - len(cuts)), cuts[-1] + max(1, E * w // sum(weights))))
+    return [*cuts, E]
+
+
+def _plan(kind: str, R: int):
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+
+    def rows(E, D, c0=0, c1=None):
+        cuts = _row_cuts(E, R)
+        return [
+            Shard(
+                rank=r,
+                row_start=cuts[r],
+                row_end=cuts[r + 1],
+                col_start=c0,
+                col_end=D if c1 is None else c1,
+            )
+            for r in range(R)
+        ]
+
+    def table(name, E, D, sharding):
+        if sharding in ("row_wise", "table_row_wise"):
+            shards = rows(E, D)
+        elif sharding == "table_wise":
+            shards = [Shard(rank=R - 1, row_start=0, row_end=E, col_start=0, col_end=D)]
+        elif sharding == "column_wise":
+            shards = [
+                Shard(rank=0, row_start=0, row_end=E, col_start=0, col_end=D // 2),
+                Shard(rank=R - 1, row_start=0, row_end=E, col_start=D // 2, col_end=D),
+            ]
+        elif sharding == "grid_shard":
+            shards = rows(E, D, 0, D // 2) + rows(E, D, D // 2, D)
+        else:
+            shards = [
+                Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D) for r in range(R)
+            ]
+        return TableSharding(
+            name=name, sharding=sharding, num_embeddings=E, embedding_dim=D, shards=tuple(shards)
+        )
+
+    natural = {
+        "rw": "row_wise",
+        "tw": "table_wise",
+        "cw": "column_wise",
+        "twrw": "table_row_wise",
+        "grid": "grid_shard",
+        "dp": "data_parallel",
+    }
+    tables = []
+    for cfg in _configs(False):
+        sharding = natural[cfg.name] if kind == "mixed" else kind
+        tables.append(table(cfg.name, cfg.num_embeddings, cfg.embedding_dim, sharding))
+    return ShardingPlan(world_size=R, local_world_size=R, tables=tuple(tables))
+
+
+def _global_batch(configs, B_global, step, weighted):
+    g = torch.Generator().manual_seed(step)
+    feats = [(f, c.num_embeddings) for c in configs for f in c.feature_names]
+    lengths = {f: torch.randint(0, 4, (B_global,), generator=g) for f, _ in feats}
+    lengths[feats[0][0]][0] = 0  # an empty bag
+    values = {f: torch.randint(0, E, (int(lengths[f].sum()),), generator=g) for f, E in feats}
+    for f, _ in feats:  # a hot id
+        values[f][: values[f].numel() // 2] = 1 if values[f].numel() > 2 else values[f][:0]
+    weights = {f: torch.rand(values[f].numel(), generator=g) + 0.5 for f, _ in feats}
+    return feats, lengths, values, (weights if weighted else None)
+
+
+def _kjt(feats, lengths, values, weights, lo, hi, reverse_keys=False):
+    """The KJT of samples [lo, hi) of the global batch."""
+    from torchrec import KeyedJaggedTensor
+
+    keys, ls, vs, ws = [], [], [], []
+    order = list(reversed(feats)) if reverse_keys else feats
+    for f, _ in order:
+        a, b = int(lengths[f][:lo].sum()), int(lengths[f][:hi].sum())
+        keys.append(f)
+        ls.append(lengths[f][lo:hi])
+        vs.append(values[f][a:b])
+        if weights is not None:
+            ws.append(weights[f][a:b])
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(vs),
+        lengths=torch.cat(ls),
+        weights=torch.cat(ws) if weights is not None else None,
+    )
+
+
+def _optimizer(name):
+    from torchrec.optim import RowWiseAdagrad
+
+    return {
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.3, "eps": 1e-8}),
+        "adagrad": (torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-8}),
+        "sgd": (torch.optim.SGD, {"lr": 0.3}),
+    }[name]
+
+
+def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
+    import fbtriton_dist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    configs = _configs(weighted)
+    torch.manual_seed(0)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted)
+    cls, kwargs = _optimizer(opt_name)
+    apply_optimizer_in_backward(cls, ref.parameters(), kwargs)
+    total_D = sum(c.embedding_dim * len(c.feature_names) for c in configs)
+    dense = torch.nn.Linear(total_D, 1)
+    to_shard = copy.deepcopy(ref)  # (a deep copy drops the optimizer annotation: add it again)
+    apply_optimizer_in_backward(cls, to_shard.parameters(), kwargs)
+    sharded = fbtriton_dist.shard(to_shard, _plan(kind, world))
+    dense_s = copy.deepcopy(dense)
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    report = {}
+    for step in range(3):
+        batch = _global_batch(configs, sum(sizes), step, weighted)
+        out_ref = ref(_kjt(*batch, 0, sum(sizes))).values()
+        dense(out_ref).sum().backward()
+        out = sharded(_kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1)).values()
+        dense_s(out).sum().backward()
+        grads = [p.grad.clone() for p in dense_s.parameters()]
+        for gr in grads:
+            dist.all_reduce(gr)
+        report[f"step{step}.out"] = (out - out_ref[lo : lo + sizes[rank]]).abs().max().item()
+        report[f"step{step}.dense_grad"] = max(
+            (a - p.grad).abs().max().item() for a, p in zip(grads, dense.parameters(), strict=True)
+        )
+        dense.zero_grad()
+        dense_s.zero_grad()
+    full = sharded.gather_full_state_dict()
+    report["weights"] = max(
+        (full[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items()
+    )
+    report["state"] = _state_error(ref, sharded, configs)
+    return report
+
+
+def _state_error(ref, sharded, configs):
+    """Max difference between each local shard's optimizer state and the reference's slice."""
+    ref_states = {}
+    for tbe in ref._tbes:
+        for name, states in zip(tbe.table_names, tbe.split_optimizer_states(), strict=True):
+            ref_states[name] = states
+    err = 0.0
+    local = sharded._local_views()
+    shard_states = [s for tbe in sharded.tbes for s in tbe.split_optimizer_states()]
+    for (lt, _), states in zip(local, shard_states, strict=True):
+        for mine, full in zip(states, ref_states[configs[lt.table].name], strict=True):
+            piece = full[lt.row_start : lt.row_end]
+            if full.dim() == 2:
+                piece = piece[:, lt.col_start : lt.col_end]
+            err = max(err, (mine - piece).abs().max().item() if mine.numel() else 0.0)
+    return err
+
+
+CASES = [
+    # (sharding kind, optimizer, weighted): rowwise Adagrad on column slices keeps one
+    # accumulator per slice (as TorchRec/FBGEMM do), so column/grid use per-element optimizers
+    ("row_wise", "rowwise_adagrad", False),
+    ("table_wise", "rowwise_adagrad", True),
+    ("column_wise", "adagrad", False),
+    ("table_row_wise", "rowwise_adagrad", False),
+    ("grid_shard", "sgd", True),
+    ("data_parallel", "rowwise_adagrad", False),
+    ("mixed", "adagrad", False),
+    ("mixed", "sgd", True),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_sharded_matches_unsharded(case, world):
+    kind, opt, weighted = case
+    reports = run_ranks(_sharded_vs_unsharded, world, kind, opt, weighted)
+    for rank, report in enumerate(reports):
+        for key, err in report.items():
+            assert err < 2e-5, f"rank {rank} {key}: {err}"
+
+
+def _bad_id_on_one_rank(rank, world):
+    import fbtriton_dist
+    from torchrec import KeyedJaggedTensor
+
+    configs = _configs(False)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+    sharded = fbtriton_dist.shard(ebc, _plan("mixed", world), optimizer=fbtriton_dist.optim.SGD())
+    names = [f for c in configs for f in c.feature_names]
+    values = torch.zeros(len(names), dtype=torch.int64)
+    if rank == 1:
+        values[0] = 13  # table 'rw' has 13 rows
+    kjt = KeyedJaggedTensor(
+        keys=names, values=values, lengths=torch.ones(len(names), dtype=torch.int64)
+    )
+    sharded(kjt)
+
+
+def _rank_dies(rank, world):
+    import os
+
+    import fbtriton_dist
+
+    sharded = fbtriton_dist.shard(
+        fbtriton_dist.EmbeddingBagCollection(tables=_configs(False)),
+        _plan("mixed", world),
+        optimizer=fbtriton_dist.optim.SGD(),
+    )
+    if rank == 0:
+        os._exit(3)  # dies without a word, before the first collective
+    feats, lengths, values, _ = _global_batch(_configs(False), 4, 0, False)
+    sharded(_kjt(feats, lengths, values, None, 0, 4))
+
+
+def test_bad_id_on_one_rank_stops_every_rank():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_bad_id_on_one_rank, 3, timeout=120)
+    text = str(info.value)
+    assert "id 13 of feature 'f_rw' (sample 0) is out of range for table 'rw' with 13 rows" in text
+    assert text.count("rank(s) [1] found bad input") == 2
+
+
+def test_a_dead_rank_makes_the_others_fail_within_the_timeout():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_rank_dies, 2, timeout=120, pg_timeout=10)
+    text = str(info.value)
+    assert "rank 0 died with exit code 3" in text
+    assert "--- rank 1 ---" in text  # rank 1 raised (gloo timeout or closed connection)
