@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import math
 import os
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +41,7 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.report import format_report
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint
 from .config import (
     DenseOptimizerConfig,
     EmbeddingOptimizerConfig,
@@ -52,8 +50,9 @@ from .config import (
     finish_arguments,
     load_job,
 )
-from .data import Batch, DataPosition, make_source
-from .metrics import MetricsWriter, StageTimer, auc, format_summary
+from .data import DataPosition, make_source
+from .loop import Trainer
+from .metrics import format_summary
 
 __all__ = ["Env", "build_model", "distributed", "main", "make_plan", "run", "train"]
 
@@ -211,67 +210,6 @@ def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[S
     return plan, format_report(plan, specs, cost, stats, title=title)
 
 
-def _allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average dense gradients over the ranks (one flat all-reduce)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _timed(fn, timer: StageTimer, stage: str):
-    def wrapper(*args, **kwargs):
-        timer.start(stage)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            timer.stop(stage)
-
-    return wrapper
-
-
-def _time_embeddings(model: nn.Module, fqns: Sequence[str], timer: StageTimer) -> None:
-    """Time each embedding module: a sharded one by its three stages (``input_dist``,
-    ``compute`` as ``lookup``, ``output_dist``), an unsharded one by its forward (``lookup``)."""
-    stages = {"input_dist": "input_dist", "compute": "lookup", "output_dist": "output_dist"}
-    for fqn in fqns:
-        m = model.get_submodule(fqn)
-        if all(callable(getattr(m, name, None)) for name in stages):
-            for name, stage in stages.items():
-                setattr(m, name, _timed(getattr(m, name), timer, stage))
-            continue
-        m.register_forward_pre_hook(lambda *_: timer.start("lookup"))
-        m.register_forward_hook(lambda *_: timer.stop("lookup"))
-
-
-def evaluate(model: nn.Module, batches: Sequence[Batch], env: Env) -> dict[str, float]:
-    """Loss and AUC over this rank's eval batches, AUC over every rank's predictions."""
-    if not batches:
-        return {}
-    model.eval()
-    scores, labels = [], []
-    with torch.no_grad():
-        for b in batches:
-            b = b.to(env.device)
-            scores.append(model(b.dense, b.sparse).squeeze(-1).float().cpu())
-            labels.append(b.labels.cpu())
-    model.train()
-    s, y = torch.cat(scores), torch.cat(labels)
-    if env.process_group is not None:
-        gathered: list[Any] = [None] * env.world_size
-        dist.all_gather_object(gathered, (s, y), group=env.process_group)
-        s = torch.cat([g[0] for g in gathered])
-        y = torch.cat([g[1] for g in gathered])
-    loss = nn.functional.binary_cross_entropy_with_logits(s, y).item()
-    return {"loss": loss, "auc": auc(s, y), "samples": int(y.numel())}
-
-
 def _log(env: Env, text: str) -> None:
     if env.rank == 0:
         print(text, flush=True)
@@ -334,155 +272,10 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
             step = int(state["step"])
             position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
             _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
-    return _loop(cfg, env, model, optimizer, dense_params, emb_fqns, source, step, position)
-
-
-def _loop(cfg, env, model, optimizer, dense_params, emb_fqns, source, step, position):
-    from tqdm import tqdm
-
-    t = cfg.train
-    metrics = MetricsWriter(
-        os.path.join(cfg.run_dir, cfg.logging.metrics) if env.rank == 0 else None,
-        os.path.join(cfg.run_dir, cfg.logging.tensorboard) if cfg.logging.tensorboard else None,
-    )
-    timer = StageTimer(env.device)
-    _time_embeddings(model, emb_fqns, timer)
-    eval_batches = source.eval_batches(t.eval_batches) if t.eval_batches else []
-    global_batch = t.batch_size * env.world_size
-    bar = tqdm(
-        total=t.steps,
-        initial=step,
-        desc=cfg.name,
-        disable=env.rank != 0 or not cfg.logging.progress_bar,
-        dynamic_ncols=True,
-    )
-    last_eval: dict[str, float] = {}
-    last_ckpt = None
-    window_loss, window_n, window_t0 = torch.zeros((), device=env.device), 0, time.perf_counter()
-    run_t0, warm_t0, steps_run, last_loss = time.perf_counter(), None, 0, math.nan
-    saved_at, last_step_end = None, time.perf_counter()
-    paused = {"window": 0.0, "total": 0.0}  # seconds of eval and checkpointing, not training
-
-    def pause(seconds: float) -> None:
-        paused["window"] += seconds
-        paused["total"] += seconds
-
-    def checkpoint() -> str:
-        train_state = {"step": step, **position.to_dict(), "world_size": env.world_size}
-        return save_checkpoint(
-            cfg.checkpoint_dir,
-            step,
-            model,
-            optimizer,
-            train_state,
-            keep=cfg.checkpoint.keep,
-            process_group=env.process_group,
-        )
-
-    try:
-        done = t.steps is not None and step >= t.steps
-        while not done:
-            seen = 0
-            for batch, next_position in source.train_batches(position):
-                seen += 1
-                batch = batch.to(env.device, non_blocking=True)
-                timer.start("forward")
-                logits = model(batch.dense, batch.sparse).squeeze(-1)
-                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-                timer.stop("forward")
-                timer.start("backward")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()  # the embedding rows are updated here, by the fused optimizer
-                if env.process_group is not None:
-                    _allreduce_mean(dense_params, env.process_group)
-                optimizer.step()
-                timer.stop("backward")
-                timer.step_done()
-                step, position = step + 1, next_position
-                steps_run += 1
-                if steps_run == 1:  # the first step warms up: not timed
-                    warm_t0, paused["total"] = time.perf_counter(), 0.0
-                window_loss += loss.detach()
-                window_n += 1
-                bar.update(1)
-                if step % cfg.logging.log_every == 0 or step == t.steps:
-                    last_loss = window_loss.item() / window_n
-                    now = time.perf_counter()
-                    sps = window_n * global_batch / max(now - window_t0 - paused["window"], 1e-9)
-                    paused["window"] = 0.0
-                    metrics.write(
-                        "train",
-                        step,
-                        loss=last_loss,
-                        samples_per_s=sps,
-                        epoch=position.epoch,
-                        ms=_dense_split(timer.take()),
-                    )
-                    bar.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{sps:,.0f}")
-                    window_loss.zero_()
-                    window_n, window_t0 = 0, now
-                t0 = time.perf_counter()
-                if t.eval_every and step % t.eval_every == 0 and eval_batches:
-                    last_eval = evaluate(model, eval_batches, env)
-                    metrics.write("eval", step, **last_eval)
-                every = cfg.checkpoint.every
-                if cfg.checkpoint.enabled and every and step % every == 0:
-                    last_ckpt, saved_at = checkpoint(), step
-                pause(time.perf_counter() - t0)
-                last_step_end = time.perf_counter()
-                if t.steps is not None and step >= t.steps:
-                    done = True
-                    break
-            else:
-                if seen == 0 and position.samples == 0:
-                    raise ValueError(
-                        f"data: the {cfg.data.source} source gave no full batch of "
-                        f"{global_batch} samples ({env.world_size} rank(s) x {t.batch_size})"
-                    )
-                position = DataPosition(epoch=position.epoch + 1, samples=0)
-                done = t.epochs is not None and position.epoch >= t.epochs
-        if eval_batches and (not t.eval_every or step % t.eval_every or not last_eval):
-            last_eval = evaluate(model, eval_batches, env)
-            metrics.write("eval", step, **last_eval)
-        if cfg.checkpoint.enabled and steps_run and saved_at != step:
-            last_ckpt = checkpoint()
-        end = time.perf_counter()
-        pause(end - last_step_end)
-        timed = steps_run - 1
-        summary = {
-            "job": cfg.name,
-            "world_size": env.world_size,
-            "device": str(env.device),
-            "steps": step,
-            "steps_this_run": steps_run,
-            "wall_s": end - run_t0,
-            "samples_per_s": (
-                timed * global_batch / (end - warm_t0 - paused["total"]) if timed > 0 else math.nan
-            ),
-            "train_loss": last_loss,
-            "eval_loss": last_eval.get("loss", math.nan),
-            "eval_auc": last_eval.get("auc", math.nan),
-            "ms_per_step": _dense_split(timer.totals()),
-            "checkpoint": last_ckpt or "-",
-            "run_dir": cfg.run_dir,
-        }
-        metrics.write("summary", step, **{k: v for k, v in summary.items() if k != "step"})
-    finally:
-        bar.close()
-        metrics.close()
+    trainer = Trainer(cfg, env, model, optimizer, dense_params, emb_fqns, source)
+    summary = trainer.fit(step, position)
     _log(env, format_summary(summary))
     return summary
-
-
-def _dense_split(ms: dict[str, float]) -> dict[str, float]:
-    """``forward`` covers the whole forward: report its non-embedding part as ``dense``."""
-    out = dict(ms)
-    forward = out.pop("forward", None)
-    if forward is not None:
-        emb = sum(out.get(s, 0.0) for s in ("input_dist", "lookup", "output_dist"))
-        out["dense"] = max(forward - emb, 0.0)
-    order = ("input_dist", "lookup", "output_dist", "dense", "backward")
-    return {s: round(out[s], 3) for s in order if s in out}
 
 
 def run(args: argparse.Namespace) -> int:

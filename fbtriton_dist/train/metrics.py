@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STAGES", "MetricsWriter", "StageTimer", "auc", "format_summary"]
+__all__ = ["STAGES", "MetricsWriter", "StageTimer", "Throughput", "auc", "format_summary"]
 
 STAGES = ("input_dist", "lookup", "output_dist", "dense", "backward")
 """Named parts of a step; the unsharded job reports lookup, dense and backward."""
@@ -104,6 +104,48 @@ class StageTimer:
 def _ordered(ms: dict[str, float]) -> dict[str, float]:
     """:data:`STAGES` first, in their order, then any other stage."""
     return {s: ms[s] for s in (*STAGES, *sorted(set(ms) - set(STAGES))) if s in ms}
+
+
+class Throughput:
+    """Samples/s over training time only: per logging window and over the whole run.
+
+    :meth:`step` marks the end of each step; the first step (warm-up: compilation,
+    allocation) is not counted, nor is time before :meth:`restart_clock` (evaluations,
+    checkpoints). On a GPU, call :meth:`step` after the window's one synchronising read
+    (the loss) so the queued work falls in the window it belongs to.
+    """
+
+    def __init__(self, samples_per_step: int) -> None:
+        self.samples_per_step = samples_per_step
+        self._mark = time.perf_counter()
+        self._steps = 0
+        self._window = [0, 0.0]  # steps, seconds
+        self._run = [0, 0.0]
+
+    def step(self) -> None:
+        now = time.perf_counter()
+        dt, self._mark = now - self._mark, now
+        self._steps += 1
+        if self._steps > 1:
+            for acc in (self._window, self._run):
+                acc[0] += 1
+                acc[1] += dt
+
+    def restart_clock(self) -> None:
+        self._mark = time.perf_counter()
+
+    def _rate(self, acc: list) -> float:
+        return acc[0] * self.samples_per_step / acc[1] if acc[1] > 0 else math.nan
+
+    def window(self) -> float:
+        """Samples/s since the last call (and start a new window)."""
+        rate = self._rate(self._window)
+        self._window = [0, 0.0]
+        return rate
+
+    def run(self) -> float:
+        """Samples/s over every timed step so far."""
+        return self._rate(self._run)
 
 
 class MetricsWriter:

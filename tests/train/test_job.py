@@ -205,7 +205,7 @@ def test_single_process_never_initialises_a_process_group(monkeypatch):
 
 def test_sharded_stages_are_timed():
     """A module with input_dist / compute / output_dist (the sharded EBC) is timed per stage."""
-    from fbtriton_dist.train.job import _time_embeddings
+    from fbtriton_dist.train.loop import time_embeddings
     from fbtriton_dist.train.metrics import StageTimer
 
     class Staged(torch.nn.Module):
@@ -231,7 +231,7 @@ def test_sharded_stages_are_timed():
 
     timer = StageTimer("cpu")
     model = Model()
-    _time_embeddings(model, ["ebc", "plain"], timer)
+    time_embeddings(model, ["ebc", "plain"], timer)
     assert model(torch.ones(2)).tolist() == [3.0, 3.0]
     timer.step_done()
     assert list(timer.take()) == ["input_dist", "lookup", "output_dist"]

@@ -74,3 +74,23 @@ def test_format_summary():
         "  samples_per_s: 12,346",
         "  ms_per_step: lookup 1.50 ms",
     ]
+
+
+def test_throughput_skips_warmup_and_pauses():
+    from fbtriton_dist.train.metrics import Throughput
+
+    meter = Throughput(samples_per_step=100)
+    time.sleep(0.05)
+    meter.step()  # warm-up step: not counted
+    assert math.isnan(meter.window())
+    for _ in range(2):
+        time.sleep(0.01)
+        meter.step()
+    time.sleep(0.1)  # an evaluation
+    meter.restart_clock()
+    time.sleep(0.01)
+    meter.step()
+    rate = meter.window()
+    assert 100 * 3 / 0.05 < rate < 100 * 3 / 0.03  # about 3 steps of 10 ms
+    assert meter.run() == pytest.approx(rate)
+    assert math.isnan(meter.window())

@@ -1,0 +1,261 @@
+"""The training loop: steps, logging, evaluation, checkpoints and the final summary."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import save_checkpoint
+from .config import JobConfig
+from .data import Batch, DataPosition
+from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
+
+if TYPE_CHECKING:
+    from .job import Env
+
+__all__ = ["Trainer", "evaluate"]
+
+
+def _allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average dense gradients over the ranks (one flat all-reduce)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _timed(fn, timer: StageTimer, stage: str):
+    def wrapper(*args, **kwargs):
+        timer.start(stage)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.stop(stage)
+
+    return wrapper
+
+
+def time_embeddings(model: nn.Module, fqns: Sequence[str], timer: StageTimer) -> None:
+    """Time each embedding module: a sharded one by its three stages (``input_dist``,
+    ``compute`` as ``lookup``, ``output_dist``), an unsharded one by its forward (``lookup``)."""
+    stages = {"input_dist": "input_dist", "compute": "lookup", "output_dist": "output_dist"}
+    for fqn in fqns:
+        m = model.get_submodule(fqn)
+        if all(callable(getattr(m, name, None)) for name in stages):
+            for name, stage in stages.items():
+                setattr(m, name, _timed(getattr(m, name), timer, stage))
+            continue
+        m.register_forward_pre_hook(lambda *_: timer.start("lookup"))
+        m.register_forward_hook(lambda *_: timer.stop("lookup"))
+
+
+def split_dense(ms: dict[str, float]) -> dict[str, float]:
+    """``forward`` covers the whole forward: report its non-embedding part as ``dense``."""
+    out = dict(ms)
+    forward = out.pop("forward", None)
+    if forward is not None:
+        emb = sum(out.get(s, 0.0) for s in ("input_dist", "lookup", "output_dist"))
+        out["dense"] = max(forward - emb, 0.0)
+    return {s: round(out[s], 3) for s in STAGES if s in out}
+
+
+def evaluate(model: nn.Module, batches: Sequence[Batch], env: Env) -> dict[str, float]:
+    """Loss and AUC over every rank's predictions on its eval batches."""
+    if not batches:
+        return {}
+    model.eval()
+    scores, labels = [], []
+    with torch.no_grad():
+        for b in batches:
+            b = b.to(env.device)
+            scores.append(model(b.dense, b.sparse).squeeze(-1).float().cpu())
+            labels.append(b.labels.cpu())
+    model.train()
+    s, y = torch.cat(scores), torch.cat(labels)
+    if env.process_group is not None:
+        gathered: list[Any] = [None] * env.world_size
+        dist.all_gather_object(gathered, (s, y), group=env.process_group)
+        s = torch.cat([g[0] for g in gathered])
+        y = torch.cat([g[1] for g in gathered])
+    loss = nn.functional.binary_cross_entropy_with_logits(s, y).item()
+    return {"loss": loss, "auc": auc(s, y), "samples": int(y.numel())}
+
+
+class Trainer:
+    """Runs ``cfg.train`` on this rank from a step and data position; see :meth:`fit`."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: Env,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dense_params: Sequence[nn.Parameter],
+        embedding_fqns: Sequence[str],
+        source,
+    ) -> None:
+        self.cfg, self.env, self.model, self.optimizer = cfg, env, model, optimizer
+        self.dense_params = list(dense_params)
+        self.source = source
+        self.timer = StageTimer(env.device)
+        time_embeddings(model, embedding_fqns, self.timer)
+        self.throughput = Throughput(cfg.train.batch_size * env.world_size)
+        self.step, self.position = 0, DataPosition()
+        self.steps_run = 0
+        self.last_loss = math.nan
+        self.last_eval: dict[str, float] = {}
+        self.last_checkpoint: str | None = None
+        self._saved_at: int | None = None
+        self._window_loss = torch.zeros((), device=env.device)
+        self._window_steps = 0
+
+    # -- one step --------------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        batch = batch.to(self.env.device, non_blocking=True)
+        self.timer.start("forward")
+        logits = self.model(batch.dense, batch.sparse).squeeze(-1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.timer.stop("forward")
+        self.timer.start("backward")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding rows are updated here, by the fused optimizer
+        if self.env.process_group is not None:
+            _allreduce_mean(self.dense_params, self.env.process_group)
+        self.optimizer.step()
+        self.timer.stop("backward")
+        self.timer.step_done()
+        return loss.detach()
+
+    # -- around the steps ------------------------------------------------------------------
+    def _log(self, metrics: MetricsWriter, bar) -> None:
+        self.last_loss = self._window_loss.item() / self._window_steps
+        sps = self.throughput.window()
+        ms = split_dense(self.timer.take())
+        metrics.write(
+            "train", self.step, loss=self.last_loss, samples_per_s=sps,
+            epoch=self.position.epoch, ms=ms,
+        )  # fmt: skip
+        bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
+        self._window_loss.zero_()
+        self._window_steps = 0
+
+    def _evaluate(self, metrics: MetricsWriter, batches: Sequence[Batch]) -> None:
+        self.last_eval = evaluate(self.model, batches, self.env)
+        metrics.write("eval", self.step, **self.last_eval)
+
+    def _checkpoint(self) -> None:
+        state = {"step": self.step, **self.position.to_dict(), "world_size": self.env.world_size}
+        self.last_checkpoint = save_checkpoint(
+            self.cfg.checkpoint_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            state,
+            keep=self.cfg.checkpoint.keep,
+            process_group=self.env.process_group,
+        )
+        self._saved_at = self.step
+
+    def _batches(self):
+        """``(batch, position after it)`` until ``train.steps`` or ``train.epochs`` is reached."""
+        t = self.cfg.train
+        while t.steps is None or self.step < t.steps:
+            seen = 0
+            for item in self.source.train_batches(self.position):
+                seen += 1
+                yield item
+                if t.steps is not None and self.step >= t.steps:
+                    return
+            if seen == 0 and self.position.samples == 0:
+                raise ValueError(
+                    f"data: the {self.cfg.data.source} source gave no full batch of "
+                    f"{self.throughput.samples_per_step} samples ({self.env.world_size} rank(s) "
+                    f"x {t.batch_size})"
+                )
+            self.position = DataPosition(epoch=self.position.epoch + 1, samples=0)
+            if t.epochs is not None and self.position.epoch >= t.epochs:
+                return
+
+    def fit(self, step: int = 0, position: DataPosition | None = None) -> dict[str, Any]:
+        """Train from ``step`` / ``position`` to the end; return the summary."""
+        from tqdm import tqdm
+
+        cfg, t = self.cfg, self.cfg.train
+        self.step, self.position = step, position or DataPosition()
+        rank0 = self.env.rank == 0
+        metrics = MetricsWriter(
+            os.path.join(cfg.run_dir, cfg.logging.metrics) if rank0 else None,
+            os.path.join(cfg.run_dir, cfg.logging.tensorboard) if cfg.logging.tensorboard else None,
+        )
+        eval_batches = self.source.eval_batches(t.eval_batches) if t.eval_batches else []
+        bar = tqdm(
+            total=t.steps,
+            initial=step,
+            desc=cfg.name,
+            disable=not rank0 or not cfg.logging.progress_bar,
+            dynamic_ncols=True,
+        )
+        t0 = time.perf_counter()
+        self.throughput.restart_clock()
+        try:
+            for batch, next_position in self._batches():
+                self._window_loss += self.train_step(batch)
+                self._window_steps += 1
+                self.step, self.position = self.step + 1, next_position
+                self.steps_run += 1
+                bar.update(1)
+                log_now = self.step % cfg.logging.log_every == 0 or self.step == t.steps
+                if log_now:  # read the loss (a device sync) before the step's end is marked
+                    self.last_loss = self._window_loss.item() / self._window_steps
+                self.throughput.step()
+                if log_now:
+                    self._log(metrics, bar)
+                every_eval, every_ckpt = t.eval_every, cfg.checkpoint.every
+                if every_eval and self.step % every_eval == 0 and eval_batches:
+                    self._evaluate(metrics, eval_batches)
+                if cfg.checkpoint.enabled and every_ckpt and self.step % every_ckpt == 0:
+                    self._checkpoint()
+                self.throughput.restart_clock()
+            if self._window_steps:
+                self._log(metrics, bar)
+            evaluated_last_step = t.eval_every and self.step % t.eval_every == 0 and self.last_eval
+            if eval_batches and not evaluated_last_step:
+                self._evaluate(metrics, eval_batches)
+            if cfg.checkpoint.enabled and self.steps_run and self._saved_at != self.step:
+                self._checkpoint()
+            summary = self.summary(time.perf_counter() - t0)
+            metrics.write("summary", self.step, **summary)
+        finally:
+            bar.close()
+            metrics.close()
+        return summary
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        return {
+            "job": self.cfg.name,
+            "world_size": self.env.world_size,
+            "device": str(self.env.device),
+            "steps": self.step,
+            "steps_this_run": self.steps_run,
+            "wall_s": wall_s,
+            "samples_per_s": self.throughput.run(),
+            "train_loss": self.last_loss,
+            "eval_loss": self.last_eval.get("loss", math.nan),
+            "eval_auc": self.last_eval.get("auc", math.nan),
+            "ms_per_step": split_dense(self.timer.totals()),
+            "checkpoint": self.last_checkpoint or "-",
+            "run_dir": self.cfg.run_dir,
+        }
