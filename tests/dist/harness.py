@@ -1,4 +1,7 @@
-"""Run a function on R real processes joined by a gloo process group; never hang.
+"""Run a function on R real processes joined by a process group; never hang.
+
+gloo on CPU by default; ``FBTD_DIST_BACKEND=nccl`` runs the same tests on one GPU per rank
+(``device()`` tells a test function where its tensors go).
 
 Each rank runs ``fn(rank, world_size, *args)`` in a spawned process; return values come back
 in rank order. A rank that raises makes ``run_ranks`` raise with its traceback; a rank that
@@ -21,15 +24,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def backend() -> str:
+    return os.environ.get("FBTD_DIST_BACKEND", "gloo")
+
+
+def device():
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    import torch
+
+    if backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _entry(fn, rank, world_size, port, results, pg_timeout, args):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["FBTD_TEST_RANK"] = str(rank)
+    if backend() == "nccl":
+        torch.cuda.set_device(rank)
     try:
         dist.init_process_group(
-            "gloo",
+            backend(),
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -45,6 +62,12 @@ def _entry(fn, rank, world_size, port, results, pg_timeout, args):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float = 30.0):
+    if backend() == "nccl":
+        import pytest
+        import torch
+
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"NCCL run needs {world_size} GPUs, found {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import device, run_ranks
 
 
 def _all_to_all(rank, world):
@@ -12,10 +12,11 @@ def _all_to_all(rank, world):
     # rank r sends (q + 1) rows to rank q, each row filled with 100 r + q
     in_splits = [q + 1 for q in range(world)]
     out_splits = [rank + 1] * world
-    x = torch.cat([torch.full((q + 1, 2), 100.0 * rank + q) for q in range(world)])
+    x = torch.cat([torch.full((q + 1, 2), 100.0 * rank + q) for q in range(world)]).to(device())
     x.requires_grad_()
     y = all_to_all(x, in_splits, out_splits)
     expected = torch.cat([torch.full((rank + 1, 2), 100.0 * r + rank) for r in range(world)])
+    expected = expected.to(device())
     # gradient: weight each received row by its value; comes back as the sent values
     (y * y.detach()).sum().backward()
     return torch.equal(y.detach(), expected), torch.equal(x.grad, x.detach())
@@ -25,13 +26,15 @@ def _own_rows(rank, world):
     from fbtriton_dist.dist.comm import own_rows
 
     sizes = [2, 3, 1][:world]
-    x = torch.arange(sum(sizes) * 2, dtype=torch.float32).view(-1, 2).requires_grad_()
+    x = torch.arange(sum(sizes) * 2, dtype=torch.float32, device=device()).view(-1, 2)
+    x.requires_grad_()
     mine = own_rows(x, sizes, rank)
     start = sum(sizes[:rank])
     ok_fwd = torch.equal(mine.detach(), x.detach()[start : start + sizes[rank]])
     mine.sum().mul(rank + 1).backward()
     # every rank's gradient rows arrive everywhere: row block r is filled with r + 1
     expected = torch.cat([torch.full((B, 2), float(r + 1)) for r, B in enumerate(sizes)])
+    expected = expected.to(device())
     return ok_fwd, torch.equal(x.grad, expected)
 
 
@@ -39,7 +42,7 @@ def _failure_flag(rank, world):
     from fbtriton_dist.dist.comm import gather_batch_sizes
 
     try:
-        sizes = gather_batch_sizes(rank + 2, failed=rank == 1, device=torch.device("cpu"))
+        sizes = gather_batch_sizes(rank + 2, failed=rank == 1, device=device())
     except RuntimeError as e:
         return str(e)
     return sizes

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import device, run_ranks
 
 BATCH = [3, 5, 2]  # local batch sizes of ranks 0, 1, 2
 
@@ -140,12 +140,13 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     configs = _configs(weighted)
+    dev = device()
     torch.manual_seed(0)
-    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=dev)
     cls, kwargs = _optimizer(opt_name)
     apply_optimizer_in_backward(cls, ref.parameters(), kwargs)
     total_D = sum(c.embedding_dim * len(c.feature_names) for c in configs)
-    dense = torch.nn.Linear(total_D, 1)
+    dense = torch.nn.Linear(total_D, 1, device=dev)
     to_shard = copy.deepcopy(ref)  # (a deep copy drops the optimizer annotation: add it again)
     apply_optimizer_in_backward(cls, to_shard.parameters(), kwargs)
     sharded = fbtriton_dist.shard(to_shard, _plan(kind, world))
@@ -155,9 +156,10 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
     report = {}
     for step in range(3):
         batch = _global_batch(configs, sum(sizes), step, weighted)
-        out_ref = ref(_kjt(*batch, 0, sum(sizes))).values()
+        out_ref = ref(_kjt(*batch, 0, sum(sizes)).to(dev)).values()
         dense(out_ref).sum().backward()
-        out = sharded(_kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1)).values()
+        local = _kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1)
+        out = sharded(local.to(dev)).values()
         dense_s(out).sum().backward()
         grads = [p.grad.clone() for p in dense_s.parameters()]
         for gr in grads:
@@ -223,7 +225,7 @@ def _bad_id_on_one_rank(rank, world):
     from torchrec import KeyedJaggedTensor
 
     configs = _configs(False)
-    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
     sharded = fbtriton_dist.shard(ebc, _plan("mixed", world), optimizer=fbtriton_dist.optim.SGD())
     names = [f for c in configs for f in c.feature_names]
     values = torch.zeros(len(names), dtype=torch.int64)
@@ -232,7 +234,7 @@ def _bad_id_on_one_rank(rank, world):
     kjt = KeyedJaggedTensor(
         keys=names, values=values, lengths=torch.ones(len(names), dtype=torch.int64)
     )
-    sharded(kjt)
+    sharded(kjt.to(device()))
 
 
 def _rank_dies(rank, world):
@@ -241,14 +243,14 @@ def _rank_dies(rank, world):
     import fbtriton_dist
 
     sharded = fbtriton_dist.shard(
-        fbtriton_dist.EmbeddingBagCollection(tables=_configs(False)),
+        fbtriton_dist.EmbeddingBagCollection(tables=_configs(False), device=device()),
         _plan("mixed", world),
         optimizer=fbtriton_dist.optim.SGD(),
     )
     if rank == 0:
         os._exit(3)  # dies without a word, before the first collective
     feats, lengths, values, _ = _global_batch(_configs(False), 4, 0, False)
-    sharded(_kjt(feats, lengths, values, None, 0, 4))
+    sharded(_kjt(feats, lengths, values, None, 0, 4).to(device()))
 
 
 def test_bad_id_on_one_rank_stops_every_rank():
