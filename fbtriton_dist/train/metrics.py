@@ -41,15 +41,17 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 class StageTimer:
-    """Accumulates seconds per named stage (:data:`STAGES`) over a logging window.
+    """Accumulates seconds per named stage (:data:`STAGES`) over a logging window; the first
+    ``warmup_steps`` steps are not counted.
 
     On CPU stages are ``time.perf_counter`` intervals (no synchronisation needed). On CUDA
     each stage records a pair of events and the window is resolved once in :meth:`take`, so
     the step itself never synchronises.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", warmup_steps: int = 1) -> None:
         self.cuda = torch.device(device).type == "cuda"
+        self.warmup_steps = warmup_steps  # first steps (compilation, allocation): dropped
         self._open: dict[str, Any] = {}
         self._pending: list[tuple[str, Any, Any]] = []
         self._window: dict[str, float] = {}
@@ -78,6 +80,11 @@ class StageTimer:
             self._window[stage] = self._window.get(stage, 0.0) + end - begin
 
     def step_done(self) -> None:
+        if self.warmup_steps > 0:
+            self.warmup_steps -= 1
+            self._window.clear()
+            self._pending.clear()
+            return
         self._steps += 1
 
     def take(self) -> dict[str, float]:

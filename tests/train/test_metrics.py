@@ -36,7 +36,11 @@ def test_auc_edges():
 
 
 def test_stage_timer_means_per_step():
-    timer = StageTimer("cpu")
+    timer = StageTimer("cpu", warmup_steps=1)
+    timer.start("lookup")
+    time.sleep(0.05)
+    timer.stop("lookup")
+    timer.step_done()  # warm-up: dropped
     for _ in range(2):
         timer.start("forward")
         timer.start("lookup")
@@ -48,7 +52,7 @@ def test_stage_timer_means_per_step():
         timer.step_done()
     ms = timer.take()
     assert list(ms) == ["lookup", "backward", "forward"]
-    assert ms["lookup"] >= 2.0 and ms["forward"] >= ms["lookup"]
+    assert 2.0 <= ms["lookup"] < 40.0 and ms["forward"] >= ms["lookup"]
     assert timer.take() == {}
     assert timer.totals()["lookup"] == pytest.approx(ms["lookup"])
     timer.stop("never_started")  # ignored
