@@ -297,6 +297,8 @@ class DenseOptimizerConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
+    """The two optimizers of a job: fused for the tables, torch for the dense layers."""
+
     embedding: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
     """Fused embedding optimizer."""
     dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
@@ -305,6 +307,8 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
+    """How long to train, and how often to evaluate."""
+
     steps: int | None = None
     """Stop after this many steps (in all; a resumed job counts the steps already done)."""
     epochs: int | None = None
@@ -328,6 +332,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
+    """Atomic torch.distributed.checkpoint saves (see ``train/checkpoint.py``)."""
+
     enabled: bool = True
     """Save checkpoints (every ``every`` steps and at the end)."""
     dir: str | None = None
@@ -346,6 +352,8 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class LoggingConfig:
+    """Where results go and how progress is shown."""
+
     run_dir: str | None = None
     """Run folder (plan.yaml, metrics, checkpoints); None: ``runs/<name>``."""
     metrics: str = "metrics.jsonl"
@@ -384,12 +392,19 @@ class JobConfig:
     backend: Literal["auto", "reference", "triton"] = "auto"
     """TBE backend."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The DLRM around the tables."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where batches come from."""
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """Plan file or planner options."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Fused embedding optimizer and dense optimizer."""
     train: TrainConfig
+    """Steps / epochs, batch size, evaluation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run folder, metrics, progress bar, TensorBoard."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
