@@ -85,7 +85,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in records(run_dir, "train")}
 
 
-@pytest.mark.parametrize("embedding", ["rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("embedding", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 def test_resume_repeats_the_uninterrupted_run(tmp_path, embedding):
     opt = {"embedding": {"type": embedding, "lr": 0.05}, "dense": {"type": "adam", "lr": 0.01}}
     common = {
