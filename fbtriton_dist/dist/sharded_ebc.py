@@ -58,10 +58,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
         self._is_weighted = is_weighted
         self._configs = list(configs)
+        self._optimizer = optimizer
+        self._local_world_size = plan.local_world_size
         local, ftm = self.layout.local_tables(self.rank)
         self.local_tables = local
         # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
-        self.tbes = nn.ModuleList()
+        # not submodules: the state dict speaks TorchRec's keys (see state_dict below)
+        self.tbes: list[TableBatchedEmbedding] = []
         self._group_features: list[int] = []
         for dtype in dict.fromkeys(t.dtype for t in local):
             members = [i for i, t in enumerate(local) if t.dtype == dtype]
@@ -88,12 +91,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _shard_name(self, t) -> str:
         return f"{self._configs[t.table].name}[{t.row_start}:{t.row_end}, {t.col_start}:{t.col_end}]"
 
+    def _local_shards(self):
+        """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
+        views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
+        states = [s for tbe in self.tbes for s in tbe.split_optimizer_states()]
+        by_dtype = [
+            t
+            for dtype in dict.fromkeys(t.dtype for t in self.local_tables)
+            for t in self.local_tables
+            if t.dtype == dtype
+        ]
+        return list(zip(by_dtype, views, states, strict=True))
+
     def _local_views(self):
         """(LocalTable, its [E_s, D_s] weight view) for every shard on this rank."""
-        views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
-        by_dtype = [t for dtype in dict.fromkeys(t.dtype for t in self.local_tables)
-                    for t in self.local_tables if t.dtype == dtype]
-        return list(zip(by_dtype, views, strict=True))
+        return [(t, v) for t, v, _ in self._local_shards()]
 
     @torch.no_grad()
     def _init_shards(self, weights: dict[str, torch.Tensor] | None) -> None:
@@ -160,6 +172,144 @@ class ShardedEmbeddingBagCollection(nn.Module):
         batch, lookup, sizes = self.input_dist(features)
         return self.output_dist(self.compute(lookup), batch, sizes)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for tbe in self.tbes:
+            tbe._apply(fn)
+        return self
+
+    # -- state dict: TorchRec's keys, sharded values ---------------------------------------------
+    def _sharded(self, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: bool = False):
+        """A ShardedTensor of global ``size`` for table ``t`` from this rank's ``(offsets,
+        local tensor)`` pieces; the global metadata comes from the plan (no collective)."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            ShardedTensorMetadata,
+            TensorProperties,
+        )
+
+        kind = self.device.type
+        metas = []
+        for sf_rank, offsets, sizes in self._global_pieces(t, rowwise):
+            local_rank = sf_rank % self._local_world_size
+            where = f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda" else f"rank:{sf_rank}/cpu"
+            metas.append(ShardMetadata(list(offsets), list(sizes), where))
+        local = [
+            Shard(tensor, next(m for m in metas if list(m.shard_offsets) == list(offsets)))
+            for offsets, tensor in tensors
+        ]
+        dtype = tensors[0][1].dtype if tensors else self.layout.dtypes[t]
+        meta = ShardedTensorMetadata(metas, torch.Size(size), TensorProperties(dtype=dtype))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local, meta, process_group=self.group
+        )
+
+    def _global_pieces(self, t: int, rowwise: bool):
+        """(rank, offsets, sizes) of every shard of table ``t``, for weights ([E, D]) or a
+        rowwise state ([E, number of column slices])."""
+        slices = sorted({(sf.col_start, sf.col_end) for sf in self._table_shards(t)})
+        for sf in self._table_shards(t):
+            if not rowwise:
+                yield sf.rank, (sf.row_start, sf.col_start), (sf.row_end - sf.row_start, sf.dim)
+            else:
+                col = slices.index((sf.col_start, sf.col_end))
+                yield sf.rank, (sf.row_start, col), (sf.row_end - sf.row_start, 1)
+
+    def _table_shards(self, t: int):
+        """One shard-feature per shard of table ``t`` (its first feature's)."""
+        first = self.layout.feature_table.index(t)
+        return [sf for q in self.layout.local for sf in q if sf.feature == first]
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """``{prefix}embedding_bags.<table>.weight``: a ShardedTensor (this rank's shards are
+        views of the live weights, so torch.distributed.checkpoint saves and loads in place),
+        or for a data-parallel table its full replica."""
+        out = {} if destination is None else destination
+        local = self._local_views()
+        for t, cfg in enumerate(self._configs):
+            key = f"{prefix}embedding_bags.{cfg.name}.weight"
+            mine = [(lt, v) for lt, v in local if lt.table == t]
+            if self.layout.table_data_parallel[t]:
+                out[key] = mine[0][1]
+                continue
+            pieces = [((lt.row_start, lt.col_start), v) for lt, v in mine]
+            out[key] = self._sharded(t, pieces, (cfg.num_embeddings, cfg.embedding_dim))
+        return out
+
+    def fused_optimizer_state_dict(self) -> dict:
+        """The fused optimizer's state in the same form: ``embedding_bags.<table>.weight.<i>``
+        per state tensor (rowwise Adagrad: ``[E, column slices]``, one accumulator per row of
+        each column slice; Adagrad, Adam: ``[E, D]``), and ``step`` (the step count, for Adam's
+        bias correction)."""
+        out = {"step": torch.tensor(self.tbes[0].step if self.tbes else 0)}
+        shards = self._local_shards()
+        rowwise = isinstance(self._optimizer, optim.RowWiseAdagrad)
+        for t, cfg in enumerate(self._configs):
+            mine = [(lt, st) for lt, _, st in shards if lt.table == t]
+            slices = sorted({(sf.col_start, sf.col_end) for sf in self._table_shards(t)})
+            size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
+            for i in range(self._optimizer.num_states):
+                key = f"embedding_bags.{cfg.name}.weight.{i}"
+                if self.layout.table_data_parallel[t]:
+                    out[key] = mine[0][1][i]
+                    continue
+                pieces = [
+                    ((lt.row_start, slices.index((lt.col_start, lt.col_end))), st[i].view(-1, 1))
+                    if rowwise
+                    else ((lt.row_start, lt.col_start), st[i])
+                    for lt, st in mine
+                ]
+                out[key] = self._sharded(t, pieces, size, rowwise)
+        return out
+
+    def load_fused_optimizer_state_dict(self, state: dict) -> None:
+        """Restore ``fused_optimizer_state_dict()`` (after torch.distributed.checkpoint loaded
+        into it in place, only the step count is left to set)."""
+        for tbe in self.tbes:
+            tbe.step = int(state["step"])
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        local = self._local_views()
+        for t, cfg in enumerate(self._configs):
+            key = f"{prefix}embedding_bags.{cfg.name}.weight"
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            for lt, view in local:
+                if lt.table != t:
+                    continue
+                if isinstance(value, ShardedTensor):
+                    piece = next(
+                        (s.tensor for s in value.local_shards()
+                         if list(s.metadata.shard_offsets) == [lt.row_start, lt.col_start]
+                         and list(s.metadata.shard_sizes) == list(view.shape)),
+                        None,
+                    )
+                    if piece is None:
+                        errors.append(
+                            f"{key}: the ShardedTensor's local shards do not match this rank's "
+                            "shards; load it with torch.distributed.checkpoint, which reshards"
+                        )
+                        continue
+                elif tuple(value.shape) == (cfg.num_embeddings, cfg.embedding_dim):
+                    piece = value[lt.row_start : lt.row_end, lt.col_start : lt.col_end]
+                else:
+                    errors.append(f"{key}: expected shape ({cfg.num_embeddings}, "
+                                  f"{cfg.embedding_dim}), got {tuple(value.shape)}")
+                    continue
+                if piece.data_ptr() != view.data_ptr():
+                    with torch.no_grad():
+                        view.copy_(piece)
+        known = {f"{prefix}embedding_bags.{c.name}.weight" for c in self._configs}
+        unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in known
+                            and k[len(prefix):].split(".")[0] == "embedding_bags"]
+
     # -- full (unsharded) state -------------------------------------------------------------
     @torch.no_grad()
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -178,23 +328,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             dist.all_reduce(full, group=self.group)
             out[f"embedding_bags.{cfg.name}.weight"] = full.to(dtype)
         return out
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's shards out of a full (e.g. TorchRec) state dict."""
-        weights = {}
-        for cfg in self._configs:
-            key = f"embedding_bags.{cfg.name}.weight"
-            if key not in state_dict:
-                raise KeyError(f"load_full_state_dict: missing '{key}'")
-            w = state_dict[key]
-            if tuple(w.shape) != (cfg.num_embeddings, cfg.embedding_dim):
-                raise ValueError(
-                    f"load_full_state_dict: '{key}' has shape {tuple(w.shape)}, expected "
-                    f"({cfg.num_embeddings}, {cfg.embedding_dim})"
-                )
-            weights[cfg.name] = w.to(self.device)
-        self._init_shards(weights)
 
 
 def _is_ebc(module: nn.Module) -> bool:
