@@ -264,6 +264,33 @@ class EmbeddingBagCollection(nn.Module):
         cls, kwargs = specs[0]
         return fused_optimizer_from_torch(cls, dict(kwargs), f"tables {names}")
 
+    def _sync_optimizer(self, tbe: TableBatchedEmbedding, members: list[int]):
+        """Give the group's TBE the fused optimizer its parameters are annotated with."""
+        fused = self._fused_optimizer(members)
+        if fused != tbe.optimizer:
+            tbe.set_optimizer(fused)
+            tbe.weights.requires_grad_(False)  # gradients go to the per-table parameters
+        return fused
+
+    def fused_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fused optimizer's state, keyed as the sharded module's:
+        ``embedding_bags.<table>.weight.<i>`` (rowwise Adagrad ``[E, 1]``, others ``[E, D]``)
+        and ``step``. Views of the live state: torch.distributed.checkpoint loads in place."""
+        out = {"step": torch.tensor(max((tbe.step for tbe in self._tbes), default=0))}
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            if self._sync_optimizer(tbe, members) is None:
+                continue
+            for t, states in zip(members, tbe.split_optimizer_states(), strict=True):
+                for i, state in enumerate(states):
+                    key = f"embedding_bags.{self._embedding_bag_configs[t].name}.weight.{i}"
+                    out[key] = state.view(-1, 1) if state.dim() == 1 else state
+        return out
+
+    def load_fused_optimizer_state_dict(self, state: dict) -> None:
+        """After ``fused_optimizer_state_dict()`` was loaded in place: restore the step."""
+        for tbe in self._tbes:
+            tbe.step = int(state["step"])
+
     @torch.compiler.disable  # the lookup runs eagerly: a graph break around the kernels
     def forward(self, features):
         """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order."""
@@ -273,10 +300,7 @@ class EmbeddingBagCollection(nn.Module):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             self._bind(tbe, params)
-            fused = self._fused_optimizer(members)
-            if fused != tbe.optimizer:
-                tbe.set_optimizer(fused)
-                tbe.weights.requires_grad_(False)  # gradients go to the per-table parameters
+            fused = self._sync_optimizer(tbe, members)
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             if len(self._tbes) > 1:  # this group's features only

@@ -37,8 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fbtriton_dist.modules.ebc import EmbeddingBagCollection
-
 __all__ = [
     "fused_optimizer_state_dict",
     "latest_checkpoint",
@@ -50,44 +48,11 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 META = "meta.json"
 
 
-def _ebc_fused_state(ebc: EmbeddingBagCollection) -> dict[str, Any]:
-    """Per table: views of its fused-optimizer state and the step count of its TBE.
-
-    Reaches into the module (``_tbes``, ``_groups``, ``_fused_optimizer``): the state is
-    allocated when the first forward sees the ``apply_optimizer_in_backward`` annotation, so
-    it is allocated here first. To be replaced by a public method on EmbeddingBagCollection.
-    """
-    out: dict[str, Any] = {}
-    configs = ebc.embedding_bag_configs()
-    for tbe, members in zip(ebc._tbes, ebc._groups.values(), strict=True):
-        fused = ebc._fused_optimizer(members)
-        if fused is None:
-            continue
-        if fused != tbe.optimizer:
-            tbe.set_optimizer(fused)
-        for t, states in zip(members, tbe.split_optimizer_states(), strict=True):
-            name = configs[t].name
-            for j, state in enumerate(states):
-                out[f"{name}.momentum{j + 1}"] = state
-            out[f"{name}.step"] = tbe.step
-    return out
-
-
-def _ebc_set_fused_steps(ebc: EmbeddingBagCollection, state: Mapping[str, Any]) -> None:
-    configs = ebc.embedding_bag_configs()
-    for tbe, members in zip(ebc._tbes, ebc._groups.values(), strict=True):
-        key = f"{configs[members[0]].name}.step"
-        if key in state:
-            tbe.step = int(state[key])
-
-
 def _embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Modules holding embedding tables with a fused optimizer: ours (unsharded) or any
-    module offering ``fused_optimizer_state_dict()`` (the sharded one)."""
+    """Modules holding embedding tables with a fused optimizer: ours, unsharded or sharded
+    (both offer ``fused_optimizer_state_dict()``)."""
     return [
-        (fqn, m)
-        for fqn, m in model.named_modules()
-        if isinstance(m, EmbeddingBagCollection) or hasattr(m, "fused_optimizer_state_dict")
+        (fqn, m) for fqn, m in model.named_modules() if hasattr(m, "fused_optimizer_state_dict")
     ]
 
 
@@ -95,11 +60,7 @@ def fused_optimizer_state_dict(model: nn.Module) -> dict[str, Any]:
     """``{"<module fqn>.<table>.<state>": tensor or int}`` for every embedding module."""
     out: dict[str, Any] = {}
     for fqn, m in _embedding_modules(model):
-        state = (
-            m.fused_optimizer_state_dict()
-            if hasattr(m, "fused_optimizer_state_dict")
-            else _ebc_fused_state(m)  # type: ignore[arg-type]
-        )
+        state = m.fused_optimizer_state_dict()
         out.update({f"{fqn}.{k}" if fqn else k: v for k, v in state.items()})
     return out
 
@@ -109,10 +70,7 @@ def _load_fused_scalars(model: nn.Module, state: Mapping[str, Any]) -> None:
     for fqn, m in _embedding_modules(model):
         prefix = f"{fqn}." if fqn else ""
         mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        if hasattr(m, "load_fused_optimizer_state_dict"):
-            m.load_fused_optimizer_state_dict(mine)
-        elif isinstance(m, EmbeddingBagCollection):
-            _ebc_set_fused_steps(m, mine)
+        m.load_fused_optimizer_state_dict(mine)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any]) -> dict:

@@ -391,3 +391,31 @@ def test_kjt_reorder_matches_torchrec_permute_with_weights_and_repeats():
     assert torch.equal(batch.per_sample_weights, expected.weights())
     assert torch.equal(batch.offsets, expected.offsets())
     assert batch.batch_size == 4
+
+
+def test_fused_optimizer_state_dict_round_trip():
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    def build():
+        ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs("two-tables"))
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+        return ebc
+
+    a = build()
+    for step in range(2):
+        a(_kjt(_configs("two-tables"), B=3, seed=step)).values().sum().backward()
+    state = a.fused_optimizer_state_dict()
+    assert sorted(state) == ["embedding_bags.t1.weight.0", "embedding_bags.t2.weight.0", "step"]
+    assert state["embedding_bags.t1.weight.0"].shape == (10, 1) and int(state["step"]) == 2
+    b = build()
+    b.load_state_dict(a.state_dict())
+    mine = b.fused_optimizer_state_dict()
+    for k, v in state.items():
+        mine[k].copy_(v)  # what torch.distributed.checkpoint does in place
+    b.load_fused_optimizer_state_dict(mine)
+    kjt = _kjt(_configs("two-tables"), B=3, seed=9)
+    for m in (a, b):
+        m(kjt).values().sum().backward()
+    for (_, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        torch.testing.assert_close(y, x, atol=0, rtol=0)
