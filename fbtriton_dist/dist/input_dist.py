@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fbtriton_dist import reference
 from fbtriton_dist.dist.comm import all_to_all
 from fbtriton_dist.dist.layout import ShardLayout
 from fbtriton_dist.sparse import JaggedBatch, permute_segments
@@ -50,39 +51,26 @@ def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
 
 
 def bucketize(batch: JaggedBatch, layout: ShardLayout) -> Buckets:
-    """Cut this rank's batch (B samples of every feature) by destination shard-feature."""
-    B = batch.batch_size
-    F = len(layout.feature_names)
+    """Cut this rank's batch (B samples of every feature) by destination shard-feature: the
+    Triton kernel on GPU, its PyTorch twin on CPU."""
+    sfs = [sf for shard_features in layout.local for sf in shard_features]
     device = batch.indices.device
-    bounds = batch.offsets[:: max(B, 1)].tolist() if B else [0] * (F + 1)
-    bags = torch.repeat_interleave(
-        torch.arange(F * B, device=device),
-        batch.offsets[1:] - batch.offsets[:-1],
-        output_size=batch.indices.numel(),
+    columns = [[sf.feature for sf in sfs], [sf.row_start for sf in sfs], [sf.row_end for sf in sfs]]
+    sf_feature, lo, hi = (torch.tensor(c, dtype=torch.int64, device=device) for c in columns)
+    impl = reference
+    if device.type == "cuda":
+        from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+
+        impl = kernels
+    B = batch.batch_size
+    lengths, indices, weights = impl.bucketize(
+        batch.indices, batch.offsets, batch.per_sample_weights, sf_feature, lo, hi, B
     )
-    lengths, indices, weights, id_counts = [], [], [], []
-    for shard_features in layout.local:
-        n_before = len(indices)
-        for sf in shard_features:
-            a, b = bounds[sf.feature], bounds[sf.feature + 1]
-            ids = batch.indices[a:b]
-            keep = (ids >= sf.row_start) & (ids < sf.row_end)
-            samples = bags[a:b][keep] - sf.feature * B
-            lengths.append(torch.bincount(samples, minlength=B)[:B])
-            indices.append(ids[keep].to(torch.int64) - sf.row_start)
-            if batch.per_sample_weights is not None:
-                weights.append(batch.per_sample_weights[a:b][keep])
-        id_counts.append(sum(i.numel() for i in indices[n_before:]))
-    empty = torch.zeros(0, dtype=torch.int64, device=device)
-    w = None
-    if batch.per_sample_weights is not None:
-        w = torch.cat(weights) if weights else batch.per_sample_weights.new_zeros(0)
-    return Buckets(
-        lengths=torch.cat(lengths) if lengths else empty,
-        indices=torch.cat(indices) if indices else empty,
-        weights=w,
-        id_splits=id_counts,
-    )
+    per_dest = [len(q) * B for q in layout.local]
+    id_splits = [int(x) for x in torch.stack(
+        [chunk.sum() for chunk in torch.split(lengths, per_dest)]
+    ).tolist()] if sfs else [0] * layout.world_size
+    return Buckets(lengths=lengths, indices=indices, weights=weights, id_splits=id_splits)
 
 
 def exchange(

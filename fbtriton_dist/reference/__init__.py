@@ -3,6 +3,7 @@
 They are the specification, the CPU backend and the test oracle.
 """
 
+from fbtriton_dist.reference.bucketize import bucketize
 from fbtriton_dist.reference.tbe import (
     stochastic_round,
     tbe_backward,
@@ -10,4 +11,10 @@ from fbtriton_dist.reference.tbe import (
     tbe_per_sample_weights_grad,
 )
 
-__all__ = ["stochastic_round", "tbe_backward", "tbe_forward", "tbe_per_sample_weights_grad"]
+__all__ = [
+    "bucketize",
+    "stochastic_round",
+    "tbe_backward",
+    "tbe_forward",
+    "tbe_per_sample_weights_grad",
+]
