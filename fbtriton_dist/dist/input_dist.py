@@ -75,9 +75,10 @@ def bucketize(batch: JaggedBatch, layout: ShardLayout) -> Buckets:
 
 def exchange(
     buckets: Buckets, layout: ShardLayout, rank: int, batch_sizes: list[int], group=None
-) -> JaggedBatch:
-    """The two all-to-alls (bag lengths, then ids [and weights]); returns this rank's lookup
-    batch: features = its shard-features, ``batch_size`` = the global batch."""
+) -> tuple[JaggedBatch, dict[str, tuple[int, int]]]:
+    """The two all-to-alls (bag lengths, then ids [and weights]). Returns this rank's lookup
+    batch (features = its shard-features, ``batch_size`` = the global batch) and the bytes
+    sent to / received from the other ranks by each collective."""
     R = layout.world_size
     n_local = len(layout.local[rank])
     B = batch_sizes[rank]
@@ -100,6 +101,19 @@ def exchange(
     local_lengths = torch.cat(blocks, dim=1).flatten() if blocks else lengths
     offsets = torch.zeros(local_lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(local_lengths, 0, out=offsets[1:])
-    return JaggedBatch(
+    lookup = JaggedBatch(
         indices=indices, offsets=offsets, per_sample_weights=weights, batch_size=sum(batch_sizes)
     )
+    id_bytes = 8 + (buckets.weights.element_size() if buckets.weights is not None else 0)
+    others = [q for q in range(R) if q != rank]
+    traffic = {
+        "input_dist.lengths": (
+            8 * sum(length_splits[q] for q in others),
+            8 * sum(recv_splits[r] for r in others),
+        ),
+        "input_dist.ids": (
+            id_bytes * sum(buckets.id_splits[q] for q in others),
+            id_bytes * sum(id_recv[r] for r in others),
+        ),
+    }
+    return lookup, traffic

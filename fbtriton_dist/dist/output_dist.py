@@ -29,6 +29,24 @@ class OutputDist:
         self.dp_dst = torch.tensor(dp_dst, dtype=torch.int64, device=device)
         self.total_D = layout.feature_cols[-1]
 
+    def traffic(self, batch_sizes: list[int]) -> dict[str, tuple[int, int]]:
+        """Bytes (sent, received) to/from the other ranks per collective, backward included
+        (it mirrors the forward), for fp32 pooled values."""
+        me, B = self.rank, batch_sizes[self.rank]
+        W = self.send_cols.numel()
+        widths = [c.numel() for c in self.recv_cols]
+        others = [q for q in range(len(batch_sizes)) if q != me]
+        fwd_sent = 4 * W * sum(batch_sizes[q] for q in others)
+        fwd_recv = 4 * B * sum(widths[q] for q in others)
+        dp = 4 * self.dp_src.numel()
+        return {
+            "output_dist.forward": (fwd_sent, fwd_recv),
+            "output_dist.backward": (fwd_recv, fwd_sent),
+            "data_parallel.grad_all_gather": (
+                dp * B * len(others), dp * sum(batch_sizes[q] for q in others)
+            ),
+        }
+
     def __call__(self, local: torch.Tensor, batch_sizes: list[int], group=None) -> torch.Tensor:
         """``local`` [sum(batch_sizes), W_rank] -> pooled ``[B_rank, sum(D)]`` (fp32, SUM)."""
         B = batch_sizes[self.rank]

@@ -60,6 +60,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._configs = list(configs)
         self._optimizer = optimizer
         self._local_world_size = plan.local_world_size
+        self._plan = plan
         local, ftm = self.layout.local_tables(self.rank)
         self.local_tables = local
         # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
@@ -137,7 +138,37 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if error is not None:
             raise error
         buckets = input_dist.bucketize(batch, self.layout)
-        return batch, input_dist.exchange(buckets, self.layout, self.rank, sizes, self.group), sizes
+        lookup, traffic = input_dist.exchange(buckets, self.layout, self.rank, sizes, self.group)
+        self.last_traffic = traffic | self.output_dist_.traffic(sizes)
+        self._last_pooling = self._pooling_factors(batch)
+        self._last_batch_size = batch.batch_size
+        return batch, lookup, sizes
+
+    def _pooling_factors(self, batch: JaggedBatch) -> dict[str, float]:
+        B = max(batch.batch_size, 1)
+        per_feature = (batch.offsets[::B].diff() if batch.batch_size else batch.offsets[:0])
+        return {f: n / B for f, n in zip(self.layout.feature_names, per_feature.tolist(), strict=False)}
+
+    def comm_report(self) -> dict[str, dict[str, float]]:
+        """Bytes this rank sent to / received from other ranks in the last step, per
+        collective, next to the planner's estimate of what it receives
+        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors)."""
+        from fbtriton_dist.planner import CostModel, evaluate, to_table_specs
+
+        if not hasattr(self, "last_traffic"):
+            raise RuntimeError("comm_report: no step has run yet")
+        B = self._last_batch_size
+        specs = to_table_specs(self._configs, pooling_factors=self._last_pooling)
+        model = CostModel(batch_size=max(B, 1), index_bytes=8, length_bytes=8, output_bytes=4)
+        cost = evaluate(self._plan, specs, model=model).ranks[self.rank]
+        measured_in = sum(v[1] for k, v in self.last_traffic.items() if k.startswith("input"))
+        measured_out = sum(v[1] for k, v in self.last_traffic.items() if not k.startswith("input"))
+        report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in self.last_traffic.items()}
+        report["input_dist.total"] = {"received": float(measured_in),
+                                      "planner_estimate": float(cost.input_dist_bytes)}
+        report["output_dist.total"] = {"received": float(measured_out),
+                                       "planner_estimate": float(cost.output_dist_bytes)}
+        return report
 
     def compute(self, lookup: JaggedBatch) -> torch.Tensor:
         """Pooled partials ``[global B, local shard columns]`` (fp32, SUM)."""

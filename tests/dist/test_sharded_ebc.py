@@ -267,3 +267,39 @@ def test_a_dead_rank_makes_the_others_fail_within_the_timeout():
     text = str(info.value)
     assert "rank 0 died with exit code 3" in text
     assert "--- rank 1 ---" in text  # rank 1 raised (gloo timeout or closed connection)
+
+
+def _traffic(rank, world):
+    import fbtriton_dist
+
+    configs = _configs(False)
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
+    plan = _plan("row_wise", world)
+    sharded = fbtriton_dist.shard(ebc, plan, optimizer=fbtriton_dist.optim.SGD())
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    feats, lengths, values, _ = _global_batch(configs, sum(sizes), 0, False)
+    sharded(_kjt(feats, lengths, values, None, lo, lo + sizes[rank]).to(device()))
+    # ids of my samples whose row lives on another rank, counted by hand from the plan
+    expected = 0
+    for f, _ in feats:
+        table = next(c.name for c in configs if f in c.feature_names)
+        a, b = int(lengths[f][:lo].sum()), int(lengths[f][: lo + sizes[rank]].sum())
+        for shard in plan.table(table).shards:
+            if shard.rank != rank:
+                ids = values[f][a:b]
+                expected += int(((ids >= shard.row_start) & (ids < shard.row_end)).sum())
+    return sharded.comm_report(), 8 * expected
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_comm_bytes_per_collective(world):
+    results = run_ranks(_traffic, world)
+    reports = [r for r, _ in results]
+    for rank, (report, expected_ids) in enumerate(results):
+        assert report["input_dist.ids"]["sent"] == expected_ids, rank
+        assert report["input_dist.total"]["planner_estimate"] > 0
+        assert report["output_dist.total"]["planner_estimate"] > 0
+    for key in ("input_dist.lengths", "input_dist.ids", "output_dist.forward", "output_dist.backward"):
+        assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports), key
