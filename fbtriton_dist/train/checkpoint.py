@@ -15,6 +15,13 @@ What is saved, under these top-level keys:
 * ``train``: the step counter and the data position (epoch, samples consumed).
 
 Nothing is read with ``torch.load``; ``meta.json`` is plain JSON.
+
+DCP's default planners "flatten" nested ShardedTensors (an FSDP-2D feature we do not use), and
+that step drops a ShardedTensor with no shard on this rank (a table-wise table owned by another
+rank). On load the dropped key then looks missing, DCP falls back to its pre-2.4 key format, and
+the load fails on the dense optimizer's ``param_groups`` ("Missing key in checkpoint
+state_dict: dense_optim.param_groups"). Both planners are therefore built with
+``flatten_sharded_tensors=False``.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -123,6 +131,7 @@ def save_checkpoint(
             _state(model, optimizer, dict(train_state)),
             checkpoint_id=tmp,
             process_group=process_group,
+            planner=DefaultSavePlanner(flatten_sharded_tensors=False),
             no_dist=process_group is None,
         )
     _barrier(process_group)
@@ -178,7 +187,11 @@ def load_checkpoint(
     state = _state(model, optimizer, {k: v for k, v in meta.items() if k != "step"} | {"step": 0})
     with _quiet_single_process(process_group):
         dcp.load(
-            state, checkpoint_id=path, process_group=process_group, no_dist=process_group is None
+            state,
+            checkpoint_id=path,
+            process_group=process_group,
+            planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
+            no_dist=process_group is None,
         )
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, optimizer, state["dense_optim"])
