@@ -303,3 +303,52 @@ def test_comm_bytes_per_collective(world):
         assert report["output_dist.total"]["planner_estimate"] > 0
     for key in ("input_dist.lengths", "input_dist.ids", "output_dist.forward", "output_dist.backward"):
         assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports), key
+
+
+def _dlrm_and_meta(rank, world):
+    import fbtriton_dist
+    import torchrec
+    from torchrec.models.dlrm import DLRM
+
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+
+    configs = [
+        torchrec.EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=E, feature_names=[f"f_{n}"])
+        for n, E in (("a", 11), ("b", 6))
+    ]
+    cuts = _row_cuts(11, world)
+    plan = ShardingPlan(world_size=world, local_world_size=world, tables=(
+        TableSharding(name="a", sharding="row_wise", num_embeddings=11, embedding_dim=4, shards=tuple(
+            Shard(rank=r, row_start=cuts[r], row_end=cuts[r + 1], col_start=0, col_end=4)
+            for r in range(world))),
+        TableSharding(name="b", sharding="table_wise", num_embeddings=6, embedding_dim=4,
+                      shards=(Shard(rank=world - 1, row_start=0, row_end=6, col_start=0, col_end=4),)),
+    ))
+    torch.manual_seed(0)
+    ref = DLRM(embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=configs, device=device()),
+               dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    model = copy.deepcopy(ref)
+    model = fbtriton_dist.shard(model, plan, optimizer=fbtriton_dist.optim.SGD())  # TorchRec's EBC, nested
+    inner = model.sparse_arch.embedding_bag_collection
+    assert type(inner).__name__ == "ShardedEmbeddingBagCollection"
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    feats, lengths, values, _ = _global_batch(configs, sum(sizes), 1, False)
+    dense = torch.randn(sum(sizes), 3, generator=torch.Generator().manual_seed(2)).to(device())
+    want = ref(dense, _kjt(feats, lengths, values, None, 0, sum(sizes)).to(device()))[lo : lo + sizes[rank]]
+    got = model(dense[lo : lo + sizes[rank]], _kjt(feats, lengths, values, None, lo, lo + sizes[rank]).to(device()))
+    err = (got - want).abs().max().item()
+    # built on the meta device: shards are initialised in place from each table's init_fn
+    meta = fbtriton_dist.EmbeddingBagCollection(tables=configs, device="meta")
+    sharded = fbtriton_dist.shard(meta, plan, device=device(), optimizer=fbtriton_dist.optim.SGD())
+    views = sharded._local_views()
+    bound = 1 / 11**0.5
+    in_range = all(bool((v.abs() <= bound + 1e-6).all()) for lt, v in views if lt.table == 0)
+    nonzero = all(bool(v.abs().sum() > 0) for _, v in views)
+    return err, in_range, nonzero
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_torchrec_dlrm_and_meta_init(world):
+    for err, in_range, nonzero in run_ranks(_dlrm_and_meta, world):
+        assert err < 1e-5 and in_range and nonzero
