@@ -207,6 +207,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         super()._apply(fn, recurse)
         for tbe in self.tbes:
             tbe._apply(fn)
+        if self.tbes:  # .to(device): the index lists follow the shards
+            self.device = self.tbes[0].weights.device
+            self.output_dist_ = OutputDist(self.layout, self.rank, self.device)
         return self
 
     # -- state dict: TorchRec's keys, sharded values ---------------------------------------------

@@ -32,7 +32,7 @@ def _bucketize_count_kernel(
     hi = tl.load(sf_hi_ptr + s)
     start = tl.load(offsets_ptr + f * B + b).to(tl.int64)
     end = tl.load(offsets_ptr + f * B + b + 1).to(tl.int64)
-    count = 0
+    count = tl.zeros([], dtype=tl.int64)
     for p0 in range(start, end, BLOCK):
         p = p0 + tl.arange(0, BLOCK)
         ids = tl.load(indices_ptr + p, mask=p < end, other=-1).to(tl.int64)

@@ -325,18 +325,20 @@ def _dlrm_and_meta(rank, world):
                       shards=(Shard(rank=world - 1, row_start=0, row_end=6, col_start=0, col_end=4),)),
     ))
     torch.manual_seed(0)
-    ref = DLRM(embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=configs, device=device()),
+    # the reference runs on the CPU (TorchRec's own modules need fbgemm's CUDA ops on a GPU)
+    ref = DLRM(embedding_bag_collection=torchrec.EmbeddingBagCollection(tables=configs),
                dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
-    model = copy.deepcopy(ref)
+    model = copy.deepcopy(ref).to(device())
     model = fbtriton_dist.shard(model, plan, optimizer=fbtriton_dist.optim.SGD())  # TorchRec's EBC, nested
     inner = model.sparse_arch.embedding_bag_collection
     assert type(inner).__name__ == "ShardedEmbeddingBagCollection"
     sizes = BATCH[:world]
     lo = sum(sizes[:rank])
     feats, lengths, values, _ = _global_batch(configs, sum(sizes), 1, False)
-    dense = torch.randn(sum(sizes), 3, generator=torch.Generator().manual_seed(2)).to(device())
-    want = ref(dense, _kjt(feats, lengths, values, None, 0, sum(sizes)).to(device()))[lo : lo + sizes[rank]]
-    got = model(dense[lo : lo + sizes[rank]], _kjt(feats, lengths, values, None, lo, lo + sizes[rank]).to(device()))
+    dense = torch.randn(sum(sizes), 3, generator=torch.Generator().manual_seed(2))
+    want = ref(dense, _kjt(feats, lengths, values, None, 0, sum(sizes)))[lo : lo + sizes[rank]]
+    local = _kjt(feats, lengths, values, None, lo, lo + sizes[rank]).to(device())
+    got = model(dense[lo : lo + sizes[rank]].to(device()), local).cpu()
     err = (got - want).abs().max().item()
     # built on the meta device: shards are initialised in place from each table's init_fn
     meta = fbtriton_dist.EmbeddingBagCollection(tables=configs, device="meta")
