@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.dist.harness import device, run_ranks
 
-BATCH = [3, 5, 2]  # local batch sizes of ranks 0, 1, 2
+BATCH = [3, 5, 2, 4, 1, 6, 2, 3]  # local batch sizes of ranks 0, 1, 2, ...
 
 
 def _configs(weighted: bool):
