@@ -1,7 +1,8 @@
 """Input dist: send every id to the shards that hold its row, as one jagged batch per rank.
 
-Reference implementation in torch ops (one pass per shard-feature); the layout it produces is
-what the local TableBatchedEmbedding reads: features = this rank's shard-features, batch =
+Bucketize (kernels/bucketize.py on GPU, reference/bucketize.py on CPU) cuts each bag by
+shard-feature, destination by destination; two all-to-alls move lengths, then ids. The batch a
+rank receives is what its TableBatchedEmbedding reads: features = its shard-features, batch =
 the global batch (rank 0's samples, then rank 1's, ...), feature-major offsets.
 """
 
