@@ -10,7 +10,8 @@
 #   NODE_RANK       this node, 0..NNODES-1 (default 0)
 #   NPROC_PER_NODE  processes per node (default: the number of GPUs, else 2 CPU processes)
 #   MASTER_ADDR     host name or IP of node 0, reachable from every node (default localhost)
-#   MASTER_PORT     rendezvous port on node 0 (default 29500)
+#   MASTER_PORT     rendezvous port on node 0 (default 29500; on one node without MASTER_ADDR
+#                   and MASTER_PORT, torchrun --standalone picks a free port)
 #   RDZV_ID         job id shared by the nodes (default fbtd-$USER)
 #   FBTD_VENV       virtual environment (default .venv of the repository)
 #   FBTD_PG_TIMEOUT_S  collective timeout in seconds (default 600)
@@ -31,17 +32,26 @@ fi
 nproc=${NPROC_PER_NODE:-$([[ $gpus -gt 0 ]] && echo "$gpus" || echo 2)}
 nnodes=${NNODES:-1}
 node_rank=${NODE_RANK:-0}
-addr=${MASTER_ADDR:-localhost}
-port=${MASTER_PORT:-29500}
-echo "[multinode] node $node_rank/$nnodes, $nproc processes, rendezvous c10d at $addr:$port"
+if [[ $gpus -gt 0 ]]; then
+  backend="NCCL, one GPU per process"
+else
+  backend="gloo on the CPU"
+fi
+if [[ $nnodes == 1 && -z ${MASTER_ADDR:-} && -z ${MASTER_PORT:-} ]]; then
+  # one node: a free port, so concurrent jobs on the machine do not meet at 29500
+  rdzv=(--standalone)
+  where="standalone rendezvous (a free local port)"
+else
+  addr=${MASTER_ADDR:-localhost}
+  port=${MASTER_PORT:-29500}
+  rdzv=(--nnodes "$nnodes" --node-rank "$node_rank" --rdzv-backend c10d
+    --rdzv-endpoint "$addr:$port" --rdzv-id "${RDZV_ID:-fbtd-${USER:-job}}")
+  where="rendezvous c10d at $addr:$port"
+fi
+echo "[multinode] node $node_rank/$nnodes, $nproc processes ($backend), $where"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$root"
-exec "$venv/bin/torchrun" \
-  --nnodes "$nnodes" \
-  --node-rank "$node_rank" \
+exec "$venv/bin/torchrun" "${rdzv[@]}" \
   --nproc-per-node "$nproc" \
-  --rdzv-backend c10d \
-  --rdzv-endpoint "$addr:$port" \
-  --rdzv-id "${RDZV_ID:-fbtd-${USER:-job}}" \
   --max-restarts 0 \
   -m fbtriton_dist.train --config "$job" "$@"

@@ -100,9 +100,14 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_single_process(group: dist.ProcessGroup | None):
-    """DCP warns that it "assumes a single process" even when told so (``no_dist``)."""
+def _quiet_dcp(group: dist.ProcessGroup | None):
+    """DCP warns that it "assumes a single process" even when told so (``no_dist``), and that
+    ShardedTensor (TorchRec's sharded state dict type, which the sharded tables use) is
+    deprecated: neither is news to the user."""
     with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
         if group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -126,7 +131,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
         os.makedirs(tmp)
     _barrier(process_group)
-    with _quiet_single_process(process_group):
+    with _quiet_dcp(process_group):
         dcp.save(
             _state(model, optimizer, dict(train_state)),
             checkpoint_id=tmp,
@@ -185,7 +190,7 @@ def load_checkpoint(
     with open(os.path.join(path, META), encoding="utf-8") as f:
         meta = json.load(f)
     state = _state(model, optimizer, {k: v for k, v in meta.items() if k != "step"} | {"step": 0})
-    with _quiet_single_process(process_group):
+    with _quiet_dcp(process_group):
         dcp.load(
             state,
             checkpoint_id=path,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -54,7 +55,17 @@ from .data import DataPosition, make_source
 from .loop import Trainer
 from .metrics import format_summary
 
-__all__ = ["Env", "build_model", "distributed", "main", "make_plan", "run", "train"]
+__all__ = [
+    "Built",
+    "Env",
+    "build",
+    "build_model",
+    "distributed",
+    "main",
+    "make_plan",
+    "run",
+    "train",
+]
 
 GiB = 1024**3
 PG_TIMEOUT_S = float(os.environ.get("FBTD_PG_TIMEOUT_S", "600"))
@@ -227,17 +238,21 @@ def train(cfg: JobConfig, env: Env, resume: bool = False) -> dict[str, Any]:
         torch.use_deterministic_algorithms(was_deterministic)
 
 
-def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
-    run_dir = cfg.run_dir
-    if env.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-    plan, report = make_plan(cfg, env.world_size, env.local_world_size)
-    _log(env, report)
-    if env.rank == 0:
-        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
-        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
+@dataclass
+class Built:
+    """The job's model on this rank (sharded when the world has several ranks), the dense
+    optimizer, the dense parameters it steps and the fqns of the embedding modules."""
 
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    dense_params: list[nn.Parameter]
+    embedding_fqns: list[str]
+
+
+def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
+    """Seed, build DLRM over our EBC, shard it by ``plan`` (several ranks) and make the dense
+    optimizer: the same on every call with the same config, so a checkpoint loads into it."""
+    torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
     model = build_model(cfg, env.device, env.world_size)
     emb_fqns = [n for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
     # ---- the one multi-rank step: replace every EmbeddingBagCollection by its sharded twin ----
@@ -251,6 +266,20 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
         if not any(n.startswith(f"{f}.") for f in emb_fqns) and p.requires_grad
     ]
     optimizer = _dense_optimizer(cfg.optimizer.dense, dense_params)
+    return Built(model, optimizer, dense_params, emb_fqns)
+
+
+def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
+    run_dir = cfg.run_dir
+    if env.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+    plan, report = make_plan(cfg, env.world_size, env.local_world_size)
+    _log(env, report)
+    if env.rank == 0:
+        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
+        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
+    built = build(cfg, env, plan)
+    model, optimizer = built.model, built.optimizer
 
     source = make_source(
         cfg.tables,
@@ -272,7 +301,7 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
             step = int(state["step"])
             position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
             _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
-    trainer = Trainer(cfg, env, model, optimizer, dense_params, emb_fqns, source)
+    trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns, source)
     summary = trainer.fit(step, position)
     _log(env, format_summary(summary))
     return summary
@@ -281,6 +310,9 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Load the job named by the parsed arguments and train it (0 on success)."""
     cfg = load_job(args.config, args.overrides, args.steps)
+    # torchrec's KeyedTensor regroup calls torch.fx's is_fx_tracing(), which logs a deprecation
+    # notice on every rank: not the user's business
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     with distributed(cfg.device) as env:
         train(cfg, env, resume=args.resume)
     return 0
