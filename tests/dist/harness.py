@@ -61,7 +61,7 @@ def _entry(fn, rank, world_size, port, results, pg_timeout, args):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float = 30.0):
+def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 120.0):
     if backend() == "nccl":
         import pytest
         import torch
