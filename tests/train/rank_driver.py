@@ -59,6 +59,7 @@ def predict(config: str, checkpoint: str, out: str, overrides: list[str]) -> int
         if env.rank == 0:
             with open(out, "w", encoding="utf-8") as f:
                 json.dump({"logits": logits.tolist(), **metrics, "plan": plan.to_dict()}, f)
+        del built  # the sharded model holds the process group: free it before the group goes
     return 0
 
 
