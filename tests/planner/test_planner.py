@@ -7,7 +7,9 @@ import pytest
 from fbtriton_dist.planner import (
     CostModel,
     IdDistribution,
+    PlanCost,
     PlanError,
+    RankCost,
     ShardingPlanner,
     TableConstraints,
     TableSpec,
@@ -182,3 +184,35 @@ def test_embedding_bag_configs_accepted():
     ]
     plan = planner(2).plan(cfgs)
     assert [t.name for t in plan.tables] == ["t0", "t1", "t2"]
+
+
+def test_balance_tolerance_picks_the_most_even_of_the_near_fastest():
+    def cost(*times_ms):
+        return PlanCost(
+            ranks=tuple(
+                RankCost(
+                    rank=r,
+                    weight_bytes=0,
+                    state_bytes=0,
+                    lookups=0.0,
+                    lookup_bytes=0.0,
+                    input_dist_bytes=0.0,
+                    output_dist_bytes=0.0,
+                    inter_host_bytes=0.0,
+                    time_s=t * 1e-3,
+                )
+                for r, t in enumerate(times_ms)
+            )
+        )
+
+    fast, even, slow_even = "fast", "even", "slow_even"  # stand-ins for plans
+    candidates = [
+        (fast, cost(0.500, 0.400)),
+        (even, cost(0.504, 0.500)),
+        (slow_even, cost(0.52, 0.52)),
+    ]
+    assert planner(16, 8)._choose(candidates) == even  # 0.8 % slower, imbalance 1.004
+    assert planner(16, 8, balance_tolerance=0.0)._choose(candidates) == fast
+    assert planner(16, 8, balance_tolerance=0.05)._choose(candidates) == slow_even
+    with pytest.raises(ValueError, match="balance_tolerance: expected a number >= 0"):
+        planner(16, 8, balance_tolerance=-0.01)

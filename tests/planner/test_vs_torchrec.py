@@ -1,10 +1,12 @@
 """Our planner vs TorchRec's EmbeddingShardingPlanner on the Criteo set, scored by our model.
 
 At R = 2, 8 and 64, with uniform and Zipf(1.1) ids: our slowest rank is never slower and our
-imbalance (max/mean of per-rank time) is never worse. Prints the table (run with -s to see it).
-Skips when TorchRec's planner cannot run here.
+imbalance (max/mean of per-rank time) is never worse; with Zipf(1.1) at 64 ranks ours is at
+most 1.10 where equal row blocks are worse. Prints the table (run with -s to see it). Skips
+when TorchRec's planner cannot run here.
 """
 
+import functools
 import pathlib
 
 import pytest
@@ -24,18 +26,30 @@ def bench():
         planner_vs_torchrec.torchrec_plan(tables, 2, 2, 80 * 1024**3, 512)
     except Exception as e:  # pragma: no cover - depends on the install
         pytest.skip(f"TorchRec's planner cannot run here: {type(e).__name__}: {e}")
-    return planner_vs_torchrec
+
+    @functools.cache
+    def compare(R, zipf):  # each (R, ids) planned once for all the tests below
+        stats = None
+        if zipf is not None:
+            stats = {t.name: IdDistribution(kind="zipf", alpha=zipf) for t in tables}
+        c = planner_vs_torchrec.compare(tables, R, local_world_size=8, stats=stats)
+        print("\n" + planner_vs_torchrec.format_rows([c]))
+        return c
+
+    return compare
 
 
 @pytest.mark.parametrize("zipf", [None, 1.1], ids=["uniform", "zipf1.1"])
 @pytest.mark.parametrize("R", [2, 8, 64])
 def test_not_worse_than_torchrec(bench, R, zipf):
-    tables = load_tables(CRITEO).tables
-    stats = None
-    if zipf is not None:
-        stats = {t.name: IdDistribution(kind="zipf", alpha=zipf) for t in tables}
-    c = bench.compare(tables, R, local_world_size=8, stats=stats)
-    print("\n" + bench.format_rows([c]))
+    c = bench(R, zipf)
     # the step time is the slowest rank's: ours is never slower
     assert c.ours.max() <= c.torchrec.max() * 1.0001
     assert c.ours.imbalance() <= c.torchrec.imbalance() + 1e-6
+
+
+def test_zipf_64_ranks_balanced_where_equal_rows_are_not(bench):
+    c = bench(64, 1.1)
+    assert c.equal_rows.imbalance() > 1.10
+    assert c.ours.imbalance() <= 1.10
+    assert c.ours.max() <= c.equal_rows.max()
