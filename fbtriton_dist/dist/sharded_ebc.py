@@ -285,8 +285,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
             for i in range(self._optimizer.num_states):
                 key = f"embedding_bags.{cfg.name}.weight.{i}"
-                if self.layout.table_data_parallel[t]:
-                    out[key] = mine[0][1][i]
+                if self.layout.table_data_parallel[t]:  # the replica, same shape as sharded
+                    out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]
                     continue
                 pieces = [
                     ((lt.row_start, slices.index((lt.col_start, lt.col_end))), st[i].view(-1, 1))
