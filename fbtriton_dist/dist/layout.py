@@ -7,7 +7,9 @@ holds it (rebased to the shard's first row); output dist adds each shard-feature
 block into the feature's columns [c0, c1) on the rank that owns the sample. That one rule gives
 row-wise (sum of row blocks), table-wise (one shard), column-wise (column blocks side by side),
 table-row-wise and grid (both), and data-parallel (a full replica on every rank, see
-``ShardedEmbeddingBagCollection``).
+``ShardedEmbeddingBagCollection``). Table-row-wise and grid shard-features are marked
+``in_host``: the holders of one column slice (all on one host) first sum their blocks inside the
+host, and one of them, ``responsible(sf, dest)``, sends each destination rank the sum.
 """
 
 from collections.abc import Sequence
@@ -31,6 +33,12 @@ class ShardFeature:
     col_start: int
     col_end: int
     data_parallel: bool
+    in_host: bool = False  # table-row-wise / grid: summed inside the holders' host first
+
+    @property
+    def slice_key(self) -> tuple[int, int, int]:
+        """(feature, first column, end column): the same for every row block of one slice."""
+        return (self.feature, self.col_start, self.col_end)
 
     @property
     def dim(self) -> int:
@@ -82,9 +90,12 @@ class ShardLayout:
         for f, t in enumerate(self.feature_table):
             ts = plan.table(configs[t].name)
             dp = ts.sharding == "data_parallel"
+            in_host = ts.sharding in ("table_row_wise", "grid_shard")
             for s in ts.shards:
                 shard_features.append(
-                    ShardFeature(f, t, s.rank, s.row_start, s.row_end, s.col_start, s.col_end, dp)
+                    ShardFeature(
+                        f, t, s.rank, s.row_start, s.row_end, s.col_start, s.col_end, dp, in_host
+                    )
                 )
         # per rank: its shard-features grouped by dtype (one TBE per dtype), then feature order
         group_of = {dt: i for i, dt in enumerate(dict.fromkeys(dtypes))}
@@ -96,9 +107,26 @@ class ShardLayout:
             for q in range(world_size)
         ]
         self.dtypes = dtypes
+        self.local_world_size = plan.local_world_size
+        self.holders: dict[tuple[int, int, int], list[int]] = {}  # in-host slice -> its ranks
+        for sf in shard_features:
+            if sf.in_host:
+                self.holders.setdefault(sf.slice_key, []).append(sf.rank)
+        self.holders = {k: sorted(set(v)) for k, v in self.holders.items()}
         self.table_data_parallel = [
             plan.table(c.name).sharding == "data_parallel" for c in configs
         ]
+
+    def responsible(self, sf: ShardFeature, dest: int) -> int:
+        """The holder of ``sf``'s slice that sums it for ``dest``'s samples and sends it there:
+        ``dest`` itself if it is a holder, else round-robin by destination rank."""
+        holders = self.holders[sf.slice_key]
+        return dest if dest in holders else holders[dest % len(holders)]
+
+    def host_ranks(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s host (``local_world_size`` consecutive ranks)."""
+        first = rank - rank % self.local_world_size
+        return list(range(first, first + self.local_world_size))
 
     def local_tables(self, rank: int) -> tuple[list[LocalTable], list[int]]:
         """The shards on ``rank`` (one per (table, shard), shared by that table's features)

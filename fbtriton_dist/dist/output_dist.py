@@ -1,12 +1,26 @@
 """Output dist: pooled blocks back to the ranks that own the samples, added into place.
 
-Forward, on rank q: its lookup output ``[B_global, W_q]`` is cut by sample owner; rank r gets
-the rows of its samples for q's shard-features and adds each column block into the feature's
-columns (a sum over row shards, side by side for column shards): one all-to-all for all
-sharding types, the bytes of a reduce-scatter for row-wise. Data-parallel shard-features never
-travel: every rank computed them for the global batch and keeps its own rows. Backward is
-autograd's: index_add -> gather, all-to-all -> reverse all-to-all, own rows -> all-gather.
+Rank q's lookup output ``[B_global, W_q]`` holds, per shard-feature, a partial pooled block for
+every sample of the global batch. Two all-to-alls of column blocks (one mechanism,
+``BlockExchange``) bring them home:
+
+1. inside each host, table-row-wise and grid shard-features only: every holder of a slice
+   sends each other holder the rows of the destinations that holder is responsible for
+   (``ShardLayout.responsible``) and adds what it receives into its own partial, a
+   reduce-scatter over the global batch (uneven batch sizes included);
+2. across all ranks: q sends rank r the rows of r's samples for each of its shard-features
+   (an in-host one only if q is responsible for r), and r adds each column block into the
+   feature's columns: a sum over row shards, side by side for column shards, the bytes of a
+   reduce-scatter for row-wise, one block per destination for a table-row-wise slice.
+
+Data-parallel shard-features never travel: every rank computed them for the global batch and
+keeps its own rows. Backward is autograd's: index_add -> gather, all-to-all -> reverse
+all-to-all (step 1's: an all-gather of the gradient rows inside the host), own rows ->
+all-gather.
 """
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -14,54 +28,166 @@ from fbtriton_dist.dist.comm import all_to_all, own_rows
 from fbtriton_dist.dist.layout import ShardLayout
 
 
+@dataclass(frozen=True)
+class Block:
+    """The rows of ``dest``'s samples, columns ``src`` of the sender's input, added into
+    columns ``dst`` of the receiver's target."""
+
+    dest: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+class BlockExchange:
+    """One all-to-all of column blocks within ``peers`` (a process group, in its rank order):
+    ``send[i]`` / ``recv[i]`` are the blocks this rank sends to / receives from ``peers[i]``,
+    ``widths`` the columns of the input and of the target. A block's rows are ``dest``'s samples
+    in the global batch on the sending side, and on the receiving side too if ``global_rows``
+    (else the receiver's own batch, rows 0..B)."""
+
+    def __init__(self, peers, send, recv, widths, global_rows, device) -> None:
+        self.peers, self.send, self.recv = list(peers), send, recv
+        self.widths, self.global_rows, self.device = widths, global_rows, device
+        self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
+
+    def elements(self, batch_sizes: list[int]) -> tuple[list[int], list[int]]:
+        """Values sent to / received from each peer."""
+        count = [[sum(batch_sizes[b.dest] * len(b.src) for b in bl) for bl in side]
+                 for side in (self.send, self.recv)]
+        return count[0], count[1]
+
+    def _flat(self, blocks, batch_sizes, width, global_rows, receiving) -> torch.Tensor:
+        """Flat indices (row * width + column) of every block's values, peer by peer."""
+        starts = [0, *accumulate(batch_sizes)]
+        parts = [torch.zeros(0, dtype=torch.int64)]
+        for b in (b for per_peer in blocks for b in per_peer):
+            rows = torch.arange(batch_sizes[b.dest]) + (starts[b.dest] if global_rows else 0)
+            cols = torch.tensor(b.dst if receiving else b.src, dtype=torch.int64)
+            parts.append((rows[:, None] * width + cols[None, :]).flatten())
+        return torch.cat(parts).to(self.device)
+
+    def _indices(self, batch_sizes: list[int]):
+        if self._cached[0] != batch_sizes:
+            send = self._flat(self.send, batch_sizes, self.widths[0], True, False)
+            recv = self._flat(self.recv, batch_sizes, self.widths[1], self.global_rows, True)
+            self._cached = (list(batch_sizes), (send, recv, *self.elements(batch_sizes)))
+        return self._cached[1]
+
+    def __call__(self, x, target, batch_sizes: list[int], group=None) -> torch.Tensor:
+        """``target`` plus the blocks of ``x`` that every peer sent this rank."""
+        send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
+        got = all_to_all(x.reshape(-1).index_select(0, send_idx), send_n, recv_n, group)
+        return target.reshape(-1).index_add(0, recv_idx, got).view(target.shape)
+
+
+def host_blocks(layout: ShardLayout, q: int, p: int) -> list[Block]:
+    """Step 1, holder ``q`` to holder ``p`` of its host: per destination ``p`` is responsible
+    for, q's rows of that destination's samples for the in-host slices both hold."""
+    if q == p:  # a holder's own partial is already in place
+        return []
+    starts_q, starts_p = layout.local_columns(q), layout.local_columns(p)
+    at_p = {}  # slice -> p's (first) shard-feature of it
+    for j, sf in enumerate(layout.local[p]):
+        at_p.setdefault(sf.slice_key, j)
+    blocks = []
+    for dest in range(layout.world_size):
+        src, dst = [], []
+        for i, sf in enumerate(layout.local[q]):
+            if sf.in_host and layout.responsible(sf, dest) == p:
+                j = at_p[sf.slice_key]
+                src += range(starts_q[i], starts_q[i] + sf.dim)
+                dst += range(starts_p[j], starts_p[j] + sf.dim)
+        if src:
+            blocks.append(Block(dest, tuple(src), tuple(dst)))
+    return blocks
+
+
+def out_blocks(layout: ShardLayout, q: int, r: int) -> list[Block]:
+    """Step 2, rank ``q`` to rank ``r``: r's rows of q's shard-features (an in-host one only if
+    q is responsible for r), added into the feature's columns of r's pooled output."""
+    starts = layout.local_columns(q)
+    src, dst = [], []
+    for i, sf in enumerate(layout.local[q]):
+        if sf.data_parallel or (sf.in_host and layout.responsible(sf, r) != q):
+            continue
+        src += range(starts[i], starts[i] + sf.dim)
+        first = layout.feature_cols[sf.feature] + sf.col_start
+        dst += range(first, first + sf.dim)
+    return [Block(r, tuple(src), tuple(dst))] if src else []
+
+
 class OutputDist:
-    """Column index lists of one rank, fixed by the plan."""
+    """Both exchanges of one rank, fixed by the plan."""
 
     def __init__(self, layout: ShardLayout, rank: int, device: torch.device) -> None:
         self.layout, self.rank = layout, rank
-        R = layout.world_size
-        cols = [layout.output_columns(q, data_parallel=False) for q in range(R)]
-        self.send_cols = torch.tensor(cols[rank][0], dtype=torch.int64, device=device)
-        self.recv_cols = [torch.tensor(dst, dtype=torch.int64, device=device) for _, dst in cols]
-        self.all_recv_cols = torch.cat(self.recv_cols)
+        R, me = layout.world_size, rank
+        W = layout.local_columns(me)[-1]
+        self.total_D = layout.feature_cols[-1]
+        host = layout.host_ranks(me)
+        self.host = BlockExchange(
+            host,
+            [host_blocks(layout, me, p) for p in host],
+            [host_blocks(layout, p, me) for p in host],
+            (W, W),
+            True,
+            device,
+        )
+        self.has_host_step = any(sf.in_host for p in host for sf in layout.local[p])
+        self.out = BlockExchange(
+            range(R),
+            [out_blocks(layout, me, r) for r in range(R)],
+            [out_blocks(layout, q, me) for q in range(R)],
+            (W, self.total_D),
+            False,
+            device,
+        )
         dp_src, dp_dst = layout.output_columns(rank, data_parallel=True)
         self.dp_src = torch.tensor(dp_src, dtype=torch.int64, device=device)
         self.dp_dst = torch.tensor(dp_dst, dtype=torch.int64, device=device)
-        self.total_D = layout.feature_cols[-1]
+
+    def _bytes(self, ex: BlockExchange, batch_sizes: list[int], keep) -> tuple[int, int]:
+        """fp32 bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks."""
+        return tuple(
+            4 * sum(n for p, n in zip(ex.peers, side, strict=True) if keep(p))
+            for side in ex.elements(batch_sizes)
+        )
 
     def traffic(self, batch_sizes: list[int]) -> dict[str, tuple[int, int]]:
         """Bytes (sent, received) to/from the other ranks per collective, backward included
         (it mirrors the forward), for fp32 pooled values."""
         me, B = self.rank, batch_sizes[self.rank]
-        W = self.send_cols.numel()
-        widths = [c.numel() for c in self.recv_cols]
+        host_sent, host_recv = self._bytes(self.host, batch_sizes, lambda p: p != me)
+        sent, recv = self._bytes(self.out, batch_sizes, lambda p: p != me)
         others = [q for q in range(len(batch_sizes)) if q != me]
-        fwd_sent = 4 * W * sum(batch_sizes[q] for q in others)
-        fwd_recv = 4 * B * sum(widths[q] for q in others)
         dp = 4 * self.dp_src.numel()
         return {
-            "output_dist.forward": (fwd_sent, fwd_recv),
-            "output_dist.backward": (fwd_recv, fwd_sent),
+            "output_dist.host_reduce_scatter": (host_sent, host_recv),
+            "output_dist.host_all_gather": (host_recv, host_sent),
+            "output_dist.forward": (sent, recv),
+            "output_dist.backward": (recv, sent),
             "data_parallel.grad_all_gather": (
                 dp * B * len(others), dp * sum(batch_sizes[q] for q in others)
             ),
         }
 
-    def __call__(self, local: torch.Tensor, batch_sizes: list[int], group=None) -> torch.Tensor:
-        """``local`` [sum(batch_sizes), W_rank] -> pooled ``[B_rank, sum(D)]`` (fp32, SUM)."""
+    def inter_host(self, batch_sizes: list[int]) -> tuple[int, int]:
+        """Bytes (sent, received) of the forward output dist that cross hosts (the backward
+        mirrors them)."""
+        H = self.layout.local_world_size
+        return self._bytes(self.out, batch_sizes, lambda p: p // H != self.rank // H)
+
+    def __call__(
+        self, local: torch.Tensor, batch_sizes: list[int], group=None, host_group=None
+    ) -> torch.Tensor:
+        """``local`` [sum(batch_sizes), W_rank] -> pooled ``[B_rank, sum(D)]`` (fp32, SUM).
+        ``host_group``: the ranks of this rank's host (``ShardLayout.host_ranks``)."""
+        # every rank of a group takes part in its exchanges (and, through autograd, in their
+        # backward), even with nothing to send or receive: the output depends on what came back
+        if self.has_host_step:
+            local = self.host(local, local, batch_sizes, host_group)
         B = batch_sizes[self.rank]
-        W = self.send_cols.numel()
-        send = local.index_select(1, self.send_cols)  # rows already grouped by owner
-        widths = [c.numel() for c in self.recv_cols]
-        # every rank takes part in this all-to-all (and, through autograd, in its backward),
-        # even with nothing to send or receive: the output always depends on what came back
-        recv = all_to_all(
-            send.reshape(-1, 1), [B_r * W for B_r in batch_sizes], [B * w for w in widths], group
-        )
-        blocks = [blk.view(B, w) for blk, w in zip(torch.split(recv, [B * w for w in widths]), widths, strict=True)]
-        out = local.new_zeros((B, self.total_D)).index_add(
-            1, self.all_recv_cols, torch.cat(blocks, dim=1)
-        )
+        out = self.out(local, local.new_zeros((B, self.total_D)), batch_sizes, group)
         if self.dp_src.numel():
             mine = own_rows(local.index_select(1, self.dp_src), batch_sizes, self.rank, group)
             out = out.index_add(1, self.dp_dst, mine)

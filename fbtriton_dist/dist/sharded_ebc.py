@@ -3,6 +3,9 @@
     features (this rank's KJT) --input_dist--> ids of every rank for this rank's shards
         --compute--> pooled partials [global batch, local shard columns]
         --output_dist--> KeyedTensor [this rank's batch, sum(D)]
+
+Output dist sums table-row-wise and grid blocks inside the holders' host first (one process
+group per host of ``plan.local_world_size`` ranks, made here), then sends them across.
 """
 
 from collections.abc import Sequence
@@ -61,6 +64,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._optimizer = optimizer
         self._local_world_size = plan.local_world_size
         self._plan = plan
+        self.host_group = self._host_group(process_group)
         local, ftm = self.layout.local_tables(self.rank)
         self.local_tables = local
         # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
@@ -88,6 +92,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.output_dist_ = OutputDist(self.layout, self.rank, self.device)
         self._embedding_names = self.layout.feature_names
         self._dims = self.layout.feature_dims
+
+    def _host_group(self, group):
+        """The process group of this rank's host: ``group`` itself if it is one host, else a
+        new group per host, made on every rank in the same order (``new_group`` wants that)."""
+        H, R = self._local_world_size, self.layout.world_size
+        if H == R:
+            return group
+        mine = None
+        for first in range(0, R, H):
+            ranks = [r if group is None else dist.get_global_rank(group, r)
+                     for r in range(first, first + H)]
+            g = dist.new_group(ranks)
+            if first <= self.rank < first + H:
+                mine = g
+        return mine
 
     def _shard_name(self, t) -> str:
         return f"{self._configs[t.table].name}[{t.row_start}:{t.row_end}, {t.col_start}:{t.col_end}]"
@@ -140,6 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         buckets = input_dist.bucketize(batch, self.layout)
         lookup, traffic = input_dist.exchange(buckets, self.layout, self.rank, sizes, self.group)
         self.last_traffic = traffic | self.output_dist_.traffic(sizes)
+        self._last_inter_host = self.output_dist_.inter_host(sizes)
         self._last_pooling = self._pooling_factors(batch)
         self._last_batch_size = batch.batch_size
         return batch, lookup, sizes
@@ -152,7 +172,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def comm_report(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent to / received from other ranks in the last step, per
         collective, next to the planner's estimate of what it receives
-        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors)."""
+        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors),
+        and ``output_dist.forward.inter_host``: the part of the output dist that crossed hosts."""
         from fbtriton_dist.planner import CostModel, evaluate, to_table_specs
 
         if not hasattr(self, "last_traffic"):
@@ -168,6 +189,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                       "planner_estimate": float(cost.input_dist_bytes)}
         report["output_dist.total"] = {"received": float(measured_out),
                                        "planner_estimate": float(cost.output_dist_bytes)}
+        sent, received = self._last_inter_host  # a part of output_dist.forward, not added again
+        report["output_dist.forward.inter_host"] = {"sent": float(sent), "received": float(received)}
         return report
 
     def compute(self, lookup: JaggedBatch) -> torch.Tensor:
@@ -189,7 +212,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return outs[0] if single else torch.cat(outs, dim=1)
 
     def output_dist(self, local: torch.Tensor, batch: JaggedBatch, sizes: list[int]):
-        out = self.output_dist_(local, sizes, self.group)
+        out = self.output_dist_(local, sizes, self.group, self.host_group)
         if any(self.layout.feature_mean):  # exact MEAN: divide by the global bag length
             B = batch.batch_size
             lengths = (batch.offsets[1:] - batch.offsets[:-1]).view(-1, B).to(out.dtype)

@@ -38,6 +38,28 @@ def _own_rows(rank, world):
     return ok_fwd, torch.equal(x.grad, expected)
 
 
+def _host_reduce_scatter(rank, world):
+    from fbtriton_dist.dist.output_dist import Block, BlockExchange
+
+    # every rank holds a partial for the whole global batch (uneven sizes); rank p is
+    # responsible for its own samples: the others send it those rows, it adds them
+    sizes = [2, 3, 1][:world]
+    rows = torch.arange(1.0, sum(sizes) + 1)[:, None]
+    x = (rows * (rank + 1)).to(device()).requires_grad_()
+    send = [[Block(p, (0,), (0,))] if p != rank else [] for p in range(world)]
+    recv = [[Block(rank, (0,), (0,))] if q != rank else [] for q in range(world)]
+    ex = BlockExchange(range(world), send, recv, (1, 1), True, device())
+    y = ex(x, x, sizes)
+    start = sum(sizes[:rank])
+    mine = slice(start, start + sizes[rank])
+    expected = x.detach().clone()
+    expected[mine] = rows[mine].to(device()) * sum(q + 1 for q in range(world))
+    y[mine].sum().mul(rank + 1).backward()
+    # backward all-gathers: each rank's rows of sample owner p get p's gradient, p + 1
+    grad = torch.cat([torch.full((B, 1), float(p + 1)) for p, B in enumerate(sizes)])
+    return torch.equal(y.detach(), expected), torch.equal(x.grad, grad.to(device()))
+
+
 def _failure_flag(rank, world):
     from fbtriton_dist.dist.comm import gather_batch_sizes
 
@@ -56,6 +78,11 @@ def test_all_to_all_forward_and_backward(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_own_rows_backward_all_gathers(world):
     assert run_ranks(_own_rows, world) == [(True, True)] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_reduce_scatter_forward_and_backward(world):
+    assert run_ranks(_host_reduce_scatter, world) == [(True, True)] * world
 
 
 def test_failure_flag_reaches_every_rank():

@@ -41,25 +41,33 @@ def _row_cuts(E, R):
     return [*cuts, E]
 
 
-def _plan(kind: str, R: int):
+def _plan(kind: str, R: int, H: int | None = None):
+    """Every table sharded ``kind`` (or each its natural way: "mixed") on R ranks, H per host
+    (default one host): table-row-wise tables and grid slices go to hosts in turn."""
     from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 
-    def rows(E, D, c0=0, c1=None):
-        cuts = _row_cuts(E, R)
+    H = H or R
+    hosts = [list(range(h, h + H)) for h in range(0, R, H)]
+
+    def rows(E, D, c0=0, c1=None, ranks=tuple(range(R))):
+        cuts = _row_cuts(E, len(ranks))
         return [
             Shard(
                 rank=r,
-                row_start=cuts[r],
-                row_end=cuts[r + 1],
+                row_start=cuts[i],
+                row_end=cuts[i + 1],
                 col_start=c0,
                 col_end=D if c1 is None else c1,
             )
-            for r in range(R)
+            for i, r in enumerate(ranks)
         ]
 
-    def table(name, E, D, sharding):
-        if sharding in ("row_wise", "table_row_wise"):
+    def table(i, name, E, D, sharding):
+        host = hosts[i % len(hosts)]
+        if sharding == "row_wise":
             shards = rows(E, D)
+        elif sharding == "table_row_wise":
+            shards = rows(E, D, ranks=host)
         elif sharding == "table_wise":
             shards = [Shard(rank=R - 1, row_start=0, row_end=E, col_start=0, col_end=D)]
         elif sharding == "column_wise":
@@ -68,7 +76,8 @@ def _plan(kind: str, R: int):
                 Shard(rank=R - 1, row_start=0, row_end=E, col_start=D // 2, col_end=D),
             ]
         elif sharding == "grid_shard":
-            shards = rows(E, D, 0, D // 2) + rows(E, D, D // 2, D)
+            next_host = hosts[(i + 1) % len(hosts)]
+            shards = rows(E, D, 0, D // 2, ranks=host) + rows(E, D, D // 2, D, ranks=next_host)
         else:
             shards = [
                 Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D) for r in range(R)
@@ -86,10 +95,10 @@ def _plan(kind: str, R: int):
         "dp": "data_parallel",
     }
     tables = []
-    for cfg in _configs(False):
+    for i, cfg in enumerate(_configs(False)):
         sharding = natural[cfg.name] if kind == "mixed" else kind
-        tables.append(table(cfg.name, cfg.num_embeddings, cfg.embedding_dim, sharding))
-    return ShardingPlan(world_size=R, local_world_size=R, tables=tuple(tables))
+        tables.append(table(i, cfg.name, cfg.num_embeddings, cfg.embedding_dim, sharding))
+    return ShardingPlan(world_size=R, local_world_size=H, tables=tuple(tables))
 
 
 def _global_batch(configs, B_global, step, weighted):
@@ -135,7 +144,7 @@ def _optimizer(name):
     }[name]
 
 
-def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
+def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted, H=None):
     import fbtriton_dist
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -149,7 +158,7 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
     dense = torch.nn.Linear(total_D, 1, device=dev)
     to_shard = copy.deepcopy(ref)  # (a deep copy drops the optimizer annotation: add it again)
     apply_optimizer_in_backward(cls, to_shard.parameters(), kwargs)
-    sharded = fbtriton_dist.shard(to_shard, _plan(kind, world))
+    sharded = fbtriton_dist.shard(to_shard, _plan(kind, world, H))
     dense_s = copy.deepcopy(dense)
     sizes = BATCH[:world]
     lo = sum(sizes[:rank])
@@ -175,7 +184,7 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted):
         (full[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items()
     )
     report["state"] = _state_error(ref, sharded, configs)
-    return report
+    return report if H is None else (report, sharded.comm_report())
 
 
 def _state_error(ref, sharded, configs):
@@ -218,6 +227,34 @@ def test_sharded_matches_unsharded(case, world):
     for rank, report in enumerate(reports):
         for key, err in report.items():
             assert err < 2e-5, f"rank {rank} {key}: {err}"
+
+
+def _two_hosts(rank, world):
+    """World 4 as 2 hosts of 2 ranks: all sharding types mixed (MEAN, unequal batches), then
+    every table table-row-wise, keeping that step's comm report."""
+    mixed, _ = _sharded_vs_unsharded(rank, world, "mixed", "adagrad", False, H=2)
+    twrw, report = _sharded_vs_unsharded(rank, world, "table_row_wise", "rowwise_adagrad", False, H=2)
+    return mixed, twrw, report
+
+
+def test_two_hosts_sum_inside_the_host_then_send_one_block_across():
+    world, H = 4, 2
+    results = run_ranks(_two_hosts, world)
+    for rank, (mixed, twrw, _) in enumerate(results):
+        for key, err in [*mixed.items(), *twrw.items()]:
+            assert err < 2e-5, f"rank {rank} {key}: {err}"
+    # every table is table-row-wise on one host: a rank receives from the other host exactly
+    # one [B, D] block per feature of each table held there (not one per holder)
+    configs, plan = _configs(False), _plan("table_row_wise", world, H)
+    reports = [r for _, _, r in results]
+    for rank, report in enumerate(reports):
+        far = [c for c in configs if plan.table(c.name).shards[0].rank // H != rank // H]
+        expected = sum(4 * BATCH[rank] * c.embedding_dim * len(c.feature_names) for c in far)
+        assert report["output_dist.forward.inter_host"]["received"] == expected, rank
+    for key in ("output_dist.forward.inter_host", "output_dist.host_reduce_scatter",
+                "output_dist.forward", "output_dist.backward"):
+        assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
+    assert all(r["output_dist.host_reduce_scatter"]["received"] > 0 for r in reports)
 
 
 def _bad_id_on_one_rank(rank, world):
@@ -301,7 +338,8 @@ def test_comm_bytes_per_collective(world):
         assert report["input_dist.ids"]["sent"] == expected_ids, rank
         assert report["input_dist.total"]["planner_estimate"] > 0
         assert report["output_dist.total"]["planner_estimate"] > 0
-    for key in ("input_dist.lengths", "input_dist.ids", "output_dist.forward", "output_dist.backward"):
+    for key in ("input_dist.lengths", "input_dist.ids", "output_dist.forward", "output_dist.backward",
+                "output_dist.host_reduce_scatter", "output_dist.host_all_gather"):
         assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports), key
 
 
