@@ -1,0 +1,25 @@
+"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,planner} [args]``.
+
+Each subcommand is the module ``fbtriton_dist.bench.<name>`` with a ``main(argv)``; ``dist``
+runs under torchrun (``torchrun --nproc-per-node 2 -m fbtriton_dist.bench dist ...``).
+"""
+
+import importlib
+import sys
+
+COMMANDS = {"tbe": "tbe", "dist": "dist", "planner": "planner_vs_torchrec"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        raise SystemExit(
+            f"usage: python -m fbtriton_dist.bench {{{','.join(COMMANDS)}}} [args]; "
+            f"got {argv[:1] or 'nothing'}"
+        )
+    module = importlib.import_module(f"fbtriton_dist.bench.{COMMANDS[argv[0]]}")
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
