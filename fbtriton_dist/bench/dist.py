@@ -1,0 +1,612 @@
+"""A sharded training step, ours against TorchRec's DistributedModelParallel, in one launch.
+
+    torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --out dist.json
+    torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny   # CPU, gloo
+    python -m fbtriton_dist.bench dist --plot dist.json --png dist.png            # no torchrun
+
+Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
+per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
+``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone) and ``dlrm``; providers
+``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``
+(see ``dist_setup`` and ``dist_providers``). Every provider trains on the same pre-generated
+batches (each rank its own), one provider's model at a time; warm-up steps are not counted
+(``dist_measure`` says what is measured and how). Rank 0 prints a table with the ratios
+against TorchRec and writes ``--out`` (JSON) after every provider, so a crash keeps the rows
+measured so far. A provider that fails or cannot run here is recorded with the reason and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .dist_setup import DEFAULT_TABLES
+
+PLANS = ("row_wise", "table_wise")
+MODELS = ("ebc", "dlrm")
+PROVIDER_NAMES = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
+FULL = {
+    "total_gb": 20.0,
+    "dim": 128,
+    "batch_size": 8192,
+    "bag_size": 20,
+    "batches": 8,
+    "warmup": 5,
+    "steps": 20,
+    "profile_steps": 5,
+    "split_steps": 5,
+    "dense_arch": None,
+    "over_arch": "1024,1024,512,256,1",
+}
+TINY = {
+    "total_gb": 0.004,
+    "dim": 16,
+    "batch_size": 64,
+    "bag_size": 4,
+    "batches": 3,
+    "warmup": 1,
+    "steps": 3,
+    "profile_steps": 0,
+    "split_steps": 2,
+    "dense_arch": None,
+    "over_arch": "32,1",
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m fbtriton_dist.bench dist",
+        description="Sharded training step: ours vs TorchRec DMP (run under torchrun).",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="small tables, B=64, a few steps, on the CPU with gloo (CI)",
+    )
+    p.add_argument("--tables", default=DEFAULT_TABLES, help="table-set YAML (rows are scaled)")
+    p.add_argument("--total-gb", type=float, help="weights in fp32 GB (default 20; tiny 0.004)")
+    p.add_argument("--dim", type=int, help="D of every table (default 128; tiny 16)")
+    p.add_argument("--batch-size", type=int, help="B per rank (default 8192; tiny 64)")
+    p.add_argument("--bag-size", type=int, help="L ids per bag (default 20; tiny 4)")
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (0: uniform)")
+    p.add_argument(
+        "--hot-rows",
+        choices=["scattered", "first"],
+        default="scattered",
+        help="where the hot ids are: spread over the table, or its first rows",
+    )
+    p.add_argument("--num-dense", type=int, default=13)
+    p.add_argument(
+        "--dense-arch",
+        help="DLRM dense arch, comma separated, ending in D (default 512,256,D; tiny 32,D)",
+    )
+    p.add_argument("--over-arch", help="DLRM over arch (default 1024,1024,512,256,1; tiny 32,1)")
+    p.add_argument("--lr", type=float, default=0.01, help="rowwise Adagrad learning rate")
+    p.add_argument("--eps", type=float, default=1e-8, help="rowwise Adagrad eps")
+    p.add_argument("--dense-lr", type=float, default=0.01, help="dense SGD learning rate")
+    p.add_argument("--batches", type=int, help="distinct batches per rank, cycled (default 8)")
+    p.add_argument("--warmup", type=int, help="warm-up steps, not counted (default 5)")
+    p.add_argument("--steps", type=int, help="timed steps (default 20)")
+    p.add_argument("--profile-steps", type=int, help="profiled steps, CUDA only (default 5)")
+    p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
+    p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--providers", nargs="+", choices=PROVIDER_NAMES, default=list(PROVIDER_NAMES))
+    p.add_argument(
+        "--comm",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra CommOptions field for the ours_lean* providers (repeatable)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help="default: cpu with --tiny, else auto (CUDA when available)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results here (JSON, rank 0)")
+    p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
+    p.add_argument("--png", default="dist.png", help="where --plot writes its chart")
+    args = p.parse_args(argv)
+    preset = TINY if args.tiny else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.device is None:
+        args.device = "cpu" if args.tiny else "auto"
+    args.dense_arch = (
+        _ints(args.dense_arch)
+        if args.dense_arch
+        else ([32, args.dim] if args.tiny else [512, 256, args.dim])
+    )
+    args.over_arch = _ints(args.over_arch)
+    if args.dense_arch[-1] != args.dim:
+        p.error(f"--dense-arch must end in D={args.dim}, got {args.dense_arch}")
+    args.comm_extra = dict(_comm_item(p, item) for item in args.comm)
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _comm_item(p: argparse.ArgumentParser, item: str) -> tuple[str, Any]:
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        p.error(f"--comm: expected KEY=VALUE, got {item!r}")
+    if value in ("bfloat16", "float16", "float32"):
+        import torch
+
+        return key, getattr(torch, value)
+    return key, yaml.safe_load(value)
+
+
+# -- the run ----------------------------------------------------------------------------------
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+    for name in ("torchrec", "torch.fx._symbolic_trace", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _versions(device) -> dict[str, str]:
+    import torch
+
+    out = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    for mod in ("torchrec", "fbgemm_gpu", "triton"):
+        try:
+            out[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - a version is informational
+            out[mod] = f"not importable ({type(e).__name__})"
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            v = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # noqa: BLE001 - informational
+            out["nccl"] = f"? ({type(e).__name__})"
+    return out
+
+
+def run(args: argparse.Namespace, env) -> dict[str, Any]:
+    """Measure every (plan, model, provider) on this rank; rank 0 returns (and writes) all."""
+
+    from .dist_providers import Context
+    from .dist_setup import (
+        ModelSpec,
+        fixed_grad,
+        make_batches,
+        make_plan,
+        scaled_tables,
+        torchrec_bytes,
+        torchrec_configs,
+    )
+
+    R, rank, device = env.world_size, env.rank, env.device
+    H = env.local_world_size if R % env.local_world_size == 0 else R
+    tables = scaled_tables(args.tables, args.dim, args.total_gb)
+    configs = torchrec_configs(tables)
+    t0 = time.perf_counter()
+    batches = make_batches(
+        tables,
+        n=args.batches,
+        B=args.batch_size,
+        L=args.bag_size,
+        alpha=args.zipf,
+        num_dense=args.num_dense,
+        seed=args.seed,
+        rank=rank,
+        device=device,
+        scatter=args.hot_rows == "scattered",
+    )
+    grad = fixed_grad(tables, args.batch_size, args.seed, rank, device)
+    weights_gb = sum(t.num_embeddings * t.embedding_dim for t in tables) * 4 / 1e9
+    results: dict[str, Any] = {
+        "setup": {
+            "command": " ".join(sys.argv),
+            "world_size": R,
+            "local_world_size": H,
+            "device": str(device),
+            "backend": "nccl" if device.type == "cuda" else "gloo",
+            "tables": len(tables),
+            "rows": [t.num_embeddings for t in tables],
+            "dim": args.dim,
+            "weights_gb": weights_gb,
+            "batch_size_per_rank": args.batch_size,
+            "bag_size": args.bag_size,
+            "zipf": args.zipf,
+            "hot_rows": args.hot_rows,
+            "optimizer": {"type": "rowwise_adagrad", "lr": args.lr, "eps": args.eps},
+            "dense": {
+                "num_dense": args.num_dense,
+                "dense_arch": args.dense_arch,
+                "over_arch": args.over_arch,
+                "optimizer": f"sgd lr {args.dense_lr}",
+            },
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "profile_steps": args.profile_steps,
+            "split_steps": args.split_steps,
+            "distinct_batches": args.batches,
+            "comm_extra": {k: str(v) for k, v in args.comm_extra.items()},
+            "data_s": round(time.perf_counter() - t0, 3),
+            "versions": _versions(device),
+        },
+        "rows": [],
+    }
+    _say(
+        env,
+        f"bench dist: {len(tables)} tables, {weights_gb:.2f} GB fp32, D={args.dim}, "
+        f"B={args.batch_size}/rank, L={args.bag_size}, zipf {args.zipf}, {R} ranks on "
+        f"{device.type}; {args.warmup} warm-up + {args.steps} timed steps",
+    )
+    for plan_name in args.plans:
+        plan = make_plan(plan_name, tables, R, H)
+        for kind in args.models:
+            spec = ModelSpec(
+                kind=kind,
+                num_dense=args.num_dense,
+                dense_arch=tuple(args.dense_arch),
+                over_arch=tuple(args.over_arch),
+            )
+            ctx = Context(
+                tables=tables,
+                configs=configs,
+                plan=plan,
+                spec=spec,
+                batches=batches,
+                grad=grad if kind == "ebc" else None,
+                device=device,
+                group=env.process_group,
+                seed=args.seed,
+                lr=args.lr,
+                eps=args.eps,
+                dense_lr=args.dense_lr,
+                comm_extra=args.comm_extra,
+            )
+            estimate = torchrec_bytes(batches[0], plan, tables, rank)
+            group_rows = []
+            for provider in args.providers:
+                row = _run_one(provider, ctx, args, env, estimate)
+                group_rows.append(row)
+                if rank == 0:
+                    results["rows"].append(row)
+                    _ratios(group_rows)
+                    _say(env, _line(row))
+                    _write(args.out, results)
+    if rank == 0:
+        print(format_table(results["rows"]), flush=True)
+        _write(args.out, results)
+        if args.out:
+            print(f"results written to {args.out}", flush=True)
+    return results
+
+
+def _say(env, text: str) -> None:
+    if env.rank == 0:
+        print(text, flush=True)
+
+
+def _write(path: str | None, results: dict) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _run_one(provider: str, ctx, args, env, estimate: dict[str, float]) -> dict[str, Any]:
+    """Build, measure and free one provider on this rank; every rank's numbers merged."""
+    import torch
+    import torch.distributed as dist
+
+    from .dist_measure import measure
+    from .dist_providers import Skip, build, release
+
+    device = env.device
+    local: dict[str, Any] = {"status": "ok", "note": ""}
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        mem0 = torch.cuda.memory_allocated(device)
+    runner = None
+    try:
+        runner = build(provider, ctx)
+        if device.type == "cuda":
+            local["model_mem_gb"] = (torch.cuda.memory_allocated(device) - mem0) / 1e9
+        local["loop"] = runner.loop
+        local.update(
+            measure(
+                runner,
+                warmup=args.warmup,
+                steps=args.steps,
+                profile_steps=args.profile_steps,
+                split=args.split_steps,
+                device=device,
+                group=env.process_group,
+            )
+        )
+        local["bytes"] = _bytes(local, provider, estimate, runner.dense_numel, env.world_size)
+    except Skip as e:
+        local.update(status="skipped", note=str(e))
+    except Exception as e:  # noqa: BLE001 - recorded; the other providers still run
+        local.update(
+            status="error",
+            note=f"{type(e).__name__}: {e}"[:800],
+            traceback=traceback.format_exc()[-3000:],
+        )
+    finally:
+        runner = None
+        release(device)
+    local["seconds"] = round(time.perf_counter() - t0, 2)
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, local, group=env.process_group)
+    return merge(
+        provider,
+        ctx.plan.tables[0].sharding,
+        ctx.spec.kind,
+        gathered,
+        samples_per_step=args.batch_size * env.world_size,
+        steps=args.steps,
+    )
+
+
+def _bytes(
+    local: dict, provider: str, estimate: dict[str, float], dense_numel: int, R: int
+) -> dict[str, float]:
+    """Bytes this rank sends per step, per collective: our comm_report, or (TorchRec) the
+    estimate; plus the dense gradients' ring all-reduce (2 (R-1)/R of them)."""
+    report = local.pop("comm_report", None)
+    if provider == "torchrec" or report is None:
+        out = dict(estimate)
+        local["bytes_source"] = "estimate"
+    else:
+        out = {
+            k: float(v["sent"])
+            for k, v in report.items()
+            if "sent" in v and not k.endswith(("total", "inter_host"))
+        }
+        out = {k: v for k, v in out.items() if v}
+        local["bytes_source"] = "comm_report"
+        local["comm_report"] = report
+    if dense_numel:
+        out["dense.all_reduce"] = 2.0 * (R - 1) / R * dense_numel * 4
+    return out
+
+
+def merge(
+    provider: str, plan: str, model: str, ranks: list[dict], *, samples_per_step: int, steps: int
+) -> dict[str, Any]:
+    """One row from every rank's numbers: the slowest rank's time, summed bytes, max memory."""
+    row: dict[str, Any] = {"plan": plan, "model": model, "provider": provider}
+    bad = [r for r in ranks if r["status"] != "ok"]
+    if bad:
+        row["status"] = "error" if any(r["status"] == "error" for r in bad) else "skipped"
+        row["note"] = bad[0]["note"]
+        if "traceback" in bad[0]:
+            row["traceback"] = bad[0]["traceback"]
+        return row
+    r0 = ranks[0]
+    elapsed = max(r["elapsed_s"] for r in ranks)
+    row.update(status="ok", loop=r0.get("loop"), seconds=max(r["seconds"] for r in ranks))
+    row["samples_per_s"] = samples_per_step * steps / elapsed if elapsed > 0 else None
+    row["ms_per_step"] = max(r["ms_per_step_median"] for r in ranks)
+    row["ms_per_step_per_rank"] = [r["ms_per_step_median"] for r in ranks]
+    row["stages_ms"] = r0.get("stages_ms", {})
+    row["stages_ms_per_rank"] = [r.get("stages_ms", {}) for r in ranks]
+    if all("gpu" in r for r in ranks):
+        gpu = {k: max(r["gpu"].get(k, 0.0) for r in ranks) for k in r0["gpu"]}
+        if gpu.get("busy_ms"):
+            gpu["wall_over_busy"] = row["ms_per_step"] / gpu["busy_ms"]
+            gpu["busy_fraction"] = gpu["busy_ms"] / row["ms_per_step"]
+        row["gpu"] = gpu
+        row["gpu_per_rank"] = [r["gpu"] for r in ranks]
+    keys = list(dict.fromkeys(k for r in ranks for k in r["bytes"]))
+    row["bytes_sent"] = {k: sum(r["bytes"].get(k, 0.0) for r in ranks) for k in keys}
+    row["bytes_sent_per_step"] = sum(row["bytes_sent"].values())
+    row["bytes_source"] = r0.get("bytes_source")
+    if "comm_report" in r0:
+        row["comm_report_rank0"] = r0["comm_report"]
+    if all("peak_mem_gb" in r for r in ranks):
+        row["peak_mem_gb"] = max(r["peak_mem_gb"] for r in ranks)
+        row["model_mem_gb"] = max(r.get("model_mem_gb", 0.0) for r in ranks)
+    row["losses"] = r0["losses"]
+    row["losses_per_rank"] = [r["losses"] for r in ranks]
+    row["step_ms_rank0"] = r0["step_ms"]
+    return row
+
+
+def _ratios(rows: list[dict]) -> None:
+    """``vs_torchrec`` and ``vs_plain``: samples/s over TorchRec's / ours_plain's (same group)."""
+    by = {r["provider"]: r.get("samples_per_s") for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        for key, base in (("vs_torchrec", "torchrec"), ("vs_plain", "ours_plain")):
+            if by.get(base):
+                r[key] = r["samples_per_s"] / by[base]
+
+
+# -- output -----------------------------------------------------------------------------------
+COLUMNS = (
+    ("plan", 10),
+    ("model", 5),
+    ("provider", 14),
+    ("samples/s", 11),
+    ("ms/step", 8),
+    ("x torchrec", 10),
+    ("fwd", 7),
+    ("in_dist", 7),
+    ("lookup", 7),
+    ("out_dist", 8),
+    ("dense", 7),
+    ("bwd", 7),
+    ("busy ms", 8),
+    ("nccl ms", 8),
+    ("wall/busy", 9),
+    ("MB/step", 8),
+    ("peak GB", 7),
+)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _cells(r: dict) -> list[str]:
+    head = [r["plan"], r["model"], r["provider"]]
+    if r.get("status") != "ok":
+        return head
+    st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
+    sps = r.get("samples_per_s")
+    return head + [
+        f"{sps:,.0f}" if sps else "-",
+        _fmt(r["ms_per_step"]),
+        _fmt(r.get("vs_torchrec")),
+        *(
+            _fmt(st.get(k))
+            for k in ("forward", "input_dist", "lookup", "output_dist", "dense", "backward")
+        ),
+        _fmt(gpu.get("busy_ms")),
+        _fmt(gpu.get("nccl_ms")),
+        _fmt(gpu.get("wall_over_busy")),
+        _fmt(r.get("bytes_sent_per_step", 0.0) / 1e6, 1),
+        _fmt(r.get("peak_mem_gb")),
+    ]
+
+
+def _line(r: dict) -> str:
+    cells = _cells(r)
+    if r.get("status") != "ok":
+        return f"{' '.join(cells)}: {r.get('status')}: {r.get('note')}"
+    return "  ".join(f"{name}={value}" for (name, _), value in zip(COLUMNS, cells, strict=False))
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The results as a fixed-width table (stage times: ms per step, rank 0; bytes: sent by
+    all ranks per step); failed or skipped providers listed under it with the reason."""
+    lines = ["  ".join(f"{name:>{w}}" for name, w in COLUMNS)]
+    notes = []
+    for r in rows:
+        cells = _cells(r)
+        if r.get("status") != "ok":
+            notes.append(f"  {'/'.join(cells)}: {r.get('status')}: {r.get('note')}")
+            continue
+        lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
+    if notes:
+        lines += ["not measured:", *notes]
+    return "\n".join(lines)
+
+
+def plot(path: str, png: str) -> None:
+    """Bar charts of a results file: samples/s per provider in each (plan, model) group, with
+    the ratio to TorchRec; and each provider's step split into stages."""
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib ({e}); pip install matplotlib") from e
+    rows = [r for r in results["rows"] if r.get("status") == "ok"]
+    if not rows:
+        raise SystemExit(f"{path}: no measured rows to plot")
+    groups = list(dict.fromkeys((r["plan"], r["model"]) for r in rows))
+    providers = [p for p in PROVIDER_NAMES if any(r["provider"] == p for r in rows)]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 2.6 * len(groups)), 9))
+    width = 0.8 / max(len(providers), 1)
+    for i, prov in enumerate(providers):
+        xs, ys, labels = [], [], []
+        for g, (plan, model) in enumerate(groups):
+            r = next(
+                (r for r in rows if (r["plan"], r["model"], r["provider"]) == (plan, model, prov)),
+                None,
+            )
+            if r is None or not r.get("samples_per_s"):
+                continue
+            xs.append(g + (i - (len(providers) - 1) / 2) * width)
+            ys.append(r["samples_per_s"] / 1e6)
+            labels.append(f"{r['vs_torchrec']:.2f}x" if r.get("vs_torchrec") else "")
+        bars = ax1.bar(xs, ys, width, label=prov)
+        for bar, label in zip(bars, labels, strict=True):
+            if label:
+                ax1.annotate(
+                    label,
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+    ax1.set_xticks(range(len(groups)), [f"{p}\n{m}" for p, m in groups])
+    ax1.set_ylabel("M samples/s (global)")
+    setup = results.get("setup", {})
+    ax1.set_title(
+        f"{setup.get('world_size', '?')} x {setup.get('device', '?')}: "
+        f"{setup.get('tables', '?')} tables, {setup.get('weights_gb', 0):.1f} GB, "
+        f"B={setup.get('batch_size_per_rank', '?')}/rank (label: x TorchRec)"
+    )
+    ax1.legend(fontsize=8)
+    stages = ("input_dist", "lookup", "output_dist", "dense", "backward")
+    names = [f"{r['plan'][:5]}/{r['model']}/{r['provider']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for s in stages:
+        vals = [r.get("stages_ms", {}).get(s, 0.0) or 0.0 for r in rows]
+        ax2.bar(range(len(rows)), vals, bottom=bottom, label=s)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    busy = [r.get("gpu", {}).get("busy_ms") for r in rows]
+    if any(busy):
+        ax2.scatter(
+            [i for i, b in enumerate(busy) if b],
+            [b for b in busy if b],
+            color="black",
+            marker="_",
+            s=300,
+            label="GPU busy",
+            zorder=3,
+        )
+    ax2.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+    ax2.set_ylabel("ms per step (rank 0)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"chart written to {png}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.png)
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise SystemExit(
+            "bench dist compares sharded steps: run it under torchrun with 2 or more processes, "
+            "e.g. torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny"
+        )
+    _quiet()
+    from fbtriton_dist.train.job import distributed
+
+    with distributed(args.device) as env:
+        run(args, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""How ``bench dist`` measures one provider on this rank: four phases on the same batch stream.
+
+1. warm-up steps (compilation, autotuning, allocation): not counted;
+2. timed steps: step boundaries marked with CUDA events (CPU: ``perf_counter``), the whole
+   phase between two synchronisations -> ms/step (median) and samples/s;
+3. profiled steps (CUDA only): ``torch.profiler`` device activity -> GPU-busy time per step
+   (union of kernel / memcpy / memset intervals), NCCL kernel time (union of kernels whose name
+   has ``nccl``) and the rest;
+4. split steps: stage timers (``fbtriton_dist.train.metrics.StageTimer``) around the sharded
+   collection's ``input_dist`` / ``compute`` (lookup) / ``output_dist``, the model's forward and
+   the whole step: dense = forward - embedding stages, backward = step - forward (optimizer
+   and dense all-reduce included; a pipeline's input dist, which runs outside the forward,
+   taken out of it). Last, because the timers stay installed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .dist_providers import Runner
+
+DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Marks:
+    """Step boundaries: CUDA events on the current stream, or host clock readings."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        m = self.marks
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(m, m[1:], strict=False)]
+        return [1e3 * (b - a) for a, b in zip(m, m[1:], strict=False)]
+
+
+def _union_ns(intervals: Sequence[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def device_intervals(prof) -> list[tuple[int, int, str]]:
+    """``(start_ns, end_ns, name)`` of every device activity (kernels, copies, sets) the
+    profiler saw; annotations projected on the GPU timeline are left out."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        try:
+            kind = e.activity_type()
+        except AttributeError:  # older torch: no activity type on the event
+            kind = None
+        if kind is not None:
+            if kind not in DEVICE_KINDS:
+                continue
+        elif e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
+            continue
+        start = e.start_ns()
+        out.append((start, start + e.duration_ns(), e.name()))
+    return out
+
+
+def busy_stats(intervals: Sequence[tuple[int, int, str]], steps: int) -> dict[str, float]:
+    """Per step: ``busy_ms`` (union of all device activity), ``nccl_ms`` (union of NCCL
+    kernels), ``compute_ms`` (union of the rest) and ``span_ms`` (first start to last end)."""
+    if not intervals:
+        return {}
+    nccl = [(a, b) for a, b, n in intervals if "nccl" in n.lower()]
+    rest = [(a, b) for a, b, n in intervals if "nccl" not in n.lower()]
+    per = 1e6 * max(steps, 1)
+    return {
+        "busy_ms": _union_ns([(a, b) for a, b, _ in intervals]) / per,
+        "nccl_ms": _union_ns(nccl) / per,
+        "compute_ms": _union_ns(rest) / per,
+        "span_ms": (max(b for _, b, _ in intervals) - min(a for a, _, _ in intervals)) / per,
+        "kernels_per_step": len(intervals) / max(steps, 1),
+    }
+
+
+def _timed(fn, timer, stage: str):
+    def wrapper(*args, **kwargs):
+        timer.start(stage)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timer.stop(stage)
+
+    return wrapper
+
+
+def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, float]:
+    """Mean ms per step of each stage over ``steps`` steps (see the module docstring)."""
+    from fbtriton_dist.train.metrics import StageTimer
+
+    timer = StageTimer(device, warmup_steps=0)
+    if runner.sharded is not None:
+        names = {"input_dist": "input_dist", "compute": "lookup", "output_dist": "output_dist"}
+        for attr, stage in names.items():
+            setattr(runner.sharded, attr, _timed(getattr(runner.sharded, attr), timer, stage))
+    runner.model.forward = _timed(runner.model.forward, timer, "forward")
+    for _ in range(steps):
+        timer.start("step")
+        runner.step()
+        timer.stop("step")
+        timer.step_done()
+    ms = timer.take()
+    out = {k: ms[k] for k in ("input_dist", "lookup", "output_dist") if k in ms}
+    # a pipeline runs the next batch's input dist outside the forward, before it
+    outside = out.get("input_dist", 0.0) if runner.loop == "pipeline" else 0.0
+    if "forward" in ms:
+        if out:  # the embedding stages were seen: the rest of the forward is dense
+            out["dense"] = max(ms["forward"] - (sum(out.values()) - outside), 0.0)
+        out["backward"] = max(ms.get("step", 0.0) - ms["forward"] - outside, 0.0)
+    out["forward"] = ms.get("forward", 0.0)
+    out["step"] = ms.get("step", 0.0)
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def measure(
+    runner: Runner,
+    *,
+    warmup: int,
+    steps: int,
+    profile_steps: int,
+    split: int,
+    device: torch.device,
+    group,
+) -> dict[str, Any]:
+    """This rank's numbers for ``runner`` (see the module docstring)."""
+    out: dict[str, Any] = {}
+    for _ in range(warmup):
+        runner.step()
+    _sync(device)
+    dist.barrier(group=group)
+    marks, losses = _Marks(device), []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        marks.mark()
+        losses.append(runner.step())
+    marks.mark()
+    _sync(device)
+    out["elapsed_s"] = time.perf_counter() - t0
+    step_ms = marks.intervals_ms()
+    out["step_ms"] = [round(x, 4) for x in step_ms]
+    out["ms_per_step_median"] = statistics.median(step_ms) if step_ms else float("nan")
+    out["losses"] = [float(x) for x in torch.stack(losses).float().cpu()] if losses else []
+    if runner.sharded is not None and hasattr(runner.sharded, "comm_report"):
+        try:
+            out["comm_report"] = runner.sharded.comm_report()
+        except Exception as e:  # noqa: BLE001 - a report is optional
+            out["comm_report_error"] = f"{type(e).__name__}: {e}"
+    if device.type == "cuda" and profile_steps > 0:
+        out.update(_profile(runner, profile_steps, device, group))
+    if split > 0:
+        dist.barrier(group=group)
+        out["stages_ms"] = split_steps(runner, split, device)
+    if device.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out
+
+
+def _profile(runner: Runner, steps: int, device: torch.device, group) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier(group=group)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    stats = busy_stats(device_intervals(prof), steps)
+    stats["profiled_wall_ms"] = 1e3 * wall / steps
+    return {"gpu": stats}

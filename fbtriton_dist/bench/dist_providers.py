@@ -1,0 +1,250 @@
+"""The providers of ``bench dist``: one sharded training step each, on the same model.
+
+* ``torchrec``: TorchRec's DistributedModelParallel, FBGEMM's fused TBE
+  (EXACT_ROWWISE_ADAGRAD), the plan's placement given shard for shard; dense parameters under
+  its DDP; a plain loop.
+* ``ours_plain``: ``fbtriton_dist.shard(model, plan)`` with default options; a plain loop.
+* ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.dist.pipeline.TrainPipeline``;
+  ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
+  ``dedup=True``.
+
+A provider that cannot run here raises :class:`Skip` with the reason. The dense optimizer is
+SGD for everyone; ours all-reduces (averages) dense gradients in an optimizer pre-step hook,
+so a pipeline that calls ``optimizer.step()`` itself does it too (averaging twice is harmless).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.train.data import Batch
+
+from .dist_setup import ModelSpec, Table, build_model, embedding_fqn, torchrec_module_plan
+
+PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
+
+
+class Skip(Exception):
+    """This provider cannot run here (a missing package or API); the message says why."""
+
+
+@dataclass(kw_only=True)
+class Context:
+    """Everything a provider is built from (the same for every provider of one measurement)."""
+
+    tables: Sequence[Table]
+    configs: list
+    plan: ShardingPlan
+    spec: ModelSpec
+    batches: Sequence[Batch]
+    grad: torch.Tensor | None
+    device: torch.device
+    group: Any
+    seed: int
+    lr: float
+    eps: float
+    dense_lr: float
+    comm_extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Runner:
+    """A built provider: ``step()`` trains on the next batch and returns the (detached) loss."""
+
+    name: str
+    model: nn.Module
+    """What the loop calls: the TrainModel (ours) or the DistributedModelParallel."""
+    step: Callable[[], torch.Tensor]
+    sharded: nn.Module | None
+    """Our sharded collection (has ``comm_report``), None for TorchRec."""
+    loop: str
+    """``plain`` or ``pipeline``."""
+    dense_numel: int
+    notes: list[str] = field(default_factory=list)
+
+
+def batch_stream(batches: Sequence[Batch]):
+    """The batches in order, cycled forever: step k trains on ``batches[k % n]``."""
+    return (batches[k % len(batches)] for k in itertools.count())
+
+
+def loss_of(out) -> torch.Tensor:
+    """The loss in a model / pipeline output: TorchRec's ``(loss, ...)`` or a tensor."""
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.detach()
+
+
+def _allreduce_mean(params: Sequence[nn.Parameter], group) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _dense_optimizer(params: list[nn.Parameter], ctx: Context, allreduce: bool):
+    """SGD over ``params`` (a dummy one when there are none: a pipeline wants an optimizer)."""
+    if not params:
+        return torch.optim.SGD([nn.Parameter(torch.zeros(1, device=ctx.device))], lr=0.0)
+    opt = torch.optim.SGD(params, lr=ctx.dense_lr)
+    if allreduce:
+        opt.register_step_pre_hook(lambda *_: _allreduce_mean(params, ctx.group))
+    return opt
+
+
+def _plain_step(model: nn.Module, opt, stream) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        loss = model(next(stream))[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding rows are updated here (fused optimizer)
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+# -- ours -------------------------------------------------------------------------------------
+LEAN_OPTIONS: dict[str, dict[str, Any]] = {
+    "ours_lean": {},
+    "ours_lean_bf16": {"wire_dtype": torch.bfloat16},
+    "ours_dedup": {"dedup": True},
+}
+
+
+def _comm_options(options: dict[str, Any]):
+    import fbtriton_dist
+
+    try:
+        from fbtriton_dist.dist.options import CommOptions
+    except ImportError as e:
+        raise Skip(f"fbtriton_dist.dist.options.CommOptions is not importable: {e}") from e
+    if "comm" not in inspect.signature(fbtriton_dist.shard).parameters:
+        raise Skip("fbtriton_dist.shard() takes no comm= argument yet (CommOptions not wired)")
+    return CommOptions(**options)
+
+
+def _pipeline_class():
+    try:
+        from fbtriton_dist.dist.pipeline import TrainPipeline
+    except (ImportError, AttributeError) as e:
+        raise Skip(f"fbtriton_dist.dist.pipeline.TrainPipeline is not importable: {e}") from e
+    return TrainPipeline
+
+
+def build_ours(name: str, ctx: Context) -> Runner:
+    import fbtriton_dist
+    from fbtriton_dist import optim
+    from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+
+    kwargs: dict[str, Any] = {"optimizer": optim.RowWiseAdagrad(lr=ctx.lr, eps=ctx.eps)}
+    pipeline_cls = None
+    if name != "ours_plain":
+        kwargs["comm"] = _comm_options({**LEAN_OPTIONS[name], **ctx.comm_extra})
+        pipeline_cls = _pipeline_class()
+    torch.manual_seed(ctx.seed)
+    ebc = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
+    model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
+    model = fbtriton_dist.shard(model, ctx.plan, ctx.group, ctx.device, **kwargs)
+    fqn = embedding_fqn(ctx.spec.kind)
+    sharded = model.get_submodule(fqn)
+    params = [
+        p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(fqn + ".")
+    ]
+    opt = _dense_optimizer(params, ctx, allreduce=True)
+    stream = batch_stream(ctx.batches)
+    if pipeline_cls is None:
+        step, loop = _plain_step(model, opt, stream), "plain"
+    else:
+        pipe = pipeline_cls(model, opt, ctx.device)
+
+        def step() -> torch.Tensor:
+            return loss_of(pipe.progress(stream))
+
+        loop = "pipeline"
+    return Runner(
+        name=name,
+        model=model,
+        step=step,
+        sharded=sharded,
+        loop=loop,
+        dense_numel=sum(p.numel() for p in params),
+    )
+
+
+# -- TorchRec ---------------------------------------------------------------------------------
+def build_torchrec(ctx: Context) -> Runner:
+    try:
+        import torchrec
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec.distributed import DistributedModelParallel
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.types import ShardingEnv
+        from torchrec.distributed.types import ShardingPlan as TorchRecPlan
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+    except ImportError as e:
+        raise Skip(f"TorchRec / FBGEMM not importable: {e}") from e
+    torch.manual_seed(ctx.seed)
+    ebc = torchrec.EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
+    model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": ctx.lr,
+            "eps": ctx.eps,
+        }
+    )
+    module_plan = torchrec_module_plan(ebc, ctx.plan, sharder, ctx.device.type)
+    fqn = embedding_fqn(ctx.spec.kind)
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(ctx.group),
+        device=ctx.device,
+        plan=TorchRecPlan({fqn: module_plan}),
+        sharders=[sharder],
+    )
+    params = [
+        p
+        for n, p in in_backward_optimizer_filter(dmp.named_parameters())
+        if p.requires_grad and "embedding_bags" not in n
+    ]
+    opt = _dense_optimizer(params, ctx, allreduce=False)  # DMP's DDP averages them
+    return Runner(
+        name="torchrec",
+        model=dmp,
+        step=_plain_step(dmp, opt, batch_stream(ctx.batches)),
+        sharded=None,
+        loop="plain",
+        dense_numel=sum(p.numel() for p in params),
+    )
+
+
+def build(name: str, ctx: Context) -> Runner:
+    if name == "torchrec":
+        return build_torchrec(ctx)
+    if name in ("ours_plain", *LEAN_OPTIONS):
+        return build_ours(name, ctx)
+    raise ValueError(f"provider: expected one of {list(PROVIDERS)}, got {name!r}")
+
+
+def release(device: torch.device) -> None:
+    """Free what the last provider left (call after dropping every reference to it)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()

@@ -1,0 +1,313 @@
+"""What ``bench dist`` measures: the tables, the two plans, the batches and the models.
+
+Every provider trains the same model kind on the same tables, plan and pre-generated batches;
+this module builds them (see ``fbtriton_dist.bench.dist`` for the measurement).
+
+* tables: the Criteo table set's rows (``configs/tables/criteo_terabyte.yaml``), all scaled by
+  one factor so the weights total ``total_gb`` (fp32), one feature per table, D columns.
+* plans: ``row_wise`` (every table in blocks of ceil(E/R) rows, TorchRec's cut) and
+  ``table_wise`` (tables placed greedily: largest first, on the rank with the fewest bytes among
+  those with fewer than ceil(T/R) tables). TorchRec gets the same placement, shard for shard.
+* batches: B samples per rank, L ids per bag, Zipf(alpha) ids (hot rows scattered over the
+  table by a fixed bijection, or the first rows), dense features and labels; on the device.
+* models: ``ebc`` (the collection alone; loss = sum(pooled * a fixed random gradient)) and
+  ``dlrm`` (TorchRec's DLRM over the collection, as the training job builds it; BCE loss).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding, load_tables
+from fbtriton_dist.train.data import Batch
+
+DEFAULT_TABLES = os.path.join(
+    os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
+)
+GB = 1e9
+BIG_PRIME = 2147483647  # 2**31 - 1: coprime with every E below it, so k -> k*P mod E is a bijection
+
+
+@dataclass(kw_only=True, frozen=True)
+class Table:
+    """One table of the benchmark: E rows x D columns, one feature."""
+
+    name: str
+    feature: str
+    num_embeddings: int
+    embedding_dim: int
+
+
+def scaled_tables(path: str, dim: int, total_gb: float, min_rows: int = 1000) -> list[Table]:
+    """The tables of ``path``, rows scaled by one factor so that E x D x 4 B totals about
+    ``total_gb`` (never scaled up; a table keeps at least ``min(E, min_rows)`` rows)."""
+    specs = load_tables(path).tables
+    full = sum(t.num_embeddings for t in specs) * dim * 4
+    scale = min(1.0, total_gb * GB / full)
+    out = []
+    for t in specs:
+        for f in t.features:
+            E = t.num_embeddings
+            rows = max(min(E, min_rows), int(E * scale))
+            out.append(
+                Table(
+                    name=t.name if len(t.features) == 1 else f"{t.name}_{f}",
+                    feature=f,
+                    num_embeddings=rows,
+                    embedding_dim=dim,
+                )
+            )
+    return out
+
+
+def torchrec_configs(tables: Sequence[Table]) -> list:
+    import torchrec
+
+    return [
+        torchrec.EmbeddingBagConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=[t.feature],
+        )
+        for t in tables
+    ]
+
+
+# -- plans ------------------------------------------------------------------------------------
+def row_wise_shards(E: int, D: int, R: int) -> tuple[Shard, ...]:
+    """TorchRec's row-wise cut: blocks of ceil(E/R) rows on ranks 0, 1, ... (none empty)."""
+    block = math.ceil(E / R)
+    return tuple(
+        Shard(rank=r, row_start=r * block, row_end=min(E, (r + 1) * block), col_start=0, col_end=D)
+        for r in range(R)
+        if r * block < E
+    )
+
+
+def table_wise_ranks(tables: Sequence[Table], R: int) -> list[int]:
+    """A rank per table: largest first, onto the rank with the fewest bytes among those that
+    hold fewer than ceil(T/R) tables (every bag costs the same: same L and D)."""
+    cap = math.ceil(len(tables) / R)
+    count, load = [0] * R, [0] * R
+    ranks = [0] * len(tables)
+    order = sorted(range(len(tables)), key=lambda i: -tables[i].num_embeddings)
+    for i in order:
+        r = min((q for q in range(R) if count[q] < cap), key=lambda q: (load[q], q))
+        ranks[i] = r
+        count[r] += 1
+        load[r] += tables[i].num_embeddings * tables[i].embedding_dim
+    return ranks
+
+
+def make_plan(kind: str, tables: Sequence[Table], R: int, H: int) -> ShardingPlan:
+    """Our ``ShardingPlan`` of ``kind`` (``row_wise`` or ``table_wise``) for ``R`` ranks."""
+    if kind not in ("row_wise", "table_wise"):
+        raise ValueError(f"plan: expected one of [row_wise, table_wise], got {kind!r}")
+    ranks = table_wise_ranks(tables, R)
+    out = []
+    for t, rank in zip(tables, ranks, strict=True):
+        E, D = t.num_embeddings, t.embedding_dim
+        if kind == "row_wise":
+            shards = row_wise_shards(E, D, R)
+        else:
+            shards = (Shard(rank=rank, row_start=0, row_end=E, col_start=0, col_end=D),)
+        out.append(
+            TableSharding(
+                name=t.name, sharding=kind, num_embeddings=E, embedding_dim=D, shards=shards
+            )
+        )
+    plan = ShardingPlan(world_size=R, local_world_size=H, tables=tuple(out))
+    plan.validate()
+    return plan
+
+
+def torchrec_module_plan(ebc: nn.Module, plan: ShardingPlan, sharder, device_type: str):
+    """The same placement for TorchRec: ``row_wise()`` / ``table_wise(rank)`` per table, FUSED
+    compute kernel (FBGEMM's TBE with the optimizer in backward)."""
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+
+    per_param = {
+        t.name: row_wise(compute_kernel="fused")
+        if t.sharding == "row_wise"
+        else table_wise(rank=t.shards[0].rank, compute_kernel="fused")
+        for t in plan.tables
+    }
+    return construct_module_sharding_plan(
+        ebc,
+        per_param,
+        sharder=sharder,
+        local_size=plan.local_world_size,
+        world_size=plan.world_size,
+        device_type=device_type,
+    )
+
+
+# -- data -------------------------------------------------------------------------------------
+def zipf_rows(E: int, n: int, alpha: float, g: torch.Generator, device, scatter: bool):
+    """``n`` ids in [0, E): Zipf(alpha) ranks (inverse CDF of the bounded power law, as
+    ``fbtriton_dist.train.data.zipf_ids``), rank k -> row ``k * P mod E`` when ``scatter``."""
+    u = torch.rand(n, generator=g, device=device, dtype=torch.float64)
+    top = float(E + 1)
+    if alpha <= 0:
+        k = (u * E).long()
+    elif abs(alpha - 1.0) < 1e-9:
+        k = top**u
+    else:
+        p = 1.0 - alpha
+        k = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
+    if k.is_floating_point():
+        k = k.floor().long() - 1
+    k = k.clamp_(0, E - 1)
+    return (k * BIG_PRIME) % E if scatter else k
+
+
+def make_batches(
+    tables: Sequence[Table],
+    *,
+    n: int,
+    B: int,
+    L: int,
+    alpha: float,
+    num_dense: int,
+    seed: int,
+    rank: int,
+    device: torch.device,
+    scatter: bool = True,
+) -> list[Batch]:
+    """``n`` batches of this rank (a function of ``seed`` and ``rank``), on ``device``: fixed
+    bags of L ids (int64; lengths int32, as TorchRec's datasets), [B, num_dense] dense
+    features, 0/1 labels."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank * 7919 + 17)
+    keys = [t.feature for t in tables]
+    lengths = torch.full((len(tables) * B,), L, dtype=torch.int32, device=device)
+    out = []
+    for _ in range(n):
+        values = torch.cat(
+            [zipf_rows(t.num_embeddings, B * L, alpha, g, device, scatter) for t in tables]
+        )
+        kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+        dense = torch.randn(B, num_dense, generator=g, device=device)
+        labels = (torch.rand(B, generator=g, device=device) < 0.5).float()
+        out.append(Batch(dense=dense, sparse=kjt, labels=labels))
+    return out
+
+
+# -- models -----------------------------------------------------------------------------------
+class EmbeddingsOnly(nn.Module):
+    """The collection alone (model ``ebc``); its forward returns the pooled KeyedTensor."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, dense: torch.Tensor, sparse):
+        return self.ebc(sparse)
+
+
+class TrainModel(nn.Module):
+    """``forward(batch) -> (loss, (loss, logits or pooled, labels))``, TorchRec's train-model
+    convention (``DLRMTrain``). ``ebc``: loss = sum(pooled * grad), ``grad`` a fixed [B, sum(D)]
+    tensor (not a buffer: data parallelism must not broadcast it)."""
+
+    def __init__(self, model: nn.Module, kind: str, grad: torch.Tensor | None) -> None:
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        self._grad = grad
+
+    def forward(self, batch: Batch):
+        if self.kind == "dlrm":
+            logits = self.model(batch.dense, batch.sparse).squeeze(-1)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+            return loss, (loss.detach(), logits.detach(), batch.labels)
+        pooled = self.model(batch.dense, batch.sparse).values()
+        loss = (pooled * self._grad).sum()
+        return loss, (loss.detach(), pooled.detach(), batch.labels)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """The model kind and its dense sizes (``dense_arch[-1]`` = D)."""
+
+    kind: str
+    num_dense: int
+    dense_arch: tuple[int, ...]
+    over_arch: tuple[int, ...]
+
+
+def embedding_fqn(kind: str) -> str:
+    """Where the collection sits in ``TrainModel``."""
+    return "model.sparse_arch.embedding_bag_collection" if kind == "dlrm" else "model.ebc"
+
+
+def build_model(spec: ModelSpec, ebc: nn.Module, device: torch.device, grad) -> TrainModel:
+    """``TrainModel`` of ``spec.kind`` over ``ebc`` (ours or TorchRec's, on the meta device)."""
+    if spec.kind == "dlrm":
+        from torchrec.models.dlrm import DLRM
+
+        inner = DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=spec.num_dense,
+            dense_arch_layer_sizes=list(spec.dense_arch),
+            over_arch_layer_sizes=list(spec.over_arch),
+            dense_device=device,
+        )
+    elif spec.kind == "ebc":
+        inner = EmbeddingsOnly(ebc)
+    else:
+        raise ValueError(f"model: expected one of [ebc, dlrm], got {spec.kind!r}")
+    return TrainModel(inner, spec.kind, grad)
+
+
+def fixed_grad(tables: Sequence[Table], B: int, seed: int, rank: int, device) -> torch.Tensor:
+    """The ``ebc`` model's output gradient: [B, sum(D)], N(0, 1) / sqrt(B), per rank."""
+    g = torch.Generator(device=device).manual_seed(seed * 31 + rank + 5)
+    width = sum(t.embedding_dim for t in tables)
+    return torch.randn(B, width, generator=g, device=device) / math.sqrt(B)
+
+
+# -- bytes TorchRec sends (an estimate from the batch and the plan) ------------------------------
+def torchrec_bytes(batch: Batch, plan: ShardingPlan, tables: Sequence[Table], rank: int) -> dict:
+    """Bytes this rank sends per collective in one TorchRec step, estimated from the KJT and
+    the pooled sizes: ids and lengths to their owners (row-wise: lengths of every bag to every
+    rank), pooled partials reduce-scattered (row-wise) or sent to their samples' rank
+    (table-wise), and their gradients back."""
+    kjt = batch.sparse
+    R, B = plan.world_size, batch.batch_size
+    id_size, len_size = kjt.values().element_size(), kjt.lengths().element_size()
+    per_key = kjt.to_dict()
+    ids = lengths = fwd = bwd = 0
+    for t, ts in zip(tables, plan.tables, strict=True):
+        values = per_key[t.feature].values()
+        if ts.sharding == "row_wise":
+            cuts = torch.tensor([s.row_start for s in ts.shards[1:]], device=values.device)
+            owner = torch.bucketize(values, cuts, right=True)
+            ids += int((owner != rank).sum()) * id_size
+            lengths += (len(ts.shards) - (1 if rank < len(ts.shards) else 0)) * B * len_size
+            fwd += (R - 1) * B * t.embedding_dim * 4  # reduce-scatter of [R*B, D] partials
+            bwd += (R - 1) * B * t.embedding_dim * 4  # all-gather of the [B, D] gradient
+        elif ts.shards[0].rank != rank:
+            ids += values.numel() * id_size
+            lengths += B * len_size
+            bwd += B * t.embedding_dim * 4  # the gradient of this rank's samples, to the owner
+        else:
+            fwd += (R - 1) * B * t.embedding_dim * 4  # pooled bags of the other ranks' samples
+    return {
+        "input_dist.lengths": float(lengths),
+        "input_dist.ids": float(ids),
+        "output_dist.forward": float(fwd),
+        "output_dist.backward": float(bwd),
+    }
