@@ -1,23 +1,30 @@
 """TBE backward: reduce each touched row's gradient once, then update the row in place.
 
-Steps (launcher ``tbe_backward``):
-1. every id gets a linear key ``row_offsets[f] + id``, unique per (table, row) since the
-   features of one table share its row offset; a stable sort groups equal keys into runs;
-2. ``_tbe_chunk_reduce_kernel``: runs longer than CHUNK (hot rows) are cut into chunks of CHUNK
-   ids, each reduced by its own program into a fp32 partial row, so a row hit 100,000 times is
-   spread over many programs and summed pairwise-ish rather than in one long serial chain;
-3. ``_tbe_row_update_kernel``: one program per run sums its ids (or its chunks' partials, in
-   order) in fp32 and applies the optimizer to the row, or, without an optimizer, writes the
-   row's gradient to a compact buffer.
-No atomics anywhere: results are bit-identical run to run.
+Steps (launcher ``tbe_backward``), with no host synchronisation on the fused path:
+1. every id has a linear key ``row_offsets[f] + id`` (written by the forward kernel), unique
+   per (table, row) since the features of one table share its row offset; a stable radix sort
+   (32-bit keys when they fit) groups equal keys into runs; a scan numbers the runs and
+   ``_tbe_runs_kernel`` writes where each starts (and how many there are, on the device);
+2. ``_tbe_chunk_reduce_kernel``: the sorted ids are cut into blocks of CHUNK positions; a block
+   that holds part of a run longer than CHUNK (a hot row) reduces that part into a fp32
+   partial row, so a row hit 100,000 times is spread over many programs and summed in a tree
+   rather than one long serial chain; blocks without long runs exit at once;
+3. ``_tbe_row_update_kernel``: each program takes RUNS runs side by side (a [RUNS, D] tile, so
+   short runs of uniform ids stream many rows per program), sums each run's gradient in fp32
+   (ids, or its blocks' partials in order) and applies the optimizer to the rows in place, or,
+   without an optimizer, writes the rows' gradients to a compact buffer. Grids are sized for
+   the worst case (every id its own run) and programs past the run count exit.
+No atomics: results are bit-identical run to run.
 """
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from fbtriton_dist import optim
-from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz
+from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz, key_dtype
 
 OPT_NONE = 0
 OPT_SGD = 1
@@ -78,44 +85,97 @@ def _gather_grad_sum(
 
 
 @triton.jit
+def _tbe_runs_kernel(
+    keys_ptr,  # [N] sorted linear row keys
+    run_ids_ptr,  # [N] int32 inclusive scan of run starts: run index + 1 of each sorted id
+    run_starts_ptr,  # [N + 1] int64 out: first sorted position of each run, then N after the last
+    num_runs_ptr,  # [1] int32 out: number of runs U
+    N,  # number of ids
+    BLOCK: tl.constexpr,
+):
+    # one program per BLOCK sorted positions
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = p < N
+    key = tl.load(keys_ptr + p, mask=m, other=0)
+    prev = tl.load(keys_ptr + p - 1, mask=m & (p > 0), other=0)
+    is_start = m & ((p == 0) | (key != prev))
+    r = tl.load(run_ids_ptr + p, mask=m, other=1).to(tl.int64)
+    tl.store(run_starts_ptr + r - 1, p, mask=is_start)
+    last = m & (p == N - 1)
+    tl.store(run_starts_ptr + r, p + 1, mask=last)
+    tl.store(num_runs_ptr + p * 0, r.to(tl.int32), mask=last)
+
+
+@triton.jit
 def _tbe_chunk_reduce_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
     grad_stride,  # row stride of grad
     D_offsets_ptr,  # [T + 1] int64 output column of each feature
     dims_ptr,  # [T] int64 D of each feature
-    bags_ptr,  # [N] int64 bag id (f * B + b) of each sorted id
+    bags_ptr,  # [N] int32 bag id (f * B + b) of each sorted id
     scales_ptr,  # [N] fp32 per-sample weight / bag length of each sorted id (if HAS_SCALE)
-    chunk_starts_ptr,  # [C] int64 first sorted position of each chunk
-    chunk_ends_ptr,  # [C] int64 one past its last
-    partial_ptr,  # [C, BLOCK_D] fp32 out: each chunk's gradient sum
+    run_ids_ptr,  # [N] int32 run index + 1 of each sorted id
+    run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
+    partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
     B,  # batch size
+    N,  # number of ids
     HAS_SCALE: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # one program per chunk of a hot row
+    # one program per block of CHUNK_SIZE sorted positions. A run longer than CHUNK_SIZE covers
+    # the end of its first block (its "tail"), whole middle blocks and the start of its last
+    # block (their "head"); each block sums the part of such a run that it holds.
     c = tl.program_id(0).to(tl.int64)
-    start = tl.load(chunk_starts_ptr + c)
-    end = tl.load(chunk_ends_ptr + c)
-    f = tl.load(bags_ptr + start) // B
+    lo = c * CHUNK_SIZE
+    hi = tl.minimum(lo + CHUNK_SIZE, N)
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < tl.load(dims_ptr + f)
-    acc = _gather_grad_sum(
-        grad_ptr,
-        grad_stride,
-        D_offsets_ptr,
-        bags_ptr,
-        scales_ptr,
-        start,
-        end,
-        B,
-        d,
-        d_mask,
-        HAS_SCALE,
-        BLOCK_L,
-        BLOCK_D,
-    )
-    tl.store(partial_ptr + c * BLOCK_D + d, acc)
+    r_head = tl.load(run_ids_ptr + lo).to(tl.int64) - 1
+    r_tail = tl.load(run_ids_ptr + hi - 1).to(tl.int64) - 1
+    head_start = tl.load(run_starts_ptr + r_head)
+    head_end = tl.load(run_starts_ptr + r_head + 1)
+    if head_end - head_start > CHUNK_SIZE:
+        f = tl.load(bags_ptr + lo).to(tl.int64) // B
+        d_mask = d < tl.load(dims_ptr + f)
+        acc = _gather_grad_sum(
+            grad_ptr,
+            grad_stride,
+            D_offsets_ptr,
+            bags_ptr,
+            scales_ptr,
+            lo,
+            tl.minimum(head_end, hi),
+            B,
+            d,
+            d_mask,
+            HAS_SCALE,
+            BLOCK_L,
+            BLOCK_D,
+        )
+        tl.store(partial_ptr + 2 * c * BLOCK_D + d, acc)
+    if r_tail != r_head:
+        tail_start = tl.load(run_starts_ptr + r_tail)
+        tail_end = tl.load(run_starts_ptr + r_tail + 1)
+        if tail_end - tail_start > CHUNK_SIZE:
+            f = tl.load(bags_ptr + tail_start).to(tl.int64) // B
+            d_mask = d < tl.load(dims_ptr + f)
+            acc = _gather_grad_sum(
+                grad_ptr,
+                grad_stride,
+                D_offsets_ptr,
+                bags_ptr,
+                scales_ptr,
+                tail_start,
+                hi,
+                B,
+                d,
+                d_mask,
+                HAS_SCALE,
+                BLOCK_L,
+                BLOCK_D,
+            )
+            tl.store(partial_ptr + (2 * c + 1) * BLOCK_D + d, acc)
 
 
 @triton.jit
@@ -127,16 +187,17 @@ def _tbe_row_update_kernel(
     dims_ptr,  # [T] int64 D of each feature
     row_offsets_ptr,  # [T] int64 first linear row of each feature's table
     D_offsets_ptr,  # [T + 1] int64 output column of each feature
-    keys_ptr,  # [N] int64 sorted linear row keys
-    bags_ptr,  # [N] int64 bag id of each sorted id
+    keys_ptr,  # [N] int32/int64 sorted linear row keys (sentinel: dropped id)
+    bags_ptr,  # [N] int32 bag id of each sorted id
     scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
-    run_chunks_ptr,  # [U] int64 first chunk of each long run in partial
-    partial_ptr,  # [C, BLOCK_D] fp32 chunk sums
+    num_runs_ptr,  # [1] int32 U
+    partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
     mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
     mom2_ptr,  # adam: [sum(E_t * D_t)] fp32
     B,  # batch size
+    sentinel,  # key of dropped ids: their run is skipped
     lr,
     eps,
     beta1,
@@ -152,106 +213,136 @@ def _tbe_row_update_kernel(
     MANTISSA: tl.constexpr,  # mantissa bits of the weight dtype (stochastic rounding)
     MIN_EXP: tl.constexpr,  # smallest normal exponent of the weight dtype
     CHUNK_SIZE: tl.constexpr,
+    RUNS: tl.constexpr,  # runs (unique rows) per program, one per tile row
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # one program per unique (table, row)
-    r = tl.program_id(0).to(tl.int64)
-    start = tl.load(run_starts_ptr + r)
-    end = tl.load(run_starts_ptr + r + 1)
-    f = tl.load(bags_ptr + start) // B
-    D = tl.load(dims_ptr + f)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < D
+    # one program per RUNS consecutive runs; programs past the run count exit
+    g = tl.program_id(0).to(tl.int64)
+    U = tl.load(num_runs_ptr).to(tl.int64)
+    if g * RUNS < U:
+        lane = tl.arange(0, RUNS)
+        r = g * RUNS + lane
+        r_mask = r < U
+        s = tl.load(run_starts_ptr + r, mask=r_mask, other=0)
+        e = tl.load(run_starts_ptr + r + 1, mask=r_mask, other=0)
+        key = tl.load(keys_ptr + s, mask=r_mask, other=sentinel).to(tl.int64)
+        live = r_mask & (key < sentinel)
+        f = tl.load(bags_ptr + s, mask=live, other=0).to(tl.int64) // B
+        D = tl.load(dims_ptr + f, mask=live, other=1)
+        d = tl.arange(0, BLOCK_D)
+        dm = live[:, None] & (d[None, :] < D[:, None])
+        n = e - s
+        long = live & (n > CHUNK_SIZE)
+        n_short = tl.where(live & (n <= CHUNK_SIZE), n, 0)
 
-    if end - start <= CHUNK_SIZE:
-        g = _gather_grad_sum(
-            grad_ptr,
-            grad_stride,
-            D_offsets_ptr,
-            bags_ptr,
-            scales_ptr,
-            start,
-            end,
-            B,
-            d,
-            d_mask,
-            HAS_SCALE,
-            BLOCK_L,
-            BLOCK_D,
-        )
-    else:
-        c0 = tl.load(run_chunks_ptr + r)
-        c1 = c0 + tl.cdiv(end - start, CHUNK_SIZE)
-        g = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k0 in range(c0, c1, BLOCK_L):
-            k = k0 + tl.arange(0, BLOCK_L)
-            part = tl.load(
-                partial_ptr + k[:, None] * BLOCK_D + d[None, :],
-                mask=(k < c1)[:, None] & d_mask[None, :],
+        # short runs side by side: step j reads the j-th id of every run
+        acc = tl.zeros([RUNS, BLOCK_D], dtype=tl.float32)
+        for j in range(0, tl.max(n_short, axis=0)):
+            jm = j < n_short
+            bag = tl.load(bags_ptr + s + j, mask=jm, other=0).to(tl.int64)
+            fj = bag // B
+            col = tl.load(D_offsets_ptr + fj, mask=jm, other=0)
+            gr = tl.load(
+                grad_ptr + (bag - fj * B)[:, None] * grad_stride + col[:, None] + d[None, :],
+                mask=jm[:, None] & dm,
                 other=0.0,
-            )
-            g += tl.sum(part, axis=0)
+            ).to(tl.float32)
+            if HAS_SCALE:
+                gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
+            acc += gr
 
-    if OPTIMIZER == 0:
-        tl.store(out_rows_ptr + r * BLOCK_D + d, g)
-    else:
-        key = tl.load(keys_ptr + start)
-        row = key - tl.load(row_offsets_ptr + f)
-        w_ptrs = weights_ptr + tl.load(w_offsets_ptr + f) + row * D + d
-        w = tl.load(w_ptrs, mask=d_mask, other=0.0).to(tl.float32)
-        if OPTIMIZER == 1:
-            w = w - lr * g
-        elif OPTIMIZER == 2:
-            if WD_DECOUPLED:
-                g_sq = tl.sum(g * g, axis=0) / D.to(tl.float32)
-            else:
-                g_wd = g + weight_decay * w
-                g_sq = tl.sum(tl.where(d_mask, g_wd * g_wd, 0.0), axis=0) / D.to(tl.float32)
-            m = tl.load(mom1_ptr + key) + g_sq
-            tl.store(mom1_ptr + key, m)
-            mult = lr / (tl.sqrt(m) + eps)
-            if WD_DECOUPLED:
-                corr = 1.0 - lr * weight_decay
-            else:
-                corr = 1.0 - mult * weight_decay
-            w = corr * w - mult * g
-        elif OPTIMIZER == 4:
-            s_ptrs = tl.load(w_offsets_ptr + f) + row * D + d
-            m = tl.load(mom1_ptr + s_ptrs, mask=d_mask, other=0.0) + g * g
-            tl.store(mom1_ptr + s_ptrs, m, mask=d_mask)
-            w = w - lr * g / (tl.sqrt(m) + eps)
+        # long runs one at a time: sum their blocks' partials in order
+        if tl.sum(long.to(tl.int32), axis=0) > 0:
+            for i in range(0, RUNS):
+                sel = lane == i
+                if tl.sum((sel & long).to(tl.int32), axis=0) > 0:
+                    s_i = tl.sum(tl.where(sel, s, 0), axis=0)
+                    e_i = tl.sum(tl.where(sel, e, 0), axis=0)
+                    c0 = s_i // CHUNK_SIZE
+                    c1 = (e_i - 1) // CHUNK_SIZE + 1
+                    part_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    for k0 in range(c0, c1, BLOCK_L):
+                        k = k0 + tl.arange(0, BLOCK_L)
+                        slot = tl.where((k == c0) & (s_i != c0 * CHUNK_SIZE), 1, 0)
+                        part = tl.load(
+                            partial_ptr + (2 * k + slot)[:, None] * BLOCK_D + d[None, :],
+                            mask=(k < c1)[:, None],
+                            other=0.0,
+                        )
+                        part_sum += tl.sum(part, axis=0)
+                    acc += tl.where(sel[:, None] & dm, part_sum[None, :], 0.0)
+
+        if OPTIMIZER == 0:
+            tl.store(out_rows_ptr + r[:, None] * BLOCK_D + d[None, :], acc, mask=r_mask[:, None])
         else:
-            s_ptrs = tl.load(w_offsets_ptr + f) + row * D + d
-            m1 = beta1 * tl.load(mom1_ptr + s_ptrs, mask=d_mask, other=0.0) + (1.0 - beta1) * g
-            m2 = beta2 * tl.load(mom2_ptr + s_ptrs, mask=d_mask, other=0.0) + (1.0 - beta2) * g * g
-            tl.store(mom1_ptr + s_ptrs, m1, mask=d_mask)
-            tl.store(mom2_ptr + s_ptrs, m2, mask=d_mask)
-            w = w - lr * ((m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w)
-        if STOCHASTIC:
-            # add uniform noise of one ulp of the target dtype, then round toward zero
-            bits = w.to(tl.int32, bitcast=True)
-            exp = ((bits >> 23) & 0xFF) - 127
-            ulp_exp = tl.maximum(tl.maximum(exp, MIN_EXP) - MANTISSA, -126)
-            ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-            noise = tl.rand(seed, (key * BLOCK_D + d).to(tl.int32)) * ulp
-            w = tl.where(w < 0, w - noise, w + noise)
-            w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
-        else:
-            w_new = cast_rne(w, weights_ptr.dtype.element_ty)
-        tl.store(w_ptrs, w_new, mask=d_mask)
+            row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
+            elem = tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D
+            ptrs = elem[:, None] + d[None, :]
+            w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
+            Df = D.to(tl.float32)
+            if OPTIMIZER == 1:
+                w = w - lr * acc
+            elif OPTIMIZER == 2:
+                if WD_DECOUPLED:
+                    g_sq = tl.sum(acc * acc, axis=1) / Df
+                else:
+                    g_wd = tl.where(dm, acc + weight_decay * w, 0.0)
+                    g_sq = tl.sum(g_wd * g_wd, axis=1) / Df
+                m = tl.load(mom1_ptr + key, mask=live, other=0.0) + g_sq
+                tl.store(mom1_ptr + key, m, mask=live)
+                mult = lr / (tl.sqrt(m) + eps)
+                if WD_DECOUPLED:
+                    corr = 1.0 - lr * weight_decay
+                else:
+                    corr = 1.0 - mult * weight_decay
+                w = corr[:, None] * w - mult[:, None] * acc
+            elif OPTIMIZER == 4:
+                m = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + acc * acc
+                tl.store(mom1_ptr + ptrs, m, mask=dm)
+                w = w - lr * acc / (tl.sqrt(m) + eps)
+            else:
+                m1 = beta1 * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta1) * acc
+                m2 = (
+                    beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * acc * acc
+                )
+                tl.store(mom1_ptr + ptrs, m1, mask=dm)
+                tl.store(mom2_ptr + ptrs, m2, mask=dm)
+                w = w - lr * ((m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w)
+            if STOCHASTIC:
+                # add uniform noise of one ulp of the target dtype, then round toward zero
+                bits = w.to(tl.int32, bitcast=True)
+                exp = ((bits >> 23) & 0xFF) - 127
+                ulp_exp = tl.maximum(tl.maximum(exp, MIN_EXP) - MANTISSA, -126)
+                ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+                noise = tl.rand(seed, (key[:, None] * BLOCK_D + d[None, :]).to(tl.int32)) * ulp
+                w = tl.where(w < 0, w - noise, w + noise)
+                w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
+            else:
+                w_new = cast_rne(w, weights_ptr.dtype.element_ty)
+            tl.store(weights_ptr + ptrs, w_new, mask=dm)
 
 
-def sort_by_row(
-    indices: torch.Tensor, offsets: torch.Tensor, row_offsets: torch.Tensor, B: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the ids by linear row key. Returns (sorted keys [N], sorted bag ids [N], perm [N])."""
+def linearize(
+    indices: torch.Tensor, offsets: torch.Tensor, row_offsets: torch.Tensor, B: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [N], bag ids [N] int32) of a batch whose forward did not write them."""
     N = indices.numel()
     pos = torch.arange(N, device=indices.device, dtype=offsets.dtype)
     bags = torch.searchsorted(offsets[1:], pos, right=True)
     keys = row_offsets[bags // B] + indices.to(torch.int64)
-    keys, perm = torch.sort(keys, stable=True)
-    return keys, bags[perm], perm
+    return keys.to(key_dtype(num_rows)), bags.to(torch.int32)
+
+
+def backward_config(max_D: int) -> tuple[int, int]:
+    """(RUNS, num_warps) of the row kernel: a [RUNS, BLOCK_D] tile of about 2048 elements
+    (measured on an H200, see DEVELOPERS.md); ``FBTD_TBE_BWD=runs,num_warps`` overrides."""
+    _, block_d = block_sizes(max_D)
+    runs, num_warps = max(1, min(16, 2048 // block_d)), 4 if block_d <= 256 else 8
+    override = os.environ.get("FBTD_TBE_BWD")
+    if override:
+        runs, num_warps = (int(x) for x in override.split(","))
+    return runs, num_warps
 
 
 def _half_format(dtype: torch.dtype) -> tuple[int, int]:
@@ -278,13 +369,20 @@ def tbe_backward(
     momentum2: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    num_rows: int | None = None,
+    keys: torch.Tensor | None = None,
+    bag_ids: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Backward of ``tbe_forward`` for grad_output ``[B, sum(D)]``.
 
-    With an optimizer: updates ``weights`` (and momentum1/momentum2) in place, returns None.
-    Without: returns ``(row_elems [U] int64, row_dims [U] int64, row_grads [U, >=max_D] fp32)``:
-    for every unique touched row, the flat offset of its first element in ``weights``, its D and
-    its summed gradient (columns past D are zero).
+    ``keys``/``bag_ids``/``counts`` are what the forward wrote with ``linearize=True`` (ids
+    whose key is ``num_rows`` were dropped and get no gradient; mean pooling divides by
+    ``counts``); without them they are computed here from ``indices``/``offsets``.
+    With an optimizer: updates ``weights`` (and momentum1/momentum2) in place, returns None,
+    without a host synchronisation. Without: returns ``(row_elems [U] int64, row_dims [U]
+    int64, row_grads [U, >=max_D] fp32)``: for every unique touched row, the flat offset of its
+    first element in ``weights``, its D and its summed gradient (columns past D are zero).
     """
     device = weights.device
     T = dims.numel()
@@ -292,62 +390,61 @@ def tbe_backward(
     code = optimizer_code(optimizer)
     block_l, block_d = block_sizes(max_D)
     N = indices.numel()
-    if N == 0:
+    if N == 0 or B == 0:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         rows = torch.empty((0, block_d), device=device, dtype=torch.float32)
         return None if code else (empty, empty, rows)
+    sentinel = num_rows if num_rows is not None else 2**62
+    if keys is None:
+        keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
 
-    keys, bags, perm = sort_by_row(indices, offsets, row_offsets, B)
+    keys, perm = torch.sort(keys, stable=True)
+    bags = bag_ids[perm]
     scales = None
     if per_sample_weights is not None:
         scales = per_sample_weights.to(torch.float32)[perm]
     if pooling == 1:
-        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
-        inv = 1.0 / lengths[bags]
+        if counts is None:
+            counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
+        inv = 1.0 / counts.clamp(min=1.0)[bags]
         scales = inv if scales is None else scales * inv
     grad_output = grad_output.contiguous()
 
-    is_start = torch.ones(N, dtype=torch.bool, device=device)
-    is_start[1:] = keys[1:] != keys[:-1]
-    starts = torch.nonzero(is_start).flatten()
-    U = starts.numel()
-    run_starts = torch.cat([starts, torch.tensor([N], device=device)])
-    lengths = run_starts[1:] - run_starts[:-1]
-    n_chunks = torch.where(lengths > CHUNK, (lengths + CHUNK - 1) // CHUNK, 0)
-    run_chunks = torch.cumsum(n_chunks, 0) - n_chunks
-    C = int(n_chunks.sum())
-    partial = torch.empty((max(C, 1), block_d), device=device, dtype=torch.float32)
-    if C:
-        chunk_run = torch.repeat_interleave(torch.arange(U, device=device), n_chunks)
-        chunk_starts = (
-            starts[chunk_run] + (torch.arange(C, device=device) - run_chunks[chunk_run]) * CHUNK
-        )
-        chunk_ends = torch.minimum(chunk_starts + CHUNK, run_starts[1:][chunk_run])
-        _tbe_chunk_reduce_kernel[(C,)](
+    is_start = torch.empty(N, dtype=torch.bool, device=device)
+    is_start[:1] = True
+    torch.ne(keys[1:], keys[:-1], out=is_start[1:])
+    run_ids = torch.cumsum(is_start, 0, dtype=torch.int32)
+    run_starts = torch.empty(N + 1, dtype=torch.int64, device=device)
+    num_runs = torch.empty(1, dtype=torch.int32, device=device)
+    _tbe_runs_kernel[(triton.cdiv(N, 1024),)](keys, run_ids, run_starts, num_runs, N, BLOCK=1024)
+
+    n_blocks = triton.cdiv(N, CHUNK)
+    partial = torch.empty((n_blocks if N > CHUNK else 1, 2, block_d), device=device)
+    if N > CHUNK:  # else no run can be long
+        _tbe_chunk_reduce_kernel[(n_blocks,)](
             grad_output,
             grad_output.stride(0),
             D_offsets,
             dims,
             bags,
-            scales if scales is not None else keys,
-            chunk_starts,
-            chunk_ends,
+            scales if scales is not None else partial,
+            run_ids,
+            run_starts,
             partial,
             B,
+            N,
             HAS_SCALE=scales is not None,
+            CHUNK_SIZE=CHUNK,
             BLOCK_L=block_l,
             BLOCK_D=block_d,
         )
 
-    out_rows = torch.empty(
-        (U if code == OPT_NONE else 1, block_d), device=device, dtype=torch.float32
-    )
+    U = int(num_runs) if code == OPT_NONE else 1  # plain gradients: sized output, one sync
+    out_rows = torch.zeros((U, block_d), device=device, dtype=torch.float32)
     hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
-    # runs are mostly short (uniform ids: ~1 id per row); size the id tile to the mean run so
-    # that a program does not load a BLOCK_L x BLOCK_D tile that is mostly masked
-    row_block_l = min(block_l, triton.next_power_of_2(max(1, N // max(U, 1))))
-    _tbe_row_update_kernel[(U,)](
+    runs, num_warps = backward_config(max_D)
+    _tbe_row_update_kernel[(triton.cdiv(N, runs),)](
         grad_output,
         grad_output.stride(0),
         weights,
@@ -357,14 +454,15 @@ def tbe_backward(
         D_offsets,
         keys,
         bags,
-        scales if scales is not None else keys,
+        scales if scales is not None else partial,
         run_starts,
-        run_chunks,
+        num_runs,
         partial,
         out_rows,
         momentum1 if momentum1 is not None else partial,
         momentum2 if momentum2 is not None else partial,
         B,
+        sentinel,
         *hp,
         seed,
         OPTIMIZER=code,
@@ -375,14 +473,18 @@ def tbe_backward(
         MANTISSA=mantissa,
         MIN_EXP=min_exp,
         CHUNK_SIZE=CHUNK,
-        BLOCK_L=row_block_l,
+        RUNS=runs,
+        BLOCK_L=block_l,
         BLOCK_D=block_d,
-        num_warps=4 if block_d <= 256 else 8,
+        num_warps=num_warps,
     )
     if code != OPT_NONE:
         return None
-    f = bags[starts] // B
-    row_elems = w_offsets[f] + (keys[starts] - row_offsets[f]) * dims[f]
+    starts = run_starts[:U]
+    live = keys[starts].to(torch.int64) < sentinel
+    starts, out_rows = starts[live], out_rows[live]
+    f = bags[starts].to(torch.int64) // B
+    row_elems = w_offsets[f] + (keys[starts].to(torch.int64) - row_offsets[f]) * dims[f]
     return row_elems, dims[f], out_rows
 
 

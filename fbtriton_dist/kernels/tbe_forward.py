@@ -6,6 +6,8 @@ columns ``D_offsets[f] : D_offsets[f + 1]``. ``offsets`` has length T*B+1, featu
 ``(f, b)`` holds ``indices[offsets[f*B + b] : offsets[f*B + b + 1]]``.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -42,14 +44,24 @@ def _tbe_forward_kernel(
     w_offsets_ptr,  # [T] int64: element offset of feature f's table in weights
     dims_ptr,  # [T] int64: D of feature f's table
     D_offsets_ptr,  # [T + 1] int64: first output column of feature f
+    rows_ptr,  # [T] int64: E of feature f's table (bounds check)
+    row_offsets_ptr,  # [T] int64: first linear row of feature f's table (LINEARIZE)
     indices_ptr,  # [N] int32/int64 row ids, local to each table
     offsets_ptr,  # [T * B + 1] int32/int64 bag boundaries, feature-major
     psw_ptr,  # [N] fp32 per-sample weights (read only if HAS_PSW)
     out_ptr,  # [B, sum(D)] pooled output
+    keys_ptr,  # [N] int32/int64 out: linear row key of each id, sentinel if dropped (LINEARIZE)
+    bag_ids_ptr,  # [N] int32 out: bag (f * B + b) of each id (LINEARIZE)
+    counts_ptr,  # [T * B] fp32 out: ids kept per bag (LINEARIZE and mean pooling)
+    err_ptr,  # [3] int64 out: ids out of range, N - first such position, malformed bags
     B,  # batch size
+    N,  # number of ids
     out_stride,  # row stride of out
+    sentinel,  # key of a dropped id: one past the last linear row
     POOLING: tl.constexpr,  # POOL_SUM or POOL_MEAN
     HAS_PSW: tl.constexpr,  # multiply each row by its per-sample weight
+    CHECK: tl.constexpr,  # drop out-of-range ids and count them (and malformed offsets) in err
+    LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
     BLOCK_L: tl.constexpr,  # ids gathered per step
     BLOCK_D: tl.constexpr,  # >= max D, power of two
 ):
@@ -62,14 +74,36 @@ def _tbe_forward_kernel(
     D = tl.load(dims_ptr + f)
     w_base = tl.load(w_offsets_ptr + f)
     col = tl.load(D_offsets_ptr + f)
+    if CHECK:
+        E = tl.load(rows_ptr + f)
+        bad_bag = (end < start) | (start < 0) | (end > N)
+        bad_bag = (
+            bad_bag | ((fb == 0) & (start != 0)) | ((fb == tl.num_programs(0) - 1) & (end != N))
+        )
+        if bad_bag:
+            tl.atomic_add(err_ptr + 2, 1)
+        start = tl.minimum(tl.maximum(start, 0), N)
+        end = tl.minimum(end, N)
+    if LINEARIZE:
+        row_base = tl.load(row_offsets_ptr + f)
 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    kept = tl.zeros([BLOCK_L], dtype=tl.int32)
     for l0 in range(start, end, BLOCK_L):
         pos = l0 + tl.arange(0, BLOCK_L)
         l_mask = pos < end
         idx = tl.load(indices_ptr + pos, mask=l_mask, other=0).to(tl.int64)
+        if CHECK:
+            ok = (idx >= 0) & (idx < E)
+            bad = l_mask & ~ok
+            n_bad = tl.sum(bad.to(tl.int32), axis=0)
+            if n_bad > 0:
+                tl.atomic_add(err_ptr, n_bad.to(tl.int64))
+                tl.atomic_max(err_ptr + 1, N - tl.min(tl.where(bad, pos, N), axis=0))
+            l_mask = l_mask & ok
+        kept += l_mask.to(tl.int32)
         rows = tl.load(
             weights_ptr + w_base + idx[:, None] * D + d[None, :],
             mask=l_mask[:, None] & d_mask[None, :],
@@ -79,8 +113,15 @@ def _tbe_forward_kernel(
             psw = tl.load(psw_ptr + pos, mask=l_mask, other=0.0).to(tl.float32)
             rows = rows * psw[:, None]
         acc += tl.sum(rows, axis=0)
+        if LINEARIZE:
+            key = tl.where(l_mask, row_base + idx, sentinel)
+            tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=pos < end)
+            tl.store(bag_ids_ptr + pos, fb.to(tl.int32), mask=pos < end)
+    n_kept = tl.sum(kept, axis=0).to(tl.float32)
     if POOLING == 1:
-        acc = acc / tl.maximum(end - start, 1).to(tl.float32)
+        acc = acc / tl.maximum(n_kept, 1.0)
+        if LINEARIZE:
+            tl.store(counts_ptr + fb, n_kept)
     tl.store(
         out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask
     )
@@ -91,6 +132,23 @@ def block_sizes(max_D: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(max(int(max_D), 1))
     block_l = max(1, min(32, 4096 // block_d))
     return block_l, block_d
+
+
+def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape (measured
+    on an H200, see DEVELOPERS.md); ``FBTD_TBE_FWD=block_l,num_warps`` overrides it."""
+    block_l, block_d = block_sizes(max_D)
+    num_warps = 4 if block_d <= 256 else 8
+    override = os.environ.get("FBTD_TBE_FWD")
+    if override:
+        block_l, num_warps = (int(x) for x in override.split(","))
+    return block_l, block_d, num_warps
+
+
+def key_dtype(num_rows: int) -> torch.dtype:
+    """int32 linear row keys when every table's rows (and the sentinel) fit, else int64: a
+    32-bit radix sort makes half the passes."""
+    return torch.int32 if num_rows < 2**31 - 1 else torch.int64
 
 
 def tbe_forward(
@@ -106,33 +164,64 @@ def tbe_forward(
     max_D: int,
     total_D: int,
     output_dtype: torch.dtype,
-) -> torch.Tensor:
+    rows: torch.Tensor | None = None,
+    row_offsets: torch.Tensor | None = None,
+    num_rows: int = 0,
+    err: torch.Tensor | None = None,
+    linearize: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pooled lookup of T features over B bags. Returns ``[B, sum(D)]`` in ``output_dtype``.
 
-    Inputs are assumed validated (ops/tbe.py): offsets non-decreasing, ids in range.
+    ``err`` ([3] int64, zeroed) turns on the in-kernel check against ``rows`` ([T] E per
+    feature): out-of-range ids are dropped and counted in ``err[0]``, ``err[1]`` gets N minus
+    the first one's position, malformed bags (decreasing offsets, offsets outside [0, N])
+    are counted in ``err[2]``. Without ``err`` inputs are assumed validated.
+    ``linearize`` (training) also returns, for the backward, ``keys`` [N] (``row_offsets[f] +
+    id``, ``num_rows`` for a dropped id; int32 when it fits), ``bag_ids`` [N] int32 and, for
+    mean pooling, ``counts`` [T*B] fp32 (ids kept per bag).
     """
     T = dims.numel()
     B = (offsets.numel() - 1) // T
-    out = torch.empty((B, total_D), dtype=output_dtype, device=weights.device)
+    N = indices.numel()
+    device = weights.device
+    out = torch.empty((B, total_D), dtype=output_dtype, device=device)
+    keys = torch.empty(N if linearize else 0, dtype=key_dtype(num_rows), device=device)
+    bag_ids = torch.empty(N if linearize else 0, dtype=torch.int32, device=device)
+    counts = None
+    if linearize and pooling == POOL_MEAN:
+        counts = torch.empty(T * B, dtype=torch.float32, device=device)
+    result = (out, keys, bag_ids, counts) if linearize else out
     if B == 0 or total_D == 0:
-        return out
-    block_l, block_d = block_sizes(max_D)
+        if counts is not None:
+            counts.zero_()
+        return result
+    block_l, block_d, num_warps = forward_config(max_D, weights.element_size())
     psw = per_sample_weights if per_sample_weights is not None else indices
     _tbe_forward_kernel[(T * B,)](
         weights,
         w_offsets,
         dims,
         D_offsets,
+        rows if rows is not None else dims,
+        row_offsets if row_offsets is not None else dims,
         indices,
         offsets,
         psw,
         out,
+        keys,
+        bag_ids,
+        counts if counts is not None else out,
+        err if err is not None else dims,
         B,
+        N,
         out.stride(0),
+        num_rows,
         POOLING=pooling,
         HAS_PSW=per_sample_weights is not None,
+        CHECK=err is not None,
+        LINEARIZE=linearize,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
-        num_warps=4 if block_d <= 256 else 8,
+        num_warps=num_warps,
     )
-    return out
+    return result

@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.ops.tbe import BoundsCheck, FusedOptimizer, TBELayout, check_backend, tbe_lookup
+from fbtriton_dist.ops.tbe import (
+    BoundsCheck,
+    BoundsMonitor,
+    FusedOptimizer,
+    TBELayout,
+    check_backend,
+    tbe_lookup,
+)
 
 POOLING = {"sum": 0, "mean": 1}
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -104,6 +111,7 @@ class TableBatchedEmbedding(nn.Module):
         self.pooling = pooling
         self.output_dtype = output_dtype
         self.bounds_check = bounds_check
+        self._bounds_monitor = BoundsMonitor()
         self.backend = backend
         self.stochastic_rounding = stochastic_rounding
         self.sparse = sparse
@@ -249,6 +257,7 @@ class TableBatchedEmbedding(nn.Module):
             sparse=self.sparse,
             grad_targets=grad_targets,
             table_offsets=self.table_offsets,
+            monitor=self._bounds_monitor,
         )
 
     def _count_step(self) -> None:

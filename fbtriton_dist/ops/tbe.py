@@ -43,6 +43,11 @@ class TBELayout:
     def num_features(self) -> int:
         return len(self.feature_table_map)
 
+    @property
+    def num_rows(self) -> int | None:
+        """Rows of all tables back to back: the linear key of a dropped id (None: unknown)."""
+        return sum(self.table_rows) if self.table_rows else None
+
 
 @dataclass(kw_only=True, eq=False)
 class FusedOptimizer:
@@ -86,6 +91,23 @@ def check_inputs(
     """Validate one batch (one device round trip at most). Returns the batch to look up: the
     same tensors, or, with ``bounds_check="warn"``, copies without the out-of-range ids.
     """
+    check_shapes(indices, offsets, per_sample_weights, layout)
+    if bounds_check == "ignore":
+        return indices, offsets, per_sample_weights
+    if bounds_check not in ("error", "warn"):
+        raise ValueError(
+            f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
+        )
+    return _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check)
+
+
+def check_shapes(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    layout: TBELayout,
+) -> None:
+    """The checks that need no look at the values (no device work)."""
     T = layout.num_features
     for name, t in (("indices", indices), ("offsets", offsets)):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
@@ -103,13 +125,11 @@ def check_inputs(
                 f"per_sample_weights: expected a float tensor of shape {tuple(indices.shape)} "
                 f"(one per id), got {per_sample_weights.dtype} {tuple(per_sample_weights.shape)}"
             )
-    if bounds_check == "ignore":
-        return indices, offsets, per_sample_weights
-    if bounds_check not in ("error", "warn"):
-        raise ValueError(
-            f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
-        )
 
+
+def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
+    """The value checks on the device, one round trip: raise, or warn and drop bad ids."""
+    T = layout.num_features
     N = indices.numel()
     B = (offsets.numel() - 1) // T
     pos = torch.arange(N, device=indices.device, dtype=offsets.dtype)
@@ -153,7 +173,7 @@ def check_inputs(
     return indices[keep], new_offsets, psw
 
 
-_NUM_INPUTS = 12  # _TBELookup.forward's inputs before *grad_targets
+_NUM_INPUTS = 14  # _TBELookup.forward's inputs before *grad_targets
 
 
 class _TBELookup(torch.autograd.Function):
@@ -174,14 +194,15 @@ class _TBELookup(torch.autograd.Function):
         fused,
         sparse,
         table_offsets,
+        err,
+        training,
         *grad_targets,
     ):
-        ctx.save_for_backward(indices, offsets, per_sample_weights)
         ctx.weights = weights
         ctx.args = (layout, pooling, backend, fused, sparse, table_offsets)
         ctx.num_targets = len(grad_targets)
         impl = _impl(backend)
-        return impl.tbe_forward(
+        result = impl.tbe_forward(
             weights,
             layout.w_offsets,
             layout.dims,
@@ -193,11 +214,21 @@ class _TBELookup(torch.autograd.Function):
             max_D=layout.max_D,
             total_D=layout.total_D,
             output_dtype=output_dtype,
+            rows=layout.rows,
+            row_offsets=layout.row_offsets,
+            num_rows=layout.num_rows or 0,
+            err=err,
+            linearize=training and layout.num_rows is not None,
         )
+        out, saved = result, (None, None, None)
+        if isinstance(result, tuple):
+            out, saved = result[0], result[1:]
+        ctx.save_for_backward(indices, offsets, per_sample_weights, *saved)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        indices, offsets, per_sample_weights = ctx.saved_tensors
+        indices, offsets, per_sample_weights, keys, bag_ids, counts = ctx.saved_tensors
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
         grad_psw = None
@@ -222,6 +253,8 @@ class _TBELookup(torch.autograd.Function):
             stochastic_rounding=fused.stochastic_rounding if fused else False,
             seed=(fused.seed * 1000003 + fused.step) % (2**31 - 1) if fused else 0,
         )
+        if keys is not None:
+            common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
         result = impl.tbe_backward(
             grad_output,
             weights.detach(),
@@ -282,6 +315,7 @@ def tbe_lookup(
     sparse: bool = False,
     grad_targets: Sequence[torch.Tensor] | None = None,
     table_offsets: Sequence[int] | None = None,
+    monitor: "BoundsMonitor | None" = None,
 ) -> torch.Tensor:
     """Pooled embedding lookup of T features; ``[B, sum(D)]``.
 
@@ -293,13 +327,32 @@ def tbe_lookup(
     autograd reaches it); otherwise ``weights`` gets a dense or ``sparse`` gradient, or, given
     ``grad_targets`` (one ``[E_t, D_t]`` tensor per table) and ``table_offsets`` (where each
     table starts in ``weights``, then the end), each target gets its table's dense gradient.
+
+    Bounds are checked inside the forward kernel: out-of-range ids are dropped and counted.
+    ``"error"`` then reads the count (one small device-to-host copy) and raises naming the id;
+    ``"warn"`` with a ``monitor`` on CUDA reads it at the next lookup, without a host sync.
     """
     check_backend(backend, weights.device)
-    indices, offsets, per_sample_weights = check_inputs(
-        indices, offsets, per_sample_weights, layout, bounds_check
-    )
+    check_shapes(indices, offsets, per_sample_weights, layout)
+    if bounds_check not in ("error", "warn", "ignore"):
+        raise ValueError(
+            f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
+        )
+    if monitor is not None:
+        monitor.poll()
     targets = tuple(grad_targets) if grad_targets is not None and fused is None else ()
-    return _TBELookup.apply(
+    training = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
+    )
+    err = None
+    if backend == "reference" or layout.num_rows is None:
+        indices, offsets, per_sample_weights = check_inputs(
+            indices, offsets, per_sample_weights, layout, bounds_check
+        )
+    elif bounds_check != "ignore":
+        # the kernel drops and counts out-of-range ids (and clamps malformed bags) in err
+        err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+    out = _TBELookup.apply(
         weights,
         anchor,
         per_sample_weights,
@@ -312,5 +365,56 @@ def tbe_lookup(
         fused,
         sparse,
         table_offsets,
+        err,
+        training,
         *targets,
     )
+    if err is not None:
+        batch = (indices, offsets, per_sample_weights, layout, bounds_check)
+        if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
+            monitor.watch(err, batch)  # read at the next lookup: no host sync now
+        elif any(err.tolist()):
+            _report_bad_input(batch, err.tolist())
+    return out
+
+
+def _report_bad_input(batch, flags: list[int]) -> None:
+    """A batch the kernel flagged: find and name the bad value (slow path, syncs freely);
+    raises for errors and malformed offsets, warns for dropped ids with ``"warn"``."""
+    indices, offsets, per_sample_weights, layout, bounds_check = batch
+    kept = _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check)
+    if flags[0] and kept[0] is indices:  # the batch changed since: say what the kernel saw
+        warnings.warn(
+            f"dropped {flags[0]} out-of-range ids (first at indices[{indices.numel() - flags[1]}])",
+            stacklevel=3,
+        )
+
+
+class BoundsMonitor:
+    """The deferred ``bounds_check="warn"`` of a module on CUDA: a batch's flags are copied to
+    pinned host memory without waiting, and the next lookup (or ``poll()``) warns about the
+    ids that batch dropped, as FBGEMM's WARNING mode does. Errors are never deferred."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._pending = None
+
+    def watch(self, err: torch.Tensor, batch) -> None:
+        self.poll()
+        if self._host is None:
+            self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(err, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (event, batch)
+
+    def poll(self) -> None:
+        """Warn about (or raise for) the last watched batch, waiting for it if needed."""
+        if self._pending is None:
+            return
+        event, batch = self._pending
+        self._pending = None
+        event.synchronize()
+        flags = self._host.tolist()
+        if any(flags):
+            _report_bad_input(batch, flags)

@@ -26,16 +26,32 @@ def tbe_forward(
     max_D: int,
     total_D: int,
     output_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``."""
+    rows: torch.Tensor | None = None,
+    row_offsets: torch.Tensor | None = None,
+    num_rows: int = 0,
+    err: torch.Tensor | None = None,
+    linearize: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``.
+    With ``err``, ids outside ``[0, rows[f])`` are dropped and counted (kernels.tbe_forward
+    has the whole contract, ``linearize`` included); offsets must be well formed here."""
     T = dims.numel()
     B = (offsets.numel() - 1) // T
+    N = indices.numel()
     out = torch.zeros((B, total_D), dtype=torch.float32, device=weights.device)
-    bags = _bags(offsets, indices.numel())
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+    bags = _bags(offsets, N)
+    keep = torch.ones(N, dtype=torch.bool, device=weights.device)
+    if err is not None and N:
+        keep = (indices >= 0) & (indices.to(torch.int64) < rows[bags // max(B, 1)])
+        bad = torch.nonzero(~keep).flatten()
+        if bad.numel():
+            err[0] += bad.numel()
+            err[1] = torch.maximum(err[1], N - bad[0])
+    lengths = torch.zeros(T * B, dtype=torch.float32, device=weights.device)
+    lengths.index_add_(0, bags, keep.to(torch.float32))
     for f in range(T):
         D, base, col = int(dims[f]), int(w_offsets[f]), int(D_offsets[f])
-        sel = (bags // B) == f
+        sel = ((bags // B) == f) & keep
         ids = indices[sel].to(torch.int64)
         rows = weights[base + ids[:, None] * D + torch.arange(D, device=weights.device)]
         rows = rows.to(torch.float32)
@@ -46,7 +62,12 @@ def tbe_forward(
         if pooling == 1:
             pooled = pooled / lengths[f * B : (f + 1) * B].clamp(min=1)[:, None]
         out[:, col : col + D] = pooled
-    return out.to(output_dtype)
+    out = out.to(output_dtype)
+    if not linearize:
+        return out
+    keys = torch.where(keep, row_offsets[bags // max(B, 1)] + indices.to(torch.int64), num_rows)
+    counts = lengths if pooling == 1 else None
+    return out, keys, bags.to(torch.int32), counts
 
 
 def stochastic_round(
@@ -93,6 +114,10 @@ def tbe_backward(
     momentum2: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    num_rows: int | None = None,
+    keys: torch.Tensor | None = None,
+    bag_ids: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Same contract as kernels.tbe_backward: update in place, or return
     ``(row_elems, row_dims, row_grads)``."""
@@ -100,15 +125,23 @@ def tbe_backward(
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()
-    bags = _bags(offsets, N)
-    feats = bags // B
+    bags = _bags(offsets, N) if bag_ids is None else bag_ids.to(torch.int64)
+    if keys is None:
+        keys = row_offsets[bags // max(B, 1)] + indices.to(torch.int64)
+    keys = keys.to(torch.int64)
+    if num_rows is not None:  # dropped ids (key == num_rows) get no gradient
+        keep = keys < num_rows
+        bags, keys = bags[keep], keys[keep]
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights[keep]
+        N = keys.numel()
+    feats = bags // max(B, 1)
     scale = torch.ones(N, dtype=torch.float32, device=device)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.to(torch.float32)
     if pooling == 1:
-        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32) if counts is None else counts
         scale = scale / lengths[bags]
-    keys = row_offsets[feats] + indices.to(torch.int64)
 
     # Per table (one representative feature per distinct row offset): sum each row's gradient.
     row_elems, row_dims, row_grads = [], [], []
