@@ -1,0 +1,112 @@
+"""Sweep the TBE kernels' launch configs on one GPU (the data behind forward_config and
+backward_config): GPU-busy µs per kernel for each (BLOCK_L, num_warps) of the forward and
+(RUNS, num_warps) of the row-update kernel.
+
+    python -m fbtriton_dist.bench.tbe_sweep --shapes S1,S2,S4,S5 --out sweep.json
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim
+
+SHAPES = {  # name: (tables [(E, D)], B, L, weights dtype, zipf exponent or 0)
+    "S0": ([(100_000, 128)] * 32, 512, 20, torch.float32, 0.0),
+    "S1": ([(1_000_000, 128)] * 32, 2048, 20, torch.float32, 0.0),
+    "S2": ([(1_000_000, 128)] * 32, 2048, 20, torch.float16, 0.0),
+    "S3": ([(1_000_000, 128)] * 32, 2048, 20, torch.float32, 1.05),
+    "S4": ([(10_000_000, 256)] * 8, 4096, 40, torch.float16, 0.0),
+    "S5": ([(1_000_000, 64)] * 16 + [(1_000_000, 256)] * 16, 2048, 20, torch.float32, 0.0),
+    "S6": ([(1_000_000, 128)] * 8, 65536, 20, torch.float32, 1.15),
+}
+
+
+def make_batch(tables, B, L, zipf, gen, device):
+    """Fixed bag size L, table-major; Zipf ranks mapped to rows by a permutation per table."""
+    ids = []
+    for E, _ in tables:
+        if zipf:
+            p = torch.arange(1, E + 1, dtype=torch.float64).pow(-zipf)
+            cdf = torch.cumsum(p / p.sum(), 0)
+            ranks = torch.searchsorted(cdf, torch.rand(B * L, generator=gen, dtype=torch.float64))
+            ids.append(torch.randperm(E, generator=gen)[ranks.clamp(max=E - 1)])
+        else:
+            ids.append(torch.randint(0, E, (B * L,), generator=gen))
+    indices = torch.cat(ids).to(device)
+    offsets = torch.arange(0, len(tables) * B * L + 1, L, device=device)
+    return indices, offsets
+
+
+def kernel_us(fn, iters=5) -> dict[str, float]:
+    """µs per iteration of each CUDA kernel (profiler), plus 'busy' = their sum."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0) or getattr(evt, "cuda_time_total", 0)
+        if t > 0:
+            out[evt.key[:60]] = t / iters
+    out["busy"] = sum(out.values())
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="S1,S2,S4,S5")
+    p.add_argument("--fwd", default="8,4;16,4;32,4;16,2;32,8;64,4")
+    p.add_argument("--bwd", default="4,4;8,4;16,4;32,4;8,2;16,8")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    results = []
+    for name in args.shapes.split(","):
+        tables, B, L, dtype, zipf = SHAPES[name]
+        gen = torch.Generator().manual_seed(0)
+        indices, offsets = make_batch(tables, B, L, zipf, gen, device)
+        tbe = TableBatchedEmbedding(
+            tables,
+            optimizer=optim.RowWiseAdagrad(lr=0.01, eps=1e-8),
+            weights_dtype=dtype,
+            bounds_check="warn",
+            device=device,
+            init_weights=False,
+        )
+        with torch.no_grad():
+            tbe.weights.uniform_(-0.1, 0.1)
+        grad = torch.randn(B, sum(D for _, D in tables), device=device)
+
+        def fwd(tbe=tbe, indices=indices, offsets=offsets):
+            return tbe(indices, offsets)
+
+        def step(tbe=tbe, indices=indices, offsets=offsets, grad=grad):
+            tbe(indices, offsets).backward(grad)
+
+        for cfg in args.fwd.split(";"):
+            os.environ["FBTD_TBE_FWD"] = cfg
+            r = {"shape": name, "phase": "fwd", "config": cfg, **kernel_us(fwd)}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        os.environ.pop("FBTD_TBE_FWD")
+        for cfg in args.bwd.split(";"):
+            os.environ["FBTD_TBE_BWD"] = cfg
+            r = {"shape": name, "phase": "fwd_bwd_rowwise", "config": cfg, **kernel_us(step)}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        os.environ.pop("FBTD_TBE_BWD")
+        del tbe, fwd, step
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
