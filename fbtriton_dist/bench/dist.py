@@ -29,11 +29,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .dist_setup import DEFAULT_TABLES
+from .dist_report import PROVIDERS, format_table, line, plot
 
+DEFAULT_TABLES = os.path.join(
+    os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
+)
 PLANS = ("row_wise", "table_wise")
 MODELS = ("ebc", "dlrm")
-PROVIDER_NAMES = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
 FULL = {
     "total_gb": 20.0,
     "dim": 128,
@@ -74,6 +76,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tables", default=DEFAULT_TABLES, help="table-set YAML (rows are scaled)")
     p.add_argument("--total-gb", type=float, help="weights in fp32 GB (default 20; tiny 0.004)")
+    p.add_argument(
+        "--scale",
+        type=float,
+        help="row scale factor of every table (overrides "
+        "--total-gb; a table keeps at least min(E, 1000) rows)",
+    )
     p.add_argument("--dim", type=int, help="D of every table (default 128; tiny 16)")
     p.add_argument("--batch-size", type=int, help="B per rank (default 8192; tiny 64)")
     p.add_argument("--bag-size", type=int, help="L ids per bag (default 20; tiny 4)")
@@ -100,7 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
     p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--providers", nargs="+", choices=PROVIDER_NAMES, default=list(PROVIDER_NAMES))
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument(
         "--comm",
         action="append",
@@ -196,7 +204,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
 
     R, rank, device = env.world_size, env.rank, env.device
     H = env.local_world_size if R % env.local_world_size == 0 else R
-    tables = scaled_tables(args.tables, args.dim, args.total_gb)
+    tables = scaled_tables(args.tables, args.dim, args.total_gb, args.scale)
     configs = torchrec_configs(tables)
     t0 = time.perf_counter()
     batches = make_batches(
@@ -224,6 +232,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "rows": [t.num_embeddings for t in tables],
             "dim": args.dim,
             "weights_gb": weights_gb,
+            "scale": args.scale,
             "batch_size_per_rank": args.batch_size,
             "bag_size": args.bag_size,
             "zipf": args.zipf,
@@ -284,7 +293,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 if rank == 0:
                     results["rows"].append(row)
                     _ratios(group_rows)
-                    _say(env, _line(row))
+                    _say(env, line(row))
                     _write(args.out, results)
     if rank == 0:
         print(format_table(results["rows"]), flush=True)
@@ -438,157 +447,6 @@ def _ratios(rows: list[dict]) -> None:
         for key, base in (("vs_torchrec", "torchrec"), ("vs_plain", "ours_plain")):
             if by.get(base):
                 r[key] = r["samples_per_s"] / by[base]
-
-
-# -- output -----------------------------------------------------------------------------------
-COLUMNS = (
-    ("plan", 10),
-    ("model", 5),
-    ("provider", 14),
-    ("samples/s", 11),
-    ("ms/step", 8),
-    ("x torchrec", 10),
-    ("fwd", 7),
-    ("in_dist", 7),
-    ("lookup", 7),
-    ("out_dist", 8),
-    ("dense", 7),
-    ("bwd", 7),
-    ("busy ms", 8),
-    ("nccl ms", 8),
-    ("wall/busy", 9),
-    ("MB/step", 8),
-    ("peak GB", 7),
-)
-
-
-def _fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    return str(value)
-
-
-def _cells(r: dict) -> list[str]:
-    head = [r["plan"], r["model"], r["provider"]]
-    if r.get("status") != "ok":
-        return head
-    st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
-    sps = r.get("samples_per_s")
-    return head + [
-        f"{sps:,.0f}" if sps else "-",
-        _fmt(r["ms_per_step"]),
-        _fmt(r.get("vs_torchrec")),
-        *(
-            _fmt(st.get(k))
-            for k in ("forward", "input_dist", "lookup", "output_dist", "dense", "backward")
-        ),
-        _fmt(gpu.get("busy_ms")),
-        _fmt(gpu.get("nccl_ms")),
-        _fmt(gpu.get("wall_over_busy")),
-        _fmt(r.get("bytes_sent_per_step", 0.0) / 1e6, 1),
-        _fmt(r.get("peak_mem_gb")),
-    ]
-
-
-def _line(r: dict) -> str:
-    cells = _cells(r)
-    if r.get("status") != "ok":
-        return f"{' '.join(cells)}: {r.get('status')}: {r.get('note')}"
-    return "  ".join(f"{name}={value}" for (name, _), value in zip(COLUMNS, cells, strict=False))
-
-
-def format_table(rows: Sequence[dict]) -> str:
-    """The results as a fixed-width table (stage times: ms per step, rank 0; bytes: sent by
-    all ranks per step); failed or skipped providers listed under it with the reason."""
-    lines = ["  ".join(f"{name:>{w}}" for name, w in COLUMNS)]
-    notes = []
-    for r in rows:
-        cells = _cells(r)
-        if r.get("status") != "ok":
-            notes.append(f"  {'/'.join(cells)}: {r.get('status')}: {r.get('note')}")
-            continue
-        lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
-    if notes:
-        lines += ["not measured:", *notes]
-    return "\n".join(lines)
-
-
-def plot(path: str, png: str) -> None:
-    """Bar charts of a results file: samples/s per provider in each (plan, model) group, with
-    the ratio to TorchRec; and each provider's step split into stages."""
-    with open(path, encoding="utf-8") as f:
-        results = json.load(f)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise SystemExit(f"--plot needs matplotlib ({e}); pip install matplotlib") from e
-    rows = [r for r in results["rows"] if r.get("status") == "ok"]
-    if not rows:
-        raise SystemExit(f"{path}: no measured rows to plot")
-    groups = list(dict.fromkeys((r["plan"], r["model"]) for r in rows))
-    providers = [p for p in PROVIDER_NAMES if any(r["provider"] == p for r in rows)]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 2.6 * len(groups)), 9))
-    width = 0.8 / max(len(providers), 1)
-    for i, prov in enumerate(providers):
-        xs, ys, labels = [], [], []
-        for g, (plan, model) in enumerate(groups):
-            r = next(
-                (r for r in rows if (r["plan"], r["model"], r["provider"]) == (plan, model, prov)),
-                None,
-            )
-            if r is None or not r.get("samples_per_s"):
-                continue
-            xs.append(g + (i - (len(providers) - 1) / 2) * width)
-            ys.append(r["samples_per_s"] / 1e6)
-            labels.append(f"{r['vs_torchrec']:.2f}x" if r.get("vs_torchrec") else "")
-        bars = ax1.bar(xs, ys, width, label=prov)
-        for bar, label in zip(bars, labels, strict=True):
-            if label:
-                ax1.annotate(
-                    label,
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                )
-    ax1.set_xticks(range(len(groups)), [f"{p}\n{m}" for p, m in groups])
-    ax1.set_ylabel("M samples/s (global)")
-    setup = results.get("setup", {})
-    ax1.set_title(
-        f"{setup.get('world_size', '?')} x {setup.get('device', '?')}: "
-        f"{setup.get('tables', '?')} tables, {setup.get('weights_gb', 0):.1f} GB, "
-        f"B={setup.get('batch_size_per_rank', '?')}/rank (label: x TorchRec)"
-    )
-    ax1.legend(fontsize=8)
-    stages = ("input_dist", "lookup", "output_dist", "dense", "backward")
-    names = [f"{r['plan'][:5]}/{r['model']}/{r['provider']}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for s in stages:
-        vals = [r.get("stages_ms", {}).get(s, 0.0) or 0.0 for r in rows]
-        ax2.bar(range(len(rows)), vals, bottom=bottom, label=s)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    busy = [r.get("gpu", {}).get("busy_ms") for r in rows]
-    if any(busy):
-        ax2.scatter(
-            [i for i, b in enumerate(busy) if b],
-            [b for b in busy if b],
-            color="black",
-            marker="_",
-            s=300,
-            label="GPU busy",
-            zorder=3,
-        )
-    ax2.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-    ax2.set_ylabel("ms per step (rank 0)")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    print(f"chart written to {png}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

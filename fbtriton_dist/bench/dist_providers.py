@@ -29,9 +29,8 @@ from torch import nn
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.train.data import Batch
 
+from .dist_report import PROVIDERS
 from .dist_setup import ModelSpec, Table, build_model, embedding_fqn, torchrec_module_plan
-
-PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
 
 
 class Skip(Exception):

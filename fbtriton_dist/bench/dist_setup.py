@@ -17,7 +17,6 @@ this module builds them (see ``fbtriton_dist.bench.dist`` for the measurement).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,9 +26,6 @@ from torch import nn
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding, load_tables
 from fbtriton_dist.train.data import Batch
 
-DEFAULT_TABLES = os.path.join(
-    os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
-)
 GB = 1e9
 BIG_PRIME = 2147483647  # 2**31 - 1: coprime with every E below it, so k -> k*P mod E is a bijection
 
@@ -44,12 +40,16 @@ class Table:
     embedding_dim: int
 
 
-def scaled_tables(path: str, dim: int, total_gb: float, min_rows: int = 1000) -> list[Table]:
-    """The tables of ``path``, rows scaled by one factor so that E x D x 4 B totals about
-    ``total_gb`` (never scaled up; a table keeps at least ``min(E, min_rows)`` rows)."""
+def scaled_tables(
+    path: str, dim: int, total_gb: float, scale: float | None = None, min_rows: int = 1000
+) -> list[Table]:
+    """The tables of ``path``, rows scaled by one factor (``scale``, else the one that makes
+    E x D x 4 B total about ``total_gb``, never above 1); a table keeps at least
+    ``min(E, min_rows)`` rows."""
     specs = load_tables(path).tables
     full = sum(t.num_embeddings for t in specs) * dim * 4
-    scale = min(1.0, total_gb * GB / full)
+    if scale is None:
+        scale = min(1.0, total_gb * GB / full)
     out = []
     for t in specs:
         for f in t.features:

@@ -1,0 +1,169 @@
+"""What ``bench dist`` shows: the results table (rank 0 prints it) and the chart of a results
+file (``--plot``: no torchrun, no GPU; matplotlib)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
+"""Every provider, in the order of the table and the chart."""
+
+# -- table -----------------------------------------------------------------------------------
+COLUMNS = (
+    ("plan", 10),
+    ("model", 5),
+    ("provider", 14),
+    ("samples/s", 11),
+    ("ms/step", 8),
+    ("x torchrec", 10),
+    ("fwd", 7),
+    ("in_dist", 7),
+    ("lookup", 7),
+    ("out_dist", 8),
+    ("dense", 7),
+    ("bwd", 7),
+    ("busy ms", 8),
+    ("nccl ms", 8),
+    ("wall/busy", 9),
+    ("MB/step", 8),
+    ("peak GB", 7),
+)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _cells(r: dict) -> list[str]:
+    head = [r["plan"], r["model"], r["provider"]]
+    if r.get("status") != "ok":
+        return head
+    st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
+    sps = r.get("samples_per_s")
+    return head + [
+        f"{sps:,.0f}" if sps else "-",
+        _fmt(r["ms_per_step"]),
+        _fmt(r.get("vs_torchrec")),
+        *(
+            _fmt(st.get(k))
+            for k in ("forward", "input_dist", "lookup", "output_dist", "dense", "backward")
+        ),
+        _fmt(gpu.get("busy_ms")),
+        _fmt(gpu.get("nccl_ms")),
+        _fmt(gpu.get("wall_over_busy")),
+        _fmt(r.get("bytes_sent_per_step", 0.0) / 1e6, 1),
+        _fmt(r.get("peak_mem_gb")),
+    ]
+
+
+def line(r: dict) -> str:
+    cells = _cells(r)
+    if r.get("status") != "ok":
+        return f"{' '.join(cells)}: {r.get('status')}: {r.get('note')}"
+    return "  ".join(f"{name}={value}" for (name, _), value in zip(COLUMNS, cells, strict=False))
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The results as a fixed-width table (stage times: ms per step, rank 0; bytes: sent by
+    all ranks per step); failed or skipped providers listed under it with the reason."""
+    lines = ["  ".join(f"{name:>{w}}" for name, w in COLUMNS)]
+    notes = []
+    for r in rows:
+        cells = _cells(r)
+        if r.get("status") != "ok":
+            notes.append(f"  {'/'.join(cells)}: {r.get('status')}: {r.get('note')}")
+            continue
+        lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
+    if notes:
+        lines += ["not measured:", *notes]
+    return "\n".join(lines)
+
+
+def _stage(stages: dict, name: str) -> float:
+    """A stage's ms for the chart; ``forward`` only where the forward was not split."""
+    if name == "forward":
+        return 0.0 if "dense" in stages else float(stages.get("forward") or 0.0)
+    return float(stages.get(name) or 0.0)
+
+
+def plot(path: str, png: str) -> None:
+    """Bar charts of a results file: samples/s per provider in each (plan, model) group, with
+    the ratio to TorchRec; and each provider's step split into stages."""
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib ({e}); pip install matplotlib") from e
+    rows = [r for r in results["rows"] if r.get("status") == "ok"]
+    if not rows:
+        raise SystemExit(f"{path}: no measured rows to plot")
+    groups = list(dict.fromkeys((r["plan"], r["model"]) for r in rows))
+    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 2.6 * len(groups)), 9))
+    width = 0.8 / max(len(providers), 1)
+    for i, prov in enumerate(providers):
+        xs, ys, labels = [], [], []
+        for g, (plan, model) in enumerate(groups):
+            r = next(
+                (r for r in rows if (r["plan"], r["model"], r["provider"]) == (plan, model, prov)),
+                None,
+            )
+            if r is None or not r.get("samples_per_s"):
+                continue
+            xs.append(g + (i - (len(providers) - 1) / 2) * width)
+            ys.append(r["samples_per_s"] / 1e6)
+            labels.append(f"{r['vs_torchrec']:.2f}x" if r.get("vs_torchrec") else "")
+        bars = ax1.bar(xs, ys, width, label=prov)
+        for bar, label in zip(bars, labels, strict=True):
+            if label:
+                ax1.annotate(
+                    label,
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
+    ax1.set_xticks(range(len(groups)), [f"{p}\n{m}" for p, m in groups])
+    ax1.set_ylabel("M samples/s (global)")
+    setup = results.get("setup", {})
+    ax1.set_title(
+        f"{setup.get('world_size', '?')} x {setup.get('device', '?')}: "
+        f"{setup.get('tables', '?')} tables, {setup.get('weights_gb', 0):.3g} GB, "
+        f"B={setup.get('batch_size_per_rank', '?')}/rank (label: x TorchRec)"
+    )
+    ax1.legend(fontsize=8)
+    names = [f"{r['plan'][:5]}/{r['model']}/{r['provider']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for s in ("input_dist", "lookup", "output_dist", "dense", "forward", "backward"):
+        vals = [_stage(r.get("stages_ms", {}), s) for r in rows]
+        if s == "forward" and not any(vals):
+            continue
+        label = "forward (not split)" if s == "forward" else s
+        ax2.bar(range(len(rows)), vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    busy = [r.get("gpu", {}).get("busy_ms") for r in rows]
+    if any(busy):
+        ax2.scatter(
+            [i for i, b in enumerate(busy) if b],
+            [b for b in busy if b],
+            color="black",
+            marker="_",
+            s=300,
+            label="GPU busy",
+            zorder=3,
+        )
+    ax2.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+    ax2.set_ylabel("ms per step (rank 0)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"chart written to {png}")
