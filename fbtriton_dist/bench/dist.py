@@ -57,7 +57,7 @@ TINY = {
     "batches": 3,
     "warmup": 1,
     "steps": 3,
-    "profile_steps": 0,
+    "profile_steps": 2,  # CUDA only
     "split_steps": 2,
     "dense_arch": None,
     "over_arch": "32,1",
@@ -296,7 +296,9 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                     _say(env, line(row))
                     _write(args.out, results)
     if rank == 0:
+        results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)
         print(format_table(results["rows"]), flush=True)
+        print(f"total {results['setup']['total_s']:.0f} s", flush=True)
         _write(args.out, results)
         if args.out:
             print(f"results written to {args.out}", flush=True)
@@ -423,6 +425,9 @@ def merge(
             gpu["busy_fraction"] = gpu["busy_ms"] / row["ms_per_step"]
         row["gpu"] = gpu
         row["gpu_per_rank"] = [r["gpu"] for r in ranks]
+    errors = [r["gpu_error"] for r in ranks if "gpu_error" in r]
+    if errors:
+        row["gpu_error"] = errors[0]
     keys = list(dict.fromkeys(k for r in ranks for k in r["bytes"]))
     row["bytes_sent"] = {k: sum(r["bytes"].get(k, 0.0) for r in ranks) for k in keys}
     row["bytes_sent_per_step"] = sum(row["bytes_sent"].values())

@@ -176,7 +176,10 @@ def measure(
         except Exception as e:  # noqa: BLE001 - a report is optional
             out["comm_report_error"] = f"{type(e).__name__}: {e}"
     if device.type == "cuda" and profile_steps > 0:
-        out.update(_profile(runner, profile_steps, device, group))
+        try:
+            out.update(_profile(runner, profile_steps, device, group))
+        except Exception as e:  # noqa: BLE001 - the timed numbers stand without it
+            out["gpu_error"] = f"{type(e).__name__}: {e}"[:500]
     if split > 0:
         dist.barrier(group=group)
         out["stages_ms"] = split_steps(runner, split, device)

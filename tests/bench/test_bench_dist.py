@@ -128,3 +128,21 @@ def test_plot_draws_the_results(tiny, tmp_path):
     png = tmp_path / "dist.png"
     _run("-m", "fbtriton_dist.bench", "dist", "--plot", str(path), "--png", str(png), timeout=60)
     assert png.stat().st_size > 1000
+
+
+def test_busy_time_is_the_union_of_device_intervals():
+    from fbtriton_dist.bench.dist_measure import busy_stats
+
+    ns = 1_000_000  # 1 ms
+    intervals = [
+        (0, 4 * ns, "gemm"),
+        (2 * ns, 6 * ns, "ncclDevKernel_AllToAll"),  # overlaps the gemm by 2 ms
+        (3 * ns, 5 * ns, "tbe_forward"),  # inside both
+        (10 * ns, 12 * ns, "ncclKernel_ReduceScatter"),
+    ]
+    stats = busy_stats(intervals, steps=2)
+    assert stats["busy_ms"] == pytest.approx(8 / 2)  # [0, 6) + [10, 12)
+    assert stats["nccl_ms"] == pytest.approx(6 / 2)  # [2, 6) + [10, 12)
+    assert stats["compute_ms"] == pytest.approx(5 / 2)  # [0, 5)
+    assert stats["span_ms"] == pytest.approx(12 / 2)
+    assert busy_stats([], steps=3) == {}
