@@ -257,7 +257,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     }
     _say(
         env,
-        f"bench dist: {len(tables)} tables, {weights_gb:.2f} GB fp32, D={args.dim}, "
+        f"bench dist: {len(tables)} tables, {weights_gb:.3g} GB fp32, D={args.dim}, "
         f"B={args.batch_size}/rank, L={args.bag_size}, zipf {args.zipf}, {R} ranks on "
         f"{device.type}; {args.warmup} warm-up + {args.steps} timed steps",
     )

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .dist_providers import Runner
 
-DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+DEVICE_KINDS = ("kernel", "memcpy", "memset")  # kineto activity kinds of device work
 
 
 def _sync(device: torch.device) -> None:
@@ -69,21 +69,23 @@ def _union_ns(intervals: Sequence[tuple[int, int]]) -> int:
 
 def device_intervals(prof) -> list[tuple[int, int, str]]:
     """``(start_ns, end_ns, name)`` of every device activity (kernels, copies, sets) the
-    profiler saw; annotations projected on the GPU timeline are left out."""
-    out = []
-    for e in prof.profiler.kineto_results.events():
+    profiler saw; annotations projected on the GPU timeline are left out. By the event's
+    activity kind where torch reports it, else by its device type."""
+    events = list(prof.profiler.kineto_results.events())
+    by_kind, by_device = [], []
+    for e in events:
+        item = (e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
         try:
-            kind = e.activity_type()
-        except AttributeError:  # older torch: no activity type on the event
-            kind = None
-        if kind is not None:
-            if kind not in DEVICE_KINDS:
-                continue
-        elif e.device_type() != torch.autograd.DeviceType.CUDA or e.is_user_annotation():
-            continue
-        start = e.start_ns()
-        out.append((start, start + e.duration_ns(), e.name()))
-    return out
+            kind = str(e.activity_type()).lower()
+        except AttributeError:  # a torch without activity kinds on its events
+            kind = ""
+        if any(word in kind for word in DEVICE_KINDS) and "annotation" not in kind:
+            by_kind.append(item)
+        annotation = getattr(e, "is_user_annotation", lambda: False)()
+        if e.device_type() == torch.autograd.DeviceType.CUDA and not annotation:
+            if not e.name().startswith("ProfilerStep"):
+                by_device.append(item)
+    return by_kind or by_device
 
 
 def busy_stats(intervals: Sequence[tuple[int, int, str]], steps: int) -> dict[str, float]:

@@ -161,8 +161,10 @@ def plot(path: str, png: str) -> None:
             label="GPU busy",
             zorder=3,
         )
+    ax2.scatter(range(len(rows)), [r["ms_per_step"] for r in rows], color="black", marker="o",
+                s=12, label="ms/step, timed (no stage timers)", zorder=3)  # fmt: skip
     ax2.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-    ax2.set_ylabel("ms per step (rank 0)")
+    ax2.set_ylabel("ms per step (stages: rank 0)")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
