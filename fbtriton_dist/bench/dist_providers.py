@@ -72,9 +72,19 @@ class Runner:
     notes: list[str] = field(default_factory=list)
 
 
+def fresh(batch: Batch) -> Batch:
+    """``batch`` with a new KeyedJaggedTensor over the same device tensors: no lengths per key
+    or offsets cached from an earlier step, as a data loader hands them over."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = batch.sparse
+    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths())
+    return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
+
+
 def batch_stream(batches: Sequence[Batch]):
-    """The batches in order, cycled forever: step k trains on ``batches[k % n]``."""
-    return (batches[k % len(batches)] for k in itertools.count())
+    """The batches in order, cycled forever: step k trains on ``fresh(batches[k % n])``."""
+    return (fresh(batches[k % len(batches)]) for k in itertools.count())
 
 
 def loss_of(out) -> torch.Tensor:
