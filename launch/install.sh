@@ -49,7 +49,7 @@ fi
 "${pip[@]}" tensordict torchmetrics pyre-extensions iopath tqdm
 "${pip[@]}" --no-deps -e "$root"
 if [ "${FBTD_DEV:-0}" = 1 ]; then
-  "${pip[@]}" pytest pytest-xdist pytest-timeout ruff
+  "${pip[@]}" pytest pytest-xdist pytest-timeout ruff matplotlib  # matplotlib: the bench --plot test
 fi
 "$venv/bin/python" - <<'PY'
 import torch, triton, torchrec, fbgemm_gpu  # noqa: F401

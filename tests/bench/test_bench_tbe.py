@@ -1,0 +1,81 @@
+"""The TBE benchmark (issue 3) cannot rot: its tiny CPU run, its JSON, its bytes model and the
+PNG chart mode run in CI."""
+
+import json
+
+import pytest
+import torch
+
+from fbtriton_dist.bench import tbe
+from fbtriton_dist.bench.timing import union_length
+
+SHAPES = ["S2", "S5", "S6"]  # fp16, two D groups (torch_fused's two calls), Zipf ids
+FAST = ["--warmup", "1", "--iters", "1", "--min-iters", "1", "--pipelined", "1"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tbe.json"
+    tbe.main(["--tiny", "--device", "cpu", "--shapes", ",".join(SHAPES), *FAST, "--out", str(out)])
+    return out, json.loads(out.read_text())
+
+
+def test_tiny_cpu_rows(report):
+    _, data = report
+    assert data["copy_gbs"] > 0 and data["device"] == "cpu"
+    providers = tbe.DEFAULT_PROVIDERS["cpu"]
+    assert data["providers"] == providers
+    got = {(r["shape"], r["provider"], r["phase"]): r for r in data["rows"]}
+    expected = {
+        (s, p, ph)
+        for s in SHAPES
+        for p in providers
+        for ph in tbe.PHASES
+        if not (ph == "fwd" and p in tbe.FWD_OF)  # sparse variants share the dense forward
+    }
+    assert set(got) == expected
+    for key, r in got.items():
+        assert "error" not in r and "skipped" not in r, (key, r)
+        assert r["busy_source"] == "wall" and r["busy_ms"] > 0 and r["median_ms"] > 0, key
+        assert r["bytes"] > 0 and r["gbs_busy"] > 0 and r["pct_copy_busy"] > 0, key
+        assert set(r["ratios"]) == {p for (s, p, ph) in got if (s, ph) == key[::2]} - {key[1]}
+    derived = {(d["shape"], d["provider"], d["phase"]) for d in data["derived"]}
+    assert ("S5", "torch_fused_sparse", "bwd_sgd") in derived
+    assert ("S6", "reference", "bwd_rowwise_adagrad") in derived
+    assert data["shapes"]["S5"]["T"] == 4 and data["shapes"]["S6"]["zipf"] == 1.15
+
+
+def test_plot(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, _ = report
+    png = tmp_path / "tbe.png"
+    tbe.main(["--plot", str(path), "--png", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bytes_model_matches_baselines():
+    """BASELINES.md: S1 moves 704.6 MB forward and 2053 MB forward+backward (SGD)."""
+    s1 = tbe.SHAPES["S1"]
+    n = s1.B * s1.L
+    unique = [40128] * 31 + [1_284_104 - 31 * 40128]  # 1,284,104 unique rows in all
+    batch = tbe.Batch(None, None, None, [n] * 32, unique)
+    assert tbe.model_bytes(s1, batch, "fwd", 4) == 704_643_072
+    assert round(tbe.model_bytes(s1, batch, "fwd_bwd_sgd", 4) / 1e6) == 2053
+
+
+def test_shapes_and_tiny():
+    assert list(tbe.SHAPES) == [f"S{i}" for i in range(7)]
+    assert tbe.SHAPES["S4"].weight_bytes == 8 * 10_000_000 * 256 * 2
+    for s in tbe.SHAPES.values():
+        t = s.tiny()
+        assert len(t.tables) <= 4 and t.B <= 16 and all(E <= 1000 for E, _ in t.tables)
+        assert {D for _, D in t.tables} == {D for _, D in s.tables}
+        b = tbe.make_batch(t, torch.device("cpu"))
+        T = len(t.tables)
+        assert b.offsets.shape == (T * t.B + 1,) and b.indices.dtype == torch.int64
+        assert int(b.offsets[-1]) == b.indices.numel() == T * t.B * t.L
+
+
+def test_union_length():
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert union_length([]) == 0
