@@ -50,30 +50,24 @@ def optimizer_code(optimizer: optim.Optimizer | None) -> int:
 @triton.jit
 def _gather_grad_sum(
     grad_ptr,
-    grad_stride,
-    D_offsets_ptr,
-    bags_ptr,
+    goffs_ptr,
     scales_ptr,
     start,
     end,
-    B,
     d,
     d_mask,
     HAS_SCALE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """fp32 sum over sorted ids [start, end) of grad_output[b, col(f) + d] * scale."""
+    """fp32 sum over sorted ids [start, end) of grad_output[goff + d] * scale."""
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j0 in range(start, end, BLOCK_L):
         j = j0 + tl.arange(0, BLOCK_L)
         j_mask = j < end
-        bag = tl.load(bags_ptr + j, mask=j_mask, other=0).to(tl.int64)
-        f = bag // B
-        b = bag - f * B
-        col = tl.load(D_offsets_ptr + f, mask=j_mask, other=0)
+        goff = tl.load(goffs_ptr + j, mask=j_mask, other=0)
         g = tl.load(
-            grad_ptr + b[:, None] * grad_stride + col[:, None] + d[None, :],
+            grad_ptr + goff[:, None] + d[None, :],
             mask=j_mask[:, None] & d_mask[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -87,20 +81,34 @@ def _gather_grad_sum(
 @triton.jit
 def _tbe_runs_kernel(
     keys_ptr,  # [N] sorted linear row keys
+    bags_ptr,  # [N] int32 bag id (f * B + b) of each sorted id
     run_ids_ptr,  # [N] int32 inclusive scan of run starts: run index + 1 of each sorted id
+    D_offsets_ptr,  # [T + 1] int64 output column of each feature
+    goffs_ptr,  # [N] int64 out: element of grad_output each sorted id reads (b * stride + col)
     run_starts_ptr,  # [N + 1] int64 out: first sorted position of each run, then N after the last
+    run_keys_ptr,  # [N] int64 out: key of each run
+    run_feats_ptr,  # [N] int32 out: feature of each run's first id (its table's layout)
     num_runs_ptr,  # [1] int32 out: number of runs U
     N,  # number of ids
+    B,  # batch size
+    grad_stride,  # row stride of grad_output
     BLOCK: tl.constexpr,
 ):
-    # one program per BLOCK sorted positions
+    # one program per BLOCK sorted positions: one pass that turns the sorted ids into what the
+    # row kernel reads, so that its chain of dependent loads stays short
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = p < N
     key = tl.load(keys_ptr + p, mask=m, other=0)
     prev = tl.load(keys_ptr + p - 1, mask=m & (p > 0), other=0)
+    bag = tl.load(bags_ptr + p, mask=m, other=0).to(tl.int64)
+    f = bag // B
+    col = tl.load(D_offsets_ptr + f, mask=m, other=0)
+    tl.store(goffs_ptr + p, (bag - f * B) * grad_stride + col, mask=m)
     is_start = m & ((p == 0) | (key != prev))
     r = tl.load(run_ids_ptr + p, mask=m, other=1).to(tl.int64)
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
+    tl.store(run_keys_ptr + r - 1, key.to(tl.int64), mask=is_start)
+    tl.store(run_feats_ptr + r - 1, f.to(tl.int32), mask=is_start)
     last = m & (p == N - 1)
     tl.store(run_starts_ptr + r, p + 1, mask=last)
     tl.store(num_runs_ptr + p * 0, r.to(tl.int32), mask=last)
@@ -109,15 +117,13 @@ def _tbe_runs_kernel(
 @triton.jit
 def _tbe_chunk_reduce_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
-    grad_stride,  # row stride of grad
-    D_offsets_ptr,  # [T + 1] int64 output column of each feature
     dims_ptr,  # [T] int64 D of each feature
-    bags_ptr,  # [N] int32 bag id (f * B + b) of each sorted id
+    goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
     scales_ptr,  # [N] fp32 per-sample weight / bag length of each sorted id (if HAS_SCALE)
     run_ids_ptr,  # [N] int32 run index + 1 of each sorted id
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
+    run_feats_ptr,  # [U] int32 feature of each run
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
-    B,  # batch size
     N,  # number of ids
     HAS_SCALE: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
@@ -136,39 +142,23 @@ def _tbe_chunk_reduce_kernel(
     head_start = tl.load(run_starts_ptr + r_head)
     head_end = tl.load(run_starts_ptr + r_head + 1)
     if head_end - head_start > CHUNK_SIZE:
-        f = tl.load(bags_ptr + lo).to(tl.int64) // B
-        d_mask = d < tl.load(dims_ptr + f)
+        d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_head))
+        end = tl.minimum(head_end, hi)
         acc = _gather_grad_sum(
-            grad_ptr,
-            grad_stride,
-            D_offsets_ptr,
-            bags_ptr,
-            scales_ptr,
-            lo,
-            tl.minimum(head_end, hi),
-            B,
-            d,
-            d_mask,
-            HAS_SCALE,
-            BLOCK_L,
-            BLOCK_D,
+            grad_ptr, goffs_ptr, scales_ptr, lo, end, d, d_mask, HAS_SCALE, BLOCK_L, BLOCK_D
         )
         tl.store(partial_ptr + 2 * c * BLOCK_D + d, acc)
     if r_tail != r_head:
         tail_start = tl.load(run_starts_ptr + r_tail)
         tail_end = tl.load(run_starts_ptr + r_tail + 1)
         if tail_end - tail_start > CHUNK_SIZE:
-            f = tl.load(bags_ptr + tail_start).to(tl.int64) // B
-            d_mask = d < tl.load(dims_ptr + f)
+            d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_tail))
             acc = _gather_grad_sum(
                 grad_ptr,
-                grad_stride,
-                D_offsets_ptr,
-                bags_ptr,
+                goffs_ptr,
                 scales_ptr,
                 tail_start,
                 hi,
-                B,
                 d,
                 d_mask,
                 HAS_SCALE,
@@ -181,22 +171,20 @@ def _tbe_chunk_reduce_kernel(
 @triton.jit
 def _tbe_row_update_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
-    grad_stride,  # row stride of grad
     weights_ptr,  # [sum(E_t * D_t)] flat weights, updated in place
     w_offsets_ptr,  # [T] int64 element offset of each feature's table
     dims_ptr,  # [T] int64 D of each feature
     row_offsets_ptr,  # [T] int64 first linear row of each feature's table
-    D_offsets_ptr,  # [T + 1] int64 output column of each feature
-    keys_ptr,  # [N] int32/int64 sorted linear row keys (sentinel: dropped id)
-    bags_ptr,  # [N] int32 bag id of each sorted id
+    goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
     scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
+    run_keys_ptr,  # [U] int64 linear row key of each run (sentinel: dropped ids)
+    run_feats_ptr,  # [U] int32 feature of each run
     num_runs_ptr,  # [1] int32 U
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
     mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
     mom2_ptr,  # adam: [sum(E_t * D_t)] fp32
-    B,  # batch size
     sentinel,  # key of dropped ids: their run is skipped
     lr,
     eps,
@@ -226,25 +214,30 @@ def _tbe_row_update_kernel(
         r_mask = r < U
         s = tl.load(run_starts_ptr + r, mask=r_mask, other=0)
         e = tl.load(run_starts_ptr + r + 1, mask=r_mask, other=0)
-        key = tl.load(keys_ptr + s, mask=r_mask, other=sentinel).to(tl.int64)
+        key = tl.load(run_keys_ptr + r, mask=r_mask, other=sentinel)
         live = r_mask & (key < sentinel)
-        f = tl.load(bags_ptr + s, mask=live, other=0).to(tl.int64) // B
+        f = tl.load(run_feats_ptr + r, mask=live, other=0).to(tl.int64)
         D = tl.load(dims_ptr + f, mask=live, other=1)
         d = tl.arange(0, BLOCK_D)
         dm = live[:, None] & (d[None, :] < D[:, None])
         n = e - s
         long = live & (n > CHUNK_SIZE)
         n_short = tl.where(live & (n <= CHUNK_SIZE), n, 0)
+        if OPTIMIZER != 0:  # issue the row's loads before the gradient loop
+            row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
+            elem = tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D
+            ptrs = elem[:, None] + d[None, :]
+            w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
+            if OPTIMIZER == 2:
+                m_old = tl.load(mom1_ptr + key, mask=live, other=0.0)
 
         # short runs side by side: step j reads the j-th id of every run
         acc = tl.zeros([RUNS, BLOCK_D], dtype=tl.float32)
         for j in range(0, tl.max(n_short, axis=0)):
             jm = j < n_short
-            bag = tl.load(bags_ptr + s + j, mask=jm, other=0).to(tl.int64)
-            fj = bag // B
-            col = tl.load(D_offsets_ptr + fj, mask=jm, other=0)
+            goff = tl.load(goffs_ptr + s + j, mask=jm, other=0)
             gr = tl.load(
-                grad_ptr + (bag - fj * B)[:, None] * grad_stride + col[:, None] + d[None, :],
+                grad_ptr + goff[:, None] + d[None, :],
                 mask=jm[:, None] & dm,
                 other=0.0,
             ).to(tl.float32)
@@ -276,10 +269,6 @@ def _tbe_row_update_kernel(
         if OPTIMIZER == 0:
             tl.store(out_rows_ptr + r[:, None] * BLOCK_D + d[None, :], acc, mask=r_mask[:, None])
         else:
-            row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
-            elem = tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D
-            ptrs = elem[:, None] + d[None, :]
-            w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
             Df = D.to(tl.float32)
             if OPTIMIZER == 1:
                 w = w - lr * acc
@@ -289,7 +278,7 @@ def _tbe_row_update_kernel(
                 else:
                     g_wd = tl.where(dm, acc + weight_decay * w, 0.0)
                     g_sq = tl.sum(g_wd * g_wd, axis=1) / Df
-                m = tl.load(mom1_ptr + key, mask=live, other=0.0) + g_sq
+                m = m_old + g_sq
                 tl.store(mom1_ptr + key, m, mask=live)
                 mult = lr / (tl.sqrt(m) + eps)
                 if WD_DECOUPLED:
@@ -335,10 +324,12 @@ def linearize(
 
 
 def backward_config(max_D: int) -> tuple[int, int]:
-    """(RUNS, num_warps) of the row kernel: a [RUNS, BLOCK_D] tile of about 2048 elements
-    (measured on an H200, see DEVELOPERS.md); ``FBTD_TBE_BWD=runs,num_warps`` overrides."""
+    """(RUNS, num_warps) of the row kernel and the chunk kernel, from a sweep on an H200
+    (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): the row update is bound by
+    its chain of dependent loads, so few runs per one-warp program (more programs in flight)
+    win; ``FBTD_TBE_BWD=runs,num_warps`` overrides."""
     _, block_d = block_sizes(max_D)
-    runs, num_warps = max(1, min(16, 2048 // block_d)), 4 if block_d <= 256 else 8
+    runs, num_warps = 2, 1 if block_d <= 256 else 2
     override = os.environ.get("FBTD_TBE_BWD")
     if override:
         runs, num_warps = (int(x) for x in override.split(","))
@@ -414,54 +405,68 @@ def tbe_backward(
     is_start[:1] = True
     torch.ne(keys[1:], keys[:-1], out=is_start[1:])
     run_ids = torch.cumsum(is_start, 0, dtype=torch.int32)
+    goffs = torch.empty(N, dtype=torch.int64, device=device)
     run_starts = torch.empty(N + 1, dtype=torch.int64, device=device)
+    run_keys = torch.empty(N, dtype=torch.int64, device=device)
+    run_feats = torch.empty(N, dtype=torch.int32, device=device)
     num_runs = torch.empty(1, dtype=torch.int32, device=device)
-    _tbe_runs_kernel[(triton.cdiv(N, 1024),)](keys, run_ids, run_starts, num_runs, N, BLOCK=1024)
+    _tbe_runs_kernel[(triton.cdiv(N, 1024),)](
+        keys,
+        bags,
+        run_ids,
+        D_offsets,
+        goffs,
+        run_starts,
+        run_keys,
+        run_feats,
+        num_runs,
+        N,
+        B,
+        grad_output.stride(0),
+        BLOCK=1024,
+    )
 
+    runs, num_warps = backward_config(max_D)
     n_blocks = triton.cdiv(N, CHUNK)
     partial = torch.empty((n_blocks if N > CHUNK else 1, 2, block_d), device=device)
     if N > CHUNK:  # else no run can be long
         _tbe_chunk_reduce_kernel[(n_blocks,)](
             grad_output,
-            grad_output.stride(0),
-            D_offsets,
             dims,
-            bags,
+            goffs,
             scales if scales is not None else partial,
             run_ids,
             run_starts,
+            run_feats,
             partial,
-            B,
             N,
             HAS_SCALE=scales is not None,
             CHUNK_SIZE=CHUNK,
-            BLOCK_L=block_l,
+            BLOCK_L=max(1, min(32, 512 * num_warps // block_d)),
             BLOCK_D=block_d,
+            num_warps=num_warps,
         )
 
     U = int(num_runs) if code == OPT_NONE else 1  # plain gradients: sized output, one sync
     out_rows = torch.zeros((U, block_d), device=device, dtype=torch.float32)
     hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
-    runs, num_warps = backward_config(max_D)
     _tbe_row_update_kernel[(triton.cdiv(N, runs),)](
         grad_output,
-        grad_output.stride(0),
         weights,
         w_offsets,
         dims,
         row_offsets,
-        D_offsets,
-        keys,
-        bags,
+        goffs,
         scales if scales is not None else partial,
         run_starts,
+        run_keys,
+        run_feats,
         num_runs,
         partial,
         out_rows,
         momentum1 if momentum1 is not None else partial,
         momentum2 if momentum2 is not None else partial,
-        B,
         sentinel,
         *hp,
         seed,
@@ -480,11 +485,10 @@ def tbe_backward(
     )
     if code != OPT_NONE:
         return None
-    starts = run_starts[:U]
-    live = keys[starts].to(torch.int64) < sentinel
-    starts, out_rows = starts[live], out_rows[live]
-    f = bags[starts].to(torch.int64) // B
-    row_elems = w_offsets[f] + (keys[starts].to(torch.int64) - row_offsets[f]) * dims[f]
+    run_keys, f = run_keys[:U], run_feats[:U].to(torch.int64)
+    live = run_keys < sentinel
+    run_keys, f, out_rows = run_keys[live], f[live], out_rows[live]
+    row_elems = w_offsets[f] + (run_keys - row_offsets[f]) * dims[f]
     return row_elems, dims[f], out_rows
 
 

@@ -135,10 +135,15 @@ def block_sizes(max_D: int) -> tuple[int, int]:
 
 
 def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape (measured
-    on an H200, see DEVELOPERS.md); ``FBTD_TBE_FWD=block_l,num_warps`` overrides it."""
-    block_l, block_d = block_sizes(max_D)
-    num_warps = 4 if block_d <= 256 else 8
+    """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape, from a
+    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): one warp per
+    bag (its sums stay inside the warp, and 32 bags fit on an SM) and 8 ids in flight per step
+    up to D=256 (4 for half-precision D<=128); a bigger tile spills registers."""
+    _, block_d = block_sizes(max_D)
+    num_warps = 1 if block_d <= 256 else 2
+    block_l = max(1, 2048 // block_d) if block_d > 256 else 8
+    if weight_bytes == 2 and block_d <= 128:
+        block_l = 4
     override = os.environ.get("FBTD_TBE_FWD")
     if override:
         block_l, num_warps = (int(x) for x in override.split(","))

@@ -260,6 +260,11 @@ class TableBatchedEmbedding(nn.Module):
             monitor=self._bounds_monitor,
         )
 
+    def poll_bounds_check(self) -> None:
+        """With ``bounds_check="warn"`` on CUDA the ids a batch dropped are reported at the next
+        lookup, without a host sync; this reports the last batch's now (waiting for it)."""
+        self._bounds_monitor.poll()
+
     def _count_step(self) -> None:
         self.step += 1
 
