@@ -26,13 +26,31 @@ class JaggedBatch:
     """B."""
 
 
-def kjt_to_batch(
-    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
-) -> JaggedBatch:
-    """Reorder ``features`` to ``feature_names`` and flatten it to a TBE batch.
+@dataclass(frozen=True, eq=False)
+class KJTParts:
+    """A KeyedJaggedTensor's tensors in its own key order, checked without a device sync."""
 
-    Keys may come in any order; a missing or unknown feature, per-key batch sizes, lengths that
-    do not add up to the values, or a weighted/unweighted mismatch raise ValueError.
+    keys: tuple[str, ...]
+    """The KJT's keys, in its order (K of them)."""
+    values: torch.Tensor
+    """[N] int32/int64 ids, key after key."""
+    lengths: torch.Tensor
+    """[K * B] bag lengths, key-major."""
+    weights: torch.Tensor | None
+    """[N] per-sample weights (None unless ``weighted``)."""
+    batch_size: int
+    """B."""
+
+
+def kjt_parts(
+    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
+) -> KJTParts:
+    """Check ``features`` against ``feature_names`` from host metadata only (keys, stride,
+    dtypes, number of lengths) and return its tensors as they are, in its own key order.
+    Whether the lengths add up to the values needs the device: callers check it there.
+
+    A missing or unknown feature, per-key batch sizes, non-integer ids, a weighted/unweighted
+    mismatch or a wrong number of lengths raise ValueError.
     """
     keys = list(features.keys())
     missing = [f for f in feature_names if f not in keys]
@@ -62,6 +80,27 @@ def kjt_to_batch(
             f"KeyedJaggedTensor lengths: expected {T} features x {B} samples = {T * B} "
             f"lengths, got {lengths.numel()}"
         )
+    return KJTParts(
+        keys=tuple(keys),
+        values=values,
+        lengths=lengths,
+        weights=weights if weighted else None,
+        batch_size=B,
+    )
+
+
+def kjt_to_batch(
+    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
+) -> JaggedBatch:
+    """Reorder ``features`` to ``feature_names`` and flatten it to a TBE batch.
+
+    Keys may come in any order; a missing or unknown feature, per-key batch sizes, lengths that
+    do not add up to the values, or a weighted/unweighted mismatch raise ValueError.
+    """
+    parts = kjt_parts(features, feature_names, weighted)
+    keys, values, lengths = list(parts.keys), parts.values, parts.lengths
+    weights = features.weights_or_none()
+    T, B = len(keys), parts.batch_size
     per_key = lengths.view(T, B).sum(dim=1).tolist() if T else []
     if sum(per_key) != values.numel():
         ends = list(accumulate(per_key))

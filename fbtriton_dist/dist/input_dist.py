@@ -1,33 +1,115 @@
 """Input dist: send every id to the shards that hold its row, as one jagged batch per rank.
 
-Bucketize (kernels/bucketize.py on GPU, reference/bucketize.py on CPU) cuts each bag by
-shard-feature, destination by destination; two all-to-alls move lengths, then ids. The batch a
-rank receives is what its TableBatchedEmbedding reads: features = its shard-features, batch =
-the global batch (rank 0's samples, then rank 1's, ...), feature-major offsets.
+One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key order):
+
+1. bucketize (kernels/bucketize.py on GPU, reference/bucketize.py on CPU): one pass for all
+   features cuts each bag by shard-feature, destination rank by destination rank. The bucketize
+   reads the KJT's bags where they are (each shard-feature points at its feature's key), so
+   the KJT is never permuted into config order.
+2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
+   per destination its id count per shard-feature, this rank's batch size, a failure flag
+   (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, the
+   number of unique ids. **The one host sync of the step** reads it back: the data all-to-all
+   below needs host split lists (``all_to_all_single``'s contract), and every other size on
+   the host (received ids, TBE group bounds, the comm report) comes from the same read.
+3. data all-to-all: one byte message per (source, destination) pair holding, each piece
+   padded to 8 bytes, the bag lengths (int32), the ids (int32 when every shard of the
+   destination has fewer than 2**31 rows, else int64), with dedup the destination's unique
+   ids and an inverse map (int16 up to 32,768 unique ids, else int32), and the per-sample
+   weights (float32). Both sides compute the layout from the header.
+
+The receiver expands deduplicated ids back with the inverse map and reorders what it got
+rank-major (``[r][sf][b]``) into the feature-major lookup batch (``[sf][r][b]``) with one
+device gather built from the header on the device. Dedup therefore saves wire bytes, not
+lookups: the TBE still reads one row per id (the pooling needs per-bag sums).
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from fbtriton_dist import reference
-from fbtriton_dist.dist.comm import all_to_all
 from fbtriton_dist.dist.layout import ShardLayout
-from fbtriton_dist.sparse import JaggedBatch, permute_segments
+from fbtriton_dist.sparse import JaggedBatch, KJTParts, kjt_parts, kjt_to_batch
+
+ALIGN = 8  # bytes: every piece of a message starts aligned, so it can be viewed in place
+INT16_UNIQUE = 2**15  # inverse maps of up to this many unique ids travel as int16
 
 
 @dataclass(frozen=True, eq=False)
-class Buckets:
-    """This rank's ids cut by destination rank, ready for the all-to-alls."""
+class LookupBatch(JaggedBatch):
+    """The ids of every rank for this rank's shard-features (feature-major, ``batch_size`` =
+    the global batch), with what the host learnt from the header."""
 
-    lengths: torch.Tensor  # [sum_q n_sf(q) * B] bag lengths, destination-major
-    indices: torch.Tensor  # ids rebased to their shard's first row, destination-major
-    weights: torch.Tensor | None  # per-sample weights travelling with the ids
-    id_splits: list[int]  # ids sent to each rank
+    id_bounds: tuple[int, ...] = ()
+    """Start of each TBE group's ids (shard-features grouped by dtype), then the total."""
+    stats: dict | None = None
+    """Host numbers of this step for ``comm_report``."""
+
+
+class InputDistOut(NamedTuple):
+    """What the ``input_dist`` stage hands to ``compute`` and ``output_dist``."""
+
+    lengths: torch.Tensor
+    """[T, B] this rank's bag lengths, config feature order (MEAN divides by them)."""
+    lookup: LookupBatch
+    """The lookup batch of this rank's shards."""
+    batch_sizes: list[int]
+    """Every rank's local batch size."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Byte layout of one (source, destination) message; both sides derive it from the
+    header. ``pieces``: name -> (byte offset, dtype, element count)."""
+
+    pieces: dict
+    nbytes: int
+    raw_bytes: int  # the same message without dedup
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def message(
+    n_lengths: int, count: int, unique: int, id_dtype, weighted: bool, dedup: bool
+) -> Message:
+    """Layout of a message with ``n_lengths`` bag lengths and ``count`` ids of which
+    ``unique`` are distinct; deduplicated only where that is smaller on the wire."""
+    id_bytes = id_dtype.itemsize
+    inv_dtype = torch.int16 if unique <= INT16_UNIQUE else torch.int32
+    inv_bytes = 2 if inv_dtype == torch.int16 else 4
+    use_dedup = dedup and _padded(unique * id_bytes) + _padded(count * inv_bytes) < _padded(
+        count * id_bytes
+    )
+    parts = [("lengths", torch.int32, n_lengths)]
+    if use_dedup:
+        parts += [("unique", id_dtype, unique), ("inverse", inv_dtype, count)]
+    else:
+        parts += [("ids", id_dtype, count)]
+    if weighted:
+        parts += [("weights", torch.float32, count)]
+    pieces, offset = {}, 0
+    for name, dtype, n in parts:
+        pieces[name] = (offset, dtype, n)
+        offset += _padded(n * dtype.itemsize)
+    raw = _padded(4 * n_lengths) + _padded(count * id_bytes) + (
+        _padded(4 * count) if weighted else 0
+    )
+    return Message(pieces=pieces, nbytes=offset, raw_bytes=raw)
+
+
+def _view(buf: torch.Tensor, start: int, dtype, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` at byte ``start`` of the uint8 buffer ``buf``, in place."""
+    return buf[start : start + n * dtype.itemsize].view(dtype)
 
 
 def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
-    """Every id inside its table (before any collective, so a bad id stops all ranks)."""
+    """Every id inside its table; raises IndexError naming the first bad one. Only run to
+    explain a failure the device check found (it syncs)."""
     B = batch.batch_size
     if batch.indices.numel() == 0 or B == 0:
         return
@@ -51,70 +133,277 @@ def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
         )
 
 
-def bucketize(batch: JaggedBatch, layout: ShardLayout) -> Buckets:
-    """Cut this rank's batch (B samples of every feature) by destination shard-feature: the
-    Triton kernel on GPU, its PyTorch twin on CPU."""
-    sfs = [sf for shard_features in layout.local for sf in shard_features]
-    device = batch.indices.device
-    columns = [[sf.feature for sf in sfs], [sf.row_start for sf in sfs], [sf.row_end for sf in sfs]]
-    sf_feature, lo, hi = (torch.tensor(c, dtype=torch.int64, device=device) for c in columns)
-    impl = reference
-    if device.type == "cuda":
-        from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+class InputDist:
+    """The input dist of one rank, fixed by the plan: static index tensors on the device,
+    built once; per KJT key order a few more, cached.
 
-        impl = kernels
-    B = batch.batch_size
-    lengths, indices, weights = impl.bucketize(
-        batch.indices, batch.offsets, batch.per_sample_weights, sf_feature, lo, hi, B
-    )
-    per_dest = [len(q) * B for q in layout.local]
-    id_splits = [int(x) for x in torch.stack(
-        [chunk.sum() for chunk in torch.split(lengths, per_dest)]
-    ).tolist()] if sfs else [0] * layout.world_size
-    return Buckets(lengths=lengths, indices=indices, weights=weights, id_splits=id_splits)
+    Args:
+        layout: the plan's shard-features.
+        rank: this rank.
+        device: where the ids are.
+        dedup: deduplicate ids per destination (see the module docstring).
+        group_sizes: shard-features of each local TBE group, in order.
+    """
 
+    def __init__(
+        self, layout: ShardLayout, rank: int, device, dedup: bool, group_sizes: list[int]
+    ) -> None:
+        self.layout, self.rank, self.device, self.dedup = layout, rank, torch.device(device), dedup
+        R = layout.world_size
+        self.n_sf = [len(q) for q in layout.local]  # shard-features per destination
+        self.n_max = max(self.n_sf, default=0)
+        self.H = self.n_max + 3  # header: counts..., batch size, failed, unique ids
+        self.sfs = [sf for q in layout.local for sf in q]
+        self.sf_start = [0]
+        for n in self.n_sf:
+            self.sf_start.append(self.sf_start[-1] + n)
+        # ids travel as int32 to a rank whose shards all have fewer than 2**31 rows
+        rows = [max((sf.row_end - sf.row_start for sf in q), default=0) for q in layout.local]
+        self.id_dtype = [torch.int64 if E >= 2**31 else torch.int32 for E in rows]
+        self.group_sizes = list(group_sizes)
+        dev = self.device
 
-def exchange(
-    buckets: Buckets, layout: ShardLayout, rank: int, batch_sizes: list[int], group=None
-) -> tuple[JaggedBatch, dict[str, tuple[int, int]]]:
-    """The two all-to-alls (bag lengths, then ids [and weights]). Returns this rank's lookup
-    batch (features = its shard-features, ``batch_size`` = the global batch) and the bytes
-    sent to / received from the other ranks by each collective."""
-    R = layout.world_size
-    n_local = len(layout.local[rank])
-    B = batch_sizes[rank]
-    length_splits = [len(layout.local[q]) * B for q in range(R)]
-    recv_splits = [n_local * B_r for B_r in batch_sizes]
-    lengths = all_to_all(buckets.lengths, length_splits, recv_splits, group)
-    blocks = [blk.view(n_local, -1) for blk in torch.split(lengths, recv_splits)] if n_local else []
-    per_block = torch.stack([blk.sum(dim=1) for blk in blocks]) if blocks else None  # [R, n]
-    seg_sizes = per_block.flatten().tolist() if per_block is not None else []
-    id_recv = [sum(seg_sizes[r * n_local : (r + 1) * n_local]) for r in range(R)]
-    indices = all_to_all(buckets.indices, buckets.id_splits, id_recv, group)
-    weights = None
-    if buckets.weights is not None:
-        weights = all_to_all(buckets.weights, buckets.id_splits, id_recv, group)
-    # received rank-major ([r][sf][b]); the lookup wants feature-major ([sf][r][b])
-    order = [r * n_local + i for i in range(n_local) for r in range(R)]
-    indices = permute_segments(indices, seg_sizes, order)
-    if weights is not None:
-        weights = permute_segments(weights, seg_sizes, order)
-    local_lengths = torch.cat(blocks, dim=1).flatten() if blocks else lengths
-    offsets = torch.zeros(local_lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(local_lengths, 0, out=offsets[1:])
-    lookup = JaggedBatch(
-        indices=indices, offsets=offsets, per_sample_weights=weights, batch_size=sum(batch_sizes)
-    )
-    id_bytes = 8 + (buckets.weights.element_size() if buckets.weights is not None else 0)
-    others = [q for q in range(R) if q != rank]
-    traffic = {
-        "input_dist.lengths": (
-            8 * sum(length_splits[q] for q in others),
-            8 * sum(recv_splits[r] for r in others),
-        ),
-        "input_dist.ids": (
-            id_bytes * sum(buckets.id_splits[q] for q in others),
-            id_bytes * sum(id_recv[r] for r in others),
-        ),
-    }
-    return lookup, traffic
+        def tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        self.lo = tensor([sf.row_start for sf in self.sfs])
+        self.hi = tensor([sf.row_end for sf in self.sfs])
+        dest = [q for q, n in enumerate(self.n_sf) for _ in range(n)]
+        self.dest = tensor(dest)
+        self.hdr_pos = tensor([q * self.H + i for q, n in enumerate(self.n_sf) for i in range(n)])
+        # every valid id of feature f lands in ``cover[f]`` shard-features: one row block per
+        # column slice (R for a data-parallel table); an out-of-range id lands in none
+        cover = [0] * len(layout.feature_names)
+        for sf in self.sfs:
+            cover[sf.feature] += sf.row_end - sf.row_start
+        self.cover = [c // layout.table_rows[layout.feature_table[f]] for f, c in enumerate(cover)]
+        self._per_keys: dict[tuple[str, ...], tuple] = {}
+        self.world = R
+
+    def _for_keys(self, keys: tuple[str, ...]):
+        """(sf -> key index, key -> ids each valid id becomes, config feature -> key index)
+        for a KJT with ``keys`` in this order (device tensors, cached)."""
+        if keys not in self._per_keys:
+            names = self.layout.feature_names
+            key_of = [keys.index(f) for f in names]
+            cover_key = [0] * len(keys)
+            for f, k in enumerate(key_of):
+                cover_key[k] += self.cover[f]
+            dev = self.device
+            self._per_keys[keys] = tuple(
+                torch.tensor(v, dtype=torch.int64, device=dev)
+                for v in ([key_of[sf.feature] for sf in self.sfs], cover_key, key_of)
+            )
+        return self._per_keys[keys]
+
+    # -- sender -----------------------------------------------------------------------------
+    def _bucketize(self, parts: KJTParts):
+        """(lengths [S*B], ids destination-major, weights, failed flag on the device)."""
+        sf_key, cover_key, _ = self._for_keys(parts.keys)
+        K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
+        dev = self.device
+        offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(parts.lengths, 0, out=offsets[1:])
+        bad_lengths = offsets[-1] != N
+        if B == 0 or not self.sfs:
+            ids = parts.values.new_zeros(0).to(torch.int64)
+            w = parts.weights.new_zeros(0) if parts.weights is not None else None
+            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
+            return lengths, ids, w, bad_lengths
+        impl = reference
+        if dev.type == "cuda":
+            from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+
+            impl = kernels
+        # clamped: a batch whose lengths overrun the values stays in bounds until every rank
+        # has heard of it through the header
+        lengths, ids, w = impl.bucketize(
+            parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B
+        )
+        expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
+        failed = bad_lengths | (lengths.sum() != expected)
+        return lengths, ids, w, failed
+
+    def _unique(self, ids: torch.Tensor, per_sf: torch.Tensor):
+        """Per destination, its distinct ids (sorted) and each id's place among them, without
+        a sync: (unique values [M] (the first U_q of each destination's run are used),
+        inverse [M], unique counts [R], where each destination's unique values start)."""
+        M, R = ids.numel(), self.world
+        dest = torch.repeat_interleave(self.dest, per_sf, output_size=M)
+        key = (dest << 40) | ids
+        sorted_key, perm = torch.sort(key)
+        first = torch.ones(M, dtype=torch.bool, device=ids.device)
+        first[1:] = sorted_key[1:] != sorted_key[:-1]
+        group = torch.cumsum(first, 0) - 1
+        values = torch.empty(M, dtype=torch.int64, device=ids.device)
+        values[group] = sorted_key & ((1 << 40) - 1)
+        sorted_dest = sorted_key >> 40
+        unique = torch.zeros(R, dtype=torch.int64, device=ids.device)
+        unique.index_add_(0, sorted_dest, first.to(torch.int64))
+        start = torch.cumsum(unique, 0) - unique
+        inverse = torch.empty(M, dtype=torch.int64, device=ids.device)
+        inverse[perm] = group - start[sorted_dest]
+        return values, inverse, unique
+
+    # -- the step ---------------------------------------------------------------------------
+    def __call__(self, features, weighted: bool, group=None) -> InputDistOut:
+        layout, R, me, dev = self.layout, self.world, self.rank, self.device
+        error = None
+        try:
+            parts = kjt_parts(features, layout.feature_names, weighted)
+        except ValueError as e:  # tell the other ranks before raising
+            error, parts = e, None
+        hdr = torch.zeros((R, self.H), dtype=torch.int64, device=dev)
+        if parts is not None:
+            lengths, ids, w, failed = self._bucketize(parts)
+            B = parts.batch_size
+            per_sf = lengths.view(len(self.sfs), B).sum(1)  # [S]
+            hdr.view(-1).index_copy_(0, self.hdr_pos, per_sf)
+            hdr[:, self.n_max] = B
+            hdr[:, self.n_max + 1] = failed
+            if self.dedup and ids.numel():
+                uniq, inverse, n_unique = self._unique(ids, per_sf)
+                hdr[:, self.n_max + 2] = n_unique
+        else:
+            hdr[:, self.n_max + 1] = 1
+        hdr_recv = torch.empty_like(hdr)
+        dist.all_to_all_single(hdr_recv, hdr, group=group)
+        sent_h, recv_h = torch.stack([hdr, hdr_recv]).tolist()  # the host sync (see above)
+        bad = [r for r in range(R) if recv_h[r][self.n_max + 1]]
+        if bad:
+            if error is None and me in bad:
+                error = self._explain(features, weighted)
+            if error is not None:
+                raise error
+            raise RuntimeError(f"rank(s) {bad} found bad input in this batch (see their error)")
+        sizes = [recv_h[r][self.n_max] for r in range(R)]
+        B = sizes[me]
+        weighted_wire = parts.weights is not None
+
+        # sender: one message per destination
+        send_msgs, sends, id_start, u_start = [], [], 0, 0
+        for q in range(R):
+            count = sum(sent_h[q][: self.n_sf[q]])
+            unique = sent_h[q][self.n_max + 2]
+            msg = message(
+                self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted_wire, self.dedup
+            )
+            send_msgs.append(msg)
+            sends.append((count, id_start, unique, u_start))
+            id_start += count
+            u_start += unique
+        sendbuf = torch.empty(sum(m.nbytes for m in send_msgs), dtype=torch.uint8, device=dev)
+        base = 0
+        for q, (msg, (count, a, unique, u)) in enumerate(zip(send_msgs, sends, strict=True)):
+            s0 = self.sf_start[q] * B
+            pieces = {"lengths": lengths[s0 : s0 + self.n_sf[q] * B], "ids": ids[a : a + count]}
+            if "unique" in msg.pieces:
+                pieces["unique"] = uniq[u : u + unique]
+                pieces["inverse"] = inverse[a : a + count]
+            if weighted_wire:
+                pieces["weights"] = w[a : a + count]
+            for name, (offset, dtype, n) in msg.pieces.items():
+                if n:
+                    _view(sendbuf, base + offset, dtype, n).copy_(pieces[name])
+            base += msg.nbytes
+
+        # receiver
+        n_local = self.n_sf[me]
+        recv_msgs = []
+        for r in range(R):
+            count = sum(recv_h[r][:n_local])
+            unique = recv_h[r][self.n_max + 2]
+            recv_msgs.append(message(
+                n_local * sizes[r], count, unique, self.id_dtype[me], weighted_wire, self.dedup
+            ))
+        recvbuf = torch.empty(sum(m.nbytes for m in recv_msgs), dtype=torch.uint8, device=dev)
+        dist.all_to_all_single(
+            recvbuf, sendbuf, [m.nbytes for m in recv_msgs], [m.nbytes for m in send_msgs],
+            group=group,
+        )
+        lookup = self._unpack(recvbuf, recv_msgs, recv_h, hdr_recv, sizes, weighted_wire)
+
+        others = [q for q in range(R) if q != me]
+        hdr_bytes = 8 * self.H * len(others)
+        traffic = {
+            "input_dist.header": (hdr_bytes, hdr_bytes),
+            "input_dist.data": (
+                sum(send_msgs[q].nbytes for q in others), sum(recv_msgs[r].nbytes for r in others)
+            ),
+        }
+        ids_sent = sum(sends[q][0] for q in others)
+        ids_recv = sum(sum(recv_h[r][:n_local]) for r in others)
+        raw = (sum(send_msgs[q].raw_bytes for q in others),
+               sum(recv_msgs[r].raw_bytes for r in others))
+        stats = {
+            "traffic": traffic,
+            "ids": (ids_sent, ids_recv),
+            "without_dedup": raw,
+            "batch_sizes": sizes,
+            "per_feature": None,
+            "B": B,
+        }
+        _, _, feat_key = self._for_keys(parts.keys)
+        own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
+        stats["per_feature"] = own.sum(1)  # device; read by comm_report only
+        lookup = LookupBatch(
+            indices=lookup.indices, offsets=lookup.offsets,
+            per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
+            id_bounds=lookup.id_bounds, stats=stats,
+        )
+        return InputDistOut(own, lookup, sizes)
+
+    def _explain(self, features, weighted: bool) -> Exception:
+        """This rank's own error (its device check failed): the slow, exact check."""
+        try:
+            batch = kjt_to_batch(features, self.layout.feature_names, weighted)
+            check_ids(batch, self.layout)
+        except (IndexError, ValueError) as e:
+            return e
+        return RuntimeError("input dist: the device check failed but no bad id was found")
+
+    # -- receiver ---------------------------------------------------------------------------
+    def _unpack(self, buf, msgs, recv_h, hdr_recv, sizes, weighted) -> LookupBatch:
+        R, n_local, dev = self.world, self.n_sf[self.rank], self.device
+        lens, ids, ws, base = [], [], [], 0
+        for r, msg in enumerate(msgs):
+            def piece(name, base=base, msg=msg):
+                offset, dtype, n = msg.pieces[name]
+                return _view(buf, base + offset, dtype, n)
+
+            lens.append(piece("lengths").view(n_local, sizes[r]))
+            if "unique" in msg.pieces:
+                ids.append(piece("unique").index_select(0, piece("inverse").to(torch.int32)))
+            else:
+                ids.append(piece("ids"))
+            if weighted:
+                ws.append(piece("weights"))
+            base += msg.nbytes
+        B_global = sum(sizes)
+        lengths = torch.cat(lens, dim=1) if lens else torch.zeros((0, B_global), device=dev)
+        indices = torch.cat(ids).to(torch.int64)
+        weights = torch.cat(ws) if weighted else None
+        n = indices.numel()
+        if R > 1 and n_local > 1 and n:
+            # rank-major [r][sf][b] -> feature-major [sf][r][b], from the header on the device
+            seg = hdr_recv[:, :n_local]  # [R, n_local] ids per (source rank, shard-feature)
+            flat = seg.reshape(-1)
+            old_start = (torch.cumsum(flat, 0) - flat).view(R, n_local).t().reshape(-1)
+            new_sizes = seg.t().reshape(-1)
+            new_start = torch.cumsum(new_sizes, 0) - new_sizes
+            gather = torch.arange(n, device=dev) + torch.repeat_interleave(
+                old_start - new_start, new_sizes, output_size=n
+            )
+            indices = indices[gather]
+            weights = weights[gather] if weights is not None else None
+        offsets = torch.zeros(n_local * B_global + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths.reshape(-1), 0, dtype=torch.int64, out=offsets[1:])
+        per_sf = [sum(recv_h[r][i] for r in range(R)) for i in range(n_local)]
+        bounds, first = [0], 0
+        for g in self.group_sizes:
+            bounds.append(bounds[-1] + sum(per_sf[first : first + g]))
+            first += g
+        return LookupBatch(
+            indices=indices, offsets=offsets, per_sample_weights=weights, batch_size=B_global,
+            id_bounds=tuple(bounds),
+        )

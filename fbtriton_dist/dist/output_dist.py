@@ -45,9 +45,10 @@ class BlockExchange:
     in the global batch on the sending side, and on the receiving side too if ``global_rows``
     (else the receiver's own batch, rows 0..B)."""
 
-    def __init__(self, peers, send, recv, widths, global_rows, device) -> None:
+    def __init__(self, peers, send, recv, widths, global_rows, device, wire_dtype=None) -> None:
         self.peers, self.send, self.recv = list(peers), send, recv
         self.widths, self.global_rows, self.device = widths, global_rows, device
+        self.wire_dtype = wire_dtype  # values (and, through autograd, gradients) on the wire
         self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
 
     def elements(self, batch_sizes: list[int]) -> tuple[list[int], list[int]]:
@@ -76,7 +77,10 @@ class BlockExchange:
     def __call__(self, x, target, batch_sizes: list[int], group=None) -> torch.Tensor:
         """``target`` plus the blocks of ``x`` that every peer sent this rank."""
         send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
-        got = all_to_all(x.reshape(-1).index_select(0, send_idx), send_n, recv_n, group)
+        values = x.reshape(-1).index_select(0, send_idx)
+        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
+            values = values.to(self.wire_dtype)
+        got = all_to_all(values, send_n, recv_n, group).to(target.dtype)  # summed in fp32
         return target.reshape(-1).index_add(0, recv_idx, got).view(target.shape)
 
 
@@ -117,10 +121,15 @@ def out_blocks(layout: ShardLayout, q: int, r: int) -> list[Block]:
 
 
 class OutputDist:
-    """Both exchanges of one rank, fixed by the plan."""
+    """Both exchanges of one rank, fixed by the plan. ``wire_dtype`` (bf16 / fp16): the
+    pooled blocks and their gradients travel in it and are added in fp32; data-parallel
+    gradients stay exact."""
 
-    def __init__(self, layout: ShardLayout, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: ShardLayout, rank: int, device: torch.device, wire_dtype=None
+    ) -> None:
         self.layout, self.rank = layout, rank
+        self.value_bytes = (wire_dtype or torch.float32).itemsize  # per pooled value, on the wire
         R, me = layout.world_size, rank
         W = layout.local_columns(me)[-1]
         self.total_D = layout.feature_cols[-1]
@@ -132,6 +141,7 @@ class OutputDist:
             (W, W),
             True,
             device,
+            wire_dtype,
         )
         self.has_host_step = any(sf.in_host for p in host for sf in layout.local[p])
         self.out = BlockExchange(
@@ -141,21 +151,22 @@ class OutputDist:
             (W, self.total_D),
             False,
             device,
+            wire_dtype,
         )
         dp_src, dp_dst = layout.output_columns(rank, data_parallel=True)
         self.dp_src = torch.tensor(dp_src, dtype=torch.int64, device=device)
         self.dp_dst = torch.tensor(dp_dst, dtype=torch.int64, device=device)
 
     def _bytes(self, ex: BlockExchange, batch_sizes: list[int], keep) -> tuple[int, int]:
-        """fp32 bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks."""
+        """Bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks."""
         return tuple(
-            4 * sum(n for p, n in zip(ex.peers, side, strict=True) if keep(p))
+            self.value_bytes * sum(n for p, n in zip(ex.peers, side, strict=True) if keep(p))
             for side in ex.elements(batch_sizes)
         )
 
     def traffic(self, batch_sizes: list[int]) -> dict[str, tuple[int, int]]:
         """Bytes (sent, received) to/from the other ranks per collective, backward included
-        (it mirrors the forward), for fp32 pooled values."""
+        (it mirrors the forward), pooled values in the wire dtype."""
         me, B = self.rank, batch_sizes[self.rank]
         host_sent, host_recv = self._bytes(self.host, batch_sizes, lambda p: p != me)
         sent, recv = self._bytes(self.out, batch_sizes, lambda p: p != me)

@@ -6,6 +6,12 @@
 
 Output dist sums table-row-wise and grid blocks inside the holders' host first (one process
 group per host of ``plan.local_world_size`` ranks, made here), then sends them across.
+
+Per step and direction: one bucketize for all features, one header and one data all-to-all
+for the ids (one host sync, for the data all-to-all's split lists), one all-to-all of pooled
+blocks (two for table-row-wise / grid); ``CommOptions`` puts the pooled blocks in bf16/fp16
+and deduplicates ids on the wire. ``fbtriton_dist.dist.pipeline.TrainPipeline`` runs the next
+batch's input dist ahead (``prefetch``).
 """
 
 from collections.abc import Sequence
@@ -15,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.dist import input_dist
-from fbtriton_dist.dist.comm import gather_batch_sizes
+from fbtriton_dist.dist.input_dist import InputDist, InputDistOut, LookupBatch
 from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.dist.options import CommOptions
 from fbtriton_dist.dist.output_dist import OutputDist
 from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
-from fbtriton_dist.sparse import JaggedBatch, keyed_tensor, kjt_to_batch
+from fbtriton_dist.sparse import keyed_tensor
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -35,6 +41,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: the fused optimizer applied in backward to every local shard.
         weights: optional full weights ``{table name: [E, D]}`` to copy this rank's shards
             from; otherwise each shard is initialised with its table's ``init_fn``.
+        comm: how it talks to the other ranks (``CommOptions``: wire dtype, dedup); kept as
+            ``self.comm``.
+
+    The stages, for pipelines and benchmarks that run them apart::
+
+        lengths, lookup, sizes = ebc.input_dist(kjt)   # bucketize + 2 all-to-alls (1 sync)
+        local = ebc.compute(lookup)                    # TBE lookup of the local shards
+        kt = ebc.output_dist(local, lengths, sizes)    # KeyedTensor [B, sum(D)]
+
+    ``input_group`` (default: the process group) carries the input dist; a pipeline may give
+    it a group of its own so the next batch's ids do not queue behind this batch's output
+    dist on one NCCL stream.
     """
 
     def __init__(
@@ -48,14 +66,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         process_group=None,
         device: torch.device | str | None = None,
         backend: str = "auto",
+        comm: CommOptions | None = None,
     ) -> None:
         super().__init__()
+        if comm is not None and not isinstance(comm, CommOptions):
+            raise ValueError(f"comm: expected a CommOptions, got {type(comm).__name__}")
+        self.comm = comm if comm is not None else CommOptions()
         if optimizer is None:
             raise ValueError(
                 "sharded tables are trained with a fused optimizer: pass optimizer= to shard() "
                 "or annotate the embedding parameters with apply_optimizer_in_backward"
             )
         self.group = process_group
+        self.input_group = process_group
+        self._prefetched: list[tuple[object, InputDistOut]] = []
         self.rank = dist.get_rank(process_group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
@@ -89,9 +113,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.tbes.append(tbe)
             self._group_features.append(len(sfs))
         self._init_shards(weights)
-        self.output_dist_ = OutputDist(self.layout, self.rank, self.device)
         self._embedding_names = self.layout.feature_names
         self._dims = self.layout.feature_dims
+        self._make_dists()
+
+    def _make_dists(self) -> None:
+        """The input and output dists and the MEAN index tensors, on ``self.device``."""
+        self.input_dist_ = InputDist(
+            self.layout, self.rank, self.device, self.comm.dedup, self._group_features
+        )
+        self.output_dist_ = OutputDist(self.layout, self.rank, self.device, self.comm.wire_dtype)
+        self._mean = torch.tensor(self.layout.feature_mean, device=self.device)[:, None]
+        self._col_feature = torch.repeat_interleave(
+            torch.arange(len(self._dims)), torch.tensor(self._dims, dtype=torch.int64)
+        ).to(self.device)
 
     def _host_group(self, group):
         """The process group of this rank's host: ``group`` itself if it is one host, else a
@@ -109,7 +144,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return mine
 
     def _shard_name(self, t) -> str:
-        return f"{self._configs[t.table].name}[{t.row_start}:{t.row_end}, {t.col_start}:{t.col_end}]"
+        rows, cols = f"{t.row_start}:{t.row_end}", f"{t.col_start}:{t.col_end}"
+        return f"{self._configs[t.table].name}[{rows}, {cols}]"
 
     def _local_shards(self):
         """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
@@ -145,65 +181,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._configs
 
     # -- the three stages -------------------------------------------------------------------
-    def input_dist(self, features) -> tuple[JaggedBatch, JaggedBatch, list[int]]:
-        """KJT of this rank -> (its own batch, the lookup batch of its shards, batch sizes)."""
-        batch = kjt_to_batch(features, self.layout.feature_names, self._is_weighted)
-        error = None
-        try:
-            input_dist.check_ids(batch, self.layout)
-        except IndexError as e:
-            error = e
-        sizes = gather_batch_sizes(batch.batch_size, error is not None, self.device, self.group)
-        if error is not None:
-            raise error
-        buckets = input_dist.bucketize(batch, self.layout)
-        lookup, traffic = input_dist.exchange(buckets, self.layout, self.rank, sizes, self.group)
-        self.last_traffic = traffic | self.output_dist_.traffic(sizes)
-        self._last_inter_host = self.output_dist_.inter_host(sizes)
-        self._last_pooling = self._pooling_factors(batch)
-        self._last_batch_size = batch.batch_size
-        return batch, lookup, sizes
+    def input_dist(self, features) -> InputDistOut:
+        """KJT of this rank -> ``(lengths [T, B] of its own bags, the lookup batch of its
+        shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync,
+        one data all-to-all (``fbtriton_dist.dist.input_dist``)."""
+        out = self.input_dist_(features, self._is_weighted, self.input_group)
+        self._last = out.lookup.stats
+        return out
 
-    def _pooling_factors(self, batch: JaggedBatch) -> dict[str, float]:
-        B = max(batch.batch_size, 1)
-        per_feature = (batch.offsets[::B].diff() if batch.batch_size else batch.offsets[:0])
-        return {f: n / B for f, n in zip(self.layout.feature_names, per_feature.tolist(), strict=False)}
+    def prefetch(self, features) -> InputDistOut:
+        """Run ``input_dist(features)`` now (a pipeline does, for the next batch, on a side
+        stream) and keep it for the ``forward`` that is called with this same ``features``
+        object."""
+        out = self.input_dist(features)
+        self._prefetched = [*self._prefetched[-1:], (features, out)]
+        return out
 
-    def comm_report(self) -> dict[str, dict[str, float]]:
-        """Bytes this rank sent to / received from other ranks in the last step, per
-        collective, next to the planner's estimate of what it receives
-        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors),
-        and ``output_dist.forward.inter_host``: the part of the output dist that crossed hosts."""
-        from fbtriton_dist.planner import CostModel, evaluate, to_table_specs
+    def _take_prefetched(self, features) -> InputDistOut | None:
+        for i, (f, out) in enumerate(self._prefetched):
+            if f is features:
+                del self._prefetched[i]
+                return out
+        return None
 
-        if not hasattr(self, "last_traffic"):
-            raise RuntimeError("comm_report: no step has run yet")
-        B = self._last_batch_size
-        specs = to_table_specs(self._configs, pooling_factors=self._last_pooling)
-        model = CostModel(batch_size=max(B, 1), index_bytes=8, length_bytes=8, output_bytes=4)
-        cost = evaluate(self._plan, specs, model=model).ranks[self.rank]
-        measured_in = sum(v[1] for k, v in self.last_traffic.items() if k.startswith("input"))
-        measured_out = sum(v[1] for k, v in self.last_traffic.items() if not k.startswith("input"))
-        report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in self.last_traffic.items()}
-        report["input_dist.total"] = {"received": float(measured_in),
-                                      "planner_estimate": float(cost.input_dist_bytes)}
-        report["output_dist.total"] = {"received": float(measured_out),
-                                       "planner_estimate": float(cost.output_dist_bytes)}
-        sent, received = self._last_inter_host  # a part of output_dist.forward, not added again
-        report["output_dist.forward.inter_host"] = {"sent": float(sent), "received": float(received)}
-        return report
-
-    def compute(self, lookup: JaggedBatch) -> torch.Tensor:
+    def compute(self, lookup: LookupBatch) -> torch.Tensor:
         """Pooled partials ``[global B, local shard columns]`` (fp32, SUM)."""
+        if lookup.stats is not None:
+            self._last = lookup.stats  # the step this lookup belongs to (pipelines run ahead)
         B = lookup.batch_size
         if not self.tbes:  # no shards here; still a node of the graph (see OutputDist)
             return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
         outs, first = [], 0
         single = len(self.tbes) == 1
-        for tbe, n in zip(self.tbes, self._group_features, strict=True):
+        for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
             indices, offsets, psw = lookup.indices, lookup.offsets, lookup.per_sample_weights
             if not single:
-                a, b = (int(x) for x in lookup.offsets[[first * B, (first + n) * B]].tolist())
+                a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
                 indices = indices[a:b]
                 offsets = offsets[first * B : (first + n) * B + 1] - a
                 psw = psw[a:b] if psw is not None else None
@@ -211,28 +224,76 @@ class ShardedEmbeddingBagCollection(nn.Module):
             first += n
         return outs[0] if single else torch.cat(outs, dim=1)
 
-    def output_dist(self, local: torch.Tensor, batch: JaggedBatch, sizes: list[int]):
+    def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int]):
+        """Pooled partials -> KeyedTensor ``[B, sum(D)]`` of this rank's samples; MEAN
+        features divided by their global bag length (``lengths`` [T, B] from input_dist)."""
         out = self.output_dist_(local, sizes, self.group, self.host_group)
         if any(self.layout.feature_mean):  # exact MEAN: divide by the global bag length
-            B = batch.batch_size
-            lengths = (batch.offsets[1:] - batch.offsets[:-1]).view(-1, B).to(out.dtype)
-            mean = torch.tensor(self.layout.feature_mean, device=out.device)[:, None]
-            scale = torch.where(mean, 1.0 / lengths.clamp(min=1), 1.0)
-            dims = torch.tensor(self._dims, device=out.device)
-            out = out * scale.t().repeat_interleave(dims, dim=1)
+            scale = torch.where(self._mean, 1.0 / lengths.to(out.dtype).clamp(min=1), 1.0)
+            out = out * scale.t().index_select(1, self._col_feature)
         return keyed_tensor(self._embedding_names, self._dims, out)
 
     def forward(self, features):
-        batch, lookup, sizes = self.input_dist(features)
-        return self.output_dist(self.compute(lookup), batch, sizes)
+        dist_out = self._take_prefetched(features)
+        if dist_out is None:
+            dist_out = self.input_dist(features)
+        lengths, lookup, sizes = dist_out
+        return self.output_dist(self.compute(lookup), lengths, sizes)
+
+    def comm_report(self) -> dict[str, dict[str, float]]:
+        """Bytes this rank sent to / received from other ranks in the last step, per
+        collective (``input_dist.header``, ``input_dist.data``, ``output_dist.*``,
+        ``data_parallel.grad_all_gather``), next to the planner's estimate of what it receives
+        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors,
+        the wire's id, length and value sizes), ``output_dist.forward.inter_host`` (the part of
+        the output dist that crossed hosts) and ``input_dist.dedup`` (data bytes without dedup
+        and the bytes it saved). Reads the step's pooling factors from the device (a sync: not
+        for the hot path)."""
+        from fbtriton_dist.planner import CostModel, evaluate, to_table_specs
+
+        last = getattr(self, "_last", None)
+        if last is None:
+            raise RuntimeError("comm_report: no step has run yet")
+        B, sizes = last["B"], last["batch_sizes"]
+        traffic = dict(last["traffic"]) | self.output_dist_.traffic(sizes)
+        per_feature = last["per_feature"].tolist()
+        pooling = {f: n / max(B, 1) for f, n in zip(self.layout.feature_names, per_feature,
+                                                     strict=True)}
+        specs = to_table_specs(self._configs, pooling_factors=pooling)
+        id_bytes = max(d.itemsize for d in self.input_dist_.id_dtype)
+        model = CostModel(batch_size=max(B, 1), index_bytes=id_bytes, length_bytes=4,
+                          output_bytes=self.output_dist_.value_bytes)
+        cost = evaluate(self._plan, specs, model=model).ranks[self.rank]
+        report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in traffic.items()}
+        ids_sent, ids_received = last["ids"]
+        report["input_dist.data"] |= {"ids_sent": float(ids_sent),
+                                      "ids_received": float(ids_received)}
+        raw_sent, raw_received = last["without_dedup"]
+        data = report["input_dist.data"]
+        report["input_dist.dedup"] = {
+            "sent_without_dedup": float(raw_sent),
+            "received_without_dedup": float(raw_received),
+            "saved_sent": float(raw_sent - data["sent"]),
+            "saved_received": float(raw_received - data["received"]),
+        }
+        measured_in = sum(r for k, (_, r) in traffic.items() if k.startswith("input_dist."))
+        measured_out = sum(r for k, (_, r) in traffic.items() if not k.startswith("input_dist."))
+        report["input_dist.total"] = {"received": float(measured_in),
+                                      "planner_estimate": float(cost.input_dist_bytes)}
+        report["output_dist.total"] = {"received": float(measured_out),
+                                       "planner_estimate": float(cost.output_dist_bytes)}
+        sent, received = self.output_dist_.inter_host(sizes)  # a part of output_dist.forward
+        report["output_dist.forward.inter_host"] = {"sent": float(sent),
+                                                    "received": float(received)}
+        return report
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         for tbe in self.tbes:
             tbe._apply(fn)
-        if self.tbes:  # .to(device): the index lists follow the shards
-            self.device = self.tbes[0].weights.device
-            self.output_dist_ = OutputDist(self.layout, self.rank, self.device)
+        if self.tbes and self.tbes[0].weights.device != self.device:
+            self.device = self.tbes[0].weights.device  # .to(device): the index lists follow
+            self._make_dists()
         return self
 
     # -- state dict: TorchRec's keys, sharded values ---------------------------------------------
@@ -421,26 +482,29 @@ def shard(
     *,
     optimizer: optim.Optimizer | None = None,
     backend: str = "auto",
+    comm: CommOptions | None = None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection in ``module`` (ours or TorchRec's, at any depth)
     by a ShardedEmbeddingBagCollection that keeps only this rank's shards. Weights are copied
     from the module, or, for a module built on the meta device, initialised shard by shard
     (a table is never materialised whole). The fused optimizer is ``optimizer`` or the one the
-    tables were annotated with by ``apply_optimizer_in_backward``. Returns the module (the
-    sharded collection itself if ``module`` was one)."""
+    tables were annotated with by ``apply_optimizer_in_backward``. ``comm``: how the sharded
+    collections talk to each other (``CommOptions``: bf16/fp16 pooled values on the wire, id
+    dedup; default exact). Returns the module (the sharded collection itself if ``module``
+    was one)."""
     if _is_ebc(module):
-        return _shard_one(module, "module", plan, process_group, device, optimizer, backend)
+        return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
     for name, child in list(module.named_modules()):
         if not _is_ebc(child) or not name:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, _shard_one(child, name, plan, process_group, device, optimizer,
-                                         backend))
+                                         backend, comm))
     return module
 
 
-def _shard_one(ebc, name, plan, process_group, device, optimizer, backend):
+def _shard_one(ebc, name, plan, process_group, device, optimizer, backend, comm=None):
     configs = ebc.embedding_bag_configs()
     first = next(iter(ebc.parameters()), None)
     weights = None
@@ -453,6 +517,9 @@ def _shard_one(ebc, name, plan, process_group, device, optimizer, backend):
         is_weighted=ebc.is_weighted(),
         weights=weights,
         process_group=process_group,
-        device=device if device is not None else (first.device if first is not None and not first.is_meta else None),
+        device=device if device is not None else (
+            first.device if first is not None and not first.is_meta else None
+        ),
         backend=backend,
+        comm=comm,
     )

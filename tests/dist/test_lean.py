@@ -1,0 +1,294 @@
+"""The lean step (issue 9) on real gloo groups: CommOptions and TrainPipeline.
+
+- a rank with an empty local batch and KJT keys in another order, every sharding type mixed,
+  after 3 fused steps: equal to the unsharded collection (as tests/dist/test_sharded_ebc.py);
+- ``dedup=True``: bit-identical to ``dedup=False`` (outputs, weights, optimizer state), and
+  the comm report shows the bytes it saved;
+- ``wire_dtype=bf16/fp16``: pooled values and their gradients within one rounding per hop,
+  ``|error| <= hops * u * sum|terms|`` (u = 2^-8 for bf16, 2^-11 for fp16), for row-wise,
+  table-wise, column-wise and table-row-wise plans;
+- ``TrainPipeline``: the same losses and weights as the plain loop;
+- a KJT whose lengths overrun its values stops every rank (the flag rides in the header).
+"""
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import device, run_ranks
+from tests.dist.test_sharded_ebc import (
+    BATCH,
+    _configs,
+    _global_batch,
+    _kjt,
+    _optimizer,
+    _plan,
+    _state_error,
+)
+
+
+def _shard(ref, kind, world, opt_name, **comm):
+    import fbtriton_dist
+    from fbtriton_dist.dist import CommOptions
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    cls, kwargs = _optimizer(opt_name)
+    copied = copy.deepcopy(ref)
+    apply_optimizer_in_backward(cls, copied.parameters(), kwargs)
+    return fbtriton_dist.shard(copied, _plan(kind, world), comm=CommOptions(**comm))
+
+
+def _reference(configs, weighted, opt_name, dev):
+    import fbtriton_dist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=dev)
+    cls, kwargs = _optimizer(opt_name)
+    apply_optimizer_in_backward(cls, ref.parameters(), kwargs)
+    return ref
+
+
+def _empty_rank_and_dedup(rank, world):
+    """Rank 1 has no samples; odd ranks send keys in reverse order. Three modules see the same
+    steps: the unsharded reference, sharded, sharded with dedup."""
+    configs, weighted, dev = _configs(True), True, device()
+    ref = _reference(configs, weighted, "adagrad", dev)
+    plain = _shard(ref, "mixed", world, "adagrad")
+    dedup = _shard(ref, "mixed", world, "adagrad", dedup=True)
+    sizes = [6, 0, 5][:world]
+    lo = sum(sizes[:rank])
+    C = torch.randn(sum(sizes), sum(c.embedding_dim * len(c.feature_names) for c in configs),
+                    generator=torch.Generator().manual_seed(7)).to(dev)
+    errors, identical = {}, True
+    for step in range(3):
+        batch = _global_batch(configs, sum(sizes), step, weighted)
+        want = ref(_kjt(*batch, 0, sum(sizes)).to(dev)).values()
+        (want * C).sum().backward()
+        mine = C[lo : lo + sizes[rank]]
+        local = _kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1).to(dev)
+        outs = []
+        for m in (plain, dedup):
+            out = m(local).values()
+            (out * mine).sum().backward()
+            outs.append(out.detach())
+        errors[f"step{step}"] = (outs[0] - want[lo : lo + sizes[rank]]).abs().max().item() \
+            if sizes[rank] else 0.0
+        identical &= torch.equal(outs[0], outs[1])
+    full = plain.gather_full_state_dict()
+    errors["weights"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    errors["state"] = _state_error(ref, plain, configs)
+    for a, b in zip(plain.state_dict().values(), dedup.state_dict().values(), strict=True):
+        a = [s.tensor for s in a.local_shards()] if hasattr(a, "local_shards") else [a]
+        b = [s.tensor for s in b.local_shards()] if hasattr(b, "local_shards") else [b]
+        identical &= all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for tp, td in zip(plain.tbes, dedup.tbes, strict=True):
+        identical &= all(torch.equal(x, y) for x, y in zip(
+            [s for st in tp.split_optimizer_states() for s in st],
+            [s for st in td.split_optimizer_states() for s in st], strict=True))
+    return errors, identical, plain.comm_report(), dedup.comm_report()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_empty_rank_reversed_keys_and_dedup_bit_identical(world):
+    results = run_ranks(_empty_rank_and_dedup, world)
+    for rank, (errors, identical, _, _) in enumerate(results):
+        assert identical, f"rank {rank}: dedup changed the result"
+        for key, err in errors.items():
+            assert err < 2e-5, f"rank {rank} {key}: {err}"
+    for i in (2, 3):  # plain, dedup: every collective's bytes add up over the ranks
+        reports = [r[i] for r in results]
+        for key in ("input_dist.header", "input_dist.data", "output_dist.forward"):
+            assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
+    plain, dedup = [r[2] for r in results], [r[3] for r in results]
+    for p, d in zip(plain, dedup, strict=True):
+        assert p["input_dist.data"]["ids_sent"] == d["input_dist.data"]["ids_sent"]
+        assert p["input_dist.dedup"]["saved_sent"] == 0
+        saved = d["input_dist.dedup"]["saved_sent"]
+        assert saved == d["input_dist.dedup"]["sent_without_dedup"] - d["input_dist.data"]["sent"]
+        assert saved >= 0
+    assert sum(d["input_dist.dedup"]["saved_sent"] for d in dedup) > 0  # the hot id repeats
+
+
+WIRE_PLANS = [  # (plan, optimizer, weighted, hops: roundings on the way)
+    ("row_wise", "sgd", False, 1),
+    ("table_wise", "sgd", True, 1),
+    ("column_wise", "sgd", False, 1),
+    ("table_row_wise", "sgd", False, 2),  # summed inside the host, then sent
+]
+
+
+def _wire_dtype(rank, world, wire):
+    """Forward values and one SGD step's weight change, wire dtype vs exact, against the
+    bound hops * u * sum|terms|, sum|terms| from the reference run with |weights|, |grads|."""
+    import fbtriton_dist
+
+    u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[wire]
+    dev, sizes = device(), BATCH[:world]
+    lo = sum(sizes[:rank])
+    worst = {}
+    for kind, opt, weighted, hops in WIRE_PLANS:
+        configs = _configs(weighted)
+        ref = _reference(configs, weighted, opt, dev)
+        abs_ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted,
+                                                       device=dev)
+        abs_ref.load_state_dict({k: v.abs() for k, v in ref.state_dict().items()})
+        sharded = _shard(ref, kind, world, opt, wire_dtype=wire)
+        exact = _shard(ref, kind, world, opt)
+        batch = _global_batch(configs, sum(sizes), 0, weighted)
+        kjt = _kjt(*batch, 0, sum(sizes)).to(dev)
+        C = torch.randn(sum(sizes), sum(c.embedding_dim * len(c.feature_names) for c in configs),
+                        generator=torch.Generator().manual_seed(3)).to(dev)
+        want = ref(kjt).values()
+        (want * C).sum().backward()
+        with torch.no_grad():  # sum|terms| of each pooled value, and of each weight change
+            terms = abs_ref(kjt).values()
+            mine = slice(lo, lo + sizes[rank])
+            w0 = {k: v.clone() for k, v in abs_ref.state_dict().items()}
+        abs_ref.requires_grad_(True)
+        grads = torch.autograd.grad((abs_ref(kjt).values() * C.abs()).sum(),
+                                    [abs_ref.embedding_bags[c.name].weight for c in configs])
+        local = _kjt(*batch, lo, lo + sizes[rank]).to(dev)
+        got = sharded(local).values()
+        (got * C[mine]).sum().backward()
+        exact_out = exact(local).values()
+        fwd = ((got - want[mine]).abs() - hops * u * terms[mine]).max().item()
+        full = sharded.gather_full_state_dict()
+        lr = _optimizer(opt)[1]["lr"]
+        bwd = max(
+            ((full[f"embedding_bags.{c.name}.weight"] - ref.embedding_bags[c.name].weight)
+             .abs() - hops * u * lr * g.abs()).max().item()
+            for c, g in zip(configs, grads, strict=True)
+        )
+        changed = not torch.equal(got.detach(), exact_out.detach())
+        worst[kind] = (fwd, bwd, changed, float(terms[mine].max()), len(w0))
+    return worst
+
+
+@pytest.mark.parametrize("world,wire", [(2, torch.bfloat16), (3, torch.bfloat16),
+                                        (2, torch.float16)], ids=["2-bf16", "3-bf16", "2-fp16"])
+def test_wire_dtype_within_one_rounding_per_hop(world, wire):
+    for rank, worst in enumerate(run_ranks(_wire_dtype, world, wire)):
+        for kind, (fwd, bwd, changed, scale, _) in worst.items():
+            assert fwd <= 1e-6, f"rank {rank} {kind}: forward over the bound by {fwd}"
+            assert bwd <= 1e-6, f"rank {rank} {kind}: weight change over the bound by {bwd}"
+            assert changed or scale == 0, f"rank {rank} {kind}: the wire dtype had no effect"
+
+
+@dataclass
+class _Batch:
+    dense: torch.Tensor
+    sparse: object
+    labels: torch.Tensor
+
+    def to(self, dev, non_blocking=False):
+        return _Batch(self.dense.to(dev, non_blocking=non_blocking),
+                      self.sparse.to(torch.device(dev), non_blocking=non_blocking),
+                      self.labels.to(dev, non_blocking=non_blocking))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ebc, total_D):
+        super().__init__()
+        self.ebc = ebc
+        self.dense = torch.nn.Linear(total_D + 2, 1)
+
+    def forward(self, dense, sparse):
+        return self.dense(torch.cat([self.ebc(sparse).values(), dense], dim=1)).squeeze(-1)
+
+
+def _pipeline(rank, world):
+    """Plain loop and TrainPipeline from the same start on the same 4 batches."""
+    import fbtriton_dist
+    from fbtriton_dist.dist import TrainPipeline
+
+    configs, dev = _configs(False), device()
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    total_D = sum(c.embedding_dim * len(c.feature_names) for c in configs)
+    torch.manual_seed(0)
+    base = _Model(fbtriton_dist.EmbeddingBagCollection(tables=configs, device=dev), total_D)
+    base = base.to(dev)
+    models = []
+    for _ in range(2):
+        m = copy.deepcopy(base)
+        fbtriton_dist.shard(m, _plan("mixed", world), optimizer=fbtriton_dist.optim.Adagrad(lr=0.1))
+        models.append(m)
+    batches = []
+    for step in range(4):
+        feats, lengths, values, _ = _global_batch(configs, sum(sizes), step, False)
+        g = torch.Generator().manual_seed(100 + step)
+        dense = torch.randn(sum(sizes), 2, generator=g)
+        labels = torch.rand(sum(sizes), generator=g).round()
+        kjt = _kjt(feats, lengths, values, None, lo, lo + sizes[rank])
+        batches.append(_Batch(dense[lo : lo + sizes[rank]], kjt, labels[lo : lo + sizes[rank]]))
+
+    def loss_fn(model, b):
+        return torch.nn.functional.binary_cross_entropy_with_logits(
+            model(b.dense, b.sparse), b.labels)
+
+    def allreduce(model):
+        for p in model.dense.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+    plain, piped = models
+    opt_plain = torch.optim.SGD(plain.dense.parameters(), lr=0.5)
+    losses_plain = []
+    for b in batches:
+        b = b.to(dev)
+        loss = loss_fn(plain, b)
+        opt_plain.zero_grad()
+        loss.backward()
+        allreduce(plain)
+        opt_plain.step()
+        losses_plain.append(loss.detach())
+    opt_piped = torch.optim.SGD(piped.dense.parameters(), lr=0.5)
+    pipe = TrainPipeline(piped, opt_piped, dev, loss_fn=loss_fn,
+                         after_backward=lambda: allreduce(piped))
+    it, losses_piped = iter(batches), []
+    while True:
+        try:
+            losses_piped.append(pipe.progress(it))
+        except StopIteration:
+            break
+    same_losses = len(losses_piped) == 4 and all(
+        torch.equal(a, b) for a, b in zip(losses_plain, losses_piped, strict=True))
+    full = [m.ebc.gather_full_state_dict() for m in models]
+    same_tables = all(torch.equal(full[0][k], full[1][k]) for k in full[0])
+    same_dense = all(torch.equal(a, b) for a, b in zip(
+        plain.dense.parameters(), piped.dense.parameters(), strict=True))
+    return same_losses, same_tables, same_dense, [x.item() for x in losses_plain]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_matches_the_plain_loop(world):
+    for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, world)):
+        assert losses and tables and dense_, (rank, losses, tables, dense_, values)
+
+
+def _lengths_overrun(rank, world):
+    import fbtriton_dist
+    from torchrec import KeyedJaggedTensor
+
+    configs = _configs(False)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
+    sharded = fbtriton_dist.shard(ebc, _plan("mixed", world), optimizer=fbtriton_dist.optim.SGD())
+    names = [f for c in configs for f in c.feature_names]
+    lengths = torch.ones(len(names), dtype=torch.int64)
+    if rank == 0:
+        lengths[-1] = 3  # two more ids than values holds
+    kjt = KeyedJaggedTensor(keys=names, values=torch.zeros(len(names), dtype=torch.int64),
+                            lengths=lengths)
+    sharded(kjt.to(device()))
+
+
+def test_lengths_that_overrun_the_values_stop_every_rank():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_lengths_overrun, 2, timeout=120)
+    text = str(info.value)
+    assert "lengths add up to" in text and "but values holds" in text
+    assert "rank(s) [0] found bad input" in text
