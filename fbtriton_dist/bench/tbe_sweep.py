@@ -58,12 +58,30 @@ def kernel_us(fn, iters=5) -> dict[str, float]:
     return out
 
 
+def host_profile(fn, iters=20) -> list[tuple[str, float, int]]:
+    """(op, self CPU µs per iteration, calls per iteration) of the top host-side costs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key[:70], e.self_cpu_time_total / iters, e.count // iters)
+        for e in prof.key_averages()
+        if e.self_cpu_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[1])[:25]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="S1,S2,S4,S5")
     p.add_argument("--fwd", default="8,4;16,4;32,4;16,2;32,8;64,4")
     p.add_argument("--bwd", default="4,4;8,4;16,4;32,4;8,2;16,8")
     p.add_argument("--out", default=None)
+    p.add_argument("--host", action="store_true", help="also profile host time per step")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     results = []
@@ -89,6 +107,24 @@ def main(argv=None) -> None:
         def step(tbe=tbe, indices=indices, offsets=offsets, grad=grad):
             tbe(indices, offsets).backward(grad)
 
+        if args.host:
+            t0 = torch.cuda.Event(enable_timing=True)
+            t1 = torch.cuda.Event(enable_timing=True)
+            for fn in (fwd, step):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                t0.record()
+                for _ in range(20):
+                    fn()
+                t1.record()
+                torch.cuda.synchronize()
+                rows = host_profile(fn)
+                r = {"shape": name, "phase": fn.__name__, "pipelined_ms": t0.elapsed_time(t1) / 20}
+                r["host_self_cpu_us"] = {k: [round(us, 1), n] for k, us, n in rows}
+                r["host_total_us"] = round(sum(us for _, us, _ in rows), 1)
+                print(json.dumps(r), flush=True)
+                results.append(r)
         for cfg in args.fwd.split(";"):
             os.environ["FBTD_TBE_FWD"] = cfg
             r = {"shape": name, "phase": "fwd", "config": cfg, **kernel_us(fwd)}
