@@ -31,7 +31,7 @@ OPT_SGD = 1
 OPT_ROWWISE_ADAGRAD = 2
 OPT_ADAM = 3
 OPT_ADAGRAD = 4
-CHUNK = 256  # ids per program before a run is split into chunks
+CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by block
 
 
 def optimizer_code(optimizer: optim.Optimizer | None) -> int:
@@ -95,7 +95,7 @@ def _uniform16(seed, key, RUNS: tl.constexpr, BLOCK_D: tl.constexpr):
         return tl.rand(seed, offs.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "B"])
 def _tbe_runs_kernel(
     keys_ptr,  # [N] sorted linear row keys
     bags_ptr,  # [N] int32 bag id (f * B + b) of each sorted id
@@ -104,9 +104,9 @@ def _tbe_runs_kernel(
     goffs_ptr,  # [N] int64 out: element of grad_output each sorted id reads (b * stride + col)
     run_starts_ptr,  # [N + 1] int64 out: first sorted position of each run, then N after the last
     run_keys_ptr,  # [N] int64 out: key of each run
-    run_feats_ptr,  # [N] int32 out: feature of each run's first id (its table's layout)
+    run_feats_ptr,  # [N] int64 out: feature of each run's first id (its table's layout)
     run_goffs_ptr,  # [N] int64 out: grad_output element of each run's first id
-    num_runs_ptr,  # [1] int32 out: number of runs U
+    num_runs_ptr,  # [1] int64 out: number of runs U
     N,  # number of ids
     B,  # batch size
     grad_stride,  # row stride of grad_output
@@ -127,14 +127,14 @@ def _tbe_runs_kernel(
     r = tl.load(run_ids_ptr + p, mask=m, other=1).to(tl.int64)
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
     tl.store(run_keys_ptr + r - 1, key.to(tl.int64), mask=is_start)
-    tl.store(run_feats_ptr + r - 1, f.to(tl.int32), mask=is_start)
+    tl.store(run_feats_ptr + r - 1, f, mask=is_start)
     tl.store(run_goffs_ptr + r - 1, goff, mask=is_start)
     last = m & (p == N - 1)
     tl.store(run_starts_ptr + r, p + 1, mask=last)
-    tl.store(num_runs_ptr + p * 0, r.to(tl.int32), mask=last)
+    tl.store(num_runs_ptr + p * 0, r, mask=last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _tbe_chunk_reduce_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
     dims_ptr,  # [T] int64 D of each feature
@@ -142,7 +142,7 @@ def _tbe_chunk_reduce_kernel(
     scales_ptr,  # [N] fp32 per-sample weight / bag length of each sorted id (if HAS_SCALE)
     run_ids_ptr,  # [N] int32 run index + 1 of each sorted id
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
-    run_feats_ptr,  # [U] int32 feature of each run
+    run_feats_ptr,  # [U] int64 feature of each run
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
     N,  # number of ids
     HAS_SCALE: tl.constexpr,
@@ -188,7 +188,7 @@ def _tbe_chunk_reduce_kernel(
             tl.store(partial_ptr + (2 * c + 1) * BLOCK_D + d, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sentinel", "seed"])
 def _tbe_row_update_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
     weights_ptr,  # [sum(E_t * D_t)] flat weights, updated in place
@@ -199,9 +199,9 @@ def _tbe_row_update_kernel(
     scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
     run_keys_ptr,  # [U] int64 linear row key of each run (sentinel: dropped ids)
-    run_feats_ptr,  # [U] int32 feature of each run
+    run_feats_ptr,  # [U] int64 feature of each run
     run_goffs_ptr,  # [U] int64 grad_output element of each run's first id
-    num_runs_ptr,  # [1] int32 U
+    num_runs_ptr,  # [1] int64 U
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
     mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
@@ -222,8 +222,9 @@ def _tbe_row_update_kernel(
     MANTISSA: tl.constexpr,  # mantissa bits of the weight dtype (stochastic rounding)
     MIN_EXP: tl.constexpr,  # smallest normal exponent of the weight dtype
     CHUNK_SIZE: tl.constexpr,
+    PART_L: tl.constexpr,  # block partials summed per step (long runs)
     RUNS: tl.constexpr,  # runs (unique rows) per program, one per tile row
-    BLOCK_L: tl.constexpr,
+    IDS: tl.constexpr,  # ids of each run read per step
     BLOCK_D: tl.constexpr,
 ):
     # one program per RUNS consecutive runs; programs past the run count exit
@@ -261,17 +262,36 @@ def _tbe_row_update_kernel(
         ).to(tl.float32)
         if HAS_SCALE:
             acc = acc * tl.load(scales_ptr + s, mask=first, other=0.0)[:, None]
-        for j in range(1, tl.max(n_short, axis=0)):
-            jm = j < n_short
-            goff = tl.load(goffs_ptr + s + j, mask=jm, other=0)
-            gr = tl.load(
-                grad_ptr + goff[:, None] + d[None, :],
-                mask=jm[:, None] & dm,
-                other=0.0,
-            ).to(tl.float32)
-            if HAS_SCALE:
-                gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
-            acc += gr
+        if IDS == 1:
+            for j in range(1, tl.max(n_short, axis=0)):
+                jm = j < n_short
+                goff = tl.load(goffs_ptr + s + j, mask=jm, other=0)
+                gr = tl.load(
+                    grad_ptr + goff[:, None] + d[None, :],
+                    mask=jm[:, None] & dm,
+                    other=0.0,
+                ).to(tl.float32)
+                if HAS_SCALE:
+                    gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
+                acc += gr
+        else:
+            # IDS ids of every run per step: tile row t is id (t % IDS) of run (t // IDS)
+            s_t = tl.reshape(tl.broadcast_to(s[:, None], [RUNS, IDS]), [RUNS * IDS])
+            n_t = tl.reshape(tl.broadcast_to(n_short[:, None], [RUNS, IDS]), [RUNS * IDS])
+            dm_t = tl.reshape(
+                tl.broadcast_to(dm[:, None, :], [RUNS, IDS, BLOCK_D]), [RUNS * IDS, BLOCK_D]
+            )
+            jj = tl.arange(0, RUNS * IDS) % IDS
+            for j0 in range(1, tl.max(n_short, axis=0), IDS):
+                j = j0 + jj
+                jm = j < n_t
+                goff = tl.load(goffs_ptr + s_t + j, mask=jm, other=0)
+                gr = tl.load(
+                    grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm_t, other=0.0
+                ).to(tl.float32)
+                if HAS_SCALE:
+                    gr = gr * tl.load(scales_ptr + s_t + j, mask=jm, other=0.0)[:, None]
+                acc += tl.sum(tl.reshape(gr, [RUNS, IDS, BLOCK_D]), axis=1)
 
         # long runs one at a time: sum their blocks' partials in order
         if tl.sum(long.to(tl.int32), axis=0) > 0:
@@ -283,8 +303,8 @@ def _tbe_row_update_kernel(
                     c0 = s_i // CHUNK_SIZE
                     c1 = (e_i - 1) // CHUNK_SIZE + 1
                     part_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-                    for k0 in range(c0, c1, BLOCK_L):
-                        k = k0 + tl.arange(0, BLOCK_L)
+                    for k0 in range(c0, c1, PART_L):
+                        k = k0 + tl.arange(0, PART_L)
                         slot = tl.where((k == c0) & (s_i != c0 * CHUNK_SIZE), 1, 0)
                         part = tl.load(
                             partial_ptr + (2 * k + slot)[:, None] * BLOCK_D + d[None, :],
@@ -351,17 +371,18 @@ def linearize(
     return keys.to(key_dtype(num_rows)), bags.to(torch.int32)
 
 
-def backward_config(max_D: int) -> tuple[int, int]:
+def backward_config(max_D: int) -> tuple[int, int, int]:
     """(RUNS, num_warps) of the row kernel and the chunk kernel, from a sweep on an H200
     (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): the row update is bound by
     its chain of dependent loads, so few runs per one-warp program (more programs in flight)
-    win; ``FBTD_TBE_BWD=runs,num_warps`` overrides."""
+    win; ``FBTD_TBE_BWD=runs,num_warps[,ids]`` overrides."""
     _, block_d = block_sizes(max_D)
-    runs, num_warps = 2, 1 if block_d <= 256 else 2
+    runs, num_warps = (2 if block_d <= 128 else 1), (1 if block_d <= 256 else 2)
+    ids = 1
     override = os.environ.get("FBTD_TBE_BWD")
     if override:
-        runs, num_warps = (int(x) for x in override.split(","))
-    return runs, num_warps
+        runs, num_warps, ids = (int(x) for x in (override + ",1").split(",")[:3])
+    return runs, num_warps, ids
 
 
 def _half_format(dtype: torch.dtype) -> tuple[int, int]:
@@ -407,7 +428,7 @@ def tbe_backward(
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     code = optimizer_code(optimizer)
-    block_l, block_d = block_sizes(max_D)
+    _, block_d = block_sizes(max_D)
     N = indices.numel()
     if N == 0 or B == 0:
         empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -433,12 +454,9 @@ def tbe_backward(
     is_start[:1] = True
     torch.ne(keys[1:], keys[:-1], out=is_start[1:])
     run_ids = torch.cumsum(is_start, 0, dtype=torch.int32)
-    goffs = torch.empty(N, dtype=torch.int64, device=device)
-    run_starts = torch.empty(N + 1, dtype=torch.int64, device=device)
-    run_keys = torch.empty(N, dtype=torch.int64, device=device)
-    run_feats = torch.empty(N, dtype=torch.int32, device=device)
-    run_goffs = torch.empty(N, dtype=torch.int64, device=device)
-    num_runs = torch.empty(1, dtype=torch.int32, device=device)
+    workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
+    goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
+    run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
     _tbe_runs_kernel[(triton.cdiv(N, 1024),)](
         keys,
         bags,
@@ -456,7 +474,7 @@ def tbe_backward(
         BLOCK=1024,
     )
 
-    runs, num_warps = backward_config(max_D)
+    runs, num_warps, ids = backward_config(max_D)
     n_blocks = triton.cdiv(N, CHUNK)
     partial = torch.empty((n_blocks if N > CHUNK else 1, 2, block_d), device=device)
     if N > CHUNK:  # else no run can be long
@@ -477,8 +495,8 @@ def tbe_backward(
             num_warps=num_warps,
         )
 
-    U = int(num_runs) if code == OPT_NONE else 1  # plain gradients: sized output, one sync
-    out_rows = torch.zeros((U, block_d), device=device, dtype=torch.float32)
+    U = int(num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
+    out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
     hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
     _tbe_row_update_kernel[(triton.cdiv(N, runs),)](
@@ -509,8 +527,9 @@ def tbe_backward(
         MANTISSA=mantissa,
         MIN_EXP=min_exp,
         CHUNK_SIZE=CHUNK,
+        PART_L=max(1, min(32, 1024 * num_warps // block_d)),
         RUNS=runs,
-        BLOCK_L=block_l,
+        IDS=ids,
         BLOCK_D=block_d,
         num_warps=num_warps,
     )

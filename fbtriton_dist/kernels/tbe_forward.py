@@ -38,7 +38,7 @@ def cast_rtz(x, DTYPE: tl.constexpr):
         return x.to(DTYPE, fp_downcast_rounding="rtz")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "N", "sentinel"])
 def _tbe_forward_kernel(
     weights_ptr,  # [sum(E_t * D_t)] flat table rows, fp32/fp16/bf16
     w_offsets_ptr,  # [T] int64: element offset of feature f's table in weights
@@ -56,83 +56,74 @@ def _tbe_forward_kernel(
     err_ptr,  # [3] int64 out: ids out of range, N - first such position, malformed bags
     B,  # batch size
     N,  # number of ids
-    num_bags,  # T * B
     out_stride,  # row stride of out
     sentinel,  # key of a dropped id: one past the last linear row
     POOLING: tl.constexpr,  # POOL_SUM or POOL_MEAN
     HAS_PSW: tl.constexpr,  # multiply each row by its per-sample weight
     CHECK: tl.constexpr,  # drop out-of-range ids and count them (and malformed offsets) in err
     LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
-    BAGS: tl.constexpr,  # bags per program, side by side (one warp each)
-    BLOCK_L: tl.constexpr,  # ids gathered per bag and step
+    BLOCK_L: tl.constexpr,  # ids gathered per step
     BLOCK_D: tl.constexpr,  # >= max D, power of two
 ):
-    # one program per BAGS consecutive bags (f, b), in the feature-major order of offsets; a
-    # [BAGS, BLOCK_L, BLOCK_D] tile keeps BAGS * BLOCK_L row loads in flight
-    fb = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
-    in_range = fb < num_bags
-    fb = tl.where(in_range, fb, num_bags - 1)
+    # one program per bag (f, b), in the feature-major order of offsets
+    fb = tl.program_id(0).to(tl.int64)
     f = fb // B
     b = fb - f * B
     start = tl.load(offsets_ptr + fb).to(tl.int64)
-    end = tl.where(in_range, tl.load(offsets_ptr + fb + 1).to(tl.int64), start)
+    end = tl.load(offsets_ptr + fb + 1).to(tl.int64)
     D = tl.load(dims_ptr + f)
     w_base = tl.load(w_offsets_ptr + f)
     col = tl.load(D_offsets_ptr + f)
     if CHECK:
         E = tl.load(rows_ptr + f)
         bad_bag = (end < start) | (start < 0) | (end > N)
-        bad_bag = bad_bag | ((fb == 0) & (start != 0)) | ((fb == num_bags - 1) & (end != N))
-        n_bad_bags = tl.sum((in_range & bad_bag).to(tl.int32), axis=0)
-        if n_bad_bags > 0:
-            tl.atomic_add(err_ptr + 2, n_bad_bags.to(tl.int64))
+        bad_bag = (
+            bad_bag | ((fb == 0) & (start != 0)) | ((fb == tl.num_programs(0) - 1) & (end != N))
+        )
+        if bad_bag:
+            tl.atomic_add(err_ptr + 2, 1)
         start = tl.minimum(tl.maximum(start, 0), N)
-        end = tl.maximum(tl.minimum(end, N), start)
+        end = tl.minimum(end, N)
     if LINEARIZE:
         row_base = tl.load(row_offsets_ptr + f)
 
     d = tl.arange(0, BLOCK_D)
-    d_mask = d[None, None, :] < D[:, None, None]
-    acc = tl.zeros([BAGS, BLOCK_D], dtype=tl.float32)
-    kept = tl.zeros([BAGS, BLOCK_L], dtype=tl.int32)
-    for l0 in range(0, tl.max(end - start, axis=0), BLOCK_L):
-        pos = start[:, None] + l0 + tl.arange(0, BLOCK_L)[None, :]  # [BAGS, BLOCK_L]
-        in_bag = pos < end[:, None]
-        l_mask = in_bag
-        idx = tl.load(indices_ptr + pos, mask=in_bag, other=0).to(tl.int64)
+    d_mask = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    kept = tl.zeros([BLOCK_L], dtype=tl.int32)
+    for l0 in range(start, end, BLOCK_L):
+        pos = l0 + tl.arange(0, BLOCK_L)
+        l_mask = pos < end
+        idx = tl.load(indices_ptr + pos, mask=l_mask, other=0).to(tl.int64)
         if CHECK:
-            ok = (idx >= 0) & (idx < E[:, None])
-            bad = in_bag & ~ok
-            n_bad = tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0)
+            ok = (idx >= 0) & (idx < E)
+            bad = l_mask & ~ok
+            n_bad = tl.sum(bad.to(tl.int32), axis=0)
             if n_bad > 0:
-                first = tl.min(tl.min(tl.where(bad, pos, N), axis=1), axis=0)
                 tl.atomic_add(err_ptr, n_bad.to(tl.int64))
-                tl.atomic_max(err_ptr + 1, N - first)
-            l_mask = in_bag & ok
+                tl.atomic_max(err_ptr + 1, N - tl.min(tl.where(bad, pos, N), axis=0))
+            l_mask = l_mask & ok
         kept += l_mask.to(tl.int32)
         rows = tl.load(
-            weights_ptr + (w_base[:, None] + idx * D[:, None])[:, :, None] + d[None, None, :],
-            mask=l_mask[:, :, None] & d_mask,
+            weights_ptr + w_base + idx[:, None] * D + d[None, :],
+            mask=l_mask[:, None] & d_mask[None, :],
             other=0.0,
         ).to(tl.float32)
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=l_mask, other=0.0).to(tl.float32)
-            rows = rows * psw[:, :, None]
-        acc += tl.sum(rows, axis=1)
+            rows = rows * psw[:, None]
+        acc += tl.sum(rows, axis=0)
         if LINEARIZE:
-            key = tl.where(l_mask, row_base[:, None] + idx, sentinel)
-            tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=in_bag)
-            bag_id = tl.broadcast_to(fb[:, None], [BAGS, BLOCK_L]).to(tl.int32)
-            tl.store(bag_ids_ptr + pos, bag_id, mask=in_bag)
-    n_kept = tl.sum(kept, axis=1).to(tl.float32)
+            key = tl.where(l_mask, row_base + idx, sentinel)
+            tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=pos < end)
+            tl.store(bag_ids_ptr + pos, fb.to(tl.int32), mask=pos < end)
+    n_kept = tl.sum(kept, axis=0).to(tl.float32)
     if POOLING == 1:
-        acc = acc / tl.maximum(n_kept, 1.0)[:, None]
+        acc = acc / tl.maximum(n_kept, 1.0)
         if LINEARIZE:
-            tl.store(counts_ptr + fb, n_kept, mask=in_range)
+            tl.store(counts_ptr + fb, n_kept)
     tl.store(
-        out_ptr + (b * out_stride + col)[:, None] + d[None, :],
-        cast_rne(acc, out_ptr.dtype.element_ty),
-        mask=in_range[:, None] & (d[None, :] < D[:, None]),
+        out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask
     )
 
 
@@ -143,22 +134,22 @@ def block_sizes(max_D: int) -> tuple[int, int]:
     return block_l, block_d
 
 
-def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int, int]:
+def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape, from a
     sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): one warp per
     bag (its sums stay inside the warp, and 32 bags fit on an SM) and 8 ids in flight per step
-    up to D=256 (4 for half-precision D<=128); a bigger tile spills registers.
-    ``FBTD_TBE_FWD=block_l,num_warps[,bags]`` overrides it."""
+    up to D=256 (4 for half-precision D<=128); a bigger tile spills registers. Several bags
+    per program ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower.
+    ``FBTD_TBE_FWD=block_l,num_warps`` overrides it."""
     _, block_d = block_sizes(max_D)
     num_warps = 1 if block_d <= 256 else 2
     block_l = max(1, 2048 // block_d) if block_d > 256 else 8
     if weight_bytes == 2 and block_d <= 128:
         block_l = 4
-    bags = 1
     override = os.environ.get("FBTD_TBE_FWD")
     if override:
-        block_l, num_warps, bags = (int(x) for x in (override + ",1").split(",")[:3])
-    return block_l, block_d, num_warps, bags
+        block_l, num_warps = (int(x) for x in override.split(","))
+    return block_l, block_d, num_warps
 
 
 def key_dtype(num_rows: int) -> torch.dtype:
@@ -211,9 +202,9 @@ def tbe_forward(
         if counts is not None:
             counts.zero_()
         return result
-    block_l, block_d, num_warps, bags = forward_config(max_D, weights.element_size())
+    block_l, block_d, num_warps = forward_config(max_D, weights.element_size())
     psw = per_sample_weights if per_sample_weights is not None else indices
-    _tbe_forward_kernel[(triton.cdiv(T * B, bags),)](
+    _tbe_forward_kernel[(T * B,)](
         weights,
         w_offsets,
         dims,
@@ -230,14 +221,12 @@ def tbe_forward(
         err if err is not None else dims,
         B,
         N,
-        T * B,
         out.stride(0),
         num_rows,
         POOLING=pooling,
         HAS_PSW=per_sample_weights is not None,
         CHECK=err is not None,
         LINEARIZE=linearize,
-        BAGS=bags,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,

@@ -4,6 +4,7 @@ Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B
 (feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``.
 """
 
+import collections
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -339,7 +340,7 @@ def tbe_lookup(
             f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
         )
     if monitor is not None:
-        monitor.poll()
+        monitor.poll(wait=False)
     targets = tuple(grad_targets) if grad_targets is not None and fused is None else ()
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
@@ -392,29 +393,41 @@ def _report_bad_input(batch, flags: list[int]) -> None:
 
 class BoundsMonitor:
     """The deferred ``bounds_check="warn"`` of a module on CUDA: a batch's flags are copied to
-    pinned host memory without waiting, and the next lookup (or ``poll()``) warns about the
-    ids that batch dropped, as FBGEMM's WARNING mode does. Errors are never deferred."""
+    pinned host memory without waiting, and a later lookup (or ``poll()``) warns about the
+    ids that batch dropped, as FBGEMM's WARNING mode does. Lookups never wait for the GPU
+    unless DEPTH batches are still in flight. Errors are never deferred."""
+
+    DEPTH = 8
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None
-        self._pending = None
+        self._free: list[torch.Tensor] = []
+        self._pending: collections.deque = collections.deque()
 
     def watch(self, err: torch.Tensor, batch) -> None:
-        self.poll()
-        if self._host is None:
-            self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)
-        self._host.copy_(err, non_blocking=True)
+        self._drain(wait=len(self._pending) >= self.DEPTH)
+        host = (
+            self._free.pop() if self._free else torch.empty(3, dtype=torch.int64, pin_memory=True)
+        )
+        host.copy_(err, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending = (event, batch)
+        self._pending.append((event, host, batch))
 
-    def poll(self) -> None:
-        """Warn about (or raise for) the last watched batch, waiting for it if needed."""
-        if self._pending is None:
-            return
-        event, batch = self._pending
-        self._pending = None
-        event.synchronize()
-        flags = self._host.tolist()
-        if any(flags):
-            _report_bad_input(batch, flags)
+    def poll(self, wait: bool = True) -> None:
+        """Warn about (or raise for) the watched batches; ``wait``: also those still running."""
+        self._drain(wait=wait, everything=wait)
+
+    def _drain(self, wait: bool, everything: bool = False) -> None:
+        while self._pending:
+            event, host, batch = self._pending[0]
+            if not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            flags = host.tolist()
+            self._free.append(host)
+            if any(flags):
+                _report_bad_input(batch, flags)
+            if not everything:
+                wait = False
