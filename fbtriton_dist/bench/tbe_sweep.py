@@ -8,6 +8,7 @@ backward_config): GPU-busy µs per kernel for each (BLOCK_L, num_warps) of the f
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--bwd", default="4,4;8,4;16,4;32,4;8,2;16,8")
     p.add_argument("--out", default=None)
     p.add_argument("--host", action="store_true", help="also profile host time per step")
+    p.add_argument("--launch", action="store_true", help="pipelined ms, fast launch off / on")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     results = []
@@ -107,6 +109,31 @@ def main(argv=None) -> None:
         def step(tbe=tbe, indices=indices, offsets=offsets, grad=grad):
             tbe(indices, offsets).backward(grad)
 
+        if args.launch:
+            from fbtriton_dist.kernels import tbe_backward, tbe_forward  # noqa: PLC0415
+
+            launchers = [tbe_forward._FORWARD, tbe_backward._RUNS, tbe_backward._CHUNKS]
+            launchers.append(tbe_backward._ROWS)
+            for fast in (False, True, False, True):
+                for launcher in launchers:
+                    launcher.enabled = fast
+                for fn in (fwd, step):
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        fn()
+                    torch.cuda.synchronize()
+                    ms = (time.perf_counter() - t0) / 50 * 1e3
+                    r = {
+                        "shape": name,
+                        "phase": fn.__name__,
+                        "fast_launch": fast,
+                        "pipelined_ms": ms,
+                    }
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
         if args.host:
             t0 = torch.cuda.Event(enable_timing=True)
             t1 = torch.cuda.Event(enable_timing=True)

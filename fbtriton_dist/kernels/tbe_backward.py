@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from fbtriton_dist import optim
+from fbtriton_dist.kernels.launch import Launcher
 from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz, key_dtype
 
 OPT_NONE = 0
@@ -360,6 +361,11 @@ def _tbe_row_update_kernel(
             tl.store(weights_ptr + ptrs, w_new, mask=dm)
 
 
+_RUNS = Launcher(_tbe_runs_kernel)
+_CHUNKS = Launcher(_tbe_chunk_reduce_kernel)
+_ROWS = Launcher(_tbe_row_update_kernel)
+
+
 def linearize(
     indices: torch.Tensor, offsets: torch.Tensor, row_offsets: torch.Tensor, B: int, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,7 +463,8 @@ def tbe_backward(
     workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
     goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
     run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
-    _tbe_runs_kernel[(triton.cdiv(N, 1024),)](
+    _RUNS(
+        (triton.cdiv(N, 1024),),
         keys,
         bags,
         run_ids,
@@ -478,7 +485,8 @@ def tbe_backward(
     n_blocks = triton.cdiv(N, CHUNK)
     partial = torch.empty((n_blocks if N > CHUNK else 1, 2, block_d), device=device)
     if N > CHUNK:  # else no run can be long
-        _tbe_chunk_reduce_kernel[(n_blocks,)](
+        _CHUNKS(
+            (n_blocks,),
             grad_output,
             dims,
             goffs,
@@ -499,7 +507,8 @@ def tbe_backward(
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
     hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
-    _tbe_row_update_kernel[(triton.cdiv(N, runs),)](
+    _ROWS(
+        (triton.cdiv(N, runs),),
         grad_output,
         weights,
         w_offsets,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fbtriton_dist.kernels.launch import Launcher
+
 POOL_SUM = 0
 POOL_MEAN = 1
 
@@ -127,6 +129,9 @@ def _tbe_forward_kernel(
     )
 
 
+_FORWARD = Launcher(_tbe_forward_kernel)
+
+
 def block_sizes(max_D: int) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_D) for a batch whose widest table has ``max_D`` columns."""
     block_d = triton.next_power_of_2(max(int(max_D), 1))
@@ -204,25 +209,26 @@ def tbe_forward(
         return result
     block_l, block_d, num_warps = forward_config(max_D, weights.element_size())
     psw = per_sample_weights if per_sample_weights is not None else indices
-    _tbe_forward_kernel[(T * B,)](
-        weights,
-        w_offsets,
-        dims,
-        D_offsets,
-        rows if rows is not None else dims,
-        row_offsets if row_offsets is not None else dims,
-        indices,
-        offsets,
-        psw,
-        out,
-        keys,
-        bag_ids,
-        counts if counts is not None else out,
-        err if err is not None else dims,
-        B,
-        N,
-        out.stride(0),
-        num_rows,
+    _FORWARD(
+        (T * B,),
+        weights_ptr=weights,
+        w_offsets_ptr=w_offsets,
+        dims_ptr=dims,
+        D_offsets_ptr=D_offsets,
+        rows_ptr=rows if rows is not None else dims,
+        row_offsets_ptr=row_offsets if row_offsets is not None else dims,
+        indices_ptr=indices,
+        offsets_ptr=offsets,
+        psw_ptr=psw,
+        out_ptr=out,
+        keys_ptr=keys,
+        bag_ids_ptr=bag_ids,
+        counts_ptr=counts if counts is not None else out,
+        err_ptr=err if err is not None else dims,
+        B=B,
+        N=N,
+        out_stride=out.stride(0),
+        sentinel=num_rows,
         POOLING=pooling,
         HAS_PSW=per_sample_weights is not None,
         CHECK=err is not None,
