@@ -6,6 +6,7 @@ backward_config): GPU-busy µs per kernel for each (BLOCK_L, num_warps) of the f
 """
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -110,10 +111,9 @@ def main(argv=None) -> None:
             tbe(indices, offsets).backward(grad)
 
         if args.launch:
-            from fbtriton_dist.kernels import tbe_backward, tbe_forward  # noqa: PLC0415
-
-            launchers = [tbe_forward._FORWARD, tbe_backward._RUNS, tbe_backward._CHUNKS]
-            launchers.append(tbe_backward._ROWS)
+            fwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_forward")
+            bwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_backward")
+            launchers = [fwd_mod._FORWARD, bwd_mod._RUNS, bwd_mod._CHUNKS, bwd_mod._ROWS]
             for fast in (False, True, False, True):
                 for launcher in launchers:
                     launcher.enabled = fast
