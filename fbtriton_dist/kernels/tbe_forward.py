@@ -93,8 +93,6 @@ def _tbe_forward_kernel(
     d_mask = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     kept = tl.zeros([BLOCK_L], dtype=tl.int32)
-    n_bad = tl.zeros([BLOCK_L], dtype=tl.int32)  # per lane, reduced once after the loop
-    first_bad = tl.full([BLOCK_L], N, dtype=tl.int64)
     for l0 in range(start, end, BLOCK_L):
         pos = l0 + tl.arange(0, BLOCK_L)
         l_mask = pos < end
@@ -102,8 +100,10 @@ def _tbe_forward_kernel(
         if CHECK:
             ok = (idx >= 0) & (idx < E)
             bad = l_mask & ~ok
-            n_bad += bad.to(tl.int32)
-            first_bad = tl.minimum(first_bad, tl.where(bad, pos, N))
+            n_bad = tl.sum(bad.to(tl.int32), axis=0)
+            if n_bad > 0:
+                tl.atomic_add(err_ptr, n_bad.to(tl.int64))
+                tl.atomic_max(err_ptr + 1, N - tl.min(tl.where(bad, pos, N), axis=0))
             l_mask = l_mask & ok
         kept += l_mask.to(tl.int32)
         rows = tl.load(
@@ -119,11 +119,6 @@ def _tbe_forward_kernel(
             key = tl.where(l_mask, row_base + idx, sentinel)
             tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=pos < end)
             tl.store(bag_ids_ptr + pos, fb.to(tl.int32), mask=pos < end)
-    if CHECK:
-        bad_ids = tl.sum(n_bad, axis=0)
-        if bad_ids > 0:
-            tl.atomic_add(err_ptr, bad_ids.to(tl.int64))
-            tl.atomic_max(err_ptr + 1, N - tl.min(first_bad, axis=0))
     n_kept = tl.sum(kept, axis=0).to(tl.float32)
     if POOLING == 1:
         acc = acc / tl.maximum(n_kept, 1.0)
