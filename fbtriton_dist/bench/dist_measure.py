@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fbtriton_dist.train.loop import timed
+
 from .dist_providers import Runner
 
 DEVICE_KINDS = ("kernel", "memcpy", "memset")  # kineto activity kinds of device work
@@ -105,17 +107,6 @@ def busy_stats(intervals: Sequence[tuple[int, int, str]], steps: int) -> dict[st
     }
 
 
-def _timed(fn, timer, stage: str):
-    def wrapper(*args, **kwargs):
-        timer.start(stage)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            timer.stop(stage)
-
-    return wrapper
-
-
 def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, float]:
     """Mean ms per step of each stage over ``steps`` steps (see the module docstring)."""
     from fbtriton_dist.train.metrics import StageTimer
@@ -124,8 +115,8 @@ def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, f
     if runner.sharded is not None:
         names = {"input_dist": "input_dist", "compute": "lookup", "output_dist": "output_dist"}
         for attr, stage in names.items():
-            setattr(runner.sharded, attr, _timed(getattr(runner.sharded, attr), timer, stage))
-    runner.model.forward = _timed(runner.model.forward, timer, "forward")
+            setattr(runner.sharded, attr, timed(getattr(runner.sharded, attr), timer, stage))
+    runner.model.forward = timed(runner.model.forward, timer, "forward")
     for _ in range(steps):
         timer.start("step")
         runner.step()

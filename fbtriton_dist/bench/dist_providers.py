@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.train.data import Batch
+from fbtriton_dist.train.loop import allreduce_mean
 
 from .dist_report import PROVIDERS
 from .dist_setup import ModelSpec, Table, build_model, embedding_fqn, torchrec_module_plan
@@ -94,26 +94,13 @@ def loss_of(out) -> torch.Tensor:
     return out.detach()
 
 
-def _allreduce_mean(params: Sequence[nn.Parameter], group) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def _dense_optimizer(params: list[nn.Parameter], ctx: Context, allreduce: bool):
     """SGD over ``params`` (a dummy one when there are none: a pipeline wants an optimizer)."""
     if not params:
         return torch.optim.SGD([nn.Parameter(torch.zeros(1, device=ctx.device))], lr=0.0)
     opt = torch.optim.SGD(params, lr=ctx.dense_lr)
     if allreduce:
-        opt.register_step_pre_hook(lambda *_: _allreduce_mean(params, ctx.group))
+        opt.register_step_pre_hook(lambda *_: allreduce_mean(params, ctx.group))
     return opt
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["Trainer", "evaluate"]
 
 
-def _allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+def allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average dense gradients over the ranks (one flat all-reduce)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -37,7 +37,9 @@ def _allreduce_mean(params: Sequence[nn.Parameter], group: dist.ProcessGroup) ->
         offset += g.numel()
 
 
-def _timed(fn, timer: StageTimer, stage: str):
+def timed(fn, timer: StageTimer, stage: str):
+    """``fn`` wrapped so that each call is timed as ``stage`` (anything with start/stop)."""
+
     def wrapper(*args, **kwargs):
         timer.start(stage)
         try:
@@ -56,7 +58,7 @@ def time_embeddings(model: nn.Module, fqns: Sequence[str], timer: StageTimer) ->
         m = model.get_submodule(fqn)
         if all(callable(getattr(m, name, None)) for name in stages):
             for name, stage in stages.items():
-                setattr(m, name, _timed(getattr(m, name), timer, stage))
+                setattr(m, name, timed(getattr(m, name), timer, stage))
             continue
         m.register_forward_pre_hook(lambda *_: timer.start("lookup"))
         m.register_forward_hook(lambda *_: timer.stop("lookup"))
@@ -133,7 +135,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
         if self.env.process_group is not None:
-            _allreduce_mean(self.dense_params, self.env.process_group)
+            allreduce_mean(self.dense_params, self.env.process_group)
         self.optimizer.step()
         self.timer.stop("backward")
         self.timer.step_done()
