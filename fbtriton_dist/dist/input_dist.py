@@ -8,15 +8,17 @@ One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key orde
    the KJT is never permuted into config order.
 2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
    per destination its id count per shard-feature, this rank's batch size, a failure flag
-   (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, the
-   number of unique ids. **The one host sync of the step** reads it back: the data all-to-all
+   (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, its
+   distinct ids per shard-feature. **The one host sync of the step** reads it back: the data all-to-all
    below needs host split lists (``all_to_all_single``'s contract), and every other size on
    the host (received ids, TBE group bounds, the comm report) comes from the same read.
 3. data all-to-all: one byte message per (source, destination) pair holding, each piece
    padded to 8 bytes, the bag lengths (int32), the ids (int32 when every shard of the
-   destination has fewer than 2**31 rows, else int64), with dedup the destination's unique
-   ids and an inverse map (int16 up to 32,768 unique ids, else int32), and the per-sample
-   weights (float32). Both sides compute the layout from the header.
+   destination has fewer than 2**31 rows, else int64), with dedup each shard-feature's
+   distinct ids and an inverse map, each id's place among its shard-feature's distinct ids
+   (16 bits when no shard-feature has more than 65,536 distinct ids, else 32), and the
+   per-sample weights (float32). Both sides compute the layout from the header; a message is
+   deduplicated only where that makes it smaller.
 
 The receiver expands deduplicated ids back with the inverse map and reorders what it got
 rank-major (``[r][sf][b]``) into the feature-major lookup batch (``[sf][r][b]``) with one
@@ -35,7 +37,7 @@ from fbtriton_dist.dist.layout import ShardLayout
 from fbtriton_dist.sparse import JaggedBatch, KJTParts, kjt_parts, kjt_to_batch
 
 ALIGN = 8  # bytes: every piece of a message starts aligned, so it can be viewed in place
-INT16_UNIQUE = 2**15  # inverse maps of up to this many unique ids travel as int16
+INVERSE16 = 2**16  # inverse maps into at most this many distinct ids travel in 16 bits
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,12 +77,20 @@ def _padded(n: int) -> int:
 
 
 def message(
-    n_lengths: int, count: int, unique: int, id_dtype, weighted: bool, dedup: bool
+    n_lengths: int,
+    count: int,
+    unique: int,
+    id_dtype,
+    weighted: bool,
+    dedup: bool,
+    max_unique: int | None = None,
 ) -> Message:
     """Layout of a message with ``n_lengths`` bag lengths and ``count`` ids of which
-    ``unique`` are distinct; deduplicated only where that is smaller on the wire."""
+    ``unique`` are distinct (summed over its shard-features, at most ``max_unique`` in one,
+    default ``unique``); deduplicated only where that is smaller on the wire."""
     id_bytes = id_dtype.itemsize
-    inv_dtype = torch.int16 if unique <= INT16_UNIQUE else torch.int32
+    max_unique = unique if max_unique is None else max_unique
+    inv_dtype = torch.int16 if max_unique <= INVERSE16 else torch.int32  # int16: 16 bits
     inv_bytes = 2 if inv_dtype == torch.int16 else 4
     use_dedup = dedup and _padded(unique * id_bytes) + _padded(count * inv_bytes) < _padded(
         count * id_bytes
@@ -152,7 +162,10 @@ class InputDist:
         R = layout.world_size
         self.n_sf = [len(q) for q in layout.local]  # shard-features per destination
         self.n_max = max(self.n_sf, default=0)
-        self.H = self.n_max + 3  # header: counts..., batch size, failed, unique ids
+        # header columns: ids per shard-feature, [distinct ids per shard-feature,] B, failed
+        self.c_B = self.n_max * (2 if dedup else 1)
+        self.c_failed = self.c_B + 1
+        self.H = self.c_B + 2
         self.sfs = [sf for q in layout.local for sf in q]
         self.sf_start = [0]
         for n in self.n_sf:
@@ -225,24 +238,26 @@ class InputDist:
         return lengths, ids, w, failed
 
     def _unique(self, ids: torch.Tensor, per_sf: torch.Tensor):
-        """Per destination, its distinct ids (sorted) and each id's place among them, without
-        a sync: (unique values [M] (the first U_q of each destination's run are used),
-        inverse [M], unique counts [R], where each destination's unique values start)."""
-        M, R = ids.numel(), self.world
-        dest = torch.repeat_interleave(self.dest, per_sf, output_size=M)
-        key = (dest << 40) | ids
-        sorted_key, perm = torch.sort(key)
+        """Per shard-feature, its distinct ids (sorted) and each id's place among them,
+        without a sync: (distinct values [M], of which the first ``sum(unique)`` are used,
+        shard-feature after shard-feature; inverse [M]; distinct ids per shard-feature [S]).
+        Ids are rebased rows of one shard (< 2**40)."""
+        M, S = ids.numel(), len(self.sfs)
+        sf = torch.repeat_interleave(
+            torch.arange(S, device=ids.device), per_sf, output_size=M
+        )
+        sorted_key, perm = torch.sort((sf << 40) | ids)
         first = torch.ones(M, dtype=torch.bool, device=ids.device)
         first[1:] = sorted_key[1:] != sorted_key[:-1]
         group = torch.cumsum(first, 0) - 1
         values = torch.empty(M, dtype=torch.int64, device=ids.device)
         values[group] = sorted_key & ((1 << 40) - 1)
-        sorted_dest = sorted_key >> 40
-        unique = torch.zeros(R, dtype=torch.int64, device=ids.device)
-        unique.index_add_(0, sorted_dest, first.to(torch.int64))
+        sorted_sf = sorted_key >> 40
+        unique = torch.zeros(S, dtype=torch.int64, device=ids.device)
+        unique.index_add_(0, sorted_sf, first.to(torch.int64))
         start = torch.cumsum(unique, 0) - unique
         inverse = torch.empty(M, dtype=torch.int64, device=ids.device)
-        inverse[perm] = group - start[sorted_dest]
+        inverse[perm] = group - start[sorted_sf]
         return values, inverse, unique
 
     # -- the step ---------------------------------------------------------------------------
@@ -259,24 +274,24 @@ class InputDist:
             B = parts.batch_size
             per_sf = lengths.view(len(self.sfs), B).sum(1)  # [S]
             hdr.view(-1).index_copy_(0, self.hdr_pos, per_sf)
-            hdr[:, self.n_max] = B
-            hdr[:, self.n_max + 1] = failed
+            hdr[:, self.c_B] = B
+            hdr[:, self.c_failed] = failed
             if self.dedup and ids.numel():
                 uniq, inverse, n_unique = self._unique(ids, per_sf)
-                hdr[:, self.n_max + 2] = n_unique
+                hdr.view(-1).index_copy_(0, self.hdr_pos + self.n_max, n_unique)
         else:
-            hdr[:, self.n_max + 1] = 1
+            hdr[:, self.c_failed] = 1
         hdr_recv = torch.empty_like(hdr)
         dist.all_to_all_single(hdr_recv, hdr, group=group)
         sent_h, recv_h = torch.stack([hdr, hdr_recv]).tolist()  # the host sync (see above)
-        bad = [r for r in range(R) if recv_h[r][self.n_max + 1]]
+        bad = [r for r in range(R) if recv_h[r][self.c_failed]]
         if bad:
             if error is None and me in bad:
                 error = self._explain(features, weighted)
             if error is not None:
                 raise error
             raise RuntimeError(f"rank(s) {bad} found bad input in this batch (see their error)")
-        sizes = [recv_h[r][self.n_max] for r in range(R)]
+        sizes = [recv_h[r][self.c_B] for r in range(R)]
         B = sizes[me]
         weighted_wire = parts.weights is not None
 
@@ -284,10 +299,10 @@ class InputDist:
         send_msgs, sends, id_start, u_start = [], [], 0, 0
         for q in range(R):
             count = sum(sent_h[q][: self.n_sf[q]])
-            unique = sent_h[q][self.n_max + 2]
-            msg = message(
-                self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted_wire, self.dedup
-            )
+            per_u = sent_h[q][self.n_max : self.n_max + self.n_sf[q]] if self.dedup else [0]
+            unique = sum(per_u)
+            msg = message(self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted_wire,
+                          self.dedup, max(per_u, default=0))
             send_msgs.append(msg)
             sends.append((count, id_start, unique, u_start))
             id_start += count
@@ -312,10 +327,9 @@ class InputDist:
         recv_msgs = []
         for r in range(R):
             count = sum(recv_h[r][:n_local])
-            unique = recv_h[r][self.n_max + 2]
-            recv_msgs.append(message(
-                n_local * sizes[r], count, unique, self.id_dtype[me], weighted_wire, self.dedup
-            ))
+            per_u = recv_h[r][self.n_max : self.n_max + n_local] if self.dedup else [0]
+            recv_msgs.append(message(n_local * sizes[r], count, sum(per_u), self.id_dtype[me],
+                                     weighted_wire, self.dedup, max(per_u, default=0)))
         recvbuf = torch.empty(sum(m.nbytes for m in recv_msgs), dtype=torch.uint8, device=dev)
         dist.all_to_all_single(
             recvbuf, sendbuf, [m.nbytes for m in recv_msgs], [m.nbytes for m in send_msgs],
@@ -373,7 +387,17 @@ class InputDist:
 
             lens.append(piece("lengths").view(n_local, sizes[r]))
             if "unique" in msg.pieces:
-                ids.append(piece("unique").index_select(0, piece("inverse").to(torch.int32)))
+                # each id's place among its shard-feature's distinct ids, plus where those
+                # start in the message (from the header on the device)
+                counts, distinct = hdr_recv[r, :n_local], hdr_recv[r, self.n_max :][:n_local]
+                start = torch.repeat_interleave(
+                    torch.cumsum(distinct, 0) - distinct, counts, output_size=msg.pieces["inverse"][2]
+                )
+                inverse = piece("inverse")
+                inv = inverse.to(torch.int64)
+                if inverse.dtype == torch.int16:
+                    inv &= 0xFFFF  # 16 bits, read unsigned (up to 65,536 distinct ids)
+                ids.append(piece("unique").index_select(0, inv + start))
             else:
                 ids.append(piece("ids"))
             if weighted:

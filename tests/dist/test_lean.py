@@ -97,6 +97,17 @@ def _empty_rank_and_dedup(rank, world):
         identical &= all(_same(x, y) for x, y in zip(
             [s for st in tp.split_optimizer_states() for s in st],
             [s for st in td.split_optimizer_states() for s in st], strict=True))
+    # a forward on a batch of few distinct ids: there dedup pays despite the 8-byte padding
+    from torchrec import KeyedJaggedTensor
+
+    names = [f for c in configs for f in c.feature_names]
+    g = torch.Generator().manual_seed(rank)
+    hot = KeyedJaggedTensor(keys=names, values=torch.randint(0, 3, (len(names) * 64 * 8,),
+                                                             generator=g),
+                            lengths=torch.full((len(names) * 64,), 8),
+                            weights=torch.rand(len(names) * 64 * 8, generator=g)).to(dev)
+    with torch.no_grad():
+        identical &= _same(plain(hot).values(), dedup(hot).values())
     return errors, identical, plain.comm_report(), dedup.comm_report()
 
 
@@ -315,17 +326,21 @@ def test_unique_per_destination_and_message_layout():
     per_sf[0] = 0  # a shard-feature with no ids
     ids = torch.randint(0, 5, (int(per_sf.sum()),), generator=g)
     values, inverse, unique = inp._unique(ids, per_sf)
-    dest = torch.repeat_interleave(inp.dest, per_sf)
+    sf = torch.repeat_interleave(torch.arange(len(inp.sfs)), per_sf)
     starts = torch.cumsum(unique, 0) - unique
-    for q in range(3):
-        mine = ids[dest == q]
-        distinct = values[starts[q] : starts[q] + unique[q]]
-        assert torch.equal(distinct, torch.unique(mine)), q
-        assert torch.equal(distinct[inverse[dest == q]], mine), q
+    for s in range(len(inp.sfs)):
+        mine = ids[sf == s]
+        distinct = values[starts[s] : starts[s] + unique[s]]
+        assert torch.equal(distinct, torch.unique(mine)), s
+        assert torch.equal(distinct[inverse[sf == s]], mine), s
     m = message(6, 100, 10, torch.int32, True, True)
     assert m.pieces["inverse"][1] == torch.int16 and m.nbytes < m.raw_bytes
     assert all(offset % 8 == 0 for offset, _, _ in m.pieces.values())
-    m = message(6, 100_000, 40_000, torch.int64, False, True)  # int32 inverse, int64 ids
+    m = message(6, 300_000, 120_000, torch.int32, False, True, 60_000)  # 16 bits per inverse
+    assert m.pieces["inverse"][1] == torch.int16 and m.nbytes < m.raw_bytes
+    wire = torch.tensor([0, 40_000, 65_535]).to(torch.int16)  # read back unsigned
+    assert (wire.to(torch.int64) & 0xFFFF).tolist() == [0, 40_000, 65_535]
+    m = message(6, 300_000, 100_000, torch.int64, False, True, 80_000)  # int32 inverse
     assert m.pieces["inverse"][1] == torch.int32 and m.nbytes < m.raw_bytes
     m = message(6, 10, 10, torch.int32, False, True)  # all distinct: sent as they are
     assert "ids" in m.pieces and m.nbytes == m.raw_bytes
