@@ -102,7 +102,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eps", type=float, default=1e-8, help="rowwise Adagrad eps")
     p.add_argument("--dense-lr", type=float, default=0.01, help="dense SGD learning rate")
     p.add_argument("--batches", type=int, help="distinct batches per rank, cycled (default 8)")
-    p.add_argument("--warmup", type=int, help="warm-up steps, not counted (default 5)")
+    p.add_argument(
+        "--warmup", type=int, help="warm-up steps, not counted (default 5, at least --batches)"
+    )
     p.add_argument("--steps", type=int, help="timed steps (default 20)")
     p.add_argument("--profile-steps", type=int, help="profiled steps, CUDA only (default 5)")
     p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
@@ -342,7 +344,8 @@ def _run_one(provider: str, ctx, args, env, estimate: dict[str, float]) -> dict[
         local.update(
             measure(
                 runner,
-                warmup=args.warmup,
+                # one pass over the distinct batches at least: a new batch shape can compile
+                warmup=max(args.warmup, args.batches),
                 steps=args.steps,
                 profile_steps=args.profile_steps,
                 split=args.split_steps,
