@@ -46,7 +46,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     The stages, for pipelines and benchmarks that run them apart::
 
-        lengths, lookup, sizes = ebc.input_dist(kjt)   # bucketize + 2 all-to-alls (1 sync)
+        lengths, lookup, sizes = ebc.input_dist(kjt)   # bucketize + header/data all-to-alls
         local = ebc.compute(lookup)                    # TBE lookup of the local shards
         kt = ebc.output_dist(local, lengths, sizes)    # KeyedTensor [B, sum(D)]
 
@@ -183,8 +183,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- the three stages -------------------------------------------------------------------
     def input_dist(self, features) -> InputDistOut:
         """KJT of this rank -> ``(lengths [T, B] of its own bags, the lookup batch of its
-        shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync,
-        one data all-to-all (``fbtriton_dist.dist.input_dist``)."""
+        shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync
+        (the data all-to-all's split lists; on GPU the bucketize launcher sizes its output
+        with one more), one data all-to-all (``fbtriton_dist.dist.input_dist``)."""
         out = self.input_dist_(features, self._is_weighted, self.input_group)
         self._last = out.lookup.stats
         return out
