@@ -230,8 +230,12 @@ class InputDist:
             impl = kernels
         # clamped: a batch whose lengths overrun the values stays in bounds until every rank
         # has heard of it through the header
+        # without dedup the ids buffer is sized by a bound (each id lands in at most
+        # max(cover) shards) instead of a sync; the header's counts say how much is used
+        capacity = None if self.dedup else N * max(self.cover, default=1)
         lengths, ids, w = impl.bucketize(
-            parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B
+            parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B,
+            capacity=capacity,
         )
         expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
         failed = bad_lengths | (lengths.sum() != expected)

@@ -85,21 +85,24 @@ def bucketize(
     sf_row_start: torch.Tensor,
     sf_row_end: torch.Tensor,
     B: int,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Same contract as reference.bucketize.bucketize: (lengths [S*B], ids, weights)."""
+    """Same contract as reference.bucketize.bucketize: (lengths [S*B], ids, weights). With
+    ``capacity`` (>= the ids that can come out, e.g. N times the shards an id can land in)
+    the outputs have that length and no host sync is needed to size them."""
     S = sf_feature.numel()
     device = indices.device
     lengths = torch.zeros(S * B, dtype=torch.int64, device=device)
     if S * B == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        w = per_sample_weights.new_zeros(0) if per_sample_weights is not None else None
+        empty = torch.zeros(capacity or 0, dtype=torch.int64, device=device)
+        w = per_sample_weights.new_zeros(capacity or 0) if per_sample_weights is not None else None
         return lengths, empty, w
     BLOCK = 64
     _bucketize_count_kernel[(S * B,)](
         indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BLOCK=BLOCK
     )
     starts = torch.cumsum(lengths, 0) - lengths
-    M = int(lengths.sum())
+    M = int(lengths.sum()) if capacity is None else capacity
     ids = torch.empty(M, dtype=torch.int64, device=device)
     psw = per_sample_weights
     out_psw = psw.new_empty(M) if psw is not None else None

@@ -11,13 +11,28 @@ def bucketize(
     sf_row_start: torch.Tensor,
     sf_row_end: torch.Tensor,
     B: int,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For every shard-feature s (feature ``sf_feature[s]``, rows [start, end)) and sample b:
     the ids of bag (feature, b) inside the row range, rebased to ``start``.
 
     Returns ``lengths`` [S * B] (shard-feature-major), ``ids`` [sum(lengths)] int64 in
-    (s, b, original order) order, and the matching per-sample weights (or None).
+    (s, b, original order) order, and the matching per-sample weights (or None). With
+    ``capacity``, ids and weights are padded to that length (the kernel then needs no sync).
     """
+    lengths, ids, w = _bucketize(
+        indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B
+    )
+    if capacity is not None:
+        pad = capacity - ids.numel()
+        if pad < 0:
+            raise ValueError(f"capacity: expected >= {ids.numel()} ids, got {capacity}")
+        ids = torch.nn.functional.pad(ids, (0, pad))
+        w = torch.nn.functional.pad(w, (0, pad)) if w is not None else None
+    return lengths, ids, w
+
+
+def _bucketize(indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B):
     device = indices.device
     F = (offsets.numel() - 1) // max(B, 1)
     bounds = offsets[:: max(B, 1)].tolist() if B else [0] * (F + 1)

@@ -50,11 +50,17 @@ def test_bucketize_matches_loop(name, weighted, backend):
         dev = DEVICE
         args = [t.to(dev) if t is not None else None for t in (indices, offsets, psw, *cols)]
         lengths, ids, w = kernels.bucketize(*args, B)
+        padded = kernels.bucketize(*args, B, capacity=len(expected[1]) + 5)
     else:
         lengths, ids, w = reference.bucketize(indices, offsets, psw, *cols, B)
+        padded = reference.bucketize(indices, offsets, psw, *cols, B, capacity=len(expected[1]) + 5)
     assert lengths.cpu().tolist() == expected[0]
     assert ids.cpu().tolist() == expected[1]
+    # sized by a bound instead of a sync: same lengths, the ids first, room after them
+    assert padded[0].cpu().tolist() == expected[0] and padded[1].numel() == len(expected[1]) + 5
+    assert padded[1][: len(expected[1])].cpu().tolist() == expected[1]
     if weighted:
         torch.testing.assert_close(w.cpu(), torch.tensor(expected[2]))
+        torch.testing.assert_close(padded[2][: len(expected[1])].cpu(), torch.tensor(expected[2]))
     else:
         assert w is None
