@@ -96,13 +96,23 @@ def _uniform16(seed, key, RUNS: tl.constexpr, BLOCK_D: tl.constexpr):
         return tl.rand(seed, offs.to(tl.int32))
 
 
+@triton.jit
+def _run_of(changes_ptr, p, mask):
+    """0-based run index of sorted position p: how many key changes come at or before it."""
+    return tl.load(changes_ptr + p - 1, mask=mask & (p > 0), other=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["N", "B"])
 def _tbe_runs_kernel(
     keys_ptr,  # [N] sorted linear row keys
-    bags_ptr,  # [N] int32 bag id (f * B + b) of each sorted id
-    run_ids_ptr,  # [N] int32 inclusive scan of run starts: run index + 1 of each sorted id
+    perm_ptr,  # [N] int64 original position of each sorted id
+    bag_ids_ptr,  # [N] int32 bag id (f * B + b) of each id, original order
+    psw_ptr,  # [N] per-sample weights, original order (HAS_PSW)
+    counts_ptr,  # [T * B] fp32 ids kept per bag (MEAN)
+    changes_ptr,  # [N - 1] int32 inclusive scan of key changes between sorted neighbours
     D_offsets_ptr,  # [T + 1] int64 output column of each feature
     goffs_ptr,  # [N] int64 out: element of grad_output each sorted id reads (b * stride + col)
+    scales_ptr,  # [N] fp32 out: per-sample weight / bag length of each sorted id (HAS_SCALE)
     run_starts_ptr,  # [N + 1] int64 out: first sorted position of each run, then N after the last
     run_keys_ptr,  # [N] int64 out: key of each run
     run_feats_ptr,  # [N] int64 out: feature of each run's first id (its table's layout)
@@ -111,6 +121,8 @@ def _tbe_runs_kernel(
     N,  # number of ids
     B,  # batch size
     grad_stride,  # row stride of grad_output
+    HAS_PSW: tl.constexpr,
+    MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # one program per BLOCK sorted positions: one pass that turns the sorted ids into what the
@@ -119,13 +131,21 @@ def _tbe_runs_kernel(
     m = p < N
     key = tl.load(keys_ptr + p, mask=m, other=0)
     prev = tl.load(keys_ptr + p - 1, mask=m & (p > 0), other=0)
-    bag = tl.load(bags_ptr + p, mask=m, other=0).to(tl.int64)
+    src = tl.load(perm_ptr + p, mask=m, other=0)
+    bag = tl.load(bag_ids_ptr + src, mask=m, other=0).to(tl.int64)
     f = bag // B
     col = tl.load(D_offsets_ptr + f, mask=m, other=0)
     goff = (bag - f * B) * grad_stride + col
     tl.store(goffs_ptr + p, goff, mask=m)
+    if HAS_PSW or MEAN:
+        scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
+        if HAS_PSW:
+            scale = tl.load(psw_ptr + src, mask=m, other=0.0).to(tl.float32)
+        if MEAN:
+            scale = scale / tl.maximum(tl.load(counts_ptr + bag, mask=m, other=1.0), 1.0)
+        tl.store(scales_ptr + p, scale, mask=m)
     is_start = m & ((p == 0) | (key != prev))
-    r = tl.load(run_ids_ptr + p, mask=m, other=1).to(tl.int64)
+    r = _run_of(changes_ptr, p, m) + 1
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
     tl.store(run_keys_ptr + r - 1, key.to(tl.int64), mask=is_start)
     tl.store(run_feats_ptr + r - 1, f, mask=is_start)
@@ -141,7 +161,7 @@ def _tbe_chunk_reduce_kernel(
     dims_ptr,  # [T] int64 D of each feature
     goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
     scales_ptr,  # [N] fp32 per-sample weight / bag length of each sorted id (if HAS_SCALE)
-    run_ids_ptr,  # [N] int32 run index + 1 of each sorted id
+    changes_ptr,  # [N - 1] int32 inclusive scan of key changes between sorted neighbours
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
     run_feats_ptr,  # [U] int64 feature of each run
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
@@ -158,8 +178,8 @@ def _tbe_chunk_reduce_kernel(
     lo = c * CHUNK_SIZE
     hi = tl.minimum(lo + CHUNK_SIZE, N)
     d = tl.arange(0, BLOCK_D)
-    r_head = tl.load(run_ids_ptr + lo).to(tl.int64) - 1
-    r_tail = tl.load(run_ids_ptr + hi - 1).to(tl.int64) - 1
+    r_head = _run_of(changes_ptr, lo, lo < N)
+    r_tail = _run_of(changes_ptr, hi - 1, lo < N)
     head_start = tl.load(run_starts_ptr + r_head)
     head_end = tl.load(run_starts_ptr + r_head + 1)
     if head_end - head_start > CHUNK_SIZE:
@@ -445,31 +465,26 @@ def tbe_backward(
         keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
 
     keys, perm = torch.sort(keys, stable=True)
-    bags = bag_ids[perm]
-    scales = None
-    if per_sample_weights is not None:
-        scales = per_sample_weights.to(torch.float32)[perm]
-    if pooling == 1:
-        if counts is None:
-            counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
-        inv = 1.0 / counts.clamp(min=1.0)[bags]
-        scales = inv if scales is None else scales * inv
+    changes = torch.cumsum(keys[1:] != keys[:-1], 0, dtype=torch.int32)
+    has_scale = per_sample_weights is not None or pooling == 1
+    if pooling == 1 and counts is None:
+        counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
     grad_output = grad_output.contiguous()
-
-    is_start = torch.empty(N, dtype=torch.bool, device=device)
-    is_start[:1] = True
-    torch.ne(keys[1:], keys[:-1], out=is_start[1:])
-    run_ids = torch.cumsum(is_start, 0, dtype=torch.int32)
     workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
     goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
     run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
+    scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
     _RUNS(
         (triton.cdiv(N, 1024),),
         keys,
-        bags,
-        run_ids,
+        perm,
+        bag_ids,
+        per_sample_weights if per_sample_weights is not None else keys,
+        counts if counts is not None else keys,
+        changes,
         D_offsets,
         goffs,
+        scales if scales is not None else goffs,
         run_starts,
         run_keys,
         run_feats,
@@ -478,6 +493,8 @@ def tbe_backward(
         N,
         B,
         grad_output.stride(0),
+        HAS_PSW=per_sample_weights is not None,
+        MEAN=pooling == 1,
         BLOCK=1024,
     )
 
@@ -491,7 +508,7 @@ def tbe_backward(
             dims,
             goffs,
             scales if scales is not None else partial,
-            run_ids,
+            changes,
             run_starts,
             run_feats,
             partial,

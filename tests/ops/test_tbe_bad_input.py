@@ -60,6 +60,31 @@ def test_warn_drops_bad_ids(backend):
     torch.testing.assert_close(tbe.weights, clean.weights)
 
 
+@pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_warn_drops_bad_ids_inside_the_kernel_like_the_reference_with_mean_pooling():
+    """The Triton path drops bad ids in the forward kernel (and its backward skips them,
+    dividing by the ids kept); the reference rebuilds the batch without them: same result."""
+    g = torch.Generator().manual_seed(3)
+    B, L = 6, 7
+    indices = torch.randint(-2, 12, (2 * B * L,), generator=g)  # tables of 10 and 3 rows
+    offsets = torch.arange(0, 2 * B * L + 1, L)
+    psw = torch.rand(2 * B * L, generator=g)
+    grad = torch.randn(B, 6, generator=g)
+    results = []
+    for backend in ("reference", "triton"):
+        tbe = _tbe(backend, bounds_check="warn", pooling="mean", optimizer=optim.SGD(lr=0.5))
+        with torch.no_grad():
+            tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+        dev = device_for(backend)
+        with pytest.warns(UserWarning, match="out-of-range ids"):
+            out = tbe(*to(dev, indices, offsets, psw))
+            tbe.poll_bounds_check()
+        out.backward(grad.to(dev))
+        results.append((out.detach().cpu(), tbe.weights.detach().cpu()))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+
+
 @pytest.mark.parametrize(
     "indices, offsets, psw, message",
     [
