@@ -49,6 +49,10 @@ class LookupBatch(JaggedBatch):
     """Start of each TBE group's ids (shard-features grouped by dtype), then the total."""
     stats: dict | None = None
     """Host numbers of this step for ``comm_report``."""
+    groups: tuple = ()
+    """With fixed shapes: ``(indices, offsets, per_sample_weights)`` of each TBE group, the
+    indices padded after the last bag to a fixed length (``fbtriton_dist.dist.fixed``);
+    ``indices``/``offsets`` above are then the first group's."""
 
 
 class InputDistOut(NamedTuple):

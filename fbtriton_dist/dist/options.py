@@ -26,7 +26,24 @@ class CommOptions:
     ids back before the lookup, so results are bit-identical and the TBE still reads one row
     per id: dedup saves wire bytes, not lookups (``comm_report()['input_dist.dedup']``)."""
 
+    fixed_shapes: bool = False
+    """Give every input all-to-all message a size fixed at the first batch (its lengths and
+    ``max_ids`` id slots times the most shards an id lands in), so that a step has no host
+    sync and the same shapes every time: the host runs ahead of the GPU, and the step can be
+    captured in a CUDA graph (``TrainPipeline(cuda_graph=True)``). Costs wire bytes (unused
+    slots travel too); the batch size must stay the same; bad ids are reported a few steps
+    late (``fbtriton_dist.dist.fixed``). Not with ``dedup``."""
+    max_ids: int | None = None
+    """With ``fixed_shapes``: the most ids one rank's batch may hold (default: the first
+    batch's count)."""
+
     def __post_init__(self) -> None:
+        if self.fixed_shapes and self.dedup:
+            raise ValueError("CommOptions: fixed_shapes and dedup do not combine (dedup sizes "
+                             "each message by its distinct ids, which changes every batch)")
+        if self.max_ids is not None and not self.fixed_shapes:
+            raise ValueError("CommOptions: max_ids is the capacity of fixed_shapes; set "
+                             "fixed_shapes=True with it")
         if self.wire_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"wire_dtype: expected one of [None, torch.bfloat16, torch.float16], "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.dist.fixed import FixedInputDist
 from fbtriton_dist.dist.input_dist import InputDist, InputDistOut, LookupBatch
 from fbtriton_dist.dist.layout import ShardLayout
 from fbtriton_dist.dist.options import CommOptions
@@ -119,9 +120,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _make_dists(self) -> None:
         """The input and output dists and the MEAN index tensors, on ``self.device``."""
-        self.input_dist_ = InputDist(
-            self.layout, self.rank, self.device, self.comm.dedup, self._group_features
-        )
+        if self.comm.fixed_shapes:
+            self.input_dist_ = FixedInputDist(
+                self.layout, self.rank, self.device, self._group_features, self.comm.max_ids
+            )
+        else:
+            self.input_dist_ = InputDist(
+                self.layout, self.rank, self.device, self.comm.dedup, self._group_features
+            )
         self.output_dist_ = OutputDist(self.layout, self.rank, self.device, self.comm.wire_dtype)
         self._mean = torch.tensor(self.layout.feature_mean, device=self.device)[:, None]
         self._col_feature = torch.repeat_interleave(
@@ -190,6 +196,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._last = out.lookup.stats
         return out
 
+    def poll_input(self, wait: bool = True) -> None:
+        """With ``CommOptions(fixed_shapes=True)``: raise if a recent batch (or, after CUDA
+        graph replays, any batch since the last poll) had bad input on some rank; ``wait``:
+        wait for the batches in flight (else only those done). A no-op otherwise: the default
+        input dist raises in the step itself."""
+        if isinstance(self.input_dist_, FixedInputDist):
+            self.input_dist_.poll(wait)
+
     def prefetch(self, features) -> InputDistOut:
         """Run ``input_dist(features)`` now (a pipeline does, for the next batch, on a side
         stream) and keep it for the ``forward`` that is called with this same ``features``
@@ -216,7 +230,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         single = len(self.tbes) == 1
         for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
             indices, offsets, psw = lookup.indices, lookup.offsets, lookup.per_sample_weights
-            if not single:
+            if lookup.groups:  # fixed shapes: each group padded to its own slots
+                indices, offsets, psw = lookup.groups[g]
+            elif not single:
                 a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
                 indices = indices[a:b]
                 offsets = offsets[first * B : (first + n) * B + 1] - a

@@ -119,6 +119,18 @@ def _tbe_forward_kernel(
             key = tl.where(l_mask, row_base + idx, sentinel)
             tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=pos < end)
             tl.store(bag_ids_ptr + pos, fb.to(tl.int32), mask=pos < end)
+    if LINEARIZE:
+        # ids after the last bag are padding (a fixed-size batch): every program marks its
+        # share of them dropped, so that the backward skips them
+        nprog = tl.num_programs(0)
+        tail_start = tl.load(offsets_ptr + nprog).to(tl.int64)
+        per = (N - tail_start + nprog - 1) // nprog
+        t0 = tail_start + fb * per
+        t1 = tl.minimum(t0 + per, N)
+        for p0 in range(t0, t1, BLOCK_D):
+            p = p0 + d
+            tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < t1)
+            tl.store(bag_ids_ptr + p, 0, mask=p < t1)
     n_kept = tl.sum(kept, axis=0).to(tl.float32)
     if POOLING == 1:
         acc = acc / tl.maximum(n_kept, 1.0)
@@ -191,6 +203,8 @@ def tbe_forward(
     ``linearize`` (training) also returns, for the backward, ``keys`` [N] (``row_offsets[f] +
     id``, ``num_rows`` for a dropped id; int32 when it fits), ``bag_ids`` [N] int32 and, for
     mean pooling, ``counts`` [T*B] fp32 (ids kept per bag).
+    Ids after ``offsets[-1]`` are padding (a batch of fixed size): never read, and with
+    ``linearize`` given the dropped key, so the backward skips them.
     """
     T = dims.numel()
     B = (offsets.numel() - 1) // T

@@ -6,11 +6,15 @@ from fbtriton_dist import optim
 
 
 def _bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
-    """Bag id (f * B + b) of every id position."""
+    """Bag id (f * B + b) of every id position; 0 for the padding after the last bag."""
     lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)[
-        :N
-    ]
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    return torch.nn.functional.pad(bags[:N], (0, max(N - bags.numel(), 0)))
+
+
+def _in_bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
+    """[N] bool: the id positions inside a bag (the rest is padding, see kernels.tbe_forward)."""
+    return torch.arange(N, device=offsets.device) < offsets[-1]
 
 
 def tbe_forward(
@@ -40,9 +44,9 @@ def tbe_forward(
     N = indices.numel()
     out = torch.zeros((B, total_D), dtype=torch.float32, device=weights.device)
     bags = _bags(offsets, N)
-    keep = torch.ones(N, dtype=torch.bool, device=weights.device)
+    keep = _in_bags(offsets, N)
     if err is not None and N:
-        keep = (indices >= 0) & (indices.to(torch.int64) < rows[bags // max(B, 1)])
+        keep = keep & (indices >= 0) & (indices.to(torch.int64) < rows[bags // max(B, 1)])
         bad = torch.nonzero(~keep).flatten()
         if bad.numel():
             err[0] += bad.numel()
@@ -126,15 +130,16 @@ def tbe_backward(
     B = (offsets.numel() - 1) // T
     N = indices.numel()
     bags = _bags(offsets, N) if bag_ids is None else bag_ids.to(torch.int64)
+    sentinel = num_rows if num_rows is not None else 2**62
     if keys is None:
         keys = row_offsets[bags // max(B, 1)] + indices.to(torch.int64)
+        keys = torch.where(_in_bags(offsets, N), keys, sentinel)  # padding: no gradient
     keys = keys.to(torch.int64)
-    if num_rows is not None:  # dropped ids (key == num_rows) get no gradient
-        keep = keys < num_rows
-        bags, keys = bags[keep], keys[keep]
-        if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights[keep]
-        N = keys.numel()
+    keep = keys < sentinel  # dropped ids and padding get no gradient
+    bags, keys = bags[keep], keys[keep]
+    if per_sample_weights is not None:
+        per_sample_weights = per_sample_weights[keep]
+    N = keys.numel()
     feats = bags // max(B, 1)
     scale = torch.ones(N, dtype=torch.float32, device=device)
     if per_sample_weights is not None:
@@ -196,7 +201,7 @@ def tbe_per_sample_weights_grad(
     grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
     for f in range(T):
         D, base, col = int(dims[f]), int(w_offsets[f]), int(D_offsets[f])
-        sel = (bags // B) == f
+        sel = ((bags // B) == f) & _in_bags(offsets, indices.numel())
         ids = indices[sel].to(torch.int64)
         rows = weights[base + ids[:, None] * D + torch.arange(D, device=weights.device)]
         g = grad_output[bags[sel] - f * B, col : col + D]

@@ -102,3 +102,39 @@ def test_stochastic_rounding_in_fused_update(dtype):
     assert set(updates[True].unique().tolist()) <= {0.0, -ulp}
     mean = updates[True].mean().item()
     assert abs(mean - -1e-4) < 0.25e-4, mean
+
+
+@pytest.mark.parametrize("optimizer", [None, "rowwise"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_padding_after_the_last_bag_is_ignored(optimizer, backend):
+    """A fixed-size batch (``CommOptions(fixed_shapes=True)``): ids after ``offsets[-1]`` are
+    padding (any value, out of range too), never looked up and given no gradient; with
+    ``bounds_check="ignore"`` the result equals the batch without it."""
+    tables, ftm, B = [(6, 7), (5, 16)], [0, 1, 0], 8
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 5, (len(ftm) * B,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, 5, (n,), generator=g)
+    psw = torch.rand(n, generator=g)
+    pad_ids = torch.cat([ids, torch.tensor([10**6, -3, 2, 0] * 70)])  # > one block per program
+    pad_psw = torch.cat([psw, torch.full((280,), 7.0)])
+    grad = torch.randn(B, 30, generator=g)
+    results = []
+    for x, w in ((ids, psw), (pad_ids, pad_psw)):
+        for pooling in ("sum", "mean"):
+            tbe = TableBatchedEmbedding(
+                tables, ftm, pooling=pooling, backend=backend, device=DEVICE, seed=1,
+                bounds_check="ignore",
+                optimizer=optim.RowWiseAdagrad(lr=0.1) if optimizer else None,
+            )
+            with torch.no_grad():
+                tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+            weights = w.to(DEVICE) if pooling == "sum" else None
+            out = tbe(x.to(DEVICE), offsets.to(DEVICE), weights)
+            out.backward(grad.to(DEVICE))
+            after = tbe.momentum1 if optimizer else tbe.weights.grad
+            results.append((out.detach().cpu(), tbe.weights.detach().cpu(), after.cpu()))
+    for a, b in zip(results[:2], results[2:], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,329 @@
+"""The fixed-shape input dist (``CommOptions(fixed_shapes=True)``): no host sync, static shapes.
+
+The default input dist (``input_dist.py``) reads a header back to the host every step: the
+data all-to-all needs split lists, and they depend on how many ids each destination gets.
+That read stalls the host until the GPU has finished everything queued before it, so the host
+cannot run ahead, and a step that syncs cannot be captured in a CUDA graph.
+
+Here every (source, destination) message has a size fixed once, at the first call:
+
+    meta (int64: 1 if the sender found bad input) | lengths (int32, n_sf[q] * B) |
+    ids (C = max ids per batch * most shards an id lands in) | weights (float32, C)
+
+The first call agrees on every rank's batch size and id capacity (one small all-to-all and
+one host read); later calls run bucketize, one all-to-all with those cached splits, and a
+receive side whose output sizes are static too: each TBE group gets ``sum_r C_r`` id slots,
+of which the bags (offsets from the received lengths) use the first ones; the TBE is told the
+rest is padding. The price is bytes: each destination gets C id slots whether it needs them or
+not (R times the ids of a uniform row-wise split, at most).
+
+Bad input (an id out of range, lengths that do not add up) cannot stop the step without a
+sync: the bucketize drops the bad ids and the sender raises its flag in the message. The flag
+is read asynchronously (pinned memory, an event): a later call, or ``poll()``, raises on every
+rank, within ``DEPTH`` steps; the rank that sent the batch names the id (it keeps its last
+batches for that). Changing the batch size or sending more ids than the capacity raises at
+once on that rank (``ValueError``), before any collective: the other ranks then wait in the
+next collective until the process group's timeout.
+"""
+
+import collections
+
+import torch
+import torch.distributed as dist
+
+from fbtriton_dist import reference
+from fbtriton_dist.dist.input_dist import (
+    InputDist,
+    InputDistOut,
+    LookupBatch,
+    Message,
+    _padded,
+    _view,
+)
+from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.sparse import kjt_parts
+
+
+def fixed_message(n_lengths: int, capacity: int, id_dtype, weighted: bool) -> Message:
+    """Layout of one fixed-size message (see the module docstring)."""
+    parts = [("meta", torch.int64, 1), ("lengths", torch.int32, n_lengths),
+             ("ids", id_dtype, capacity)]
+    if weighted:
+        parts.append(("weights", torch.float32, capacity))
+    pieces, offset = {}, 0
+    for name, dtype, n in parts:
+        pieces[name] = (offset, dtype, n)
+        offset += _padded(n * dtype.itemsize)
+    return Message(pieces=pieces, nbytes=offset, raw_bytes=offset)
+
+
+class FixedInputDist(InputDist):
+    """The input dist with fixed message sizes (module docstring).
+
+    Args:
+        layout, rank, device, group_sizes: as ``InputDist``.
+        max_ids: the most ids one rank's batch may hold (``KeyedJaggedTensor.values()``
+            length; a longer values tensor whose lengths use fewer is fine). None: the first
+            batch's.
+    """
+
+    DEPTH = 4  # steps the failure flags may lag behind
+
+    def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int],
+                 max_ids: int | None = None) -> None:
+        super().__init__(layout, rank, device, dedup=False, group_sizes=group_sizes)
+        if max_ids is not None and max_ids < 0:
+            raise ValueError(f"max_ids: expected >= 0, got {max_ids}")
+        self.max_ids = max_ids
+        self.max_cover = max(self.cover, default=1)
+        self.agreed = None  # (batch sizes [R], id capacities [R]) after the first call
+        self.failed = torch.zeros((), dtype=torch.int64, device=self.device)
+        """Sticky device flag: some rank sent bad input since the last ``reset_failed()``
+        (a graph replay updates it; ``poll()`` reads it)."""
+        self._pending: collections.deque = collections.deque()
+
+    # -- the first call: agree on the shapes -------------------------------------------------
+    def _agree(self, B: int, n_values: int, group) -> None:
+        R = self.world
+        cap = self.max_ids if self.max_ids is not None else n_values
+        mine = torch.tensor([[B, cap]] * R, dtype=torch.int64, device=self.device)
+        got = torch.empty_like(mine)
+        dist.all_to_all_single(got, mine, group=group)
+        rows = got.tolist()  # the one host read, once
+        sizes, caps = [r[0] for r in rows], [r[1] for r in rows]
+        self.agreed = (sizes, caps)
+        me, n_local = self.rank, self.n_sf[self.rank]
+        self.send_msgs = [fixed_message(self.n_sf[q] * B, cap * self.max_cover,
+                                        self.id_dtype[q], self.weighted) for q in range(R)]
+        self.recv_msgs = [fixed_message(n_local * sizes[r], caps[r] * self.max_cover,
+                                        self.id_dtype[me], self.weighted) for r in range(R)]
+        self.slots = sum(m.pieces["ids"][2] for m in self.recv_msgs)  # id slots per group
+        dev = self.device
+        self._slot = torch.arange(self.slots, device=dev)
+        self._send_pos = torch.arange(cap * self.max_cover, device=dev)
+        # where each source's ids start in the concatenated receive slots
+        self._src_base = torch.tensor(
+            [0, *torch.tensor([m.pieces["ids"][2] for m in self.recv_msgs]).cumsum(0).tolist()],
+            dtype=torch.int64, device=dev)[:R]
+
+    def _check_host(self, B: int, n_values: int) -> None:
+        sizes, caps = self.agreed
+        me = self.rank
+        if B != sizes[me]:
+            raise ValueError(
+                f"fixed_shapes: batch size {B} on rank {me}, but the shapes were fixed at the "
+                f"first batch with {sizes[me]}; keep every batch the same size (drop or pad the "
+                "last one) or use CommOptions(fixed_shapes=False)"
+            )
+        if n_values > caps[me]:
+            raise ValueError(
+                f"fixed_shapes: {n_values} ids in this batch on rank {me}, more than the "
+                f"capacity {caps[me]} (CommOptions.max_ids, default the first batch's); set "
+                "max_ids to the most ids a batch can hold"
+            )
+
+    # -- the step ----------------------------------------------------------------------------
+    def __call__(self, features, weighted: bool, group=None) -> InputDistOut:
+        self.weighted = weighted
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self.poll(wait=False)
+        parts = kjt_parts(features, self.layout.feature_names, weighted)
+        B, N = parts.batch_size, parts.values.numel()
+        if self.agreed is None:
+            self._agree(B, N, group)
+        self._check_host(B, N)
+        R, me = self.world, self.rank
+        sizes, _ = self.agreed
+
+        lengths, ids, w, failed = self._bucketize(parts, padded_values=True)
+        sendbuf = torch.empty(sum(m.nbytes for m in self.send_msgs), dtype=torch.uint8,
+                              device=self.device)
+        S = len(self.sfs)
+        per_sf = lengths.view(S, B).sum(1)
+        per_dest = torch.zeros(R, dtype=torch.int64, device=self.device)
+        per_dest.index_add_(0, self.dest, per_sf)
+        start = torch.cumsum(per_dest, 0) - per_dest  # [R] where dest q's ids begin
+        pos = (start[:, None] + self._send_pos[None, :]).clamp_(max=max(ids.numel() - 1, 0))
+        ids_by_dest = ids[pos] if ids.numel() else ids.new_zeros(pos.shape)
+        w_by_dest = None
+        if weighted:
+            w_by_dest = w[pos] if w.numel() else w.new_zeros(pos.shape)
+        base = 0
+        for q, msg in enumerate(self.send_msgs):
+            s0 = self.sf_start[q] * B
+            pieces = {"meta": failed.view(1), "lengths": lengths[s0 : s0 + self.n_sf[q] * B],
+                      "ids": ids_by_dest[q], "weights": w_by_dest[q] if weighted else None}
+            for name, (offset, dtype, n) in msg.pieces.items():
+                if n:
+                    _view(sendbuf, base + offset, dtype, n).copy_(pieces[name])
+            base += msg.nbytes
+        recvbuf = torch.empty(sum(m.nbytes for m in self.recv_msgs), dtype=torch.uint8,
+                              device=self.device)
+        dist.all_to_all_single(recvbuf, sendbuf, [m.nbytes for m in self.recv_msgs],
+                               [m.nbytes for m in self.send_msgs], group=group)
+        lookup, flags, counts = self._unpack_fixed(recvbuf, sizes, weighted)
+        torch.maximum(self.failed, flags.max(), out=self.failed)
+        if not capturing:
+            self._watch(flags, features)
+
+        others = [q for q in range(R) if q != me]
+        sent = sum(self.send_msgs[q].nbytes for q in others)
+        received = sum(self.recv_msgs[r].nbytes for r in others)
+        traffic = {"input_dist.data": (sent, received)}
+        _, _, feat_key = self._for_keys(parts.keys)
+        own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
+        stats = {
+            "traffic": traffic,
+            # device tensors: comm_report reads them (it syncs anyway)
+            "ids": (per_dest.sum() - per_dest[me], counts.sum() - counts[me].sum()),
+            "without_dedup": (sent, received),
+            "batch_sizes": sizes,
+            "per_feature": own.sum(1),
+            "B": B,
+        }
+        lookup = LookupBatch(
+            indices=lookup.indices, offsets=lookup.offsets,
+            per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
+            id_bounds=lookup.id_bounds, stats=stats, groups=lookup.groups,
+        )
+        return InputDistOut(own, lookup, sizes)
+
+    def _unpack_fixed(self, buf, sizes, weighted):
+        """(LookupBatch with one (indices, offsets, weights) per TBE group, each [slots] long
+        with padding after its bags; the senders' failure flags [R]; ids per (source,
+        shard-feature) [R, n_local])."""
+        R, me, dev = self.world, self.rank, self.device
+        n_local = self.n_sf[me]
+        metas, lens, ids, ws, base = [], [], [], [], 0
+        for r, msg in enumerate(self.recv_msgs):
+            def piece(name, base=base, msg=msg):
+                offset, dtype, n = msg.pieces[name]
+                return _view(buf, base + offset, dtype, n)
+
+            metas.append(piece("meta"))
+            lens.append(piece("lengths").view(n_local, sizes[r]))
+            ids.append(piece("ids"))
+            if weighted:
+                ws.append(piece("weights"))
+            base += msg.nbytes
+        flags = torch.cat(metas)
+        B_global = sum(sizes)
+        lengths = torch.cat(lens, dim=1).to(torch.int64)  # [n_local, B_global]
+        all_ids = torch.cat(ids)
+        all_w = torch.cat(ws) if weighted else None
+        counts = torch.stack([x.sum(1) for x in lens]).to(torch.int64)  # [R, n_local]
+        # where shard-feature i's ids from source r start in the received slots
+        src_start = self._src_base[:, None] + torch.cumsum(counts, 1) - counts  # [R, n_local]
+        groups, first = [], 0
+        for n in self.group_sizes:
+            seg = counts[:, first : first + n].t().reshape(-1)  # feature-major (i, r)
+            end = torch.cumsum(seg, 0)
+            new_start = end - seg
+            old_start = src_start[:, first : first + n].t().reshape(-1)
+            k = torch.searchsorted(end, self._slot, right=True).clamp_(max=max(seg.numel() - 1, 0))
+            src = (old_start[k] + self._slot - new_start[k]).clamp_(0, max(all_ids.numel() - 1, 0))
+            g_ids = all_ids[src] if all_ids.numel() else all_ids
+            g_w = all_w[src] if weighted and all_w.numel() else all_w
+            offsets = torch.zeros(n * B_global + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(lengths[first : first + n].reshape(-1), 0, out=offsets[1:])
+            groups.append((g_ids, offsets, g_w))
+            first += n
+        if groups:
+            indices, offsets, psw = groups[0]
+        else:
+            indices = torch.zeros(0, dtype=torch.int64, device=dev)
+            offsets = torch.zeros(1, dtype=torch.int64, device=dev)
+            psw = None
+        lookup = LookupBatch(
+            indices=indices, offsets=offsets, per_sample_weights=psw, batch_size=B_global,
+            id_bounds=(), groups=tuple(groups),
+        )
+        return lookup, flags, counts
+
+    # -- failures, read late -----------------------------------------------------------------
+    def _watch(self, flags: torch.Tensor, features) -> None:
+        if self.device.type != "cuda":
+            self._raise_if(flags.tolist(), [features])  # the CPU path may sync
+            return
+        while len(self._pending) >= self.DEPTH:
+            self._drain_one(wait=True)
+        host = torch.empty(flags.numel(), dtype=torch.int64, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, features))
+
+    def _drain_one(self, wait: bool) -> bool:
+        event, host, features = self._pending[0]
+        if not event.query():
+            if not wait:
+                return False
+            event.synchronize()
+        self._pending.popleft()
+        self._raise_if(host.tolist(), [features, *[p[2] for p in self._pending]])
+        return True
+
+    def poll(self, wait: bool = True) -> None:
+        """Raise if a batch in flight had bad input (``wait``: wait for all of them; also
+        reads the sticky ``failed`` flag that graph replays update)."""
+        while self._pending:
+            if not self._drain_one(wait):
+                return
+        if wait and int(self.failed):
+            bad = "some rank"
+            self.failed.zero_()
+            raise RuntimeError(
+                f"input dist (fixed_shapes): {bad} sent a batch with an id out of its table's "
+                "range or lengths that do not add up to its values since the last check; the "
+                "bad ids were dropped. Check the batches with fixed_shapes=False to name the id"
+            )
+
+    def _raise_if(self, flags: list[int], candidates) -> None:
+        bad = [r for r, f in enumerate(flags) if f]
+        if not bad:
+            return
+        self._pending.clear()
+        self.failed.zero_()
+        if self.rank in bad:
+            for features in candidates:  # the batches this rank sent that may be the one
+                error = self._explain(features, self.weighted)
+                if not isinstance(error, RuntimeError):
+                    raise error
+        raise RuntimeError(
+            f"rank(s) {bad} found bad input in a recent batch (see their error); with "
+            "fixed_shapes the bad ids were dropped from that step"
+        )
+
+    def _bucketize(self, parts, padded_values: bool = False):
+        if not padded_values:
+            return super()._bucketize(parts)
+        # values may be longer than the lengths use (a static buffer): only an overrun fails
+        sf_key, cover_key, _ = self._for_keys(parts.keys)
+        K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
+        dev = self.device
+        offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(parts.lengths, 0, out=offsets[1:])
+        bad_lengths = offsets[-1] > N
+        impl = reference
+        if dev.type == "cuda":
+            from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+
+            impl = kernels
+        if B == 0 or not self.sfs:
+            ids = torch.zeros(0, dtype=torch.int64, device=dev)
+            w = parts.weights.new_zeros(0) if parts.weights is not None else None
+            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
+            return lengths, ids, w, bad_lengths.to(torch.int64)
+        values, weights = parts.values, parts.weights
+        if impl is reference:  # it wants every value in a bag: cut the padding off (syncs)
+            used = min(int(offsets[-1]), N)
+            values = values[:used]
+            weights = weights[:used] if weights is not None else None
+        lengths, ids, w = impl.bucketize(
+            values, offsets.clamp(max=N), weights, sf_key, self.lo, self.hi, B,
+            capacity=N * self.max_cover,
+        )
+        expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
+        failed = bad_lengths | (lengths.sum() != expected)
+        return lengths, ids, w, failed.to(torch.int64)

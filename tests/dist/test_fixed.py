@@ -1,0 +1,140 @@
+"""``CommOptions(fixed_shapes=True)`` on real gloo groups: the sync-free input dist.
+
+- every sharding type mixed, weighted and MEAN, uneven batch sizes and a rank without samples,
+  several steps whose id counts change: outputs, weights and optimizer state equal to the
+  default input dist (bit for bit on the CPU);
+- a KeyedJaggedTensor whose values are longer than its lengths use (a static buffer);
+- an id out of range: every rank raises, the sending rank names the id;
+- a batch size that changes, more ids than ``max_ids``: ValueError before any collective;
+- the message layout.
+"""
+
+import pytest
+import torch
+
+from tests.dist.harness import device, run_ranks
+from tests.dist.test_lean import _reference, _same, _shard
+from tests.dist.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
+
+
+def _local_state(m):
+    out = []
+    for v in m.state_dict().values():
+        out += [s.tensor for s in v.local_shards()] if hasattr(v, "local_shards") else [v]
+    out += [s for tbe in m.tbes for st in tbe.split_optimizer_states() for s in st]
+    return out
+
+
+def _equal_to_plain(rank, world, weighted):
+    configs, dev = _configs(weighted), device()
+    ref = _reference(configs, weighted, "rowwise_adagrad", dev)
+    sizes = [6, 0, 5][:world]
+    names = [f for c in configs for f in c.feature_names]
+    max_ids = 3 * len(names) * max(sizes)
+    plain = _shard(ref, "mixed", world, "rowwise_adagrad")
+    fixed = _shard(ref, "mixed", world, "rowwise_adagrad", fixed_shapes=True, max_ids=max_ids)
+    lo = sum(sizes[:rank])
+    C = torch.randn(sum(sizes), sum(c.embedding_dim * len(c.feature_names) for c in configs),
+                    generator=torch.Generator().manual_seed(7)).to(dev)
+    identical, counts = True, []
+    for step in range(4):
+        batch = _global_batch(configs, sum(sizes), step, weighted)
+        local = _kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1).to(dev)
+        counts.append(local.values().numel())
+        if step == 3:  # a static buffer: values longer than the lengths use
+            from torchrec import KeyedJaggedTensor
+
+            pad = 5
+            local = KeyedJaggedTensor(
+                keys=local.keys(),
+                values=torch.cat([local.values(), local.values().new_full((pad,), 10**6)]),
+                lengths=local.lengths(),
+                weights=torch.cat([local.weights(), local.weights().new_ones(pad)])
+                if weighted else None,
+            )
+        mine = C[lo : lo + sizes[rank]]
+        outs = []
+        for m in (plain, fixed):
+            kjt = local if m is fixed else _kjt(*batch, lo, lo + sizes[rank]).to(dev)
+            out = m(kjt).values()
+            (out * mine).sum().backward()
+            outs.append(out.detach())
+        identical &= _same(outs[0], outs[1])
+    fixed.poll_input()
+    identical &= all(_same(a, b) for a, b in
+                     zip(_local_state(plain), _local_state(fixed), strict=True))
+    report = fixed.comm_report()
+    return identical, counts, report, fixed.input_dist_.send_msgs[0].nbytes
+
+
+@pytest.mark.parametrize("world,weighted", [(2, True), (3, False)])
+def test_fixed_shapes_equal_the_default_input_dist(world, weighted):
+    results = run_ranks(_equal_to_plain, world, weighted)
+    for rank, (identical, counts, _, _) in enumerate(results):
+        assert identical, f"rank {rank}: fixed_shapes changed the result"
+    assert len({c for _, counts, _, _ in results for c in counts}) > 2  # id counts changed
+    reports = [r[2] for r in results]
+    for key in ("input_dist.data", "output_dist.forward"):
+        assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
+    assert sum(r["input_dist.data"]["ids_sent"] for r in reports) == sum(
+        r["input_dist.data"]["ids_received"] for r in reports)
+
+
+def _bad(rank, world, case):
+    configs, dev = _configs(False), device()
+    ref = _reference(configs, False, "sgd", dev)
+    fixed = _shard(ref, "mixed", world, "sgd", fixed_shapes=True)
+    B = BATCH[:world]
+    lo = sum(B[:rank])
+    batch = _global_batch(configs, sum(B), 0, False)
+    local = _kjt(*batch, lo, lo + B[rank]).to(dev)
+    fixed(local)  # fixes the shapes
+    if case == "bad_id":
+        feats, lengths, values, weights = batch
+        values = dict(values)
+        f = feats[0][0]
+        values[f] = values[f].clone()
+        values[f][-1] = 10**6 + rank  # the last sample's bag: on the last rank
+        local = _kjt(feats, lengths, values, weights, lo, lo + B[rank]).to(dev)
+    elif case == "batch_size":
+        local = _kjt(*batch, lo, lo + B[rank] - 1).to(dev)
+    elif case == "max_ids":
+        from torchrec import KeyedJaggedTensor
+
+        v = local.values()
+        local = KeyedJaggedTensor(keys=local.keys(), values=torch.cat([v, v[:1]]),
+                                  lengths=local.lengths())
+    fixed(local)
+    fixed.poll_input()
+    return "no error"
+
+
+def test_fixed_shapes_bad_id_stops_every_rank_and_names_it():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_bad, 2, "bad_id", timeout=120)
+    text = str(info.value)
+    assert "1000001" in text and "out of range" in text  # the sender names it
+    assert "found bad input" in text  # the other rank says who
+
+
+@pytest.mark.parametrize("case,message", [("batch_size", "batch size"),
+                                          ("max_ids", "capacity")])
+def test_fixed_shapes_refuses_a_changed_shape(case, message):
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_bad, 2, case, timeout=120)
+    assert message in str(info.value) and "fixed_shapes" in str(info.value)
+
+
+def test_fixed_message_layout():
+    from fbtriton_dist.dist.fixed import fixed_message
+
+    m = fixed_message(3, 5, torch.int32, True)
+    assert m.pieces == {"meta": (0, torch.int64, 1), "lengths": (8, torch.int32, 3),
+                        "ids": (24, torch.int32, 5), "weights": (48, torch.float32, 5)}
+    assert m.nbytes == 72
+    from fbtriton_dist.dist import CommOptions
+
+    with pytest.raises(ValueError, match="dedup"):
+        CommOptions(fixed_shapes=True, dedup=True)
+    with pytest.raises(ValueError, match="max_ids"):
+        CommOptions(max_ids=10)
