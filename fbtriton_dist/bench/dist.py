@@ -7,8 +7,8 @@
 Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
 per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
 ``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone) and ``dlrm``; providers
-``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``
-(see ``dist_setup`` and ``dist_providers``). Every provider trains on the same pre-generated
+``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``,
+``ours_fixed``, ``ours_graph`` (see ``dist_setup`` and ``dist_providers``). Every provider trains on the same pre-generated
 batches (each rank its own), one provider's model at a time; warm-up steps are not counted
 (``dist_measure`` says what is measured and how). Rank 0 prints a table with the ratios
 against TorchRec and writes ``--out`` (JSON) after every provider, so a crash keeps the rows

@@ -6,7 +6,9 @@
 * ``ours_plain``: ``fbtriton_dist.shard(model, plan)`` with default options; a plain loop.
 * ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.dist.pipeline.TrainPipeline``;
   ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
-  ``dedup=True``.
+  ``dedup=True``; ``ours_fixed``: with ``fixed_shapes=True`` (no host sync in the step);
+  ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True)``, the whole step one CUDA
+  graph replay (on the CPU the same steps run eagerly).
 
 A provider that cannot run here raises :class:`Skip` with the reason. The dense optimizer is
 SGD for everyone; ours all-reduces (averages) dense gradients in an optimizer pre-step hook,
@@ -120,7 +122,10 @@ LEAN_OPTIONS: dict[str, dict[str, Any]] = {
     "ours_lean": {},
     "ours_lean_bf16": {"wire_dtype": torch.bfloat16},
     "ours_dedup": {"dedup": True},
+    "ours_fixed": {"fixed_shapes": True},
+    "ours_graph": {"fixed_shapes": True},
 }
+PIPELINE_OPTIONS: dict[str, dict[str, Any]] = {"ours_graph": {"cuda_graph": True}}
 
 
 def _comm_options(options: dict[str, Any]):
@@ -167,7 +172,7 @@ def build_ours(name: str, ctx: Context) -> Runner:
     if pipeline_cls is None:
         step, loop = _plain_step(model, opt, stream), "plain"
     else:
-        pipe = pipeline_cls(model, opt, ctx.device)
+        pipe = pipeline_cls(model, opt, ctx.device, **PIPELINE_OPTIONS.get(name, {}))
 
         def step() -> torch.Tensor:
             return loss_of(pipe.progress(stream))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup")
+PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup", "ours_fixed",
+             "ours_graph")
 """Every provider, in the order of the table and the chart."""
 
 # -- table -----------------------------------------------------------------------------------

@@ -72,6 +72,13 @@ class TrainPipeline:
             all-reduce of dense gradients).
         own_group: give each sharded collection's input dist a process group of its own
             (made here, collectively: every rank builds the pipeline in the same order).
+        cuda_graph: capture the whole step (input dist, lookups, output dist, dense forward
+            and backward, fused and dense optimizer updates) in one CUDA graph and replay it
+            per batch (``GraphedStep``). Needs ``CommOptions(fixed_shapes=True)`` on every
+            sharded collection, batches of one batch size and dense shape, and a dense
+            optimizer that can be captured (SGD; Adam/AdamW with ``capturable=True``). The
+            first ``warmup`` batches train eagerly. Ignored off CUDA (the eager steps run).
+        warmup: eager steps before the capture (CUDA graph mode; at least 1).
     """
 
     def __init__(
@@ -84,6 +91,8 @@ class TrainPipeline:
         sparse: Callable[[object], object] | None = None,
         after_backward: Callable[[], None] | None = None,
         own_group: bool = True,
+        cuda_graph: bool = False,
+        warmup: int = 3,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.loss_fn = loss_fn or _default_loss
@@ -101,6 +110,15 @@ class TrainPipeline:
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if cuda else None
         self._next = None  # (batch on the device, CUDA event of its input dist)
+        self.graph = None
+        if cuda_graph and cuda:
+            not_fixed = [m for m in self.sharded if not m.comm.fixed_shapes]
+            if not_fixed:
+                raise ValueError(
+                    "TrainPipeline(cuda_graph=True): every sharded collection needs "
+                    "CommOptions(fixed_shapes=True) (the default input dist syncs with the host)"
+                )
+            self.graph = GraphedStep(self._step, self.sharded, self.sparse, warmup)
 
     def _start(self, batch):
         """Copy ``batch`` to the device and run its input dist (side stream on CUDA)."""
@@ -116,9 +134,23 @@ class TrainPipeline:
             event.record(self.side)
         return batch, event, outs
 
+    def _step(self, batch) -> torch.Tensor:
+        """Forward, backward, optimizer: the part a CUDA graph captures."""
+        loss = self.loss_fn(self.model, batch)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding rows are updated here, by the fused optimizer
+        if self.after_backward is not None:
+            self.after_backward()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss.detach()
+
     def progress(self, iterator: Iterator) -> torch.Tensor:
         """Train on the next batch; returns its loss (detached). Raises StopIteration when
         ``iterator`` is exhausted and no batch is left in flight."""
+        if self.graph is not None:
+            return self.graph(next(iterator).to(self.device, non_blocking=True))
         if self._next is None:
             self._next = self._start(next(iterator))
         batch, event, outs = self._next
@@ -134,12 +166,158 @@ class TrainPipeline:
             upcoming = None
         if upcoming is not None:  # the next batch's input dist, before this step's compute
             self._next = self._start(upcoming)
-        loss = self.loss_fn(self.model, batch)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the embedding rows are updated here, by the fused optimizer
-        if self.after_backward is not None:
-            self.after_backward()
-        if self.optimizer is not None:
-            self.optimizer.step()
-        return loss.detach()
+        return self._step(batch)
+
+
+class GraphedStep:
+    """``step(batch) -> loss`` captured once in a CUDA graph, then replayed per batch.
+
+    The first ``warmup`` calls run ``step`` eagerly on a side stream (they train: NCCL
+    communicators, Triton kernels and the fixed input dist's shapes are set up there). The
+    next call copies its batch into static buffers made like it (every tensor field of a
+    dataclass batch, the KeyedJaggedTensor's values and weights padded to the capacity the
+    sharded collections agreed on), captures ``step`` on them and replays; later calls copy
+    and replay. A batch whose shapes differ (batch size, dense width, keys, more ids than the
+    capacity) raises ValueError. Bad ids (fixed shapes drop them) are reported one step late:
+    the sharded collections' failure flags are read without waiting, and the rank that sent
+    the batch names the id from the batches it kept.
+    """
+
+    KEEP = 4  # recent batches kept to name a bad id in
+
+    def __init__(self, step, sharded, sparse, warmup: int = 3) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup: expected >= 1 eager step before the capture, got {warmup}")
+        self.step, self.sharded, self.sparse, self.warmup = step, sharded, sparse, warmup
+        self.calls = 0
+        self.graph = None
+        self.static = None
+        self.loss = None
+        self.recent: list = []
+        self._flags = None  # (event, pinned host flags) of the last replay
+
+    def __call__(self, batch) -> torch.Tensor:
+        self._check_flags(wait=False)
+        self.recent = [*self.recent[-(self.KEEP - 1):], batch]
+        if self.calls < self.warmup:
+            self.calls += 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.step(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            for m in self.sharded:
+                m.poll_input()  # eager steps: their flags, now
+            return loss
+        if self.graph is None:
+            self._capture(batch)
+        else:
+            _copy_batch(self.static, batch, self.sparse)
+        self.graph.replay()
+        self.calls += 1
+        self._watch_flags()
+        return self.loss.clone()  # the static loss is overwritten by the next replay
+
+    def _capture(self, batch) -> None:
+        caps = [m.input_dist_.agreed[1][m.rank] for m in self.sharded]
+        self.static = _static_batch(batch, self.sparse, min(caps, default=0))
+        _copy_batch(self.static, batch, self.sparse)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self.step(self.static)
+
+    def _watch_flags(self) -> None:
+        if not self.sharded:
+            return
+        flags = torch.stack([m.input_dist_.failed for m in self.sharded])
+        if self._flags is None:
+            self._flags = (torch.cuda.Event(), torch.empty(flags.numel(), dtype=torch.int64,
+                                                           pin_memory=True))
+        event, host = self._flags
+        host.copy_(flags, non_blocking=True)
+        event.record()
+
+    def _check_flags(self, wait: bool) -> None:
+        if self._flags is None:
+            return
+        event, host = self._flags
+        if not event.query():
+            if not wait:
+                return
+            event.synchronize()
+        if not any(host.tolist()):
+            return
+        host.zero_()
+        for m in self.sharded:
+            fixed = m.input_dist_
+            if not int(fixed.failed):
+                continue
+            fixed.failed.zero_()
+            for batch in self.recent:  # this rank's batches: name the bad id if it sent it
+                error = fixed._explain(self.sparse(batch), m.is_weighted())
+                if not isinstance(error, RuntimeError):
+                    raise error
+            raise RuntimeError(
+                "input dist (fixed_shapes, CUDA graph): some rank sent bad input (an id out "
+                "of its table's range, or lengths that do not add up) in a recent batch; its "
+                "ids were dropped from that step (see the sending rank's error)"
+            )
+
+    def poll(self) -> None:
+        """Raise now if a replayed batch had bad input (waits for the last replay)."""
+        self._check_flags(wait=True)
+
+
+def _static_batch(batch, sparse_of, capacity: int):
+    """A batch like ``batch`` over fresh device buffers; the KeyedJaggedTensor's values (and
+    weights) get ``capacity`` slots."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = sparse_of(batch)
+    n = kjt.values().numel()
+    if n > capacity:
+        raise ValueError(f"cuda_graph: {n} ids in the batch, more than the capacity {capacity}")
+    values = kjt.values().new_zeros(capacity)
+    w = kjt.weights_or_none()
+    weights = w.new_zeros(capacity) if w is not None else None
+    static_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=values,
+                                   lengths=kjt.lengths().clone(), weights=weights)
+    if not is_dataclass(batch):
+        raise ValueError(f"cuda_graph: expected a dataclass batch, got {type(batch).__name__}")
+    fields_ = {}
+    for f in fields(batch):
+        v = getattr(batch, f.name)
+        if v is kjt:
+            fields_[f.name] = static_kjt
+        elif isinstance(v, torch.Tensor):
+            fields_[f.name] = v.clone()
+        else:
+            fields_[f.name] = v
+    return type(batch)(**fields_)
+
+
+def _copy_batch(static, batch, sparse_of) -> None:
+    """Copy ``batch`` into the static buffers of ``static`` (same shapes, fewer ids allowed)."""
+    kjt, skjt = sparse_of(batch), sparse_of(static)
+    if list(kjt.keys()) != list(skjt.keys()) or kjt.lengths().shape != skjt.lengths().shape:
+        raise ValueError(
+            f"cuda_graph: the batch's features {list(kjt.keys())} x {kjt.stride()} samples do "
+            f"not match the captured {list(skjt.keys())} x {skjt.stride()}"
+        )
+    n, cap = kjt.values().numel(), skjt.values().numel()
+    if n > cap:
+        raise ValueError(f"cuda_graph: {n} ids in the batch, more than the capacity {cap} "
+                         "(CommOptions.max_ids)")
+    skjt.values()[:n].copy_(kjt.values(), non_blocking=True)
+    skjt.lengths().copy_(kjt.lengths(), non_blocking=True)
+    w = kjt.weights_or_none()
+    if w is not None:
+        skjt.weights()[:n].copy_(w, non_blocking=True)
+    for f in fields(static):
+        dst, src = getattr(static, f.name), getattr(batch, f.name)
+        if isinstance(dst, torch.Tensor):
+            if dst.shape != src.shape:
+                raise ValueError(f"cuda_graph: batch field {f.name} has shape "
+                                 f"{tuple(src.shape)}, captured {tuple(dst.shape)}")
+            dst.copy_(src, non_blocking=True)
