@@ -8,12 +8,12 @@ Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), 
 per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
 ``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone) and ``dlrm``; providers
 ``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``,
-``ours_fixed``, ``ours_graph`` (see ``dist_setup`` and ``dist_providers``). Every provider trains on the same pre-generated
-batches (each rank its own), one provider's model at a time; warm-up steps are not counted
-(``dist_measure`` says what is measured and how). Rank 0 prints a table with the ratios
-against TorchRec and writes ``--out`` (JSON) after every provider, so a crash keeps the rows
-measured so far. A provider that fails or cannot run here is recorded with the reason and the
-run goes on.
+``ours_fixed``, ``ours_graph`` (see ``dist_setup`` and ``dist_providers``). Every provider
+trains on the same pre-generated batches (each rank its own), one provider's model at a time;
+warm-up steps are not counted (``dist_measure`` says what is measured and how). Rank 0 prints a
+table with the ratios against TorchRec and writes ``--out`` (JSON) after every provider, so a
+crash keeps the rows measured so far. A provider that fails or cannot run here is recorded with
+the reason and the run goes on.
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def merge(
     row["stages_ms"] = r0.get("stages_ms", {})
     row["stages_ms_per_rank"] = [r.get("stages_ms", {}) for r in ranks]
     if all("gpu" in r for r in ranks):
-        gpu = {k: max(r["gpu"].get(k, 0.0) for r in ranks) for k in r0["gpu"]}
+        gpu = {k: max(r["gpu"].get(k, 0.0) for r in ranks) for k in r0["gpu"] if k != "top"}
         if gpu.get("busy_ms"):
             gpu["wall_over_busy"] = row["ms_per_step"] / gpu["busy_ms"]
             gpu["busy_fraction"] = gpu["busy_ms"] / row["ms_per_step"]

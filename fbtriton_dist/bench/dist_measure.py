@@ -104,7 +104,21 @@ def busy_stats(intervals: Sequence[tuple[int, int, str]], steps: int) -> dict[st
         "compute_ms": _union_ns(rest) / per,
         "span_ms": (max(b for _, b, _ in intervals) - min(a for a, _, _ in intervals)) / per,
         "kernels_per_step": len(intervals) / max(steps, 1),
+        "top": top_kernels(intervals, steps),
     }
+
+
+def top_kernels(intervals: Sequence[tuple[int, int, str]], steps: int, n: int = 15) -> list:
+    """``[name, ms per step, launches per step]`` of the ``n`` device activities that took the
+    most time (summed durations, names cut to 80 characters), longest first."""
+    total: dict[str, list[float]] = {}
+    for a, b, name in intervals:
+        t = total.setdefault(name[:80], [0.0, 0])
+        t[0] += (b - a) / 1e6
+        t[1] += 1
+    per = max(steps, 1)
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [[name, round(ms / per, 4), round(k / per, 2)] for name, (ms, k) in ranked]
 
 
 def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, float]:

@@ -162,6 +162,7 @@ def build_ours(name: str, ctx: Context) -> Runner:
     ebc = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
     model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
     model = fbtriton_dist.shard(model, ctx.plan, ctx.group, ctx.device, **kwargs)
+    model = model.to(ctx.device)  # buffers the model made on the CPU (DLRM's triu_indices)
     fqn = embedding_fqn(ctx.spec.kind)
     sharded = model.get_submodule(fqn)
     params = [

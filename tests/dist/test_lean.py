@@ -219,10 +219,11 @@ class _Model(torch.nn.Module):
         return self.dense(torch.cat([self.ebc(sparse).values(), dense], dim=1)).squeeze(-1)
 
 
-def _pipeline(rank, world):
-    """Plain loop and TrainPipeline from the same start on the same 4 batches."""
+def _pipeline(rank, world, graph=False):
+    """Plain loop and TrainPipeline from the same start on the same 4 batches (``graph``:
+    6 batches, fixed shapes and a CUDA graph from the third on; eager on the CPU)."""
     import fbtriton_dist
-    from fbtriton_dist.dist import TrainPipeline
+    from fbtriton_dist.dist import CommOptions, TrainPipeline
 
     configs, dev = _configs(False), device()
     sizes = BATCH[:world]
@@ -232,12 +233,16 @@ def _pipeline(rank, world):
     base = _Model(fbtriton_dist.EmbeddingBagCollection(tables=configs, device=dev), total_D)
     base = base.to(dev)
     models = []
-    for _ in range(2):
+    n_steps = 6 if graph else 4
+    K = sum(len(c.feature_names) for c in configs)
+    fixed = CommOptions(fixed_shapes=True, max_ids=3 * K * max(sizes)) if graph else None
+    for comm in (None, fixed):
         m = copy.deepcopy(base)
-        fbtriton_dist.shard(m, _plan("mixed", world), optimizer=fbtriton_dist.optim.Adagrad(lr=0.1))
+        fbtriton_dist.shard(m, _plan("mixed", world), optimizer=fbtriton_dist.optim.Adagrad(lr=0.1),
+                            comm=comm)
         models.append(m)
     batches = []
-    for step in range(4):
+    for step in range(n_steps):
         feats, lengths, values, _ = _global_batch(configs, sum(sizes), step, False)
         g = torch.Generator().manual_seed(100 + step)
         dense = torch.randn(sum(sizes), 2, generator=g)
@@ -267,14 +272,16 @@ def _pipeline(rank, world):
         losses_plain.append(loss.detach())
     opt_piped = torch.optim.SGD(piped.dense.parameters(), lr=0.5)
     pipe = TrainPipeline(piped, opt_piped, dev, loss_fn=loss_fn,
-                         after_backward=lambda: allreduce(piped))
+                         after_backward=lambda: allreduce(piped), cuda_graph=graph, warmup=1)
     it, losses_piped = iter(batches), []
     while True:
         try:
             losses_piped.append(pipe.progress(it))
         except StopIteration:
             break
-    same_losses = len(losses_piped) == 4 and all(
+    if graph and pipe.graph is not None:
+        pipe.graph.poll()
+    same_losses = len(losses_piped) == n_steps and all(
         _same(a, b) for a, b in zip(losses_plain, losses_piped, strict=True))
     full = [m.ebc.gather_full_state_dict() for m in models]
     same_tables = all(_same(full[0][k], full[1][k]) for k in full[0])
@@ -286,6 +293,12 @@ def _pipeline(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipeline_matches_the_plain_loop(world):
     for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, world)):
+        assert losses and tables and dense_, (rank, losses, tables, dense_, values)
+
+
+def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop():
+    """On NCCL the whole step is one CUDA graph replay from the third batch on."""
+    for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, 2, True)):
         assert losses and tables and dense_, (rank, losses, tables, dense_, values)
 
 
