@@ -50,6 +50,7 @@ class BlockExchange:
         self.widths, self.global_rows, self.device = widths, global_rows, device
         self.wire_dtype = wire_dtype  # values (and, through autograd, gradients) on the wire
         self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
+        self._slice_cache: dict = {}
 
     def elements(self, batch_sizes: list[int]) -> tuple[list[int], list[int]]:
         """Values sent to / received from each peer."""
@@ -74,14 +75,78 @@ class BlockExchange:
             self._cached = (list(batch_sizes), (send, recv, *self.elements(batch_sizes)))
         return self._cached[1]
 
+    def _slices(self, batch_sizes: list[int]):
+        """The exchange as 2-D slices, where every block is a few runs of consecutive columns
+        on both sides: (send [(row0, row1, col0, col1)], recv {(col0, col1): [(offset, rows)]},
+        values sent / received per peer); None where it is not (then flat indices)."""
+        key = ("slices", *batch_sizes)
+        if key in self._slice_cache:
+            return self._slice_cache[key]
+        starts = [0, *accumulate(batch_sizes)]
+        send, recv, offset = [], {}, 0
+        plan = (send, recv, *self.elements(batch_sizes))
+        for b in (b for per_peer in self.send for b in per_peer):
+            rows = (starts[b.dest], starts[b.dest] + batch_sizes[b.dest])
+            send += [(*rows, a, a + n) for a, _, n in _runs(b.src, b.dst)]
+        for b in (b for per_peer in self.recv for b in per_peer):
+            n_rows = batch_sizes[b.dest]
+            for _, c, n in _runs(b.src, b.dst):
+                recv.setdefault((c, c + n), []).append((offset, n_rows))
+                offset += n_rows * n
+        ranges = sorted(recv)
+        if not send or not recv or self.global_rows or len(send) + len(ranges) > 8 * len(
+            self.peers
+        ) or any(
+            a[1] > b[0] for a, b in zip(ranges, ranges[1:], strict=False)
+        ):
+            # nothing to send or receive (the flat path keeps autograd reaching the
+            # collective), overlapping column ranges, rows placed by the global batch, or many
+            plan = None
+        self._slice_cache[key] = plan
+        return plan
+
+    def _sliced(self, x, target, plan, group) -> torch.Tensor:
+        send, recv, send_n, recv_n = plan
+        pieces = [x[r0:r1, a:b].reshape(-1) for r0, r1, a, b in send]
+        values = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
+            values = values.to(self.wire_dtype)
+        got = all_to_all(values, send_n, recv_n, group)
+        B, width = target.shape
+        cols, at = [], 0
+        for c0, c1 in sorted(recv):
+            if c0 > at:
+                cols.append(target.new_zeros((B, c0 - at)))
+            parts = [got[o : o + n * (c1 - c0)].view(n, c1 - c0).to(target.dtype)
+                     for o, n in recv[(c0, c1)]]
+            cols.append(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
+            at = c1
+        if at < width:
+            cols.append(target.new_zeros((B, width - at)))
+        return target + torch.cat(cols, dim=1)
+
     def __call__(self, x, target, batch_sizes: list[int], group=None) -> torch.Tensor:
         """``target`` plus the blocks of ``x`` that every peer sent this rank."""
+        plan = self._slices(batch_sizes)
+        if plan is not None:
+            return self._sliced(x, target, plan, group)
         send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
         values = x.reshape(-1).index_select(0, send_idx)
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
         got = all_to_all(values, send_n, recv_n, group).to(target.dtype)  # summed in fp32
         return target.reshape(-1).index_add(0, recv_idx, got).view(target.shape)
+
+
+def _runs(src, dst) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, length)`` of the runs where both column lists go up by one."""
+    out = []
+    for i, (a, c) in enumerate(zip(src, dst, strict=True)):
+        if out and i and a == src[i - 1] + 1 and c == dst[i - 1] + 1:
+            out[-1][2] += 1
+        else:
+            out.append([a, c, 1])
+    return [tuple(r) for r in out]
 
 
 def host_blocks(layout: ShardLayout, q: int, p: int) -> list[Block]:
