@@ -97,9 +97,10 @@ def bucketize(
         empty = torch.zeros(capacity or 0, dtype=torch.int64, device=device)
         w = per_sample_weights.new_zeros(capacity or 0) if per_sample_weights is not None else None
         return lengths, empty, w
-    BLOCK = 64
+    BLOCK = 32  # one warp per bag: a bag holds tens of ids
     _bucketize_count_kernel[(S * B,)](
-        indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BLOCK=BLOCK
+        indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BLOCK=BLOCK,
+        num_warps=1,
     )
     starts = torch.cumsum(lengths, 0) - lengths
     M = int(lengths.sum()) if capacity is None else capacity
@@ -119,5 +120,6 @@ def bucketize(
         B,
         HAS_PSW=psw is not None,
         BLOCK=BLOCK,
+        num_warps=1,
     )
     return lengths, ids, out_psw
