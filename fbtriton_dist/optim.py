@@ -6,6 +6,7 @@ gradients of duplicate ids in a batch are summed first, then each unique row get
 rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,3 +102,25 @@ class Adam:
 
 
 Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+
+
+HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2")
+"""What the fused backward reads from a small fp32 device tensor (not from launch arguments,
+so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
+
+
+def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
+    """``optimizer``'s values of ``HYPER_FIELDS`` (0 where it has none). ``log_beta`` is the
+    natural log of the beta (-inf for 0): Adam's bias corrections ``1 - beta^t`` are computed
+    from it on the device, with the step count t read from device memory."""
+    if optimizer is None:
+        return [0.0] * len(HYPER_FIELDS)
+    b1, b2 = getattr(optimizer, "betas", (0.0, 0.0))
+    return [
+        float(optimizer.lr),
+        float(getattr(optimizer, "eps", 0.0)),
+        float(b1),
+        float(b2),
+        float(getattr(optimizer, "weight_decay", 0.0)),
+        *(math.log(b) if b > 0 else -math.inf for b in (b1, b2)),
+    ]

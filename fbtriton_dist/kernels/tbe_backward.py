@@ -97,6 +97,23 @@ def _uniform16(seed, key, RUNS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _one_minus_pow(log_b, t):
+    """``1 - b^t`` (Adam's bias correction) from ``log(b)`` and the step t >= 1, in fp32
+    without the cancellation of ``1 - exp(x)`` near x = 0: ``-expm1(x)``, x = t log(b), by its
+    Taylor series while |x| < 0.5 (truncation < 1e-8 relative), else ``1 - exp(x)`` (exact
+    enough there; log(b) = -inf, b = 0, gives 1)."""
+    x = t.to(tl.float32) * log_b
+    s = 1.0 + x * (1.0 / 8.0)
+    s = 1.0 + x * (1.0 / 7.0) * s
+    s = 1.0 + x * (1.0 / 6.0) * s
+    s = 1.0 + x * (1.0 / 5.0) * s
+    s = 1.0 + x * (1.0 / 4.0) * s
+    s = 1.0 + x * (1.0 / 3.0) * s
+    s = 1.0 + x * (1.0 / 2.0) * s
+    return tl.where(x > -0.5, -(x * s), 1.0 - tl.exp(x))
+
+
+@triton.jit
 def _run_of(changes_ptr, p, mask):
     """0-based run index of sorted position p: how many key changes come at or before it."""
     return tl.load(changes_ptr + p - 1, mask=mask & (p > 0), other=0).to(tl.int64)
@@ -118,17 +135,23 @@ def _tbe_runs_kernel(
     run_feats_ptr,  # [N] int64 out: feature of each run's first id (its table's layout)
     run_goffs_ptr,  # [N] int64 out: grad_output element of each run's first id
     num_runs_ptr,  # [1] int64 out: number of runs U
+    step_ptr,  # [1] int64 in/out: fused updates taken; one added here (COUNT_STEP)
     N,  # number of ids
     B,  # batch size
     grad_stride,  # row stride of grad_output
     HAS_PSW: tl.constexpr,
     MEAN: tl.constexpr,
+    COUNT_STEP: tl.constexpr,  # a fused update follows: advance its step counter
     BLOCK: tl.constexpr,
 ):
     # one program per BLOCK sorted positions: one pass that turns the sorted ids into what the
     # row kernel reads, so that its chain of dependent loads stays short
     p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = p < N
+    if COUNT_STEP:  # on the device, so that every replay of a captured step advances it
+        first = p == 0
+        t = tl.load(step_ptr + p * 0, mask=first, other=0)
+        tl.store(step_ptr + p * 0, t + 1, mask=first)
     key = tl.load(keys_ptr + p, mask=m, other=0)
     prev = tl.load(keys_ptr + p - 1, mask=m & (p > 0), other=0)
     src = tl.load(perm_ptr + p, mask=m, other=0)
@@ -228,14 +251,9 @@ def _tbe_row_update_kernel(
     mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
     mom2_ptr,  # adam: [sum(E_t * D_t)] fp32
     sentinel,  # key of dropped ids: their run is skipped
-    lr,
-    eps,
-    beta1,
-    beta2,
-    weight_decay,  # optimizer hyper-parameters
-    bias_c1,
-    bias_c2,  # adam: 1 - beta1^t, 1 - beta2^t
-    seed,  # stochastic rounding seed for this step
+    hyper_ptr,  # [7] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
+    step_ptr,  # [1] int64 fused updates taken, this one included: t >= 1
+    seed,  # the module's stochastic-rounding seed; this step's is (seed * 1000003 + t) % (2^31-1)
     OPTIMIZER: tl.constexpr,  # OPT_* code
     WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
     HAS_SCALE: tl.constexpr,
@@ -267,6 +285,16 @@ def _tbe_row_update_kernel(
         long = live & (n > CHUNK_SIZE)
         n_short = tl.where(live & (n <= CHUNK_SIZE), n, 0)
         if OPTIMIZER != 0:  # issue the row's loads before the gradient loop
+            # per-step values come from device memory (a captured step replays them fresh)
+            lr = tl.load(hyper_ptr)
+            eps = tl.load(hyper_ptr + 1)
+            weight_decay = tl.load(hyper_ptr + 4)
+            t = tl.load(step_ptr)
+            if OPTIMIZER == 3:
+                beta1 = tl.load(hyper_ptr + 2)
+                beta2 = tl.load(hyper_ptr + 3)
+                bias_c1 = _one_minus_pow(tl.load(hyper_ptr + 5), t)
+                bias_c2 = _one_minus_pow(tl.load(hyper_ptr + 6), t)
             row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
             elem = tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D
             ptrs = elem[:, None] + d[None, :]
@@ -373,7 +401,8 @@ def _tbe_row_update_kernel(
                 exp = ((bits >> 23) & 0xFF) - 127
                 ulp_exp = tl.maximum(tl.maximum(exp, MIN_EXP) - MANTISSA, -126)
                 ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-                noise = _uniform16(seed, key, RUNS, BLOCK_D) * ulp
+                step_seed = (seed.to(tl.int64) * 1000003 + t) % 2147483647
+                noise = _uniform16(step_seed, key, RUNS, BLOCK_D) * ulp
                 w = tl.where(w < 0, w - noise, w + noise)
                 w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
             else:
@@ -430,11 +459,12 @@ def tbe_backward(
     pooling: int,
     max_D: int,
     optimizer: optim.Optimizer | None,
-    step: int,
+    step: torch.Tensor | None,
     momentum1: torch.Tensor | None,
     momentum2: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    hyper: torch.Tensor | None = None,
     num_rows: int | None = None,
     keys: torch.Tensor | None = None,
     bag_ids: torch.Tensor | None = None,
@@ -449,6 +479,13 @@ def tbe_backward(
     without a host synchronisation. Without: returns ``(row_elems [U] int64, row_dims [U]
     int64, row_grads [U, >=max_D] fp32)``: for every unique touched row, the flat offset of its
     first element in ``weights``, its D and its summed gradient (columns past D are zero).
+
+    Nothing that changes from step to step is a launch argument, so a CUDA graph of the step
+    replays correctly: ``step`` ([1] int64 on the device, the fused updates taken so far) is
+    advanced by one on the device, then read there as t: Adam's bias corrections
+    ``1 - beta^t`` and the stochastic-rounding seed ``(seed * 1000003 + t) % (2^31 - 1)``;
+    ``hyper`` ([7] fp32 on the device, ``optim.hyper_parameters(optimizer)``, built here when
+    None) holds the learning rate and the rest.
     """
     device = weights.device
     T = dims.numel()
@@ -456,10 +493,19 @@ def tbe_backward(
     code = optimizer_code(optimizer)
     _, block_d = block_sizes(max_D)
     N = indices.numel()
+    if code and (step is None or step.shape != (1,) or step.dtype != torch.int64):
+        raise ValueError(
+            "step: expected the optimizer's step counter, a [1] int64 tensor on "
+            f"{device}, got {None if step is None else (step.dtype, tuple(step.shape))}"
+        )
     if N == 0 or B == 0:
         empty = torch.empty(0, dtype=torch.int64, device=device)
         rows = torch.empty((0, block_d), device=device, dtype=torch.float32)
+        if code:
+            step.add_(1)  # an empty batch is a step too (no kernel runs to count it)
         return None if code else (empty, empty, rows)
+    if code and hyper is None:
+        hyper = torch.tensor(optim.hyper_parameters(optimizer), dtype=torch.float32).to(device)
     sentinel = num_rows if num_rows is not None else 2**62
     if keys is None:
         keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
@@ -490,11 +536,13 @@ def tbe_backward(
         run_feats,
         run_goffs,
         num_runs,
+        step if code else num_runs,
         N,
         B,
         grad_output.stride(0),
         HAS_PSW=per_sample_weights is not None,
         MEAN=pooling == 1,
+        COUNT_STEP=code != OPT_NONE,
         BLOCK=1024,
     )
 
@@ -522,7 +570,6 @@ def tbe_backward(
 
     U = int(num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
-    hp = _hyper_parameters(optimizer, step)
     mantissa, min_exp = _half_format(weights.dtype)
     _ROWS(
         (triton.cdiv(N, runs),),
@@ -543,8 +590,9 @@ def tbe_backward(
         momentum1 if momentum1 is not None else partial,
         momentum2 if momentum2 is not None else partial,
         sentinel,
-        *hp,
-        seed,
+        hyper if code else partial,
+        step if code else num_runs,
+        seed % 2147483647,  # (seed * 1000003 + t) % (2^31 - 1) stays in int64
         OPTIMIZER=code,
         WD_DECOUPLED=isinstance(optimizer, optim.RowWiseAdagrad)
         and optimizer.weight_decay_mode == "decoupled",
@@ -566,16 +614,3 @@ def tbe_backward(
     run_keys, f, out_rows = run_keys[live], f[live], out_rows[live]
     row_elems = w_offsets[f] + (run_keys - row_offsets[f]) * dims[f]
     return row_elems, dims[f], out_rows
-
-
-def _hyper_parameters(optimizer: optim.Optimizer | None, step: int) -> tuple[float, ...]:
-    """(lr, eps, beta1, beta2, weight_decay, 1 - beta1^t, 1 - beta2^t) for the row kernel."""
-    if optimizer is None:
-        return (0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0)
-    lr = float(optimizer.lr)
-    eps = float(getattr(optimizer, "eps", 0.0))
-    wd = float(getattr(optimizer, "weight_decay", 0.0))
-    b1, b2 = getattr(optimizer, "betas", (0.0, 0.0))
-    bc1 = 1.0 - b1**step if isinstance(optimizer, optim.Adam) else 1.0
-    bc2 = 1.0 - b2**step if isinstance(optimizer, optim.Adam) else 1.0
-    return (lr, eps, float(b1), float(b2), wd, bc1, bc2)

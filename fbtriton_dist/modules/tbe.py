@@ -14,6 +14,7 @@ from fbtriton_dist.ops.tbe import (
     BoundsMonitor,
     FusedOptimizer,
     TBELayout,
+    capturing,
     check_backend,
     tbe_lookup,
 )
@@ -49,6 +50,10 @@ class TableBatchedEmbedding(nn.Module):
         tbe = TableBatchedEmbedding([(1000, 16), (50, 8)], feature_table_map=[0, 0, 1],
                                     optimizer=optim.RowWiseAdagrad(lr=0.1))
         out = tbe(indices, offsets)  # offsets of length 3 * B + 1 -> out [B, 16 + 16 + 8]
+
+    A fused training step can be captured in a CUDA graph (``fbtriton_dist.graphs``): the
+    step count (``step``) and the optimizer's hyper-parameters live on the device, where the
+    backward reads and advances them; ``bounds_check="error"`` cannot be captured.
     """
 
     def __init__(
@@ -115,7 +120,13 @@ class TableBatchedEmbedding(nn.Module):
         self.backend = backend
         self.stochastic_rounding = stochastic_rounding
         self.sparse = sparse
-        self.step = 0
+        # fused updates taken, counted on the device by the backward (so that a replayed CUDA
+        # graph of the step advances it); ``step`` reads it on the host
+        self.register_buffer(
+            "_step", torch.zeros(1, dtype=torch.int64, device=device), persistent=False
+        )
+        self._hyper: torch.Tensor | None = None  # optim.hyper_parameters on the device
+        self._hyper_of: optim.Optimizer | None = None
         self.seed = int(torch.randint(2**31 - 1, ()).item()) if seed is None else int(seed)
 
         sizes = [E * D for E, D in tables]
@@ -182,6 +193,37 @@ class TableBatchedEmbedding(nn.Module):
     def num_features(self) -> int:
         return len(self.feature_table_map)
 
+    @property
+    def step(self) -> int:
+        """Fused optimizer updates taken (Adam's t, the rounding seed's clock). Kept on the
+        device, where the backward advances it without a host sync: reading it here syncs
+        (logs, checkpoints); setting it writes the device counter in place, which a captured
+        CUDA graph of the step keeps reading."""
+        return int(self._step.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step.fill_(int(value))
+
+    def _device_hyper(self) -> torch.Tensor:
+        """The fused optimizer's hyper-parameters on the weights' device, rewritten in place
+        when the optimizer changes (a captured step reads the new values at its next replay)."""
+        device = self.weights.device
+        if self._hyper is None or self._hyper.device != device:
+            self._hyper = torch.zeros(len(optim.HYPER_FIELDS), dtype=torch.float32, device=device)
+            self._hyper_of = None
+        if self._hyper_of is not self.optimizer:
+            if capturing(device):
+                raise RuntimeError(
+                    "TableBatchedEmbedding: the fused optimizer changed between the last eager "
+                    "step and a CUDA graph capture; run one step eagerly after set_optimizer / "
+                    "set_learning_rate before capturing"
+                )
+            values = torch.tensor(optim.hyper_parameters(self.optimizer), dtype=torch.float32)
+            self._hyper.copy_(values)
+            self._hyper_of = self.optimizer
+        return self._hyper
+
     def reset_parameters(self) -> None:
         """Rows of each table uniform in [-1/sqrt(E), 1/sqrt(E)] (TorchRec's default); states 0."""
         with torch.no_grad():
@@ -237,10 +279,10 @@ class TableBatchedEmbedding(nn.Module):
                 optimizer=self.optimizer,
                 momentum1=self.momentum1,
                 momentum2=self.momentum2,
-                step=self.step,
+                step=self._step,
                 stochastic_rounding=self.stochastic_rounding,
                 seed=self.seed,
-                on_step=self._count_step,
+                hyper=self._device_hyper(),
             )
         return tbe_lookup(
             self.weights,
@@ -264,9 +306,6 @@ class TableBatchedEmbedding(nn.Module):
         """With ``bounds_check="warn"`` on CUDA the ids a batch dropped are reported at the next
         lookup, without a host sync; this reports the last batch's now (waiting for it)."""
         self._bounds_monitor.poll()
-
-    def _count_step(self) -> None:
-        self.step += 1
 
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Per-table views ``[E_t, D_t]`` of the flat weights (writes go to the module)."""
@@ -295,16 +334,19 @@ class TableBatchedEmbedding(nn.Module):
         return out
 
     def set_learning_rate(self, lr: float) -> None:
-        """Change the fused optimizer's learning rate (a scheduler's hook)."""
+        """Change the fused optimizer's learning rate (a scheduler's hook). The kernels read
+        it from device memory, rewritten here in place: a captured CUDA graph of the training
+        step uses the new rate from its next replay (no re-capture)."""
         if self.optimizer is None:
             raise ValueError("set_learning_rate: this module has no fused optimizer")
         self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
+        self._device_hyper()
 
     def get_extra_state(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step}  # read from the device counter
 
     def set_extra_state(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step = int(state["step"])  # written in place
 
     def extra_repr(self) -> str:
         return (

@@ -7,7 +7,7 @@ Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B
 import collections
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,16 +52,53 @@ class TBELayout:
 
 @dataclass(kw_only=True, eq=False)
 class FusedOptimizer:
-    """What backward needs to update rows in place: the optimizer and its state."""
+    """What backward needs to update rows in place: the optimizer and its state. Everything
+    that changes between steps lives in device memory, so that a CUDA graph of a training
+    step replays correctly."""
 
     optimizer: optim.Optimizer
     momentum1: torch.Tensor | None
     momentum2: torch.Tensor | None
-    step: int
+    step: torch.Tensor
+    """[1] int64 on the weights' device: fused updates taken so far. The backward adds one
+    on the device (no host sync) and reads the new value t there: Adam's bias corrections
+    ``1 - beta^t``, the stochastic-rounding seed ``reference.step_seed(seed, t)``."""
     stochastic_rounding: bool
     seed: int
-    on_step: Callable[[], None]
-    """Called after each fused update (the module counts its steps)."""
+    """The module's seed (fixed); each update's rounding seed derives from it and t."""
+    hyper: torch.Tensor | None = None
+    """[7] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
+    by the module, so a captured step sees a new learning rate); None: built per backward
+    (a host-to-device copy, which a CUDA graph cannot capture)."""
+
+
+def capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on the current stream of ``device``?"""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_capturable(
+    backend: Backend, bounds_check: BoundsCheck, layout: TBELayout, monitor
+) -> None:
+    """Refuse, naming the option, what a CUDA graph capture cannot record: work that reads
+    device values on the host."""
+    if backend == "reference" or layout.num_rows is None:
+        raise RuntimeError(
+            "TBE lookup under CUDA graph capture: backend='reference' validates and reduces on "
+            "the host (device-to-host reads), which a graph cannot record; use backend='triton'"
+        )
+    if bounds_check == "error":
+        raise RuntimeError(
+            "TBE lookup under CUDA graph capture: bounds_check='error' reads the kernel's "
+            "bad-id count on the host after every lookup, which a graph cannot record; use "
+            "bounds_check='warn' (ids are dropped and counted on the device over replays, "
+            "reported by poll_bounds_check()) or 'ignore'"
+        )
+    if bounds_check == "warn" and monitor is None:
+        raise RuntimeError(
+            "TBE lookup under CUDA graph capture: bounds_check='warn' needs a BoundsMonitor "
+            "(the module's) to count dropped ids over replays; pass monitor= or use 'ignore'"
+        )
 
 
 def _impl(backend: Backend):
@@ -232,6 +269,18 @@ class _TBELookup(torch.autograd.Function):
         indices, offsets, per_sample_weights, keys, bag_ids, counts = ctx.saved_tensors
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
+        if capturing(weights.device) and (not fused or ctx.needs_input_grad[2]):
+            raise RuntimeError(
+                "TBE backward under CUDA graph capture: "
+                + (
+                    "the per_sample_weights gradient is computed with host reads"
+                    if fused
+                    else "without a fused optimizer, the weight gradient is sized on the host "
+                    "(one device-to-host read of the unique-row count)"
+                )
+                + ", which a graph cannot record; capture a fused optimizer's step with "
+                "per_sample_weights that do not require grad"
+            )
         grad_psw = None
         if ctx.needs_input_grad[2]:  # before a fused update changes the rows
             grad_psw = reference.tbe_per_sample_weights_grad(
@@ -248,11 +297,12 @@ class _TBELookup(torch.autograd.Function):
         common = dict(
             pooling=pooling,
             max_D=layout.max_D,
-            step=fused.step + 1 if fused else 0,
+            step=fused.step if fused else None,
+            hyper=fused.hyper if fused else None,
             momentum1=fused.momentum1 if fused and fused.momentum1.numel() else None,
             momentum2=fused.momentum2 if fused and fused.momentum2.numel() else None,
             stochastic_rounding=fused.stochastic_rounding if fused else False,
-            seed=(fused.seed * 1000003 + fused.step) % (2**31 - 1) if fused else 0,
+            seed=fused.seed if fused else 0,
         )
         if keys is not None:
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
@@ -270,9 +320,8 @@ class _TBELookup(torch.autograd.Function):
             **common,
         )
         grad_w, grad_targets = None, [None] * ctx.num_targets
-        if fused:
-            fused.on_step()
-        elif ctx.num_targets:
+        # fused: the rows and fused.step were updated in place, no weight gradient
+        if not fused and ctx.num_targets:
             flat = _rows_to_grad(result, weights, sparse=False)
             grad_targets = [
                 flat[a:b].view(E, -1) if ctx.needs_input_grad[_NUM_INPUTS + t] else None
@@ -280,7 +329,7 @@ class _TBELookup(torch.autograd.Function):
                     zip(table_offsets[:-1], table_offsets[1:], layout.table_rows, strict=True)
                 )
             ]
-        elif ctx.needs_input_grad[0]:
+        elif not fused and ctx.needs_input_grad[0]:
             grad_w = _rows_to_grad(result, weights, sparse)
         return (grad_w, None, grad_psw, *[None] * (_NUM_INPUTS - 3), *grad_targets)
 
@@ -332,6 +381,12 @@ def tbe_lookup(
     Bounds are checked inside the forward kernel: out-of-range ids are dropped and counted.
     ``"error"`` then reads the count (one small device-to-host copy) and raises naming the id;
     ``"warn"`` with a ``monitor`` on CUDA reads it at the next lookup, without a host sync.
+
+    Under CUDA graph capture (``torch.cuda.graph``, ``graphs.GraphedStep``) the lookup and its
+    fused backward record no host work: ``"warn"`` counts dropped ids in the monitor's device
+    counter over replays (``BoundsMonitor.poll()`` reports them), ``"ignore"`` checks nothing;
+    ``"error"``, the reference backend, plain (not fused) gradients and a per-sample-weight
+    gradient read device values on the host and raise a ``RuntimeError`` naming the option.
     """
     check_backend(backend, weights.device)
     check_shapes(indices, offsets, per_sample_weights, layout)
@@ -339,7 +394,16 @@ def tbe_lookup(
         raise ValueError(
             f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
         )
-    if monitor is not None:
+    in_capture = capturing(weights.device)
+    if in_capture:
+        check_capturable(backend, bounds_check, layout, monitor)
+        if fused is not None and fused.hyper is None:
+            raise RuntimeError(
+                "TBE lookup under CUDA graph capture: FusedOptimizer.hyper is None (it would be "
+                "copied from the host at every backward); pass the device tensor of "
+                "optim.hyper_parameters(optimizer), as TableBatchedEmbedding does"
+            )
+    elif monitor is not None:
         monitor.poll(wait=False)
     targets = tuple(grad_targets) if grad_targets is not None and fused is None else ()
     training = torch.is_grad_enabled() and any(
@@ -350,9 +414,13 @@ def tbe_lookup(
         indices, offsets, per_sample_weights = check_inputs(
             indices, offsets, per_sample_weights, layout, bounds_check
         )
+    elif in_capture and bounds_check == "warn":
+        err = monitor.replay_counts(weights.device)  # summed over replays, never zeroed
     elif bounds_check != "ignore":
         # the kernel drops and counts out-of-range ids (and clamps malformed bags) in err
         err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
+            monitor.replay_counts(weights.device)  # allocated now, before any capture
     out = _TBELookup.apply(
         weights,
         anchor,
@@ -370,7 +438,7 @@ def tbe_lookup(
         training,
         *targets,
     )
-    if err is not None:
+    if err is not None and not in_capture:
         batch = (indices, offsets, per_sample_weights, layout, bounds_check)
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.watch(err, batch)  # read at the next lookup: no host sync now
@@ -395,13 +463,36 @@ class BoundsMonitor:
     """The deferred ``bounds_check="warn"`` of a module on CUDA: a batch's flags are copied to
     pinned host memory without waiting, and a later lookup (or ``poll()``) warns about the
     ids that batch dropped, as FBGEMM's WARNING mode does. Lookups never wait for the GPU
-    unless DEPTH batches are still in flight. Errors are never deferred."""
+    unless DEPTH batches are still in flight. Errors are never deferred.
+
+    Lookups captured in a CUDA graph cannot copy anything to the host: they count into one
+    device buffer per device (``replay_counts``) that every replay adds to; ``poll()`` (with
+    ``wait``) reads it and warns about the ids dropped since the last poll, or raises for
+    malformed offsets. It is allocated by the first eager lookup on the device, so that the
+    capture (which runs after eager warm-up steps) does not record its zeroing."""
 
     DEPTH = 8
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
         self._pending: collections.deque = collections.deque()
+        self._replay: dict[torch.device, torch.Tensor] = {}
+        self._replay_seen: dict[torch.device, list[int]] = {}
+
+    def replay_counts(self, device: torch.device) -> torch.Tensor:
+        """[3] int64 on ``device`` (as the forward kernel's ``err``): ids dropped, N minus the
+        first one's position (a max), malformed bags, summed over captured lookups' replays."""
+        counts = self._replay.get(device)
+        if counts is None:
+            if capturing(device):
+                raise RuntimeError(
+                    "TBE lookup under CUDA graph capture with bounds_check='warn': run one "
+                    "eager lookup on this device before capturing (graphs.GraphedStep's "
+                    "warm-up does), so that the dropped-id counter exists outside the graph"
+                )
+            counts = self._replay[device] = torch.zeros(3, dtype=torch.int64, device=device)
+            self._replay_seen[device] = [0, 0, 0]
+        return counts
 
     def watch(self, err: torch.Tensor, batch) -> None:
         self._drain(wait=len(self._pending) >= self.DEPTH)
@@ -414,8 +505,29 @@ class BoundsMonitor:
         self._pending.append((event, host, batch))
 
     def poll(self, wait: bool = True) -> None:
-        """Warn about (or raise for) the watched batches; ``wait``: also those still running."""
+        """Warn about (or raise for) the watched batches; ``wait``: also those still running,
+        and what captured lookups counted over their replays (a host read)."""
         self._drain(wait=wait, everything=wait)
+        if wait:
+            self._drain_replays()
+
+    def _drain_replays(self) -> None:
+        for device, counts in self._replay.items():
+            now, seen = counts.tolist(), self._replay_seen[device]
+            self._replay_seen[device] = now
+            dropped, malformed = now[0] - seen[0], now[2] - seen[2]
+            if malformed:
+                raise ValueError(
+                    f"offsets: {malformed} malformed bags (decreasing offsets, or outside "
+                    "[0, len(indices)]) in CUDA graph replays since the last poll; they were "
+                    "clamped there: run the step eagerly to name them"
+                )
+            if dropped:
+                warnings.warn(
+                    f"dropped {dropped} out-of-range ids in CUDA graph replays since the last "
+                    "poll (bounds_check='warn'); run the step eagerly to name them",
+                    stacklevel=3,
+                )
 
     def _drain(self, wait: bool, everything: bool = False) -> None:
         while self._pending:

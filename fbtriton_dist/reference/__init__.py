@@ -5,6 +5,7 @@ They are the specification, the CPU backend and the test oracle.
 
 from fbtriton_dist.reference.bucketize import bucketize
 from fbtriton_dist.reference.tbe import (
+    step_seed,
     stochastic_round,
     tbe_backward,
     tbe_forward,
@@ -13,6 +14,7 @@ from fbtriton_dist.reference.tbe import (
 
 __all__ = [
     "bucketize",
+    "step_seed",
     "stochastic_round",
     "tbe_backward",
     "tbe_forward",

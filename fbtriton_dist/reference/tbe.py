@@ -74,6 +74,12 @@ def tbe_forward(
     return out, keys, bags.to(torch.int32), counts
 
 
+def step_seed(seed: int, t: int) -> int:
+    """The stochastic-rounding seed of fused update t (1, 2, ...) of a module seeded ``seed``:
+    a function of the two alone, so that a restored or replayed step rounds as the original."""
+    return (seed * 1000003 + t) % (2**31 - 1)
+
+
 def stochastic_round(
     x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -113,19 +119,29 @@ def tbe_backward(
     pooling: int,
     max_D: int,
     optimizer: optim.Optimizer | None,
-    step: int,
+    step: torch.Tensor | None,
     momentum1: torch.Tensor | None,
     momentum2: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    hyper: torch.Tensor | None = None,
     num_rows: int | None = None,
     keys: torch.Tensor | None = None,
     bag_ids: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Same contract as kernels.tbe_backward: update in place, or return
-    ``(row_elems, row_dims, row_grads)``."""
+    ``(row_elems, row_dims, row_grads)``. With an optimizer, ``step`` ([1] int64, updates
+    taken so far) is advanced by one first and t = its new value: Adam's bias corrections are
+    ``1 - beta^t`` and the rounding seed ``step_seed(seed, t)``. The hyper-parameters come
+    from ``optimizer`` (``hyper``, the kernels' device copy of them, is not read)."""
     device = weights.device
+    t = 0
+    if optimizer is not None:
+        if step is None:
+            raise ValueError("step: expected the optimizer's [1] int64 step counter, got None")
+        step.add_(1)
+        t = int(step.item())
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()
@@ -150,7 +166,7 @@ def tbe_backward(
 
     # Per table (one representative feature per distinct row offset): sum each row's gradient.
     row_elems, row_dims, row_grads = [], [], []
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(step_seed(seed, t))
     for base in torch.unique(row_offsets).tolist():
         f_of_table = [f for f in range(T) if int(row_offsets[f]) == base]
         f0 = f_of_table[0]
@@ -170,7 +186,7 @@ def tbe_backward(
             row_grads.append(torch.nn.functional.pad(grad, (0, max_D - D)))
             continue
         w = weights[elems].to(torch.float32)
-        w = _apply_optimizer(optimizer, w, grad, step, momentum1, momentum2, base + rows, elems)
+        w = _apply_optimizer(optimizer, w, grad, t, momentum1, momentum2, base + rows, elems)
         if stochastic_rounding:
             weights[elems] = stochastic_round(w, weights.dtype, generator)
         else:
