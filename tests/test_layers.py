@@ -18,7 +18,7 @@ ALLOWED = {
     "train": {"dist", "modules", "ops", "planner"},
     "bench": {"dist", "modules", "ops", "kernels", "reference", "planner", "train"},
 }
-LEAVES = {"optim", "sparse", "__init__"}
+LEAVES = {"optim", "sparse", "graphs", "__init__"}
 FORBIDDEN = {"planner": {"triton", "torch.distributed"}, "kernels": {"torch.distributed"}}
 
 
@@ -46,3 +46,9 @@ def test_imports_point_down(layer):
                 )
             for bad in FORBIDDEN.get(layer, ()):
                 assert not (name == bad or name.startswith(bad + ".")), f"{path} imports {name}"
+
+
+def test_graphs_is_a_leaf():
+    """graphs.py (GraphedStep) serves every layer: it imports none of the package's."""
+    names = list(_imports(PKG / "graphs.py"))
+    assert not [n for n in names if n.startswith("fbtriton_dist")], names

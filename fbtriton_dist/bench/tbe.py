@@ -4,7 +4,10 @@
     python -m fbtriton_dist.bench tbe --tiny --device cpu       # CI: tiny shapes, CPU providers
     python -m fbtriton_dist.bench tbe --plot tbe.json --png tbe.png   # chart, no GPU needed
 
-Providers: ``ours`` (Triton, bounds_check="warn"), ``ours_checked`` (bounds_check="error",
+Providers: ``ours`` (Triton, bounds_check="warn"), ``ours_graph`` (the same module's whole
+step replayed from a CUDA graph by ``fbtriton_dist.graphs.GraphedStep``: the batch copied in
+and one replay per call, timed like every provider, host included; on CPU it falls back to
+eager, labelled in the rows' ``note``), ``ours_checked`` (bounds_check="error",
 synchronous), ``reference`` (the same module on the PyTorch reference), ``torch_pt``
 (F.embedding_bag per table + cat; dense grad + torch.optim), ``torch_fused`` (one concatenated
 table per distinct D, shifted ids; dense grad + torch.optim), ``torch_pt_sparse`` /
@@ -92,6 +95,8 @@ def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float)
                 _free()
                 continue
             row = dict(base, phase=phase, bytes=nbytes, **r)
+            if getattr(fn, "note", None):
+                row["note"] = fn.note
             for when in ("busy", "median"):
                 gbs = nbytes / row[f"{when}_ms"] / 1e6
                 row[f"gbs_{when}"] = gbs
@@ -100,7 +105,8 @@ def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float)
             rows.append(row)
             print(
                 f"  {provider:<18} {phase:<24} busy {row['busy_ms']:9.3f} ms  "
-                f"median {row['median_ms']:9.3f} ms  ({row['wall_s']:.1f} s)",
+                f"median {row['median_ms']:9.3f} ms  ({row['wall_s']:.1f} s)"
+                + (f"  [{row['note']}]" if "note" in row else ""),
                 flush=True,
             )
         cases.close()
@@ -178,6 +184,25 @@ def print_shape_table(rows: list[dict], derived: list[dict], source: str) -> Non
         print(
             f"  {d['phase'] + ' (derived)':<30} {d['provider']:<18} {d['median_ms']:9.3f} "
             f"{'':>8} {d['busy_ms']:12.3f}  = fwd_bwd - fwd"
+        )
+
+
+def print_vs_fbgemm(rows: list[dict]) -> None:
+    """One line per phase: FBGEMM's end-to-end median over ours (eager) and ours_graph's."""
+    for phase in PHASES:
+        got = {r["provider"]: r for r in rows if r["phase"] == phase and r.get("median_ms")}
+        fb = got.get("fbgemm")
+        ours = [p for p in ("ours", "ours_graph") if p in got]
+        if fb is None or not ours:
+            continue
+        parts = [
+            f"{p} {got[p]['median_ms']:.3f} ms = {fb['median_ms'] / got[p]['median_ms']:.2f}x"
+            + (f" [{got[p]['note']}]" if "note" in got[p] else "")
+            for p in ours
+        ]
+        print(
+            f"  e2e median (L2 flushed, host included) {phase}: fbgemm {fb['median_ms']:.3f} ms; "
+            + "; ".join(parts)
         )
 
 
@@ -375,6 +400,7 @@ def _run(args: argparse.Namespace) -> dict:
         report["derived"] += derived
         print(f"\n-- {shape.name} {shape.describe()}")
         print_shape_table(rows, derived, "wall" if cpu else "profiler")
+        print_vs_fbgemm(rows)
         print_kernels(rows)
         del ctx, batch
         _free()

@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from fbtriton_dist import optim
+from fbtriton_dist.graphs import GraphedStep
 from fbtriton_dist.modules import TableBatchedEmbedding
 
 LR, EPS = 0.01, 1e-8
 PHASES = ("fwd", "fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad")
 PROVIDERS = (
     "ours",
+    "ours_graph",
     "ours_checked",
     "reference",
     "fbgemm",
@@ -27,7 +29,14 @@ PROVIDERS = (
 )
 DEFAULT_PROVIDERS = {
     "cuda": [p for p in PROVIDERS if p != "reference"],
-    "cpu": ["reference", "torch_pt", "torch_pt_sparse", "torch_fused", "torch_fused_sparse"],
+    "cpu": [
+        "reference",
+        "ours_graph",
+        "torch_pt",
+        "torch_pt_sparse",
+        "torch_fused",
+        "torch_fused_sparse",
+    ],
 }
 # a name in --providers also selects its variants; "torch" selects all four torch providers
 ALIASES = {
@@ -37,7 +46,7 @@ ALIASES = {
 }
 # whose forward a provider without a fwd phase shares (for the derived bwd)
 FWD_OF = {"torch_pt_sparse": "torch_pt", "torch_fused_sparse": "torch_fused"}
-KERNEL_TABLE_PROVIDERS = ("ours", "ours_checked", "fbgemm")
+KERNEL_TABLE_PROVIDERS = ("ours", "ours_graph", "ours_checked", "fbgemm")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -187,6 +196,50 @@ def _ours_cases(ctx: Context, backend: str, bounds_check: str) -> Iterator[tuple
     if "fwd_bwd_rowwise_adagrad" in ctx.phases:
         m.set_optimizer(optim.RowWiseAdagrad(lr=LR, eps=EPS))
         yield "fwd_bwd_rowwise_adagrad", lambda: m(idx, off).backward(grad)
+
+
+def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
+    """``ours``' whole step (forward, or forward + backward + fused update; the host work
+    included) replayed from a CUDA graph by ``graphs.GraphedStep``: each call copies the batch's
+    ids and offsets into the graph's inputs and replays. Warmed up and captured here, before
+    the timer sees it. Without CUDA, GraphedStep runs the step eagerly (on the reference
+    backend here): the rows say so in ``note``."""
+    idx, off, grad = ctx.batch.indices, ctx.batch.offsets, ctx.batch.grad
+    cuda = ctx.device.type == "cuda"
+    m = TableBatchedEmbedding(
+        ctx.shape.tables,
+        optimizer=optim.SGD(lr=LR),
+        weights_dtype=ctx.shape.dtype,
+        bounds_check="warn",
+        backend="triton" if cuda else "reference",
+        device=ctx.device,
+    )
+
+    def forward(indices, offsets):
+        return m(indices, offsets)
+
+    def train_step(indices, offsets):
+        m(indices, offsets).backward(grad)
+
+    for phase in PHASES:
+        if phase not in ctx.phases:
+            continue
+        if phase == "fwd_bwd_rowwise_adagrad":
+            m.set_optimizer(optim.RowWiseAdagrad(lr=LR, eps=EPS))
+        step = GraphedStep(forward if phase == "fwd" else train_step)
+        for _ in range(step.warmup + 1):  # eager warm-up calls, then the capture
+            step(idx, off)
+
+        def run(step=step):
+            return step(idx, off)
+
+        run.note = (
+            f"CUDA graph ({step.captures} capture, replayed)"
+            if step.captures
+            else "eager: GraphedStep's fallback without CUDA (reference backend)"
+        )
+        yield phase, run
+        del step, run
 
 
 def _import_fbgemm():
@@ -361,6 +414,8 @@ def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str,
 def provider_cases(name: str, ctx: Context) -> Iterator[tuple[str, object]]:
     if name == "ours":
         return _ours_cases(ctx, "triton", "warn")
+    if name == "ours_graph":
+        return _ours_graph_cases(ctx)
     if name == "ours_checked":
         return _ours_cases(ctx, "triton", "error")
     if name == "reference":

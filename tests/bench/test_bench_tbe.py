@@ -39,6 +39,8 @@ def test_tiny_cpu_rows(report):
         assert r["busy_source"] == "wall" and r["busy_ms"] > 0 and r["median_ms"] > 0, key
         assert r["bytes"] > 0 and r["gbs_busy"] > 0 and r["pct_copy_busy"] > 0, key
         assert set(r["ratios"]) == {p for (s, p, ph) in got if (s, ph) == key[::2]} - {key[1]}
+    graphed = [r for (_, p, _), r in got.items() if p == "ours_graph"]
+    assert graphed and all(r["note"].startswith("eager") for r in graphed)  # no CUDA: labelled
     derived = {(d["shape"], d["provider"], d["phase"]) for d in data["derived"]}
     assert ("S5", "torch_fused_sparse", "bwd_sgd") in derived
     assert ("S6", "reference", "bwd_rowwise_adagrad") in derived
