@@ -12,11 +12,13 @@ Steps (launcher ``tbe_backward``), with no host synchronisation on the fused pat
 3. ``_tbe_row_update_kernel``: each program takes RUNS runs side by side (a [RUNS, D] tile, so
    short runs of uniform ids stream many rows per program), sums each run's gradient in fp32
    (ids, or its blocks' partials in order) and applies the optimizer to the rows in place, or,
-   without an optimizer, writes the rows' gradients to a compact buffer. Grids are sized for
-   the worst case (every id its own run) and programs past the run count exit.
+   without an optimizer, writes the rows' gradients to a compact buffer. The row kernel is
+   persistent (programs loop over the runs up to the count on the device); the chunk kernel
+   skips the dropped ids' run (padding of a fixed-size batch included).
 No atomics: results are bit-identical run to run.
 """
 
+import functools
 import os
 
 import torch
@@ -178,7 +180,7 @@ def _tbe_runs_kernel(
     tl.store(num_runs_ptr + p * 0, r, mask=last)
 
 
-@triton.jit(do_not_specialize=["N"])
+@triton.jit(do_not_specialize=["N", "sentinel"])
 def _tbe_chunk_reduce_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
     dims_ptr,  # [T] int64 D of each feature
@@ -187,8 +189,10 @@ def _tbe_chunk_reduce_kernel(
     changes_ptr,  # [N - 1] int32 inclusive scan of key changes between sorted neighbours
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
     run_feats_ptr,  # [U] int64 feature of each run
+    run_keys_ptr,  # [U] int64 key of each run (sentinel: dropped ids and padding, skipped)
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
     N,  # number of ids
+    sentinel,  # key of dropped ids
     HAS_SCALE: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -205,7 +209,8 @@ def _tbe_chunk_reduce_kernel(
     r_tail = _run_of(changes_ptr, hi - 1, lo < N)
     head_start = tl.load(run_starts_ptr + r_head)
     head_end = tl.load(run_starts_ptr + r_head + 1)
-    if head_end - head_start > CHUNK_SIZE:
+    head_live = tl.load(run_keys_ptr + r_head) < sentinel
+    if (head_end - head_start > CHUNK_SIZE) & head_live:
         d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_head))
         end = tl.minimum(head_end, hi)
         acc = _gather_grad_sum(
@@ -215,7 +220,8 @@ def _tbe_chunk_reduce_kernel(
     if r_tail != r_head:
         tail_start = tl.load(run_starts_ptr + r_tail)
         tail_end = tl.load(run_starts_ptr + r_tail + 1)
-        if tail_end - tail_start > CHUNK_SIZE:
+        tail_live = tl.load(run_keys_ptr + r_tail) < sentinel
+        if (tail_end - tail_start > CHUNK_SIZE) & tail_live:
             d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_tail))
             acc = _gather_grad_sum(
                 grad_ptr,
@@ -266,10 +272,12 @@ def _tbe_row_update_kernel(
     IDS: tl.constexpr,  # ids of each run read per step
     BLOCK_D: tl.constexpr,
 ):
-    # one program per RUNS consecutive runs; programs past the run count exit
-    g = tl.program_id(0).to(tl.int64)
+    # persistent: each program takes groups of RUNS consecutive runs, grid-stride, until the
+    # run count (a grid sized for the worst case, every id its own run, launched mostly
+    # empty programs: twice as many for a padded batch, whose padding is one run)
     U = tl.load(num_runs_ptr).to(tl.int64)
-    if g * RUNS < U:
+    n_groups = (U + RUNS - 1) // RUNS
+    for g in range(tl.program_id(0), n_groups, tl.num_programs(0)):
         lane = tl.arange(0, RUNS)
         r = g * RUNS + lane
         r_mask = r < U
@@ -440,6 +448,22 @@ def backward_config(max_D: int) -> tuple[int, int, int]:
     return runs, num_warps, ids
 
 
+def _resident_programs(device: torch.device, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that the device keeps resident at once (a persistent
+    grid): 32 per SM on NVIDIA GPUs since Volta (64 warps, at most 32 blocks); a few on CPU
+    (the interpreter), so that its loops run more than once."""
+    if device.type != "cuda":
+        return 3
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * min(
+        32, 64 // num_warps
+    )
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _half_format(dtype: torch.dtype) -> tuple[int, int]:
     """(mantissa bits, smallest normal exponent) of a weight dtype, for stochastic rounding."""
     return {torch.float16: (10, -14), torch.bfloat16: (7, -126)}.get(dtype, (23, -126))
@@ -559,8 +583,10 @@ def tbe_backward(
             changes,
             run_starts,
             run_feats,
+            run_keys,
             partial,
             N,
+            sentinel,
             HAS_SCALE=scales is not None,
             CHUNK_SIZE=CHUNK,
             BLOCK_L=max(1, min(32, 512 * num_warps // block_d)),
@@ -572,7 +598,7 @@ def tbe_backward(
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
     mantissa, min_exp = _half_format(weights.dtype)
     _ROWS(
-        (triton.cdiv(N, runs),),
+        (min(triton.cdiv(N, runs), _resident_programs(device, num_warps)),),
         grad_output,
         weights,
         w_offsets,
