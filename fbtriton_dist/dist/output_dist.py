@@ -94,6 +94,14 @@ class BlockExchange:
                 recv.setdefault((c, c + n), []).append((offset, n_rows))
                 offset += n_rows * n
         ranges = sorted(recv)
+        # the blocks sent are the input's rows in order, every column (row-wise)
+        tiles = [(r0, r1) for r0, r1, a, b in send if r1 > r0 and (a, b) == (0, self.widths[0])]
+        whole = (
+            len(tiles) == len([t for t in send if t[1] > t[0]])
+            and all(r0 == (tiles[i - 1][1] if i else 0) for i, (r0, _) in enumerate(tiles))
+            and (tiles[-1][1] if tiles else 0) == starts[-1]
+        )
+        plan = (*plan, whole)
         if not send or not recv or self.global_rows or len(send) + len(ranges) > 8 * len(
             self.peers
         ) or any(
@@ -105,31 +113,46 @@ class BlockExchange:
         self._slice_cache[key] = plan
         return plan
 
-    def _sliced(self, x, target, plan, group) -> torch.Tensor:
-        send, recv, send_n, recv_n = plan
-        pieces = [x[r0:r1, a:b].reshape(-1) for r0, r1, a, b in send]
-        values = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+    def _sliced(self, x, target, plan, group, rows: int) -> torch.Tensor:
+        send, recv, send_n, recv_n, whole = plan
+        if whole:  # the blocks are x's rows in order (row-wise): send x as it is
+            values = x.reshape(-1)
+        else:
+            pieces = [x[r0:r1, a:b].reshape(-1) for r0, r1, a, b in send]
+            values = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
         got = all_to_all(values, send_n, recv_n, group)
-        B, width = target.shape
+        B, out_width = target.shape if target is not None else (rows, self.widths[1])
+        dtype = target.dtype if target is not None else x.dtype
         cols, at = [], 0
         for c0, c1 in sorted(recv):
+            w = c1 - c0
             if c0 > at:
-                cols.append(target.new_zeros((B, c0 - at)))
-            parts = [got[o : o + n * (c1 - c0)].view(n, c1 - c0).to(target.dtype)
-                     for o, n in recv[(c0, c1)]]
-            cols.append(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
+                cols.append(x.new_zeros((B, c0 - at), dtype=dtype))
+            parts = recv[(c0, c1)]
+            (o0, n), k = parts[0], len(parts)
+            if all(o == o0 + i * n * w and m == n for i, (o, m) in enumerate(parts)):
+                # evenly spaced (row-wise: one partial per rank): one reduction over a view
+                block = got[o0 : o0 + k * n * w].view(k, n, w)
+                cols.append(block[0].to(dtype) if k == 1 else block.sum(0, dtype=dtype))
+            else:
+                pieces = [got[o : o + m * w].view(m, w).to(dtype) for o, m in parts]
+                cols.append(torch.stack(pieces).sum(0))
             at = c1
-        if at < width:
-            cols.append(target.new_zeros((B, width - at)))
-        return target + torch.cat(cols, dim=1)
+        if at < out_width:
+            cols.append(x.new_zeros((B, out_width - at), dtype=dtype))
+        out = cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
+        return out if target is None else target + out
 
-    def __call__(self, x, target, batch_sizes: list[int], group=None) -> torch.Tensor:
-        """``target`` plus the blocks of ``x`` that every peer sent this rank."""
+    def __call__(self, x, target, batch_sizes: list[int], group=None, rows: int = 0):
+        """``target`` plus the blocks of ``x`` that every peer sent this rank (``target`` None:
+        zeros of ``rows`` rows by the receiving width)."""
         plan = self._slices(batch_sizes)
         if plan is not None:
-            return self._sliced(x, target, plan, group)
+            return self._sliced(x, target, plan, group, rows)
+        if target is None:
+            target = x.new_zeros((rows, self.widths[1]))
         send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
         values = x.reshape(-1).index_select(0, send_idx)
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
@@ -262,8 +285,7 @@ class OutputDist:
         # backward), even with nothing to send or receive: the output depends on what came back
         if self.has_host_step:
             local = self.host(local, local, batch_sizes, host_group)
-        B = batch_sizes[self.rank]
-        out = self.out(local, local.new_zeros((B, self.total_D)), batch_sizes, group)
+        out = self.out(local, None, batch_sizes, group, rows=batch_sizes[self.rank])
         if self.dp_src.numel():
             mine = own_rows(local.index_select(1, self.dp_src), batch_sizes, self.rank, group)
             out = out.index_add(1, self.dp_dst, mine)
