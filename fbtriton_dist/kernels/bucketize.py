@@ -1,7 +1,7 @@
 """Input-dist bucketize: cut every bag's ids by shard-feature (row range), rebased.
 
-Two launches over a (shard-feature, sample) grid: count the ids of each bag inside the shard's
-row range; after an exclusive cumsum of those lengths (torch), copy them, compacted and
+Two launches over a grid of (shard-feature, 32 samples): count the ids of each bag inside
+the shard's row range; after an exclusive cumsum of those lengths (torch), copy them, compacted and
 rebased, to their place. Output order is what the all-to-all sends: shard-feature-major (the
 shard-features are listed destination rank by destination rank), then sample, then the ids'
 original order.
@@ -13,6 +13,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS: tl.constexpr):
+    """(shard-feature s, samples b [BAGS], their mask, bag starts, bag ends) of this program."""
+    per_sf = tl.cdiv(B, BAGS)
+    pid = tl.program_id(0).to(tl.int64)
+    s = pid // per_sf
+    b = (pid - s * per_sf) * BAGS + tl.arange(0, BAGS)
+    bm = b < B
+    f = tl.load(sf_feature_ptr + s).to(tl.int64)
+    start = tl.load(offsets_ptr + f * B + b, mask=bm, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + f * B + b + 1, mask=bm, other=0).to(tl.int64)
+    return s, b, bm, start, end
+
+
+@triton.jit
 def _bucketize_count_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
@@ -21,23 +35,20 @@ def _bucketize_count_kernel(
     sf_hi_ptr,  # [S] one past its last row
     lengths_ptr,  # [S * B] out: ids of bag (feature(s), b) in the shard
     B,  # local batch size
-    BLOCK: tl.constexpr,  # ids read per step
+    BAGS: tl.constexpr,  # bags (samples) per program
+    BLOCK: tl.constexpr,  # ids of each bag read per step
 ):
-    # one program per (shard-feature s, sample b)
-    sb = tl.program_id(0).to(tl.int64)
-    s = sb // B
-    b = sb - s * B
-    f = tl.load(sf_feature_ptr + s).to(tl.int64)
+    # one program per (shard-feature s, BAGS samples): a [BAGS, BLOCK] tile of ids per step
+    s, b, bm, start, end = _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS)
     lo = tl.load(sf_lo_ptr + s)
     hi = tl.load(sf_hi_ptr + s)
-    start = tl.load(offsets_ptr + f * B + b).to(tl.int64)
-    end = tl.load(offsets_ptr + f * B + b + 1).to(tl.int64)
-    count = tl.zeros([], dtype=tl.int64)
-    for p0 in range(start, end, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        ids = tl.load(indices_ptr + p, mask=p < end, other=-1).to(tl.int64)
-        count += tl.sum(((ids >= lo) & (ids < hi) & (p < end)).to(tl.int64), axis=0)
-    tl.store(lengths_ptr + sb, count)
+    count = tl.zeros([BAGS], dtype=tl.int64)
+    for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
+        p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
+        m = bm[:, None] & (p < end[:, None])
+        ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)
+        count += tl.sum(((ids >= lo) & (ids < hi) & m).to(tl.int64), axis=1)
+    tl.store(lengths_ptr + s * B + b, count, mask=bm)
 
 
 @triton.jit
@@ -53,28 +64,25 @@ def _bucketize_scatter_kernel(
     out_psw_ptr,  # [M] out: their weights (if HAS_PSW)
     B,  # local batch size
     HAS_PSW: tl.constexpr,
+    BAGS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # one program per (shard-feature s, sample b), as the count kernel
-    sb = tl.program_id(0).to(tl.int64)
-    s = sb // B
-    b = sb - s * B
-    f = tl.load(sf_feature_ptr + s).to(tl.int64)
+    # the count kernel's programs; each kept id goes to its bag's next output slot
+    s, b, bm, start, end = _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS)
     lo = tl.load(sf_lo_ptr + s)
     hi = tl.load(sf_hi_ptr + s)
-    start = tl.load(offsets_ptr + f * B + b).to(tl.int64)
-    end = tl.load(offsets_ptr + f * B + b + 1).to(tl.int64)
-    out = tl.load(out_offsets_ptr + sb)
-    for p0 in range(start, end, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        ids = tl.load(indices_ptr + p, mask=p < end, other=-1).to(tl.int64)
-        keep = (ids >= lo) & (ids < hi) & (p < end)
-        slot = out + tl.cumsum(keep.to(tl.int64), axis=0) - 1
+    out = tl.load(out_offsets_ptr + s * B + b, mask=bm, other=0)
+    for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
+        p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
+        m = bm[:, None] & (p < end[:, None])
+        ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)
+        keep = (ids >= lo) & (ids < hi) & m
+        slot = out[:, None] + tl.cumsum(keep.to(tl.int64), axis=1) - 1
         tl.store(out_ids_ptr + slot, ids - lo, mask=keep)
         if HAS_PSW:
             w = tl.load(psw_ptr + p, mask=keep, other=0.0)
             tl.store(out_psw_ptr + slot, w, mask=keep)
-        out += tl.sum(keep.to(tl.int64), axis=0)
+        out += tl.sum(keep.to(tl.int64), axis=1)
 
 
 def bucketize(
@@ -97,17 +105,18 @@ def bucketize(
         empty = torch.zeros(capacity or 0, dtype=torch.int64, device=device)
         w = per_sample_weights.new_zeros(capacity or 0) if per_sample_weights is not None else None
         return lengths, empty, w
-    BLOCK = 32  # one warp per bag: a bag holds tens of ids
-    _bucketize_count_kernel[(S * B,)](
-        indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BLOCK=BLOCK,
-        num_warps=1,
+    BAGS, BLOCK = 32, 32  # 32 bags of up to 32 ids per step: 1,024 ids per program
+    grid = (S * triton.cdiv(B, BAGS),)
+    _bucketize_count_kernel[grid](
+        indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BAGS=BAGS,
+        BLOCK=BLOCK, num_warps=4,
     )
     starts = torch.cumsum(lengths, 0) - lengths
     M = int(lengths.sum()) if capacity is None else capacity
     ids = torch.empty(M, dtype=torch.int64, device=device)
     psw = per_sample_weights
     out_psw = psw.new_empty(M) if psw is not None else None
-    _bucketize_scatter_kernel[(S * B,)](
+    _bucketize_scatter_kernel[grid](
         indices,
         offsets,
         psw if psw is not None else indices,
@@ -119,7 +128,8 @@ def bucketize(
         out_psw if out_psw is not None else ids,
         B,
         HAS_PSW=psw is not None,
+        BAGS=BAGS,
         BLOCK=BLOCK,
-        num_warps=1,
+        num_warps=4,
     )
     return lengths, ids, out_psw

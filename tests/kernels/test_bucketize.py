@@ -64,3 +64,21 @@ def test_bucketize_matches_loop(name, weighted, backend):
         torch.testing.assert_close(padded[2][: len(expected[1])].cpu(), torch.tensor(expected[2]))
     else:
         assert w is None
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_bucketize_many_bags_and_long_bags():
+    """More samples than one program's 32 and bags longer than one 32-id step."""
+    from fbtriton_dist import kernels
+
+    tables, ftm, B = [(50, 4)], [0, 0], 37
+    sfs = [(0, 0, 25), (1, 0, 25), (0, 25, 50), (1, 25, 50)]
+    indices, offsets, psw = make_batch(tables, ftm, B, 70, weighted=True, hot=True)
+    expected = _loop(indices, offsets, psw, sfs, B)
+    cols = [torch.tensor(c, dtype=torch.int64).to(DEVICE) for c in zip(*sfs, strict=True)]
+    lengths, ids, w = kernels.bucketize(indices.to(DEVICE), offsets.to(DEVICE), psw.to(DEVICE),
+                                        *cols, B)
+    assert max(expected[0]) > 32
+    assert lengths.cpu().tolist() == expected[0]
+    assert ids.cpu().tolist() == expected[1]
+    assert w.cpu().tolist() == pytest.approx(expected[2], rel=0, abs=0)
