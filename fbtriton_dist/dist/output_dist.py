@@ -76,35 +76,33 @@ class BlockExchange:
         return self._cached[1]
 
     def _slices(self, batch_sizes: list[int]):
-        """The exchange as 2-D slices, where every block is a few runs of consecutive columns
-        on both sides: (send [(row0, row1, col0, col1)], recv {(col0, col1): [(offset, rows)]},
-        values sent / received per peer); None where it is not (then flat indices)."""
-        key = ("slices", *batch_sizes)
+        """The exchange as 2-D slices where every block is a few runs of consecutive columns:
+        (send [[(row0, row1, col0, col1) per source run] per block], recv {(col0, col1):
+        [(offset, rows, block width, first column in the block)]}, values sent / received per
+        peer, whether the blocks sent are the input's rows in order with every column); None
+        where that does not pay (then flat indices). A block travels row-major,
+        ``[rows, len(src)]``, as on the flat path."""
+        key = tuple(batch_sizes)
         if key in self._slice_cache:
             return self._slice_cache[key]
         starts = [0, *accumulate(batch_sizes)]
         send, recv, offset = [], {}, 0
-        plan = (send, recv, *self.elements(batch_sizes))
         for b in (b for per_peer in self.send for b in per_peer):
-            rows = (starts[b.dest], starts[b.dest] + batch_sizes[b.dest])
-            send += [(*rows, a, a + n) for a, _, n in _runs(b.src, b.dst)]
+            r0, r1 = starts[b.dest], starts[b.dest] + batch_sizes[b.dest]
+            send.append([(r0, r1, a, a + n) for a, _, n in _runs(b.src, range(len(b.src)))])
         for b in (b for per_peer in self.recv for b in per_peer):
-            n_rows = batch_sizes[b.dest]
-            for _, c, n in _runs(b.src, b.dst):
-                recv.setdefault((c, c + n), []).append((offset, n_rows))
-                offset += n_rows * n
+            n_rows, k = batch_sizes[b.dest], len(b.dst)
+            for i, c, n in _runs(range(k), b.dst):
+                recv.setdefault((c, c + n), []).append((offset, n_rows, k, i))
+            offset += n_rows * k
         ranges = sorted(recv)
-        # the blocks sent are the input's rows in order, every column (row-wise)
-        tiles = [(r0, r1) for r0, r1, a, b in send if r1 > r0 and (a, b) == (0, self.widths[0])]
-        whole = (
-            len(tiles) == len([t for t in send if t[1] > t[0]])
-            and all(r0 == (tiles[i - 1][1] if i else 0) for i, (r0, _) in enumerate(tiles))
-            and (tiles[-1][1] if tiles else 0) == starts[-1]
-        )
-        plan = (*plan, whole)
-        if not send or not recv or self.global_rows or len(send) + len(ranges) > 8 * len(
-            self.peers
-        ) or any(
+        runs = [r for block in send for r in block if r[1] > r[0]]
+        whole = all(a == 0 and b == self.widths[0] for _, _, a, b in runs) and all(
+            r0 == (runs[i - 1][1] if i else 0) for i, (r0, *_) in enumerate(runs)
+        ) and (runs[-1][1] if runs else 0) == starts[-1]
+        plan = (send, recv, *self.elements(batch_sizes), whole)
+        pieces = len(runs) + sum(len(v) for v in recv.values())
+        if not send or not recv or self.global_rows or pieces > 64 * len(self.peers) or any(
             a[1] > b[0] for a, b in zip(ranges, ranges[1:], strict=False)
         ):
             # nothing to send or receive (the flat path keeps autograd reaching the
@@ -118,8 +116,11 @@ class BlockExchange:
         if whole:  # the blocks are x's rows in order (row-wise): send x as it is
             values = x.reshape(-1)
         else:
-            pieces = [x[r0:r1, a:b].reshape(-1) for r0, r1, a, b in send]
-            values = torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+            blocks = []
+            for block in send:
+                parts = [x[r0:r1, a:b] for r0, r1, a, b in block]
+                blocks.append((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).reshape(-1))
+            values = torch.cat(blocks) if len(blocks) != 1 else blocks[0]
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
         got = all_to_all(values, send_n, recv_n, group)
@@ -131,14 +132,16 @@ class BlockExchange:
             if c0 > at:
                 cols.append(x.new_zeros((B, c0 - at), dtype=dtype))
             parts = recv[(c0, c1)]
-            (o0, n), k = parts[0], len(parts)
-            if all(o == o0 + i * n * w and m == n for i, (o, m) in enumerate(parts)):
-                # evenly spaced (row-wise: one partial per rank): one reduction over a view
-                block = got[o0 : o0 + k * n * w].view(k, n, w)
-                cols.append(block[0].to(dtype) if k == 1 else block.sum(0, dtype=dtype))
+            (o0, n, _, _), count = parts[0], len(parts)
+            if all(o == o0 + j * n * w and m == n and k == w for j, (o, m, k, _) in
+                   enumerate(parts)):
+                # whole blocks evenly spaced (row-wise: one partial per rank): one reduction
+                block = got[o0 : o0 + count * n * w].view(count, n, w)
+                cols.append(block[0].to(dtype) if count == 1 else block.sum(0, dtype=dtype))
             else:
-                pieces = [got[o : o + m * w].view(m, w).to(dtype) for o, m in parts]
-                cols.append(torch.stack(pieces).sum(0))
+                pieces = [got[o : o + m * k].view(m, k)[:, i : i + w].to(dtype)
+                          for o, m, k, i in parts]
+                cols.append(pieces[0] if count == 1 else torch.stack(pieces).sum(0))
             at = c1
         if at < out_width:
             cols.append(x.new_zeros((B, out_width - at), dtype=dtype))

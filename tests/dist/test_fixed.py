@@ -6,7 +6,7 @@
 - a KeyedJaggedTensor whose values are longer than its lengths use (a static buffer);
 - an id out of range: every rank raises, the sending rank names the id;
 - a batch size that changes, more ids than ``max_ids``: ValueError before any collective;
-- the message layout.
+- the message layout; the output dist's slice path on row-, table- and column-wise plans.
 """
 
 import pytest
@@ -138,3 +138,25 @@ def test_fixed_message_layout():
         CommOptions(fixed_shapes=True, dedup=True)
     with pytest.raises(ValueError, match="max_ids"):
         CommOptions(max_ids=10)
+
+
+def _output_paths(rank, world):
+    configs, dev = _configs(False), device()
+    ref = _reference(configs, False, "sgd", dev)
+    out = {}
+    for kind in ("row_wise", "table_wise", "column_wise", "mixed"):
+        m = _shard(ref, kind, world, "sgd")
+        plan = m.output_dist_.out._slices(BATCH[:world])
+        out[kind] = None if plan is None else plan[-1]
+    return out
+
+
+def test_output_dist_sends_slices_for_row_table_and_column_wise():
+    """The equality tests above and in test_sharded_ebc run these plans: here, that the output
+    dist took its slice path for them (row-wise: the partials as they are)."""
+    results = run_ranks(_output_paths, 2)
+    for paths in results:
+        assert paths["row_wise"] is True
+        assert paths["column_wise"] is not None
+    # these tiny tables all sit on one rank: the other sends nothing (the flat path then)
+    assert any(paths["table_wise"] is not None for paths in results)
