@@ -86,21 +86,24 @@ class BlockExchange:
         if key in self._slice_cache:
             return self._slice_cache[key]
         starts = [0, *accumulate(batch_sizes)]
-        send, recv, offset = [], {}, 0
+        send, recv, blocks, offset = [], {}, [], 0
         for b in (b for per_peer in self.send for b in per_peer):
             r0, r1 = starts[b.dest], starts[b.dest] + batch_sizes[b.dest]
             send.append([(r0, r1, a, a + n) for a, _, n in _runs(b.src, range(len(b.src)))])
         for b in (b for per_peer in self.recv for b in per_peer):
             n_rows, k = batch_sizes[b.dest], len(b.dst)
-            for i, c, n in _runs(range(k), b.dst):
+            runs = _runs(range(k), b.dst)
+            for i, c, n in runs:
                 recv.setdefault((c, c + n), []).append((offset, n_rows, k, i))
+            blocks.append((offset, n_rows, k, [(i, c, n) for i, c, n in runs]))
             offset += n_rows * k
         ranges = sorted(recv)
         runs = [r for block in send for r in block if r[1] > r[0]]
         whole = all(a == 0 and b == self.widths[0] for _, _, a, b in runs) and all(
             r0 == (runs[i - 1][1] if i else 0) for i, (r0, *_) in enumerate(runs)
         ) and (runs[-1][1] if runs else 0) == starts[-1]
-        plan = (send, recv, *self.elements(batch_sizes), whole)
+        placed = ([(c0, c1, recv[(c0, c1)]) for c0, c1 in ranges], blocks)
+        plan = (send, placed, *self.elements(batch_sizes), whole)
         pieces = len(runs) + sum(len(v) for v in recv.values())
         if not send or not recv or self.global_rows or pieces > 64 * len(self.peers) or any(
             a[1] > b[0] for a, b in zip(ranges, ranges[1:], strict=False)
@@ -126,26 +129,7 @@ class BlockExchange:
         got = all_to_all(values, send_n, recv_n, group)
         B, out_width = target.shape if target is not None else (rows, self.widths[1])
         dtype = target.dtype if target is not None else x.dtype
-        cols, at = [], 0
-        for c0, c1 in sorted(recv):
-            w = c1 - c0
-            if c0 > at:
-                cols.append(x.new_zeros((B, c0 - at), dtype=dtype))
-            parts = recv[(c0, c1)]
-            (o0, n, _, _), count = parts[0], len(parts)
-            if all(o == o0 + j * n * w and m == n and k == w for j, (o, m, k, _) in
-                   enumerate(parts)):
-                # whole blocks evenly spaced (row-wise: one partial per rank): one reduction
-                block = got[o0 : o0 + count * n * w].view(count, n, w)
-                cols.append(block[0].to(dtype) if count == 1 else block.sum(0, dtype=dtype))
-            else:
-                pieces = [got[o : o + m * k].view(m, k)[:, i : i + w].to(dtype)
-                          for o, m, k, i in parts]
-                cols.append(pieces[0] if count == 1 else torch.stack(pieces).sum(0))
-            at = c1
-        if at < out_width:
-            cols.append(x.new_zeros((B, out_width - at), dtype=dtype))
-        out = cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
+        out = _Place.apply(got.to(dtype), recv, B, out_width)
         return out if target is None else target + out
 
     def __call__(self, x, target, batch_sizes: list[int], group=None, rows: int = 0):
@@ -162,6 +146,49 @@ class BlockExchange:
             values = values.to(self.wire_dtype)
         got = all_to_all(values, send_n, recv_n, group).to(target.dtype)  # summed in fp32
         return target.reshape(-1).index_add(0, recv_idx, got).view(target.shape)
+
+
+class _Place(torch.autograd.Function):
+    """Column runs of the received row-major blocks put in their columns of a ``[B, width]``
+    output (summed where several land on the same columns, zeros where none does). Backward
+    cuts each block's gradient out of the output's with one concatenation per block: autograd
+    of the slices would build a zero block per run and add them up."""
+
+    @staticmethod
+    def forward(ctx, got, placed, B, width):
+        ranges, blocks = placed
+        ctx.blocks, ctx.shape = blocks, got.shape
+        cols, at = [], 0
+        for c0, c1, parts in ranges:
+            w = c1 - c0
+            if c0 > at:
+                cols.append(got.new_zeros((B, c0 - at)))
+            (o0, n, _, _), count = parts[0], len(parts)
+            if all(o == o0 + j * n * w and m == n and k == w for j, (o, m, k, _) in
+                   enumerate(parts)):
+                # whole blocks evenly spaced (row-wise: one partial per rank): one reduction
+                block = got[o0 : o0 + count * n * w].view(count, n, w)
+                cols.append(block[0] if count == 1 else block.sum(0))
+            else:
+                pieces = [got[o : o + m * k].view(m, k)[:, i : i + w] for o, m, k, i in parts]
+                cols.append(pieces[0] if count == 1 else torch.stack(pieces).sum(0))
+            at = c1
+        if at < width:
+            cols.append(got.new_zeros((B, width - at)))
+        return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty(ctx.shape)
+        for o, m, k, runs in ctx.blocks:
+            dst = out[o : o + m * k].view(m, k)
+            pieces = [grad[:, c : c + n] for _, c, n in runs]  # in the block's column order
+            if len(pieces) == 1:
+                dst.copy_(pieces[0])
+            else:
+                torch.cat(pieces, dim=1, out=dst)
+        return out, None, None, None
 
 
 def _runs(src, dst) -> list[tuple[int, int, int]]:
