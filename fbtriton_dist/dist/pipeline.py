@@ -74,7 +74,7 @@ class TrainPipeline:
             (made here, collectively: every rank builds the pipeline in the same order).
         cuda_graph: capture the whole step (input dist, lookups, output dist, dense forward
             and backward, fused and dense optimizer updates) in one CUDA graph and replay it
-            per batch (``GraphedStep``). Needs ``CommOptions(fixed_shapes=True)`` on every
+            per batch (``GraphedTrainStep``). Needs ``CommOptions(fixed_shapes=True)`` on every
             sharded collection, batches of one batch size and dense shape, and a dense
             optimizer that can be captured (SGD; Adam/AdamW with ``capturable=True``). The
             first ``warmup`` batches train eagerly. Ignored off CUDA (the eager steps run).
@@ -118,7 +118,7 @@ class TrainPipeline:
                     "TrainPipeline(cuda_graph=True): every sharded collection needs "
                     "CommOptions(fixed_shapes=True) (the default input dist syncs with the host)"
                 )
-            self.graph = GraphedStep(self._step, self.sharded, self.sparse, warmup)
+            self.graph = GraphedTrainStep(self._step, self.sharded, self.sparse, warmup)
 
     def _start(self, batch):
         """Copy ``batch`` to the device and run its input dist (side stream on CUDA)."""
@@ -169,8 +169,12 @@ class TrainPipeline:
         return self._step(batch)
 
 
-class GraphedStep:
+class GraphedTrainStep:
     """``step(batch) -> loss`` captured once in a CUDA graph, then replayed per batch.
+
+    The sharded sibling of ``fbtriton_dist.graphs.GraphedStep`` (a step over flat tensors):
+    this one knows batches (a dataclass with a KeyedJaggedTensor), the capacity the fixed input
+    dist agreed on, and the sharded collections' failure flags.
 
     The first ``warmup`` calls run ``step`` eagerly on a side stream (they train: NCCL
     communicators, Triton kernels and the fixed input dist's shapes are set up there). The
