@@ -16,7 +16,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5}
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
-    sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null}
+    sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
+               comm: {wire_dtype: fp32, dedup: false}}    # fp32 | bf16 | fp16 on the wire
     optimizer:
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
@@ -54,6 +55,7 @@ from fbtriton_dist.planner.tables import table_set_from_dict
 
 __all__ = [
     "CheckpointConfig",
+    "CommConfig",
     "CriteoConfig",
     "DataConfig",
     "DenseOptimizerConfig",
@@ -221,6 +223,20 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CommConfig:
+    """How the sharded collections talk (``fbtriton_dist.dist.CommOptions``); exact by default."""
+
+    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Pooled embeddings and their gradients on the wire (summed in fp32)."""
+    dedup: bool = False
+    """Each destination gets its distinct ids once plus an inverse map (bit-identical)."""
+
+    def __post_init__(self) -> None:
+        check_choice("wire_dtype", self.wire_dtype, ("fp32", "bf16", "fp16"))
+        _check_bool("dedup", self.dedup)
+
+
+@dataclass(kw_only=True, frozen=True)
 class ShardingConfig:
     """How the tables are sharded: a plan file, or the planner's options."""
 
@@ -234,6 +250,8 @@ class ShardingConfig:
     """Skew-aware row cuts or equal row blocks."""
     local_world_size: int | None = None
     """Ranks per host; None: torchrun's LOCAL_WORLD_SIZE."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Wire dtype and id dedup of the sharded collections."""
 
     def __post_init__(self) -> None:
         _check_optional(check_name, "plan", self.plan)
@@ -507,7 +525,7 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
                 ),
             },
         ),
-        "sharding": _section(ShardingConfig, where),
+        "sharding": _section(ShardingConfig, where, {"comm": _section(CommConfig, where)}),
         "optimizer": _section(
             OptimizerConfig,
             where,

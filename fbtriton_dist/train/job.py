@@ -265,8 +265,12 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
     # ---- the one multi-rank step: replace every EmbeddingBagCollection by its sharded twin ----
     if env.world_size > 1:
         import fbtriton_dist
+        from fbtriton_dist.dist import CommOptions
 
-        model = fbtriton_dist.shard(model, plan, env.process_group, env.device)
+        c = cfg.sharding.comm
+        wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
+        comm = CommOptions(wire_dtype=wire, dedup=c.dedup)
+        model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm)
     dense_params = [
         p
         for n, p in model.named_parameters()

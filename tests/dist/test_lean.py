@@ -8,7 +8,8 @@
   ``|error| <= hops * u * sum|terms|`` (u = 2^-8 for bf16, 2^-11 for fp16), for row-wise,
   table-wise, column-wise and table-row-wise plans;
 - ``TrainPipeline``: the same losses and weights as the plain loop;
-- a KJT whose lengths overrun its values stops every rank (the flag rides in the header).
+- a KJT whose lengths overrun its values stops every rank (the flag rides in the header);
+- the job YAML's ``sharding.comm`` reaches the sharded collections.
 """
 
 import copy
@@ -357,3 +358,25 @@ def test_unique_per_destination_and_message_layout():
     assert m.pieces["inverse"][1] == torch.int32 and m.nbytes < m.raw_bytes
     m = message(6, 10, 10, torch.int32, False, True)  # all distinct: sent as they are
     assert "ids" in m.pieces and m.nbytes == m.raw_bytes
+
+
+def _job_comm(rank, world):
+    from fbtriton_dist.dist import ShardedEmbeddingBagCollection
+    from fbtriton_dist.train.config import job_from_dict
+    from fbtriton_dist.train.job import Env, build, make_plan
+    from tests.train.test_job import TINY
+
+    data = {**TINY, "sharding": {"comm": {"wire_dtype": "bf16", "dedup": True}}}
+    cfg = job_from_dict(data)
+    env = Env(rank=rank, world_size=world, local_world_size=world, device=device(),
+              process_group=None)
+    plan, _ = make_plan(cfg, world, world)
+    model = build(cfg, env, plan).model
+    return [m.comm for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+
+
+def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
+    from fbtriton_dist.dist import CommOptions
+
+    for comms in run_ranks(_job_comm, 2):
+        assert comms == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]

@@ -35,6 +35,10 @@ def test_defaults_and_paths(tmp_path):
     cfg = job_from_dict(job(), str(tmp_path / "j.yaml"), str(tmp_path))
     assert cfg.data.source == "synthetic" and cfg.data.num_dense == 13
     assert cfg.optimizer.embedding.type == "rowwise_adagrad"
+    assert (cfg.sharding.comm.wire_dtype, cfg.sharding.comm.dedup) == ("fp32", False)
+    cfg = job_from_dict(job(sharding={"comm": {"wire_dtype": "bf16", "dedup": True}}))
+    assert (cfg.sharding.comm.wire_dtype, cfg.sharding.comm.dedup) == ("bf16", True)
+    cfg = job_from_dict(job(), str(tmp_path / "j.yaml"), str(tmp_path))
     assert cfg.checkpoint_dir == "runs/j/checkpoints"
     assert cfg.path("a/b.tsv") == str(tmp_path / "a" / "b.tsv")
     assert [t.features for t in cfg.tables.tables] == [("f0", "f1")]
@@ -88,6 +92,9 @@ def test_bad_choice_lists_choices():
         ({"optimizer": {"dense": {"lr": -1}}}, "optimizer.dense.lr", "expected a number >= 0"),
         ({"data": {"synthetic": {"zipf": "x"}}}, "data.synthetic.zipf", "expected a number"),
         ({"sharding": {"reserved": 1.5}}, "sharding.reserved", "expected a number < 1"),
+        ({"sharding": {"comm": {"wire_dtype": "int8"}}}, "sharding.comm.wire_dtype",
+         "expected one of [fp32, bf16, fp16], got 'int8'"),
+        ({"sharding": {"comm": {"dedup": "yes"}}}, "sharding.comm.dedup", "expected true or false"),
         ({"tables": 3}, "tables", "expected a table-set file path or a list of tables"),
         ({"train": {"steps": 5}, "seed": -1}, "seed", "expected an integer >= 0"),
     ],
