@@ -6,6 +6,7 @@
 - a KeyedJaggedTensor whose values are longer than its lengths use (a static buffer);
 - an id out of range: every rank raises, the sending rank names the id;
 - a batch size that changes, more ids than ``max_ids``: ValueError before any collective;
+- fp16 and fp32 tables (two TBE groups, each padded to its own slots);
 - the message layout; the output dist's slice path on row-, table- and column-wise plans.
 """
 
@@ -70,7 +71,7 @@ def _equal_to_plain(rank, world, weighted):
 @pytest.mark.parametrize("world,weighted", [(2, True), (3, False)])
 def test_fixed_shapes_equal_the_default_input_dist(world, weighted):
     results = run_ranks(_equal_to_plain, world, weighted)
-    for rank, (identical, counts, _, _) in enumerate(results):
+    for rank, (identical, _, _, _) in enumerate(results):
         assert identical, f"rank {rank}: fixed_shapes changed the result"
     assert len({c for _, counts, _, _ in results for c in counts}) > 2  # id counts changed
     reports = [r[2] for r in results]
@@ -160,3 +161,39 @@ def test_output_dist_sends_slices_for_row_table_and_column_wise():
         assert paths["column_wise"] is not None
     # these tiny tables all sit on one rank: the other sends nothing (the flat path then)
     assert any(paths["table_wise"] is not None for paths in results)
+
+
+def _two_dtypes(rank, world):
+    """fp16 and fp32 tables: one TBE group per dtype, each padded to its own id slots."""
+    import dataclasses
+
+    from torchrec.modules.embedding_configs import DataType
+
+    dev = device()
+    configs = [dataclasses.replace(c, data_type=DataType.FP16) if c.name in ("rw", "tw") else c
+               for c in _configs(True)]
+    ref = _reference(configs, True, "rowwise_adagrad", dev)
+    sizes = BATCH[:world]
+    names = [f for c in configs for f in c.feature_names]
+    mods = []
+    for comm in ({}, {"fixed_shapes": True, "max_ids": 3 * len(names) * max(sizes)}):
+        torch.manual_seed(5)  # the same stochastic-rounding seeds in both
+        mods.append(_shard(ref, "mixed", world, "rowwise_adagrad", **comm))
+    lo = sum(sizes[:rank])
+    identical = len(mods[1].tbes) == 2
+    for step in range(3):
+        batch = _global_batch(configs, sum(sizes), step, True)
+        local = _kjt(*batch, lo, lo + sizes[rank]).to(dev)
+        outs = []
+        for m in mods:
+            out = m(local).values()
+            out.sum().backward()
+            outs.append(out.detach())
+        identical &= _same(outs[0], outs[1])
+    identical &= all(_same(a, b) for a, b in
+                     zip(_local_state(mods[0]), _local_state(mods[1]), strict=True))
+    return identical
+
+
+def test_fixed_shapes_with_two_table_dtypes():
+    assert all(run_ranks(_two_dtypes, 2))
