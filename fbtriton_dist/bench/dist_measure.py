@@ -105,6 +105,7 @@ def busy_stats(intervals: Sequence[tuple[int, int, str]], steps: int) -> dict[st
         "span_ms": (max(b for _, b, _ in intervals) - min(a for a, _, _ in intervals)) / per,
         "kernels_per_step": len(intervals) / max(steps, 1),
         "top": top_kernels(intervals, steps),
+        "last_step": last_step(intervals, steps),
     }
 
 
@@ -119,6 +120,17 @@ def top_kernels(intervals: Sequence[tuple[int, int, str]], steps: int, n: int = 
     per = max(steps, 1)
     ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
     return [[name, round(ms / per, 4), round(k / per, 2)] for name, (ms, k) in ranked]
+
+
+def last_step(intervals: Sequence[tuple[int, int, str]], steps: int) -> list:
+    """``[name, start µs from the step's first activity, µs]`` of the last step's device
+    activities in start order (the last ``len / steps`` of them; names cut to 60 characters):
+    where a step's time goes, kernel by kernel."""
+    ordered = sorted(intervals)
+    n = len(ordered) // max(steps, 1)
+    tail = ordered[len(ordered) - n :] if n else []
+    t0 = tail[0][0] if tail else 0
+    return [[name[:60], round((a - t0) / 1e3, 1), round((b - a) / 1e3, 1)] for a, b, name in tail]
 
 
 def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, float]:

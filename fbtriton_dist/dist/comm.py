@@ -33,6 +33,54 @@ def _exchange(x: torch.Tensor, in_splits, out_splits, group) -> torch.Tensor:
     return out
 
 
+def exchange_lists(outs: list[torch.Tensor], ins: list[torch.Tensor], group=None) -> None:
+    """All-to-all of per-peer tensors (``ins[q]`` to rank q, ``outs[r]`` filled from rank r),
+    without autograd. On NCCL the tensors travel where they are (the same tensor may go to
+    several peers, and the outputs may be views of one buffer): no packing copies. Backends
+    without a list all-to-all (gloo) pack into one buffer and unpack."""
+    if dist.get_backend(group) == "nccl":
+        dist.all_to_all(outs, [t.contiguous() for t in ins], group=group)
+        return
+    flat = torch.cat([t.reshape(-1) for t in ins])
+    got = flat.new_empty(sum(o.numel() for o in outs))
+    dist.all_to_all_single(got, flat, [o.numel() for o in outs], [t.numel() for t in ins],
+                           group=group)
+    at = 0
+    for o in outs:
+        o.copy_(got[at : at + o.numel()].view(o.shape))
+        at += o.numel()
+
+
+def exchange_sum(x: torch.Tensor, row_splits: Sequence[int], wire_dtype=None,
+                 group=None) -> torch.Tensor:
+    """Row-wise reduce-scatter as an all-to-all: rows ``row_splits[q]`` of ``x`` ([sum, W],
+    the same W on every rank) go to rank q; this rank sums the ``[B, W]`` blocks it gets from
+    every rank (B = its ``row_splits`` entry). ``wire_dtype``: the blocks and the gradients
+    travel in it and are summed in ``x``'s dtype. Backward sends this rank's gradient, as it
+    is, to every rank (on NCCL without a copy per peer)."""
+    return _ExchangeSum.apply(x, list(row_splits), wire_dtype, group)
+
+
+class _ExchangeSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, row_splits, wire_dtype, group):
+        R, me = len(row_splits), dist.get_rank(group)
+        B, W = row_splits[me], x.shape[1]
+        ctx.args = (row_splits, wire_dtype, group, x.dtype)
+        wire = x if wire_dtype is None else x.to(wire_dtype)
+        buf = wire.new_empty((R, B, W))
+        exchange_lists(list(buf.unbind(0)), list(wire.split(row_splits)), group)
+        return buf.sum(0, dtype=x.dtype) if R > 1 else buf[0].to(x.dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        row_splits, wire_dtype, group, dtype = ctx.args
+        g = grad.contiguous() if wire_dtype is None else grad.to(wire_dtype).contiguous()
+        out = g.new_empty((sum(row_splits), g.shape[1]))
+        exchange_lists(list(out.split(row_splits)), [g] * len(row_splits), group)
+        return out.to(dtype), None, None, None
+
+
 def own_rows(x: torch.Tensor, batch_sizes: Sequence[int], rank: int, group=None) -> torch.Tensor:
     """Rows of this rank's samples from a ``[sum(batch_sizes), W]`` result that every rank
     computed identically (data-parallel tables). Backward all-gathers the gradient rows of

@@ -93,18 +93,52 @@ class FixedInputDist(InputDist):
         sizes, caps = [r[0] for r in rows], [r[1] for r in rows]
         self.agreed = (sizes, caps)
         me, n_local = self.rank, self.n_sf[self.rank]
-        self.send_msgs = [fixed_message(self.n_sf[q] * B, cap * self.max_cover,
-                                        self.id_dtype[q], self.weighted) for q in range(R)]
-        self.recv_msgs = [fixed_message(n_local * sizes[r], caps[r] * self.max_cover,
-                                        self.id_dtype[me], self.weighted) for r in range(R)]
+        # one id dtype on every wire (int32 unless some rank holds a shard of >= 2**31 rows):
+        # the send buffer is then one typed view, written by one bucketize
+        wire = torch.int64 if torch.int64 in self.id_dtype else torch.int32
+        self.wire_id = wire
+        self.send_msgs = [fixed_message(self.n_sf[q] * B, cap * self.max_cover, wire,
+                                        self.weighted) for q in range(R)]
+        self.recv_msgs = [fixed_message(n_local * sizes[r], caps[r] * self.max_cover, wire,
+                                        self.weighted) for r in range(R)]
         self.slots = sum(m.pieces["ids"][2] for m in self.recv_msgs)  # id slots per group
+        self.send_bytes = sum(m.nbytes for m in self.send_msgs)
+        self.recv_bytes = sum(m.nbytes for m in self.recv_msgs)
         dev = self.device
-        self._slot = torch.arange(self.slots, device=dev)
-        self._send_pos = torch.arange(cap * self.max_cover, device=dev)
-        # where each source's ids start in the concatenated receive slots
-        self._src_base = torch.tensor(
-            [0, *torch.tensor([m.pieces["ids"][2] for m in self.recv_msgs]).cumsum(0).tolist()],
-            dtype=torch.int64, device=dev)[:R]
+
+        def at(msgs, name):  # element index of piece ``name`` of every message, in its dtype
+            out, base = [], 0
+            for m in msgs:
+                offset, dtype, _ = m.pieces[name] if name in m.pieces else (0, torch.float32, 0)
+                out.append((base + offset) // dtype.itemsize)
+                base += m.nbytes
+            return out
+
+        # sender: per shard-feature s (destination q), where its destination's pieces are
+        ids_at, w_at, len_at = at(self.send_msgs, "ids"), at(self.send_msgs, "weights"), at(
+            self.send_msgs, "lengths")
+        dest = [q for q in range(R) for _ in range(self.n_sf[q])]
+        s_in_q = [s - self.sf_start[q] for s, q in enumerate(dest)]
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=dev)
+
+        self._sf_first = tensor([self.sf_start[q] * B for q in dest])
+        self._sf_id_start = tensor([ids_at[q] for q in dest])
+        self._sf_w_start = tensor([w_at[q] for q in dest])
+        self._sf_len_start = tensor([len_at[q] + i * B for q, i in zip(dest, s_in_q,
+                                                                      strict=True)])
+        self._meta_at = tensor(at(self.send_msgs, "meta"))
+        # receiver: where each source's ids and weights start in the receive buffer
+        self._src_ids = tensor(at(self.recv_msgs, "ids"))
+        self._src_w = tensor(at(self.recv_msgs, "weights"))
+        # TBE group of each local shard-feature, and its first shard-feature
+        group_of, first_of = [], []
+        for g, n in enumerate(self.group_sizes):
+            group_of += [g] * n
+            first_of += [sum(self.group_sizes[:g])] * n
+        self._group_base = tensor([g * self.slots for g in group_of])
+        self._group_first = tensor(first_of)
 
     def _check_host(self, B: int, n_values: int) -> None:
         sizes, caps = self.agreed
@@ -136,30 +170,13 @@ class FixedInputDist(InputDist):
         R, me = self.world, self.rank
         sizes, _ = self.agreed
 
-        lengths, ids, w, failed = self._bucketize(parts, padded_values=True)
-        sendbuf = torch.empty(sum(m.nbytes for m in self.send_msgs), dtype=torch.uint8,
-                              device=self.device)
+        sendbuf = torch.empty(self.send_bytes, dtype=torch.uint8, device=self.device)
+        lengths, failed = self._bucketize_into(parts, sendbuf)
         S = len(self.sfs)
         per_sf = lengths.view(S, B).sum(1)
         per_dest = torch.zeros(R, dtype=torch.int64, device=self.device)
         per_dest.index_add_(0, self.dest, per_sf)
-        start = torch.cumsum(per_dest, 0) - per_dest  # [R] where dest q's ids begin
-        pos = (start[:, None] + self._send_pos[None, :]).clamp_(max=max(ids.numel() - 1, 0))
-        ids_by_dest = ids[pos] if ids.numel() else ids.new_zeros(pos.shape)
-        w_by_dest = None
-        if weighted:
-            w_by_dest = w[pos] if w.numel() else w.new_zeros(pos.shape)
-        base = 0
-        for q, msg in enumerate(self.send_msgs):
-            s0 = self.sf_start[q] * B
-            pieces = {"meta": failed.view(1), "lengths": lengths[s0 : s0 + self.n_sf[q] * B],
-                      "ids": ids_by_dest[q], "weights": w_by_dest[q] if weighted else None}
-            for name, (offset, dtype, n) in msg.pieces.items():
-                if n:
-                    _view(sendbuf, base + offset, dtype, n).copy_(pieces[name])
-            base += msg.nbytes
-        recvbuf = torch.empty(sum(m.nbytes for m in self.recv_msgs), dtype=torch.uint8,
-                              device=self.device)
+        recvbuf = torch.empty(self.recv_bytes, dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(recvbuf, sendbuf, [m.nbytes for m in self.recv_msgs],
                                [m.nbytes for m in self.send_msgs], group=group)
         lookup, flags, counts = self._unpack_fixed(recvbuf, sizes, weighted)
@@ -171,7 +188,7 @@ class FixedInputDist(InputDist):
         sent = sum(self.send_msgs[q].nbytes for q in others)
         received = sum(self.recv_msgs[r].nbytes for r in others)
         traffic = {"input_dist.data": (sent, received)}
-        _, _, feat_key = self._for_keys(parts.keys)
+        _, _, feat_key, _ = self._for_keys(parts.keys)
         own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
         stats = {
             "traffic": traffic,
@@ -191,11 +208,11 @@ class FixedInputDist(InputDist):
 
     def _unpack_fixed(self, buf, sizes, weighted):
         """(LookupBatch with one (indices, offsets, weights) per TBE group, each [slots] long
-        with padding after its bags; the senders' failure flags [R]; ids per (source,
+        with padding (zeros) after its bags; the senders' failure flags [R]; ids per (source,
         shard-feature) [R, n_local])."""
         R, me, dev = self.world, self.rank, self.device
         n_local = self.n_sf[me]
-        metas, lens, ids, ws, base = [], [], [], [], 0
+        metas, lens, base = [], [], 0
         for r, msg in enumerate(self.recv_msgs):
             def piece(name, base=base, msg=msg):
                 offset, dtype, n = msg.pieces[name]
@@ -203,31 +220,35 @@ class FixedInputDist(InputDist):
 
             metas.append(piece("meta"))
             lens.append(piece("lengths").view(n_local, sizes[r]))
-            ids.append(piece("ids"))
-            if weighted:
-                ws.append(piece("weights"))
             base += msg.nbytes
         flags = torch.cat(metas)
         B_global = sum(sizes)
-        lengths = torch.cat(lens, dim=1).to(torch.int64)  # [n_local, B_global]
-        all_ids = torch.cat(ids)
-        all_w = torch.cat(ws) if weighted else None
+        lengths = torch.cat(lens, dim=1)  # [n_local, B_global] int32
         counts = torch.stack([x.sum(1) for x in lens]).to(torch.int64)  # [R, n_local]
-        # where shard-feature i's ids from source r start in the received slots
-        src_start = self._src_base[:, None] + torch.cumsum(counts, 1) - counts  # [R, n_local]
+        G = len(self.group_sizes)
+        ids = torch.zeros(G * self.slots, dtype=self.wire_id, device=dev)
+        w = torch.zeros(G * self.slots, dtype=torch.float32, device=dev) if weighted else None
+        if n_local:
+            # feature-major within each group: (i, r) after every (i' < i, r') of the group
+            flat = counts.t().reshape(-1)
+            start = (torch.cumsum(flat, 0) - flat).view(n_local, R)
+            dst = start - start[self._group_first, :1] + self._group_base[:, None]
+            impl = reference
+            if dev.type == "cuda":
+                from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+
+                impl = kernels
+            impl.segment_copy(
+                buf.view(self.wire_id), buf.view(torch.float32) if weighted else None,
+                self._src_ids, self._src_w, torch.cumsum(counts, 1), dst.t().contiguous(),
+                ids, w, max(m.pieces["ids"][2] for m in self.recv_msgs),
+            )
         groups, first = [], 0
-        for n in self.group_sizes:
-            seg = counts[:, first : first + n].t().reshape(-1)  # feature-major (i, r)
-            end = torch.cumsum(seg, 0)
-            new_start = end - seg
-            old_start = src_start[:, first : first + n].t().reshape(-1)
-            k = torch.searchsorted(end, self._slot, right=True).clamp_(max=max(seg.numel() - 1, 0))
-            src = (old_start[k] + self._slot - new_start[k]).clamp_(0, max(all_ids.numel() - 1, 0))
-            g_ids = all_ids[src] if all_ids.numel() else all_ids
-            g_w = all_w[src] if weighted and all_w.numel() else all_w
+        for g, n in enumerate(self.group_sizes):
             offsets = torch.zeros(n * B_global + 1, dtype=torch.int64, device=dev)
             torch.cumsum(lengths[first : first + n].reshape(-1), 0, out=offsets[1:])
-            groups.append((g_ids, offsets, g_w))
+            sl = slice(g * self.slots, (g + 1) * self.slots)
+            groups.append((ids[sl], offsets, w[sl] if weighted else None))
             first += n
         if groups:
             indices, offsets, psw = groups[0]
@@ -295,11 +316,12 @@ class FixedInputDist(InputDist):
             "fixed_shapes the bad ids were dropped from that step"
         )
 
-    def _bucketize(self, parts, padded_values: bool = False):
-        if not padded_values:
-            return super()._bucketize(parts)
-        # values may be longer than the lengths use (a static buffer): only an overrun fails
-        sf_key, cover_key, _ = self._for_keys(parts.keys)
+    def _bucketize_into(self, parts, sendbuf):
+        """Bucketize straight into the send buffer: every destination's lengths and ids at
+        their place of its message, its meta the failure flag. The values may be longer
+        than the lengths use (a static buffer): only an overrun fails. (lengths [S*B],
+        failed flag on the device)."""
+        sf_key, cover_key, _, table = self._for_keys(parts.keys)
         K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
         dev = self.device
         offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
@@ -310,20 +332,22 @@ class FixedInputDist(InputDist):
             from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
 
             impl = kernels
-        if B == 0 or not self.sfs:
-            ids = torch.zeros(0, dtype=torch.int64, device=dev)
-            w = parts.weights.new_zeros(0) if parts.weights is not None else None
-            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
-            return lengths, ids, w, bad_lengths.to(torch.int64)
         values, weights = parts.values, parts.weights
         if impl is reference:  # it wants every value in a bag: cut the padding off (syncs)
             used = min(int(offsets[-1]), N)
             values = values[:used]
             weights = weights[:used] if weights is not None else None
-        lengths, ids, w = impl.bucketize(
-            values, offsets.clamp(max=N), weights, sf_key, self.lo, self.hi, B,
-            capacity=N * self.max_cover,
-        )
+        if B == 0 or not self.sfs:
+            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
+        else:
+            lengths = impl.bucketize_into(
+                values, offsets.clamp(max=N), weights, sf_key, self.lo, self.hi, B,
+                sendbuf.view(self.wire_id),
+                sendbuf.view(torch.float32) if weights is not None else None,
+                sendbuf.view(torch.int32), self._sf_first, self._sf_id_start, self._sf_w_start,
+                self._sf_len_start, table=table,
+            )
         expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
-        failed = bad_lengths | (lengths.sum() != expected)
-        return lengths, ids, w, failed.to(torch.int64)
+        failed = (bad_lengths | (lengths.sum() != expected)).to(torch.int64)
+        sendbuf.view(torch.int64).index_put_((self._meta_at,), failed.expand(self.world))
+        return lengths, failed

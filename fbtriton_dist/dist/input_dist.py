@@ -198,8 +198,9 @@ class InputDist:
         self.world = R
 
     def _for_keys(self, keys: tuple[str, ...]):
-        """(sf -> key index, key -> ids each valid id becomes, config feature -> key index)
-        for a KJT with ``keys`` in this order (device tensors, cached)."""
+        """(sf -> key index, key -> ids each valid id becomes, config feature -> key index,
+        the bucketize kernel's grid: each key with its shard-features) for a KJT with ``keys``
+        in this order (device tensors, cached)."""
         if keys not in self._per_keys:
             names = self.layout.feature_names
             key_of = [keys.index(f) for f in names]
@@ -207,16 +208,18 @@ class InputDist:
             for f, k in enumerate(key_of):
                 cover_key[k] += self.cover[f]
             dev = self.device
-            self._per_keys[keys] = tuple(
-                torch.tensor(v, dtype=torch.int64, device=dev)
-                for v in ([key_of[sf.feature] for sf in self.sfs], cover_key, key_of)
+            sf_key = [key_of[sf.feature] for sf in self.sfs]
+            self._per_keys[keys] = (
+                *(torch.tensor(v, dtype=torch.int64, device=dev)
+                  for v in (sf_key, cover_key, key_of)),
+                reference.by_feature(sf_key).to(dev),
             )
         return self._per_keys[keys]
 
     # -- sender -----------------------------------------------------------------------------
     def _bucketize(self, parts: KJTParts):
         """(lengths [S*B], ids destination-major, weights, failed flag on the device)."""
-        sf_key, cover_key, _ = self._for_keys(parts.keys)
+        sf_key, cover_key, _, table = self._for_keys(parts.keys)
         K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
         dev = self.device
         offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
@@ -239,7 +242,7 @@ class InputDist:
         capacity = None if self.dedup else N * max(self.cover, default=1)
         lengths, ids, w = impl.bucketize(
             parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B,
-            capacity=capacity,
+            capacity=capacity, table=table,
         )
         expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
         failed = bad_lengths | (lengths.sum() != expected)
@@ -365,7 +368,7 @@ class InputDist:
             "per_feature": None,
             "B": B,
         }
-        _, _, feat_key = self._for_keys(parts.keys)
+        _, _, feat_key, _ = self._for_keys(parts.keys)
         own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
         stats["per_feature"] = own.sum(1)  # device; read by comm_report only
         lookup = LookupBatch(

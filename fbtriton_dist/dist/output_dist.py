@@ -24,7 +24,7 @@ from itertools import accumulate
 
 import torch
 
-from fbtriton_dist.dist.comm import all_to_all, own_rows
+from fbtriton_dist.dist.comm import all_to_all, exchange_sum, own_rows
 from fbtriton_dist.dist.layout import ShardLayout
 
 
@@ -103,7 +103,8 @@ class BlockExchange:
             r0 == (runs[i - 1][1] if i else 0) for i, (r0, *_) in enumerate(runs)
         ) and (runs[-1][1] if runs else 0) == starts[-1]
         placed = ([(c0, c1, recv[(c0, c1)]) for c0, c1 in ranges], blocks)
-        plan = (send, placed, *self.elements(batch_sizes), whole)
+        summed = whole and self._sums_rows(send, recv, batch_sizes)
+        plan = (send, placed, *self.elements(batch_sizes), whole, summed)
         pieces = len(runs) + sum(len(v) for v in recv.values())
         if not send or not recv or self.global_rows or pieces > 64 * len(self.peers) or any(
             a[1] > b[0] for a, b in zip(ranges, ranges[1:], strict=False)
@@ -114,8 +115,27 @@ class BlockExchange:
         self._slice_cache[key] = plan
         return plan
 
+    def _sums_rows(self, send, recv, batch_sizes) -> bool:
+        """Row-wise: every rank sends every rank (in rank order) its rows of all its columns,
+        and the receiver adds them over its full width (the widths agree): then the exchange
+        is one ``exchange_sum``, without placement."""
+        R, W = len(self.peers), self.widths[0]
+        if self.peers != list(range(R)) or W != self.widths[1] or len(send) != R:
+            return False
+        starts = [0, *accumulate(batch_sizes)]
+        if any(blk != [(starts[q], starts[q + 1], 0, W)] for q, blk in enumerate(send)):
+            return False
+        parts = recv.get((0, W), [])
+        if list(recv) != [(0, W)] or len(parts) != R:
+            return False
+        n = parts[0][1]
+        return all(p == (j * n * W, n, W, 0) for j, p in enumerate(parts))
+
     def _sliced(self, x, target, plan, group, rows: int) -> torch.Tensor:
-        send, recv, send_n, recv_n, whole = plan
+        send, recv, send_n, recv_n, whole, summed = plan
+        if summed:
+            out = exchange_sum(x, self._row_splits(send), self.wire_dtype, group)
+            return out if target is None else target + out
         if whole:  # the blocks are x's rows in order (row-wise): send x as it is
             values = x.reshape(-1)
         else:
@@ -131,6 +151,10 @@ class BlockExchange:
         dtype = target.dtype if target is not None else x.dtype
         out = _Place.apply(got.to(dtype), recv, B, out_width)
         return out if target is None else target + out
+
+    @staticmethod
+    def _row_splits(send) -> list[int]:
+        return [blk[0][1] - blk[0][0] for blk in send]
 
     def __call__(self, x, target, batch_sizes: list[int], group=None, rows: int = 0):
         """``target`` plus the blocks of ``x`` that every peer sent this rank (``target`` None:
@@ -175,7 +199,10 @@ class _Place(torch.autograd.Function):
             at = c1
         if at < width:
             cols.append(got.new_zeros((B, width - at)))
-        return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0].clone()
+        if len(cols) > 1:
+            return torch.cat(cols, dim=1)
+        # a view of ``got`` must be copied out of it (autograd); a sum is already new
+        return cols[0] if cols[0]._base is None and cols[0] is not got else cols[0].clone()
 
     @staticmethod
     def backward(ctx, grad):

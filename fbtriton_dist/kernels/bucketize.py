@@ -1,8 +1,9 @@
 """Input-dist bucketize: cut every bag's ids by shard-feature (row range), rebased.
 
-Two launches over a grid of (shard-feature, 32 samples): count the ids of each bag inside
-the shard's row range; after an exclusive cumsum of those lengths (torch), copy them, compacted and
-rebased, to their place. Output order is what the all-to-all sends: shard-feature-major (the
+Two launches over a grid of (feature, 32 samples): each tile of ids is read once and cut by
+every shard-feature of its feature (a row-wise table has R of them); count the ids of each
+bag inside each shard's row range; after an exclusive cumsum of those lengths (torch), copy
+them, compacted and rebased, to their place. Output order is what the all-to-all sends: shard-feature-major (the
 shard-features are listed destination rank by destination rank), then sample, then the ids'
 original order.
 """
@@ -11,44 +12,53 @@ import torch
 import triton
 import triton.language as tl
 
+from fbtriton_dist.reference.bucketize import by_feature
+
 
 @triton.jit
-def _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS: tl.constexpr):
-    """(shard-feature s, samples b [BAGS], their mask, bag starts, bag ends) of this program."""
-    per_sf = tl.cdiv(B, BAGS)
+def _tile_of(by_feature_ptr, offsets_ptr, B, BAGS: tl.constexpr, K: tl.constexpr):
+    """(shard-features s [K] of this program's feature (-1: none), their mask, samples b
+    [BAGS], their mask, bag starts, bag ends)."""
+    per_f = tl.cdiv(B, BAGS)
     pid = tl.program_id(0).to(tl.int64)
-    s = pid // per_sf
-    b = (pid - s * per_sf) * BAGS + tl.arange(0, BAGS)
+    g = pid // per_f
+    b = (pid - g * per_f) * BAGS + tl.arange(0, BAGS)
     bm = b < B
-    f = tl.load(sf_feature_ptr + s).to(tl.int64)
+    row = by_feature_ptr + g * (K + 1)
+    f = tl.load(row)
+    s = tl.load(row + 1 + tl.arange(0, K))
+    sm = s >= 0
     start = tl.load(offsets_ptr + f * B + b, mask=bm, other=0).to(tl.int64)
     end = tl.load(offsets_ptr + f * B + b + 1, mask=bm, other=0).to(tl.int64)
-    return s, b, bm, start, end
+    return s, sm, b, bm, start, end
 
 
 @triton.jit
 def _bucketize_count_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
-    sf_feature_ptr,  # [S] feature of each shard-feature
+    by_feature_ptr,  # [G, 1 + K] a feature, then its shard-features (-1 after the last)
     sf_lo_ptr,  # [S] first row of each shard
     sf_hi_ptr,  # [S] one past its last row
     lengths_ptr,  # [S * B] out: ids of bag (feature(s), b) in the shard
     B,  # local batch size
+    K: tl.constexpr,  # shard-features per row of by_feature (a power of two)
     BAGS: tl.constexpr,  # bags (samples) per program
     BLOCK: tl.constexpr,  # ids of each bag read per step
 ):
-    # one program per (shard-feature s, BAGS samples): a [BAGS, BLOCK] tile of ids per step
-    s, b, bm, start, end = _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS)
-    lo = tl.load(sf_lo_ptr + s)
-    hi = tl.load(sf_hi_ptr + s)
-    count = tl.zeros([BAGS], dtype=tl.int64)
+    # one program per (feature, BAGS samples): each [BAGS, BLOCK] tile of ids is read once
+    # and cut by every shard-feature of the feature ([K, BAGS, BLOCK])
+    s, sm, b, bm, start, end = _tile_of(by_feature_ptr, offsets_ptr, B, BAGS, K)
+    lo = tl.load(sf_lo_ptr + s, mask=sm, other=0)[:, None, None]
+    hi = tl.load(sf_hi_ptr + s, mask=sm, other=0)[:, None, None]
+    count = tl.zeros([K, BAGS], dtype=tl.int32)
     for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
         p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
         m = bm[:, None] & (p < end[:, None])
-        ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)
-        count += tl.sum(((ids >= lo) & (ids < hi) & m).to(tl.int64), axis=1)
-    tl.store(lengths_ptr + s * B + b, count, mask=bm)
+        ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)[None, :, :]
+        count += tl.sum(((ids >= lo) & (ids < hi) & m[None, :, :]).to(tl.int32), axis=2)
+    tl.store(lengths_ptr + s[:, None] * B + b[None, :], count.to(tl.int64),
+             mask=sm[:, None] & bm[None, :])
 
 
 @triton.jit
@@ -56,33 +66,74 @@ def _bucketize_scatter_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
     psw_ptr,  # [N] per-sample weights (if HAS_PSW)
-    sf_feature_ptr,  # [S] feature of each shard-feature
+    by_feature_ptr,  # [G, 1 + K] a feature, then its shard-features (-1 after the last)
     sf_lo_ptr,  # [S] first row of each shard
     sf_hi_ptr,  # [S] one past its last row
     out_offsets_ptr,  # [S * B] first output position of each (s, b)
     out_ids_ptr,  # [M] out: rebased ids
     out_psw_ptr,  # [M] out: their weights (if HAS_PSW)
+    out_lengths_ptr,  # [*] out: int32 bag lengths (SLOTTED)
+    sf_first_ptr,  # [S] (SLOTTED) index in out_offsets of the first bag of s's destination
+    sf_id_start_ptr,  # [S] (SLOTTED) where s's destination's ids start in out_ids
+    sf_w_start_ptr,  # [S] (SLOTTED) where they start in out_psw
+    sf_len_start_ptr,  # [S] (SLOTTED) where s's B lengths go in out_lengths
     B,  # local batch size
     HAS_PSW: tl.constexpr,
+    SLOTTED: tl.constexpr,  # every destination's ids (and lengths) at their own place
+    K: tl.constexpr,
     BAGS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # the count kernel's programs; each kept id goes to its bag's next output slot
-    s, b, bm, start, end = _bags_of(offsets_ptr, sf_feature_ptr, B, BAGS)
-    lo = tl.load(sf_lo_ptr + s)
-    hi = tl.load(sf_hi_ptr + s)
-    out = tl.load(out_offsets_ptr + s * B + b, mask=bm, other=0)
+    s, sm, b, bm, start, end = _tile_of(by_feature_ptr, offsets_ptr, B, BAGS, K)
+    lo = tl.load(sf_lo_ptr + s, mask=sm, other=0)[:, None]
+    hi = tl.load(sf_hi_ptr + s, mask=sm, other=0)[:, None]
+    sb = sm[:, None] & bm[None, :]  # [K, BAGS]
+    out = tl.load(out_offsets_ptr + s[:, None] * B + b[None, :], mask=sb, other=0)
+    w_out = out
+    if SLOTTED:  # out -= where the destination's ids begin, += its place in the buffers
+        first = tl.load(out_offsets_ptr + tl.load(sf_first_ptr + s, mask=sm, other=0),
+                        mask=sm, other=0)
+        w_out = out + (tl.load(sf_w_start_ptr + s, mask=sm, other=0) - first)[:, None]
+        out = out + (tl.load(sf_id_start_ptr + s, mask=sm, other=0) - first)[:, None]
+    n = tl.zeros([K, BAGS], dtype=tl.int32)
     for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
         p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
         m = bm[:, None] & (p < end[:, None])
         ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)
-        keep = (ids >= lo) & (ids < hi) & m
-        slot = out[:, None] + tl.cumsum(keep.to(tl.int64), axis=1) - 1
-        tl.store(out_ids_ptr + slot, ids - lo, mask=keep)
+        keep = (ids[None, :, :] >= lo[:, :, None]) & (ids[None, :, :] < hi[:, :, None]) & (
+            m[None, :, :] & sm[:, None, None])
+        rank = (n[:, :, None] + tl.cumsum(keep.to(tl.int32), axis=2) - 1).to(tl.int64)
+        tl.store(out_ids_ptr + out[:, :, None] + rank,
+                 (ids[None, :, :] - lo[:, :, None]).to(out_ids_ptr.dtype.element_ty),
+                 mask=keep)
         if HAS_PSW:
-            w = tl.load(psw_ptr + p, mask=keep, other=0.0)
-            tl.store(out_psw_ptr + slot, w, mask=keep)
-        out += tl.sum(keep.to(tl.int64), axis=1)
+            w = tl.load(psw_ptr + p, mask=m, other=0.0)
+            tl.store(out_psw_ptr + w_out[:, :, None] + rank,
+                     w[None, :, :] + tl.zeros([K, 1, 1], dtype=w.dtype), mask=keep)
+        n += tl.sum(keep.to(tl.int32), axis=2)
+    if SLOTTED:
+        tl.store(out_lengths_ptr + tl.load(sf_len_start_ptr + s, mask=sm, other=0)[:, None]
+                 + b[None, :], n, mask=sb)
+
+
+def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, prepare, slotted, table):
+    """Count into ``lengths``, then scatter with ``prepare(lengths)`` = (exclusive cumsum,
+    the scatter kernel's output arguments)."""
+    if table is None:  # the grid comes from the host (a sync)
+        table = by_feature(sf_feature.tolist())
+    table = table.to(indices.device)
+    K = table.shape[1] - 1
+    BAGS, BLOCK = 32, 32  # 32 bags of up to 32 ids per step: 1,024 ids per program
+    grid = (table.shape[0] * triton.cdiv(B, BAGS),)
+    _bucketize_count_kernel[grid](indices, offsets, table, lo, hi, lengths, B, K=K, BAGS=BAGS,
+                                  BLOCK=BLOCK, num_warps=4)
+    starts, outputs = prepare(lengths)
+    _bucketize_scatter_kernel[grid](
+        indices, offsets, psw if psw is not None else indices, table, lo, hi, starts,
+        *outputs, B, HAS_PSW=psw is not None, SLOTTED=slotted, K=K, BAGS=BAGS, BLOCK=BLOCK,
+        num_warps=4,
+    )
 
 
 def bucketize(
@@ -94,42 +145,137 @@ def bucketize(
     sf_row_end: torch.Tensor,
     B: int,
     capacity: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Same contract as reference.bucketize.bucketize: (lengths [S*B], ids, weights). With
     ``capacity`` (>= the ids that can come out, e.g. N times the shards an id can land in)
-    the outputs have that length and no host sync is needed to size them."""
+    the outputs have that length and no host sync is needed to size them; ``table``
+    (``by_feature(sf_feature)``, on the device) saves the host read of ``sf_feature``."""
     S = sf_feature.numel()
     device = indices.device
     lengths = torch.zeros(S * B, dtype=torch.int64, device=device)
+    psw = per_sample_weights
     if S * B == 0:
         empty = torch.zeros(capacity or 0, dtype=torch.int64, device=device)
-        w = per_sample_weights.new_zeros(capacity or 0) if per_sample_weights is not None else None
-        return lengths, empty, w
-    BAGS, BLOCK = 32, 32  # 32 bags of up to 32 ids per step: 1,024 ids per program
-    grid = (S * triton.cdiv(B, BAGS),)
-    _bucketize_count_kernel[grid](
-        indices, offsets, sf_feature, sf_row_start, sf_row_end, lengths, B, BAGS=BAGS,
-        BLOCK=BLOCK, num_warps=4,
-    )
-    starts = torch.cumsum(lengths, 0) - lengths
-    M = int(lengths.sum()) if capacity is None else capacity
-    ids = torch.empty(M, dtype=torch.int64, device=device)
+        return lengths, empty, psw.new_zeros(capacity or 0) if psw is not None else None
+    out = []
+
+    def prepare(lengths):
+        M = int(lengths.sum()) if capacity is None else capacity
+        ids = torch.empty(M, dtype=torch.int64, device=device)
+        w = psw.new_empty(M) if psw is not None else None
+        out.extend([ids, w])
+        return torch.cumsum(lengths, 0) - lengths, [ids, w if w is not None else ids,
+                                                    *[lengths] * 5]
+
+    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths, prepare,
+            False, table)
+    return lengths, out[0], out[1]
+
+
+def bucketize_into(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    sf_feature: torch.Tensor,
+    sf_row_start: torch.Tensor,
+    sf_row_end: torch.Tensor,
+    B: int,
+    out_ids: torch.Tensor,
+    out_weights: torch.Tensor | None,
+    out_lengths: torch.Tensor,
+    sf_first: torch.Tensor,
+    sf_id_start: torch.Tensor,
+    sf_w_start: torch.Tensor,
+    sf_len_start: torch.Tensor,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.bucketize.bucketize_into: the ids written straight into
+    their destination's place of a send buffer. Returns lengths [S*B] int64."""
+    S = sf_feature.numel()
+    lengths = torch.zeros(S * B, dtype=torch.int64, device=indices.device)
+    if S * B == 0:
+        return lengths
     psw = per_sample_weights
-    out_psw = psw.new_empty(M) if psw is not None else None
-    _bucketize_scatter_kernel[grid](
-        indices,
-        offsets,
-        psw if psw is not None else indices,
-        sf_feature,
-        sf_row_start,
-        sf_row_end,
-        starts,
-        ids,
-        out_psw if out_psw is not None else ids,
-        B,
-        HAS_PSW=psw is not None,
-        BAGS=BAGS,
+
+    def prepare(lengths):
+        return torch.cumsum(lengths, 0) - lengths, [
+            out_ids, out_weights if psw is not None else out_ids, out_lengths, sf_first,
+            sf_id_start, sf_w_start, sf_len_start]
+
+    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths, prepare,
+            True, table)
+    return lengths
+
+
+@triton.jit
+def _segment_copy_kernel(
+    src_ptr,  # ids of every source: source r's segments start at src_base[r]
+    src_w_ptr,  # their weights (HAS_W)
+    src_base_ptr,  # [R] where source r's ids start in src
+    src_w_base_ptr,  # [R] where its weights start in src_w
+    ends_ptr,  # [R, n] inclusive cumsum of the segment lengths within each source
+    dst_start_ptr,  # [R, n] where segment (r, i) goes in out
+    out_ptr,  # out: ids
+    out_w_ptr,  # out: weights (HAS_W)
+    n,  # segments per source
+    HAS_W: tl.constexpr,
+    STEPS: tl.constexpr,  # binary-search steps: 2**STEPS > n
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row = ends_ptr + r * n
+    total = tl.load(row + n - 1)
+    m = p < total
+    # segment of position p: the first i with ends[i] > p
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + n
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        e = tl.load(row + mid, mask=m & active, other=0)
+        lo = tl.where(active & (e <= p), mid + 1, lo)
+        hi = tl.where(active & (e > p), mid, hi)
+    i = tl.minimum(lo, n - 1)
+    seg_start = tl.load(row + i - 1, mask=m & (i > 0), other=0)
+    dst = tl.load(dst_start_ptr + r * n + i, mask=m, other=0) + p - seg_start
+    x = tl.load(src_ptr + tl.load(src_base_ptr + r) + p, mask=m)
+    tl.store(out_ptr + dst, x.to(out_ptr.dtype.element_ty), mask=m)
+    if HAS_W:
+        w = tl.load(src_w_ptr + tl.load(src_w_base_ptr + r) + p, mask=m)
+        tl.store(out_w_ptr + dst, w, mask=m)
+
+
+def segment_copy(
+    src: torch.Tensor,
+    src_w: torch.Tensor | None,
+    src_base: torch.Tensor,
+    src_w_base: torch.Tensor,
+    ends: torch.Tensor,
+    dst_start: torch.Tensor,
+    out: torch.Tensor,
+    out_w: torch.Tensor | None,
+    capacity: int,
+) -> None:
+    """Same contract as reference.bucketize.segment_copy (no host sync)."""
+    R, n = ends.shape
+    if R == 0 or n == 0 or capacity == 0:
+        return
+    BLOCK = 1024
+    steps = max(1, int(n).bit_length())
+    _segment_copy_kernel[(R, triton.cdiv(capacity, BLOCK))](
+        src,
+        src_w if src_w is not None else src,
+        src_base,
+        src_w_base,
+        ends,
+        dst_start,
+        out,
+        out_w if out_w is not None else out,
+        n,
+        HAS_W=src_w is not None,
+        STEPS=steps,
         BLOCK=BLOCK,
         num_warps=4,
     )
-    return lengths, ids, out_psw

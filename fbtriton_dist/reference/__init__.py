@@ -3,7 +3,12 @@
 They are the specification, the CPU backend and the test oracle.
 """
 
-from fbtriton_dist.reference.bucketize import bucketize
+from fbtriton_dist.reference.bucketize import (
+    bucketize,
+    bucketize_into,
+    by_feature,
+    segment_copy,
+)
 from fbtriton_dist.reference.tbe import (
     step_seed,
     stochastic_round,
@@ -14,6 +19,9 @@ from fbtriton_dist.reference.tbe import (
 
 __all__ = [
     "bucketize",
+    "bucketize_into",
+    "by_feature",
+    "segment_copy",
     "step_seed",
     "stochastic_round",
     "tbe_backward",

@@ -12,6 +12,7 @@ def bucketize(
     sf_row_end: torch.Tensor,
     B: int,
     capacity: int | None = None,
+    table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For every shard-feature s (feature ``sf_feature[s]``, rows [start, end)) and sample b:
     the ids of bag (feature, b) inside the row range, rebased to ``start``.
@@ -19,6 +20,7 @@ def bucketize(
     Returns ``lengths`` [S * B] (shard-feature-major), ``ids`` [sum(lengths)] int64 in
     (s, b, original order) order, and the matching per-sample weights (or None). With
     ``capacity``, ids and weights are padded to that length (the kernel then needs no sync).
+    ``table`` (the kernel's launch grid, ``kernels.bucketize.by_feature``) is not needed here.
     """
     lengths, ids, w = _bucketize(
         indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B
@@ -30,6 +32,18 @@ def bucketize(
         ids = torch.nn.functional.pad(ids, (0, pad))
         w = torch.nn.functional.pad(w, (0, pad)) if w is not None else None
     return lengths, ids, w
+
+
+def by_feature(sf_feature: list[int]) -> torch.Tensor:
+    """``[G, 1 + K]`` int64: each feature that has shard-features, then its shard-features
+    (-1 after the last; K a power of two). The Triton bucketize's grid walks it: one tile of
+    ids per feature, cut for all its shards (a row-wise table has R). Built on the host."""
+    per: dict[int, list[int]] = {}
+    for s, f in enumerate(sf_feature):
+        per.setdefault(int(f), []).append(s)
+    K = 1 << (max((len(v) for v in per.values()), default=1) - 1).bit_length()
+    rows = [[f, *v, *[-1] * (K - len(v))] for f, v in sorted(per.items())]
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 1 + K)
 
 
 def _bucketize(indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B):
@@ -56,3 +70,81 @@ def _bucketize(indices, offsets, per_sample_weights, sf_feature, sf_row_start, s
     if per_sample_weights is not None:
         w = torch.cat(weights) if weights else per_sample_weights.new_zeros(0)
     return (torch.cat(lengths) if lengths else empty, torch.cat(ids) if ids else empty, w)
+
+
+def bucketize_into(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    sf_feature: torch.Tensor,
+    sf_row_start: torch.Tensor,
+    sf_row_end: torch.Tensor,
+    B: int,
+    out_ids: torch.Tensor,
+    out_weights: torch.Tensor | None,
+    out_lengths: torch.Tensor,
+    sf_first: torch.Tensor,
+    sf_id_start: torch.Tensor,
+    sf_w_start: torch.Tensor,
+    sf_len_start: torch.Tensor,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``bucketize`` written straight into a send buffer, each destination at its place.
+
+    Shard-features are listed destination by destination; for shard-feature s,
+    ``sf_first[s]`` is the (s', b) index of its destination's first bag (``s' * B``), and the
+    destination's ids (in the order ``bucketize`` returns them) go to ``out_ids`` from
+    ``sf_id_start[s]`` on, their weights to ``out_weights`` from ``sf_w_start[s]`` on, and the
+    B bag lengths of s (int32) to ``out_lengths[sf_len_start[s] : + B]``. The outputs are 1-D
+    views of one buffer in their own dtypes (ids cast to ``out_ids.dtype``); nothing else of
+    them is written. Returns the lengths [S*B] (int64)."""
+    lengths, ids, w = _bucketize(
+        indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B
+    )
+    S = sf_feature.numel()
+    if S * B == 0:
+        return lengths
+    starts = torch.cumsum(lengths, 0) - lengths
+    s_of = torch.repeat_interleave(torch.arange(S, device=lengths.device), B)  # per (s, b)
+    sf_of_id = torch.repeat_interleave(s_of, lengths, output_size=ids.numel())
+    rank = torch.arange(ids.numel(), device=ids.device) - starts[sf_first][sf_of_id]
+    out_ids[sf_id_start[sf_of_id] + rank] = ids.to(out_ids.dtype)
+    if w is not None:
+        out_weights[sf_w_start[sf_of_id] + rank] = w.to(out_weights.dtype)
+    b = torch.arange(S * B, device=lengths.device) - s_of * B
+    out_lengths[sf_len_start[s_of] + b] = lengths.to(out_lengths.dtype)
+    return lengths
+
+
+def segment_copy(
+    src: torch.Tensor,
+    src_w: torch.Tensor | None,
+    src_base: torch.Tensor,
+    src_w_base: torch.Tensor,
+    ends: torch.Tensor,
+    dst_start: torch.Tensor,
+    out: torch.Tensor,
+    out_w: torch.Tensor | None,
+    capacity: int,
+) -> None:
+    """Copy R sources' segments to their places: source r holds n segments back to back from
+    ``src[src_base[r]]`` on (weights from ``src_w[src_w_base[r]]``), segment i of length
+    ``ends[r, i] - ends[r, i - 1]`` (``ends`` [R, n]: inclusive cumsum within the source, at
+    most ``capacity``); it goes to ``out[dst_start[r, i]:]`` (and ``out_w``). Nothing else of
+    ``out`` is written."""
+    R, n = ends.shape
+    if R == 0 or n == 0:
+        return
+    counts = torch.diff(ends, dim=1, prepend=ends.new_zeros(R, 1))
+    total = int(ends[:, -1].sum())
+    seg = torch.repeat_interleave(torch.arange(R * n, device=ends.device), counts.reshape(-1),
+                                  output_size=total)
+    seg_start = (ends - counts).reshape(-1)
+    p = torch.arange(total, device=ends.device) - (torch.cumsum(counts.reshape(-1), 0)
+                                                   - counts.reshape(-1))[seg]
+    p = p + seg_start[seg]  # position within the source
+    r = seg // n
+    dst = dst_start.reshape(-1)[seg] + p - seg_start[seg]
+    out[dst] = src[src_base[r] + p].to(out.dtype)
+    if src_w is not None:
+        out_w[dst] = src_w[src_w_base[r] + p].to(out_w.dtype)

@@ -60,6 +60,24 @@ def _host_reduce_scatter(rank, world):
     return torch.equal(y.detach(), expected), torch.equal(x.grad, grad.to(device()))
 
 
+def _exchange_sum(rank, world, wire):
+    from fbtriton_dist.dist.comm import exchange_sum
+
+    # rank r holds a partial [sum(sizes), 3] with rows (r + 1) * (global row + 1); rank q gets
+    # the sum over r of its rows; uneven sizes, one rank with no samples on 3 ranks
+    sizes = [2, 3, 0][:world]
+    rows = torch.arange(1.0, sum(sizes) + 1)[:, None].expand(-1, 3)
+    x = (rows * (rank + 1)).to(device()).requires_grad_()
+    y = exchange_sum(x, sizes, wire_dtype=wire)
+    start = sum(sizes[:rank])
+    expected = rows[start : start + sizes[rank]] * sum(r + 1 for r in range(world))
+    (y * (rank + 1)).sum().backward()
+    # each rank's gradient goes back to every rank: row block q is filled with q + 1
+    grad = torch.cat([torch.full((B, 3), float(q + 1)) for q, B in enumerate(sizes)])
+    return (tuple(y.shape), torch.equal(y.detach().cpu(), expected),
+            torch.equal(x.grad.cpu(), grad), x.grad.dtype)
+
+
 def _failure_flag(rank, world):
     from fbtriton_dist.dist.comm import gather_batch_sizes
 
@@ -73,6 +91,16 @@ def _failure_flag(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_to_all_forward_and_backward(world):
     assert run_ranks(_all_to_all, world) == [(True, True)] * world
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_sum_forward_and_backward(world, wire):
+    """Small integers: exact in bf16 too; summed and returned in fp32."""
+    sizes = [2, 3, 0][:world]
+    assert run_ranks(_exchange_sum, world, wire) == [
+        ((sizes[r], 3), True, True, torch.float32) for r in range(world)
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 3])

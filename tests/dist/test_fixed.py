@@ -148,17 +148,18 @@ def _output_paths(rank, world):
     for kind in ("row_wise", "table_wise", "column_wise", "mixed"):
         m = _shard(ref, kind, world, "sgd")
         plan = m.output_dist_.out._slices(BATCH[:world])
-        out[kind] = None if plan is None else plan[-1]
+        out[kind] = None if plan is None else plan[-2:]  # (sends x as it is, one sum)
     return out
 
 
 def test_output_dist_sends_slices_for_row_table_and_column_wise():
     """The equality tests above and in test_sharded_ebc run these plans: here, that the output
-    dist took its slice path for them (row-wise: the partials as they are)."""
+    dist took its slice path for them (row-wise: the partials as they are, summed by one
+    exchange_sum)."""
     results = run_ranks(_output_paths, 2)
     for paths in results:
-        assert paths["row_wise"] is True
-        assert paths["column_wise"] is not None
+        assert paths["row_wise"] == (True, True)
+        assert paths["column_wise"] is not None and paths["column_wise"][1] is False
     # these tiny tables all sit on one rank: the other sends nothing (the flat path then)
     assert any(paths["table_wise"] is not None for paths in results)
 

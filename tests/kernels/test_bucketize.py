@@ -82,3 +82,110 @@ def test_bucketize_many_bags_and_long_bags():
     assert lengths.cpu().tolist() == expected[0]
     assert ids.cpu().tolist() == expected[1]
     assert w.cpu().tolist() == pytest.approx(expected[2], rel=0, abs=0)
+
+
+def _slotted_case(weighted):
+    """Three destinations (the middle one gets nothing), shard-features listed destination by
+    destination, each destination's pieces at scattered places of one buffer."""
+    tables, ftm, B = [(40, 4), (9, 2)], [0, 1, 0], 37
+    sfs = [(0, 0, 20), (2, 0, 20), (1, 0, 9), (0, 20, 40), (2, 20, 40)]
+    dest = [0, 0, 0, 2, 2]
+    indices, offsets, psw = make_batch(tables, ftm, B, 40, weighted=weighted, hot=True)
+    sf_start = {0: 0, 2: 3}
+    id_at, w_at, len_at = {0: 4000, 2: 100}, {0: 3900, 2: 50}, {0: 5, 2: 400}
+    args = dict(
+        sf_first=torch.tensor([sf_start[q] * B for q in dest]),
+        sf_id_start=torch.tensor([id_at[q] for q in dest]),
+        sf_w_start=torch.tensor([w_at[q] for q in dest]),
+        sf_len_start=torch.tensor([len_at[q] + (s - sf_start[q]) * B
+                                   for s, q in enumerate(dest)]),
+    )
+    cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*sfs, strict=True)]
+    return indices, offsets, psw, cols, B, sfs, dest, args
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_bucketize_into_places_each_destination(backend, weighted, id_dtype):
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    indices, offsets, psw, cols, B, sfs, dest, args = _slotted_case(weighted)
+    expected_lengths, expected_ids, expected_w = _loop(indices, offsets, psw, sfs, B)
+    dev = DEVICE if backend == "triton" else torch.device("cpu")
+    buf_ids = torch.full((9000,), -7, dtype=id_dtype, device=dev)
+    buf_w = torch.full((9000,), -7.0, device=dev)
+    buf_len = torch.full((1000,), -7, dtype=torch.int32, device=dev)
+    if backend == "triton":
+        from fbtriton_dist import kernels as impl
+    else:
+        impl = reference
+    moved = [t.to(dev) if t is not None else None for t in (indices, offsets, psw, *cols)]
+    lengths = impl.bucketize_into(*moved, B, buf_ids, buf_w if weighted else None, buf_len,
+                                  **{k: v.to(dev) for k, v in args.items()})
+    assert lengths.cpu().tolist() == expected_lengths
+    # destination by destination: its ids in bucketize order at its place, nothing else touched
+    want_ids = torch.full((9000,), -7, dtype=id_dtype)
+    want_w = torch.full((9000,), -7.0)
+    want_len = torch.full((1000,), -7, dtype=torch.int32)
+    at = 0
+    for q, id_at, w_at, len_at in ((0, 4000, 3900, 5), (2, 100, 50, 400)):
+        mine = [s for s, d in enumerate(dest) if d == q]
+        n = sum(expected_lengths[s * B + b] for s in mine for b in range(B))
+        want_ids[id_at : id_at + n] = torch.tensor(expected_ids[at : at + n], dtype=id_dtype)
+        want_w[w_at : w_at + n] = torch.tensor(expected_w[at : at + n])
+        flat = [expected_lengths[s * B + b] for s in mine for b in range(B)]
+        want_len[len_at : len_at + len(flat)] = torch.tensor(flat, dtype=torch.int32)
+        at += n
+    assert torch.equal(buf_ids.cpu(), want_ids)
+    assert torch.equal(buf_len.cpu(), want_len)
+    if weighted:
+        assert torch.equal(buf_w.cpu(), want_w)
+    else:
+        assert (buf_w == -7.0).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_segment_copy_moves_every_segment(backend, weighted, n):
+    """R=3 sources of n segments each (some empty, one source empty), ids past a source's
+    last segment are not copied; each segment lands at its destination."""
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(n)
+    R, capacity = 3, 1500
+    counts = torch.randint(0, 400 // n + 1, (R, n), generator=g)
+    counts[1] = 0
+    counts[0, 0] = 0
+    src_base = torch.tensor([10, 2000, 4000])
+    src = torch.randint(0, 10**6, (6000,), generator=g)
+    src_w = torch.rand(6000, generator=g)
+    # destinations: a random order of the segments, back to back, after 7 slots
+    order = torch.randperm(R * n, generator=g)
+    flat = counts.reshape(-1)
+    dst = torch.empty(R * n, dtype=torch.int64)
+    dst[order] = 7 + torch.cumsum(flat[order], 0) - flat[order]
+    dst = dst.view(R, n)
+    dev = DEVICE if backend == "triton" else torch.device("cpu")
+    out = torch.full((2000,), -1, dtype=torch.int32, device=dev)
+    out_w = torch.full((2000,), -1.0, device=dev)
+    if backend == "triton":
+        from fbtriton_dist import kernels as impl
+    else:
+        impl = reference
+    impl.segment_copy(src.to(dev), src_w.to(dev) if weighted else None, src_base.to(dev),
+                      (src_base + 3).to(dev), torch.cumsum(counts, 1).to(dev), dst.to(dev),
+                      out, out_w if weighted else None, capacity)
+    want = torch.full((2000,), -1, dtype=torch.int32)
+    want_w = torch.full((2000,), -1.0)
+    for r in range(R):
+        at = int(src_base[r])
+        for i in range(n):
+            c, d = int(counts[r, i]), int(dst[r, i])
+            want[d : d + c] = src[at : at + c].to(torch.int32)
+            want_w[d : d + c] = src_w[at + 3 : at + 3 + c]
+            at += c
+    assert torch.equal(out.cpu(), want)
+    if weighted:
+        assert torch.equal(out_w.cpu(), want_w)
