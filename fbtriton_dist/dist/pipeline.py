@@ -79,6 +79,9 @@ class TrainPipeline:
             optimizer that can be captured (SGD; Adam/AdamW with ``capturable=True``). The
             first ``warmup`` batches train eagerly. Ignored off CUDA (the eager steps run).
         warmup: eager steps before the capture (CUDA graph mode; at least 1).
+        overlap_input: CUDA graph mode: the graph also runs the next batch's input dist, on a
+            side stream and the input process group, while this batch trains (the overlap of
+            the eager pipeline, inside the graph); False: one batch per graph, in order.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TrainPipeline:
         own_group: bool = True,
         cuda_graph: bool = False,
         warmup: int = 3,
+        overlap_input: bool = True,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.loss_fn = loss_fn or _default_loss
@@ -118,7 +122,8 @@ class TrainPipeline:
                     "TrainPipeline(cuda_graph=True): every sharded collection needs "
                     "CommOptions(fixed_shapes=True) (the default input dist syncs with the host)"
                 )
-            self.graph = GraphedTrainStep(self._step, self.sharded, self.sparse, warmup)
+            self.graph = GraphedTrainStep(self._step, self.sharded, self.sparse, warmup,
+                                          overlap_input=overlap_input)
 
     def _start(self, batch):
         """Copy ``batch`` to the device and run its input dist (side stream on CUDA)."""
@@ -150,6 +155,8 @@ class TrainPipeline:
         """Train on the next batch; returns its loss (detached). Raises StopIteration when
         ``iterator`` is exhausted and no batch is left in flight."""
         if self.graph is not None:
+            if self.graph.overlap_input:
+                return self.graph.progress(iterator, self.device)
             return self.graph(next(iterator).to(self.device, non_blocking=True))
         if self._next is None:
             self._next = self._start(next(iterator))
@@ -185,14 +192,27 @@ class GraphedTrainStep:
     capacity) raises ValueError. Bad ids (fixed shapes drop them) are reported one step late:
     the sharded collections' failure flags are read without waiting, and the rank that sent
     the batch names the id from the batches it kept.
+
+    With ``overlap_input`` (``progress``, the pipeline's way) one replay trains batch i and,
+    on a side stream and the sharded collections' input process groups, runs batch i + 1's
+    input dist: the ids travel while batch i computes. Batch i's input dist results sit in
+    static buffers (``_cur``), filled eagerly for the first batch after the warm-up and, at
+    the end of every replay, copied from what the replay's input dist made (tens of µs);
+    the dense fields of the next batch move to the current slot the same way. The last batch
+    trains eagerly from those buffers (there is no next batch to overlap with).
     """
 
     KEEP = 4  # recent batches kept to name a bad id in
 
-    def __init__(self, step, sharded, sparse, warmup: int = 3) -> None:
+    def __init__(self, step, sharded, sparse, warmup: int = 3, overlap_input: bool = False) -> None:
         if warmup < 1:
             raise ValueError(f"warmup: expected >= 1 eager step before the capture, got {warmup}")
         self.step, self.sharded, self.sparse, self.warmup = step, sharded, sparse, warmup
+        self.overlap_input = overlap_input
+        self._cur = None  # overlap_input: (static batch, its input dist outputs) to train next
+        self._next = None  # overlap_input: the static batch whose input dist a replay runs
+        self._copies: list = []  # (source, destination) pairs copied at the end of a replay
+        self._done = False
         self.calls = 0
         self.graph = None
         self.static = None
@@ -204,15 +224,7 @@ class GraphedTrainStep:
         self._check_flags(wait=False)
         self.recent = [*self.recent[-(self.KEEP - 1):], batch]
         if self.calls < self.warmup:
-            self.calls += 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                loss = self.step(batch)
-            torch.cuda.current_stream().wait_stream(side)
-            for m in self.sharded:
-                m.poll_input()  # eager steps: their flags, now
-            return loss
+            return self._eager(batch)
         if self.graph is None:
             self._capture(batch)
         else:
@@ -221,6 +233,95 @@ class GraphedTrainStep:
         self.calls += 1
         self._watch_flags()
         return self.loss.clone()  # the static loss is overwritten by the next replay
+
+    def _eager(self, batch) -> torch.Tensor:
+        """A warm-up step: eager, on a side stream (what the capture will use)."""
+        self.calls += 1
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        for m in self.sharded:
+            m.poll_input()  # eager steps: their flags, now
+        return loss
+
+    def progress(self, iterator, device) -> torch.Tensor:
+        """Train the next batch (``overlap_input``); StopIteration when none is left."""
+        self._check_flags(wait=False)
+        if self.calls < self.warmup:
+            batch = next(iterator).to(device, non_blocking=True)
+            self.recent = [*self.recent[-(self.KEEP - 1):], batch]
+            return self._eager(batch)
+        if self._done:
+            raise StopIteration
+        if self._cur is None:  # the first batch after the warm-up: its input dist, eagerly
+            self._start(next(iterator).to(device, non_blocking=True))
+        try:
+            upcoming = next(iterator).to(device, non_blocking=True)
+        except StopIteration:
+            upcoming = None
+        if upcoming is None:  # the last batch: train it eagerly from the static buffers
+            self._done = True
+            self._offer()
+            loss = self.step(self._cur[0])
+            for m in self.sharded:
+                m._prefetched = []
+            self.poll()
+            return loss
+        self.recent = [*self.recent[-(self.KEEP - 1):], upcoming]
+        if self._next is None:
+            self._next = _static_batch(upcoming, self.sparse, self._capacity())
+        _copy_batch(self._next, upcoming, self.sparse)
+        if self.graph is None:
+            self._capture_overlapped()
+        self.graph.replay()
+        self.calls += 1
+        self._watch_flags()
+        return self.loss.clone()
+
+    def _capacity(self) -> int:
+        return min((m.input_dist_.agreed[1][m.rank] for m in self.sharded), default=0)
+
+    def _start(self, batch) -> None:
+        """Static buffers for the batch to train next, filled with ``batch`` and its input
+        dist (run now, eagerly)."""
+        self.recent = [*self.recent[-(self.KEEP - 1):], batch]
+        static = _static_batch(batch, self.sparse, self._capacity())
+        _copy_batch(static, batch, self.sparse)
+        outs = [_static_dist_out(m.input_dist(self.sparse(static))) for m in self.sharded]
+        self._cur = (static, outs)
+
+    def _offer(self) -> None:
+        """Hand each sharded collection the current batch's input dist (``_take_prefetched``
+        finds it by the KeyedJaggedTensor the model passes)."""
+        static, outs = self._cur
+        kjt = self.sparse(static)
+        for m, out in zip(self.sharded, outs, strict=True):
+            m._prefetched = [(kjt, out)]
+
+    def _capture_overlapped(self) -> None:
+        static, outs = self._cur
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        with torch.cuda.graph(self.graph):
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):  # batch i + 1's input dist ...
+                made = [m.input_dist(self.sparse(self._next)) for m in self.sharded]
+            self._offer()
+            self.loss = self.step(static)  # ... while batch i trains
+            main.wait_stream(side)
+            for m in self.sharded:
+                m._prefetched = []
+            for new, cur in zip(made, outs, strict=True):  # batch i + 1 becomes current
+                for a, b in _dist_tensors(new, cur):
+                    b.copy_(a)
+            for f in fields(static):
+                dst, src = getattr(static, f.name), getattr(self._next, f.name)
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
 
     def _capture(self, batch) -> None:
         caps = [m.input_dist_.agreed[1][m.rank] for m in self.sharded]
@@ -325,3 +426,28 @@ def _copy_batch(static, batch, sparse_of) -> None:
                 raise ValueError(f"cuda_graph: batch field {f.name} has shape "
                                  f"{tuple(src.shape)}, captured {tuple(dst.shape)}")
             dst.copy_(src, non_blocking=True)
+
+
+def _dist_tensors(out, like):
+    """(tensor of ``out``, the same tensor of ``like``) pairs of two input dist outputs of
+    the same shapes: the own lengths and every TBE group's indices, offsets and weights."""
+    pairs = [(out.lengths, like.lengths)]
+    for g_out, g_like in zip(out.lookup.groups, like.lookup.groups, strict=True):
+        pairs += [(a, b) for a, b in zip(g_out, g_like, strict=True) if a is not None]
+    return pairs
+
+
+def _static_dist_out(out):
+    """A copy of a fixed-shape input dist output in buffers of its own (the first group's
+    tensors stay the lookup's ``indices``/``offsets``/``per_sample_weights``)."""
+    import dataclasses
+
+    from fbtriton_dist.dist.input_dist import InputDistOut
+
+    groups = tuple(tuple(x.clone() if x is not None else None for x in g)
+                   for g in out.lookup.groups)
+    first = groups[0] if groups else (out.lookup.indices.clone(), out.lookup.offsets.clone(),
+                                      None)
+    lookup = dataclasses.replace(out.lookup, indices=first[0], offsets=first[1],
+                                 per_sample_weights=first[2], groups=groups)
+    return InputDistOut(out.lengths.clone(), lookup, list(out.batch_sizes))
