@@ -121,6 +121,16 @@ def _view(buf: torch.Tensor, start: int, dtype, n: int) -> torch.Tensor:
     return buf[start : start + n * dtype.itemsize].view(dtype)
 
 
+def _kernel_grid(sf_key: list[int], device: torch.device):
+    """The Triton bucketize's grid for these shard-features (``kernels.bucketize.by_feature``,
+    on the device); None off CUDA (the reference needs none)."""
+    if device.type != "cuda":
+        return None
+    from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415 (triton on GPU)
+
+    return by_feature(sf_key).to(device)
+
+
 def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
     """Every id inside its table; raises IndexError naming the first bad one. Only run to
     explain a failure the device check found (it syncs)."""
@@ -212,7 +222,7 @@ class InputDist:
             self._per_keys[keys] = (
                 *(torch.tensor(v, dtype=torch.int64, device=dev)
                   for v in (sf_key, cover_key, key_of)),
-                reference.by_feature(sf_key).to(dev),
+                _kernel_grid(sf_key, dev),
             )
         return self._per_keys[keys]
 

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fbtriton_dist.reference.bucketize import by_feature
-
 
 @triton.jit
 def _tile_of(by_feature_ptr, offsets_ptr, B, BAGS: tl.constexpr, K: tl.constexpr):
@@ -115,6 +113,18 @@ def _bucketize_scatter_kernel(
     if SLOTTED:
         tl.store(out_lengths_ptr + tl.load(sf_len_start_ptr + s, mask=sm, other=0)[:, None]
                  + b[None, :], n, mask=sb)
+
+
+def by_feature(sf_feature: list[int]) -> torch.Tensor:
+    """``[G, 1 + K]`` int64: each feature that has shard-features, then its shard-features
+    (-1 after the last; K a power of two). The Triton bucketize's grid walks it: one tile of
+    ids per feature, cut for all its shards (a row-wise table has R). Built on the host."""
+    per: dict[int, list[int]] = {}
+    for s, f in enumerate(sf_feature):
+        per.setdefault(int(f), []).append(s)
+    K = 1 << (max((len(v) for v in per.values()), default=1) - 1).bit_length()
+    rows = [[f, *v, *[-1] * (K - len(v))] for f, v in sorted(per.items())]
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 1 + K)
 
 
 def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, prepare, slotted, table):

@@ -6,7 +6,6 @@ They are the specification, the CPU backend and the test oracle.
 from fbtriton_dist.reference.bucketize import (
     bucketize,
     bucketize_into,
-    by_feature,
     segment_copy,
 )
 from fbtriton_dist.reference.tbe import (
@@ -20,7 +19,6 @@ from fbtriton_dist.reference.tbe import (
 __all__ = [
     "bucketize",
     "bucketize_into",
-    "by_feature",
     "segment_copy",
     "step_seed",
     "stochastic_round",

@@ -20,7 +20,7 @@ def bucketize(
     Returns ``lengths`` [S * B] (shard-feature-major), ``ids`` [sum(lengths)] int64 in
     (s, b, original order) order, and the matching per-sample weights (or None). With
     ``capacity``, ids and weights are padded to that length (the kernel then needs no sync).
-    ``table`` (the kernel's launch grid, ``kernels.bucketize.by_feature``) is not needed here.
+    ``table`` (the kernel's launch grid, ``kernels.bucketize.by_feature``) is ignored here.
     """
     lengths, ids, w = _bucketize(
         indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B
@@ -32,18 +32,6 @@ def bucketize(
         ids = torch.nn.functional.pad(ids, (0, pad))
         w = torch.nn.functional.pad(w, (0, pad)) if w is not None else None
     return lengths, ids, w
-
-
-def by_feature(sf_feature: list[int]) -> torch.Tensor:
-    """``[G, 1 + K]`` int64: each feature that has shard-features, then its shard-features
-    (-1 after the last; K a power of two). The Triton bucketize's grid walks it: one tile of
-    ids per feature, cut for all its shards (a row-wise table has R). Built on the host."""
-    per: dict[int, list[int]] = {}
-    for s, f in enumerate(sf_feature):
-        per.setdefault(int(f), []).append(s)
-    K = 1 << (max((len(v) for v in per.values()), default=1) - 1).bit_length()
-    rows = [[f, *v, *[-1] * (K - len(v))] for f, v in sorted(per.items())]
-    return torch.tensor(rows, dtype=torch.int64).view(-1, 1 + K)
 
 
 def _bucketize(indices, offsets, per_sample_weights, sf_feature, sf_row_start, sf_row_end, B):

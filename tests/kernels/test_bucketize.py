@@ -50,7 +50,11 @@ def test_bucketize_matches_loop(name, weighted, backend):
         dev = DEVICE
         args = [t.to(dev) if t is not None else None for t in (indices, offsets, psw, *cols)]
         lengths, ids, w = kernels.bucketize(*args, B)
-        padded = kernels.bucketize(*args, B, capacity=len(expected[1]) + 5)
+        # the launch grid given (what the input dist caches) instead of read from sf_feature
+        from fbtriton_dist.kernels.bucketize import by_feature
+
+        table = by_feature([f for f, _, _ in sfs]).to(dev)
+        padded = kernels.bucketize(*args, B, capacity=len(expected[1]) + 5, table=table)
     else:
         lengths, ids, w = reference.bucketize(indices, offsets, psw, *cols, B)
         padded = reference.bucketize(indices, offsets, psw, *cols, B, capacity=len(expected[1]) + 5)
@@ -82,6 +86,16 @@ def test_bucketize_many_bags_and_long_bags():
     assert lengths.cpu().tolist() == expected[0]
     assert ids.cpu().tolist() == expected[1]
     assert w.cpu().tolist() == pytest.approx(expected[2], rel=0, abs=0)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_launch_grid_lists_each_feature_with_its_shard_features():
+    from fbtriton_dist.kernels.bucketize import by_feature
+
+    table = by_feature([2, 0, 2, 2, 1])
+    # K = 3 shard-features at most, padded to 4 with -1; features in order
+    assert table.tolist() == [[0, 1, -1, -1, -1], [1, 4, -1, -1, -1], [2, 0, 2, 3, -1]]
+    assert by_feature([0, 0]).tolist() == [[0, 0, 1]]
 
 
 def _slotted_case(weighted):
