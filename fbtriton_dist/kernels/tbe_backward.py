@@ -62,13 +62,14 @@ def _gather_grad_sum(
     HAS_SCALE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GALIGN: tl.constexpr,
 ):
     """fp32 sum over sorted ids [start, end) of grad_output[goff + d] * scale."""
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j0 in range(start, end, BLOCK_L):
         j = j0 + tl.arange(0, BLOCK_L)
         j_mask = j < end
-        goff = tl.load(goffs_ptr + j, mask=j_mask, other=0)
+        goff = tl.multiple_of(tl.load(goffs_ptr + j, mask=j_mask, other=0), GALIGN)
         g = tl.load(
             grad_ptr + goff[:, None] + d[None, :],
             mask=j_mask[:, None] & d_mask[None, :],
@@ -197,6 +198,7 @@ def _tbe_chunk_reduce_kernel(
     CHUNK_SIZE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GALIGN: tl.constexpr,  # every gradient offset is a multiple of it (vector loads)
 ):
     # one program per block of CHUNK_SIZE sorted positions. A run longer than CHUNK_SIZE covers
     # the end of its first block (its "tail"), whole middle blocks and the start of its last
@@ -214,7 +216,8 @@ def _tbe_chunk_reduce_kernel(
         d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_head))
         end = tl.minimum(head_end, hi)
         acc = _gather_grad_sum(
-            grad_ptr, goffs_ptr, scales_ptr, lo, end, d, d_mask, HAS_SCALE, BLOCK_L, BLOCK_D
+            grad_ptr, goffs_ptr, scales_ptr, lo, end, d, d_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
+            GALIGN,
         )
         tl.store(partial_ptr + 2 * c * BLOCK_D + d, acc)
     if r_tail != r_head:
@@ -234,6 +237,7 @@ def _tbe_chunk_reduce_kernel(
                 HAS_SCALE,
                 BLOCK_L,
                 BLOCK_D,
+                GALIGN,
             )
             tl.store(partial_ptr + (2 * c + 1) * BLOCK_D + d, acc)
 
@@ -271,6 +275,8 @@ def _tbe_row_update_kernel(
     RUNS: tl.constexpr,  # runs (unique rows) per program, one per tile row
     IDS: tl.constexpr,  # ids of each run read per step
     BLOCK_D: tl.constexpr,
+    ALIGN: tl.constexpr,  # every row starts at a multiple of it (vector loads and stores)
+    GALIGN: tl.constexpr,  # every gradient offset is a multiple of it
 ):
     # persistent: each program takes groups of RUNS consecutive runs, grid-stride, until the
     # run count (a grid sized for the worst case, every id its own run, launched mostly
@@ -304,7 +310,8 @@ def _tbe_row_update_kernel(
                 bias_c1 = _one_minus_pow(tl.load(hyper_ptr + 5), t)
                 bias_c2 = _one_minus_pow(tl.load(hyper_ptr + 6), t)
             row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
-            elem = tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D
+            elem = tl.multiple_of(tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D,
+                                  ALIGN)
             ptrs = elem[:, None] + d[None, :]
             w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
             if OPTIMIZER == 2:
@@ -313,7 +320,7 @@ def _tbe_row_update_kernel(
         # short runs side by side: step j reads the j-th id of every run; the first id's
         # gradient offset came with the run, so most rows (one id) need no further lookup
         first = n_short > 0
-        goff0 = tl.load(run_goffs_ptr + r, mask=first, other=0)
+        goff0 = tl.multiple_of(tl.load(run_goffs_ptr + r, mask=first, other=0), GALIGN)
         acc = tl.load(
             grad_ptr + goff0[:, None] + d[None, :], mask=first[:, None] & dm, other=0.0
         ).to(tl.float32)
@@ -322,7 +329,7 @@ def _tbe_row_update_kernel(
         if IDS == 1:
             for j in range(1, tl.max(n_short, axis=0)):
                 jm = j < n_short
-                goff = tl.load(goffs_ptr + s + j, mask=jm, other=0)
+                goff = tl.multiple_of(tl.load(goffs_ptr + s + j, mask=jm, other=0), GALIGN)
                 gr = tl.load(
                     grad_ptr + goff[:, None] + d[None, :],
                     mask=jm[:, None] & dm,
@@ -342,7 +349,7 @@ def _tbe_row_update_kernel(
             for j0 in range(1, tl.max(n_short, axis=0), IDS):
                 j = j0 + jj
                 jm = j < n_t
-                goff = tl.load(goffs_ptr + s_t + j, mask=jm, other=0)
+                goff = tl.multiple_of(tl.load(goffs_ptr + s_t + j, mask=jm, other=0), GALIGN)
                 gr = tl.load(
                     grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm_t, other=0.0
                 ).to(tl.float32)
@@ -493,6 +500,7 @@ def tbe_backward(
     keys: torch.Tensor | None = None,
     bag_ids: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    row_align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Backward of ``tbe_forward`` for grad_output ``[B, sum(D)]``.
 
@@ -503,6 +511,9 @@ def tbe_backward(
     without a host synchronisation. Without: returns ``(row_elems [U] int64, row_dims [U]
     int64, row_grads [U, >=max_D] fp32)``: for every unique touched row, the flat offset of its
     first element in ``weights``, its D and its summed gradient (columns past D are zero).
+
+    ``row_align`` (``TBELayout.row_align``: divides every D and table start) lets the row and
+    gradient loads be vectors.
 
     Nothing that changes from step to step is a launch argument, so a CUDA graph of the step
     replays correctly: ``step`` ([1] int64 on the device, the fused updates taken so far) is
@@ -540,6 +551,8 @@ def tbe_backward(
     if pooling == 1 and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
     grad_output = grad_output.contiguous()
+    # gradient offsets are b * sum(D) + D_offsets[f]: multiples of what divides every D
+    galign = min(row_align, max(1, 16 // grad_output.element_size()))
     workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
     goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
     run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
@@ -591,6 +604,7 @@ def tbe_backward(
             CHUNK_SIZE=CHUNK,
             BLOCK_L=max(1, min(32, 512 * num_warps // block_d)),
             BLOCK_D=block_d,
+            GALIGN=galign,
             num_warps=num_warps,
         )
 
@@ -631,6 +645,8 @@ def tbe_backward(
         RUNS=runs,
         IDS=ids,
         BLOCK_D=block_d,
+        ALIGN=row_align,
+        GALIGN=galign,
         num_warps=num_warps,
     )
     if code != OPT_NONE:

@@ -64,6 +64,7 @@ def _tbe_forward_kernel(
     HAS_PSW: tl.constexpr,  # multiply each row by its per-sample weight
     CHECK: tl.constexpr,  # drop out-of-range ids and count them (and malformed offsets) in err
     LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
+    ALIGN: tl.constexpr,  # every row starts at a multiple of ALIGN elements (vector loads)
     BLOCK_L: tl.constexpr,  # ids gathered per step
     BLOCK_D: tl.constexpr,  # >= max D, power of two
 ):
@@ -106,8 +107,9 @@ def _tbe_forward_kernel(
                 tl.atomic_max(err_ptr + 1, N - tl.min(tl.where(bad, pos, N), axis=0))
             l_mask = l_mask & ok
         kept += l_mask.to(tl.int32)
+        row = tl.multiple_of(w_base + idx * D, ALIGN)
         rows = tl.load(
-            weights_ptr + w_base + idx[:, None] * D + d[None, :],
+            weights_ptr + row[:, None] + d[None, :],
             mask=l_mask[:, None] & d_mask[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -154,15 +156,14 @@ def block_sizes(max_D: int) -> tuple[int, int]:
 def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape, from a
     sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): one warp per
-    bag (its sums stay inside the warp, and 32 bags fit on an SM) and 8 ids in flight per step
-    up to D=256 (4 for half-precision D<=128); a bigger tile spills registers. Several bags
-    per program ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower.
+    bag (its sums stay inside the warp, and 32 bags fit on an SM) and 4 ids in flight per step
+    up to D=256 (with rows loaded as 16-byte vectors, ``row_align``; 8 ids was better before
+    that on uniform ids only); a bigger tile spills registers. Several bags per program
+    ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower.
     ``FBTD_TBE_FWD=block_l,num_warps`` overrides it."""
     _, block_d = block_sizes(max_D)
     num_warps = 1 if block_d <= 256 else 2
-    block_l = max(1, 2048 // block_d) if block_d > 256 else 8
-    if weight_bytes == 2 and block_d <= 128:
-        block_l = 4
+    block_l = max(1, 2048 // block_d) if block_d > 256 else 4
     override = os.environ.get("FBTD_TBE_FWD")
     if override:
         block_l, num_warps = (int(x) for x in override.split(","))
@@ -193,6 +194,7 @@ def tbe_forward(
     num_rows: int = 0,
     err: torch.Tensor | None = None,
     linearize: bool = False,
+    row_align: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pooled lookup of T features over B bags. Returns ``[B, sum(D)]`` in ``output_dtype``.
 
@@ -204,7 +206,9 @@ def tbe_forward(
     id``, ``num_rows`` for a dropped id; int32 when it fits), ``bag_ids`` [N] int32 and, for
     mean pooling, ``counts`` [T*B] fp32 (ids kept per bag).
     Ids after ``offsets[-1]`` are padding (a batch of fixed size): never read, and with
-    ``linearize`` given the dropped key, so the backward skips them.
+    ``linearize`` given the dropped key, so the backward skips them. ``row_align``: a power
+    of two dividing every feature's D and ``w_offsets`` (``TBELayout.row_align``), the width
+    of the vector loads of rows.
     """
     T = dims.numel()
     B = (offsets.numel() - 1) // T
@@ -247,6 +251,7 @@ def tbe_forward(
         HAS_PSW=per_sample_weights is not None,
         CHECK=err is not None,
         LINEARIZE=linearize,
+        ALIGN=row_align,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,

@@ -245,7 +245,17 @@ class TableBatchedEmbedding(nn.Module):
             feature_table_map=self.feature_table_map,
             table_rows=[E for E, _ in self.tables],
             table_names=self.table_names,
+            row_align=self._row_align(),
         )
+
+    def _row_align(self) -> int:
+        """The largest power of two (at most 16 bytes of the weights' dtype) that divides
+        every table's D and first element: the kernels' vector width for rows."""
+        align = max(1, 16 // self.weights.element_size())
+        for (_, D), start in zip(self.tables, self.table_offsets, strict=False):
+            while align > 1 and (D % align or start % align):
+                align //= 2
+        return align
 
     def resolved_backend(self) -> Literal["triton", "reference"]:
         if self.backend != "auto":

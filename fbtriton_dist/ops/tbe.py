@@ -39,6 +39,10 @@ class TBELayout:
     table_rows: list[int] = field(default_factory=list)
     """E of each table (not feature): shapes of per-table gradients."""
     table_names: list[str] = field(default_factory=list)
+    row_align: int = 1
+    """Every row starts at a multiple of this many elements (a power of two dividing each
+    table's D and its offset in ``weights``, at most 16 bytes): the forward kernel then loads
+    rows in vectors of that width."""
 
     @property
     def num_features(self) -> int:
@@ -257,6 +261,7 @@ class _TBELookup(torch.autograd.Function):
             num_rows=layout.num_rows or 0,
             err=err,
             linearize=training and layout.num_rows is not None,
+            row_align=layout.row_align,
         )
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
@@ -306,6 +311,7 @@ class _TBELookup(torch.autograd.Function):
         )
         if keys is not None:
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
+        common.update(row_align=layout.row_align)
         result = impl.tbe_backward(
             grad_output,
             weights.detach(),

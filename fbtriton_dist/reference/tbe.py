@@ -35,10 +35,12 @@ def tbe_forward(
     num_rows: int = 0,
     err: torch.Tensor | None = None,
     linearize: bool = False,
+    row_align: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``.
     With ``err``, ids outside ``[0, rows[f])`` are dropped and counted (kernels.tbe_forward
-    has the whole contract, ``linearize`` included); offsets must be well formed here."""
+    has the whole contract, ``linearize`` included; ``row_align`` is a kernel hint, unused
+    here); offsets must be well formed here."""
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()
@@ -129,12 +131,14 @@ def tbe_backward(
     keys: torch.Tensor | None = None,
     bag_ids: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    row_align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Same contract as kernels.tbe_backward: update in place, or return
     ``(row_elems, row_dims, row_grads)``. With an optimizer, ``step`` ([1] int64, updates
     taken so far) is advanced by one first and t = its new value: Adam's bias corrections are
     ``1 - beta^t`` and the rounding seed ``step_seed(seed, t)``. The hyper-parameters come
-    from ``optimizer`` (``hyper``, the kernels' device copy of them, is not read)."""
+    from ``optimizer`` (``hyper``, the kernels' device copy of them, and ``row_align``, their
+    vector width, are not read)."""
     device = weights.device
     t = 0
     if optimizer is not None:

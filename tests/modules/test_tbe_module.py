@@ -224,3 +224,21 @@ def test_fused_step_counts_and_set_learning_rate():
     with torch.no_grad():  # inference does not step
         tbe(indices, offsets)
     assert tbe.step == 2
+
+
+@pytest.mark.parametrize(
+    ("tables", "dtype", "align"),
+    [
+        ([(10, 128), (7, 64)], torch.float32, 4),  # 16-byte vectors of fp32
+        ([(10, 128), (7, 64)], torch.float16, 8),
+        ([(3, 6), (5, 8)], torch.float32, 2),  # D=6: pairs
+        ([(3, 8), (5, 7)], torch.float32, 1),  # D=7: scalars
+        ([(3, 4), (1, 8)], torch.bfloat16, 4),  # the 2nd table starts at element 12
+    ],
+)
+def test_row_alignment_is_what_every_table_allows(tables, dtype, align):
+    """The forward loads rows in vectors of ``row_align`` elements: it must divide every D and
+    every table's first element (else a vector would straddle two rows)."""
+    tbe = TableBatchedEmbedding(tables, weights_dtype=dtype, output_dtype=torch.float32,
+                                backend="reference")
+    assert tbe._layout().row_align == align
