@@ -96,7 +96,7 @@ class TrainPipeline:
         own_group: bool = True,
         cuda_graph: bool = False,
         warmup: int = 3,
-        overlap_input: bool = True,
+        overlap_input: bool = False,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.loss_fn = loss_fn or _default_loss
