@@ -8,7 +8,9 @@
   ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
   ``dedup=True``; ``ours_fixed``: with ``fixed_shapes=True`` (no host sync in the step);
   ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True)``, the whole step one CUDA
-  graph replay (on the CPU the same steps run eagerly); ``ours_graph_bf16``: that with
+  graph replay (on the CPU the same steps run eagerly); ``ours_graph_overlap``: that with
+  ``overlap_input=True`` (the replay also runs the next batch's input dist on a side
+  stream); ``ours_graph_bf16``: ``ours_graph`` with
   ``wire_dtype=torch.bfloat16`` (TorchRec's wire stays fp32: not a like-for-like ratio).
 
 A provider that cannot run here raises :class:`Skip` with the reason. The dense optimizer is
@@ -125,10 +127,14 @@ LEAN_OPTIONS: dict[str, dict[str, Any]] = {
     "ours_dedup": {"dedup": True},
     "ours_fixed": {"fixed_shapes": True},
     "ours_graph": {"fixed_shapes": True},
+    "ours_graph_overlap": {"fixed_shapes": True},
     "ours_graph_bf16": {"fixed_shapes": True, "wire_dtype": torch.bfloat16},
 }
-PIPELINE_OPTIONS: dict[str, dict[str, Any]] = {"ours_graph": {"cuda_graph": True},
-                                               "ours_graph_bf16": {"cuda_graph": True}}
+PIPELINE_OPTIONS: dict[str, dict[str, Any]] = {
+    "ours_graph": {"cuda_graph": True},
+    "ours_graph_overlap": {"cuda_graph": True, "overlap_input": True},
+    "ours_graph_bf16": {"cuda_graph": True},
+}
 
 
 def _comm_options(options: dict[str, Any]):

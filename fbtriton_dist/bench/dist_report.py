@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 
 PROVIDERS = ("torchrec", "ours_plain", "ours_lean", "ours_lean_bf16", "ours_dedup", "ours_fixed",
-             "ours_graph", "ours_graph_bf16")
+             "ours_graph", "ours_graph_overlap", "ours_graph_bf16")
 """Every provider, in the order of the table and the chart."""
 
 # -- table -----------------------------------------------------------------------------------
