@@ -198,3 +198,40 @@ def _two_dtypes(rank, world):
 
 def test_fixed_shapes_with_two_table_dtypes():
     assert all(run_ranks(_two_dtypes, 2))
+
+
+def _static_copy(rank, world):
+    """What the overlapped CUDA graph keeps between replays: a copy of one fixed-shape input
+    dist output in buffers of its own (each TBE group's ids, offsets, weights and the own
+    lengths), which the next batch's output is copied into."""
+    import dataclasses
+
+    from torchrec.modules.embedding_configs import DataType
+
+    from fbtriton_dist.dist.pipeline import _dist_tensors, _static_dist_out
+
+    configs = [dataclasses.replace(c, data_type=DataType.FP16) if c.name in ("rw", "tw") else c
+               for c in _configs(True)]
+    ref = _reference(configs, True, "sgd", device())
+    sizes = BATCH[:world]
+    names = [f for c in configs for f in c.feature_names]
+    m = _shard(ref, "mixed", world, "sgd", fixed_shapes=True,
+               max_ids=3 * len(names) * max(sizes))
+    lo = sum(sizes[:rank])
+    outs = [m.input_dist(_kjt(*_global_batch(configs, sum(sizes), step, True), lo,
+                              lo + sizes[rank]).to(device())) for step in range(2)]
+    static = _static_dist_out(outs[0])
+    pairs = _dist_tensors(outs[0], static)
+    ok = len(m.tbes) == 2 and len(pairs) == 1 + 3 * 2  # lengths, then (ids, offsets, w) x 2
+    ok &= all(a.data_ptr() != b.data_ptr() and torch.equal(a, b) for a, b in pairs)
+    lk = static.lookup
+    ok &= lk.indices is lk.groups[0][0] and lk.offsets is lk.groups[0][1]
+    ok &= lk.per_sample_weights is lk.groups[0][2]
+    for a, b in _dist_tensors(outs[1], static):  # the next batch becomes the current one
+        b.copy_(a)
+    ok &= all(torch.equal(a, b) for a, b in _dist_tensors(outs[1], static))
+    return ok
+
+
+def test_static_copy_of_a_fixed_input_dist_output():
+    assert all(run_ranks(_static_copy, 2))
