@@ -17,7 +17,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
-               comm: {wire_dtype: fp32, dedup: false}}    # fp32 | bf16 | fp16 on the wire
+               comm: {wire_dtype: fp32, dedup: false,     # fp32 | bf16 | fp16 on the wire
+                      fixed_shapes: false, max_ids: null}}   # no host sync per step
     optimizer:
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
@@ -230,10 +231,25 @@ class CommConfig:
     """Pooled embeddings and their gradients on the wire (summed in fp32)."""
     dedup: bool = False
     """Each destination gets its distinct ids once plus an inverse map (bit-identical)."""
+    fixed_shapes: bool = False
+    """Input messages of a size fixed at the first batch: no host sync in a step (bit-identical
+    results). Every batch, train and eval, must have ``train.batch_size`` samples and at most
+    ``max_ids`` ids per rank; bad ids are reported a few steps late. Not with ``dedup``."""
+    max_ids: int | None = None
+    """With ``fixed_shapes``: the most ids one rank's batch may hold (null: the first batch's
+    count, which a later batch with more ids then exceeds: an error naming it)."""
 
     def __post_init__(self) -> None:
         check_choice("wire_dtype", self.wire_dtype, ("fp32", "bf16", "fp16"))
         _check_bool("dedup", self.dedup)
+        _check_bool("fixed_shapes", self.fixed_shapes)
+        _check_optional(check_int, "max_ids", self.max_ids, 1)
+        if self.fixed_shapes and self.dedup:
+            raise FieldError("fixed_shapes", "does not combine with dedup: true (dedup sizes "
+                             "each message by its distinct ids, which change every batch)")
+        if self.max_ids is not None and not self.fixed_shapes:
+            raise FieldError("max_ids", "is the capacity of fixed_shapes: set fixed_shapes: "
+                             "true with it")
 
 
 @dataclass(kw_only=True, frozen=True)

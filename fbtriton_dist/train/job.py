@@ -269,7 +269,8 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
 
         c = cfg.sharding.comm
         wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
-        comm = CommOptions(wire_dtype=wire, dedup=c.dedup)
+        comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes,
+                           max_ids=c.max_ids)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm)
     dense_params = [
         p

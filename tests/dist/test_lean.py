@@ -360,13 +360,13 @@ def test_unique_per_destination_and_message_layout():
     assert "ids" in m.pieces and m.nbytes == m.raw_bytes
 
 
-def _job_comm(rank, world):
+def _job_comm(rank, world, comm=None):
     from fbtriton_dist.dist import ShardedEmbeddingBagCollection
     from fbtriton_dist.train.config import job_from_dict
     from fbtriton_dist.train.job import Env, build, make_plan
     from tests.train.test_job import TINY
 
-    data = {**TINY, "sharding": {"comm": {"wire_dtype": "bf16", "dedup": True}}}
+    data = {**TINY, "sharding": {"comm": comm or {"wire_dtype": "bf16", "dedup": True}}}
     cfg = job_from_dict(data)
     env = Env(rank=rank, world_size=world, local_world_size=world, device=device(),
               process_group=None)
@@ -380,3 +380,5 @@ def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
 
     for comms in run_ranks(_job_comm, 2):
         assert comms == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]
+    for comms in run_ranks(_job_comm, 2, {"fixed_shapes": True, "max_ids": 5000}):
+        assert comms == [CommOptions(fixed_shapes=True, max_ids=5000)]

@@ -78,7 +78,7 @@ def _plan_3(kind):
     }  # fmt: skip
 
 
-def write_job(tmp_path, name, embedding="rowwise_adagrad", plan_3="tw_rw", **train):
+def write_job(tmp_path, name, embedding="rowwise_adagrad", plan_3="tw_rw", comm=None, **train):
     data = json.loads(json.dumps(TINY))
     data["optimizer"]["embedding"]["type"] = embedding
     data["tables"] = TABLES
@@ -87,7 +87,7 @@ def write_job(tmp_path, name, embedding="rowwise_adagrad", plan_3="tw_rw", **tra
     data["logging"] = {"log_every": 1, "progress_bar": False, "run_dir": str(tmp_path / name)}
     (tmp_path / "plan2.yaml").write_text(yaml.safe_dump(PLAN_2))
     (tmp_path / "plan3.yaml").write_text(yaml.safe_dump(_plan_3(plan_3)))
-    data["sharding"] = {"plan": "plan2.yaml"}
+    data["sharding"] = {"plan": "plan2.yaml", **({"comm": comm} if comm else {})}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -178,3 +178,18 @@ def test_checkpoint_from_2_ranks_loads_on_3_ranks_with_another_plan(tmp_path, em
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"world {world}")
         assert results[world]["loss"] == pytest.approx(results[2]["loss"], abs=1e-6)
         assert results[world]["auc"] == pytest.approx(results[2]["auc"], abs=1e-6)
+
+
+def test_job_with_fixed_shapes_trains_like_the_default(tmp_path):
+    """``sharding.comm.fixed_shapes: true``: no host sync per step, the same losses bit for
+    bit (train and eval batches go through the fixed-size input dist)."""
+    default = write_job(tmp_path, "default", steps=6, eval_every=3)
+    fixed = write_job(tmp_path, "fixed", comm={"fixed_shapes": True, "max_ids": 4096}, steps=6,
+                      eval_every=3)
+    ok(torchrun(2, "fbtriton_dist.train", "--config", str(default)))
+    ok(torchrun(2, "fbtriton_dist.train", "--config", str(fixed)))
+    want, got = losses(tmp_path / "default"), losses(tmp_path / "fixed")
+    assert sorted(want) == sorted(got) == list(range(1, 7))
+    assert all(got[s] == want[s] for s in want)
+    evals = [[r["loss"] for r in records(tmp_path / n, "eval")] for n in ("default", "fixed")]
+    assert evals[0] and evals[0] == evals[1]
