@@ -26,6 +26,7 @@ KeyedJaggedTensor object, as DLRM's sparse arch does); a collection called with 
 else runs its input dist in place, which is still correct.
 """
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
 
@@ -211,8 +212,7 @@ class GraphedTrainStep:
         self.overlap_input = overlap_input
         self._cur = None  # overlap_input: (static batch, its input dist outputs) to train next
         self._next = None  # overlap_input: the static batch whose input dist a replay runs
-        self._copies: list = []  # (source, destination) pairs copied at the end of a replay
-        self._done = False
+        self._ready = False  # overlap_input: _cur holds a batch not trained yet
         self.calls = 0
         self.graph = None
         self.static = None
@@ -247,26 +247,26 @@ class GraphedTrainStep:
         return loss
 
     def progress(self, iterator, device) -> torch.Tensor:
-        """Train the next batch (``overlap_input``); StopIteration when none is left."""
+        """Train the next batch (``overlap_input``); StopIteration when none is left. A new
+        iterator after that (another epoch) starts over in the same buffers and graph."""
         self._check_flags(wait=False)
         if self.calls < self.warmup:
             batch = next(iterator).to(device, non_blocking=True)
             self.recent = [*self.recent[-(self.KEEP - 1):], batch]
             return self._eager(batch)
-        if self._done:
-            raise StopIteration
-        if self._cur is None:  # the first batch after the warm-up: its input dist, eagerly
+        if not self._ready:  # the first batch (of an epoch): its input dist, eagerly
             self._start(next(iterator).to(device, non_blocking=True))
         try:
             upcoming = next(iterator).to(device, non_blocking=True)
         except StopIteration:
             upcoming = None
         if upcoming is None:  # the last batch: train it eagerly from the static buffers
-            self._done = True
+            self._ready = False
             self._offer()
             loss = self.step(self._cur[0])
             for m in self.sharded:
                 m._prefetched = []
+                m.poll_input()  # the eager input dist of _start, if no replay read it
             self.poll()
             return loss
         self.recent = [*self.recent[-(self.KEEP - 1):], upcoming]
@@ -284,13 +284,22 @@ class GraphedTrainStep:
         return min((m.input_dist_.agreed[1][m.rank] for m in self.sharded), default=0)
 
     def _start(self, batch) -> None:
-        """Static buffers for the batch to train next, filled with ``batch`` and its input
-        dist (run now, eagerly)."""
+        """The static buffers of the batch to train next (made at the first call, refilled
+        in place later: the graph reads them), filled with ``batch`` and its input dist (run
+        now, eagerly)."""
         self.recent = [*self.recent[-(self.KEEP - 1):], batch]
-        static = _static_batch(batch, self.sparse, self._capacity())
-        _copy_batch(static, batch, self.sparse)
-        outs = [_static_dist_out(m.input_dist(self.sparse(static))) for m in self.sharded]
-        self._cur = (static, outs)
+        if self._cur is None:
+            static = _static_batch(batch, self.sparse, self._capacity())
+            _copy_batch(static, batch, self.sparse)
+            outs = [_static_dist_out(m.input_dist(self.sparse(static))) for m in self.sharded]
+            self._cur = (static, outs)
+        else:
+            static, outs = self._cur
+            _copy_batch(static, batch, self.sparse)
+            for m, cur in zip(self.sharded, outs, strict=True):
+                for a, b in _dist_tensors(m.input_dist(self.sparse(static)), cur):
+                    b.copy_(a)
+        self._ready = True
 
     def _offer(self) -> None:
         """Hand each sharded collection the current batch's input dist (``_take_prefetched``
@@ -318,10 +327,11 @@ class GraphedTrainStep:
             for new, cur in zip(made, outs, strict=True):  # batch i + 1 becomes current
                 for a, b in _dist_tensors(new, cur):
                     b.copy_(a)
-            for f in fields(static):
-                dst, src = getattr(static, f.name), getattr(self._next, f.name)
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
+            _copy_static(static, self._next, self.sparse)
+        # the comm report reads the stats of the replay's input dist (refreshed every replay)
+        for i, (new, cur) in enumerate(zip(made, outs, strict=True)):
+            outs[i] = cur._replace(lookup=dataclasses.replace(cur.lookup,
+                                                               stats=new.lookup.stats))
 
     def _capture(self, batch) -> None:
         caps = [m.input_dist_.agreed[1][m.rank] for m in self.sharded]
@@ -428,6 +438,20 @@ def _copy_batch(static, batch, sparse_of) -> None:
             dst.copy_(src, non_blocking=True)
 
 
+def _copy_static(dst, src, sparse_of) -> None:
+    """Every tensor of static batch ``src`` into static batch ``dst`` (same shapes): the
+    dense fields and the KeyedJaggedTensor's values, lengths and weights."""
+    for f in fields(dst):
+        a, b = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(a, torch.Tensor):
+            a.copy_(b)
+    kd, ks = sparse_of(dst), sparse_of(src)
+    kd.values().copy_(ks.values())
+    kd.lengths().copy_(ks.lengths())
+    if kd.weights_or_none() is not None:
+        kd.weights().copy_(ks.weights())
+
+
 def _dist_tensors(out, like):
     """(tensor of ``out``, the same tensor of ``like``) pairs of two input dist outputs of
     the same shapes: the own lengths and every TBE group's indices, offsets and weights."""
@@ -440,8 +464,6 @@ def _dist_tensors(out, like):
 def _static_dist_out(out):
     """A copy of a fixed-shape input dist output in buffers of its own (the first group's
     tensors stay the lookup's ``indices``/``offsets``/``per_sample_weights``)."""
-    import dataclasses
-
     from fbtriton_dist.dist.input_dist import InputDistOut
 
     groups = tuple(tuple(x.clone() if x is not None else None for x in g)

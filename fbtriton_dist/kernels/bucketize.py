@@ -115,15 +115,21 @@ def _bucketize_scatter_kernel(
                  + b[None, :], n, mask=sb)
 
 
+MAX_K = 8  # shard-features cut from one tile: a [K, 32, 32] mask per program
+
+
 def by_feature(sf_feature: list[int]) -> torch.Tensor:
-    """``[G, 1 + K]`` int64: each feature that has shard-features, then its shard-features
-    (-1 after the last; K a power of two). The Triton bucketize's grid walks it: one tile of
-    ids per feature, cut for all its shards (a row-wise table has R). Built on the host."""
+    """``[G, 1 + K]`` int64: each feature that has shard-features, then up to ``MAX_K`` of
+    them (-1 after the last; K a power of two); a feature with more (a data-parallel table on
+    many ranks) takes several rows. The Triton bucketize's grid walks it: one tile of ids per
+    row, cut for all its shards (a row-wise table has R). Built on the host."""
     per: dict[int, list[int]] = {}
     for s, f in enumerate(sf_feature):
         per.setdefault(int(f), []).append(s)
-    K = 1 << (max((len(v) for v in per.values()), default=1) - 1).bit_length()
-    rows = [[f, *v, *[-1] * (K - len(v))] for f, v in sorted(per.items())]
+    chunks = [(f, v[i : i + MAX_K]) for f, v in sorted(per.items())
+              for i in range(0, len(v), MAX_K)]
+    K = 1 << (max((len(v) for _, v in chunks), default=1) - 1).bit_length()
+    rows = [[f, *v, *[-1] * (K - len(v))] for f, v in chunks]
     return torch.tensor(rows, dtype=torch.int64).view(-1, 1 + K)
 
 
@@ -233,8 +239,8 @@ def _segment_copy_kernel(
     STEPS: tl.constexpr,  # binary-search steps: 2**STEPS > n
     BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.program_id(1).to(tl.int64)  # sources on axis 1 (at most 65,535), blocks on axis 0
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     row = ends_ptr + r * n
     total = tl.load(row + n - 1)
     m = p < total
@@ -274,7 +280,7 @@ def segment_copy(
         return
     BLOCK = 1024
     steps = max(1, int(n).bit_length())
-    _segment_copy_kernel[(R, triton.cdiv(capacity, BLOCK))](
+    _segment_copy_kernel[(triton.cdiv(capacity, BLOCK), R)](
         src,
         src_w if src_w is not None else src,
         src_base,

@@ -31,6 +31,8 @@ CASES = {
         [(2, 0, 9), (0, 0, 30), (1, 10, 30), (2, 0, 9), (0, 0, 10)],
     ),
     "empty-ranges-B1": ([(5, 2)], [0], 1, [(0, 0, 5), (0, 5, 5)]),
+    # 10 copies of one feature (a replicated table on 10 ranks): two tiles of its ids
+    "replicas": ([(12, 2)], [0, 0], 3, [(0, 0, 12)] * 10 + [(1, 0, 6), (1, 6, 12)]),
 }
 
 
@@ -96,6 +98,10 @@ def test_launch_grid_lists_each_feature_with_its_shard_features():
     # K = 3 shard-features at most, padded to 4 with -1; features in order
     assert table.tolist() == [[0, 1, -1, -1, -1], [1, 4, -1, -1, -1], [2, 0, 2, 3, -1]]
     assert by_feature([0, 0]).tolist() == [[0, 0, 1]]
+    # more than MAX_K shard-features of one feature (a replica per rank): several rows
+    many = by_feature([0] * 19 + [1])
+    assert many.tolist() == [[0, *range(0, 8)], [0, *range(8, 16)],
+                             [0, 16, 17, 18, -1, -1, -1, -1, -1], [1, 19, *[-1] * 7]]
 
 
 def _slotted_case(weighted):
