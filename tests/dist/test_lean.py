@@ -220,9 +220,10 @@ class _Model(torch.nn.Module):
         return self.dense(torch.cat([self.ebc(sparse).values(), dense], dim=1)).squeeze(-1)
 
 
-def _pipeline(rank, world, graph=False):
+def _pipeline(rank, world, graph=False, overlap=False):
     """Plain loop and TrainPipeline from the same start on the same 4 batches (``graph``:
-    6 batches, fixed shapes and a CUDA graph from the third on; eager on the CPU)."""
+    6 batches, fixed shapes and a CUDA graph from the third on; eager on the CPU;
+    ``overlap``: ``overlap_input=True``, two epochs over the batches)."""
     import fbtriton_dist
     from fbtriton_dist.dist import CommOptions, TrainPipeline
 
@@ -250,6 +251,7 @@ def _pipeline(rank, world, graph=False):
         labels = torch.rand(sum(sizes), generator=g).round()
         kjt = _kjt(feats, lengths, values, None, lo, lo + sizes[rank])
         batches.append(_Batch(dense[lo : lo + sizes[rank]], kjt, labels[lo : lo + sizes[rank]]))
+    epochs = [batches, batches] if overlap else [batches]
 
     def loss_fn(model, b):
         return torch.nn.functional.binary_cross_entropy_with_logits(
@@ -263,7 +265,7 @@ def _pipeline(rank, world, graph=False):
     plain, piped = models
     opt_plain = torch.optim.SGD(plain.dense.parameters(), lr=0.5)
     losses_plain = []
-    for b in batches:
+    for b in (b for epoch in epochs for b in epoch):
         b = b.to(dev)
         loss = loss_fn(plain, b)
         opt_plain.zero_grad()
@@ -273,16 +275,19 @@ def _pipeline(rank, world, graph=False):
         losses_plain.append(loss.detach())
     opt_piped = torch.optim.SGD(piped.dense.parameters(), lr=0.5)
     pipe = TrainPipeline(piped, opt_piped, dev, loss_fn=loss_fn,
-                         after_backward=lambda: allreduce(piped), cuda_graph=graph, warmup=1)
-    it, losses_piped = iter(batches), []
-    while True:
-        try:
-            losses_piped.append(pipe.progress(it))
-        except StopIteration:
-            break
+                         after_backward=lambda: allreduce(piped), cuda_graph=graph, warmup=1,
+                         overlap_input=overlap)
+    losses_piped = []
+    for epoch in epochs:
+        it = iter(epoch)
+        while True:
+            try:
+                losses_piped.append(pipe.progress(it))
+            except StopIteration:
+                break
     if graph and pipe.graph is not None:
         pipe.graph.poll()
-    same_losses = len(losses_piped) == n_steps and all(
+    same_losses = len(losses_piped) == n_steps * len(epochs) and all(
         _same(a, b) for a, b in zip(losses_plain, losses_piped, strict=True))
     full = [m.ebc.gather_full_state_dict() for m in models]
     same_tables = all(_same(full[0][k], full[1][k]) for k in full[0])
@@ -297,9 +302,12 @@ def test_pipeline_matches_the_plain_loop(world):
         assert losses and tables and dense_, (rank, losses, tables, dense_, values)
 
 
-def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop():
-    """On NCCL the whole step is one CUDA graph replay from the third batch on."""
-    for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, 2, True)):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop(overlap):
+    """On NCCL the whole step is one CUDA graph replay from the third batch on (``overlap``:
+    with the next batch's input dist inside the replay, over two epochs)."""
+    for rank, (losses, tables, dense_, values) in enumerate(
+            run_ranks(_pipeline, 2, True, overlap)):
         assert losses and tables and dense_, (rank, losses, tables, dense_, values)
 
 
