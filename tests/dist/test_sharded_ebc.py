@@ -108,7 +108,8 @@ def _global_batch(configs, B_global, step, weighted):
     lengths[feats[0][0]][0] = 0  # an empty bag
     values = {f: torch.randint(0, E, (int(lengths[f].sum()),), generator=g) for f, E in feats}
     for f, _ in feats:  # a hot id
-        values[f][: values[f].numel() // 2] = 1 if values[f].numel() > 2 else values[f][:0]
+        if values[f].numel() > 2:
+            values[f][: values[f].numel() // 2] = 1
     weights = {f: torch.rand(values[f].numel(), generator=g) + 0.5 for f, _ in feats}
     return feats, lengths, values, (weights if weighted else None)
 
