@@ -23,6 +23,12 @@ SHAPES = {  # name: (tables [(E, D)], B, L, weights dtype, zipf exponent or 0)
     "S4": ([(10_000_000, 256)] * 8, 4096, 40, torch.float16, 0.0),
     "S5": ([(1_000_000, 64)] * 16 + [(1_000_000, 256)] * 16, 2048, 20, torch.float32, 0.0),
     "S6": ([(1_000_000, 128)] * 8, 65536, 20, torch.float32, 1.15),
+    # one rank of `bench dist`'s row-wise step (2 ranks): half of each of its 26 tables, both
+    # ranks' bags with the half of their 20 ids that land there
+    "RW": ([(max(1, E // 2), 128) for E in (
+        8297418, 8122, 3596, 1543, 4215, 3, 1481, 1000, 63, 8016265, 614445, 83910, 10, 1000,
+        2483, 155, 4, 976, 14, 8317257, 5334329, 8251770, 121895, 2698, 108, 36)],
+        16384, 10, torch.float32, 1.1),
 }
 
 
@@ -40,6 +46,18 @@ def make_batch(tables, B, L, zipf, gen, device):
     indices = torch.cat(ids).to(device)
     offsets = torch.arange(0, len(tables) * B * L + 1, L, device=device)
     return indices, offsets
+
+
+def compiled_regs() -> dict[str, list[int]]:
+    """[registers, spilled bytes] of each TBE kernel compiled so far (its last variant)."""
+    out = {}
+    kernels = (("tbe_forward", ["_FORWARD"]), ("tbe_backward", ["_RUNS", "_CHUNKS", "_ROWS"]))
+    for mod, names in kernels:
+        module = importlib.import_module(f"fbtriton_dist.kernels.{mod}")
+        for name in names:
+            for compiled in getattr(module, name).cache.values():
+                out[name] = [getattr(compiled, "n_regs", -1), getattr(compiled, "n_spills", -1)]
+    return out
 
 
 def kernel_us(fn, iters=5) -> dict[str, float]:
@@ -82,6 +100,8 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="S1,S2,S4,S5")
     p.add_argument("--fwd", default="8,4;16,4;32,4;16,2;32,8;64,4")
     p.add_argument("--bwd", default="4,4;8,4;16,4;32,4;8,2;16,8")
+    p.add_argument("--optimizer", default="rowwise_adagrad",
+                   choices=["rowwise_adagrad", "adagrad", "adam", "sgd"])
     p.add_argument("--out", default=None)
     p.add_argument("--host", action="store_true", help="also profile host time per step")
     p.add_argument("--launch", action="store_true", help="pipelined ms, fast launch off / on")
@@ -94,7 +114,12 @@ def main(argv=None) -> None:
         indices, offsets = make_batch(tables, B, L, zipf, gen, device)
         tbe = TableBatchedEmbedding(
             tables,
-            optimizer=optim.RowWiseAdagrad(lr=0.01, eps=1e-8),
+            optimizer={
+                "rowwise_adagrad": lambda: optim.RowWiseAdagrad(lr=0.01, eps=1e-8),
+                "adagrad": lambda: optim.Adagrad(lr=0.01, eps=1e-8),
+                "adam": lambda: optim.Adam(lr=0.01),
+                "sgd": lambda: optim.SGD(lr=0.01),
+            }[args.optimizer](),
             weights_dtype=dtype,
             bounds_check="warn",
             device=device,
@@ -154,13 +179,16 @@ def main(argv=None) -> None:
                 results.append(r)
         for cfg in args.fwd.split(";"):
             os.environ["FBTD_TBE_FWD"] = cfg
-            r = {"shape": name, "phase": "fwd", "config": cfg, **kernel_us(fwd)}
+            r = {"shape": name, "phase": "fwd", "config": cfg, **kernel_us(fwd),
+                 "regs": compiled_regs()}
             print(json.dumps(r), flush=True)
             results.append(r)
         os.environ.pop("FBTD_TBE_FWD")
         for cfg in args.bwd.split(";"):
             os.environ["FBTD_TBE_BWD"] = cfg
-            r = {"shape": name, "phase": "fwd_bwd_rowwise", "config": cfg, **kernel_us(step)}
+            r = {"shape": name, "phase": f"fwd_bwd_{args.optimizer}", "config": cfg,
+                 **kernel_us(step),
+                 "regs": compiled_regs()}
             print(json.dumps(r), flush=True)
             results.append(r)
         os.environ.pop("FBTD_TBE_BWD")

@@ -52,7 +52,10 @@ class Launcher:
         return tuple(key)
 
     def __call__(self, grid: tuple[int, ...], *positional, **kwargs) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg")
+                   if kwargs.get(k) is not None}
+        for k in ("num_warps", "num_stages", "maxnreg"):
+            kwargs.pop(k, None)
         names = [name for name, _, _ in self.params]
         kwargs.update(zip(names[: len(positional)], positional, strict=True))
         if not self.enabled:

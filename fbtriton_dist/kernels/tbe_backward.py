@@ -441,18 +441,22 @@ def linearize(
     return keys.to(key_dtype(num_rows)), bags.to(torch.int32)
 
 
-def backward_config(max_D: int) -> tuple[int, int, int]:
-    """(RUNS, num_warps) of the row kernel and the chunk kernel, from a sweep on an H200
-    (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): the row update is bound by
-    its chain of dependent loads, so few runs per one-warp program (more programs in flight)
-    win; ``FBTD_TBE_BWD=runs,num_warps[,ids]`` overrides."""
+def backward_config(max_D: int) -> tuple[int, int, int, int, int]:
+    """(RUNS, num_warps, IDS, CHUNK, maxnreg) of the row kernel and the chunk kernel, from a
+    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md). The row
+    update is bound by its chain of dependent loads, so what counts is programs in flight: one
+    run per one-warp program, its registers capped at 64 so that 32 programs (the most an SM
+    holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured
+    1.1-1.6x slower. ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides (0: no
+    cap)."""
     _, block_d = block_sizes(max_D)
-    runs, num_warps = (2 if block_d <= 128 else 1), (1 if block_d <= 256 else 2)
-    ids = 1
+    runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
+    maxnreg = 64 if num_warps == 1 else 0
     override = os.environ.get("FBTD_TBE_BWD")
     if override:
-        runs, num_warps, ids = (int(x) for x in (override + ",1").split(",")[:3])
-    return runs, num_warps, ids
+        fields = (override + f",1,{CHUNK},0").split(",")[:5]
+        runs, num_warps, ids, chunk, maxnreg = (int(x) for x in fields)
+    return runs, num_warps, ids, chunk, maxnreg
 
 
 def _resident_programs(device: torch.device, num_warps: int) -> int:
@@ -583,10 +587,10 @@ def tbe_backward(
         BLOCK=1024,
     )
 
-    runs, num_warps, ids = backward_config(max_D)
-    n_blocks = triton.cdiv(N, CHUNK)
-    partial = torch.empty((n_blocks if N > CHUNK else 1, 2, block_d), device=device)
-    if N > CHUNK:  # else no run can be long
+    runs, num_warps, ids, chunk, maxnreg = backward_config(max_D)
+    n_blocks = triton.cdiv(N, chunk)
+    partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=device)
+    if N > chunk:  # else no run can be long
         _CHUNKS(
             (n_blocks,),
             grad_output,
@@ -601,7 +605,7 @@ def tbe_backward(
             N,
             sentinel,
             HAS_SCALE=scales is not None,
-            CHUNK_SIZE=CHUNK,
+            CHUNK_SIZE=chunk,
             BLOCK_L=max(1, min(32, 512 * num_warps // block_d)),
             BLOCK_D=block_d,
             GALIGN=galign,
@@ -640,7 +644,7 @@ def tbe_backward(
         STOCHASTIC=bool(stochastic_rounding) and weights.dtype in (torch.float16, torch.bfloat16),
         MANTISSA=mantissa,
         MIN_EXP=min_exp,
-        CHUNK_SIZE=CHUNK,
+        CHUNK_SIZE=chunk,
         PART_L=max(1, min(32, 1024 * num_warps // block_d)),
         RUNS=runs,
         IDS=ids,
@@ -648,6 +652,7 @@ def tbe_backward(
         ALIGN=row_align,
         GALIGN=galign,
         num_warps=num_warps,
+        maxnreg=maxnreg if maxnreg and device.type == "cuda" else None,
     )
     if code != OPT_NONE:
         return None
