@@ -213,7 +213,8 @@ def _tbe_chunk_reduce_kernel(
     head_end = tl.load(run_starts_ptr + r_head + 1)
     head_live = tl.load(run_keys_ptr + r_head) < sentinel
     if (head_end - head_start > CHUNK_SIZE) & head_live:
-        d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_head))
+        # D is a multiple of GALIGN: the mask is constant per vector, so loads stay vectors
+        d_mask = d < tl.multiple_of(tl.load(dims_ptr + tl.load(run_feats_ptr + r_head)), GALIGN)
         end = tl.minimum(head_end, hi)
         acc = _gather_grad_sum(
             grad_ptr, goffs_ptr, scales_ptr, lo, end, d, d_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
@@ -225,7 +226,8 @@ def _tbe_chunk_reduce_kernel(
         tail_end = tl.load(run_starts_ptr + r_tail + 1)
         tail_live = tl.load(run_keys_ptr + r_tail) < sentinel
         if (tail_end - tail_start > CHUNK_SIZE) & tail_live:
-            d_mask = d < tl.load(dims_ptr + tl.load(run_feats_ptr + r_tail))
+            d_mask = d < tl.multiple_of(tl.load(dims_ptr + tl.load(run_feats_ptr + r_tail)),
+                                        GALIGN)
             acc = _gather_grad_sum(
                 grad_ptr,
                 goffs_ptr,
@@ -292,7 +294,8 @@ def _tbe_row_update_kernel(
         key = tl.load(run_keys_ptr + r, mask=r_mask, other=sentinel)
         live = r_mask & (key < sentinel)
         f = tl.load(run_feats_ptr + r, mask=live, other=0).to(tl.int64)
-        D = tl.load(dims_ptr + f, mask=live, other=1)
+        # a multiple of ALIGN (and so of GALIGN): d < D is constant per vector of loads/stores
+        D = tl.multiple_of(tl.load(dims_ptr + f, mask=live, other=ALIGN), [ALIGN])
         d = tl.arange(0, BLOCK_D)
         dm = live[:, None] & (d[None, :] < D[:, None])
         n = e - s

@@ -74,7 +74,7 @@ def _tbe_forward_kernel(
     b = fb - f * B
     start = tl.load(offsets_ptr + fb).to(tl.int64)
     end = tl.load(offsets_ptr + fb + 1).to(tl.int64)
-    D = tl.load(dims_ptr + f)
+    D = tl.multiple_of(tl.load(dims_ptr + f), ALIGN)  # so that d < D is constant per vector
     w_base = tl.load(w_offsets_ptr + f)
     col = tl.load(D_offsets_ptr + f)
     if CHECK:
@@ -138,9 +138,9 @@ def _tbe_forward_kernel(
         acc = acc / tl.maximum(n_kept, 1.0)
         if LINEARIZE:
             tl.store(counts_ptr + fb, n_kept)
-    tl.store(
-        out_ptr + b * out_stride + col + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask
-    )
+    # every D, so every column offset and the row stride, is a multiple of ALIGN
+    out_at = tl.multiple_of(b * out_stride + col, ALIGN)
+    tl.store(out_ptr + out_at + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 _FORWARD = Launcher(_tbe_forward_kernel)
