@@ -53,11 +53,13 @@ def exchange_lists(outs: list[torch.Tensor], ins: list[torch.Tensor], group=None
 
 def exchange_sum(x: torch.Tensor, row_splits: Sequence[int], wire_dtype=None,
                  group=None) -> torch.Tensor:
-    """Row-wise reduce-scatter as an all-to-all: rows ``row_splits[q]`` of ``x`` ([sum, W],
-    the same W on every rank) go to rank q; this rank sums the ``[B, W]`` blocks it gets from
-    every rank (B = its ``row_splits`` entry). ``wire_dtype``: the blocks and the gradients
-    travel in it and are summed in ``x``'s dtype. Backward sends this rank's gradient, as it
-    is, to every rank (on NCCL without a copy per peer)."""
+    """Row-wise reduce-scatter: rows ``row_splits[q]`` of ``x`` ([sum, W], the same W on every
+    rank) go to rank q; this rank sums the ``[B, W]`` blocks it gets from every rank (B = its
+    ``row_splits`` entry). On NCCL with equal splits and no ``wire_dtype`` that is one
+    ``reduce_scatter_tensor`` (NCCL adds while it receives; two ranks: a + b, as the add
+    below); otherwise an all-to-all of the blocks, summed here. ``wire_dtype``: the blocks and
+    the gradients travel in it and are summed in ``x``'s dtype. Backward sends this rank's
+    gradient, as it is, to every rank (on NCCL without a copy per peer)."""
     return _ExchangeSum.apply(x, list(row_splits), wire_dtype, group)
 
 
@@ -67,6 +69,11 @@ class _ExchangeSum(torch.autograd.Function):
         R, me = len(row_splits), dist.get_rank(group)
         B, W = row_splits[me], x.shape[1]
         ctx.args = (row_splits, wire_dtype, group, x.dtype)
+        if (R > 1 and wire_dtype is None and len(set(row_splits)) == 1
+                and dist.get_backend(group) == "nccl"):
+            out = x.new_empty((B, W))
+            dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+            return out
         wire = x if wire_dtype is None else x.to(wire_dtype)
         buf = wire.new_empty((R, B, W))
         exchange_lists(list(buf.unbind(0)), list(wire.split(row_splits)), group)

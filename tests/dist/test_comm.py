@@ -60,12 +60,11 @@ def _host_reduce_scatter(rank, world):
     return torch.equal(y.detach(), expected), torch.equal(x.grad, grad.to(device()))
 
 
-def _exchange_sum(rank, world, wire):
+def _exchange_sum(rank, world, wire, sizes):
     from fbtriton_dist.dist.comm import exchange_sum
 
     # rank r holds a partial [sum(sizes), 3] with rows (r + 1) * (global row + 1); rank q gets
-    # the sum over r of its rows; uneven sizes, one rank with no samples on 3 ranks
-    sizes = [2, 3, 0][:world]
+    # the sum over r of its rows
     rows = torch.arange(1.0, sum(sizes) + 1)[:, None].expand(-1, 3)
     x = (rows * (rank + 1)).to(device()).requires_grad_()
     y = exchange_sum(x, sizes, wire_dtype=wire)
@@ -93,12 +92,14 @@ def test_all_to_all_forward_and_backward(world):
     assert run_ranks(_all_to_all, world) == [(True, True)] * world
 
 
+@pytest.mark.parametrize("even", [False, True])
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 @pytest.mark.parametrize("world", [2, 3])
-def test_exchange_sum_forward_and_backward(world, wire):
-    """Small integers: exact in bf16 too; summed and returned in fp32."""
-    sizes = [2, 3, 0][:world]
-    assert run_ranks(_exchange_sum, world, wire) == [
+def test_exchange_sum_forward_and_backward(world, wire, even):
+    """Small integers: exact in bf16 too; summed and returned in fp32. Uneven sizes (one rank
+    without samples on 3 ranks) take the all-to-all; even ones, on NCCL, the reduce-scatter."""
+    sizes = [3, 3, 3][:world] if even else [2, 3, 0][:world]
+    assert run_ranks(_exchange_sum, world, wire, sizes) == [
         ((sizes[r], 3), True, True, torch.float32) for r in range(world)
     ]
 
