@@ -122,7 +122,7 @@ def _run_of(changes_ptr, p, mask):
     return tl.load(changes_ptr + p - 1, mask=mask & (p > 0), other=0).to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["N", "B"])
+@triton.jit(do_not_specialize=["N", "B", "sentinel"])
 def _tbe_runs_kernel(
     keys_ptr,  # [N] sorted linear row keys
     perm_ptr,  # [N] int64 original position of each sorted id
@@ -142,6 +142,7 @@ def _tbe_runs_kernel(
     N,  # number of ids
     B,  # batch size
     grad_stride,  # row stride of grad_output
+    sentinel,  # key of dropped ids and padding: nothing reads their gradient offsets
     HAS_PSW: tl.constexpr,
     MEAN: tl.constexpr,
     COUNT_STEP: tl.constexpr,  # a fused update follows: advance its step counter
@@ -157,19 +158,22 @@ def _tbe_runs_kernel(
         tl.store(step_ptr + p * 0, t + 1, mask=first)
     key = tl.load(keys_ptr + p, mask=m, other=0)
     prev = tl.load(keys_ptr + p - 1, mask=m & (p > 0), other=0)
-    src = tl.load(perm_ptr + p, mask=m, other=0)
-    bag = tl.load(bag_ids_ptr + src, mask=m, other=0).to(tl.int64)
+    # dropped ids and padding (a fixed-size batch: often half the positions) sort last and
+    # are skipped by the reduction: no gather of their bags, no offsets written
+    ml = m & (key < sentinel)
+    src = tl.load(perm_ptr + p, mask=ml, other=0)
+    bag = tl.load(bag_ids_ptr + src, mask=ml, other=0).to(tl.int64)
     f = bag // B
-    col = tl.load(D_offsets_ptr + f, mask=m, other=0)
+    col = tl.load(D_offsets_ptr + f, mask=ml, other=0)
     goff = (bag - f * B) * grad_stride + col
-    tl.store(goffs_ptr + p, goff, mask=m)
+    tl.store(goffs_ptr + p, goff, mask=ml)
     if HAS_PSW or MEAN:
         scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
         if HAS_PSW:
-            scale = tl.load(psw_ptr + src, mask=m, other=0.0).to(tl.float32)
+            scale = tl.load(psw_ptr + src, mask=ml, other=0.0).to(tl.float32)
         if MEAN:
-            scale = scale / tl.maximum(tl.load(counts_ptr + bag, mask=m, other=1.0), 1.0)
-        tl.store(scales_ptr + p, scale, mask=m)
+            scale = scale / tl.maximum(tl.load(counts_ptr + bag, mask=ml, other=1.0), 1.0)
+        tl.store(scales_ptr + p, scale, mask=ml)
     is_start = m & ((p == 0) | (key != prev))
     r = _run_of(changes_ptr, p, m) + 1
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
@@ -553,7 +557,11 @@ def tbe_backward(
         keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
 
     keys, perm = torch.sort(keys, stable=True)
-    changes = torch.cumsum(keys[1:] != keys[:-1], 0, dtype=torch.int32)
+    # key changes between sorted neighbours, compared straight into int32 (a bool mask would
+    # cost a cast pass over N before the scan)
+    changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)
+    torch.ne(keys[1:], keys[:-1], out=changes)
+    changes = torch.cumsum(changes, 0, dtype=torch.int32)
     has_scale = per_sample_weights is not None or pooling == 1
     if pooling == 1 and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
@@ -584,6 +592,7 @@ def tbe_backward(
         N,
         B,
         grad_output.stride(0),
+        sentinel,
         HAS_PSW=per_sample_weights is not None,
         MEAN=pooling == 1,
         COUNT_STEP=code != OPT_NONE,
