@@ -664,7 +664,8 @@ def tbe_backward(
         ALIGN=row_align,
         GALIGN=galign,
         num_warps=num_warps,
-        maxnreg=maxnreg if maxnreg and device.type == "cuda" else None,
+        # a launch option of NVIDIA's backend only (ROCm's torch also says "cuda")
+        maxnreg=maxnreg if maxnreg and device.type == "cuda" and not torch.version.hip else None,
     )
     if code != OPT_NONE:
         return None
