@@ -172,10 +172,6 @@ class FixedInputDist(InputDist):
 
         sendbuf = torch.empty(self.send_bytes, dtype=torch.uint8, device=self.device)
         lengths, failed = self._bucketize_into(parts, sendbuf)
-        S = len(self.sfs)
-        per_sf = lengths.view(S, B).sum(1)
-        per_dest = torch.zeros(R, dtype=torch.int64, device=self.device)
-        per_dest.index_add_(0, self.dest, per_sf)
         recvbuf = torch.empty(self.recv_bytes, dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(recvbuf, sendbuf, [m.nbytes for m in self.recv_msgs],
                                [m.nbytes for m in self.send_msgs], group=group)
@@ -190,13 +186,21 @@ class FixedInputDist(InputDist):
         traffic = {"input_dist.data": (sent, received)}
         _, _, feat_key, _ = self._for_keys(parts.keys)
         own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
+        S = len(self.sfs)
+
+        def ids_sent_received(lengths=lengths, counts=counts):
+            per_dest = torch.zeros(R, dtype=torch.int64, device=self.device)
+            per_dest.index_add_(0, self.dest, lengths.view(S, B).sum(1))
+            return per_dest.sum() - per_dest[me], counts.sum() - counts[me].sum()
+
         stats = {
             "traffic": traffic,
-            # device tensors: comm_report reads them (it syncs anyway)
-            "ids": (per_dest.sum() - per_dest[me], counts.sum() - counts[me].sum()),
+            # computed when comm_report asks (it syncs anyway), not in every step: the
+            # buffers they read hold the last step's values (a graph replay refills them)
+            "ids": ids_sent_received,
             "without_dedup": (sent, received),
             "batch_sizes": sizes,
-            "per_feature": own.sum(1),
+            "per_feature": lambda own=own: own.sum(1),
             "B": B,
         }
         lookup = LookupBatch(
@@ -226,7 +230,9 @@ class FixedInputDist(InputDist):
         lengths = torch.cat(lens, dim=1)  # [n_local, B_global] int32
         counts = torch.stack([x.sum(1) for x in lens]).to(torch.int64)  # [R, n_local]
         G = len(self.group_sizes)
-        ids = torch.zeros(G * self.slots, dtype=self.wire_id, device=dev)
+        # the id slots after the bags are padding, never read (the TBE looks up bags only);
+        # their weights are zeros all the same (no stray NaN in a buffer that gets compared)
+        ids = torch.empty(G * self.slots, dtype=self.wire_id, device=dev)
         w = torch.zeros(G * self.slots, dtype=torch.float32, device=dev) if weighted else None
         if n_local:
             # feature-major within each group: (i, r) after every (i' < i, r') of the group

@@ -273,7 +273,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise RuntimeError("comm_report: no step has run yet")
         B, sizes = last["B"], last["batch_sizes"]
         traffic = dict(last["traffic"]) | self.output_dist_.traffic(sizes)
-        per_feature = last["per_feature"].tolist()
+        def value(v):  # a device tensor, or a function computing it (fixed shapes)
+            return v() if callable(v) else v
+
+        per_feature = value(last["per_feature"]).tolist()
         pooling = {f: n / max(B, 1) for f, n in zip(self.layout.feature_names, per_feature,
                                                      strict=True)}
         specs = to_table_specs(self._configs, pooling_factors=pooling)
@@ -282,7 +285,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                           output_bytes=self.output_dist_.value_bytes)
         cost = evaluate(self._plan, specs, model=model).ranks[self.rank]
         report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in traffic.items()}
-        ids_sent, ids_received = last["ids"]
+        ids_sent, ids_received = value(last["ids"])
         report["input_dist.data"] |= {"ids_sent": float(ids_sent),
                                       "ids_received": float(ids_received)}
         raw_sent, raw_received = last["without_dedup"]
