@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="S1,S2,S4,S5")
     p.add_argument("--fwd", default="8,4;16,4;32,4;16,2;32,8;64,4")
-    p.add_argument("--bwd", default="4,4;8,4;16,4;32,4;8,2;16,8")
+    # FBTD_TBE_BWD values: runs,num_warps[,ids[,chunk[,maxnreg]]] (fields not given: default)
+    p.add_argument("--bwd", default="1,1;1,1,1,256,0;2,1,1,256,0;1,1,2;1,1,1,128;1,2")
     p.add_argument("--optimizer", default="rowwise_adagrad",
                    choices=["rowwise_adagrad", "adagrad", "adam", "sgd"])
     p.add_argument("--out", default=None)

@@ -454,15 +454,18 @@ def backward_config(max_D: int) -> tuple[int, int, int, int, int]:
     update is bound by its chain of dependent loads, so what counts is programs in flight: one
     run per one-warp program, its registers capped at 64 so that 32 programs (the most an SM
     holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured
-    1.1-1.6x slower. ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides (0: no
-    cap)."""
+    1.1-1.6x slower. ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides the
+    fields it gives (maxnreg 0: no cap)."""
     _, block_d = block_sizes(max_D)
     runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
-    maxnreg = 64 if num_warps == 1 else 0
     override = os.environ.get("FBTD_TBE_BWD")
-    if override:
-        fields = (override + f",1,{CHUNK},0").split(",")[:5]
-        runs, num_warps, ids, chunk, maxnreg = (int(x) for x in fields)
+    given = [int(x) for x in override.split(",")] if override else []
+    if len(given) > 5:
+        raise ValueError(f"FBTD_TBE_BWD={override!r}: expected at most 5 fields "
+                         "(runs,num_warps,ids,chunk,maxnreg)")
+    # the fields not given keep the heuristic's values (the cap follows num_warps)
+    runs, num_warps, ids, chunk = (given + [runs, num_warps, ids, chunk][len(given):])[:4]
+    maxnreg = given[4] if len(given) == 5 else (64 if num_warps == 1 else 0)
     return runs, num_warps, ids, chunk, maxnreg
 
 

@@ -140,6 +140,20 @@ def test_padding_after_the_last_bag_is_ignored(optimizer, backend):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
+def test_backward_config_override_keeps_the_fields_it_does_not_give(monkeypatch):
+    from fbtriton_dist.kernels.tbe_backward import CHUNK, backward_config
+
+    assert backward_config(128) == (1, 1, 1, CHUNK, 64)
+    for env, want in [("2,1", (2, 1, 1, CHUNK, 64)), ("1,1,4", (1, 1, 4, CHUNK, 64)),
+                      ("2,1,2,8", (2, 1, 2, 8, 64)), ("1,2", (1, 2, 1, CHUNK, 0)),
+                      ("1,1,1,4,0", (1, 1, 1, 4, 0))]:
+        monkeypatch.setenv("FBTD_TBE_BWD", env)
+        assert backward_config(128) == want, env
+    monkeypatch.setenv("FBTD_TBE_BWD", "1,1,1,1,1,1")
+    with pytest.raises(ValueError, match="at most 5 fields"):
+        backward_config(128)
+
+
 @pytest.mark.parametrize("config", ["2,1", "1,1,4", "2,1,2,8", "1,1,1,4,64"])
 @pytest.mark.parametrize("optimizer", ["rowwise", "adam"])
 def test_row_update_launch_configs_agree_with_the_reference(config, optimizer, monkeypatch):
