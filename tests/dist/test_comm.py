@@ -61,6 +61,10 @@ def _host_reduce_scatter(rank, world):
 
 
 def _exchange_sum(rank, world, wire, sizes):
+    return _exchange_sum_body(rank, world, wire, sizes)
+
+
+def _exchange_sum_body(rank, world, wire, sizes):
     from fbtriton_dist.dist.comm import exchange_sum
 
     # rank r holds a partial [sum(sizes), 3] with rows (r + 1) * (global row + 1); rank q gets
@@ -75,6 +79,33 @@ def _exchange_sum(rank, world, wire, sizes):
     grad = torch.cat([torch.full((B, 3), float(q + 1)) for q, B in enumerate(sizes)])
     return (tuple(y.shape), torch.equal(y.detach().cpu(), expected),
             torch.equal(x.grad.cpu(), grad), x.grad.dtype)
+
+
+def _exchange_sum_as_reduce_scatter(rank, world):
+    """The NCCL branch of exchange_sum (equal splits, no wire dtype) on gloo, which has no
+    reduce_scatter_tensor: a stand-in with NCCL's contract (input rank-major [R * B, W],
+    output this rank's [B, W] block summed over ranks) shows the branch passes it the right
+    tensors, and that it was taken."""
+    import torch.distributed as dist
+
+    from fbtriton_dist.dist import comm
+
+    calls = []
+
+    def reduce_scatter_tensor(out, x, group=None):
+        calls.append((tuple(out.shape), tuple(x.shape)))
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        out.copy_(total.view(world, *out.shape)[rank])
+
+    real_backend, real_rs = dist.get_backend, getattr(dist, "reduce_scatter_tensor", None)
+    dist.get_backend = lambda group=None: "nccl"
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+    try:
+        result = _exchange_sum_body(rank, world, None, [3] * world)
+    finally:
+        dist.get_backend, dist.reduce_scatter_tensor = real_backend, real_rs
+    return result, calls
 
 
 def _failure_flag(rank, world):
@@ -102,6 +133,16 @@ def test_exchange_sum_forward_and_backward(world, wire, even):
     assert run_ranks(_exchange_sum, world, wire, sizes) == [
         ((sizes[r], 3), True, True, torch.float32) for r in range(world)
     ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_sum_reduce_scatter_branch(world):
+    from tests.dist.harness import backend
+
+    if backend() == "nccl":
+        pytest.skip("the real reduce_scatter_tensor runs in test_exchange_sum_forward_and_backward")
+    got = run_ranks(_exchange_sum_as_reduce_scatter, world)
+    assert got == [(((3, 3), True, True, torch.float32), [((3, 3), (3 * world, 3))])] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])
