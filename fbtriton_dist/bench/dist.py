@@ -123,6 +123,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=["auto", "cpu", "cuda"],
         help="default: cpu with --tiny, else auto (CUDA when available)",
     )
+    p.add_argument(
+        "--one-rank",
+        action="store_true",
+        help="allow a world of one process (a proxy for the compute when one GPU is all there "
+        "is: no collective crosses a link, so it says nothing about the network)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
@@ -462,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plot:
         plot(args.plot, args.png)
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 and not args.one_rank:
         raise SystemExit(
             "bench dist compares sharded steps: run it under torchrun with 2 or more processes, "
             "e.g. torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny"
@@ -470,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     _quiet()
     from fbtriton_dist.train.job import distributed
 
-    with distributed(args.device) as env:
+    with distributed(args.device, group_of_one=args.one_rank) as env:
         run(args, env)
 
 

@@ -92,17 +92,18 @@ class Env:
 
 
 @contextlib.contextmanager
-def distributed(device: str = "auto") -> Iterator[Env]:
-    """One process: no process group. Under torchrun with WORLD_SIZE > 1: init gloo (CPU) or
-    NCCL (GPU) with a timeout, and destroy it however the body exits. Drop every model that
-    holds ``env.process_group`` before the body ends (see the ``finally``)."""
+def distributed(device: str = "auto", group_of_one: bool = False) -> Iterator[Env]:
+    """One process: no process group (unless ``group_of_one``, under torchrun). Under torchrun
+    with WORLD_SIZE > 1: init gloo (CPU) or NCCL (GPU) with a timeout, and destroy it however
+    the body exits. Drop every model that holds ``env.process_group`` before the body ends
+    (see the ``finally``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    if world <= 1:
+    if world <= 1 and not (group_of_one and "MASTER_ADDR" in os.environ):
         yield Env(rank=0, world_size=1, local_world_size=1, device=dev, process_group=None)
         return
     dist.init_process_group(
