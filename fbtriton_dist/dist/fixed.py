@@ -235,19 +235,19 @@ class FixedInputDist(InputDist):
         ids = torch.empty(G * self.slots, dtype=self.wire_id, device=dev)
         w = torch.zeros(G * self.slots, dtype=torch.float32, device=dev) if weighted else None
         if n_local:
-            # feature-major within each group: (i, r) after every (i' < i, r') of the group
-            flat = counts.t().reshape(-1)
-            start = (torch.cumsum(flat, 0) - flat).view(n_local, R)
-            dst = start - start[self._group_first, :1] + self._group_base[:, None]
-            impl = reference
+            impl = plan = reference
             if dev.type == "cuda":
                 from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
+                from fbtriton_dist.kernels.bucketize import plan_fits  # noqa: PLC0415
 
                 impl = kernels
+                plan = kernels if plan_fits(R, n_local) else reference
+            # feature-major within each group: (i, r) after every (i' < i, r') of the group
+            ends, dst = plan.segment_plan(counts, self._group_first, self._group_base)
             impl.segment_copy(
                 buf.view(self.wire_id), buf.view(torch.float32) if weighted else None,
-                self._src_ids, self._src_w, torch.cumsum(counts, 1), dst.t().contiguous(),
-                ids, w, max(m.pieces["ids"][2] for m in self.recv_msgs),
+                self._src_ids, self._src_w, ends, dst, ids, w,
+                max(m.pieces["ids"][2] for m in self.recv_msgs),
             )
         groups, first = [], 0
         for g, n in enumerate(self.group_sizes):

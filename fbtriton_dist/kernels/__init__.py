@@ -4,8 +4,13 @@ The kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` w
 ``triton`` was first imported (the interpreter; slow, for tests on small shapes).
 """
 
-from fbtriton_dist.kernels.bucketize import bucketize, bucketize_into, segment_copy
+from fbtriton_dist.kernels.bucketize import (
+    bucketize,
+    bucketize_into,
+    segment_copy,
+    segment_plan,
+)
 from fbtriton_dist.kernels.tbe_backward import tbe_backward
 from fbtriton_dist.kernels.tbe_forward import tbe_forward
 
-__all__ = ["bucketize", "bucketize_into", "segment_copy", "tbe_backward", "tbe_forward"]
+__all__ = ["bucketize", "bucketize_into", "segment_copy", "segment_plan", "tbe_backward", "tbe_forward"]

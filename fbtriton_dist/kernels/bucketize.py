@@ -295,3 +295,65 @@ def segment_copy(
         BLOCK=BLOCK,
         num_warps=4,
     )
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _segment_plan_kernel(
+    counts_ptr,  # [R, n] int64 ids of segment i from source r
+    group_first_ptr,  # [n] int64 first segment of i's group
+    group_base_ptr,  # [n] int64 where i's group starts in the output
+    ends_ptr,  # [R, n] int64 out: inclusive cumsum of each source's counts
+    dst_ptr,  # [R, n] int64 out: where segment (r, i) goes
+    R,
+    n,
+    RP: tl.constexpr,  # powers of two >= R, n
+    NP: tl.constexpr,
+):
+    # one program: the whole [R, n] table in registers
+    r = tl.arange(0, RP)[:, None]
+    i = tl.arange(0, NP)[None, :]
+    m = (r < R) & (i < n)
+    c = tl.load(counts_ptr + r * n + i, mask=m, other=0)
+    tl.store(ends_ptr + r * n + i, tl.cumsum(c, axis=1), mask=m)
+    col = tl.sum(c, axis=0)  # [NP] ids of segment i from every source
+    before_i = tl.cumsum(col, axis=0) - col  # every segment before i, all sources
+    start = before_i[None, :] + tl.cumsum(c, axis=0) - c  # then sources before r
+    iv = tl.arange(0, NP)
+    first = tl.load(group_first_ptr + iv, mask=iv < n, other=-1)
+    # the group's own start: before_i at its first segment, carried forward (non-decreasing)
+    group_start = tl.associative_scan(tl.where(first == iv, before_i, 0), 0, _max_combine)
+    base = tl.load(group_base_ptr + iv, mask=iv < n, other=0)
+    tl.store(dst_ptr + r * n + i, start + (base - group_start)[None, :], mask=m)
+
+
+PLAN_MAX = 16384  # cells of segment_plan's [R, n] table (padded) that one program holds
+
+
+def plan_fits(R: int, n: int) -> bool:
+    """Whether ``segment_plan`` takes a [R, n] table (else the reference's torch ops do)."""
+    return triton.next_power_of_2(max(R, 1)) * triton.next_power_of_2(max(n, 1)) <= PLAN_MAX
+
+
+def segment_plan(
+    counts: torch.Tensor, group_first: torch.Tensor, group_base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.bucketize.segment_plan, in one launch (no host sync), for
+    tables that ``plan_fits``."""
+    R, n = counts.shape
+    if not plan_fits(R, n):
+        raise ValueError(f"segment_plan: a [{R}, {n}] table is more than one program holds "
+                         f"({PLAN_MAX} cells once padded to powers of two)")
+    RP, NP = triton.next_power_of_2(max(R, 1)), triton.next_power_of_2(max(n, 1))
+    ends = torch.empty_like(counts)
+    dst = torch.empty_like(counts)
+    if R * n == 0:
+        return ends, dst
+    _segment_plan_kernel[(1,)](counts, group_first, group_base, ends, dst, R, n, RP=RP, NP=NP,
+                               num_warps=4)
+    return ends, dst
+

@@ -7,6 +7,7 @@ from fbtriton_dist.reference.bucketize import (
     bucketize,
     bucketize_into,
     segment_copy,
+    segment_plan,
 )
 from fbtriton_dist.reference.tbe import (
     step_seed,
@@ -20,6 +21,7 @@ __all__ = [
     "bucketize",
     "bucketize_into",
     "segment_copy",
+    "segment_plan",
     "step_seed",
     "stochastic_round",
     "tbe_backward",

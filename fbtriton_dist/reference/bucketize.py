@@ -136,3 +136,19 @@ def segment_copy(
     out[dst] = src[src_base[r] + p].to(out.dtype)
     if src_w is not None:
         out_w[dst] = src_w[src_w_base[r] + p].to(out_w.dtype)
+
+
+def segment_plan(
+    counts: torch.Tensor, group_first: torch.Tensor, group_base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``segment_copy`` puts R sources' segments: ``counts`` [R, n] ids of segment i
+    (a shard-feature) from source r. Returns (``ends`` [R, n], the inclusive cumsum of each
+    source's counts; ``dst_start`` [R, n]): the segments of one TBE group go feature-major,
+    (i, r) after every (i' < i, any r') and (i, r' < r) of its group, from ``group_base[i]``
+    on; ``group_first[i]`` is the first segment of i's group (groups are runs of i)."""
+    R, n = counts.shape
+    flat = counts.t().reshape(-1)
+    start = (torch.cumsum(flat, 0) - flat).view(n, R)
+    dst = start - start[group_first, :1] + group_base[:, None]
+    return torch.cumsum(counts, 1), dst.t().contiguous()
+

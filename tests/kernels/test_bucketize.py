@@ -209,3 +209,46 @@ def test_segment_copy_moves_every_segment(backend, weighted, n):
     assert torch.equal(out.cpu(), want)
     if weighted:
         assert torch.equal(out_w.cpu(), want_w)
+
+
+@pytest.mark.parametrize("R, groups", [(1, [1]), (2, [3, 2]), (3, [1, 4, 1]), (5, [7])])
+def test_segment_plan_matches_the_reference(R, groups):
+    """Where each (source, segment) lands: feature-major inside each TBE group, groups at their
+    bases; empty segments and an empty source included."""
+    if not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    from fbtriton_dist import kernels
+
+    n = sum(groups)
+    g = torch.Generator().manual_seed(R * 10 + n)
+    counts = torch.randint(0, 50, (R, n), generator=g)
+    counts[:, 0] = 0
+    counts[R - 1] = 0 if R > 1 else counts[R - 1]
+    first, base = [], []
+    for k, size in enumerate(groups):
+        first += [sum(groups[:k])] * size
+        base += [k * 10_000] * size
+    first, base = torch.tensor(first), torch.tensor(base)
+    want = reference.segment_plan(counts, first, base)
+    got = kernels.segment_plan(counts.to(DEVICE), first.to(DEVICE), base.to(DEVICE))
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x.cpu(), y)
+    # spelled out for the first source: segment i of a group starts after the group's
+    # earlier segments from every source
+    i = n - 1
+    gi = len(groups) - 1
+    lo = sum(groups[:gi])
+    assert int(want[1][0, i]) == gi * 10_000 + int(counts[:, lo:i].sum())
+
+
+def test_segment_plan_refuses_a_table_too_big_for_one_program():
+    if not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    from fbtriton_dist import kernels
+    from fbtriton_dist.kernels.bucketize import plan_fits
+
+    assert plan_fits(8, 2048) and not plan_fits(9, 2048)
+    counts = torch.zeros((16, 2048), dtype=torch.int64, device=DEVICE)
+    z = torch.zeros(2048, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"segment_plan: a \[16, 2048\] table"):
+        kernels.segment_plan(counts, z, z)
