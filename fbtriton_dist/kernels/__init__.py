@@ -10,7 +10,16 @@ from fbtriton_dist.kernels.bucketize import (
     segment_copy,
     segment_plan,
 )
-from fbtriton_dist.kernels.tbe_backward import tbe_backward
+from fbtriton_dist.kernels.tbe_backward import BackwardPlan, tbe_backward, tbe_backward_plan
 from fbtriton_dist.kernels.tbe_forward import tbe_forward
 
-__all__ = ["bucketize", "bucketize_into", "segment_copy", "segment_plan", "tbe_backward", "tbe_forward"]
+__all__ = [
+    "BackwardPlan",
+    "bucketize",
+    "bucketize_into",
+    "segment_copy",
+    "segment_plan",
+    "tbe_backward",
+    "tbe_backward_plan",
+    "tbe_forward",
+]

@@ -18,6 +18,7 @@ Steps (launcher ``tbe_backward``), with no host synchronisation on the fused pat
 No atomics: results are bit-identical run to run.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -490,6 +491,102 @@ def _half_format(dtype: torch.dtype) -> tuple[int, int]:
     return {torch.float16: (10, -14), torch.bfloat16: (7, -126)}.get(dtype, (23, -126))
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """What the backward needs from the ids alone (not the gradient): the sorted keys and their
+    runs. ``tbe_backward_plan`` makes it; made on a side stream right after the forward, it
+    runs while the rest of the model and the output dist do (see ``ops.tbe``)."""
+
+    N: int
+    grad_stride: int  # row stride of the grad_output it was made for (sum(D))
+    sentinel: int
+    keys: torch.Tensor  # [N] sorted keys
+    perm: torch.Tensor  # [N] int64 original position of each sorted id
+    changes: torch.Tensor  # [N - 1] int32 inclusive scan of key changes
+    goffs: torch.Tensor  # [N] int64 grad_output element of each sorted id
+    scales: torch.Tensor | None  # [N] fp32 per-sample weight / bag length (if any)
+    run_starts: torch.Tensor  # [N + 1] int64
+    run_keys: torch.Tensor  # [N] int64
+    run_feats: torch.Tensor  # [N] int64
+    run_goffs: torch.Tensor  # [N] int64
+    num_runs: torch.Tensor  # [1] int64
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            v for v in dataclasses.astuple(self) if isinstance(v, torch.Tensor)
+        )
+
+
+def tbe_backward_plan(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    D_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    *,
+    pooling: int,
+    grad_stride: int,
+    num_rows: int | None = None,
+    keys: torch.Tensor | None = None,
+    bag_ids: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> BackwardPlan:
+    """Sort the ids' keys and number their runs: the half of ``tbe_backward`` that does not
+    read the gradient. ``keys``/``bag_ids``/``counts`` as in ``tbe_backward``; ``grad_stride``
+    is the row stride of the coming grad_output (``sum(D)`` for a contiguous one); ``step``
+    given: its counter is advanced by one on the device (the fused update that follows)."""
+    device = D_offsets.device
+    T = D_offsets.numel() - 1
+    B = (offsets.numel() - 1) // T if T else 0
+    N = indices.numel()
+    sentinel = num_rows if num_rows is not None else 2**62
+    if keys is None:
+        keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
+    keys, perm = torch.sort(keys, stable=True)
+    # key changes between sorted neighbours, compared straight into int32 (a bool mask would
+    # cost a cast pass over N before the scan)
+    changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)
+    torch.ne(keys[1:], keys[:-1], out=changes)
+    changes = torch.cumsum(changes, 0, dtype=torch.int32)
+    has_scale = per_sample_weights is not None or pooling == 1
+    if pooling == 1 and counts is None:
+        counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
+    workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
+    goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
+    run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
+    scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
+    if N:
+        _RUNS(
+            (triton.cdiv(N, 1024),),
+            keys,
+            perm,
+            bag_ids,
+            per_sample_weights if per_sample_weights is not None else keys,
+            counts if counts is not None else keys,
+            changes,
+            D_offsets,
+            goffs,
+            scales if scales is not None else goffs,
+            run_starts,
+            run_keys,
+            run_feats,
+            run_goffs,
+            num_runs,
+            step if step is not None else num_runs,
+            N,
+            B,
+            grad_stride,
+            sentinel,
+            HAS_PSW=per_sample_weights is not None,
+            MEAN=pooling == 1,
+            COUNT_STEP=step is not None,
+            BLOCK=1024,
+        )
+    return BackwardPlan(N, grad_stride, sentinel, keys, perm, changes, goffs, scales,
+                        run_starts, run_keys, run_feats, run_goffs, num_runs)
+
+
 def tbe_backward(
     grad_output: torch.Tensor,
     weights: torch.Tensor,
@@ -515,6 +612,7 @@ def tbe_backward(
     bag_ids: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     row_align: int = 1,
+    plan: BackwardPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Backward of ``tbe_forward`` for grad_output ``[B, sum(D)]``.
 
@@ -527,7 +625,8 @@ def tbe_backward(
     first element in ``weights``, its D and its summed gradient (columns past D are zero).
 
     ``row_align`` (``TBELayout.row_align``: divides every D and table start) lets the row and
-    gradient loads be vectors.
+    gradient loads be vectors. ``plan``: ``tbe_backward_plan`` of these ids, made earlier
+    (then ``keys``/``bag_ids``/``counts`` are not read, and ``step`` is advanced here).
 
     Nothing that changes from step to step is a launch argument, so a CUDA graph of the step
     replays correctly: ``step`` ([1] int64 on the device, the fused updates taken so far) is
@@ -555,53 +654,35 @@ def tbe_backward(
         return None if code else (empty, empty, rows)
     if code and hyper is None:
         hyper = torch.tensor(optim.hyper_parameters(optimizer), dtype=torch.float32).to(device)
-    sentinel = num_rows if num_rows is not None else 2**62
-    if keys is None:
-        keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
-
-    keys, perm = torch.sort(keys, stable=True)
-    # key changes between sorted neighbours, compared straight into int32 (a bool mask would
-    # cost a cast pass over N before the scan)
-    changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)
-    torch.ne(keys[1:], keys[:-1], out=changes)
-    changes = torch.cumsum(changes, 0, dtype=torch.int32)
-    has_scale = per_sample_weights is not None or pooling == 1
-    if pooling == 1 and counts is None:
-        counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
     grad_output = grad_output.contiguous()
+    if plan is None:
+        plan = tbe_backward_plan(
+            indices,
+            offsets,
+            per_sample_weights,
+            D_offsets,
+            row_offsets,
+            pooling=pooling,
+            grad_stride=grad_output.stride(0),
+            num_rows=num_rows,
+            keys=keys,
+            bag_ids=bag_ids,
+            counts=counts,
+            step=step if code else None,
+        )
+    else:
+        if plan.N != N or (plan.grad_stride != grad_output.stride(0) and B > 1):
+            raise ValueError(
+                f"plan: made for {plan.N} ids and gradient rows of stride {plan.grad_stride}, "
+                f"got {N} ids and stride {grad_output.stride(0)}"
+            )
+        if code:
+            step.add_(1)  # a plan made ahead (in the forward) did not count the step
+    sentinel, changes, scales = plan.sentinel, plan.changes, plan.scales
+    goffs, run_starts, num_runs = plan.goffs, plan.run_starts, plan.num_runs
+    run_keys, run_feats, run_goffs = plan.run_keys, plan.run_feats, plan.run_goffs
     # gradient offsets are b * sum(D) + D_offsets[f]: multiples of what divides every D
     galign = min(row_align, max(1, 16 // grad_output.element_size()))
-    workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
-    goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
-    run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
-    scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
-    _RUNS(
-        (triton.cdiv(N, 1024),),
-        keys,
-        perm,
-        bag_ids,
-        per_sample_weights if per_sample_weights is not None else keys,
-        counts if counts is not None else keys,
-        changes,
-        D_offsets,
-        goffs,
-        scales if scales is not None else goffs,
-        run_starts,
-        run_keys,
-        run_feats,
-        run_goffs,
-        num_runs,
-        step if code else num_runs,
-        N,
-        B,
-        grad_output.stride(0),
-        sentinel,
-        HAS_PSW=per_sample_weights is not None,
-        MEAN=pooling == 1,
-        COUNT_STEP=code != OPT_NONE,
-        BLOCK=1024,
-    )
-
     runs, num_warps, ids, chunk, maxnreg = backward_config(max_D)
     n_blocks = triton.cdiv(N, chunk)
     partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=device)

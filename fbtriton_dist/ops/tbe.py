@@ -217,6 +217,55 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
 
 _NUM_INPUTS = 14  # _TBELookup.forward's inputs before *grad_targets
 
+# The backward's first half (sort the keys, number their runs) reads only what the forward
+# wrote, not the gradient: on CUDA it starts on a side stream as soon as the forward is done
+# and runs while the rest of the model, its loss and the output dist do. FBTD_TBE_AHEAD=0
+# keeps it in the backward (to measure the difference).
+_AHEAD = os.environ.get("FBTD_TBE_AHEAD", "1") != "0"
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+_AHEAD_ON_CPU = False  # tests: make the plan in the forward on the CPU too (no stream there)
+
+
+def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
+                saved):
+    """``tbe_backward_plan`` of the forward's keys on a side stream; (plan, its done event).
+    On the CPU (tests: ``_AHEAD_ON_CPU``) it is made here, in order; the event is None."""
+    keys, bag_ids, counts = saved
+
+    def make():
+        return impl.tbe_backward_plan(
+            indices,
+            offsets,
+            per_sample_weights,
+            layout.D_offsets,
+            layout.row_offsets,
+            pooling=pooling,
+            grad_stride=layout.total_D,
+            num_rows=layout.num_rows,
+            keys=keys,
+            bag_ids=bag_ids,
+            counts=counts,
+        )
+
+    device = keys.device
+    if device.type != "cuda":
+        return make(), None
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        plan = make()
+        done = torch.cuda.Event()
+        done.record(side)
+    # inputs allocated on the main stream: not reused there before the side stream is done,
+    # even if no backward ever comes (the plan's own tensors belong to the side stream)
+    for t in (indices, offsets, per_sample_weights, keys, bag_ids, counts):
+        if t is not None:
+            t.record_stream(side)
+    return plan, done
+
 
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
@@ -266,6 +315,11 @@ class _TBELookup(torch.autograd.Function):
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
+        ctx.plan = None
+        if (saved[0] is not None and _AHEAD and backend == "triton"
+                and (out.device.type == "cuda" or _AHEAD_ON_CPU)):
+            ctx.plan = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
+                                   saved)
         ctx.save_for_backward(indices, offsets, per_sample_weights, *saved)
         return out
 
@@ -311,6 +365,12 @@ class _TBELookup(torch.autograd.Function):
         )
         if keys is not None:
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
+        if ctx.plan is not None:  # sorted on the side stream since the forward
+            plan, done = ctx.plan
+            ctx.plan = None
+            if done is not None:
+                torch.cuda.current_stream(weights.device).wait_event(done)
+            common.update(plan=plan)
         common.update(row_align=layout.row_align)
         result = impl.tbe_backward(
             grad_output,

@@ -1,0 +1,117 @@
+"""The backward's sort made ahead (``ops.tbe._plan_ahead``): on CUDA, on a side stream right
+after the forward; on the CPU here, in order (``_AHEAD_ON_CPU``). Either way the results must be
+bit-identical to the backward that sorts by itself: outputs, gradients, updated rows, optimizer
+state and the step counter, over several steps."""
+
+import pytest
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim
+from fbtriton_dist.ops import tbe as ops_tbe
+from tests.conftest import DEVICE, HAS_CUDA, TRITON_OK, requires_cuda
+
+pytestmark = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+
+TABLES, FTM, B = [(9, 8), (1, 4), (5, 16)], [0, 2, 1, 0], 6
+OPTIMIZERS = {
+    "plain": lambda: None,
+    "sgd": lambda: optim.SGD(lr=0.1),
+    "rowwise": lambda: optim.RowWiseAdagrad(lr=0.1),
+    "adam": lambda: optim.Adam(lr=0.1),
+}
+
+
+def _batches(steps: int, id_dtype, pad: int):
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(0, 6, (len(FTM) * B,), generator=g)
+        lengths[::4] = 0  # empty bags
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        n = int(offsets[-1])
+        f = torch.repeat_interleave(torch.arange(len(FTM)).repeat_interleave(B), lengths)
+        rows = torch.tensor([TABLES[t][0] for t in FTM])[f]
+        ids = (torch.rand(n, generator=g) * rows).long()
+        ids[::3] = 0  # a hot id in every table
+        ids = torch.cat([ids, torch.full((pad,), 10**6)])  # padding after the last bag
+        psw = torch.rand(ids.numel(), generator=g)
+        out.append((ids.to(id_dtype), offsets, psw, torch.randn(B, 36, generator=g)))
+    return out
+
+
+def _train(optimizer: str, pooling: str, weighted: bool, batches):
+    tbe = TableBatchedEmbedding(TABLES, FTM, pooling=pooling, optimizer=OPTIMIZERS[optimizer](),
+                                backend="triton", device=DEVICE, seed=2, bounds_check="ignore")
+    with torch.no_grad():
+        tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+    outs = []
+    for ids, offsets, psw, grad in batches:
+        w = psw.to(DEVICE) if weighted else None
+        out = tbe(ids.to(DEVICE), offsets.to(DEVICE), w)
+        out.backward(grad.to(DEVICE))
+        outs.append(out.detach().cpu())
+        if optimizer == "plain":
+            outs.append(tbe.weights.grad.cpu().clone())
+            tbe.weights.grad = None
+    state = [tbe.weights.detach().cpu(), tbe.momentum1.cpu(), tbe.momentum2.cpu()]
+    return outs, state, tbe.step
+
+
+def _ahead(monkeypatch, on: bool) -> None:
+    monkeypatch.setattr(ops_tbe, "_AHEAD", on)
+    monkeypatch.setattr(ops_tbe, "_AHEAD_ON_CPU", on)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("sum", True), ("mean", False)])
+def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, weighted,
+                                                            monkeypatch):
+    batches = _batches(3, torch.int32 if weighted else torch.int64, pad=5)
+    results, real = [], ops_tbe._plan_ahead
+    for on in (False, True):
+        _ahead(monkeypatch, on)
+        seen = []
+        monkeypatch.setattr(ops_tbe, "_plan_ahead", lambda *a, seen=seen: seen.append(1) or real(*a))
+        results.append(_train(optimizer, pooling, weighted, batches))
+        assert len(seen) == (3 if on else 0)
+    (outs0, state0, step0), (outs1, state1, step1) = results
+    assert step0 == step1 == (3 if optimizer != "plain" else 0)
+    for a, b in zip(outs0 + state0, outs1 + state1, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_forward_without_backward_leaves_the_next_step_right(monkeypatch):
+    """A training forward whose backward never comes (its plan is dropped) neither counts a
+    step nor disturbs the next one."""
+    batches = _batches(2, torch.int64, pad=0)
+    results = []
+    for skip in (False, True):
+        _ahead(monkeypatch, True)
+        tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=optim.RowWiseAdagrad(lr=0.1),
+                                    backend="triton", device=DEVICE, seed=2)
+        with torch.no_grad():
+            tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
+        if skip:
+            ids, offsets, _, _ = batches[1]
+            tbe(ids.to(DEVICE), offsets.to(DEVICE)).sum()  # graph dropped, no backward
+        for ids, offsets, _, grad in batches:
+            tbe(ids.to(DEVICE), offsets.to(DEVICE)).backward(grad.to(DEVICE))
+        results.append((tbe.weights.detach().cpu(), tbe.momentum1.cpu(), tbe.step))
+    assert results[0][2] == results[1][2] == 2
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+@requires_cuda
+def test_the_side_stream_is_joined_before_the_backward_reads_the_plan(monkeypatch):
+    """On CUDA, with a long queue on the main stream before the lookup (so a missing join would
+    read an unfinished sort), the result equals the plan-free backward."""
+    assert HAS_CUDA
+    batches = _batches(2, torch.int64, pad=3)
+    results = []
+    for on in (False, True):
+        monkeypatch.setattr(ops_tbe, "_AHEAD", on)
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of queued work
+        results.append(_train("rowwise", "sum", False, batches))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        assert torch.equal(a, b)
