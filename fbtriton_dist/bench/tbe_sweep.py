@@ -103,6 +103,8 @@ def main(argv=None) -> None:
     p.add_argument("--bwd", default="1,1;1,1,1,256,0;2,1,1,256,0;1,1,2;1,1,1,128;1,2")
     p.add_argument("--optimizer", default="rowwise_adagrad",
                    choices=["rowwise_adagrad", "adagrad", "adam", "sgd"])
+    p.add_argument("--bounds", default="warn", choices=["warn", "ignore"],
+                   help="bounds_check of the module (the sharded path uses ignore)")
     p.add_argument("--out", default=None)
     p.add_argument("--host", action="store_true", help="also profile host time per step")
     p.add_argument("--launch", action="store_true", help="pipelined ms, fast launch off / on")
@@ -122,7 +124,7 @@ def main(argv=None) -> None:
                 "sgd": lambda: optim.SGD(lr=0.01),
             }[args.optimizer](),
             weights_dtype=dtype,
-            bounds_check="warn",
+            bounds_check=args.bounds,
             device=device,
             init_weights=False,
         )

@@ -160,14 +160,20 @@ def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
     up to D=256 (with rows loaded as 16-byte vectors, ``row_align``; 8 ids was better before
     that on uniform ids only); a bigger tile spills registers. Several bags per program
     ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower.
-    ``FBTD_TBE_FWD=block_l,num_warps`` overrides it."""
+    ``FBTD_TBE_FWD=block_l,num_warps[,maxnreg]`` overrides it (maxnreg: a register cap, NVIDIA
+    only; 0 or absent: none)."""
     _, block_d = block_sizes(max_D)
     num_warps = 1 if block_d <= 256 else 2
     block_l = max(1, 2048 // block_d) if block_d > 256 else 4
+    maxnreg = 0
     override = os.environ.get("FBTD_TBE_FWD")
     if override:
-        block_l, num_warps = (int(x) for x in override.split(","))
-    return block_l, block_d, num_warps
+        fields = [int(x) for x in override.split(",")]
+        if len(fields) not in (2, 3):
+            raise ValueError(f"FBTD_TBE_FWD: expected block_l,num_warps[,maxnreg], got {override!r}")
+        block_l, num_warps = fields[:2]
+        maxnreg = fields[2] if len(fields) == 3 else 0
+    return block_l, block_d, num_warps, maxnreg
 
 
 def key_dtype(num_rows: int) -> torch.dtype:
@@ -225,7 +231,7 @@ def tbe_forward(
         if counts is not None:
             counts.zero_()
         return result
-    block_l, block_d, num_warps = forward_config(max_D, weights.element_size())
+    block_l, block_d, num_warps, maxnreg = forward_config(max_D, weights.element_size())
     psw = per_sample_weights if per_sample_weights is not None else indices
     _FORWARD(
         (T * B,),
@@ -255,5 +261,6 @@ def tbe_forward(
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        maxnreg=maxnreg if maxnreg and device.type == "cuda" and not torch.version.hip else None,
     )
     return result
