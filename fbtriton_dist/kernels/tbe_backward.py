@@ -3,8 +3,11 @@
 Steps (launcher ``tbe_backward``), with no host synchronisation on the fused path:
 1. every id has a linear key ``row_offsets[f] + id`` (written by the forward kernel), unique
    per (table, row) since the features of one table share its row offset; a stable radix sort
-   (32-bit keys when they fit) groups equal keys into runs; a scan numbers the runs and
-   ``_tbe_runs_kernel`` writes where each starts (and how many there are, on the device);
+   (32-bit keys when they fit) groups equal keys into runs; ``_tbe_run_count_kernel`` counts
+   the key changes per block of positions, and ``_tbe_runs_kernel`` numbers the runs (a scan
+   inside its block plus the blocks' scanned counts) and writes where each starts (and how
+   many there are, on the device). This step reads no gradient: ``tbe_backward_plan``, which
+   the op layer starts on a side stream as soon as the forward is done;
 2. ``_tbe_chunk_reduce_kernel``: the sorted ids are cut into blocks of CHUNK positions; a block
    that holds part of a run longer than CHUNK (a hot row) reduces that part into a fp32
    partial row, so a row hit 100,000 times is spread over many programs and summed in a tree
@@ -123,6 +126,21 @@ def _run_of(changes_ptr, p, mask):
     return tl.load(changes_ptr + p - 1, mask=mask & (p > 0), other=0).to(tl.int64)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _tbe_run_count_kernel(
+    keys_ptr,  # [N] sorted linear row keys
+    block_changes_ptr,  # [cdiv(N, BLOCK)] int32 out: key changes in each block of positions
+    N,
+    BLOCK: tl.constexpr,
+):
+    # a key change at p > 0: keys[p] != keys[p - 1]; the runs kernel scans these counts
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = (p < N) & (p > 0)
+    key = tl.load(keys_ptr + p, mask=m, other=0)
+    prev = tl.load(keys_ptr + p - 1, mask=m, other=0)
+    tl.store(block_changes_ptr + tl.program_id(0), tl.sum((m & (key != prev)).to(tl.int32), 0))
+
+
 @triton.jit(do_not_specialize=["N", "B", "sentinel"])
 def _tbe_runs_kernel(
     keys_ptr,  # [N] sorted linear row keys
@@ -130,7 +148,8 @@ def _tbe_runs_kernel(
     bag_ids_ptr,  # [N] int32 bag id (f * B + b) of each id, original order
     psw_ptr,  # [N] per-sample weights, original order (HAS_PSW)
     counts_ptr,  # [T * B] fp32 ids kept per bag (MEAN)
-    changes_ptr,  # [N - 1] int32 inclusive scan of key changes between sorted neighbours
+    block_prefix_ptr,  # [cdiv(N, BLOCK)] int32 inclusive scan of the blocks' key changes
+    changes_ptr,  # [N - 1] int32 out: inclusive scan of key changes between sorted neighbours
     D_offsets_ptr,  # [T + 1] int64 output column of each feature
     goffs_ptr,  # [N] int64 out: element of grad_output each sorted id reads (b * stride + col)
     scales_ptr,  # [N] fp32 out: per-sample weight / bag length of each sorted id (HAS_SCALE)
@@ -176,7 +195,13 @@ def _tbe_runs_kernel(
             scale = scale / tl.maximum(tl.load(counts_ptr + bag, mask=ml, other=1.0), 1.0)
         tl.store(scales_ptr + p, scale, mask=ml)
     is_start = m & ((p == 0) | (key != prev))
-    r = _run_of(changes_ptr, p, m) + 1
+    # run index: the key changes at positions 1..p (changes[p - 1], written here for the
+    # chunk and row kernels), from this block's count scan and the blocks before it
+    pid = tl.program_id(0)
+    before = tl.load(block_prefix_ptr + pid - 1, mask=pid > 0, other=0)
+    incl = before + tl.cumsum((m & (p > 0) & (key != prev)).to(tl.int32), 0)
+    tl.store(changes_ptr + p - 1, incl, mask=m & (p > 0))
+    r = incl.to(tl.int64) + 1
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
     tl.store(run_keys_ptr + r - 1, key.to(tl.int64), mask=is_start)
     tl.store(run_feats_ptr + r - 1, f, mask=is_start)
@@ -433,6 +458,7 @@ def _tbe_row_update_kernel(
             tl.store(weights_ptr + ptrs, w_new, mask=dm)
 
 
+_RUN_COUNT = Launcher(_tbe_run_count_kernel)
 _RUNS = Launcher(_tbe_runs_kernel)
 _CHUNKS = Launcher(_tbe_chunk_reduce_kernel)
 _ROWS = Launcher(_tbe_row_update_kernel)
@@ -544,11 +570,7 @@ def tbe_backward_plan(
     if keys is None:
         keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
     keys, perm = torch.sort(keys, stable=True)
-    # key changes between sorted neighbours, compared straight into int32 (a bool mask would
-    # cost a cast pass over N before the scan)
-    changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)
-    torch.ne(keys[1:], keys[:-1], out=changes)
-    changes = torch.cumsum(changes, 0, dtype=torch.int32)
+    changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)  # the runs kernel's
     has_scale = per_sample_weights is not None or pooling == 1
     if pooling == 1 and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
@@ -557,13 +579,18 @@ def tbe_backward_plan(
     run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
     scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
     if N:
+        n_blocks = triton.cdiv(N, 1024)
+        block_changes = torch.empty(n_blocks, dtype=torch.int32, device=device)
+        _RUN_COUNT((n_blocks,), keys, block_changes, N, BLOCK=1024)
+        block_prefix = torch.cumsum(block_changes, 0, dtype=torch.int32)
         _RUNS(
-            (triton.cdiv(N, 1024),),
+            (n_blocks,),
             keys,
             perm,
             bag_ids,
             per_sample_weights if per_sample_weights is not None else keys,
             counts if counts is not None else keys,
+            block_prefix,
             changes,
             D_offsets,
             goffs,
