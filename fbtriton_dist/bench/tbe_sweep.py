@@ -51,7 +51,8 @@ def make_batch(tables, B, L, zipf, gen, device):
 def compiled_regs() -> dict[str, list[int]]:
     """[registers, spilled bytes] of each TBE kernel compiled so far (its last variant)."""
     out = {}
-    kernels = (("tbe_forward", ["_FORWARD"]), ("tbe_backward", ["_RUN_COUNT", "_RUNS", "_CHUNKS", "_ROWS"]))
+    kernels = (("tbe_forward", ["_FORWARD"]),
+               ("tbe_backward", ["_RUN_COUNT", "_RUNS", "_CHUNKS", "_ROWS"]))
     for mod, names in kernels:
         module = importlib.import_module(f"fbtriton_dist.kernels.{mod}")
         for name in names:

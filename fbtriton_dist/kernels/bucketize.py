@@ -8,6 +8,8 @@ shard-features are listed destination rank by destination rank), then sample, th
 original order.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -140,16 +142,29 @@ def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, prepare, slot
         table = by_feature(sf_feature.tolist())
     table = table.to(indices.device)
     K = table.shape[1] - 1
-    BAGS, BLOCK = 32, 32  # 32 bags of up to 32 ids per step: 1,024 ids per program
+    BAGS, BLOCK, warps = launch_config()
     grid = (table.shape[0] * triton.cdiv(B, BAGS),)
     _bucketize_count_kernel[grid](indices, offsets, table, lo, hi, lengths, B, K=K, BAGS=BAGS,
-                                  BLOCK=BLOCK, num_warps=4)
+                                  BLOCK=BLOCK, num_warps=warps)
     starts, outputs = prepare(lengths)
     _bucketize_scatter_kernel[grid](
         indices, offsets, psw if psw is not None else indices, table, lo, hi, starts,
         *outputs, B, HAS_PSW=psw is not None, SLOTTED=slotted, K=K, BAGS=BAGS, BLOCK=BLOCK,
-        num_warps=4,
+        num_warps=warps,
     )
+
+
+def launch_config() -> tuple[int, int, int]:
+    """(BAGS, BLOCK, num_warps): 32 bags of up to 32 ids per step, 4 warps (1,024 ids per
+    program). ``FBTD_BUCKETIZE=bags,block,warps`` overrides it (powers of two)."""
+    override = os.environ.get("FBTD_BUCKETIZE")
+    if not override:
+        return 32, 32, 4
+    fields = [int(x) for x in override.split(",")]
+    if len(fields) != 3 or any(x < 1 or x & (x - 1) for x in fields):
+        raise ValueError(f"FBTD_BUCKETIZE: expected bags,block,warps (powers of two), got "
+                         f"{override!r}")
+    return fields[0], fields[1], fields[2]
 
 
 def bucketize(
