@@ -73,9 +73,14 @@ def test_bucketize_matches_loop(name, weighted, backend):
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
-def test_bucketize_many_bags_and_long_bags():
-    """More samples than one program's 32 and bags longer than one 32-id step."""
+@pytest.mark.parametrize("config", [None, "32,32,4", "2,8,2"])
+def test_bucketize_many_bags_and_long_bags(config, monkeypatch):
+    """More samples than one program's bags and bags longer than one step's ids, for the
+    default launch config and others (``FBTD_BUCKETIZE``)."""
     from fbtriton_dist import kernels
+
+    if config:
+        monkeypatch.setenv("FBTD_BUCKETIZE", config)
 
     tables, ftm, B = [(50, 4)], [0, 0], 37
     sfs = [(0, 0, 25), (1, 0, 25), (0, 25, 50), (1, 25, 50)]
