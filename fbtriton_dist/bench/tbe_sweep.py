@@ -15,6 +15,9 @@ import torch
 
 from fbtriton_dist import TableBatchedEmbedding, optim
 
+# rows of `bench dist`'s 26 tables (the Criteo set scaled to 20 GB fp32 at D=128)
+BENCH_ROWS = (8297418, 8122, 3596, 1543, 4215, 3, 1481, 1000, 63, 8016265, 614445, 83910, 10,
+              1000, 2483, 155, 4, 976, 14, 8317257, 5334329, 8251770, 121895, 2698, 108, 36)
 SHAPES = {  # name: (tables [(E, D)], B, L, weights dtype, zipf exponent or 0)
     "S0": ([(100_000, 128)] * 32, 512, 20, torch.float32, 0.0),
     "S1": ([(1_000_000, 128)] * 32, 2048, 20, torch.float32, 0.0),
@@ -25,10 +28,7 @@ SHAPES = {  # name: (tables [(E, D)], B, L, weights dtype, zipf exponent or 0)
     "S6": ([(1_000_000, 128)] * 8, 65536, 20, torch.float32, 1.15),
     # one rank of `bench dist`'s row-wise step (2 ranks): half of each of its 26 tables, both
     # ranks' bags with the half of their 20 ids that land there
-    "RW": ([(max(1, E // 2), 128) for E in (
-        8297418, 8122, 3596, 1543, 4215, 3, 1481, 1000, 63, 8016265, 614445, 83910, 10, 1000,
-        2483, 155, 4, 976, 14, 8317257, 5334329, 8251770, 121895, 2698, 108, 36)],
-        16384, 10, torch.float32, 1.1),
+    "RW": ([(max(1, E // 2), 128) for E in BENCH_ROWS], 16384, 10, torch.float32, 1.1),
 }
 
 
@@ -96,6 +96,41 @@ def host_profile(fn, iters=20) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])[:25]
 
 
+def bucketize_sweep(configs: list[str], device) -> list[dict]:
+    """µs of the bucketize kernels per ``FBTD_BUCKETIZE`` config on `bench dist`'s batch (the
+    26 tables of RW at full size, B=8192, L=20, Zipf 1.1), cut for one rank (one shard per
+    feature) and for two row-wise ranks (two); ``same``: output equal to the first config's."""
+    kb = importlib.import_module("fbtriton_dist.kernels.bucketize")
+    E = BENCH_ROWS
+    B = 8192
+    idx, off = make_batch([(e, 1) for e in E], B, 20, 1.1, torch.Generator().manual_seed(0),
+                          device)
+    results = []
+    for R in (1, 2):
+        cuts = [(r, f, min(e, r * -(-e // R)), min(e, (r + 1) * -(-e // R)))
+                for r in range(R) for f, e in enumerate(E)]  # destination-major
+        columns = list(zip(*cuts, strict=True))[1:]
+        sf_feature, lo, hi = (torch.tensor(c, device=device) for c in columns)
+        table = kb.by_feature(sf_feature.tolist()).to(device)
+
+        def run(sf_feature=sf_feature, lo=lo, hi=hi, table=table):
+            return kb.bucketize(idx, off, None, sf_feature, lo, hi, B, capacity=idx.numel(),
+                                table=table)
+
+        first = None
+        for cfg in configs:
+            os.environ["FBTD_BUCKETIZE"] = cfg
+            out = run()
+            first = first if first is not None else out
+            same = all(torch.equal(a, b) for a, b in zip(out[:2], first[:2], strict=True))
+            r = {"phase": "bucketize", "shards": R, "config": cfg, "same": same,
+                 **kernel_us(run, iters=10)}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+        os.environ.pop("FBTD_BUCKETIZE")
+    return results
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="S1,S2,S4,S5")
@@ -106,13 +141,18 @@ def main(argv=None) -> None:
                    choices=["rowwise_adagrad", "adagrad", "adam", "sgd"])
     p.add_argument("--bounds", default="warn", choices=["warn", "ignore"],
                    help="bounds_check of the module (the sharded path uses ignore)")
+    p.add_argument("--bucketize", metavar="CFGS",
+                   help="only sweep the input dist's bucketize: bags,block,warps;... "
+                   "(FBTD_BUCKETIZE values), e.g. 32,32,4;8,16,1")
     p.add_argument("--out", default=None)
     p.add_argument("--host", action="store_true", help="also profile host time per step")
     p.add_argument("--launch", action="store_true", help="pipelined ms, fast launch off / on")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     results = []
-    for name in args.shapes.split(","):
+    if args.bucketize:
+        results = bucketize_sweep(args.bucketize.split(";"), device)
+    for name in args.shapes.split(",") if not args.bucketize else []:
         tables, B, L, dtype, zipf = SHAPES[name]
         gen = torch.Generator().manual_seed(0)
         indices, offsets = make_batch(tables, B, L, zipf, gen, device)
