@@ -11,7 +11,7 @@ from fbtriton_dist.kernels.bucketize import (
     segment_plan,
 )
 from fbtriton_dist.kernels.tbe_backward import BackwardPlan, tbe_backward, tbe_backward_plan
-from fbtriton_dist.kernels.tbe_forward import tbe_forward
+from fbtriton_dist.kernels.tbe_forward import tbe_forward, tbe_linearize
 
 __all__ = [
     "BackwardPlan",
@@ -22,4 +22,5 @@ __all__ = [
     "tbe_backward",
     "tbe_backward_plan",
     "tbe_forward",
+    "tbe_linearize",
 ]

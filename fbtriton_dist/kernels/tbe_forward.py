@@ -146,6 +146,115 @@ def _tbe_forward_kernel(
 _FORWARD = Launcher(_tbe_forward_kernel)
 
 
+@triton.jit(do_not_specialize=["B", "N", "n_bags", "sentinel"])
+def _tbe_linearize_kernel(
+    indices_ptr,  # [N] int32/int64 row ids, local to each table
+    offsets_ptr,  # [n_bags + 1] bag boundaries, feature-major
+    rows_ptr,  # [T] int64 E of feature f's table (CHECK)
+    row_offsets_ptr,  # [T] int64 first linear row of feature f's table
+    keys_ptr,  # [N] int32/int64 out: linear row key of each id, sentinel if dropped
+    bag_ids_ptr,  # [N] int32 out: bag (f * B + b) of each id
+    counts_ptr,  # [n_bags] fp32 out: ids kept per bag (MEAN)
+    B,
+    N,
+    n_bags,
+    sentinel,
+    CHECK: tl.constexpr,  # as the forward's: out-of-range ids dropped, malformed bags clamped
+    MEAN: tl.constexpr,
+    BAGS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # what the forward writes with LINEARIZE, in a kernel of its own (so that it can run on
+    # another stream beside the forward): BAGS bags per program, BLOCK ids of each per step
+    fb = tl.program_id(0).to(tl.int64) * BAGS + tl.arange(0, BAGS)
+    bm = fb < n_bags
+    f = fb // B
+    start = tl.load(offsets_ptr + fb, mask=bm, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + fb + 1, mask=bm, other=0).to(tl.int64)
+    if CHECK:
+        start = tl.minimum(tl.maximum(start, 0), N)
+        end = tl.minimum(end, N)
+        E = tl.load(rows_ptr + f, mask=bm, other=0)[:, None]
+    base = tl.load(row_offsets_ptr + f, mask=bm, other=0)[:, None]
+    kept = tl.zeros([BAGS], dtype=tl.int32)
+    for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
+        pos = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
+        m = bm[:, None] & (pos < end[:, None])
+        idx = tl.load(indices_ptr + pos, mask=m, other=0).to(tl.int64)
+        ok = m
+        if CHECK:
+            ok = m & (idx >= 0) & (idx < E)
+        key = tl.where(ok, base + idx, sentinel)
+        tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=m)
+        tl.store(bag_ids_ptr + pos, (fb[:, None] + 0 * pos).to(tl.int32), mask=m)
+        kept += tl.sum(ok.to(tl.int32), axis=1)
+    if MEAN:
+        tl.store(counts_ptr + fb, kept.to(tl.float32), mask=bm)
+    # ids after the last bag are padding: every program marks its share of them dropped
+    nprog = tl.num_programs(0)
+    tail_start = tl.load(offsets_ptr + n_bags).to(tl.int64)
+    per = (N - tail_start + nprog - 1) // nprog
+    t0 = tail_start + tl.program_id(0) * per
+    t1 = tl.minimum(t0 + per, N)
+    for p0 in range(t0, t1, BAGS * BLOCK):
+        p = p0 + tl.arange(0, BAGS * BLOCK)
+        tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < t1)
+        tl.store(bag_ids_ptr + p, 0, mask=p < t1)
+
+
+_LINEARIZE = Launcher(_tbe_linearize_kernel)
+
+
+def tbe_linearize(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    row_offsets: torch.Tensor,
+    *,
+    num_rows: int,
+    pooling: int,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(keys [N], bag_ids [N] int32, counts [T*B] fp32 for mean pooling else None): exactly
+    what ``tbe_forward(..., linearize=True)`` returns besides its output, for the same
+    ``check`` (``err`` given to the forward: out-of-range ids get the dropped key and are
+    not counted, malformed bags are clamped as there). A kernel of its own, so that it can run
+    on a side stream while the forward does (``ops.tbe``)."""
+    T = rows.numel()
+    n_bags = offsets.numel() - 1
+    B = n_bags // T if T else 0
+    N = indices.numel()
+    device = indices.device
+    keys = torch.empty(N, dtype=key_dtype(num_rows), device=device)
+    bag_ids = torch.empty(N, dtype=torch.int32, device=device)
+    counts = torch.zeros(n_bags, dtype=torch.float32, device=device) if pooling == POOL_MEAN else None
+    if B == 0:
+        keys.fill_(num_rows)
+        bag_ids.zero_()
+        return keys, bag_ids, counts
+    BAGS, BLOCK = 8, 16
+    _LINEARIZE(
+        (triton.cdiv(n_bags, BAGS),),
+        indices,
+        offsets,
+        rows,
+        row_offsets,
+        keys,
+        bag_ids,
+        counts if counts is not None else rows,
+        B,
+        N,
+        n_bags,
+        num_rows,
+        CHECK=check,
+        MEAN=pooling == POOL_MEAN,
+        BAGS=BAGS,
+        BLOCK=BLOCK,
+        num_warps=1,
+    )
+    return keys, bag_ids, counts
+
+
 def block_sizes(max_D: int) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_D) for a batch whose widest table has ``max_D`` columns."""
     block_d = triton.next_power_of_2(max(int(max_D), 1))

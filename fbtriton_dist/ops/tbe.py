@@ -217,22 +217,27 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
 
 _NUM_INPUTS = 14  # _TBELookup.forward's inputs before *grad_targets
 
-# The backward's first half (sort the keys, number their runs) reads only what the forward
-# wrote, not the gradient: on CUDA it starts on a side stream as soon as the forward is done
-# and runs while the rest of the model, its loss and the output dist do. FBTD_TBE_AHEAD=0
-# keeps it in the backward (to measure the difference).
+# The backward's first half (linearize the ids into row keys, sort them, number their runs)
+# reads only the batch, not the gradient: on CUDA it runs on a side stream that starts with
+# the forward, beside it and the rest of the model, its loss and the output dist, and the
+# forward kernel then writes no keys. FBTD_TBE_AHEAD=0 keeps it in the forward/backward (to
+# measure the difference).
 _AHEAD = os.environ.get("FBTD_TBE_AHEAD", "1") != "0"
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 _AHEAD_ON_CPU = False  # tests: make the plan in the forward on the CPU too (no stream there)
 
 
 def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
-                saved):
-    """``tbe_backward_plan`` of the forward's keys on a side stream; (plan, its done event).
-    On the CPU (tests: ``_AHEAD_ON_CPU``) it is made here, in order; the event is None."""
-    keys, bag_ids, counts = saved
+                check: bool):
+    """Linearize + ``tbe_backward_plan`` of a training batch on a side stream, forked from the
+    current stream before the forward is queued; (plan, its done event). On the CPU (tests:
+    ``_AHEAD_ON_CPU``) it is made here, in order; the event is None."""
 
     def make():
+        keys, bag_ids, counts = impl.tbe_linearize(
+            indices, offsets, layout.rows, layout.row_offsets, num_rows=layout.num_rows,
+            pooling=pooling, check=check,
+        )
         return impl.tbe_backward_plan(
             indices,
             offsets,
@@ -247,7 +252,7 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
             counts=counts,
         )
 
-    device = keys.device
+    device = indices.device
     if device.type != "cuda":
         return make(), None
     main = torch.cuda.current_stream(device)
@@ -261,7 +266,7 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
         done.record(side)
     # inputs allocated on the main stream: not reused there before the side stream is done,
     # even if no backward ever comes (the plan's own tensors belong to the side stream)
-    for t in (indices, offsets, per_sample_weights, keys, bag_ids, counts):
+    for t in (indices, offsets, per_sample_weights):
         if t is not None:
             t.record_stream(side)
     return plan, done
@@ -293,6 +298,13 @@ class _TBELookup(torch.autograd.Function):
         ctx.args = (layout, pooling, backend, fused, sparse, table_offsets)
         ctx.num_targets = len(grad_targets)
         impl = _impl(backend)
+        linearize = training and layout.num_rows is not None
+        ctx.plan = None
+        if (linearize and _AHEAD and backend == "triton"
+                and (weights.device.type == "cuda" or _AHEAD_ON_CPU)):
+            ctx.plan = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
+                                   check=err is not None)
+            linearize = False  # the side stream writes the keys
         result = impl.tbe_forward(
             weights,
             layout.w_offsets,
@@ -309,17 +321,12 @@ class _TBELookup(torch.autograd.Function):
             row_offsets=layout.row_offsets,
             num_rows=layout.num_rows or 0,
             err=err,
-            linearize=training and layout.num_rows is not None,
+            linearize=linearize,
             row_align=layout.row_align,
         )
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
-        ctx.plan = None
-        if (saved[0] is not None and _AHEAD and backend == "triton"
-                and (out.device.type == "cuda" or _AHEAD_ON_CPU)):
-            ctx.plan = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
-                                   saved)
         ctx.save_for_backward(indices, offsets, per_sample_weights, *saved)
         return out
 
@@ -370,7 +377,7 @@ class _TBELookup(torch.autograd.Function):
             ctx.plan = None
             if done is not None:
                 torch.cuda.current_stream(weights.device).wait_event(done)
-            common.update(plan=plan)
+            common.update(plan=plan, num_rows=layout.num_rows)
         common.update(row_align=layout.row_align)
         result = impl.tbe_backward(
             grad_output,

@@ -180,3 +180,49 @@ def test_row_update_launch_configs_agree_with_the_reference(config, optimizer, m
         results.append([tbe.weights.detach().cpu(), *state])
     for x, y in zip(*results, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)  # fp32 sums of ~200 ids
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_linearize_kernel_writes_what_the_training_forward_writes(check, pooling, id_dtype):
+    """``tbe_linearize`` (run on a side stream beside the forward) gives the keys, bag ids and
+    mean-pooling counts the forward kernel writes with ``linearize=True``: out-of-range and
+    negative ids dropped under ``check`` (else keyed as they come), malformed bags clamped,
+    padding after the last bag dropped, empty bags, more bags than one program's."""
+    from fbtriton_dist import kernels
+    from fbtriton_dist.kernels.tbe_forward import POOL_MEAN, POOL_SUM
+
+    tables, ftm, B = [(9, 8), (1, 4), (5, 16)], [0, 2, 1, 0], 11
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 40, (len(ftm) * B,), generator=g)
+    lengths[::3] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, 5, (n + 13,), generator=g)  # 13 padding slots after the last bag
+    if check:
+        ids[::7] = 10**4
+        ids[3::11] = -2
+    tbe = TableBatchedEmbedding(tables, ftm, backend="triton", device=DEVICE)
+    layout = tbe._layout()
+    code = POOL_MEAN if pooling == "mean" else POOL_SUM
+    cases = [offsets]
+    if check:  # a last bag that ends past the ids: clamped to N, and no padding then
+        cases.append(torch.cat([offsets[:-1], offsets[-1:] + 100]))
+    for bags in cases:
+        x, o = ids.to(id_dtype).to(DEVICE), bags.to(DEVICE)
+        err = torch.zeros(3, dtype=torch.int64, device=DEVICE) if check else None
+        _, *forward = kernels.tbe_forward(
+            tbe.weights.detach(), layout.w_offsets, layout.dims, layout.D_offsets, x, o, None,
+            pooling=code, max_D=layout.max_D, total_D=layout.total_D,
+            output_dtype=torch.float32, rows=layout.rows, row_offsets=layout.row_offsets,
+            num_rows=layout.num_rows, err=err, linearize=True, row_align=layout.row_align)
+        alone = kernels.tbe_linearize(x, o, layout.rows, layout.row_offsets,
+                                      num_rows=layout.num_rows, pooling=code, check=check)
+        for a, b in zip(forward, alone, strict=True):
+            if a is None:
+                assert b is None
+            else:
+                assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+        if check:
+            assert int(err[0]) > 0  # some ids were dropped (and both agree on which)

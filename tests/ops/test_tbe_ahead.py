@@ -21,7 +21,7 @@ OPTIMIZERS = {
 }
 
 
-def _batches(steps: int, id_dtype, pad: int):
+def _batches(steps: int, id_dtype, pad: int, bad: bool = False):
     g = torch.Generator().manual_seed(7)
     out = []
     for _ in range(steps):
@@ -33,15 +33,17 @@ def _batches(steps: int, id_dtype, pad: int):
         rows = torch.tensor([TABLES[t][0] for t in FTM])[f]
         ids = (torch.rand(n, generator=g) * rows).long()
         ids[::3] = 0  # a hot id in every table
+        if bad:  # out of range: dropped and counted by bounds_check="warn"
+            ids[1::5] = 10**4
         ids = torch.cat([ids, torch.full((pad,), 10**6)])  # padding after the last bag
         psw = torch.rand(ids.numel(), generator=g)
         out.append((ids.to(id_dtype), offsets, psw, torch.randn(B, 36, generator=g)))
     return out
 
 
-def _train(optimizer: str, pooling: str, weighted: bool, batches):
+def _train(optimizer: str, pooling: str, weighted: bool, batches, bounds: str = "ignore"):
     tbe = TableBatchedEmbedding(TABLES, FTM, pooling=pooling, optimizer=OPTIMIZERS[optimizer](),
-                                backend="triton", device=DEVICE, seed=2, bounds_check="ignore")
+                                backend="triton", device=DEVICE, seed=2, bounds_check=bounds)
     with torch.no_grad():
         tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
     outs = []
@@ -71,11 +73,26 @@ def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, 
     for on in (False, True):
         _ahead(monkeypatch, on)
         seen = []
-        monkeypatch.setattr(ops_tbe, "_plan_ahead", lambda *a, seen=seen: seen.append(1) or real(*a))
+        monkeypatch.setattr(ops_tbe, "_plan_ahead", lambda *a, seen=seen, **k: seen.append(1) or real(*a, **k))
         results.append(_train(optimizer, pooling, weighted, batches))
         assert len(seen) == (3 if on else 0)
     (outs0, state0, step0), (outs1, state1, step1) = results
     assert step0 == step1 == (3 if optimizer != "plain" else 0)
+    for a, b in zip(outs0 + state0, outs1 + state1, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_plan_made_ahead_drops_the_ids_the_forward_drops(pooling, monkeypatch):
+    """bounds_check="warn": out-of-range ids are dropped by the forward and by the side
+    stream's linearize alike (no gradient, not counted in a mean)."""
+    batches = _batches(2, torch.int64, pad=0, bad=True)
+    results = []
+    for on in (False, True):
+        _ahead(monkeypatch, on)
+        with pytest.warns(UserWarning):
+            results.append(_train("rowwise", pooling, False, batches, bounds="warn"))
+    (outs0, state0, _), (outs1, state1, _) = results
     for a, b in zip(outs0 + state0, outs1 + state1, strict=True):
         assert torch.equal(a, b)
 
