@@ -16,9 +16,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_of(by_feature_ptr, offsets_ptr, B, BAGS: tl.constexpr, K: tl.constexpr):
+def _tile_of(by_feature_ptr, offsets_ptr, B, N, BAGS: tl.constexpr, K: tl.constexpr):
     """(shard-features s [K] of this program's feature (-1: none), their mask, samples b
-    [BAGS], their mask, bag starts, bag ends)."""
+    [BAGS], their mask, bag starts and ends clamped to [0, N], malformed bags: ending past
+    the N ids, before they start, or starting below 0)."""
     per_f = tl.cdiv(B, BAGS)
     pid = tl.program_id(0).to(tl.int64)
     g = pid // per_f
@@ -30,10 +31,13 @@ def _tile_of(by_feature_ptr, offsets_ptr, B, BAGS: tl.constexpr, K: tl.constexpr
     sm = s >= 0
     start = tl.load(offsets_ptr + f * B + b, mask=bm, other=0).to(tl.int64)
     end = tl.load(offsets_ptr + f * B + b + 1, mask=bm, other=0).to(tl.int64)
-    return s, sm, b, bm, start, end
+    bad_bag = bm & ((end > N) | (end < start) | (start < 0))
+    start = tl.minimum(tl.maximum(start, 0), N)
+    end = tl.minimum(end, N)
+    return s, sm, b, bm, start, end, bad_bag
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "N"])
 def _bucketize_count_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
@@ -41,27 +45,41 @@ def _bucketize_count_kernel(
     sf_lo_ptr,  # [S] first row of each shard
     sf_hi_ptr,  # [S] one past its last row
     lengths_ptr,  # [S * B] out: ids of bag (feature(s), b) in the shard
+    cover_ptr,  # [G] (CHECK) shard-features each valid id of row g's feature lands in
+    fail_ptr,  # [1] int64 (CHECK, zeroed): programs that found a bad id or a malformed bag
     B,  # local batch size
+    N,  # ids (values) given; bags are clamped to them
+    CHECK: tl.constexpr,
     K: tl.constexpr,  # shard-features per row of by_feature (a power of two)
     BAGS: tl.constexpr,  # bags (samples) per program
     BLOCK: tl.constexpr,  # ids of each bag read per step
 ):
     # one program per (feature, BAGS samples): each [BAGS, BLOCK] tile of ids is read once
     # and cut by every shard-feature of the feature ([K, BAGS, BLOCK])
-    s, sm, b, bm, start, end = _tile_of(by_feature_ptr, offsets_ptr, B, BAGS, K)
+    s, sm, b, bm, start, end, bad_bag = _tile_of(by_feature_ptr, offsets_ptr, B, N, BAGS, K)
     lo = tl.load(sf_lo_ptr + s, mask=sm, other=0)[:, None, None]
     hi = tl.load(sf_hi_ptr + s, mask=sm, other=0)[:, None, None]
     count = tl.zeros([K, BAGS], dtype=tl.int32)
+    if CHECK:
+        cover = tl.load(cover_ptr + tl.program_id(0) // tl.cdiv(B, BAGS))
+        bad = tl.sum(bad_bag.to(tl.int32), axis=0)
     for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
         p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
         m = bm[:, None] & (p < end[:, None])
         ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)[None, :, :]
-        count += tl.sum(((ids >= lo) & (ids < hi) & m[None, :, :]).to(tl.int32), axis=2)
+        hit = ((ids >= lo) & (ids < hi) & m[None, :, :]).to(tl.int32)
+        count += tl.sum(hit, axis=2)
+        if CHECK:  # a valid id lands in exactly `cover` of its feature's shard-features
+            hits = tl.sum(hit, axis=0)
+            bad += tl.sum(tl.sum((m & (hits != cover)).to(tl.int32), axis=1), axis=0)
     tl.store(lengths_ptr + s[:, None] * B + b[None, :], count.to(tl.int64),
              mask=sm[:, None] & bm[None, :])
+    if CHECK:
+        if bad > 0:
+            tl.atomic_add(fail_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "N", "R"])
 def _bucketize_scatter_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
@@ -69,31 +87,42 @@ def _bucketize_scatter_kernel(
     by_feature_ptr,  # [G, 1 + K] a feature, then its shard-features (-1 after the last)
     sf_lo_ptr,  # [S] first row of each shard
     sf_hi_ptr,  # [S] one past its last row
-    out_offsets_ptr,  # [S * B] first output position of each (s, b)
+    ends_ptr,  # [S * B] inclusive scan of the lengths: (s, b)'s ids end here
+    lengths_ptr,  # [S * B] the count kernel's lengths
     out_ids_ptr,  # [M] out: rebased ids
     out_psw_ptr,  # [M] out: their weights (if HAS_PSW)
     out_lengths_ptr,  # [*] out: int32 bag lengths (SLOTTED)
-    sf_first_ptr,  # [S] (SLOTTED) index in out_offsets of the first bag of s's destination
+    sf_first_ptr,  # [S] (SLOTTED) index in the lengths of the first bag of s's destination
     sf_id_start_ptr,  # [S] (SLOTTED) where s's destination's ids start in out_ids
     sf_w_start_ptr,  # [S] (SLOTTED) where they start in out_psw
     sf_len_start_ptr,  # [S] (SLOTTED) where s's B lengths go in out_lengths
+    fail_ptr,  # [1] int64 (CHECK) the count kernel's failures
+    meta_ptr,  # int64 view of the send buffer (CHECK)
+    meta_at_ptr,  # [R] (CHECK) where each destination's failure flag goes in meta_ptr
     B,  # local batch size
+    N,  # ids given
+    R,  # destinations (CHECK)
     HAS_PSW: tl.constexpr,
     SLOTTED: tl.constexpr,  # every destination's ids (and lengths) at their own place
+    CHECK: tl.constexpr,  # program 0 writes the failure flag (0/1) into every message
+    R_POW2: tl.constexpr,
     K: tl.constexpr,
     BAGS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # the count kernel's programs; each kept id goes to its bag's next output slot
-    s, sm, b, bm, start, end = _tile_of(by_feature_ptr, offsets_ptr, B, BAGS, K)
+    s, sm, b, bm, start, end, _ = _tile_of(by_feature_ptr, offsets_ptr, B, N, BAGS, K)
     lo = tl.load(sf_lo_ptr + s, mask=sm, other=0)[:, None]
     hi = tl.load(sf_hi_ptr + s, mask=sm, other=0)[:, None]
     sb = sm[:, None] & bm[None, :]  # [K, BAGS]
-    out = tl.load(out_offsets_ptr + s[:, None] * B + b[None, :], mask=sb, other=0)
+    at = s[:, None] * B + b[None, :]
+    out = (tl.load(ends_ptr + at, mask=sb, other=0)
+           - tl.load(lengths_ptr + at, mask=sb, other=0))
     w_out = out
     if SLOTTED:  # out -= where the destination's ids begin, += its place in the buffers
-        first = tl.load(out_offsets_ptr + tl.load(sf_first_ptr + s, mask=sm, other=0),
-                        mask=sm, other=0)
+        q0 = tl.load(sf_first_ptr + s, mask=sm, other=0)
+        first = (tl.load(ends_ptr + q0, mask=sm, other=0)
+                 - tl.load(lengths_ptr + q0, mask=sm, other=0))
         w_out = out + (tl.load(sf_w_start_ptr + s, mask=sm, other=0) - first)[:, None]
         out = out + (tl.load(sf_id_start_ptr + s, mask=sm, other=0) - first)[:, None]
     n = tl.zeros([K, BAGS], dtype=tl.int32)
@@ -115,6 +144,12 @@ def _bucketize_scatter_kernel(
     if SLOTTED:
         tl.store(out_lengths_ptr + tl.load(sf_len_start_ptr + s, mask=sm, other=0)[:, None]
                  + b[None, :], n, mask=sb)
+    if CHECK:  # the count kernel has finished: its failures are all in
+        if tl.program_id(0) == 0:
+            q = tl.arange(0, R_POW2)
+            flag = (tl.load(fail_ptr + q * 0) > 0).to(tl.int64)
+            tl.store(meta_ptr + tl.load(meta_at_ptr + q, mask=q < R, other=0), flag,
+                     mask=q < R)
 
 
 MAX_K = 8  # shard-features cut from one tile: a [K, 32, 32] mask per program
@@ -135,22 +170,34 @@ def by_feature(sf_feature: list[int]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).view(-1, 1 + K)
 
 
-def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, prepare, slotted, table):
-    """Count into ``lengths``, then scatter with ``prepare(lengths)`` = (exclusive cumsum,
-    the scatter kernel's output arguments)."""
+def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, outputs, slotted, table,
+            check=None):
+    """Count into ``lengths`` (every entry written), scan them, then scatter into
+    ``outputs`` (the scatter kernel's output arguments, or a function of the lengths that
+    returns them). ``check`` = (cover [G] per row of
+    ``table``, meta [*] int64, meta_at [R]): the count kernel checks every id and bag, and the
+    scatter kernel writes the failure flag at ``meta[meta_at]``."""
     if table is None:  # the grid comes from the host (a sync)
         table = by_feature(sf_feature.tolist())
     table = table.to(indices.device)
     K = table.shape[1] - 1
     BAGS, BLOCK, warps = launch_config()
     grid = (table.shape[0] * triton.cdiv(B, BAGS),)
-    _bucketize_count_kernel[grid](indices, offsets, table, lo, hi, lengths, B, K=K, BAGS=BAGS,
-                                  BLOCK=BLOCK, num_warps=warps)
-    starts, outputs = prepare(lengths)
+    N = indices.numel()
+    fail = torch.zeros(1, dtype=torch.int64, device=indices.device) if check else lengths
+    cover, meta, meta_at = check if check else (lengths, lengths, lengths)
+    _bucketize_count_kernel[grid](indices, offsets, table, lo, hi, lengths, cover, fail, B, N,
+                                  CHECK=check is not None, K=K, BAGS=BAGS, BLOCK=BLOCK,
+                                  num_warps=warps)
+    ends = torch.cumsum(lengths, 0)
+    R = meta_at.numel() if check else 1
+    if callable(outputs):
+        outputs = outputs(lengths)
     _bucketize_scatter_kernel[grid](
-        indices, offsets, psw if psw is not None else indices, table, lo, hi, starts,
-        *outputs, B, HAS_PSW=psw is not None, SLOTTED=slotted, K=K, BAGS=BAGS, BLOCK=BLOCK,
-        num_warps=warps,
+        indices, offsets, psw if psw is not None else indices, table, lo, hi, ends, lengths,
+        *outputs, fail, meta, meta_at, B, N, R, HAS_PSW=psw is not None, SLOTTED=slotted,
+        CHECK=check is not None, R_POW2=triton.next_power_of_2(R), K=K, BAGS=BAGS,
+        BLOCK=BLOCK, num_warps=warps,
     )
 
 
@@ -187,22 +234,22 @@ def bucketize(
     (``by_feature(sf_feature)``, on the device) saves the host read of ``sf_feature``."""
     S = sf_feature.numel()
     device = indices.device
-    lengths = torch.zeros(S * B, dtype=torch.int64, device=device)
     psw = per_sample_weights
     if S * B == 0:
+        lengths = torch.zeros(S * B, dtype=torch.int64, device=device)
         empty = torch.zeros(capacity or 0, dtype=torch.int64, device=device)
         return lengths, empty, psw.new_zeros(capacity or 0) if psw is not None else None
+    lengths = torch.empty(S * B, dtype=torch.int64, device=device)
     out = []
 
-    def prepare(lengths):
+    def outputs(lengths):  # after the count: without a capacity, sized by it (a host read)
         M = int(lengths.sum()) if capacity is None else capacity
         ids = torch.empty(M, dtype=torch.int64, device=device)
         w = psw.new_empty(M) if psw is not None else None
         out.extend([ids, w])
-        return torch.cumsum(lengths, 0) - lengths, [ids, w if w is not None else ids,
-                                                    *[lengths] * 5]
+        return [ids, w if w is not None else ids, *[lengths] * 5]
 
-    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths, prepare,
+    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths, outputs,
             False, table)
     return lengths, out[0], out[1]
 
@@ -223,22 +270,23 @@ def bucketize_into(
     sf_w_start: torch.Tensor,
     sf_len_start: torch.Tensor,
     table: torch.Tensor | None = None,
+    check: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.bucketize.bucketize_into: the ids written straight into
-    their destination's place of a send buffer. Returns lengths [S*B] int64."""
+    their destination's place of a send buffer. Returns lengths [S*B] int64. Bags past the
+    ids are clamped to them. ``check`` = (cover, meta, meta_at): ``cover`` [G] int64, for
+    each row of ``table``, how many of its shard-features a valid id of its feature lands
+    in (every feature in one row); then an id that lands in another number (out of its
+    table's range) or a malformed bag (ending past the ids or before it starts) sets the
+    flag, written as 0/1 at ``meta[meta_at]`` (int64; one per destination message)."""
     S = sf_feature.numel()
-    lengths = torch.zeros(S * B, dtype=torch.int64, device=indices.device)
     if S * B == 0:
-        return lengths
+        return torch.zeros(S * B, dtype=torch.int64, device=indices.device)
+    lengths = torch.empty(S * B, dtype=torch.int64, device=indices.device)
     psw = per_sample_weights
-
-    def prepare(lengths):
-        return torch.cumsum(lengths, 0) - lengths, [
-            out_ids, out_weights if psw is not None else out_ids, out_lengths, sf_first,
-            sf_id_start, sf_w_start, sf_len_start]
-
-    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths, prepare,
-            True, table)
+    _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths,
+            [out_ids, out_weights if psw is not None else out_ids, out_lengths, sf_first,
+             sf_id_start, sf_w_start, sf_len_start], True, table, check)
     return lengths
 
 

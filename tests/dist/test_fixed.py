@@ -26,10 +26,10 @@ def _local_state(m):
     return out
 
 
-def _equal_to_plain(rank, world, weighted):
+def _equal_to_plain(rank, world, weighted, even=False):
     configs, dev = _configs(weighted), device()
     ref = _reference(configs, weighted, "rowwise_adagrad", dev)
-    sizes = [6, 0, 5][:world]
+    sizes = [4, 4, 4][:world] if even else [6, 0, 5][:world]
     names = [f for c in configs for f in c.feature_names]
     max_ids = 3 * len(names) * max(sizes)
     plain = _shard(ref, "mixed", world, "rowwise_adagrad")
@@ -68,9 +68,12 @@ def _equal_to_plain(rank, world, weighted):
     return identical, counts, report, fixed.input_dist_.send_msgs[0].nbytes
 
 
-@pytest.mark.parametrize("world,weighted", [(2, True), (3, False)])
-def test_fixed_shapes_equal_the_default_input_dist(world, weighted):
-    results = run_ranks(_equal_to_plain, world, weighted)
+@pytest.mark.parametrize("world,weighted,even", [(2, True, False), (3, False, False),
+                                                 (2, False, True)])
+def test_fixed_shapes_equal_the_default_input_dist(world, weighted, even):
+    """Uneven batches (one empty), and even ones (the receiver sums every source's ids in
+    one reduction)."""
+    results = run_ranks(_equal_to_plain, world, weighted, even)
     for rank, (identical, _, _, _) in enumerate(results):
         assert identical, f"rank {rank}: fixed_shapes changed the result"
     assert len({c for _, counts, _, _ in results for c in counts}) > 2  # id counts changed

@@ -257,3 +257,50 @@ def test_segment_plan_refuses_a_table_too_big_for_one_program():
     z = torch.zeros(2048, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"segment_plan: a \[16, 2048\] table"):
         kernels.segment_plan(counts, z, z)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("bad", [None, "too_big", "negative", "past_the_ids", "reversed_bag",
+                                 "double_cover"])
+def test_bucketize_into_check_writes_the_failure_flag(bad):
+    """``check=(cover, meta, meta_at)``: the kernels check every id (it must land in exactly
+    ``cover`` of its feature's shard-features) and every bag, and write 0/1 into each
+    destination's meta slot; the ids and lengths written are those of the unchecked call."""
+    from fbtriton_dist import kernels
+    from fbtriton_dist.kernels.bucketize import by_feature
+
+    indices, offsets, psw, cols, B, sfs, dest, args = _slotted_case(weighted=False)
+    n = indices.numel()
+    cover = [1, 1, 1]  # per feature (one grid row each): row-wise shards, one per id
+    if bad == "too_big":
+        indices[n // 2] = 40  # feature 0 or 2 (table of 40 rows): no shard holds it
+    elif bad == "negative":
+        indices[3] = -1
+    elif bad == "past_the_ids":
+        indices = indices[:-3]  # the lengths promise 3 ids more than there are
+    elif bad == "reversed_bag":
+        offsets = offsets.clone()
+        offsets[5] = offsets[7] + 1  # bag 5 ends before it starts (offsets decrease)
+    elif bad == "double_cover":
+        cover = [2, 1, 2]  # what a plan with two column shards per id would expect
+    table = by_feature(cols[0].tolist())
+    assert [r[0] for r in table.tolist()] == [0, 1, 2]
+    moved = [t.to(DEVICE) for t in (indices, offsets, *cols)]
+    results = []
+    for check in (False, True):
+        buf_ids = torch.full((9000,), -7, dtype=torch.int32, device=DEVICE)
+        buf_len = torch.full((1000,), -7, dtype=torch.int32, device=DEVICE)
+        meta = torch.full((10,), -7, dtype=torch.int64, device=DEVICE)
+        meta_at = torch.tensor([1, 5, 8], device=DEVICE)
+        extra = dict(check=(torch.tensor(cover, device=DEVICE), meta, meta_at)) if check else {}
+        bags = moved[1] if check else moved[1].clamp(max=moved[0].numel())
+        lengths = kernels.bucketize_into(moved[0], bags, None, *moved[2:], B, buf_ids, None,
+                                         buf_len, **{k: v.to(DEVICE) for k, v in args.items()},
+                                         table=table.to(DEVICE), **extra)
+        results.append((lengths.cpu(), buf_ids.cpu(), buf_len.cpu()))
+    if bad != "reversed_bag":  # (the unchecked call's own clamping differs there)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+    want = torch.full((10,), -7, dtype=torch.int64)
+    want[[1, 5, 8]] = 0 if bad is None else 1
+    assert torch.equal(meta.cpu(), want)
