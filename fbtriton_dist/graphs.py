@@ -42,11 +42,42 @@ optimizer, a new torch optimizer).
 """
 
 import collections
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Side-stream work a captured step forked and has not joined yet (a TBE lookup's backward
+# plan, joined by its backward): the innermost ``joined_at_exit`` scope collects it.
+_JOIN_SCOPES: list[list[tuple[torch.device, Any]]] = []
+
+
+@contextlib.contextmanager
+def joined_at_exit() -> Iterator[None]:
+    """Wrap what is captured in a CUDA graph (inside ``torch.cuda.graph``): side-stream work
+    that a TBE training lookup forks (``defer_join``) may then stay unjoined until its
+    backward waits for it, and at exit the current stream waits for whatever is still
+    pending, so the capture ends joined (a captured forward without its backward, too).
+    ``GraphedStep`` and ``TrainPipeline(cuda_graph=True)`` capture inside one."""
+    pending: list[tuple[torch.device, Any]] = []
+    _JOIN_SCOPES.append(pending)
+    try:
+        yield
+    finally:
+        _JOIN_SCOPES.pop()
+        for device, event in pending:
+            torch.cuda.current_stream(device).wait_event(event)
+
+
+def defer_join(device: torch.device, event) -> bool:
+    """Hand ``event`` (recorded on a side stream under capture) to the innermost
+    ``joined_at_exit`` scope; False when there is none (the caller must join now)."""
+    if not _JOIN_SCOPES:
+        return False
+    _JOIN_SCOPES[-1].append((device, event))
+    return True
 
 
 @dataclass(eq=False)
@@ -164,7 +195,7 @@ class GraphedStep:
         inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.device(device), torch.cuda.graph(graph):
+            with torch.cuda.device(device), torch.cuda.graph(graph), joined_at_exit():
                 output = self.fn(*inputs)
         except Exception as e:
             raise RuntimeError(

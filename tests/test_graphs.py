@@ -222,3 +222,39 @@ def test_warn_counts_ids_dropped_in_replays():
     step(bad, *batches[3][1:])
     with pytest.warns(UserWarning, match="dropped 2 out-of-range ids in CUDA graph replays"):
         tbe.poll_bounds_check()
+
+
+@requires_cuda
+@pytest.mark.parametrize("how", ["graphed_step", "bare_graph"])
+def test_a_captured_training_forward_without_its_backward(how):
+    """A lookup that counts as training (a fused optimizer, grad enabled) forks its backward
+    plan onto a side stream; captured without its backward, the capture must still end
+    joined: inside ``GraphedStep`` (its scope joins at exit) and in a bare
+    ``torch.cuda.graph`` (the forward joins at once). Replays equal eager forwards."""
+    dev = torch.device("cuda")
+    m = _module(dev)
+    batches = [b[:2] for b in _batches(4, dev)]
+
+    def forward(ids, offsets):
+        return m(ids, offsets) * 1.0
+
+    want = [forward(*b).detach().clone() for b in batches]
+    if how == "graphed_step":
+        step = GraphedStep(forward)
+        got = [step(*b).detach().clone() for b in batches]
+        assert step.captures == 1
+    else:
+        static = [t.clone() for t in batches[0]]
+        forward(*static)  # warm-up (compiles, allocates the bounds counter)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward(*static)
+        got = []
+        for b in batches:
+            for s, t in zip(static, b, strict=True):
+                s.copy_(t)
+            graph.replay()
+            got.append(out.detach().clone())
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -468,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plot:
         plot(args.plot, args.png)
         return
+    if args.one_rank and "MASTER_ADDR" not in os.environ:
+        raise SystemExit("bench dist --one-rank: run it under torchrun, e.g. torchrun "
+                         "--standalone --nproc-per-node 1 -m fbtriton_dist.bench dist --one-rank")
     if int(os.environ.get("WORLD_SIZE", "1")) < 2 and not args.one_rank:
         raise SystemExit(
             "bench dist compares sharded steps: run it under torchrun with 2 or more processes, "

@@ -189,8 +189,8 @@ def _ours_cases(ctx: Context, backend: str, bounds_check: str) -> Iterator[tuple
         backend=backend,
         device=ctx.device,
     )
-    if "fwd" in ctx.phases:
-        yield "fwd", lambda: m(idx, off)
+    if "fwd" in ctx.phases:  # an inference lookup, as FBGEMM's forward (no backward plan)
+        yield "fwd", torch.no_grad()(lambda: m(idx, off))
     if "fwd_bwd_sgd" in ctx.phases:
         yield "fwd_bwd_sgd", lambda: m(idx, off).backward(grad)
     if "fwd_bwd_rowwise_adagrad" in ctx.phases:
@@ -215,7 +215,8 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
         device=ctx.device,
     )
 
-    def forward(indices, offsets):
+    @torch.no_grad()
+    def forward(indices, offsets):  # an inference lookup, as FBGEMM's forward
         return m(indices, offsets)
 
     def train_step(indices, offsets):

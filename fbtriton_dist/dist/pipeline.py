@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.dist.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.graphs import joined_at_exit
 
 
 def _default_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -314,7 +315,7 @@ class GraphedTrainStep:
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), joined_at_exit():
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):  # batch i + 1's input dist ...
@@ -339,7 +340,7 @@ class GraphedTrainStep:
         _copy_batch(self.static, batch, self.sparse)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), joined_at_exit():
             self.loss = self.step(self.static)
 
     def _watch_flags(self) -> None:

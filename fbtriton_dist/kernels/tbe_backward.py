@@ -561,7 +561,8 @@ def tbe_backward_plan(
     """Sort the ids' keys and number their runs: the half of ``tbe_backward`` that does not
     read the gradient. ``keys``/``bag_ids``/``counts`` as in ``tbe_backward``; ``grad_stride``
     is the row stride of the coming grad_output (``sum(D)`` for a contiguous one); ``step``
-    given: its counter is advanced by one on the device (the fused update that follows)."""
+    given: its counter is advanced by one on the device (the fused update that follows; an
+    empty batch counts too)."""
     device = D_offsets.device
     T = D_offsets.numel() - 1
     B = (offsets.numel() - 1) // T if T else 0
@@ -578,7 +579,11 @@ def tbe_backward_plan(
     goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
     run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
     scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
-    if N:
+    if not (N and B):  # nothing to sort or nothing to read a gradient from
+        num_runs.zero_()
+        if step is not None:
+            step.add_(1)  # an empty batch is a step too
+    else:
         n_blocks = triton.cdiv(N, 1024)
         block_changes = torch.empty(n_blocks, dtype=torch.int32, device=device)
         _RUN_COUNT((n_blocks,), keys, block_changes, N, BLOCK=1024)

@@ -126,6 +126,7 @@ def _tbe_forward_kernel(
         # share of them dropped, so that the backward skips them
         nprog = tl.num_programs(0)
         tail_start = tl.load(offsets_ptr + nprog).to(tl.int64)
+        tail_start = tl.minimum(tl.maximum(tail_start, 0), N)
         per = (N - tail_start + nprog - 1) // nprog
         t0 = tail_start + fb * per
         t1 = tl.minimum(t0 + per, N)
@@ -133,6 +134,12 @@ def _tbe_forward_kernel(
             p = p0 + d
             tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < t1)
             tl.store(bag_ids_ptr + p, 0, mask=p < t1)
+        if fb == 0:  # ids before the first bag (malformed offsets, "warn"): dropped too
+            head = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), N)
+            for p0 in range(0, head, BLOCK_D):
+                p = p0 + d
+                tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < head)
+                tl.store(bag_ids_ptr + p, 0, mask=p < head)
     n_kept = tl.sum(kept, axis=0).to(tl.float32)
     if POOLING == 1:
         acc = acc / tl.maximum(n_kept, 1.0)
@@ -193,6 +200,7 @@ def _tbe_linearize_kernel(
     # ids after the last bag are padding: every program marks its share of them dropped
     nprog = tl.num_programs(0)
     tail_start = tl.load(offsets_ptr + n_bags).to(tl.int64)
+    tail_start = tl.minimum(tl.maximum(tail_start, 0), N)
     per = (N - tail_start + nprog - 1) // nprog
     t0 = tail_start + tl.program_id(0) * per
     t1 = tl.minimum(t0 + per, N)
@@ -200,6 +208,12 @@ def _tbe_linearize_kernel(
         p = p0 + tl.arange(0, BAGS * BLOCK)
         tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < t1)
         tl.store(bag_ids_ptr + p, 0, mask=p < t1)
+    if tl.program_id(0) == 0:  # ids before the first bag (malformed offsets): dropped too
+        head = tl.minimum(tl.maximum(tl.load(offsets_ptr).to(tl.int64), 0), N)
+        for p0 in range(0, head, BAGS * BLOCK):
+            p = p0 + tl.arange(0, BAGS * BLOCK)
+            tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < head)
+            tl.store(bag_ids_ptr + p, 0, mask=p < head)
 
 
 _LINEARIZE = Launcher(_tbe_linearize_kernel)

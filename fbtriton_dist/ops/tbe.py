@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from fbtriton_dist import optim, reference
+from fbtriton_dist import graphs, optim, reference
 
 BoundsCheck = Literal["error", "warn", "ignore"]
 Backend = Literal["triton", "reference"]
@@ -230,18 +230,25 @@ _AHEAD_ON_CPU = False  # tests: make the plan in the forward on the CPU too (no 
 def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
                 check: bool):
     """Linearize + ``tbe_backward_plan`` of a training batch on a side stream, forked from the
-    current stream before the forward is queued; (plan, its done event). On the CPU (tests:
-    ``_AHEAD_ON_CPU``) it is made here, in order; the event is None."""
+    current stream before the forward is queued: (plan, its done event, the event after which
+    the side stream no longer reads the batch). On the CPU (tests: ``_AHEAD_ON_CPU``) it is
+    made here, in order, and the events are None."""
 
     def make():
         keys, bag_ids, counts = impl.tbe_linearize(
             indices, offsets, layout.rows, layout.row_offsets, num_rows=layout.num_rows,
             pooling=pooling, check=check,
         )
-        return impl.tbe_backward_plan(
+        # the runs kernel reads the weights later: a copy, so that the caller may reuse the
+        # batch's buffers as soon as the forward is done (as before the plan moved here)
+        psw = per_sample_weights.clone() if per_sample_weights is not None else None
+        consumed = torch.cuda.Event() if device.type == "cuda" else None
+        if consumed is not None:
+            consumed.record()
+        plan = impl.tbe_backward_plan(
             indices,
             offsets,
-            per_sample_weights,
+            psw,
             layout.D_offsets,
             layout.row_offsets,
             pooling=pooling,
@@ -251,25 +258,32 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
             bag_ids=bag_ids,
             counts=counts,
         )
+        return plan, consumed
 
     device = indices.device
     if device.type != "cuda":
-        return make(), None
+        return make()[0], None, None
     main = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        plan = make()
+        plan, consumed = make()
         done = torch.cuda.Event()
         done.record(side)
-    # inputs allocated on the main stream: not reused there before the side stream is done,
-    # even if no backward ever comes (the plan's own tensors belong to the side stream)
-    for t in (indices, offsets, per_sample_weights):
-        if t is not None:
-            t.record_stream(side)
-    return plan, done
+    return plan, done, consumed
+
+
+def _use_plan(plan, done, device) -> None:
+    """The current stream waits for the plan and keeps its memory from being reused (it was
+    allocated on the side stream) until the kernels queued here have read it."""
+    if done is None:
+        return
+    stream = torch.cuda.current_stream(device)
+    stream.wait_event(done)
+    for t in {t.untyped_storage().data_ptr(): t for t in plan.tensors()}.values():
+        t.record_stream(stream)
 
 
 class _TBELookup(torch.autograd.Function):
@@ -302,8 +316,9 @@ class _TBELookup(torch.autograd.Function):
         ctx.plan = None
         if (linearize and _AHEAD and backend == "triton"
                 and (weights.device.type == "cuda" or _AHEAD_ON_CPU)):
-            ctx.plan = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
-                                   check=err is not None)
+            plan, done, consumed = _plan_ahead(impl, layout, pooling, indices, offsets,
+                                               per_sample_weights, check=err is not None)
+            ctx.plan = (plan, done)  # kept with ctx: a retained graph's next backward too
             linearize = False  # the side stream writes the keys
         result = impl.tbe_forward(
             weights,
@@ -327,6 +342,11 @@ class _TBELookup(torch.autograd.Function):
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
+        if ctx.plan is not None and ctx.plan[1] is not None:
+            main = torch.cuda.current_stream(weights.device)
+            main.wait_event(consumed)  # the batch is read: the caller may overwrite it
+            if capturing(weights.device) and not graphs.defer_join(weights.device, done):
+                main.wait_event(done)  # a capture must end joined; no scope to do it later
         ctx.save_for_backward(indices, offsets, per_sample_weights, *saved)
         return out
 
@@ -374,9 +394,7 @@ class _TBELookup(torch.autograd.Function):
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
         if ctx.plan is not None:  # sorted on the side stream since the forward
             plan, done = ctx.plan
-            ctx.plan = None
-            if done is not None:
-                torch.cuda.current_stream(weights.device).wait_event(done)
+            _use_plan(plan, done, weights.device)
             common.update(plan=plan, num_rows=layout.num_rows)
         common.update(row_align=layout.row_align)
         result = impl.tbe_backward(

@@ -207,8 +207,10 @@ def test_linearize_kernel_writes_what_the_training_forward_writes(check, pooling
     layout = tbe._layout()
     code = POOL_MEAN if pooling == "mean" else POOL_SUM
     cases = [offsets]
-    if check:  # a last bag that ends past the ids: clamped to N, and no padding then
+    if check:  # a last bag that ends past the ids: clamped to N, and no padding then; a
+        # first bag that starts late: the ids before it are dropped
         cases.append(torch.cat([offsets[:-1], offsets[-1:] + 100]))
+        cases.append(torch.cat([offsets[:1] + 3, offsets[1:].clamp(min=3)]))
     for bags in cases:
         x, o = ids.to(id_dtype).to(DEVICE), bags.to(DEVICE)
         err = torch.zeros(3, dtype=torch.int64, device=DEVICE) if check else None

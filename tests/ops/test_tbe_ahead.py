@@ -3,6 +3,8 @@ after the forward; on the CPU here, in order (``_AHEAD_ON_CPU``). Either way the
 bit-identical to the backward that sorts by itself: outputs, gradients, updated rows, optimizer
 state and the step counter, over several steps."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -117,6 +119,31 @@ def test_a_forward_without_backward_leaves_the_next_step_right(monkeypatch):
     assert results[0][2] == results[1][2] == 2
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("bounds", ["ignore", "warn"])
+def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds, monkeypatch):
+    """``backward(retain_graph=True)`` then ``backward()`` (plain gradients): the second pass
+    reuses the plan kept with the graph and equals the first, with dropped ids ("warn") or
+    padding after the last bag ("ignore")."""
+    ids = torch.tensor([1, 10, 2, 3, 4] + ([] if bounds == "warn" else [7, 7]))
+    offsets = torch.tensor([0, 2, 3, 4, 5])  # T=2 (tables of 9 and 5 rows), B=2
+    grads = []
+    for on in (False, True):
+        _ahead(monkeypatch, on)
+        tbe = TableBatchedEmbedding([(9, 8), (5, 8)], backend="triton", device=DEVICE,
+                                    bounds_check=bounds)
+        out = tbe(ids.to(DEVICE), offsets.to(DEVICE))
+        g = torch.ones(2, 16, device=DEVICE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.backward(g, retain_graph=True)
+            first = tbe.weights.grad.cpu().clone()
+            out.backward(g)
+        grads.append((first, tbe.weights.grad.cpu() - first))
+    for a, b in grads:
+        assert torch.equal(a, b)  # the second pass added what the first did
+    assert torch.equal(grads[0][0], grads[1][0])
 
 
 @requires_cuda
