@@ -538,9 +538,9 @@ class BackwardPlan:
     num_runs: torch.Tensor  # [1] int64
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(
-            v for v in dataclasses.astuple(self) if isinstance(v, torch.Tensor)
-        )
+        """The plan's tensors themselves (``dataclasses.astuple`` would deep-copy them)."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple(v for v in values if isinstance(v, torch.Tensor))
 
 
 def tbe_backward_plan(

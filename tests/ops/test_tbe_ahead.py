@@ -159,3 +159,23 @@ def test_the_side_stream_is_joined_before_the_backward_reads_the_plan(monkeypatc
         results.append(_train("rowwise", "sum", False, batches))
     for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_plan_tensors_are_the_plan_s_own_not_copies():
+    """``BackwardPlan.tensors()`` (what the backward marks as used on its stream) hands out
+    the plan's tensors themselves: a copy would be a device copy per backward, captured into
+    every replay of a graph (it was: six copies of the 5N workspace per step)."""
+    import importlib
+
+    bwd = importlib.import_module("fbtriton_dist.kernels.tbe_backward")
+    ids = torch.tensor([3, 1, 1, 0, 2], device=DEVICE)
+    offsets = torch.tensor([0, 2, 3, 5], device=DEVICE)
+    plan = bwd.tbe_backward_plan(
+        ids, offsets, None, torch.tensor([0, 4], device=DEVICE),
+        torch.tensor([0], device=DEVICE), pooling=0, grad_stride=4, num_rows=5)
+    got = plan.tensors()
+    assert len(got) == 9  # scales is None (sum pooling, no weights)
+    fields = [plan.keys, plan.perm, plan.changes, plan.goffs, plan.run_starts, plan.run_keys,
+              plan.run_feats, plan.run_goffs, plan.num_runs]
+    assert all(any(t is f for t in got) for f in fields)
+    assert int(plan.num_runs) == 4
