@@ -65,10 +65,12 @@ def joined_at_exit() -> Iterator[None]:
     _JOIN_SCOPES.append(pending)
     try:
         yield
-    finally:
-        _JOIN_SCOPES.pop()
-        for device, event in pending:
-            torch.cuda.current_stream(device).wait_event(event)
+    except BaseException:
+        _JOIN_SCOPES.pop()  # the capture is lost anyway: no joins to hide the cause
+        raise
+    _JOIN_SCOPES.pop()
+    for device, event in pending:
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def defer_join(device: torch.device, event) -> bool:

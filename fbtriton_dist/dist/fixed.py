@@ -356,6 +356,7 @@ class FixedInputDist(InputDist):
                 sendbuf.view(torch.float32) if weights is not None else None,
                 sendbuf.view(torch.int32), self._sf_first, self._sf_id_start, self._sf_w_start,
                 self._sf_len_start, table=table, check=(check, meta, self._meta_at),
+                capacity=self.send_msgs[0].pieces["ids"][2],
             )
         else:
             if impl is reference:  # it wants every value in a bag: cut the padding off (syncs)
@@ -368,6 +369,7 @@ class FixedInputDist(InputDist):
                 sendbuf.view(torch.float32) if weights is not None else None,
                 sendbuf.view(torch.int32), self._sf_first, self._sf_id_start, self._sf_w_start,
                 self._sf_len_start, table=table,
+                **({} if impl is reference else {"capacity": self.send_msgs[0].pieces["ids"][2]}),
             )
         expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
         failed = ((offsets[-1] > N) | (lengths.sum() != expected)).to(torch.int64)

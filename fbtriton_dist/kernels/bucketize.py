@@ -79,7 +79,7 @@ def _bucketize_count_kernel(
             tl.atomic_add(fail_ptr, 1)
 
 
-@triton.jit(do_not_specialize=["B", "N", "R"])
+@triton.jit(do_not_specialize=["B", "N", "R", "cap"])
 def _bucketize_scatter_kernel(
     indices_ptr,  # [N] ids, feature-major bags
     offsets_ptr,  # [F * B + 1] bag boundaries
@@ -102,6 +102,7 @@ def _bucketize_scatter_kernel(
     B,  # local batch size
     N,  # ids given
     R,  # destinations (CHECK)
+    cap,  # id slots of the output (of each destination's, SLOTTED): ids past it are dropped
     HAS_PSW: tl.constexpr,
     SLOTTED: tl.constexpr,  # every destination's ids (and lengths) at their own place
     CHECK: tl.constexpr,  # program 0 writes the failure flag (0/1) into every message
@@ -119,10 +120,12 @@ def _bucketize_scatter_kernel(
     out = (tl.load(ends_ptr + at, mask=sb, other=0)
            - tl.load(lengths_ptr + at, mask=sb, other=0))
     w_out = out
+    rel = out  # where in its output (its destination's, SLOTTED) the bag's ids begin
     if SLOTTED:  # out -= where the destination's ids begin, += its place in the buffers
         q0 = tl.load(sf_first_ptr + s, mask=sm, other=0)
         first = (tl.load(ends_ptr + q0, mask=sm, other=0)
                  - tl.load(lengths_ptr + q0, mask=sm, other=0))
+        rel = out - first[:, None]
         w_out = out + (tl.load(sf_w_start_ptr + s, mask=sm, other=0) - first)[:, None]
         out = out + (tl.load(sf_id_start_ptr + s, mask=sm, other=0) - first)[:, None]
     n = tl.zeros([K, BAGS], dtype=tl.int32)
@@ -133,13 +136,17 @@ def _bucketize_scatter_kernel(
         keep = (ids[None, :, :] >= lo[:, :, None]) & (ids[None, :, :] < hi[:, :, None]) & (
             m[None, :, :] & sm[:, None, None])
         rank = (n[:, :, None] + tl.cumsum(keep.to(tl.int32), axis=2) - 1).to(tl.int64)
+        # malformed lengths (a negative one makes bags overlap) can count more ids than the
+        # output holds: they are dropped (the count kernel flags the batch), never written
+        # past it (into the next message's meta and lengths, or past the buffer)
+        fits = keep & (rel[:, :, None] + rank < cap)
         tl.store(out_ids_ptr + out[:, :, None] + rank,
                  (ids[None, :, :] - lo[:, :, None]).to(out_ids_ptr.dtype.element_ty),
-                 mask=keep)
+                 mask=fits)
         if HAS_PSW:
             w = tl.load(psw_ptr + p, mask=m, other=0.0)
             tl.store(out_psw_ptr + w_out[:, :, None] + rank,
-                     w[None, :, :] + tl.zeros([K, 1, 1], dtype=w.dtype), mask=keep)
+                     w[None, :, :] + tl.zeros([K, 1, 1], dtype=w.dtype), mask=fits)
         n += tl.sum(keep.to(tl.int32), axis=2)
     if SLOTTED:
         tl.store(out_lengths_ptr + tl.load(sf_len_start_ptr + s, mask=sm, other=0)[:, None]
@@ -171,7 +178,7 @@ def by_feature(sf_feature: list[int]) -> torch.Tensor:
 
 
 def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, outputs, slotted, table,
-            check=None):
+            check=None, cap=None):
     """Count into ``lengths`` (every entry written), scan them, then scatter into
     ``outputs`` (the scatter kernel's output arguments, or a function of the lengths that
     returns them). ``check`` = (cover [G] per row of
@@ -193,9 +200,11 @@ def _launch(indices, offsets, psw, sf_feature, lo, hi, B, lengths, outputs, slot
     R = meta_at.numel() if check else 1
     if callable(outputs):
         outputs = outputs(lengths)
+    if cap is None:
+        cap = outputs[0].numel()  # the ids output (bucketize_into: the caller's capacity)
     _bucketize_scatter_kernel[grid](
         indices, offsets, psw if psw is not None else indices, table, lo, hi, ends, lengths,
-        *outputs, fail, meta, meta_at, B, N, R, HAS_PSW=psw is not None, SLOTTED=slotted,
+        *outputs, fail, meta, meta_at, B, N, R, cap, HAS_PSW=psw is not None, SLOTTED=slotted,
         CHECK=check is not None, R_POW2=triton.next_power_of_2(R), K=K, BAGS=BAGS,
         BLOCK=BLOCK, num_warps=warps,
     )
@@ -271,6 +280,7 @@ def bucketize_into(
     sf_len_start: torch.Tensor,
     table: torch.Tensor | None = None,
     check: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Same contract as reference.bucketize.bucketize_into: the ids written straight into
     their destination's place of a send buffer. Returns lengths [S*B] int64. Bags past the
@@ -278,15 +288,20 @@ def bucketize_into(
     each row of ``table``, how many of its shard-features a valid id of its feature lands
     in (every feature in one row); then an id that lands in another number (out of its
     table's range) or a malformed bag (ending past the ids or before it starts) sets the
-    flag, written as 0/1 at ``meta[meta_at]`` (int64; one per destination message)."""
+    flag, written as 0/1 at ``meta[meta_at]`` (int64; one per destination message).
+    ``capacity``: id slots of each destination (default: all of ``out_ids``); ids past it
+    (only malformed lengths can count that many) are not written."""
     S = sf_feature.numel()
     if S * B == 0:
+        if check is not None:
+            check[1].index_fill_(0, check[2], 0)  # nothing to find wrong
         return torch.zeros(S * B, dtype=torch.int64, device=indices.device)
     lengths = torch.empty(S * B, dtype=torch.int64, device=indices.device)
     psw = per_sample_weights
     _launch(indices, offsets, psw, sf_feature, sf_row_start, sf_row_end, B, lengths,
             [out_ids, out_weights if psw is not None else out_ids, out_lengths, sf_first,
-             sf_id_start, sf_w_start, sf_len_start], True, table, check)
+             sf_id_start, sf_w_start, sf_len_start], True, table, check,
+            capacity if capacity is not None else out_ids.numel())
     return lengths
 
 

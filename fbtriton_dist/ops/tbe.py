@@ -228,19 +228,21 @@ _AHEAD_ON_CPU = False  # tests: make the plan in the forward on the CPU too (no 
 
 
 def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
-                check: bool):
+                check: bool, here: bool = False):
     """Linearize + ``tbe_backward_plan`` of a training batch on a side stream, forked from the
     current stream before the forward is queued: (plan, its done event, the event after which
     the side stream no longer reads the batch). On the CPU (tests: ``_AHEAD_ON_CPU``) it is
-    made here, in order, and the events are None."""
+    made here, in order, and the events are None; so with ``here`` (a retained graph's
+    second backward, whose plan the first one freed)."""
 
     def make():
         keys, bag_ids, counts = impl.tbe_linearize(
             indices, offsets, layout.rows, layout.row_offsets, num_rows=layout.num_rows,
             pooling=pooling, check=check,
         )
-        # the runs kernel reads the weights later: a copy, so that the caller may reuse the
-        # batch's buffers as soon as the forward is done (as before the plan moved here)
+        # the runs kernel reads the weights later: a copy, so that the side stream reads
+        # nothing of the batch once the forward is done (a captured step refills its static
+        # batch buffers after the forward, and only then waits for the side stream)
         psw = per_sample_weights.clone() if per_sample_weights is not None else None
         consumed = torch.cuda.Event() if device.type == "cuda" else None
         if consumed is not None:
@@ -261,7 +263,7 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
         return plan, consumed
 
     device = indices.device
-    if device.type != "cuda":
+    if device.type != "cuda" or here:
         return make()[0], None, None
     main = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(device)
@@ -313,12 +315,12 @@ class _TBELookup(torch.autograd.Function):
         ctx.num_targets = len(grad_targets)
         impl = _impl(backend)
         linearize = training and layout.num_rows is not None
-        ctx.plan = None
+        ctx.plan, ctx.ahead_check = None, None
         if (linearize and _AHEAD and backend == "triton"
                 and (weights.device.type == "cuda" or _AHEAD_ON_CPU)):
             plan, done, consumed = _plan_ahead(impl, layout, pooling, indices, offsets,
                                                per_sample_weights, check=err is not None)
-            ctx.plan = (plan, done)  # kept with ctx: a retained graph's next backward too
+            ctx.plan, ctx.ahead_check = (plan, done), err is not None
             linearize = False  # the side stream writes the keys
         result = impl.tbe_forward(
             weights,
@@ -344,7 +346,7 @@ class _TBELookup(torch.autograd.Function):
             out, saved = result[0], result[1:]
         if ctx.plan is not None and ctx.plan[1] is not None:
             main = torch.cuda.current_stream(weights.device)
-            main.wait_event(consumed)  # the batch is read: the caller may overwrite it
+            main.wait_event(consumed)  # the side stream no longer reads the batch
             if capturing(weights.device) and not graphs.defer_join(weights.device, done):
                 main.wait_event(done)  # a capture must end joined; no scope to do it later
         ctx.save_for_backward(indices, offsets, per_sample_weights, *saved)
@@ -394,7 +396,12 @@ class _TBELookup(torch.autograd.Function):
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
         if ctx.plan is not None:  # sorted on the side stream since the forward
             plan, done = ctx.plan
+            ctx.plan = None  # freed after this backward, not kept with the graph
             _use_plan(plan, done, weights.device)
+            common.update(plan=plan, num_rows=layout.num_rows)
+        elif ctx.ahead_check is not None:  # a retained graph's next backward: plan again
+            plan, _, _ = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
+                                     check=ctx.ahead_check, here=True)
             common.update(plan=plan, num_rows=layout.num_rows)
         common.update(row_align=layout.row_align)
         result = impl.tbe_backward(

@@ -304,3 +304,38 @@ def test_bucketize_into_check_writes_the_failure_flag(bad):
     want = torch.full((10,), -7, dtype=torch.int64)
     want[[1, 5, 8]] = 0 if bad is None else 1
     assert torch.equal(meta.cpu(), want)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_bucketize_into_never_writes_past_a_destination_s_capacity():
+    """Negative lengths make bags overlap, so more ids are counted than a destination holds:
+    the extra ids are dropped, not written into the next message (its meta, where the failure
+    flag is) or past the buffer, and every destination's flag says the batch was bad."""
+    from fbtriton_dist import kernels
+    from fbtriton_dist.kernels.bucketize import by_feature
+
+    B, C = 2, 4  # 2 features x 2 bags; 4 id slots per destination
+    values = torch.full((4,), 1, dtype=torch.int64)
+    lengths = torch.tensor([4, -4, 4, -4])  # f0: [0,4) [4,0); f1 the same
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    # destination-major shard-features: destination 0 rows [0,5) of f0 and f1, 1 rows [5,10)
+    sf_feature, lo, hi = (torch.tensor(v) for v in ([0, 1, 0, 1], [0, 0, 5, 5], [5, 5, 10, 10]))
+    # message q (int32): meta (int64) | 2B lengths | C ids = 10 int32, at 0 and 10
+    sf_first = torch.tensor([0, 0, 2 * B, 2 * B])
+    sf_id_start = torch.tensor([2 + 2 * B] * 2 + [12 + 2 * B] * 2)
+    sf_len_start = torch.tensor([2, 2 + B, 12, 12 + B])
+    buf = torch.full((20 + 32,), -7, dtype=torch.int32, device=DEVICE)  # 32 slots of slack
+    send = buf[:20]
+    meta = send.view(torch.int64)
+    meta_at = torch.tensor([0, 5], device=DEVICE)
+    table = by_feature(sf_feature.tolist())
+    moved = [t.to(DEVICE) for t in (values, offsets, sf_feature, lo, hi, sf_first,
+                                    sf_id_start, sf_len_start)]
+    kernels.bucketize_into(moved[0], moved[1], None, *moved[2:5], B, send, None, send,
+                           moved[5], moved[6], moved[6], moved[7], table=table.to(DEVICE),
+                           check=(torch.ones(table.shape[0], dtype=torch.int64, device=DEVICE),
+                                  meta, meta_at), capacity=C)
+    assert meta[meta_at].tolist() == [1, 1]
+    assert (buf[20:] == -7).all()  # nothing past the buffer
+    assert (buf[2 + 2 * B : 2 + 2 * B + C] == 1).all()  # destination 0: C ids (row 1)
+    assert (buf[12 + 2 * B : 12 + 2 * B + C] == -7).all()  # destination 1 got no ids

@@ -139,6 +139,7 @@ def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds, monkeypatch)
             warnings.simplefilter("ignore")
             out.backward(g, retain_graph=True)
             first = tbe.weights.grad.cpu().clone()
+            assert out.grad_fn.plan is None  # freed by the backward, not kept with the graph
             out.backward(g)
         grads.append((first, tbe.weights.grad.cpu() - first))
     for a, b in grads:
