@@ -96,14 +96,18 @@ def host_profile(fn, iters=20) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])[:25]
 
 
-def bucketize_sweep(configs: list[str], device) -> list[dict]:
+def bucketize_sweep(configs: list[str], device, B: int = 8192, L: int = 20, rows=BENCH_ROWS,
+                    time=kernel_us) -> list[dict]:
     """µs of the bucketize kernels per ``FBTD_BUCKETIZE`` config on `bench dist`'s batch (the
     26 tables of RW at full size, B=8192, L=20, Zipf 1.1), cut for one rank (one shard per
-    feature) and for two row-wise ranks (two); ``same``: output equal to the first config's."""
+    feature) and for two row-wise ranks (two); ``same``: output equal to the first config's.
+    Each config is timed twice: ``bucketize`` (lengths and ids out) and
+    ``bucketize_into+check`` (what the fixed-shape input dist runs: every destination's ids
+    and int32 lengths at their place in one send buffer, the batch checked, the flag written
+    into every message; ``same``: its lengths equal and no flag raised)."""
     kb = importlib.import_module("fbtriton_dist.kernels.bucketize")
-    E = BENCH_ROWS
-    B = 8192
-    idx, off = make_batch([(e, 1) for e in E], B, 20, 1.1, torch.Generator().manual_seed(0),
+    E = rows
+    idx, off = make_batch([(e, 1) for e in E], B, L, 1.1, torch.Generator().manual_seed(0),
                           device)
     results = []
     for R in (1, 2):
@@ -117,6 +121,28 @@ def bucketize_sweep(configs: list[str], device) -> list[dict]:
             return kb.bucketize(idx, off, None, sf_feature, lo, hi, B, capacity=idx.numel(),
                                 table=table)
 
+        # the fixed-shape send path: every destination's ids and int32 lengths at their own
+        # place in one buffer, the ids and bags checked, the flag written into each message
+        S, n = len(cuts), idx.numel()
+        dest = torch.tensor([c[0] for c in cuts], device=device)
+        send = torch.empty(R * (n + S // R * B + 1), dtype=torch.int64, device=device)
+        slot = torch.arange(S, device=device)
+        first_s = torch.searchsorted(dest, dest)  # each destination's first shard-feature
+        where = dict(sf_first=first_s * B, sf_id_start=dest * n, sf_w_start=dest * n,
+                     sf_len_start=slot * B)
+        meta_at = R * n + S * B + torch.arange(R, device=device)
+        cover = torch.ones(table.shape[0], dtype=torch.int64, device=device)
+
+        ids_out = send[: R * n]
+        len_out = send[R * n: R * n + S * B].view(torch.int32)[: S * B]
+
+        def run_into(sf_feature=sf_feature, lo=lo, hi=hi, table=table, send=send, where=where,
+                     meta_at=meta_at, cover=cover, ids_out=ids_out, len_out=len_out, cap=n):
+            lengths = kb.bucketize_into(
+                idx, off, None, sf_feature, lo, hi, B, ids_out, None, len_out, **where,
+                table=table, check=(cover, send, meta_at), capacity=cap)
+            return lengths, send
+
         first = None
         for cfg in configs:
             os.environ["FBTD_BUCKETIZE"] = cfg
@@ -124,7 +150,13 @@ def bucketize_sweep(configs: list[str], device) -> list[dict]:
             first = first if first is not None else out
             same = all(torch.equal(a, b) for a, b in zip(out[:2], first[:2], strict=True))
             r = {"phase": "bucketize", "shards": R, "config": cfg, "same": same,
-                 **kernel_us(run, iters=10)}
+                 **time(run, iters=10)}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            lengths, buf = run_into()
+            ok = torch.equal(lengths, out[0]) and int(buf[meta_at].sum()) == 0
+            r = {"phase": "bucketize_into+check", "shards": R, "config": cfg, "same": ok,
+                 **time(run_into, iters=10)}
             print(json.dumps(r), flush=True)
             results.append(r)
         os.environ.pop("FBTD_BUCKETIZE")

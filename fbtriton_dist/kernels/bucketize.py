@@ -60,22 +60,22 @@ def _bucketize_count_kernel(
     lo = tl.load(sf_lo_ptr + s, mask=sm, other=0)[:, None, None]
     hi = tl.load(sf_hi_ptr + s, mask=sm, other=0)[:, None, None]
     count = tl.zeros([K, BAGS], dtype=tl.int32)
-    if CHECK:
-        cover = tl.load(cover_ptr + tl.program_id(0) // tl.cdiv(B, BAGS))
-        bad = tl.sum(bad_bag.to(tl.int32), axis=0)
     for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
         p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
         m = bm[:, None] & (p < end[:, None])
         ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)[None, :, :]
         hit = ((ids >= lo) & (ids < hi) & m[None, :, :]).to(tl.int32)
         count += tl.sum(hit, axis=2)
-        if CHECK:  # a valid id lands in exactly `cover` of its feature's shard-features
-            hits = tl.sum(hit, axis=0)
-            bad += tl.sum(tl.sum((m & (hits != cover)).to(tl.int32), axis=1), axis=0)
     tl.store(lengths_ptr + s[:, None] * B + b[None, :], count.to(tl.int64),
              mask=sm[:, None] & bm[None, :])
     if CHECK:
-        if bad > 0:
+        # a valid id lands in exactly `cover` of its feature's shard-features and an id out
+        # of the table's rows in none (the shards' ranges lie inside them): every id of a
+        # bag is valid iff the bag's counts add up to cover x its length. Checked once per
+        # bag, after the loop (a check per id and step cost the kernel half its time).
+        cover = tl.load(cover_ptr + tl.program_id(0) // tl.cdiv(B, BAGS))
+        short = bm & (tl.sum(count, axis=0) != cover * (end - start))
+        if tl.max((bad_bag | short).to(tl.int32), axis=0) > 0:
             tl.atomic_add(fail_ptr, 1)
 
 
@@ -128,6 +128,8 @@ def _bucketize_scatter_kernel(
         rel = out - first[:, None]
         w_out = out + (tl.load(sf_w_start_ptr + s, mask=sm, other=0) - first)[:, None]
         out = out + (tl.load(sf_id_start_ptr + s, mask=sm, other=0) - first)[:, None]
+    # id slots left in the output after each bag's start (int32: compared per id below)
+    room = tl.minimum(tl.maximum(cap - rel, 0), 2**30).to(tl.int32)[:, :, None]
     n = tl.zeros([K, BAGS], dtype=tl.int32)
     for l0 in range(0, tl.max(end - start, axis=0), BLOCK):
         p = start[:, None] + l0 + tl.arange(0, BLOCK)[None, :]
@@ -135,11 +137,12 @@ def _bucketize_scatter_kernel(
         ids = tl.load(indices_ptr + p, mask=m, other=-1).to(tl.int64)
         keep = (ids[None, :, :] >= lo[:, :, None]) & (ids[None, :, :] < hi[:, :, None]) & (
             m[None, :, :] & sm[:, None, None])
-        rank = (n[:, :, None] + tl.cumsum(keep.to(tl.int32), axis=2) - 1).to(tl.int64)
+        rank = n[:, :, None] + tl.cumsum(keep.to(tl.int32), axis=2) - 1
         # malformed lengths (a negative one makes bags overlap) can count more ids than the
         # output holds: they are dropped (the count kernel flags the batch), never written
         # past it (into the next message's meta and lengths, or past the buffer)
-        fits = keep & (rel[:, :, None] + rank < cap)
+        fits = keep & (rank < room)
+        rank = rank.to(tl.int64)
         tl.store(out_ids_ptr + out[:, :, None] + rank,
                  (ids[None, :, :] - lo[:, :, None]).to(out_ids_ptr.dtype.element_ty),
                  mask=fits)
