@@ -81,3 +81,16 @@ def test_shapes_and_tiny():
 def test_union_length():
     assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
     assert union_length([]) == 0
+
+
+def test_bucketize_sweep_configs_agree_on_a_small_batch():
+    """``tbe_sweep --bucketize``: every launch config gives the same output, on both the plain
+    bucketize and the fixed-shape send path (with its check: no flag on a valid batch), cut
+    for one rank and for two row-wise ranks. Timing is the GPU's; here it is left out."""
+    from fbtriton_dist.bench.tbe_sweep import bucketize_sweep
+
+    rows = bucketize_sweep(["8,16,1", "4,8,1"], torch.device("cpu"), B=5, L=3,
+                           rows=(100, 7, 1, 50), time=lambda fn, iters: {})
+    assert len(rows) == 8  # 2 cuts x 2 configs x 2 paths
+    assert all(r["same"] for r in rows)
+    assert {r["phase"] for r in rows} == {"bucketize", "bucketize_into+check"}
