@@ -75,11 +75,15 @@ class _ExchangeSum(torch.autograd.Function):
             dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
             return out
         wire = x if wire_dtype is None else x.to(wire_dtype)
+        if R == 1:  # the block comes back as it is: received straight into the output
+            out = wire.new_empty((B, W))
+            exchange_lists([out], [wire], group)
+            return out.to(x.dtype)
         buf = wire.new_empty((R, B, W))
         exchange_lists(list(buf.unbind(0)), list(wire.split(row_splits)), group)
         if R == 2 and buf.dtype == x.dtype:  # an elementwise add streams better than a
             return torch.add(buf[0], buf[1])  # reduction over dim 0
-        return buf.sum(0, dtype=x.dtype) if R > 1 else buf[0].to(x.dtype, copy=True)
+        return buf.sum(0, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -135,6 +135,13 @@ def test_exchange_sum_forward_and_backward(world, wire, even):
     ]
 
 
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_exchange_sum_at_world_size_one(wire):
+    """One rank: its block comes back as it is (received straight into the output, no
+    extra copy), in x's dtype, and the gradient goes back unchanged."""
+    assert run_ranks(_exchange_sum, 1, wire, [4]) == [((4, 3), True, True, torch.float32)]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_exchange_sum_reduce_scatter_branch(world):
     from tests.dist.harness import backend

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# GPU checks and the distributed benchmark, on a machine whose Python already has a CUDA torch
+# and triton (the lent H200 machines: DEVELOPERS.md, "GPU runs"). Results go under $OUT
+# (default ./gpu-out); each part fits one 10-minute device call.
+#
+#   bash launch/gpu_check.sh kernels   # Triton kernels, ops, modules and CUDA graphs on GPU 0
+#   bash launch/gpu_check.sh dist [TESTS..]  # NCCL: the distributed tests (default: the lean
+#                                      # path, fixed shapes, comm, the sharded collection; one
+#                                      # GPU: the graphed pipeline at world size one)
+#   bash launch/gpu_check.sh bench     # bench dist, TorchRec DMP vs ours, same launch: every GPU
+#                                      # under torchrun, or --one-rank on a one-GPU machine
+#
+# Dependencies the image lacks come from the repository, when present: .whl/ (torchrec and
+# friends, from ../shared/tools/device-wheels.sh) and .devcarry/ (FBGEMM's CUDA TBE, from
+# ../shared/tools/fbgemm-sm90/). Knobs: BENCH_ARGS (extra `bench dist` arguments, e.g.
+# "--plans row_wise --models ebc"), PROVIDERS (default: torchrec ours_graph
+# ours_graph_overlap ours_graph_bf16).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+part=${1:-kernels}
+shift || true
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
+py=${PYTHON:-python3}
+
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+echo "[gpu_check] $part on $gpus GPU(s), results in $OUT"
+if [ "$gpus" -lt 1 ]; then
+  echo "gpu_check: no GPU visible to $py (a CUDA build of torch is needed)" >&2
+  exit 1
+fi
+
+paths=()
+if compgen -G ".devcarry/fbgemm_gpu-*.tar.zst" >/dev/null && [ ! -d /tmp/fbgemm/fbgemm_gpu ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/zs .devcarry/zstandard-*.whl &&
+    PYTHONPATH=/tmp/zs "$py" .devcarry/unpack_zst.py .devcarry/fbgemm_gpu-*.tar.zst /tmp/fbgemm \
+      >/dev/null || { echo "gpu_check: unpacking FBGEMM failed" >&2; exit 1; }
+fi
+[ -d /tmp/fbgemm/fbgemm_gpu ] && paths+=(/tmp/fbgemm)
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "gpu_check: installing .whl/ failed" >&2; exit 1; }
+  paths+=(/tmp/site)
+fi
+paths+=("$PWD")
+PYTHONPATH=$(IFS=:; echo "${paths[*]}")${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH
+
+case $part in
+  kernels)
+    timeout 540 "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
+      tests/test_graphs.py 2>&1 | tail -15 | tee "$OUT/kernels.txt"
+    ;;
+  dist)
+    if [ $# -gt 0 ]; then
+      tests=("$@")
+    elif [ "$gpus" -ge 2 ]; then
+      tests=(tests/dist/test_lean.py tests/dist/test_fixed.py tests/dist/test_comm.py
+             tests/dist/test_sharded_ebc.py)
+    else
+      tests=(tests/dist/test_lean.py -k graphed)
+    fi
+    FBTD_DIST_BACKEND=nccl timeout 560 "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
+      2>&1 | tail -15 | tee "$OUT/dist.txt"
+    ;;
+  bench)
+    providers=${PROVIDERS:-torchrec ours_graph ours_graph_overlap ours_graph_bf16}
+    extra=()
+    [ "$gpus" -lt 2 ] && extra+=(--one-rank)
+    # shellcheck disable=SC2086  # PROVIDERS and BENCH_ARGS are word lists
+    timeout 560 "$py" -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
+      -m fbtriton_dist.bench dist "${extra[@]}" --providers $providers ${BENCH_ARGS:-} \
+      --out "$OUT/dist.json" 2>&1 | grep -v "Warning\|warn(\|_warn_once\|compat_table\|\[0m\|^ *$" \
+      | tail -40 | tee "$OUT/bench.txt"
+    ;;
+  *)
+    echo "usage: $0 kernels|dist|bench" >&2
+    exit 2
+    ;;
+esac
+status=${PIPESTATUS[0]}
+echo "[gpu_check] $part exit $status"
+exit "$status"
