@@ -14,7 +14,7 @@
 # friends, from ../shared/tools/device-wheels.sh) and .devcarry/ (FBGEMM's CUDA TBE, from
 # ../shared/tools/fbgemm-sm90/). Knobs: BENCH_ARGS (extra `bench dist` arguments, e.g.
 # "--plans row_wise --models ebc"), PROVIDERS (default: torchrec ours_graph
-# ours_graph_overlap ours_graph_bf16).
+# ours_graph_overlap ours_graph_bf16), LIMIT (seconds the part may run; default 540-560).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-kernels}
@@ -49,7 +49,7 @@ export PYTHONPATH
 
 case $part in
   kernels)
-    timeout 540 "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
+    timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
       tests/test_graphs.py 2>&1 | tail -15 | tee "$OUT/kernels.txt"
     ;;
   dist)
@@ -61,7 +61,7 @@ case $part in
     else
       tests=(tests/dist/test_lean.py -k graphed)
     fi
-    FBTD_DIST_BACKEND=nccl timeout 560 "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
+    FBTD_DIST_BACKEND=nccl timeout "${LIMIT:-560}" "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
       2>&1 | tail -15 | tee "$OUT/dist.txt"
     ;;
   bench)
@@ -69,7 +69,7 @@ case $part in
     extra=()
     [ "$gpus" -lt 2 ] && extra+=(--one-rank)
     # shellcheck disable=SC2086  # PROVIDERS and BENCH_ARGS are word lists
-    timeout 560 "$py" -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
+    timeout "${LIMIT:-560}" "$py" -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
       -m fbtriton_dist.bench dist "${extra[@]}" --providers $providers ${BENCH_ARGS:-} \
       --out "$OUT/dist.json" 2>&1 | grep -v "Warning\|warn(\|_warn_once\|compat_table\|\[0m\|^ *$" \
       | tail -40 | tee "$OUT/bench.txt"
