@@ -7,10 +7,11 @@
 * ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.dist.pipeline.TrainPipeline``;
   ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
   ``dedup=True``; ``ours_fixed``: with ``fixed_shapes=True`` (no host sync in the step);
-  ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True)``, the whole step one CUDA
-  graph replay (on the CPU the same steps run eagerly); ``ours_graph_overlap``: that with
-  ``overlap_input=True`` (the replay also runs the next batch's input dist on a side
-  stream); ``ours_graph_bf16``: ``ours_graph`` with
+  ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True, overlap_input=False)``,
+  the whole step one CUDA graph replay (on the CPU the same steps run eagerly);
+  ``ours_graph_overlap``: that with ``overlap_input=True``, the pipeline's default (the
+  replay also runs the next batch's input dist on a side stream); ``ours_graph_bf16``:
+  ``ours_graph`` with
   ``wire_dtype=torch.bfloat16`` (TorchRec's wire stays fp32: not a like-for-like ratio).
 
 A provider that cannot run here raises :class:`Skip` with the reason. The dense optimizer is
@@ -131,9 +132,9 @@ LEAN_OPTIONS: dict[str, dict[str, Any]] = {
     "ours_graph_bf16": {"fixed_shapes": True, "wire_dtype": torch.bfloat16},
 }
 PIPELINE_OPTIONS: dict[str, dict[str, Any]] = {
-    "ours_graph": {"cuda_graph": True},
+    "ours_graph": {"cuda_graph": True, "overlap_input": False},
     "ours_graph_overlap": {"cuda_graph": True, "overlap_input": True},
-    "ours_graph_bf16": {"cuda_graph": True},
+    "ours_graph_bf16": {"cuda_graph": True, "overlap_input": False},
 }
 
 
