@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and the distributed benchmark, on a machine whose Python already has a CUDA torch
 # and triton (the lent H200 machines: DEVELOPERS.md, "GPU runs"). Results go under $OUT
-# (default ./gpu-out); each part fits one 10-minute device call.
+# (default runs/gpu-out); each part fits one 10-minute device call.
 #
 #   bash launch/gpu_check.sh kernels   # Triton kernels, ops, modules and CUDA graphs on GPU 0
 #   bash launch/gpu_check.sh dist [TESTS..]  # NCCL: the distributed tests (default: the lean
@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part=${1:-kernels}
 shift || true
-OUT=${OUT:-$PWD/gpu-out}
+OUT=${OUT:-$PWD/runs/gpu-out}  # runs/ is git-ignored
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
 py=${PYTHON:-python3}
@@ -32,9 +32,10 @@ if [ "$gpus" -lt 1 ]; then
 fi
 
 paths=()
-if compgen -G ".devcarry/fbgemm_gpu-*.tar.zst" >/dev/null && [ ! -d /tmp/fbgemm/fbgemm_gpu ]; then
+tarball=$(compgen -G ".devcarry/fbgemm_gpu-*.tar.zst" | head -1)
+if [ -n "$tarball" ] && [ ! -d /tmp/fbgemm/fbgemm_gpu ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/zs .devcarry/zstandard-*.whl &&
-    PYTHONPATH=/tmp/zs "$py" .devcarry/unpack_zst.py .devcarry/fbgemm_gpu-*.tar.zst /tmp/fbgemm \
+    PYTHONPATH=/tmp/zs "$py" .devcarry/unpack_zst.py "$tarball" /tmp/fbgemm \
       >/dev/null || { echo "gpu_check: unpacking FBGEMM failed" >&2; exit 1; }
 fi
 [ -d /tmp/fbgemm/fbgemm_gpu ] && paths+=(/tmp/fbgemm)
@@ -50,7 +51,7 @@ export PYTHONPATH
 case $part in
   kernels)
     timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
-      tests/test_graphs.py 2>&1 | tail -15 | tee "$OUT/kernels.txt"
+      tests/test_graphs.py 2>&1 | tail -40 | tee "$OUT/kernels.txt"
     ;;
   dist)
     if [ $# -gt 0 ]; then
@@ -62,7 +63,7 @@ case $part in
       tests=(tests/dist/test_lean.py -k graphed)
     fi
     FBTD_DIST_BACKEND=nccl timeout "${LIMIT:-560}" "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
-      2>&1 | tail -15 | tee "$OUT/dist.txt"
+      2>&1 | tail -40 | tee "$OUT/dist.txt"
     ;;
   bench)
     providers=${PROVIDERS:-torchrec ours_graph ours_graph_overlap ours_graph_bf16}
@@ -70,7 +71,7 @@ case $part in
     [ "$gpus" -lt 2 ] && extra+=(--one-rank)
     # shellcheck disable=SC2086  # PROVIDERS and BENCH_ARGS are word lists
     timeout "${LIMIT:-560}" "$py" -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
-      -m fbtriton_dist.bench dist "${extra[@]}" --providers $providers ${BENCH_ARGS:-} \
+      -m fbtriton_dist.bench dist ${extra[@]+"${extra[@]}"} --providers $providers ${BENCH_ARGS:-} \
       --out "$OUT/dist.json" 2>&1 | grep -v "Warning\|warn(\|_warn_once\|compat_table\|\[0m\|^ *$" \
       | tail -40 | tee "$OUT/bench.txt"
     ;;

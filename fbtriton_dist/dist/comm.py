@@ -68,6 +68,9 @@ class _ExchangeSum(torch.autograd.Function):
     def forward(ctx, x, row_splits, wire_dtype, group):
         R, me = len(row_splits), dist.get_rank(group)
         B, W = row_splits[me], x.shape[1]
+        if sum(row_splits) != x.shape[0]:
+            raise ValueError(f"exchange_sum: row_splits {row_splits} add up to "
+                             f"{sum(row_splits)}, but x has {x.shape[0]} rows")
         ctx.args = (row_splits, wire_dtype, group, x.dtype)
         if (R > 1 and wire_dtype is None and len(set(row_splits)) == 1
                 and dist.get_backend(group) == "nccl"):

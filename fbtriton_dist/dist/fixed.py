@@ -43,6 +43,8 @@ from fbtriton_dist.dist.input_dist import (
 from fbtriton_dist.dist.layout import ShardLayout
 from fbtriton_dist.sparse import kjt_parts
 
+_KERNELS_ON_CPU = False  # tests: the Triton send path (TRITON_INTERPRET=1) on the CPU too
+
 
 def fixed_message(n_lengths: int, capacity: int, id_dtype, weighted: bool) -> Message:
     """Layout of one fixed-size message (see the module docstring)."""
@@ -75,7 +77,6 @@ class FixedInputDist(InputDist):
         if max_ids is not None and max_ids < 0:
             raise ValueError(f"max_ids: expected >= 0, got {max_ids}")
         self.max_ids = max_ids
-        self.max_cover = max(self.cover, default=1)
         self.agreed = None  # (batch sizes [R], id capacities [R]) after the first call
         self.failed = torch.zeros((), dtype=torch.int64, device=self.device)
         """Sticky device flag: some rank sent bad input since the last ``reset_failed()``
@@ -340,10 +341,14 @@ class FixedInputDist(InputDist):
         offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(parts.lengths, 0, out=offsets[1:])
         impl = reference
-        if dev.type == "cuda":
+        if dev.type == "cuda" or _KERNELS_ON_CPU:
             from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
 
             impl = kernels
+            if table is None:  # the CPU test hook: _for_keys keeps the grid for CUDA only
+                from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415
+
+                table = by_feature(sf_key.tolist())
         values, weights = parts.values, parts.weights
         meta = sendbuf.view(torch.int64)
         check = self._row_cover(parts.keys, table) if impl is not reference else None
@@ -382,8 +387,9 @@ class FixedInputDist(InputDist):
         rows (more than ``MAX_K`` shard-features), where the torch check is used. Computed
         once per key order (one host read of the grid)."""
         if keys not in self._covers:
-            names = self.layout.feature_names
-            cover = {keys.index(name): self.cover[f] for f, name in enumerate(names)}
+            cover = [0] * len(keys)  # per key: a feature name two tables share counts twice
+            for f, name in enumerate(self.layout.feature_names):
+                cover[keys.index(name)] += self.cover[f]
             rows = [row[0] for row in table.tolist()]
             single = all(rows.count(k) == 1 for k in rows)
             self._covers[keys] = (

@@ -204,6 +204,11 @@ class InputDist:
         for sf in self.sfs:
             cover[sf.feature] += sf.row_end - sf.row_start
         self.cover = [c // layout.table_rows[layout.feature_table[f]] for f, c in enumerate(cover)]
+        per_name: dict[str, int] = {}  # a feature name two tables share: its ids go to both
+        for f, name in enumerate(layout.feature_names):
+            per_name[name] = per_name.get(name, 0) + self.cover[f]
+        self.max_cover = max(per_name.values(), default=1)
+        """The most shard-features one id of a KJT key lands in (the bound on the ids sent)."""
         self._per_keys: dict[tuple[str, ...], tuple] = {}
         self.world = R
 
@@ -248,8 +253,8 @@ class InputDist:
         # clamped: a batch whose lengths overrun the values stays in bounds until every rank
         # has heard of it through the header
         # without dedup the ids buffer is sized by a bound (each id lands in at most
-        # max(cover) shards) instead of a sync; the header's counts say how much is used
-        capacity = None if self.dedup else N * max(self.cover, default=1)
+        # max_cover shards) instead of a sync; the header's counts say how much is used
+        capacity = None if self.dedup else N * self.max_cover
         lengths, ids, w = impl.bucketize(
             parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B,
             capacity=capacity, table=table,

@@ -84,7 +84,8 @@ class TrainPipeline:
         overlap_input: CUDA graph mode: the graph also runs the next batch's input dist, on a
             side stream and the input process group, while this batch trains (the overlap of
             the eager pipeline, inside the graph; the default: 0.1-0.2 ms less per step on two
-            H200s, results equal); False: one batch per graph, in order.
+            H200s, results equal; needs ``own_group``, without it one batch per graph);
+            False: one batch per graph, in order.
     """
 
     def __init__(
@@ -125,8 +126,10 @@ class TrainPipeline:
                     "TrainPipeline(cuda_graph=True): every sharded collection needs "
                     "CommOptions(fixed_shapes=True) (the default input dist syncs with the host)"
                 )
+            # the overlapped input dist needs its own process group: two streams must not
+            # issue collectives on one communicator
             self.graph = GraphedTrainStep(self._step, self.sharded, self.sparse, warmup,
-                                          overlap_input=overlap_input)
+                                          overlap_input=overlap_input and own_group)
 
     def _start(self, batch):
         """Copy ``batch`` to the device and run its input dist (side stream on CUDA)."""
@@ -207,7 +210,7 @@ class GraphedTrainStep:
 
     KEEP = 4  # recent batches kept to name a bad id in
 
-    def __init__(self, step, sharded, sparse, warmup: int = 3, overlap_input: bool = False) -> None:
+    def __init__(self, step, sharded, sparse, warmup: int = 3, overlap_input: bool = True) -> None:
         if warmup < 1:
             raise ValueError(f"warmup: expected >= 1 eager step before the capture, got {warmup}")
         self.step, self.sharded, self.sparse, self.warmup = step, sharded, sparse, warmup

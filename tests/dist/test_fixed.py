@@ -10,6 +10,8 @@
 - the message layout; the output dist's slice path on row-, table- and column-wise plans.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -238,3 +240,65 @@ def _static_copy(rank, world):
 
 def test_static_copy_of_a_fixed_input_dist_output():
     assert all(run_ranks(_static_copy, 2))
+
+
+def _shared_feature(rank, world, bad, kernels):
+    """Feature ``f`` feeds two tables (``a``: 10 rows, row-wise on both ranks; ``b``: 5 rows,
+    table-wise on the last, with ``g``): an id of ``f`` must be valid for both, so it lands in
+    two shard-features, and the fixed-shape check counts both (``cover`` 2 for ``f``).
+    ``kernels``: the send side runs the Triton kernels with their own check (as on CUDA; on
+    the CPU under the interpreter)."""
+    import fbtriton_dist
+    import fbtriton_dist.dist.fixed as fixed_mod
+
+    fixed_mod._KERNELS_ON_CPU = kernels
+    from fbtriton_dist.dist import CommOptions
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    dev = device()
+    configs = [
+        EmbeddingBagConfig(name="a", num_embeddings=10, embedding_dim=4, feature_names=["f"]),
+        EmbeddingBagConfig(name="b", num_embeddings=5, embedding_dim=3,
+                           feature_names=["f", "g"]),
+    ]
+    plan = ShardingPlan(world_size=world, local_world_size=world, tables=(
+        TableSharding(name="a", sharding="row_wise", num_embeddings=10, embedding_dim=4,
+                      shards=(Shard(rank=0, row_start=0, row_end=6, col_start=0, col_end=4),
+                              Shard(rank=1, row_start=6, row_end=10, col_start=0, col_end=4))),
+        TableSharding(name="b", sharding="table_wise", num_embeddings=5, embedding_dim=3,
+                      shards=(Shard(rank=1, row_start=0, row_end=5, col_start=0, col_end=3),)),
+    ))
+    torch.manual_seed(0)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=dev)
+    sgd = fbtriton_dist.optim.SGD()
+    plain = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd)
+    fixed = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd,
+                                comm=CommOptions(fixed_shapes=True))
+    # two samples per rank; f's ids are valid for both tables (< 5) except in the bad batch
+    f_ids = [[1, 4], [0, 3, 2]] if rank == 0 else [[2], [4, 4]]
+    if bad and rank == 1:
+        f_ids[0] = [7]  # a row of a, past b's 5 rows
+    g_ids = [[0], [1, 2]]
+    values = torch.tensor([i for bag in f_ids + g_ids for i in bag])
+    lengths = torch.tensor([len(bag) for bag in f_ids + g_ids])
+    kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths).to(dev)
+    outs = [m(kjt).values().detach() for m in ((fixed,) if bad else (plain, fixed))]
+    if bad:
+        fixed(kjt)  # the flag is read a few steps later
+        fixed.poll_input()
+        return "no error"
+    want = ref(kjt).values().detach()  # the unsharded collection on this rank's samples
+    return (torch.equal(outs[0], outs[1]) and torch.allclose(outs[1], want, atol=1e-6),
+            tuple(outs[1].shape))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fixed_shapes_with_a_feature_two_tables_share(kernels):
+    if kernels and device().type == "cuda":
+        pytest.skip("on CUDA the kernels run in every case")
+    got = run_ranks(_shared_feature, 2, False, kernels)
+    assert got == [(True, (2, 10))] * 2  # f:a, f:b, g:b
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_shared_feature, 2, True, kernels, timeout=120)
+    assert "out of range" in str(info.value) or "found bad input" in str(info.value)
