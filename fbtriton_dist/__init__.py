@@ -1,34 +1,39 @@
 """fbtriton_dist: sharded embedding bags on Triton TBE kernels, a drop-in for TorchRec.
 
-The package imports lazily: ``fbtriton_dist.planner`` and the ``fbtriton-dist plan`` command
+The package imports lazily: ``import fbtriton_dist`` loads nothing, each subpackage
+(``fbtriton_dist.planner``, ``.sharding``, ``.train``, ``.ops``, ...) and each top-level name
+is imported on first use, so ``fbtriton_dist.planner`` and the ``fbtriton-dist plan`` command
 never load torch or triton.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-__all__ = [
-    "EmbeddingBagCollection",
-    "ShardedEmbeddingBagCollection",
-    "TableBatchedEmbedding",
-    "optim",
-    "shard",
-]
+
+SUBMODULES = (
+    "bench", "cli", "graphs", "kernels", "knobs", "modules", "ops", "optim", "planner",
+    "reference", "sharding", "sparse", "train",
+)
+"""What ``fbtriton_dist.<name>`` imports on first use."""
+
+_NAMES = {
+    "EmbeddingBagCollection": "fbtriton_dist.modules.ebc",
+    "TableBatchedEmbedding": "fbtriton_dist.modules.tbe",
+    "ShardedEmbeddingBagCollection": "fbtriton_dist.sharding",
+    "shard": "fbtriton_dist.sharding",
+}
+"""Top-level names and the module each comes from."""
+
+__all__ = [*_NAMES, *SUBMODULES]
 
 
 def __getattr__(name: str):
-    if name == "TableBatchedEmbedding":
-        from fbtriton_dist.modules import TableBatchedEmbedding
-
-        return TableBatchedEmbedding
-    if name == "EmbeddingBagCollection":
-        from fbtriton_dist.modules.ebc import EmbeddingBagCollection
-
-        return EmbeddingBagCollection
-    if name in ("shard", "ShardedEmbeddingBagCollection"):
-        from fbtriton_dist import dist
-
-        return getattr(dist, name)
-    if name == "optim":
-        return importlib.import_module("fbtriton_dist.optim")
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    if name in SUBMODULES:
+        return importlib.import_module(f"fbtriton_dist.{name}")
     raise AttributeError(f"module 'fbtriton_dist' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -57,10 +57,10 @@ case $part in
     if [ $# -gt 0 ]; then
       tests=("$@")
     elif [ "$gpus" -ge 2 ]; then
-      tests=(tests/dist/test_lean.py tests/dist/test_fixed.py tests/dist/test_comm.py
-             tests/dist/test_sharded_ebc.py)
+      tests=(tests/sharding/test_lean.py tests/sharding/test_fixed.py tests/sharding/test_comm.py
+             tests/sharding/test_sharded_ebc.py)
     else
-      tests=(tests/dist/test_lean.py -k graphed)
+      tests=(tests/sharding/test_lean.py -k graphed)
     fi
     FBTD_DIST_BACKEND=nccl timeout "${LIMIT:-560}" "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
       2>&1 | tail -40 | tee "$OUT/dist.txt"

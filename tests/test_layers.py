@@ -14,9 +14,9 @@ ALLOWED = {
     "ops": {"kernels", "reference"},
     "modules": {"ops", "kernels", "reference"},
     "planner": set(),
-    "dist": {"modules", "ops", "kernels", "reference", "planner"},
-    "train": {"dist", "modules", "ops", "planner"},
-    "bench": {"dist", "modules", "ops", "kernels", "reference", "planner", "train"},
+    "sharding": {"modules", "ops", "kernels", "reference", "planner"},
+    "train": {"sharding", "modules", "ops", "planner"},
+    "bench": {"sharding", "modules", "ops", "kernels", "reference", "planner", "train"},
 }
 LEAVES = {"optim", "sparse", "graphs", "__init__"}
 FORBIDDEN = {"planner": {"triton", "torch.distributed"}, "kernels": {"torch.distributed"}}

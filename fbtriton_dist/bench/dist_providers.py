@@ -4,7 +4,7 @@
   (EXACT_ROWWISE_ADAGRAD), the plan's placement given shard for shard; dense parameters under
   its DDP; a plain loop.
 * ``ours_plain``: ``fbtriton_dist.shard(model, plan)`` with default options; a plain loop.
-* ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.dist.pipeline.TrainPipeline``;
+* ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.sharding.pipeline.TrainPipeline``;
   ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
   ``dedup=True``; ``ours_fixed``: with ``fixed_shapes=True`` (no host sync in the step);
   ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True, overlap_input=False)``,
@@ -142,9 +142,9 @@ def _comm_options(options: dict[str, Any]):
     import fbtriton_dist
 
     try:
-        from fbtriton_dist.dist.options import CommOptions
+        from fbtriton_dist.sharding.options import CommOptions
     except ImportError as e:
-        raise Skip(f"fbtriton_dist.dist.options.CommOptions is not importable: {e}") from e
+        raise Skip(f"fbtriton_dist.sharding.options.CommOptions is not importable: {e}") from e
     if "comm" not in inspect.signature(fbtriton_dist.shard).parameters:
         raise Skip("fbtriton_dist.shard() takes no comm= argument yet (CommOptions not wired)")
     return CommOptions(**options)
@@ -152,9 +152,9 @@ def _comm_options(options: dict[str, Any]):
 
 def _pipeline_class():
     try:
-        from fbtriton_dist.dist.pipeline import TrainPipeline
+        from fbtriton_dist.sharding.pipeline import TrainPipeline
     except (ImportError, AttributeError) as e:
-        raise Skip(f"fbtriton_dist.dist.pipeline.TrainPipeline is not importable: {e}") from e
+        raise Skip(f"fbtriton_dist.sharding.pipeline.TrainPipeline is not importable: {e}") from e
     return TrainPipeline
 
 

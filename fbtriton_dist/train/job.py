@@ -266,7 +266,7 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
     # ---- the one multi-rank step: replace every EmbeddingBagCollection by its sharded twin ----
     if env.world_size > 1:
         import fbtriton_dist
-        from fbtriton_dist.dist import CommOptions
+        from fbtriton_dist.sharding import CommOptions
 
         c = cfg.sharding.comm
         wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]

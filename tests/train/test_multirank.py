@@ -145,7 +145,7 @@ def test_sigkill_one_rank_then_resume_repeats_the_uninterrupted_run(tmp_path):
 # Not ("rowwise_adagrad", "cw_dp"): a rowwise Adagrad table keeps one accumulator per row and
 # column slice ([E, slices]), so that state cannot move from other plans' [E, 1] into a
 # column-wise table (DCP refuses the size mismatch). Data-parallel state moves: see
-# tests/dist/test_checkpoint.py.
+# tests/sharding/test_checkpoint.py.
 @pytest.mark.parametrize(
     ("embedding", "plan_3"),
     [("rowwise_adagrad", "tw_rw"), ("adagrad", "cw_dp")],

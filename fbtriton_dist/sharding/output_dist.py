@@ -24,8 +24,8 @@ from itertools import accumulate
 
 import torch
 
-from fbtriton_dist.dist.comm import all_to_all, exchange_sum, own_rows
-from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.sharding.comm import all_to_all, exchange_sum, own_rows
+from fbtriton_dist.sharding.layout import ShardLayout
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The lean step (issue 9) on real gloo groups: CommOptions and TrainPipeline.
 
 - a rank with an empty local batch and KJT keys in another order, every sharding type mixed,
-  after 3 fused steps: equal to the unsharded collection (as tests/dist/test_sharded_ebc.py);
+  after 3 fused steps: equal to the unsharded collection (as tests/sharding/test_sharded_ebc.py);
 - ``dedup=True``: bit-identical to ``dedup=False`` (outputs, weights, optimizer state), and
   the comm report shows the bytes it saved;
 - ``wire_dtype=bf16/fp16``: pooled values and their gradients within one rounding per hop,
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import backend, device, run_ranks
-from tests.dist.test_sharded_ebc import (
+from tests.sharding.harness import backend, device, run_ranks
+from tests.sharding.test_sharded_ebc import (
     BATCH,
     _configs,
     _global_batch,
@@ -41,7 +41,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _shard(ref, kind, world, opt_name, **comm):
     import fbtriton_dist
-    from fbtriton_dist.dist import CommOptions
+    from fbtriton_dist.sharding import CommOptions
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     cls, kwargs = _optimizer(opt_name)
@@ -225,7 +225,7 @@ def _pipeline(rank, world, graph=False, overlap=False):
     6 batches, fixed shapes and a CUDA graph from the third on; eager on the CPU;
     ``overlap``: ``overlap_input=True``, two epochs over the batches)."""
     import fbtriton_dist
-    from fbtriton_dist.dist import CommOptions, TrainPipeline
+    from fbtriton_dist.sharding import CommOptions, TrainPipeline
 
     configs, dev = _configs(False), device()
     sizes = BATCH[:world]
@@ -343,8 +343,8 @@ def test_lengths_that_overrun_the_values_stop_every_rank():
 def test_unique_per_destination_and_message_layout():
     """Dedup's pieces alone, in one process: each destination's distinct ids and the inverse
     map that gives its ids back; a message is deduplicated only where that is smaller."""
-    from fbtriton_dist.dist.input_dist import InputDist, message
-    from fbtriton_dist.dist.layout import ShardLayout
+    from fbtriton_dist.sharding.input_dist import InputDist, message
+    from fbtriton_dist.sharding.layout import ShardLayout
 
     layout = ShardLayout(_configs(False), _plan("mixed", 3), 3)
     inp = InputDist(layout, 0, "cpu", True, [len(layout.local[0])])
@@ -374,7 +374,7 @@ def test_unique_per_destination_and_message_layout():
 
 
 def _job_comm(rank, world, comm=None):
-    from fbtriton_dist.dist import ShardedEmbeddingBagCollection
+    from fbtriton_dist.sharding import ShardedEmbeddingBagCollection
     from fbtriton_dist.train.config import job_from_dict
     from fbtriton_dist.train.job import Env, build, make_plan
     from tests.train.test_job import TINY
@@ -389,7 +389,7 @@ def _job_comm(rank, world, comm=None):
 
 
 def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
-    from fbtriton_dist.dist import CommOptions
+    from fbtriton_dist.sharding import CommOptions
 
     for comms in run_ranks(_job_comm, 2):
         assert comms == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]

@@ -10,7 +10,7 @@ group per host of ``plan.local_world_size`` ranks, made here), then sends them a
 Per step and direction: one bucketize for all features, one header and one data all-to-all
 for the ids (one host sync, for the data all-to-all's split lists), one all-to-all of pooled
 blocks (two for table-row-wise / grid); ``CommOptions`` puts the pooled blocks in bf16/fp16
-and deduplicates ids on the wire. ``fbtriton_dist.dist.pipeline.TrainPipeline`` runs the next
+and deduplicates ids on the wire. ``fbtriton_dist.sharding.pipeline.TrainPipeline`` runs the next
 batch's input dist ahead (``prefetch``).
 """
 
@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.dist.fixed import FixedInputDist
-from fbtriton_dist.dist.input_dist import InputDist, InputDistOut, LookupBatch
-from fbtriton_dist.dist.layout import ShardLayout
-from fbtriton_dist.dist.options import CommOptions
-from fbtriton_dist.dist.output_dist import OutputDist
+from fbtriton_dist.sharding.fixed import FixedInputDist
+from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut, LookupBatch
+from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.output_dist import OutputDist
 from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
@@ -191,7 +191,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """KJT of this rank -> ``(lengths [T, B] of its own bags, the lookup batch of its
         shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync
         (the data all-to-all's split lists; on GPU the bucketize launcher sizes its output
-        with one more), one data all-to-all (``fbtriton_dist.dist.input_dist``)."""
+        with one more), one data all-to-all (``fbtriton_dist.sharding.input_dist``)."""
         out = self.input_dist_(features, self._is_weighted, self.input_group)
         self._last = out.lookup.stats
         return out

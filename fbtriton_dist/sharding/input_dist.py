@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fbtriton_dist import reference
-from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sparse import JaggedBatch, KJTParts, kjt_parts, kjt_to_batch
 
 ALIGN = 8  # bytes: every piece of a message starts aligned, so it can be viewed in place
@@ -51,7 +51,7 @@ class LookupBatch(JaggedBatch):
     """Host numbers of this step for ``comm_report``."""
     groups: tuple = ()
     """With fixed shapes: ``(indices, offsets, per_sample_weights)`` of each TBE group, the
-    indices padded after the last bag to a fixed length (``fbtriton_dist.dist.fixed``);
+    indices padded after the last bag to a fixed length (``fbtriton_dist.sharding.fixed``);
     ``indices``/``offsets`` above are then the first group's."""
 
 

@@ -15,9 +15,9 @@ import copy
 import pytest
 import torch
 
-from tests.dist.harness import device, run_ranks
-from tests.dist.test_lean import _reference, _same, _shard
-from tests.dist.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
+from tests.sharding.harness import device, run_ranks
+from tests.sharding.test_lean import _reference, _same, _shard
+from tests.sharding.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
 
 
 def _local_state(m):
@@ -132,13 +132,13 @@ def test_fixed_shapes_refuses_a_changed_shape(case, message):
 
 
 def test_fixed_message_layout():
-    from fbtriton_dist.dist.fixed import fixed_message
+    from fbtriton_dist.sharding.fixed import fixed_message
 
     m = fixed_message(3, 5, torch.int32, True)
     assert m.pieces == {"meta": (0, torch.int64, 1), "lengths": (8, torch.int32, 3),
                         "ids": (24, torch.int32, 5), "weights": (48, torch.float32, 5)}
     assert m.nbytes == 72
-    from fbtriton_dist.dist import CommOptions
+    from fbtriton_dist.sharding import CommOptions
 
     with pytest.raises(ValueError, match="dedup"):
         CommOptions(fixed_shapes=True, dedup=True)
@@ -213,7 +213,7 @@ def _static_copy(rank, world):
 
     from torchrec.modules.embedding_configs import DataType
 
-    from fbtriton_dist.dist.pipeline import _dist_tensors, _static_dist_out
+    from fbtriton_dist.sharding.pipeline import _dist_tensors, _static_dist_out
 
     configs = [dataclasses.replace(c, data_type=DataType.FP16) if c.name in ("rw", "tw") else c
                for c in _configs(True)]
@@ -249,10 +249,10 @@ def _shared_feature(rank, world, bad, kernels):
     ``kernels``: the send side runs the Triton kernels with their own check (as on CUDA; on
     the CPU under the interpreter)."""
     import fbtriton_dist
-    import fbtriton_dist.dist.fixed as fixed_mod
+    import fbtriton_dist.sharding.fixed as fixed_mod
 
     fixed_mod._KERNELS_ON_CPU = kernels
-    from fbtriton_dist.dist import CommOptions
+    from fbtriton_dist.sharding import CommOptions
     from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fbtriton_dist.dist.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.graphs import joined_at_exit
 
 
@@ -469,7 +469,7 @@ def _dist_tensors(out, like):
 def _static_dist_out(out):
     """A copy of a fixed-shape input dist output in buffers of its own (the first group's
     tensors stay the lookup's ``indices``/``offsets``/``per_sample_weights``)."""
-    from fbtriton_dist.dist.input_dist import InputDistOut
+    from fbtriton_dist.sharding.input_dist import InputDistOut
 
     groups = tuple(tuple(x.clone() if x is not None else None for x in g)
                    for g in out.lookup.groups)

@@ -1,4 +1,4 @@
-"""Collectives with gradients, each testable alone (tests/dist/test_comm.py)."""
+"""Collectives with gradients, each testable alone (tests/sharding/test_comm.py)."""
 
 from collections.abc import Sequence
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fbtriton_dist import reference
-from fbtriton_dist.dist.input_dist import (
+from fbtriton_dist.sharding.input_dist import (
     InputDist,
     InputDistOut,
     LookupBatch,
@@ -40,7 +40,7 @@ from fbtriton_dist.dist.input_dist import (
     _padded,
     _view,
 )
-from fbtriton_dist.dist.layout import ShardLayout
+from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sparse import kjt_parts
 
 _KERNELS_ON_CPU = False  # tests: the Triton send path (TRITON_INTERPRET=1) on the CPU too

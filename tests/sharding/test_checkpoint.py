@@ -3,8 +3,8 @@
 
 import torch
 
-from tests.dist.harness import device, run_ranks
-from tests.dist.test_sharded_ebc import _configs, _global_batch, _kjt, _plan
+from tests.sharding.harness import device, run_ranks
+from tests.sharding.test_sharded_ebc import _configs, _global_batch, _kjt, _plan
 
 GLOBAL_B = 10
 SPLITS = {2: [5, 5], 3: [3, 5, 2]}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.harness import device, run_ranks
+from tests.sharding.harness import device, run_ranks
 
 BATCH = [3, 5, 2, 4, 1, 6, 2, 3]  # local batch sizes of ranks 0, 1, 2, ...
 
