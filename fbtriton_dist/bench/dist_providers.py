@@ -4,7 +4,8 @@
   (EXACT_ROWWISE_ADAGRAD), the plan's placement given shard for shard; dense parameters under
   its DDP; a plain loop.
 * ``ours_plain``: ``fbtriton_dist.shard(model, plan)`` with default options; a plain loop.
-* ``ours_lean``: ``shard(..., comm=CommOptions())`` + ``fbtriton_dist.sharding.pipeline.TrainPipeline``;
+* ``ours_lean``: ``shard(..., comm=CommOptions())`` +
+  ``fbtriton_dist.sharding.pipeline.TrainPipeline``;
   ``ours_lean_bf16``: the same with ``wire_dtype=torch.bfloat16``; ``ours_dedup``: with
   ``dedup=True``; ``ours_fixed``: with ``fixed_shapes=True`` (no host sync in the step);
   ``ours_graph``: fixed shapes and ``TrainPipeline(cuda_graph=True, overlap_input=False)``,

@@ -94,7 +94,7 @@ class FixedInputDist(InputDist):
         rows = got.tolist()  # the one host read, once
         sizes, caps = [r[0] for r in rows], [r[1] for r in rows]
         self.agreed = (sizes, caps)
-        me, n_local = self.rank, self.n_sf[self.rank]
+        n_local = self.n_sf[self.rank]
         # one id dtype on every wire (int32 unless some rank holds a shard of >= 2**31 rows):
         # the send buffer is then one typed view, written by one bucketize
         wire = torch.int64 if torch.int64 in self.id_dtype else torch.int32

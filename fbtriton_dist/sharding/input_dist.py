@@ -9,9 +9,9 @@ One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key orde
 2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
    per destination its id count per shard-feature, this rank's batch size, a failure flag
    (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, its
-   distinct ids per shard-feature. **The one host sync of the step** reads it back: the data all-to-all
-   below needs host split lists (``all_to_all_single``'s contract), and every other size on
-   the host (received ids, TBE group bounds, the comm report) comes from the same read.
+   distinct ids per shard-feature. **The one host sync of the step** reads it back: the data
+   all-to-all below needs host split lists (``all_to_all_single``'s contract), and every other
+   size on the host (received ids, TBE group bounds, the comm report) comes from the same read.
 3. data all-to-all: one byte message per (source, destination) pair holding, each piece
    padded to 8 bytes, the bag lengths (int32), the ids (int32 when every shard of the
    destination has fewer than 2**31 rows, else int64), with dedup each shard-feature's
@@ -417,7 +417,8 @@ class InputDist:
                 # start in the message (from the header on the device)
                 counts, distinct = hdr_recv[r, :n_local], hdr_recv[r, self.n_max :][:n_local]
                 start = torch.repeat_interleave(
-                    torch.cumsum(distinct, 0) - distinct, counts, output_size=msg.pieces["inverse"][2]
+                    torch.cumsum(distinct, 0) - distinct, counts,
+                    output_size=msg.pieces["inverse"][2],
                 )
                 inverse = piece("inverse")
                 inv = inverse.to(torch.int64)

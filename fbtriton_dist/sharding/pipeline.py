@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.graphs import joined_at_exit
+from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 
 
 def _default_loss(model: nn.Module, batch) -> torch.Tensor:

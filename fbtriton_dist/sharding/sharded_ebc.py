@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
+from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.fixed import FixedInputDist
 from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut, LookupBatch
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sharding.options import CommOptions
 from fbtriton_dist.sharding.output_dist import OutputDist
-from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
-from fbtriton_dist.modules.tbe import TableBatchedEmbedding
-from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sparse import keyed_tensor
 
 

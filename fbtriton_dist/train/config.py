@@ -225,7 +225,8 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CommConfig:
-    """How the sharded collections talk (``fbtriton_dist.sharding.CommOptions``); exact by default."""
+    """How the sharded collections talk (``fbtriton_dist.sharding.CommOptions``); exact by
+    default."""
 
     wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Pooled embeddings and their gradients on the wire (summed in fp32)."""

@@ -88,7 +88,6 @@ def _exchange_sum_as_reduce_scatter(rank, world):
     tensors, and that it was taken."""
     import torch.distributed as dist
 
-    from fbtriton_dist.sharding import comm
 
     calls = []
 

@@ -252,9 +252,10 @@ def _shared_feature(rank, world, bad, kernels):
     import fbtriton_dist.sharding.fixed as fixed_mod
 
     fixed_mod._KERNELS_ON_CPU = kernels
-    from fbtriton_dist.sharding import CommOptions
-    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+    from fbtriton_dist.sharding import CommOptions
 
     dev = device()
     configs = [

@@ -40,9 +40,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _shard(ref, kind, world, opt_name, **comm):
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
     import fbtriton_dist
     from fbtriton_dist.sharding import CommOptions
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     cls, kwargs = _optimizer(opt_name)
     copied = copy.deepcopy(ref)
@@ -51,8 +52,9 @@ def _shard(ref, kind, world, opt_name, **comm):
 
 
 def _reference(configs, weighted, opt_name, dev):
-    import fbtriton_dist
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
 
     torch.manual_seed(0)
     ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=weighted, device=dev)
@@ -317,8 +319,9 @@ def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop(world, overla
 
 
 def _lengths_overrun(rank, world):
-    import fbtriton_dist
     from torchrec import KeyedJaggedTensor
+
+    import fbtriton_dist
 
     configs = _configs(False)
     ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())

@@ -146,8 +146,9 @@ def _optimizer(name):
 
 
 def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted, H=None):
-    import fbtriton_dist
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
 
     configs = _configs(weighted)
     dev = device()
@@ -259,8 +260,9 @@ def test_two_hosts_sum_inside_the_host_then_send_one_block_across():
 
 
 def _bad_id_on_one_rank(rank, world):
-    import fbtriton_dist
     from torchrec import KeyedJaggedTensor
+
+    import fbtriton_dist
 
     configs = _configs(False)
     ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
@@ -347,10 +349,10 @@ def test_comm_bytes_per_collective(world):
 
 
 def _dlrm_and_meta(rank, world):
-    import fbtriton_dist
     import torchrec
     from torchrec.models.dlrm import DLRM
 
+    import fbtriton_dist
     from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 
     configs = [
