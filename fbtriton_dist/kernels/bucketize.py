@@ -8,11 +8,11 @@ shard-features are listed destination rank by destination rank), then sample, th
 original order.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from fbtriton_dist import knobs
 
 
 @triton.jit
@@ -219,13 +219,9 @@ def launch_config() -> tuple[int, int, int]:
     one rank 61 (32 bags x 32 ids x 4 warps, the old default: 114), two row-wise shards per
     feature 73 (109). Bigger tiles took 108-168 registers per thread, so few programs fit on
     an SM. ``FBTD_BUCKETIZE=bags,block,warps`` overrides it (powers of two)."""
-    override = os.environ.get("FBTD_BUCKETIZE")
-    if not override:
+    fields = knobs.bucketize_config()
+    if fields is None:
         return 8, 16, 1
-    fields = [int(x) for x in override.split(",")]
-    if len(fields) != 3 or any(x < 1 or x & (x - 1) for x in fields):
-        raise ValueError(f"FBTD_BUCKETIZE: expected bags,block,warps (powers of two), got "
-                         f"{override!r}")
     return fields[0], fields[1], fields[2]
 
 

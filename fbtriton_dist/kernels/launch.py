@@ -10,12 +10,13 @@ the interpreter) uses Triton's own path every time.
 """
 
 import inspect
-import os
 
 import torch
 import triton
 
-_ENABLED = os.environ.get("FBTD_FAST_LAUNCH", "1") != "0"
+from fbtriton_dist import knobs
+
+_ENABLED = knobs.FAST_LAUNCH
 
 
 def _int_key(v: int, specialize: bool):

@@ -23,13 +23,12 @@ No atomics: results are bit-identical run to run.
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from fbtriton_dist import optim
+from fbtriton_dist import knobs, optim
 from fbtriton_dist.kernels.launch import Launcher
 from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz, key_dtype
 
@@ -485,11 +484,7 @@ def backward_config(max_D: int) -> tuple[int, int, int, int, int]:
     fields it gives (maxnreg 0: no cap)."""
     _, block_d = block_sizes(max_D)
     runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
-    override = os.environ.get("FBTD_TBE_BWD")
-    given = [int(x) for x in override.split(",")] if override else []
-    if len(given) > 5:
-        raise ValueError(f"FBTD_TBE_BWD={override!r}: expected at most 5 fields "
-                         "(runs,num_warps,ids,chunk,maxnreg)")
+    given = knobs.tbe_backward_config() or []
     # the fields not given keep the heuristic's values (the cap follows num_warps)
     runs, num_warps, ids, chunk = (given + [runs, num_warps, ids, chunk][len(given):])[:4]
     maxnreg = given[4] if len(given) == 5 else (64 if num_warps == 1 else 0)

@@ -6,12 +6,11 @@ columns ``D_offsets[f] : D_offsets[f + 1]``. ``offsets`` has length T*B+1, featu
 ``(f, b)`` holds ``indices[offsets[f*B + b] : offsets[f*B + b + 1]]``.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from fbtriton_dist import knobs
 from fbtriton_dist.kernels.launch import Launcher
 
 POOL_SUM = 0
@@ -289,11 +288,8 @@ def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
     num_warps = 1 if block_d <= 256 else 2
     block_l = max(1, 2048 // block_d) if block_d > 256 else 4
     maxnreg = 0
-    override = os.environ.get("FBTD_TBE_FWD")
-    if override:
-        fields = [int(x) for x in override.split(",")]
-        if len(fields) not in (2, 3):
-            raise ValueError(f"FBTD_TBE_FWD: expected block_l,num_warps[,maxnreg], got {override!r}")
+    fields = knobs.tbe_forward_config()
+    if fields:
         block_l, num_warps = fields[:2]
         maxnreg = fields[2] if len(fields) == 3 else 0
     return block_l, block_d, num_warps, maxnreg

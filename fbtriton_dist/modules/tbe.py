@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.ops import backend as backends
 from fbtriton_dist.ops.tbe import (
     BoundsCheck,
     BoundsMonitor,
     FusedOptimizer,
     TBELayout,
     capturing,
-    check_backend,
     tbe_lookup,
 )
 
@@ -42,6 +42,9 @@ class TableBatchedEmbedding(nn.Module):
         backend: ``"auto"`` (Triton for CUDA weights, the PyTorch reference on CPU),
             ``"triton"`` or ``"reference"``.
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
+        plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
+            stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
+            ``FBTD_TBE_AHEAD=0``; True on the CPU: in the forward, in order.
 
     ``forward(indices [N], offsets [T*B+1], per_sample_weights [N] | None) -> [B, sum(D)]``.
 
@@ -73,6 +76,7 @@ class TableBatchedEmbedding(nn.Module):
         seed: int | None = None,
         weights: torch.Tensor | None = None,
         init_weights: bool = True,
+        plan_ahead: bool | None = None,
     ) -> None:
         super().__init__()
         tables = [(int(E), int(D)) for E, D in tables]
@@ -94,10 +98,7 @@ class TableBatchedEmbedding(nn.Module):
                 f"weights_dtype/output_dtype: expected one of {WEIGHT_DTYPES}, got "
                 f"{weights_dtype}/{output_dtype}"
             )
-        if backend not in ("auto", "triton", "reference"):
-            raise ValueError(
-                f"backend: expected one of ['auto', 'triton', 'reference'], got {backend!r}"
-            )
+        backends.check_choice(backend)
         if bounds_check not in ("error", "warn", "ignore"):
             raise ValueError(
                 f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
@@ -118,6 +119,7 @@ class TableBatchedEmbedding(nn.Module):
         self.bounds_check = bounds_check
         self._bounds_monitor = BoundsMonitor()
         self.backend = backend
+        self.plan_ahead = plan_ahead
         self.stochastic_rounding = stochastic_rounding
         self.sparse = sparse
         # fused updates taken, counted on the device by the backward (so that a replayed CUDA
@@ -257,10 +259,9 @@ class TableBatchedEmbedding(nn.Module):
                 align //= 2
         return align
 
-    def resolved_backend(self) -> Literal["triton", "reference"]:
-        if self.backend != "auto":
-            return self.backend
-        return "triton" if self.weights.device.type == "cuda" else "reference"
+    def resolved_backend(self) -> backends.Backend:
+        """What runs the lookups: ``backend`` with ``"auto"`` resolved for the weights' device."""
+        return backends.resolve(self.backend, self.weights.device)
 
     def forward(
         self,
@@ -282,7 +283,6 @@ class TableBatchedEmbedding(nn.Module):
         ``grad_targets`` (one ``[E_t, D_t]`` tensor per table, e.g. per-table parameters that
         are views of ``weights``) instead of to ``weights``."""
         backend = self.resolved_backend()
-        check_backend(backend, self.weights.device)
         fused = None
         if self.optimizer is not None:
             fused = FusedOptimizer(
@@ -310,6 +310,7 @@ class TableBatchedEmbedding(nn.Module):
             grad_targets=grad_targets,
             table_offsets=self.table_offsets,
             monitor=self._bounds_monitor,
+            plan_ahead=self.plan_ahead,
         )
 
     def poll_bounds_check(self) -> None:

@@ -5,7 +5,6 @@ Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B
 """
 
 import collections
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,10 +12,11 @@ from typing import Literal
 
 import torch
 
-from fbtriton_dist import graphs, optim, reference
+from fbtriton_dist import graphs, knobs, optim, reference
+from fbtriton_dist.ops.backend import Backend, check_backend
+from fbtriton_dist.ops.backend import implementation as _impl
 
 BoundsCheck = Literal["error", "warn", "ignore"]
-Backend = Literal["triton", "reference"]
 
 
 @dataclass(kw_only=True, frozen=True, eq=False)
@@ -102,24 +102,6 @@ def check_capturable(
         raise RuntimeError(
             "TBE lookup under CUDA graph capture: bounds_check='warn' needs a BoundsMonitor "
             "(the module's) to count dropped ids over replays; pass monitor= or use 'ignore'"
-        )
-
-
-def _impl(backend: Backend):
-    if backend == "triton":
-        from fbtriton_dist import kernels  # noqa: PLC0415 (triton only when asked for)
-
-        return kernels
-    return reference
-
-
-def check_backend(backend: Backend, device: torch.device) -> None:
-    """Refuse Triton on CPU tensors unless the interpreter is on (it must be set before import)."""
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "backend='triton' on CPU tensors runs the kernels in Triton's interpreter: set "
-            "TRITON_INTERPRET=1 in the environment before Python starts (before triton is "
-            "imported), or use backend='reference' / 'auto' on CPU"
         )
 
 
@@ -215,23 +197,21 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     return indices[keep], new_offsets, psw
 
 
-_NUM_INPUTS = 14  # _TBELookup.forward's inputs before *grad_targets
+_NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
 
 # The backward's first half (linearize the ids into row keys, sort them, number their runs)
 # reads only the batch, not the gradient: on CUDA it runs on a side stream that starts with
 # the forward, beside it and the rest of the model, its loss and the output dist, and the
-# forward kernel then writes no keys. FBTD_TBE_AHEAD=0 keeps it in the forward/backward (to
-# measure the difference).
-_AHEAD = os.environ.get("FBTD_TBE_AHEAD", "1") != "0"
+# forward kernel then writes no keys. FBTD_TBE_AHEAD=0 (``knobs.TBE_AHEAD``) keeps it in the
+# forward/backward (to measure the difference); ``tbe_lookup(plan_ahead=...)`` decides per call.
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-_AHEAD_ON_CPU = False  # tests: make the plan in the forward on the CPU too (no stream there)
 
 
 def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
                 check: bool, here: bool = False):
     """Linearize + ``tbe_backward_plan`` of a training batch on a side stream, forked from the
     current stream before the forward is queued: (plan, its done event, the event after which
-    the side stream no longer reads the batch). On the CPU (tests: ``_AHEAD_ON_CPU``) it is
+    the side stream no longer reads the batch). On the CPU (``plan_ahead=True``) it is
     made here, in order, and the events are None; so with ``here`` (a retained graph's
     second backward, whose plan the first one freed)."""
 
@@ -308,6 +288,7 @@ class _TBELookup(torch.autograd.Function):
         table_offsets,
         err,
         training,
+        plan_ahead,
         *grad_targets,
     ):
         ctx.weights = weights
@@ -316,8 +297,7 @@ class _TBELookup(torch.autograd.Function):
         impl = _impl(backend)
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
-        if (linearize and _AHEAD and backend == "triton"
-                and (weights.device.type == "cuda" or _AHEAD_ON_CPU)):
+        if linearize and plan_ahead and backend == "triton":
             plan, done, consumed = _plan_ahead(impl, layout, pooling, indices, offsets,
                                                per_sample_weights, check=err is not None)
             ctx.plan, ctx.ahead_check = (plan, done), err is not None
@@ -464,6 +444,7 @@ def tbe_lookup(
     grad_targets: Sequence[torch.Tensor] | None = None,
     table_offsets: Sequence[int] | None = None,
     monitor: "BoundsMonitor | None" = None,
+    plan_ahead: bool | None = None,
 ) -> torch.Tensor:
     """Pooled embedding lookup of T features; ``[B, sum(D)]``.
 
@@ -485,6 +466,10 @@ def tbe_lookup(
     counter over replays (``BoundsMonitor.poll()`` reports them), ``"ignore"`` checks nothing;
     ``"error"``, the reference backend, plain (not fused) gradients and a per-sample-weight
     gradient read device values on the host and raise a ``RuntimeError`` naming the option.
+
+    ``plan_ahead``: make a training batch's backward plan (its sorted row keys) on a side
+    stream beside the forward (Triton backend). None: on CUDA unless ``FBTD_TBE_AHEAD=0``;
+    True on the CPU makes it in the forward, in order (no stream there).
     """
     check_backend(backend, weights.device)
     check_shapes(indices, offsets, per_sample_weights, layout)
@@ -519,6 +504,8 @@ def tbe_lookup(
         err = torch.zeros(3, dtype=torch.int64, device=weights.device)
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.replay_counts(weights.device)  # allocated now, before any capture
+    if plan_ahead is None:
+        plan_ahead = knobs.TBE_AHEAD and weights.device.type == "cuda"
     out = _TBELookup.apply(
         weights,
         anchor,
@@ -534,6 +521,7 @@ def tbe_lookup(
         table_offsets,
         err,
         training,
+        plan_ahead,
         *targets,
     )
     if err is not None and not in_capture:

@@ -31,6 +31,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.optim import apply_optimizer_in_backward
 
+from fbtriton_dist import knobs
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.planner import (
     ConfigError,
@@ -69,7 +70,6 @@ __all__ = [
 ]
 
 GiB = 1024**3
-PG_TIMEOUT_S = float(os.environ.get("FBTD_PG_TIMEOUT_S", "600"))
 """Collectives that wait longer than this fail the job instead of hanging it."""
 # the planner's state-size model knows no elementwise Adagrad: count it as Adam (conservative)
 _PLANNER_OPTIMIZER = {
@@ -108,7 +108,7 @@ def distributed(device: str = "auto", group_of_one: bool = False) -> Iterator[En
         return
     dist.init_process_group(
         backend="nccl" if cuda else "gloo",
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=knobs.pg_timeout_s()),
         device_id=dev if cuda else None,
     )
     try:

@@ -1,5 +1,5 @@
 """The backward's sort made ahead (``ops.tbe._plan_ahead``): on CUDA, on a side stream right
-after the forward; on the CPU here, in order (``_AHEAD_ON_CPU``). Either way the results must be
+after the forward; on the CPU here, in order (``plan_ahead=True``). Either way the results must be
 bit-identical to the backward that sorts by itself: outputs, gradients, updated rows, optimizer
 state and the step counter, over several steps."""
 
@@ -43,9 +43,11 @@ def _batches(steps: int, id_dtype, pad: int, bad: bool = False):
     return out
 
 
-def _train(optimizer: str, pooling: str, weighted: bool, batches, bounds: str = "ignore"):
+def _train(optimizer: str, pooling: str, weighted: bool, batches, bounds: str = "ignore",
+           ahead: bool = False):
     tbe = TableBatchedEmbedding(TABLES, FTM, pooling=pooling, optimizer=OPTIMIZERS[optimizer](),
-                                backend="triton", device=DEVICE, seed=2, bounds_check=bounds)
+                                backend="triton", device=DEVICE, seed=2, bounds_check=bounds,
+                                plan_ahead=ahead)
     with torch.no_grad():
         tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
     outs = []
@@ -61,11 +63,6 @@ def _train(optimizer: str, pooling: str, weighted: bool, batches, bounds: str = 
     return outs, state, tbe.step
 
 
-def _ahead(monkeypatch, on: bool) -> None:
-    monkeypatch.setattr(ops_tbe, "_AHEAD", on)
-    monkeypatch.setattr(ops_tbe, "_AHEAD_ON_CPU", on)
-
-
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("sum", True), ("mean", False)])
 def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, weighted,
@@ -73,10 +70,9 @@ def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, 
     batches = _batches(3, torch.int32 if weighted else torch.int64, pad=5)
     results, real = [], ops_tbe._plan_ahead
     for on in (False, True):
-        _ahead(monkeypatch, on)
         seen = []
         monkeypatch.setattr(ops_tbe, "_plan_ahead", lambda *a, seen=seen, **k: seen.append(1) or real(*a, **k))
-        results.append(_train(optimizer, pooling, weighted, batches))
+        results.append(_train(optimizer, pooling, weighted, batches, ahead=on))
         assert len(seen) == (3 if on else 0)
     (outs0, state0, step0), (outs1, state1, step1) = results
     assert step0 == step1 == (3 if optimizer != "plain" else 0)
@@ -85,29 +81,27 @@ def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, 
 
 
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_plan_made_ahead_drops_the_ids_the_forward_drops(pooling, monkeypatch):
+def test_plan_made_ahead_drops_the_ids_the_forward_drops(pooling):
     """bounds_check="warn": out-of-range ids are dropped by the forward and by the side
     stream's linearize alike (no gradient, not counted in a mean)."""
     batches = _batches(2, torch.int64, pad=0, bad=True)
     results = []
     for on in (False, True):
-        _ahead(monkeypatch, on)
         with pytest.warns(UserWarning):
-            results.append(_train("rowwise", pooling, False, batches, bounds="warn"))
+            results.append(_train("rowwise", pooling, False, batches, bounds="warn", ahead=on))
     (outs0, state0, _), (outs1, state1, _) = results
     for a, b in zip(outs0 + state0, outs1 + state1, strict=True):
         assert torch.equal(a, b)
 
 
-def test_a_forward_without_backward_leaves_the_next_step_right(monkeypatch):
+def test_a_forward_without_backward_leaves_the_next_step_right():
     """A training forward whose backward never comes (its plan is dropped) neither counts a
     step nor disturbs the next one."""
     batches = _batches(2, torch.int64, pad=0)
     results = []
     for skip in (False, True):
-        _ahead(monkeypatch, True)
         tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=optim.RowWiseAdagrad(lr=0.1),
-                                    backend="triton", device=DEVICE, seed=2)
+                                    backend="triton", device=DEVICE, seed=2, plan_ahead=True)
         with torch.no_grad():
             tbe.weights.copy_(torch.linspace(-1, 1, tbe.weights.numel()))
         if skip:
@@ -122,7 +116,7 @@ def test_a_forward_without_backward_leaves_the_next_step_right(monkeypatch):
 
 
 @pytest.mark.parametrize("bounds", ["ignore", "warn"])
-def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds, monkeypatch):
+def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds):
     """``backward(retain_graph=True)`` then ``backward()`` (plain gradients): the second pass
     reuses the plan kept with the graph and equals the first, with dropped ids ("warn") or
     padding after the last bag ("ignore")."""
@@ -130,9 +124,8 @@ def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds, monkeypatch)
     offsets = torch.tensor([0, 2, 3, 4, 5])  # T=2 (tables of 9 and 5 rows), B=2
     grads = []
     for on in (False, True):
-        _ahead(monkeypatch, on)
         tbe = TableBatchedEmbedding([(9, 8), (5, 8)], backend="triton", device=DEVICE,
-                                    bounds_check=bounds)
+                                    bounds_check=bounds, plan_ahead=on)
         out = tbe(ids.to(DEVICE), offsets.to(DEVICE))
         g = torch.ones(2, 16, device=DEVICE)
         with warnings.catch_warnings():
@@ -148,16 +141,15 @@ def test_a_retained_graph_backs_up_twice_with_the_same_plan(bounds, monkeypatch)
 
 
 @requires_cuda
-def test_the_side_stream_is_joined_before_the_backward_reads_the_plan(monkeypatch):
+def test_the_side_stream_is_joined_before_the_backward_reads_the_plan():
     """On CUDA, with a long queue on the main stream before the lookup (so a missing join would
     read an unfinished sort), the result equals the plan-free backward."""
     assert HAS_CUDA
     batches = _batches(2, torch.int64, pad=3)
     results = []
     for on in (False, True):
-        monkeypatch.setattr(ops_tbe, "_AHEAD", on)
         torch.cuda._sleep(50_000_000)  # ~tens of ms of queued work
-        results.append(_train("rowwise", "sum", False, batches))
+        results.append(_train("rowwise", "sum", False, batches, ahead=on))
     for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
         assert torch.equal(a, b)
 

@@ -1,0 +1,93 @@
+"""Every ``FBTD_*`` environment variable the package reads, read here and nowhere else.
+
+A knob changes how fast something runs or how long it waits, never a result. Each is listed
+in ``KNOBS`` (name -> what it does, its default) and in DEVELOPERS.md. Two are read once, when
+this module is first imported (``FBTD_FAST_LAUNCH``, ``FBTD_TBE_AHEAD``: set them before
+Python starts); the launch-config overrides are read at every call, so that a sweep
+(``python -m fbtriton_dist.bench.tbe_sweep``) can set them between launches.
+
+The shell entry points have their own (``FBTD_VENV``, ``FBTD_JOB``, ``FBTD_DEV``,
+``FBTD_TEST_WORKERS`` in ``launch/*.sh``) and the tests one (``FBTD_DIST_BACKEND`` in
+``tests/sharding/harness.py``); they never reach the package.
+"""
+
+import os
+
+KNOBS: dict[str, tuple[str, str]] = {
+    "FBTD_FAST_LAUNCH": (
+        "0: launch every Triton kernel through Triton's own path (kernels/launch.py), "
+        "instead of the cached launcher", "1"),
+    "FBTD_TBE_AHEAD": (
+        "0: sort the backward's keys in the backward, not on a side stream beside the "
+        "forward (ops/tbe.py; to measure the difference)", "1"),
+    "FBTD_TBE_FWD": (
+        "block_l,num_warps[,maxnreg]: the TBE forward kernel's launch config "
+        "(kernels/tbe_forward.py)", "the shape heuristic"),
+    "FBTD_TBE_BWD": (
+        "runs,num_warps[,ids[,chunk[,maxnreg]]]: the TBE backward kernels' launch config; "
+        "fields not given keep the heuristic's (kernels/tbe_backward.py)", "the heuristic"),
+    "FBTD_BUCKETIZE": (
+        "bags,block,warps (powers of two): the bucketize kernels' launch config "
+        "(kernels/bucketize.py)", "8,16,1"),
+    "FBTD_PG_TIMEOUT_S": (
+        "seconds a collective of the training job waits before the process group fails "
+        "(train/job.py)", "600"),
+}
+"""name -> (what it does, its default)."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, KNOBS[name][1]) != "0"
+
+
+FAST_LAUNCH: bool = _flag("FBTD_FAST_LAUNCH")
+"""``FBTD_FAST_LAUNCH``, read at import."""
+TBE_AHEAD: bool = _flag("FBTD_TBE_AHEAD")
+"""``FBTD_TBE_AHEAD``, read at import."""
+
+
+def _ints(name: str, counts: tuple[int, ...], form: str) -> list[int] | None:
+    """The comma-separated integers of knob ``name`` (None when unset or empty); raises
+    ValueError naming the knob, the expected ``form`` and the value."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        fields = [int(x) for x in raw.split(",")]
+    except ValueError:
+        fields = []
+    if len(fields) not in counts:
+        raise ValueError(f"{name}: expected {form}, got {raw!r}")
+    return fields
+
+
+def tbe_forward_config() -> list[int] | None:
+    """``FBTD_TBE_FWD`` as ``[block_l, num_warps]`` or ``[block_l, num_warps, maxnreg]``."""
+    return _ints("FBTD_TBE_FWD", (2, 3), "block_l,num_warps[,maxnreg]")
+
+
+def tbe_backward_config() -> list[int] | None:
+    """``FBTD_TBE_BWD``: 1 to 5 of ``runs, num_warps, ids, chunk, maxnreg``."""
+    return _ints("FBTD_TBE_BWD", (1, 2, 3, 4, 5),
+                 "at most 5 fields (runs,num_warps,ids,chunk,maxnreg)")
+
+
+def bucketize_config() -> list[int] | None:
+    """``FBTD_BUCKETIZE`` as ``[bags, block, warps]``, each a power of two."""
+    fields = _ints("FBTD_BUCKETIZE", (3,), "bags,block,warps (powers of two)")
+    if fields is not None and any(x < 1 or x & (x - 1) for x in fields):
+        raise ValueError("FBTD_BUCKETIZE: expected bags,block,warps (powers of two), got "
+                         f"{os.environ['FBTD_BUCKETIZE']!r}")
+    return fields
+
+
+def pg_timeout_s() -> float:
+    """``FBTD_PG_TIMEOUT_S``: the training job's collective timeout in seconds (> 0)."""
+    raw = os.environ.get("FBTD_PG_TIMEOUT_S", KNOBS["FBTD_PG_TIMEOUT_S"][1])
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"FBTD_PG_TIMEOUT_S: expected a number of seconds > 0, got {raw!r}")
+    return value
