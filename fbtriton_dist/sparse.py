@@ -150,3 +150,14 @@ def permute_segments(
 def keyed_tensor(keys: Sequence[str], dims: Sequence[int], values: torch.Tensor) -> KeyedTensor:
     """``[B, sum(dims)]`` pooled embeddings as a KeyedTensor, one key per feature."""
     return KeyedTensor(keys=list(keys), length_per_key=list(dims), values=values, key_dim=1)
+
+
+def padded_kjt(features: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
+    """A KeyedJaggedTensor with ``features``' keys and (copied) lengths over fresh zero
+    values (and weights) of ``capacity`` slots: the static buffers a captured step reads."""
+    w = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=features.keys(), values=features.values().new_zeros(capacity),
+        lengths=features.lengths().clone(),
+        weights=w.new_zeros(capacity) if w is not None else None,
+    )

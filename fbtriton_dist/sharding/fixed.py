@@ -31,19 +31,16 @@ import collections
 import torch
 import torch.distributed as dist
 
-from fbtriton_dist import reference
+from fbtriton_dist.ops import bucketize as ops
 from fbtriton_dist.sharding.input_dist import (
     InputDist,
     InputDistOut,
     LookupBatch,
     Message,
-    _padded,
-    _view,
+    _with_stats,
 )
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sparse import kjt_parts
-
-_KERNELS_ON_CPU = False  # tests: the Triton send path (TRITON_INTERPRET=1) on the CPU too
 
 
 def fixed_message(n_lengths: int, capacity: int, id_dtype, weighted: bool) -> Message:
@@ -52,18 +49,14 @@ def fixed_message(n_lengths: int, capacity: int, id_dtype, weighted: bool) -> Me
              ("ids", id_dtype, capacity)]
     if weighted:
         parts.append(("weights", torch.float32, capacity))
-    pieces, offset = {}, 0
-    for name, dtype, n in parts:
-        pieces[name] = (offset, dtype, n)
-        offset += _padded(n * dtype.itemsize)
-    return Message(pieces=pieces, nbytes=offset, raw_bytes=offset)
+    return Message.of(parts)
 
 
 class FixedInputDist(InputDist):
     """The input dist with fixed message sizes (module docstring).
 
     Args:
-        layout, rank, device, group_sizes: as ``InputDist``.
+        layout, rank, device, group_sizes, backend: as ``InputDist``.
         max_ids: the most ids one rank's batch may hold (``KeyedJaggedTensor.values()``
             length; a longer values tensor whose lengths use fewer is fine). None: the first
             batch's.
@@ -71,9 +64,9 @@ class FixedInputDist(InputDist):
 
     DEPTH = 4  # steps the failure flags may lag behind
 
-    def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int],
-                 max_ids: int | None = None) -> None:
-        super().__init__(layout, rank, device, dedup=False, group_sizes=group_sizes)
+    def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int], *,
+                 max_ids: int | None = None, backend: str = "auto") -> None:
+        super().__init__(layout, rank, device, group_sizes, backend=backend)
         if max_ids is not None and max_ids < 0:
             raise ValueError(f"max_ids: expected >= 0, got {max_ids}")
         self.max_ids = max_ids
@@ -82,7 +75,6 @@ class FixedInputDist(InputDist):
         """Sticky device flag: some rank sent bad input since the last ``reset_failed()``
         (a graph replay updates it; ``poll()`` reads it)."""
         self._pending: collections.deque = collections.deque()
-        self._covers: dict[tuple[str, ...], torch.Tensor | None] = {}
 
     # -- the first call: agree on the shapes -------------------------------------------------
     def _agree(self, B: int, n_values: int, group) -> None:
@@ -185,11 +177,7 @@ class FixedInputDist(InputDist):
         others = [q for q in range(R) if q != me]
         sent = sum(self.send_msgs[q].nbytes for q in others)
         received = sum(self.recv_msgs[r].nbytes for r in others)
-        traffic = {"input_dist.data": (sent, received)}
-        _, _, feat_key, _ = self._for_keys(parts.keys)
-        own = parts.lengths.view(len(parts.keys), B)  # [T, B], config feature order
-        if parts.keys != tuple(self.layout.feature_names):
-            own = own.index_select(0, feat_key)
+        own = self.own_lengths(parts)
         S = len(self.sfs)
 
         def ids_sent_received(lengths=lengths, counts=counts):
@@ -197,22 +185,17 @@ class FixedInputDist(InputDist):
             per_dest.index_add_(0, self.dest, lengths.view(S, B).sum(1))
             return per_dest.sum() - per_dest[me], counts.sum() - counts[me].sum()
 
-        stats = {
-            "traffic": traffic,
+        stats = self.stats(
+            traffic={"input_dist.data": (sent, received)},
             # computed when comm_report asks (it syncs anyway), not in every step: the
             # buffers they read hold the last step's values (a graph replay refills them)
-            "ids": ids_sent_received,
-            "without_dedup": (sent, received),
-            "batch_sizes": sizes,
-            "per_feature": lambda own=own: own.sum(1),
-            "B": B,
-        }
-        lookup = LookupBatch(
-            indices=lookup.indices, offsets=lookup.offsets,
-            per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
-            id_bounds=lookup.id_bounds, stats=stats, groups=lookup.groups,
+            ids=ids_sent_received,
+            without_dedup=(sent, received),
+            batch_sizes=sizes,
+            per_feature=lambda own=own: own.sum(1),
+            B=B,
         )
-        return InputDistOut(own, lookup, sizes)
+        return InputDistOut(own, _with_stats(lookup, stats), sizes)
 
     def _unpack_fixed(self, buf, sizes, weighted):
         """(LookupBatch with one (indices, offsets, weights) per TBE group, each [slots] long
@@ -222,12 +205,8 @@ class FixedInputDist(InputDist):
         n_local = self.n_sf[me]
         metas, lens, base = [], [], 0
         for r, msg in enumerate(self.recv_msgs):
-            def piece(name, base=base, msg=msg):
-                offset, dtype, n = msg.pieces[name]
-                return _view(buf, base + offset, dtype, n)
-
-            metas.append(piece("meta"))
-            lens.append(piece("lengths").view(n_local, sizes[r]))
+            metas.append(msg.piece(buf, base, "meta"))
+            lens.append(msg.piece(buf, base, "lengths").view(n_local, sizes[r]))
             base += msg.nbytes
         flags = torch.cat(metas)
         B_global = sum(sizes)
@@ -242,19 +221,13 @@ class FixedInputDist(InputDist):
         ids = torch.empty(G * self.slots, dtype=self.wire_id, device=dev)
         w = torch.zeros(G * self.slots, dtype=torch.float32, device=dev) if weighted else None
         if n_local:
-            impl = plan = reference
-            if dev.type == "cuda":
-                from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
-                from fbtriton_dist.kernels.bucketize import plan_fits  # noqa: PLC0415
-
-                impl = kernels
-                plan = kernels if plan_fits(R, n_local) else reference
             # feature-major within each group: (i, r) after every (i' < i, r') of the group
-            ends, dst = plan.segment_plan(counts, self._group_first, self._group_base)
-            impl.segment_copy(
+            ends, dst = ops.segment_plan(counts, self._group_first, self._group_base,
+                                         backend=self.backend)
+            ops.segment_copy(
                 buf.view(self.wire_id), buf.view(torch.float32) if weighted else None,
                 self._src_ids, self._src_w, ends, dst, ids, w,
-                max(m.pieces["ids"][2] for m in self.recv_msgs),
+                max(m.pieces["ids"][2] for m in self.recv_msgs), backend=self.backend,
             )
         groups, first = [], 0
         for g, n in enumerate(self.group_sizes):
@@ -321,7 +294,7 @@ class FixedInputDist(InputDist):
         self.failed.zero_()
         if self.rank in bad:
             for features in candidates:  # the batches this rank sent that may be the one
-                error = self._explain(features, self.weighted)
+                error = self.explain(features, self.weighted)
                 if not isinstance(error, RuntimeError):
                     raise error
         raise RuntimeError(
@@ -333,67 +306,25 @@ class FixedInputDist(InputDist):
         """Bucketize straight into the send buffer: every destination's lengths and ids at
         their place of its message, its meta the failure flag. The values may be longer
         than the lengths use (a static buffer): only an overrun fails. Returns the lengths
-        [S*B]. On CUDA the kernels also check the ids and bags and write the flag (a dozen
-        small torch ops fewer per step)."""
-        sf_key, cover_key, _, table = self._for_keys(parts.keys)
-        K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
-        dev = self.device
-        offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(parts.lengths, 0, out=offsets[1:])
-        impl = reference
-        if dev.type == "cuda" or _KERNELS_ON_CPU:
-            from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
-
-            impl = kernels
-            if table is None:  # the CPU test hook: _for_keys keeps the grid for CUDA only
-                from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415
-
-                table = by_feature(sf_key.tolist())
-        values, weights = parts.values, parts.weights
+        [S*B]. With the Triton backend the kernels also check the ids and bags and write the
+        flag (a dozen small torch ops fewer per step)."""
+        keyed = self.tables_for(parts.keys)
+        B, N = parts.batch_size, parts.values.numel()
+        offsets = self.bag_offsets(parts)
         meta = sendbuf.view(torch.int64)
-        check = self._row_cover(parts.keys, table) if impl is not reference else None
+        check = (keyed.grid_cover, meta, self._meta_at) if keyed.grid_cover is not None else None
         if B == 0 or not self.sfs:
-            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
-        elif check is not None:  # the kernels check the batch and write the flag
-            return impl.bucketize_into(
-                values, offsets, weights, sf_key, self.lo, self.hi, B,
-                sendbuf.view(self.wire_id),
-                sendbuf.view(torch.float32) if weights is not None else None,
-                sendbuf.view(torch.int32), self._sf_first, self._sf_id_start, self._sf_w_start,
-                self._sf_len_start, table=table, check=(check, meta, self._meta_at),
-                capacity=self.send_msgs[0].pieces["ids"][2],
-            )
+            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=self.device)
         else:
-            if impl is reference:  # it wants every value in a bag: cut the padding off (syncs)
-                used = min(int(offsets[-1]), N)
-                values = values[:used]
-                weights = weights[:used] if weights is not None else None
-            lengths = impl.bucketize_into(
-                values, offsets.clamp(max=N), weights, sf_key, self.lo, self.hi, B,
-                sendbuf.view(self.wire_id),
-                sendbuf.view(torch.float32) if weights is not None else None,
-                sendbuf.view(torch.int32), self._sf_first, self._sf_id_start, self._sf_w_start,
-                self._sf_len_start, table=table,
-                **({} if impl is reference else {"capacity": self.send_msgs[0].pieces["ids"][2]}),
+            lengths = ops.bucketize_into(
+                parts.values, offsets, parts.weights, keyed.sf_key, self.lo, self.hi, B,
+                sendbuf, (self._sf_first, self._sf_id_start, self._sf_w_start,
+                          self._sf_len_start), self.wire_id,
+                backend=self.backend, capacity=self.send_msgs[0].pieces["ids"][2],
+                grid=keyed.grid, check=check,
             )
-        expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
-        failed = ((offsets[-1] > N) | (lengths.sum() != expected)).to(torch.int64)
+            if check is not None:  # the kernels checked the batch and wrote the flag
+                return lengths
+        failed = self.bad_batch(parts, lengths, offsets[-1] > N).to(torch.int64)
         meta.index_put_((self._meta_at,), failed.expand(self.world))
         return lengths
-
-    def _row_cover(self, keys, table):
-        """[G] int64: for each row of the bucketize grid ``table``, how many of its
-        shard-features a valid id of its key lands in; None when some key spans several
-        rows (more than ``MAX_K`` shard-features), where the torch check is used. Computed
-        once per key order (one host read of the grid)."""
-        if keys not in self._covers:
-            cover = [0] * len(keys)  # per key: a feature name two tables share counts twice
-            for f, name in enumerate(self.layout.feature_names):
-                cover[keys.index(name)] += self.cover[f]
-            rows = [row[0] for row in table.tolist()]
-            single = all(rows.count(k) == 1 for k in rows)
-            self._covers[keys] = (
-                torch.tensor([cover[k] for k in rows], dtype=torch.int64, device=self.device)
-                if single else None
-            )
-        return self._covers[keys]

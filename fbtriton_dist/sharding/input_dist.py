@@ -2,10 +2,10 @@
 
 One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key order):
 
-1. bucketize (kernels/bucketize.py on GPU, reference/bucketize.py on CPU): one pass for all
-   features cuts each bag by shard-feature, destination rank by destination rank. The bucketize
-   reads the KJT's bags where they are (each shard-feature points at its feature's key), so
-   the KJT is never permuted into config order.
+1. bucketize (``ops.bucketize``: the Triton kernel or its reference, by ``backend``): one
+   pass for all features cuts each bag by shard-feature, destination rank by destination
+   rank. The bucketize reads the KJT's bags where they are (each shard-feature points at its
+   feature's key), so the KJT is never permuted into config order.
 2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
    per destination its id count per shard-feature, this rank's batch size, a failure flag
    (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, its
@@ -24,7 +24,13 @@ The receiver expands deduplicated ids back with the inverse map and reorders wha
 rank-major (``[r][sf][b]``) into the feature-major lookup batch (``[sf][r][b]``) with one
 device gather built from the header on the device. Dedup therefore saves wire bytes, not
 lookups: the TBE still reads one row per id (the pooling needs per-bag sums).
+
+``CommOptions(fixed_shapes=True)`` is the other mode of the same input dist
+(``sharding/fixed.py``, a subclass): messages of a size fixed at the first batch, no header
+and no host sync. Both modes share this file's message layout (``Message``), the per-key
+tables, the bucketize check and the stats the comm report reads.
 """
+
 
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,7 +38,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from fbtriton_dist import reference
+from fbtriton_dist.ops import backend as backends
+from fbtriton_dist.ops import bucketize as ops
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sparse import JaggedBatch, KJTParts, kjt_parts, kjt_to_batch
 
@@ -69,15 +76,37 @@ class InputDistOut(NamedTuple):
 @dataclass(frozen=True)
 class Message:
     """Byte layout of one (source, destination) message; both sides derive it from the
-    header. ``pieces``: name -> (byte offset, dtype, element count)."""
+    header (or, with fixed shapes, from the first batch). ``pieces``: name -> (byte offset,
+    dtype, element count)."""
 
     pieces: dict
     nbytes: int
     raw_bytes: int  # the same message without dedup
 
+    @classmethod
+    def of(cls, parts: list[tuple[str, torch.dtype, int]], raw_bytes: int | None = None):
+        """The pieces ``(name, dtype, count)`` back to back, each ``ALIGN``-byte aligned."""
+        pieces, offset = {}, 0
+        for name, dtype, n in parts:
+            pieces[name] = (offset, dtype, n)
+            offset += padded(n * dtype.itemsize)
+        return cls(pieces=pieces, nbytes=offset,
+                   raw_bytes=offset if raw_bytes is None else raw_bytes)
 
-def _padded(n: int) -> int:
+    def piece(self, buf: torch.Tensor, base: int, name: str) -> torch.Tensor:
+        """Piece ``name`` of this message, which starts at byte ``base`` of ``buf``, in place."""
+        offset, dtype, n = self.pieces[name]
+        return view_bytes(buf, base + offset, dtype, n)
+
+
+def padded(n: int) -> int:
+    """``n`` bytes rounded up to the alignment of a message piece."""
     return -(-n // ALIGN) * ALIGN
+
+
+def view_bytes(buf: torch.Tensor, start: int, dtype, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` at byte ``start`` of the uint8 buffer ``buf``, in place."""
+    return buf[start : start + n * dtype.itemsize].view(dtype)
 
 
 def message(
@@ -96,7 +125,7 @@ def message(
     max_unique = unique if max_unique is None else max_unique
     inv_dtype = torch.int16 if max_unique <= INVERSE16 else torch.int32  # int16: 16 bits
     inv_bytes = 2 if inv_dtype == torch.int16 else 4
-    use_dedup = dedup and _padded(unique * id_bytes) + _padded(count * inv_bytes) < _padded(
+    use_dedup = dedup and padded(unique * id_bytes) + padded(count * inv_bytes) < padded(
         count * id_bytes
     )
     parts = [("lengths", torch.int32, n_lengths)]
@@ -106,29 +135,10 @@ def message(
         parts += [("ids", id_dtype, count)]
     if weighted:
         parts += [("weights", torch.float32, count)]
-    pieces, offset = {}, 0
-    for name, dtype, n in parts:
-        pieces[name] = (offset, dtype, n)
-        offset += _padded(n * dtype.itemsize)
-    raw = _padded(4 * n_lengths) + _padded(count * id_bytes) + (
-        _padded(4 * count) if weighted else 0
+    raw = padded(4 * n_lengths) + padded(count * id_bytes) + (
+        padded(4 * count) if weighted else 0
     )
-    return Message(pieces=pieces, nbytes=offset, raw_bytes=raw)
-
-
-def _view(buf: torch.Tensor, start: int, dtype, n: int) -> torch.Tensor:
-    """``n`` values of ``dtype`` at byte ``start`` of the uint8 buffer ``buf``, in place."""
-    return buf[start : start + n * dtype.itemsize].view(dtype)
-
-
-def _kernel_grid(sf_key: list[int], device: torch.device):
-    """The Triton bucketize's grid for these shard-features (``kernels.bucketize.by_feature``,
-    on the device); None off CUDA (the reference needs none)."""
-    if device.type != "cuda":
-        return None
-    from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415 (triton on GPU)
-
-    return by_feature(sf_key).to(device)
+    return Message.of(parts, raw_bytes=raw)
 
 
 def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
@@ -157,6 +167,21 @@ def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
         )
 
 
+class KeyTables(NamedTuple):
+    """What a KJT's key order fixes (device tensors, cached per order)."""
+
+    sf_key: torch.Tensor
+    """[S] the key index of each shard-feature."""
+    cover_key: torch.Tensor
+    """[K] how many ids each valid id of a key becomes (a name two tables share: both)."""
+    feat_key: torch.Tensor
+    """[T] the key index of each config feature."""
+    grid: torch.Tensor | None
+    """The Triton bucketize's launch grid (``ops.bucketize.bucketize_grid``), or None."""
+    grid_cover: torch.Tensor | None
+    """Its in-kernel check's cover per grid row (``ops.bucketize.grid_cover``), or None."""
+
+
 class InputDist:
     """The input dist of one rank, fixed by the plan: static index tensors on the device,
     built once; per KJT key order a few more, cached.
@@ -165,14 +190,15 @@ class InputDist:
         layout: the plan's shard-features.
         rank: this rank.
         device: where the ids are.
-        dedup: deduplicate ids per destination (see the module docstring).
         group_sizes: shard-features of each local TBE group, in order.
+        dedup: deduplicate ids per destination (see the module docstring).
+        backend: what runs the bucketize and the receive side's ops (``ops.backend``).
     """
 
-    def __init__(
-        self, layout: ShardLayout, rank: int, device, dedup: bool, group_sizes: list[int]
-    ) -> None:
+    def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int], *,
+                 dedup: bool = False, backend: str = "auto") -> None:
         self.layout, self.rank, self.device, self.dedup = layout, rank, torch.device(device), dedup
+        self.backend = backends.resolve(backend, self.device)
         R = layout.world_size
         self.n_sf = [len(q) for q in layout.local]  # shard-features per destination
         self.n_max = max(self.n_sf, default=0)
@@ -209,59 +235,83 @@ class InputDist:
             per_name[name] = per_name.get(name, 0) + self.cover[f]
         self.max_cover = max(per_name.values(), default=1)
         """The most shard-features one id of a KJT key lands in (the bound on the ids sent)."""
-        self._per_keys: dict[tuple[str, ...], tuple] = {}
+        self._per_keys: dict[tuple[str, ...], KeyTables] = {}
         self.world = R
+        self.weighted = False
 
-    def _for_keys(self, keys: tuple[str, ...]):
-        """(sf -> key index, key -> ids each valid id becomes, config feature -> key index,
-        the bucketize kernel's grid: each key with its shard-features) for a KJT with ``keys``
-        in this order (device tensors, cached)."""
+    # -- shared by both modes ---------------------------------------------------------------
+    def tables_for(self, keys: tuple[str, ...]) -> KeyTables:
+        """The per-key tables for a KJT with ``keys`` in this order (cached)."""
         if keys not in self._per_keys:
-            names = self.layout.feature_names
-            key_of = [keys.index(f) for f in names]
+            key_of = [keys.index(f) for f in self.layout.feature_names]
             cover_key = [0] * len(keys)
             for f, k in enumerate(key_of):
                 cover_key[k] += self.cover[f]
-            dev = self.device
             sf_key = [key_of[sf.feature] for sf in self.sfs]
-            self._per_keys[keys] = (
-                *(torch.tensor(v, dtype=torch.int64, device=dev)
-                  for v in (sf_key, cover_key, key_of)),
-                _kernel_grid(sf_key, dev),
+            grid = ops.bucketize_grid(sf_key, self.device, self.backend)
+
+            def tensor(values):
+                return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+            self._per_keys[keys] = KeyTables(
+                tensor(sf_key), tensor(cover_key), tensor(key_of), grid,
+                ops.grid_cover(grid, cover_key, self.device),
             )
         return self._per_keys[keys]
+
+    def bag_offsets(self, parts: KJTParts) -> torch.Tensor:
+        """[K*B+1] int64 offsets of the KJT's bags (its lengths, summed)."""
+        offsets = torch.zeros(len(parts.keys) * parts.batch_size + 1, dtype=torch.int64,
+                              device=self.device)
+        torch.cumsum(parts.lengths, 0, out=offsets[1:])
+        return offsets
+
+    def bad_batch(self, parts: KJTParts, lengths: torch.Tensor, bad_lengths: torch.Tensor):
+        """The device flag of a batch whose ids do not all land where they should: a valid id
+        lands in exactly ``cover`` shard-features and an id outside its table in none, so the
+        bucketized lengths add up to ``cover`` x the bag lengths iff every id is valid."""
+        K, B = len(parts.keys), parts.batch_size
+        expected = (parts.lengths.view(K, B).sum(1) * self.tables_for(parts.keys).cover_key).sum()
+        return bad_lengths | (lengths.sum() != expected)
+
+    def own_lengths(self, parts: KJTParts) -> torch.Tensor:
+        """[T, B] this rank's bag lengths in config feature order (MEAN divides by them)."""
+        own = parts.lengths.view(len(parts.keys), parts.batch_size)
+        if parts.keys == tuple(self.layout.feature_names):
+            return own
+        return own.index_select(0, self.tables_for(parts.keys).feat_key)
+
+    def explain(self, features, weighted: bool) -> Exception:
+        """The error in ``features`` that this rank's device check found: the slow, exact
+        check (a ValueError or IndexError naming the feature, id and bound), or a
+        RuntimeError if it finds none."""
+        try:
+            batch = kjt_to_batch(features, self.layout.feature_names, weighted)
+            check_ids(batch, self.layout)
+        except (IndexError, ValueError) as e:
+            return e
+        return RuntimeError("input dist: the device check failed but no bad id was found")
 
     # -- sender -----------------------------------------------------------------------------
     def _bucketize(self, parts: KJTParts):
         """(lengths [S*B], ids destination-major, weights, failed flag on the device)."""
-        sf_key, cover_key, _, table = self._for_keys(parts.keys)
-        K, B, N = len(parts.keys), parts.batch_size, parts.values.numel()
-        dev = self.device
-        offsets = torch.zeros(K * B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(parts.lengths, 0, out=offsets[1:])
+        keyed = self.tables_for(parts.keys)
+        B, N = parts.batch_size, parts.values.numel()
+        offsets = self.bag_offsets(parts)
         bad_lengths = offsets[-1] != N
         if B == 0 or not self.sfs:
             ids = parts.values.new_zeros(0).to(torch.int64)
             w = parts.weights.new_zeros(0) if parts.weights is not None else None
-            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=dev)
+            lengths = torch.zeros(len(self.sfs) * B, dtype=torch.int64, device=self.device)
             return lengths, ids, w, bad_lengths
-        impl = reference
-        if dev.type == "cuda":
-            from fbtriton_dist import kernels  # noqa: PLC0415 (triton only on GPU)
-
-            impl = kernels
-        # clamped: a batch whose lengths overrun the values stays in bounds until every rank
-        # has heard of it through the header
         # without dedup the ids buffer is sized by a bound (each id lands in at most
         # max_cover shards) instead of a sync; the header's counts say how much is used
-        capacity = None if self.dedup else N * self.max_cover
-        lengths, ids, w = impl.bucketize(
-            parts.values, offsets.clamp(max=N), parts.weights, sf_key, self.lo, self.hi, B,
-            capacity=capacity, table=table,
+        lengths, ids, w = ops.bucketize(
+            parts.values, offsets, parts.weights, keyed.sf_key, self.lo, self.hi, B,
+            backend=self.backend, capacity=None if self.dedup else N * self.max_cover,
+            grid=keyed.grid,
         )
-        expected = (parts.lengths.view(K, B).sum(1) * cover_key).sum()
-        failed = bad_lengths | (lengths.sum() != expected)
-        return lengths, ids, w, failed
+        return lengths, ids, w, self.bad_batch(parts, lengths, bad_lengths)
 
     def _unique(self, ids: torch.Tensor, per_sf: torch.Tensor):
         """Per shard-feature, its distinct ids (sorted) and each id's place among them,
@@ -286,25 +336,28 @@ class InputDist:
         inverse[perm] = group - start[sorted_sf]
         return values, inverse, unique
 
-    # -- the step ---------------------------------------------------------------------------
-    def __call__(self, features, weighted: bool, group=None) -> InputDistOut:
-        layout, R, me, dev = self.layout, self.world, self.rank, self.device
-        error = None
+    def _exchange_header(self, features, weighted: bool, group):
+        """Bucketize and swap headers: (the KJT's parts, the send side's tensors (lengths,
+        ids, weights, distinct ids, inverse), the sent and received headers on the host, the
+        received one on the device). Raises on every rank if some rank found bad input."""
+        R, me = self.world, self.rank
+        error, parts, sent = None, None, None
         try:
-            parts = kjt_parts(features, layout.feature_names, weighted)
+            parts = kjt_parts(features, self.layout.feature_names, weighted)
         except ValueError as e:  # tell the other ranks before raising
-            error, parts = e, None
-        hdr = torch.zeros((R, self.H), dtype=torch.int64, device=dev)
+            error = e
+        hdr = torch.zeros((R, self.H), dtype=torch.int64, device=self.device)
         if parts is not None:
             lengths, ids, w, failed = self._bucketize(parts)
-            B = parts.batch_size
-            per_sf = lengths.view(len(self.sfs), B).sum(1)  # [S]
+            per_sf = lengths.view(len(self.sfs), parts.batch_size).sum(1)  # [S]
             hdr.view(-1).index_copy_(0, self.hdr_pos, per_sf)
-            hdr[:, self.c_B] = B
+            hdr[:, self.c_B] = parts.batch_size
             hdr[:, self.c_failed] = failed
+            uniq = inverse = None
             if self.dedup and ids.numel():
                 uniq, inverse, n_unique = self._unique(ids, per_sf)
                 hdr.view(-1).index_copy_(0, self.hdr_pos + self.n_max, n_unique)
+            sent = (lengths, ids, w, uniq, inverse)
         else:
             hdr[:, self.c_failed] = 1
         hdr_recv = torch.empty_like(hdr)
@@ -313,50 +366,63 @@ class InputDist:
         bad = [r for r in range(R) if recv_h[r][self.c_failed]]
         if bad:
             if error is None and me in bad:
-                error = self._explain(features, weighted)
+                error = self.explain(features, weighted)
             if error is not None:
                 raise error
             raise RuntimeError(f"rank(s) {bad} found bad input in this batch (see their error)")
-        sizes = [recv_h[r][self.c_B] for r in range(R)]
-        B = sizes[me]
-        weighted_wire = parts.weights is not None
+        return parts, sent, sent_h, recv_h, hdr_recv
 
-        # sender: one message per destination
-        send_msgs, sends, id_start, u_start = [], [], 0, 0
-        for q in range(R):
+    def _pack(self, sent, sent_h, B: int, weighted: bool):
+        """The send buffer: one message per destination (``message``), and their layouts and
+        (ids, first id, distinct ids, first distinct id) counts."""
+        lengths, ids, w, uniq, inverse = sent
+        msgs, counts, id_start, u_start = [], [], 0, 0
+        for q in range(self.world):
             count = sum(sent_h[q][: self.n_sf[q]])
             per_u = sent_h[q][self.n_max : self.n_max + self.n_sf[q]] if self.dedup else [0]
             unique = sum(per_u)
-            msg = message(self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted_wire,
-                          self.dedup, max(per_u, default=0))
-            send_msgs.append(msg)
-            sends.append((count, id_start, unique, u_start))
+            msgs.append(message(self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted,
+                                self.dedup, max(per_u, default=0)))
+            counts.append((count, id_start, unique, u_start))
             id_start += count
             u_start += unique
-        sendbuf = torch.empty(sum(m.nbytes for m in send_msgs), dtype=torch.uint8, device=dev)
+        buf = torch.empty(sum(m.nbytes for m in msgs), dtype=torch.uint8, device=self.device)
         base = 0
-        for q, (msg, (count, a, unique, u)) in enumerate(zip(send_msgs, sends, strict=True)):
+        for q, (msg, (count, a, unique, u)) in enumerate(zip(msgs, counts, strict=True)):
             s0 = self.sf_start[q] * B
             pieces = {"lengths": lengths[s0 : s0 + self.n_sf[q] * B], "ids": ids[a : a + count]}
             if "unique" in msg.pieces:
                 pieces["unique"] = uniq[u : u + unique]
                 pieces["inverse"] = inverse[a : a + count]
-            if weighted_wire:
+            if weighted:
                 pieces["weights"] = w[a : a + count]
-            for name, (offset, dtype, n) in msg.pieces.items():
+            for name, (_, _, n) in msg.pieces.items():
                 if n:
-                    _view(sendbuf, base + offset, dtype, n).copy_(pieces[name])
+                    msg.piece(buf, base, name).copy_(pieces[name])
             base += msg.nbytes
+        return buf, msgs, counts
 
-        # receiver
-        n_local = self.n_sf[me]
-        recv_msgs = []
-        for r in range(R):
+    def _receive_layouts(self, recv_h, sizes: list[int], weighted: bool) -> list[Message]:
+        """The layout of each source's message to this rank, from the received header."""
+        n_local, msgs = self.n_sf[self.rank], []
+        for r in range(self.world):
             count = sum(recv_h[r][:n_local])
             per_u = recv_h[r][self.n_max : self.n_max + n_local] if self.dedup else [0]
-            recv_msgs.append(message(n_local * sizes[r], count, sum(per_u), self.id_dtype[me],
-                                     weighted_wire, self.dedup, max(per_u, default=0)))
-        recvbuf = torch.empty(sum(m.nbytes for m in recv_msgs), dtype=torch.uint8, device=dev)
+            msgs.append(message(n_local * sizes[r], count, sum(per_u), self.id_dtype[self.rank],
+                                weighted, self.dedup, max(per_u, default=0)))
+        return msgs
+
+    # -- the step ---------------------------------------------------------------------------
+    def __call__(self, features, weighted: bool, group=None) -> InputDistOut:
+        self.weighted = weighted
+        parts, sent, sent_h, recv_h, hdr_recv = self._exchange_header(features, weighted, group)
+        R, me = self.world, self.rank
+        sizes = [recv_h[r][self.c_B] for r in range(R)]
+        weighted_wire = parts.weights is not None
+        sendbuf, send_msgs, sends = self._pack(sent, sent_h, sizes[me], weighted_wire)
+        recv_msgs = self._receive_layouts(recv_h, sizes, weighted_wire)
+        recvbuf = torch.empty(sum(m.nbytes for m in recv_msgs), dtype=torch.uint8,
+                              device=self.device)
         dist.all_to_all_single(
             recvbuf, sendbuf, [m.nbytes for m in recv_msgs], [m.nbytes for m in send_msgs],
             group=group,
@@ -364,54 +430,41 @@ class InputDist:
         lookup = self._unpack(recvbuf, recv_msgs, recv_h, hdr_recv, sizes, weighted_wire)
 
         others = [q for q in range(R) if q != me]
+        n_local = self.n_sf[me]
         hdr_bytes = 8 * self.H * len(others)
-        traffic = {
-            "input_dist.header": (hdr_bytes, hdr_bytes),
-            "input_dist.data": (
-                sum(send_msgs[q].nbytes for q in others), sum(recv_msgs[r].nbytes for r in others)
-            ),
-        }
-        ids_sent = sum(sends[q][0] for q in others)
-        ids_recv = sum(sum(recv_h[r][:n_local]) for r in others)
-        raw = (sum(send_msgs[q].raw_bytes for q in others),
-               sum(recv_msgs[r].raw_bytes for r in others))
-        stats = {
-            "traffic": traffic,
-            "ids": (ids_sent, ids_recv),
-            "without_dedup": raw,
-            "batch_sizes": sizes,
-            "per_feature": None,
-            "B": B,
-        }
-        _, _, feat_key, _ = self._for_keys(parts.keys)
-        own = parts.lengths.view(len(parts.keys), B).index_select(0, feat_key)  # [T, B]
-        stats["per_feature"] = own.sum(1)  # device; read by comm_report only
-        lookup = LookupBatch(
-            indices=lookup.indices, offsets=lookup.offsets,
-            per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
-            id_bounds=lookup.id_bounds, stats=stats,
+        own = self.own_lengths(parts)
+        stats = self.stats(
+            traffic={
+                "input_dist.header": (hdr_bytes, hdr_bytes),
+                "input_dist.data": (sum(send_msgs[q].nbytes for q in others),
+                                    sum(recv_msgs[r].nbytes for r in others)),
+            },
+            ids=(sum(sends[q][0] for q in others),
+                 sum(sum(recv_h[r][:n_local]) for r in others)),
+            without_dedup=(sum(send_msgs[q].raw_bytes for q in others),
+                           sum(recv_msgs[r].raw_bytes for r in others)),
+            batch_sizes=sizes,
+            per_feature=own.sum(1),  # device; read by comm_report only
+            B=sizes[me],
         )
-        return InputDistOut(own, lookup, sizes)
+        return InputDistOut(own, _with_stats(lookup, stats), sizes)
 
-    def _explain(self, features, weighted: bool) -> Exception:
-        """This rank's own error (its device check failed): the slow, exact check."""
-        try:
-            batch = kjt_to_batch(features, self.layout.feature_names, weighted)
-            check_ids(batch, self.layout)
-        except (IndexError, ValueError) as e:
-            return e
-        return RuntimeError("input dist: the device check failed but no bad id was found")
+    @staticmethod
+    def stats(*, traffic: dict, ids, without_dedup, batch_sizes: list[int], per_feature,
+              B: int) -> dict:
+        """What ``comm_report`` reads of a step: bytes per collective (sent, received), ids
+        sent and received, the data bytes without dedup, every rank's batch size, the ids
+        per feature of this rank's batch and its size ``B``. ``ids`` and ``per_feature`` may
+        be functions that compute them (read only when a report asks)."""
+        return {"traffic": traffic, "ids": ids, "without_dedup": without_dedup,
+                "batch_sizes": batch_sizes, "per_feature": per_feature, "B": B}
 
     # -- receiver ---------------------------------------------------------------------------
     def _unpack(self, buf, msgs, recv_h, hdr_recv, sizes, weighted) -> LookupBatch:
         R, n_local, dev = self.world, self.n_sf[self.rank], self.device
         lens, ids, ws, base = [], [], [], 0
         for r, msg in enumerate(msgs):
-            def piece(name, base=base, msg=msg):
-                offset, dtype, n = msg.pieces[name]
-                return _view(buf, base + offset, dtype, n)
-
-            lens.append(piece("lengths").view(n_local, sizes[r]))
+            lens.append(msg.piece(buf, base, "lengths").view(n_local, sizes[r]))
             if "unique" in msg.pieces:
                 # each id's place among its shard-feature's distinct ids, plus where those
                 # start in the message (from the header on the device)
@@ -420,15 +473,15 @@ class InputDist:
                     torch.cumsum(distinct, 0) - distinct, counts,
                     output_size=msg.pieces["inverse"][2],
                 )
-                inverse = piece("inverse")
+                inverse = msg.piece(buf, base, "inverse")
                 inv = inverse.to(torch.int64)
                 if inverse.dtype == torch.int16:
                     inv &= 0xFFFF  # 16 bits, read unsigned (up to 65,536 distinct ids)
-                ids.append(piece("unique").index_select(0, inv + start))
+                ids.append(msg.piece(buf, base, "unique").index_select(0, inv + start))
             else:
-                ids.append(piece("ids"))
+                ids.append(msg.piece(buf, base, "ids"))
             if weighted:
-                ws.append(piece("weights"))
+                ws.append(msg.piece(buf, base, "weights"))
             base += msg.nbytes
         B_global = sum(sizes)
         lengths = torch.cat(lens, dim=1) if lens else torch.zeros((0, B_global), device=dev)
@@ -458,3 +511,12 @@ class InputDist:
             indices=indices, offsets=offsets, per_sample_weights=weights, batch_size=B_global,
             id_bounds=tuple(bounds),
         )
+
+
+def _with_stats(lookup: LookupBatch, stats: dict) -> LookupBatch:
+    """``lookup`` carrying this step's ``stats``."""
+    return LookupBatch(
+        indices=lookup.indices, offsets=lookup.offsets,
+        per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
+        id_bounds=lookup.id_bounds, stats=stats, groups=lookup.groups,
+    )

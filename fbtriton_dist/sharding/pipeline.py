@@ -35,7 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.graphs import joined_at_exit
+from fbtriton_dist.sharding.input_dist import InputDistOut
 from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sparse import padded_kjt
 
 
 def _default_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -120,7 +122,7 @@ class TrainPipeline:
         self._next = None  # (batch on the device, CUDA event of its input dist)
         self.graph = None
         if cuda_graph and cuda:
-            not_fixed = [m for m in self.sharded if not m.comm.fixed_shapes]
+            not_fixed = [m for m in self.sharded if not m.fixed_shapes]
             if not_fixed:
                 raise ValueError(
                     "TrainPipeline(cuda_graph=True): every sharded collection needs "
@@ -270,7 +272,7 @@ class GraphedTrainStep:
             self._offer()
             loss = self.step(self._cur[0])
             for m in self.sharded:
-                m._prefetched = []
+                m.drop_prefetched()
                 m.poll_input()  # the eager input dist of _start, if no replay read it
             self.poll()
             return loss
@@ -286,7 +288,7 @@ class GraphedTrainStep:
         return self.loss.clone()
 
     def _capacity(self) -> int:
-        return min((m.input_dist_.agreed[1][m.rank] for m in self.sharded), default=0)
+        return min((m.input_capacity() for m in self.sharded), default=0)
 
     def _start(self, batch) -> None:
         """The static buffers of the batch to train next (made at the first call, refilled
@@ -307,12 +309,12 @@ class GraphedTrainStep:
         self._ready = True
 
     def _offer(self) -> None:
-        """Hand each sharded collection the current batch's input dist (``_take_prefetched``
+        """Hand each sharded collection the current batch's input dist (its ``forward``
         finds it by the KeyedJaggedTensor the model passes)."""
         static, outs = self._cur
         kjt = self.sparse(static)
         for m, out in zip(self.sharded, outs, strict=True):
-            m._prefetched = [(kjt, out)]
+            m.offer(kjt, out)
 
     def _capture_overlapped(self) -> None:
         static, outs = self._cur
@@ -328,7 +330,7 @@ class GraphedTrainStep:
             self.loss = self.step(static)  # ... while batch i trains
             main.wait_stream(side)
             for m in self.sharded:
-                m._prefetched = []
+                m.drop_prefetched()
             for new, cur in zip(made, outs, strict=True):  # batch i + 1 becomes current
                 for a, b in _dist_tensors(new, cur):
                     b.copy_(a)
@@ -339,7 +341,7 @@ class GraphedTrainStep:
                                                                stats=new.lookup.stats))
 
     def _capture(self, batch) -> None:
-        caps = [m.input_dist_.agreed[1][m.rank] for m in self.sharded]
+        caps = [m.input_capacity() for m in self.sharded]
         self.static = _static_batch(batch, self.sparse, min(caps, default=0))
         _copy_batch(self.static, batch, self.sparse)
         torch.cuda.synchronize()
@@ -350,7 +352,7 @@ class GraphedTrainStep:
     def _watch_flags(self) -> None:
         if not self.sharded:
             return
-        flags = torch.stack([m.input_dist_.failed for m in self.sharded])
+        flags = torch.stack([m.input_failed for m in self.sharded])
         if self._flags is None:
             self._flags = (torch.cuda.Event(), torch.empty(flags.numel(), dtype=torch.int64,
                                                            pin_memory=True))
@@ -370,12 +372,11 @@ class GraphedTrainStep:
             return
         host.zero_()
         for m in self.sharded:
-            fixed = m.input_dist_
-            if not int(fixed.failed):
+            if not int(m.input_failed):
                 continue
-            fixed.failed.zero_()
+            m.clear_input_failed()
             for batch in self.recent:  # this rank's batches: name the bad id if it sent it
-                error = fixed._explain(self.sparse(batch), m.is_weighted())
+                error = m.explain_input(self.sparse(batch))
                 if not isinstance(error, RuntimeError):
                     raise error
             raise RuntimeError(
@@ -392,17 +393,11 @@ class GraphedTrainStep:
 def _static_batch(batch, sparse_of, capacity: int):
     """A batch like ``batch`` over fresh device buffers; the KeyedJaggedTensor's values (and
     weights) get ``capacity`` slots."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     kjt = sparse_of(batch)
     n = kjt.values().numel()
     if n > capacity:
         raise ValueError(f"cuda_graph: {n} ids in the batch, more than the capacity {capacity}")
-    values = kjt.values().new_zeros(capacity)
-    w = kjt.weights_or_none()
-    weights = w.new_zeros(capacity) if w is not None else None
-    static_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=values,
-                                   lengths=kjt.lengths().clone(), weights=weights)
+    static_kjt = padded_kjt(kjt, capacity)
     if not is_dataclass(batch):
         raise ValueError(f"cuda_graph: expected a dataclass batch, got {type(batch).__name__}")
     fields_ = {}
@@ -469,8 +464,6 @@ def _dist_tensors(out, like):
 def _static_dist_out(out):
     """A copy of a fixed-shape input dist output in buffers of its own (the first group's
     tensors stay the lookup's ``indices``/``offsets``/``per_sample_weights``)."""
-    from fbtriton_dist.sharding.input_dist import InputDistOut
-
     groups = tuple(tuple(x.clone() if x is not None else None for x in g)
                    for g in out.lookup.groups)
     first = groups[0] if groups else (out.lookup.indices.clone(), out.lookup.offsets.clone(),

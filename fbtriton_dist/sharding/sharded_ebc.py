@@ -24,6 +24,8 @@ from fbtriton_dist import optim
 from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.sharding import state_dict as states
+from fbtriton_dist.sharding.comm_report import comm_report
 from fbtriton_dist.sharding.fixed import FixedInputDist
 from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut, LookupBatch
 from fbtriton_dist.sharding.layout import ShardLayout
@@ -87,8 +89,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._is_weighted = is_weighted
         self._configs = list(configs)
         self._optimizer = optimizer
-        self._local_world_size = plan.local_world_size
-        self._plan = plan
+        self.plan = plan
+        self.backend = backend
+        self.last_step_stats: dict | None = None
+        """What the input dist of the last step learnt (``comm_report`` reads it)."""
         self.host_group = self._host_group(process_group)
         local, ftm = self.layout.local_tables(self.rank)
         self.local_tables = local
@@ -122,11 +126,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """The input and output dists and the MEAN index tensors, on ``self.device``."""
         if self.comm.fixed_shapes:
             self.input_dist_ = FixedInputDist(
-                self.layout, self.rank, self.device, self._group_features, self.comm.max_ids
+                self.layout, self.rank, self.device, self._group_features,
+                max_ids=self.comm.max_ids, backend=self.backend,
             )
         else:
             self.input_dist_ = InputDist(
-                self.layout, self.rank, self.device, self.comm.dedup, self._group_features
+                self.layout, self.rank, self.device, self._group_features,
+                dedup=self.comm.dedup, backend=self.backend,
             )
         self.output_dist_ = OutputDist(self.layout, self.rank, self.device, self.comm.wire_dtype)
         self._mean = torch.tensor(self.layout.feature_mean, device=self.device)[:, None]
@@ -137,7 +143,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _host_group(self, group):
         """The process group of this rank's host: ``group`` itself if it is one host, else a
         new group per host, made on every rank in the same order (``new_group`` wants that)."""
-        H, R = self._local_world_size, self.layout.world_size
+        H, R = self.layout.local_world_size, self.layout.world_size
         if H == R:
             return group
         mine = None
@@ -153,7 +159,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         rows, cols = f"{t.row_start}:{t.row_end}", f"{t.col_start}:{t.col_end}"
         return f"{self._configs[t.table].name}[{rows}, {cols}]"
 
-    def _local_shards(self):
+    @property
+    def optimizer(self) -> optim.Optimizer:
+        """The fused optimizer every local shard is updated with in backward."""
+        return self._optimizer
+
+    def local_shards(self):
         """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
         views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
         states = [s for tbe in self.tbes for s in tbe.split_optimizer_states()]
@@ -165,13 +176,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         ]
         return list(zip(by_dtype, views, states, strict=True))
 
-    def _local_views(self):
+    def local_views(self):
         """(LocalTable, its [E_s, D_s] weight view) for every shard on this rank."""
-        return [(t, v) for t, v, _ in self._local_shards()]
+        return [(t, v) for t, v, _ in self.local_shards()]
 
     @torch.no_grad()
     def _init_shards(self, weights: dict[str, torch.Tensor] | None) -> None:
-        for t, view in self._local_views():
+        for t, view in self.local_views():
             cfg = self._configs[t.table]
             if weights is not None:
                 view.copy_(weights[cfg.name][t.row_start : t.row_end, t.col_start : t.col_end])
@@ -193,7 +204,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         (the data all-to-all's split lists; on GPU the bucketize launcher sizes its output
         with one more), one data all-to-all (``fbtriton_dist.sharding.input_dist``)."""
         out = self.input_dist_(features, self._is_weighted, self.input_group)
-        self._last = out.lookup.stats
+        self.last_step_stats = out.lookup.stats
         return out
 
     def poll_input(self, wait: bool = True) -> None:
@@ -204,6 +215,36 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if isinstance(self.input_dist_, FixedInputDist):
             self.input_dist_.poll(wait)
 
+    # -- what a pipeline needs (fixed shapes: the capacity, the failure flag) ----------------
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether the input dist has fixed message sizes (``CommOptions.fixed_shapes``)."""
+        return isinstance(self.input_dist_, FixedInputDist)
+
+    def input_capacity(self) -> int:
+        """With fixed shapes, after the first batch: the most ids this rank's batch may hold
+        (its agreed ``max_ids``)."""
+        if not self.fixed_shapes or self.input_dist_.agreed is None:
+            raise RuntimeError("input_capacity: needs CommOptions(fixed_shapes=True) and a "
+                               "first batch (the capacity is agreed on it)")
+        return self.input_dist_.agreed[1][self.rank]
+
+    @property
+    def input_failed(self) -> torch.Tensor:
+        """With fixed shapes: the sticky [] int64 device flag, nonzero once some rank sent bad
+        input (graph replays update it); ``clear_input_failed`` resets it."""
+        if not self.fixed_shapes:
+            raise RuntimeError("input_failed: only the fixed-shape input dist flags late")
+        return self.input_dist_.failed
+
+    def clear_input_failed(self) -> None:
+        self.input_failed.zero_()
+
+    def explain_input(self, features) -> Exception:
+        """What is wrong with ``features`` (this rank's batch), by the slow exact check: an
+        IndexError/ValueError naming the id and bound, or a RuntimeError when it finds none."""
+        return self.input_dist_.explain(features, self._is_weighted)
+
     def prefetch(self, features) -> InputDistOut:
         """Run ``input_dist(features)`` now (a pipeline does, for the next batch, on a side
         stream) and keep it for the ``forward`` that is called with this same ``features``
@@ -211,6 +252,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out = self.input_dist(features)
         self._prefetched = [*self._prefetched[-1:], (features, out)]
         return out
+
+    def offer(self, features, out: InputDistOut) -> None:
+        """Use ``out`` as the input dist of the next ``forward(features)`` (a pipeline that
+        ran it elsewhere, e.g. inside a CUDA graph); replaces any prefetched one."""
+        self._prefetched = [(features, out)]
+
+    def drop_prefetched(self) -> None:
+        """Forget prefetched input dists (a ``forward`` then runs its own)."""
+        self._prefetched = []
 
     def _take_prefetched(self, features) -> InputDistOut | None:
         for i, (f, out) in enumerate(self._prefetched):
@@ -221,8 +271,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def compute(self, lookup: LookupBatch) -> torch.Tensor:
         """Pooled partials ``[global B, local shard columns]`` (fp32, SUM)."""
-        if lookup.stats is not None:
-            self._last = lookup.stats  # the step this lookup belongs to (pipelines run ahead)
+        if lookup.stats is not None:  # the step this lookup belongs to (pipelines run ahead)
+            self.last_step_stats = lookup.stats
         B = lookup.batch_size
         if not self.tbes:  # no shards here; still a node of the graph (see OutputDist)
             return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
@@ -258,54 +308,32 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self.output_dist(self.compute(lookup), lengths, sizes)
 
     def comm_report(self) -> dict[str, dict[str, float]]:
-        """Bytes this rank sent to / received from other ranks in the last step, per
-        collective (``input_dist.header``, ``input_dist.data``, ``output_dist.*``,
-        ``data_parallel.grad_all_gather``), next to the planner's estimate of what it receives
-        (``fbtriton_dist.planner`` cost model at the measured batch size and pooling factors,
-        the wire's id, length and value sizes), ``output_dist.forward.inter_host`` (the part of
-        the output dist that crossed hosts) and ``input_dist.dedup`` (data bytes without dedup
-        and the bytes it saved). Reads the step's pooling factors from the device (a sync: not
-        for the hot path)."""
-        from fbtriton_dist.planner import CostModel, evaluate, to_table_specs
+        """Bytes this rank sent and received in the last step per collective, next to the
+        planner's estimate (``sharding.comm_report``; syncs: not for the hot path)."""
+        return comm_report(self)
 
-        last = getattr(self, "_last", None)
-        if last is None:
-            raise RuntimeError("comm_report: no step has run yet")
-        B, sizes = last["B"], last["batch_sizes"]
-        traffic = dict(last["traffic"]) | self.output_dist_.traffic(sizes)
-        def value(v):  # a device tensor, or a function computing it (fixed shapes)
-            return v() if callable(v) else v
+    # -- state dict: TorchRec's keys, sharded values (``sharding.state_dict``) -------------
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """``{prefix}embedding_bags.<table>.weight``: a ShardedTensor of views of the live
+        weights, or for a data-parallel table its full replica."""
+        return states.weights_state_dict(self, destination, prefix)
 
-        per_feature = value(last["per_feature"]).tolist()
-        pooling = {f: n / max(B, 1) for f, n in zip(self.layout.feature_names, per_feature,
-                                                     strict=True)}
-        specs = to_table_specs(self._configs, pooling_factors=pooling)
-        id_bytes = max(d.itemsize for d in self.input_dist_.id_dtype)
-        model = CostModel(batch_size=max(B, 1), index_bytes=id_bytes, length_bytes=4,
-                          output_bytes=self.output_dist_.value_bytes)
-        cost = evaluate(self._plan, specs, model=model).ranks[self.rank]
-        report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in traffic.items()}
-        ids_sent, ids_received = value(last["ids"])
-        report["input_dist.data"] |= {"ids_sent": float(ids_sent),
-                                      "ids_received": float(ids_received)}
-        raw_sent, raw_received = last["without_dedup"]
-        data = report["input_dist.data"]
-        report["input_dist.dedup"] = {
-            "sent_without_dedup": float(raw_sent),
-            "received_without_dedup": float(raw_received),
-            "saved_sent": float(raw_sent - data["sent"]),
-            "saved_received": float(raw_received - data["received"]),
-        }
-        measured_in = sum(r for k, (_, r) in traffic.items() if k.startswith("input_dist."))
-        measured_out = sum(r for k, (_, r) in traffic.items() if not k.startswith("input_dist."))
-        report["input_dist.total"] = {"received": float(measured_in),
-                                      "planner_estimate": float(cost.input_dist_bytes)}
-        report["output_dist.total"] = {"received": float(measured_out),
-                                       "planner_estimate": float(cost.output_dist_bytes)}
-        sent, received = self.output_dist_.inter_host(sizes)  # a part of output_dist.forward
-        report["output_dist.forward.inter_host"] = {"sent": float(sent),
-                                                    "received": float(received)}
-        return report
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        states.load_weights(self, state_dict, prefix, missing_keys, unexpected_keys, errors)
+
+    def fused_optimizer_state_dict(self) -> dict:
+        """The fused optimizer's state, ``embedding_bags.<table>.weight.<i>`` and ``step``."""
+        return states.fused_optimizer_state_dict(self)
+
+    def load_fused_optimizer_state_dict(self, state: dict) -> None:
+        """Restore ``fused_optimizer_state_dict()`` (after DCP loaded it in place)."""
+        states.load_fused_optimizer_state_dict(self, state)
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{embedding_bags.<table>.weight: [E, D]}`` on every rank (a collective)."""
+        return states.gather_full_state_dict(self)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -315,158 +343,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.device = self.tbes[0].weights.device  # .to(device): the index lists follow
             self._make_dists()
         return self
-
-    # -- state dict: TorchRec's keys, sharded values ---------------------------------------------
-    def _sharded(self, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: bool = False):
-        """A ShardedTensor of global ``size`` for table ``t`` from this rank's ``(offsets,
-        local tensor)`` pieces; the global metadata comes from the plan (no collective)."""
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import (
-            ShardedTensorMetadata,
-            TensorProperties,
-        )
-
-        kind = self.device.type
-        metas = []
-        for sf_rank, offsets, sizes in self._global_pieces(t, rowwise):
-            local_rank = sf_rank % self._local_world_size
-            where = f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda" else f"rank:{sf_rank}/cpu"
-            metas.append(ShardMetadata(list(offsets), list(sizes), where))
-        local = [
-            Shard(tensor, next(m for m in metas if list(m.shard_offsets) == list(offsets)))
-            for offsets, tensor in tensors
-        ]
-        dtype = tensors[0][1].dtype if tensors else self.layout.dtypes[t]
-        meta = ShardedTensorMetadata(metas, torch.Size(size), TensorProperties(dtype=dtype))
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local, meta, process_group=self.group
-        )
-
-    def _global_pieces(self, t: int, rowwise: bool):
-        """(rank, offsets, sizes) of every shard of table ``t``, for weights ([E, D]) or a
-        rowwise state ([E, number of column slices])."""
-        slices = sorted({(sf.col_start, sf.col_end) for sf in self._table_shards(t)})
-        for sf in self._table_shards(t):
-            if not rowwise:
-                yield sf.rank, (sf.row_start, sf.col_start), (sf.row_end - sf.row_start, sf.dim)
-            else:
-                col = slices.index((sf.col_start, sf.col_end))
-                yield sf.rank, (sf.row_start, col), (sf.row_end - sf.row_start, 1)
-
-    def _table_shards(self, t: int):
-        """One shard-feature per shard of table ``t`` (its first feature's)."""
-        first = self.layout.feature_table.index(t)
-        return [sf for q in self.layout.local for sf in q if sf.feature == first]
-
-    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
-        """``{prefix}embedding_bags.<table>.weight``: a ShardedTensor (this rank's shards are
-        views of the live weights, so torch.distributed.checkpoint saves and loads in place),
-        or for a data-parallel table its full replica."""
-        out = {} if destination is None else destination
-        local = self._local_views()
-        for t, cfg in enumerate(self._configs):
-            key = f"{prefix}embedding_bags.{cfg.name}.weight"
-            mine = [(lt, v) for lt, v in local if lt.table == t]
-            if self.layout.table_data_parallel[t]:
-                out[key] = mine[0][1]
-                continue
-            pieces = [((lt.row_start, lt.col_start), v) for lt, v in mine]
-            out[key] = self._sharded(t, pieces, (cfg.num_embeddings, cfg.embedding_dim))
-        return out
-
-    def fused_optimizer_state_dict(self) -> dict:
-        """The fused optimizer's state in the same form: ``embedding_bags.<table>.weight.<i>``
-        per state tensor (rowwise Adagrad: ``[E, column slices]``, one accumulator per row of
-        each column slice; Adagrad, Adam: ``[E, D]``), and ``step`` (the step count, for Adam's
-        bias correction)."""
-        out = {"step": torch.tensor(self.tbes[0].step if self.tbes else 0)}
-        shards = self._local_shards()
-        rowwise = isinstance(self._optimizer, optim.RowWiseAdagrad)
-        for t, cfg in enumerate(self._configs):
-            mine = [(lt, st) for lt, _, st in shards if lt.table == t]
-            slices = sorted({(sf.col_start, sf.col_end) for sf in self._table_shards(t)})
-            size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
-            for i in range(self._optimizer.num_states):
-                key = f"embedding_bags.{cfg.name}.weight.{i}"
-                if self.layout.table_data_parallel[t]:  # the replica, same shape as sharded
-                    out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]
-                    continue
-                pieces = [
-                    ((lt.row_start, slices.index((lt.col_start, lt.col_end))), st[i].view(-1, 1))
-                    if rowwise
-                    else ((lt.row_start, lt.col_start), st[i])
-                    for lt, st in mine
-                ]
-                out[key] = self._sharded(t, pieces, size, rowwise)
-        return out
-
-    def load_fused_optimizer_state_dict(self, state: dict) -> None:
-        """Restore ``fused_optimizer_state_dict()`` (after torch.distributed.checkpoint loaded
-        into it in place, only the step count is left to set)."""
-        for tbe in self.tbes:
-            tbe.step = int(state["step"])
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
-    ):
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        local = self._local_views()
-        for t, cfg in enumerate(self._configs):
-            key = f"{prefix}embedding_bags.{cfg.name}.weight"
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            value = state_dict[key]
-            for lt, view in local:
-                if lt.table != t:
-                    continue
-                if isinstance(value, ShardedTensor):
-                    piece = next(
-                        (s.tensor for s in value.local_shards()
-                         if list(s.metadata.shard_offsets) == [lt.row_start, lt.col_start]
-                         and list(s.metadata.shard_sizes) == list(view.shape)),
-                        None,
-                    )
-                    if piece is None:
-                        errors.append(
-                            f"{key}: the ShardedTensor's local shards do not match this rank's "
-                            "shards; load it with torch.distributed.checkpoint, which reshards"
-                        )
-                        continue
-                elif tuple(value.shape) == (cfg.num_embeddings, cfg.embedding_dim):
-                    piece = value[lt.row_start : lt.row_end, lt.col_start : lt.col_end]
-                else:
-                    errors.append(f"{key}: expected shape ({cfg.num_embeddings}, "
-                                  f"{cfg.embedding_dim}), got {tuple(value.shape)}")
-                    continue
-                if piece.data_ptr() != view.data_ptr():
-                    with torch.no_grad():
-                        view.copy_(piece)
-        known = {f"{prefix}embedding_bags.{c.name}.weight" for c in self._configs}
-        unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in known
-                            and k[len(prefix):].split(".")[0] == "embedding_bags"]
-
-    # -- full (unsharded) state -------------------------------------------------------------
-    @torch.no_grad()
-    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``{embedding_bags.<table>.weight: [E, D]}`` on every rank, loadable by TorchRec's
-        EmbeddingBagCollection (fp32 sum of each rank's shards; replicas taken once)."""
-        local = self._local_views()
-        out = {}
-        for t, cfg in enumerate(self._configs):
-            dtype = self.layout.dtypes[t]
-            full = torch.zeros((cfg.num_embeddings, cfg.embedding_dim), dtype=torch.float32,
-                               device=self.device)
-            replica_elsewhere = self.layout.table_data_parallel[t] and self.rank != 0
-            for lt, view in local:
-                if lt.table == t and not replica_elsewhere:  # replicas: rank 0's copy only
-                    full[lt.row_start : lt.row_end, lt.col_start : lt.col_end] = view.float()
-            dist.all_reduce(full, group=self.group)
-            out[f"embedding_bags.{cfg.name}.weight"] = full.to(dtype)
-        return out
-
 
 def _is_ebc(module: nn.Module) -> bool:
     from fbtriton_dist.modules.ebc import EmbeddingBagCollection

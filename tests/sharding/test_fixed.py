@@ -246,14 +246,11 @@ def _shared_feature(rank, world, bad, kernels):
     """Feature ``f`` feeds two tables (``a``: 10 rows, row-wise on both ranks; ``b``: 5 rows,
     table-wise on the last, with ``g``): an id of ``f`` must be valid for both, so it lands in
     two shard-features, and the fixed-shape check counts both (``cover`` 2 for ``f``).
-    ``kernels``: the send side runs the Triton kernels with their own check (as on CUDA; on
-    the CPU under the interpreter)."""
-    import fbtriton_dist
-    import fbtriton_dist.sharding.fixed as fixed_mod
-
-    fixed_mod._KERNELS_ON_CPU = kernels
+    ``kernels``: the Triton backend, so the send side runs the kernels with their own check
+    (as on CUDA; on the CPU under the interpreter)."""
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
+    import fbtriton_dist
     from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
     from fbtriton_dist.sharding import CommOptions
 
@@ -273,8 +270,9 @@ def _shared_feature(rank, world, bad, kernels):
     torch.manual_seed(0)
     ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=dev)
     sgd = fbtriton_dist.optim.SGD()
+    backend = "triton" if kernels else "auto"
     plain = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd)
-    fixed = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd,
+    fixed = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd, backend=backend,
                                 comm=CommOptions(fixed_shapes=True))
     # two samples per rank; f's ids are valid for both tables (< 5) except in the bad batch
     f_ids = [[1, 4], [0, 3, 2]] if rank == 0 else [[2], [4, 4]]

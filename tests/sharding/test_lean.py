@@ -350,7 +350,7 @@ def test_unique_per_destination_and_message_layout():
     from fbtriton_dist.sharding.layout import ShardLayout
 
     layout = ShardLayout(_configs(False), _plan("mixed", 3), 3)
-    inp = InputDist(layout, 0, "cpu", True, [len(layout.local[0])])
+    inp = InputDist(layout, 0, "cpu", [len(layout.local[0])], dedup=True)
     g = torch.Generator().manual_seed(0)
     per_sf = torch.randint(0, 6, (len(inp.sfs),), generator=g)
     per_sf[0] = 0  # a shard-feature with no ids

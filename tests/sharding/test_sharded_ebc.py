@@ -196,7 +196,7 @@ def _state_error(ref, sharded, configs):
         for name, states in zip(tbe.table_names, tbe.split_optimizer_states(), strict=True):
             ref_states[name] = states
     err = 0.0
-    local = sharded._local_views()
+    local = sharded.local_views()
     shard_states = [s for tbe in sharded.tbes for s in tbe.split_optimizer_states()]
     for (lt, _), states in zip(local, shard_states, strict=True):
         for mine, full in zip(states, ref_states[configs[lt.table].name], strict=True):
@@ -386,7 +386,7 @@ def _dlrm_and_meta(rank, world):
     # built on the meta device: shards are initialised in place from each table's init_fn
     meta = fbtriton_dist.EmbeddingBagCollection(tables=configs, device="meta")
     sharded = fbtriton_dist.shard(meta, plan, device=device(), optimizer=fbtriton_dist.optim.SGD())
-    views = sharded._local_views()
+    views = sharded.local_views()
     bound = 1 / 11**0.5
     in_range = all(bool((v.abs() <= bound + 1e-6).all()) for lt, v in views if lt.table == 0)
     nonzero = all(bool(v.abs().sum() > 0) for _, v in views)

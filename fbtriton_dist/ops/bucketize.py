@@ -1,0 +1,142 @@
+"""Input-dist ops: cut each bag's ids by the shard that owns their row, and place what the
+other ranks sent into the lookup batch. Each op runs the Triton kernel or its reference twin
+(``ops.backend``); the differences between the two (the kernels' launch grid, their in-kernel
+check, the reference's need for values without padding) end here, so the input dist in
+``sharding/`` only says which backend.
+
+Shapes: K KJT keys (bags feature-major, ``offsets`` [K*B+1]), S shard-features (a feature's
+rows on one shard), each pointing at its key (``sf_key`` [S]) with its row range
+``[lo[s], hi[s])``.
+"""
+
+import torch
+
+from fbtriton_dist.ops.backend import Backend, implementation
+
+
+def bucketize_grid(sf_key: list[int], device: torch.device, backend: Backend):
+    """The Triton bucketize's launch grid for these shard-features (on ``device``), built
+    once per key order so that no step reads it from the device; None for the reference."""
+    if backend != "triton":
+        return None
+    from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415 (triton)
+
+    return by_feature(sf_key).to(device)
+
+
+def grid_cover(grid, cover_per_key: list[int], device: torch.device):
+    """[G] int64 for the kernels' in-kernel check: per row of ``grid``, how many of its
+    shard-features a valid id of its key lands in (``cover_per_key``); None when some key
+    spans several rows (more shard-features than one row holds), where the torch check is
+    used. One host read of the grid."""
+    if grid is None:
+        return None
+    rows = [row[0] for row in grid.tolist()]
+    if any(rows.count(k) != 1 for k in rows):
+        return None
+    return torch.tensor([cover_per_key[k] for k in rows], dtype=torch.int64, device=device)
+
+
+def bucketize(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    sf_key: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    B: int,
+    *,
+    backend: Backend,
+    capacity: int | None = None,
+    grid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For every shard-feature s and sample b, the ids of bag (``sf_key[s]``, b) inside
+    ``[lo[s], hi[s])``, rebased to ``lo[s]``: ``(lengths [S*B], ids, weights)``
+    (``reference.bucketize.bucketize``). Bags past the values are clamped to them (a
+    malformed batch stays in bounds; the caller's check reports it). With ``capacity`` the
+    ids are that long, and the kernels need no host sync to size them."""
+    clamped = offsets.clamp(max=values.numel())
+    return implementation(backend).bucketize(
+        values, clamped, weights, sf_key, lo, hi, B, capacity=capacity, table=grid
+    )
+
+
+def bucketize_into(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    sf_key: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    B: int,
+    send: torch.Tensor,
+    places: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    id_dtype: torch.dtype,
+    *,
+    backend: Backend,
+    capacity: int,
+    grid: torch.Tensor | None = None,
+    check: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``bucketize`` written straight into the uint8 send buffer ``send``: every
+    destination's int32 lengths, ids (``id_dtype``) and float32 weights at their places
+    (``places`` = (first bag, id start, weight start, lengths start) per shard-feature,
+    ``reference.bucketize.bucketize_into``). ``values`` may be longer than the bags use (a
+    static buffer). Returns the lengths [S*B] int64.
+
+    ``check`` = (cover [G] from ``grid_cover``, meta int64 view of ``send``, meta_at [R]):
+    the kernels check every id and bag themselves and write each destination's failure flag
+    (Triton only). ``capacity``: id slots of each destination; ids past it are not written.
+    The reference wants no values after the last bag: it cuts them off (a host read)."""
+    outs = (send.view(id_dtype), send.view(torch.float32) if weights is not None else None,
+            send.view(torch.int32), *places)
+    if backend == "triton":
+        if check is None:
+            offsets = offsets.clamp(max=values.numel())
+        return implementation(backend).bucketize_into(
+            values, offsets, weights, sf_key, lo, hi, B, *outs, table=grid, check=check,
+            capacity=capacity,
+        )
+    if check is not None:
+        raise ValueError("bucketize_into: the in-kernel check is the Triton kernels' own")
+    used = min(int(offsets[-1]), values.numel())
+    values = values[:used]
+    weights = weights[:used] if weights is not None else None
+    return implementation(backend).bucketize_into(
+        values, offsets.clamp(max=used), weights, sf_key, lo, hi, B, *outs
+    )
+
+
+def segment_plan(
+    counts: torch.Tensor, group_first: torch.Tensor, group_base: torch.Tensor, *, backend: Backend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``segment_copy`` puts the segments of R sources (``counts`` [R, n] ids of
+    segment i from source r): ``(ends [R, n], dst_start [R, n])``
+    (``reference.bucketize.segment_plan``). The kernel holds the whole table in one
+    program; bigger tables take the reference's torch ops (no host sync either way)."""
+    if backend == "triton":
+        from fbtriton_dist.kernels.bucketize import plan_fits  # noqa: PLC0415 (triton)
+
+        if not plan_fits(*counts.shape):
+            backend = "reference"
+    return implementation(backend).segment_plan(counts, group_first, group_base)
+
+
+def segment_copy(
+    src: torch.Tensor,
+    src_w: torch.Tensor | None,
+    src_base: torch.Tensor,
+    src_w_base: torch.Tensor,
+    ends: torch.Tensor,
+    dst_start: torch.Tensor,
+    out: torch.Tensor,
+    out_w: torch.Tensor | None,
+    capacity: int,
+    *,
+    backend: Backend,
+) -> None:
+    """Copy every source's segments to their places in ``out`` (and weights to ``out_w``),
+    with the plan of ``segment_plan`` (``reference.bucketize.segment_copy``; no host sync)."""
+    implementation(backend).segment_copy(
+        src, src_w, src_base, src_w_base, ends, dst_start, out, out_w, capacity
+    )

@@ -1,0 +1,173 @@
+"""The state dict of a ShardedEmbeddingBagCollection: TorchRec's keys, sharded values.
+
+``embedding_bags.<table>.weight`` is a ShardedTensor whose local shards are views of the live
+weights (so ``torch.distributed.checkpoint`` saves and loads in place, and reshards across
+plans and world sizes), or, for a data-parallel table, its full replica. The fused
+optimizer's state has the same form (``fused_optimizer_state_dict``). The module's methods
+call these functions; they read only its public attributes.
+"""
+
+import torch
+import torch.distributed as dist
+
+from fbtriton_dist import optim
+
+
+def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: bool = False):
+    """A ShardedTensor of global ``size`` for table ``t`` from this rank's ``(offsets,
+    local tensor)`` pieces; the global metadata comes from the plan (no collective)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    kind = ebc.device.type
+    metas = []
+    for sf_rank, offsets, sizes in _global_pieces(ebc, t, rowwise):
+        local_rank = sf_rank % ebc.layout.local_world_size
+        where = f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda" else f"rank:{sf_rank}/cpu"
+        metas.append(ShardMetadata(list(offsets), list(sizes), where))
+    local = [
+        Shard(tensor, next(m for m in metas if list(m.shard_offsets) == list(offsets)))
+        for offsets, tensor in tensors
+    ]
+    dtype = tensors[0][1].dtype if tensors else ebc.layout.dtypes[t]
+    meta = ShardedTensorMetadata(metas, torch.Size(size), TensorProperties(dtype=dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, meta, process_group=ebc.group
+    )
+
+
+def _global_pieces(ebc, t: int, rowwise: bool):
+    """(rank, offsets, sizes) of every shard of table ``t``, for weights ([E, D]) or a
+    rowwise state ([E, number of column slices])."""
+    slices = sorted({(sf.col_start, sf.col_end) for sf in _table_shards(ebc, t)})
+    for sf in _table_shards(ebc, t):
+        if not rowwise:
+            yield sf.rank, (sf.row_start, sf.col_start), (sf.row_end - sf.row_start, sf.dim)
+        else:
+            col = slices.index((sf.col_start, sf.col_end))
+            yield sf.rank, (sf.row_start, col), (sf.row_end - sf.row_start, 1)
+
+
+def _table_shards(ebc, t: int):
+    """One shard-feature per shard of table ``t`` (its first feature's)."""
+    first = ebc.layout.feature_table.index(t)
+    return [sf for q in ebc.layout.local for sf in q if sf.feature == first]
+
+
+def weights_state_dict(ebc, destination=None, prefix=""):
+    """``{prefix}embedding_bags.<table>.weight``: a ShardedTensor (this rank's shards are
+    views of the live weights, so torch.distributed.checkpoint saves and loads in place),
+    or for a data-parallel table its full replica."""
+    out = {} if destination is None else destination
+    local = ebc.local_views()
+    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+        key = f"{prefix}embedding_bags.{cfg.name}.weight"
+        mine = [(lt, v) for lt, v in local if lt.table == t]
+        if ebc.layout.table_data_parallel[t]:
+            out[key] = mine[0][1]
+            continue
+        pieces = [((lt.row_start, lt.col_start), v) for lt, v in mine]
+        out[key] = _sharded(ebc, t, pieces, (cfg.num_embeddings, cfg.embedding_dim))
+    return out
+
+
+def fused_optimizer_state_dict(ebc) -> dict:
+    """The fused optimizer's state in the same form: ``embedding_bags.<table>.weight.<i>``
+    per state tensor (rowwise Adagrad: ``[E, column slices]``, one accumulator per row of
+    each column slice; Adagrad, Adam: ``[E, D]``), and ``step`` (the step count, for Adam's
+    bias correction)."""
+    out = {"step": torch.tensor(ebc.tbes[0].step if ebc.tbes else 0)}
+    shards = ebc.local_shards()
+    rowwise = isinstance(ebc.optimizer, optim.RowWiseAdagrad)
+    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+        mine = [(lt, st) for lt, _, st in shards if lt.table == t]
+        slices = sorted({(sf.col_start, sf.col_end) for sf in _table_shards(ebc, t)})
+        size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
+        for i in range(ebc.optimizer.num_states):
+            key = f"embedding_bags.{cfg.name}.weight.{i}"
+            if ebc.layout.table_data_parallel[t]:  # the replica, same shape as sharded
+                out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]
+                continue
+            pieces = [
+                ((lt.row_start, slices.index((lt.col_start, lt.col_end))), st[i].view(-1, 1))
+                if rowwise
+                else ((lt.row_start, lt.col_start), st[i])
+                for lt, st in mine
+            ]
+            out[key] = _sharded(ebc, t, pieces, size, rowwise)
+    return out
+
+
+def load_fused_optimizer_state_dict(ebc, state: dict) -> None:
+    """Restore ``fused_optimizer_state_dict()`` (after torch.distributed.checkpoint loaded
+    into it in place, only the step count is left to set)."""
+    for tbe in ebc.tbes:
+        tbe.step = int(state["step"])
+
+
+def load_weights(ebc, state_dict, prefix, missing_keys, unexpected_keys, errors) -> None:
+    """``nn.Module._load_from_state_dict`` of the sharded weights: copy each of this rank's
+    shards from its ``embedding_bags.<table>.weight`` (a ShardedTensor with the same local
+    shards, or the full tensor), and list missing, unexpected and mismatched keys."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    local = ebc.local_views()
+    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+        key = f"{prefix}embedding_bags.{cfg.name}.weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        value = state_dict[key]
+        for lt, view in local:
+            if lt.table != t:
+                continue
+            if isinstance(value, ShardedTensor):
+                piece = next(
+                    (s.tensor for s in value.local_shards()
+                     if list(s.metadata.shard_offsets) == [lt.row_start, lt.col_start]
+                     and list(s.metadata.shard_sizes) == list(view.shape)),
+                    None,
+                )
+                if piece is None:
+                    errors.append(
+                        f"{key}: the ShardedTensor's local shards do not match this rank's "
+                        "shards; load it with torch.distributed.checkpoint, which reshards"
+                    )
+                    continue
+            elif tuple(value.shape) == (cfg.num_embeddings, cfg.embedding_dim):
+                piece = value[lt.row_start : lt.row_end, lt.col_start : lt.col_end]
+            else:
+                errors.append(f"{key}: expected shape ({cfg.num_embeddings}, "
+                              f"{cfg.embedding_dim}), got {tuple(value.shape)}")
+                continue
+            if piece.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(piece)
+    known = {f"{prefix}embedding_bags.{c.name}.weight" for c in ebc.embedding_bag_configs()}
+    unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in known
+                        and k[len(prefix):].split(".")[0] == "embedding_bags"]
+
+
+@torch.no_grad()
+def gather_full_state_dict(ebc) -> dict[str, torch.Tensor]:
+    """``{embedding_bags.<table>.weight: [E, D]}`` on every rank, loadable by TorchRec's
+    EmbeddingBagCollection (fp32 sum of each rank's shards; replicas taken once)."""
+    local = ebc.local_views()
+    out = {}
+    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+        dtype = ebc.layout.dtypes[t]
+        full = torch.zeros((cfg.num_embeddings, cfg.embedding_dim), dtype=torch.float32,
+                           device=ebc.device)
+        replica_elsewhere = ebc.layout.table_data_parallel[t] and ebc.rank != 0
+        for lt, view in local:
+            if lt.table == t and not replica_elsewhere:  # replicas: rank 0's copy only
+                full[lt.row_start : lt.row_end, lt.col_start : lt.col_end] = view.float()
+        dist.all_reduce(full, group=ebc.group)
+        out[f"embedding_bags.{cfg.name}.weight"] = full.to(dtype)
+    return out
+
+
