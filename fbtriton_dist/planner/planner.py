@@ -30,16 +30,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from ._yaml import check_choice, check_int, check_number
-from .cost import (
-    UNIFORM,
-    CostAccumulator,
-    CostModel,
-    PlanCost,
-    evaluate,
-    fmt_bytes,
-    state_bytes,
-)
-from .plan import SHARDING_TYPES, Shard, ShardingPlan, TableSharding
+from .cost import UNIFORM, CostAccumulator, CostModel, PlanCost, evaluate
+from .memory import block_bytes, fmt_bytes
+from .plan import ShardingPlan
+from .shards import SHARDING_TYPES, Shard, TableSharding
 from .stats import IdDistribution, balanced_cuts, equal_cuts
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
 
@@ -273,8 +267,7 @@ class ShardingPlanner:
             )
 
     def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:
-        opt = spec.optimizer or self.optimizer
-        return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+        return block_bytes(spec, rows, cols, self.optimizer)
 
     def _check_total_memory(self, specs: Sequence[TableSpec]) -> None:
         need = sum(self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs)
