@@ -5,16 +5,11 @@ TorchRec ``EmbeddingBagConfig`` objects are accepted by duck typing. See docs/pl
 """
 
 from ._yaml import ConfigError, FieldError
-from .cost import CostModel, PlanCost, RankCost, evaluate, state_bytes
-from .plan import (
-    SHARDING_TYPES,
-    PlanValidationError,
-    Shard,
-    ShardingPlan,
-    ShardingType,
-    TableSharding,
-)
+from .cost import CostModel, PlanCost, RankCost, evaluate
+from .memory import state_bytes
+from .plan import PlanValidationError, ShardingPlan
 from .planner import PlanError, ShardingPlanner
+from .shards import SHARDING_TYPES, Shard, ShardingType, TableSharding
 from .stats import IdDistribution, balanced_cuts, equal_cuts, generalized_harmonic
 from .tables import (
     OPTIMIZERS,

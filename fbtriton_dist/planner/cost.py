@@ -38,11 +38,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ._yaml import check_int, check_number
-from .plan import GiB, Shard, ShardingPlan, TableSharding
+from .memory import state_bytes
+from .plan import ShardingPlan
+from .shards import Shard, TableSharding
 from .stats import IdDistribution
 from .tables import TableSpec
 
-__all__ = ["CostModel", "PlanCost", "RankCost", "evaluate", "fmt_bytes", "state_bytes"]
+__all__ = ["CostModel", "PlanCost", "RankCost", "evaluate"]
 
 UNIFORM = IdDistribution()
 
@@ -124,22 +126,6 @@ class PlanCost:
 
     def max(self, term: str = "time_s") -> float:
         return max(float(getattr(r, term)) for r in self.ranks)
-
-
-def state_bytes(optimizer: str, rows: int, cols: int) -> int:
-    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it."""
-    if optimizer == "rowwise_adagrad":
-        return rows * 4
-    if optimizer == "adam":
-        return 2 * rows * cols * 4
-    return 0
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 class CostAccumulator:
@@ -348,43 +334,3 @@ def evaluate(
     for ts in plan.tables:
         acc.add_table(by_name[ts.name], ts, (stats or {}).get(ts.name, UNIFORM), optimizer)
     return acc.result()
-
-
-def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
-    """``rows 0..1000 x 128 cols x 4 B + state 4.0 KiB (rowwise_adagrad) = 504.0 KiB``."""
-    opt = spec.optimizer or optimizer
-    w = sh.num_rows * sh.num_cols * spec.dtype_bytes
-    st = state_bytes(opt, sh.num_rows, sh.num_cols)
-    return (
-        f"rows {sh.row_start}..{sh.row_end} x {sh.num_cols} cols x {spec.dtype_bytes} B"
-        f" + state {fmt_bytes(st)} ({opt}) = {fmt_bytes(w + st)}"
-    )
-
-
-def memory_problems(
-    plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
-) -> list[str]:
-    """One message per rank whose weights + optimizer state exceed ``budget_bytes``."""
-    by_name = {t.name: t for t in tables}
-    cost = evaluate(plan, tables, optimizer=optimizer)
-    problems = []
-    for rc in cost.ranks:
-        if rc.memory_bytes <= budget_bytes:
-            continue
-        shards = plan.shards_for_rank(rc.rank)
-
-        def size(item: tuple[str, Shard]) -> int:
-            spec, sh = by_name[item[0]], item[1]
-            opt = spec.optimizer or optimizer
-            return sh.num_rows * sh.num_cols * spec.dtype_bytes + state_bytes(
-                opt, sh.num_rows, sh.num_cols
-            )
-
-        name, big = max(shards, key=size)
-        rest = rc.memory_bytes - size((name, big))
-        others = f" + {fmt_bytes(rest)} of {len(shards) - 1} other shard(s)" if rest else ""
-        problems.append(
-            f"rank {rc.rank} needs {fmt_bytes(rc.memory_bytes)}, budget {fmt_bytes(budget_bytes)}: "
-            f"table '{name}' {shard_equation(by_name[name], big, optimizer)}{others}"
-        )
-    return problems

@@ -11,6 +11,9 @@ is what input dist bucketizes ids with. A grid-shard table is cut into column sl
 table-row-wise on the ranks of one host (TorchRec's ``grid_shard``); its shards are listed
 slice by slice, each slice in row order (``column_slices``). A data-parallel table has one
 full shard per rank.
+
+``Shard`` and ``TableSharding`` (with their own checks) live in ``shards.py``; this module adds
+the whole-plan checks, the budget check (``memory_problems``) and the YAML form.
 """
 
 from __future__ import annotations
@@ -18,39 +21,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import yaml
 
-from ._yaml import (
-    ConfigError,
-    FieldError,
-    atomic_write_text,
-    build,
-    check_choice,
-    check_int,
-    check_name,
-    read_yaml,
-)
+from ._yaml import ConfigError, FieldError, atomic_write_text, build, check_int, read_yaml
+from .memory import block_bytes, fmt_bytes, shard_equation
+from .shards import Shard, TableSharding
+from .tables import TableSpec
 
-if TYPE_CHECKING:
-    from .tables import TableSpec
+__all__ = ["PlanValidationError", "ShardingPlan", "memory_problems"]
 
-__all__ = [
-    "SHARDING_TYPES",
-    "PlanValidationError",
-    "Shard",
-    "ShardingPlan",
-    "ShardingType",
-    "TableSharding",
-]
-
-ShardingType = Literal[
-    "row_wise", "table_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel"
-]
-SHARDING_TYPES: tuple[str, ...] = ShardingType.__args__  # type: ignore[attr-defined]
 PLAN_VERSION = 1
-GiB = 1024**3
 
 
 class PlanValidationError(ValueError):
@@ -60,218 +42,6 @@ class PlanValidationError(ValueError):
         self.problems = list(problems)
         lines = "\n  ".join(self.problems)
         super().__init__(f"invalid sharding plan ({len(self.problems)} problem(s)):\n  {lines}")
-
-
-@dataclass(kw_only=True, frozen=True)
-class Shard:
-    """One block of a table on one rank: rows [row_start, row_end), cols [col_start, col_end).
-
-    Ranges are half-open; a shard is never empty.
-    """
-
-    rank: int
-    """The rank (global, ``0 <= rank < world_size``) that stores this block."""
-    row_start: int
-    """First row of the block (inclusive)."""
-    row_end: int
-    """One past the last row of the block."""
-    col_start: int
-    """First column (embedding dimension) of the block (inclusive)."""
-    col_end: int
-    """One past the last column of the block."""
-
-    def __post_init__(self) -> None:
-        check_int("rank", self.rank, 0)
-        check_int("row_start", self.row_start, 0)
-        check_int("row_end", self.row_end, self.row_start + 1)
-        check_int("col_start", self.col_start, 0)
-        check_int("col_end", self.col_end, self.col_start + 1)
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_end - self.row_start
-
-    @property
-    def num_cols(self) -> int:
-        return self.col_end - self.col_start
-
-    def describe(self) -> str:
-        return (
-            f"rank {self.rank}: rows {self.row_start}..{self.row_end}, "
-            f"cols {self.col_start}..{self.col_end}"
-        )
-
-
-@dataclass(kw_only=True, frozen=True)
-class TableSharding:
-    """How one table is cut: its sharding type and its shards."""
-
-    name: str
-    """Table name, as in ``EmbeddingBagConfig.name``."""
-    sharding: ShardingType
-    """One of ``SHARDING_TYPES``."""
-    num_embeddings: int
-    """E, the table's rows (kept in the plan so it can be checked on its own)."""
-    embedding_dim: int
-    """D, the table's columns."""
-    shards: tuple[Shard, ...]
-    """The blocks; row-wise kinds in increasing row order, data-parallel one per rank."""
-
-    def __post_init__(self) -> None:
-        check_name("name", self.name)
-        check_choice("sharding", self.sharding, SHARDING_TYPES)
-        check_int("num_embeddings", self.num_embeddings, 1)
-        check_int("embedding_dim", self.embedding_dim, 1)
-        if not isinstance(self.shards, tuple) or not self.shards:
-            raise FieldError("shards", f"expected a non-empty tuple of Shard, got {self.shards!r}")
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        """The ranks that hold a shard, in shard order."""
-        return tuple(s.rank for s in self.shards)
-
-    def row_boundaries(self) -> tuple[int, ...]:
-        """Sorted distinct row cuts ``(0, ..., E)``; block k is rows ``[b[k], b[k+1])``.
-
-        For table-wise, column-wise and data-parallel tables this is ``(0, E)``; a grid-shard
-        table has one set per column slice (see ``column_slices``).
-        """
-        return tuple(sorted({0, self.num_embeddings, *(s.row_start for s in self.shards)}))
-
-    def column_slices(self) -> tuple[tuple[int, int, tuple[Shard, ...]], ...]:
-        """``(col_start, col_end, shards)`` per distinct column range, in column order; the
-        shards of a slice keep their listed (row) order."""
-        ranges = sorted({(s.col_start, s.col_end) for s in self.shards})
-        return tuple(
-            (a, b, tuple(s for s in self.shards if (s.col_start, s.col_end) == (a, b)))
-            for a, b in ranges
-        )
-
-    def validate(self, world_size: int, local_world_size: int) -> list[str]:
-        """Every problem of this table's shards, one message each (empty when valid)."""
-        E, D, name = self.num_embeddings, self.embedding_dim, self.name
-        where = f"table '{name}' ({self.sharding})"
-        problems = []
-        for i, s in enumerate(self.shards):
-            if s.rank >= world_size:
-                problems.append(
-                    f"{where}: shards[{i}].rank: expected 0 <= rank < world_size={world_size}, "
-                    f"got {s.rank}"
-                )
-            if s.row_end > E or s.col_end > D:
-                problems.append(
-                    f"{where}: shards[{i}] ({s.describe()}) is outside the table "
-                    f"(rows 0..{E}, cols 0..{D})"
-                )
-        if problems:
-            return problems
-        if self.sharding == "data_parallel":
-            return _validate_replicas(self, world_size, where)
-        problems += _validate_shape(self, local_world_size, where)
-        problems += _validate_exact_cover(self, where)
-        return problems
-
-
-def _validate_replicas(t: TableSharding, world_size: int, where: str) -> list[str]:
-    problems = [
-        f"{where}: shards[{i}] ({s.describe()}) is not the whole table"
-        for i, s in enumerate(t.shards)
-        if (s.num_rows, s.num_cols) != (t.num_embeddings, t.embedding_dim)
-    ]
-    if sorted(t.ranks) != list(range(world_size)):
-        problems.append(
-            f"{where}: expected one replica on each of ranks 0..{world_size - 1}, "
-            f"got ranks {sorted(t.ranks)}"
-        )
-    return problems
-
-
-def _validate_shape(t: TableSharding, local_world_size: int, where: str) -> list[str]:
-    """The cut must match the sharding type (whole rows, whole columns, one host, ...)."""
-    full_cols = all(s.num_cols == t.embedding_dim for s in t.shards)
-    full_rows = all(s.num_rows == t.num_embeddings for s in t.shards)
-    if t.sharding == "table_wise" and len(t.shards) != 1:
-        return [f"{where}: expected exactly 1 shard, got {len(t.shards)}"]
-    if t.sharding in ("row_wise", "table_row_wise"):
-        if not full_cols:
-            return [f"{where}: every shard must span all {t.embedding_dim} columns"]
-        starts = [s.row_start for s in t.shards]
-        if starts != sorted(starts):
-            return [f"{where}: shards must be listed in increasing row order, got starts {starts}"]
-        hosts = {s.rank // local_world_size for s in t.shards}
-        if t.sharding == "table_row_wise" and len(hosts) != 1:
-            return [
-                f"{where}: shards must stay on the ranks of one host "
-                f"(local_world_size={local_world_size}), got ranks {list(t.ranks)}"
-            ]
-    if t.sharding == "column_wise" and not full_rows:
-        return [f"{where}: every shard must span all {t.num_embeddings} rows"]
-    if t.sharding == "grid_shard":
-        return _validate_grid(t, local_world_size, where)
-    return []
-
-
-def _validate_grid(t: TableSharding, local_world_size: int, where: str) -> list[str]:
-    """Column slices that do not overlap, listed slice by slice in row order, each on one host."""
-    slices = t.column_slices()
-    for (a, b, _), (c, d, _) in zip(slices, slices[1:], strict=False):
-        if c < b:
-            return [f"{where}: column slices overlap: cols {a}..{b} and cols {c}..{d}"]
-    order = [(s.col_start, s.row_start) for s in t.shards]
-    if order != sorted(order):
-        return [
-            f"{where}: shards must be listed slice by slice (by col_start), each in increasing "
-            f"row order, got (col_start, row_start) {order}"
-        ]
-    for a, b, shards in slices:
-        if len({s.rank // local_world_size for s in shards}) != 1:
-            return [
-                f"{where}: the shards of column slice {a}..{b} must stay on the ranks of one host "
-                f"(local_world_size={local_world_size}), got ranks {[s.rank for s in shards]}"
-            ]
-    return []
-
-
-def _validate_exact_cover(t: TableSharding, where: str) -> list[str]:
-    """No two shards overlap and together they cover all E x D cells (so: exactly once)."""
-    problems = []
-    shards = t.shards
-    for i in range(len(shards)):
-        a = shards[i]
-        for j in range(i + 1, len(shards)):
-            b = shards[j]
-            rows = a.row_start < b.row_end and b.row_start < a.row_end
-            cols = a.col_start < b.col_end and b.col_start < a.col_end
-            if rows and cols:
-                problems.append(
-                    f"{where}: shards[{j}] ({b.describe()}) overlaps shards[{i}] ({a.describe()})"
-                )
-    if problems:
-        return problems
-    covered = sum(s.num_rows * s.num_cols for s in shards)
-    total = t.num_embeddings * t.embedding_dim
-    if covered != total:
-        gaps = _row_gaps(t)
-        detail = f"; uncovered rows {gaps}" if gaps else ""
-        problems.append(
-            f"{where}: shards cover {covered} of {t.num_embeddings} x {t.embedding_dim} = "
-            f"{total} cells{detail}"
-        )
-    return problems
-
-
-def _row_gaps(t: TableSharding, limit: int = 4) -> str:
-    if any(s.num_cols != t.embedding_dim for s in t.shards):
-        return ""
-    gaps, pos = [], 0
-    for s in sorted(t.shards, key=lambda s: s.row_start):
-        if s.row_start > pos:
-            gaps.append(f"{pos}..{s.row_start}")
-        pos = max(pos, s.row_end)
-    if pos < t.num_embeddings:
-        gaps.append(f"{pos}..{t.num_embeddings}")
-    more = f" (+{len(gaps) - limit} more)" if len(gaps) > limit else ""
-    return ", ".join(gaps[:limit]) + more
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -337,8 +107,6 @@ class ShardingPlan:
         if specs is not None:
             problems += self._match_tables(specs)
         if specs is not None and budget_bytes is not None and not problems:
-            from .cost import memory_problems  # late: cost imports this module
-
             problems += memory_problems(self, specs, budget_bytes, optimizer)
         if problems:
             raise PlanValidationError(problems)
@@ -440,6 +208,32 @@ class ShardingPlan:
         """
         where = os.fspath(path)
         return cls.from_dict(read_yaml(where), where)
+
+
+def memory_problems(
+    plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
+) -> list[str]:
+    """One message per rank whose weights + optimizer state exceed ``budget_bytes``, naming
+    the rank's largest shard with its equation (tables without their own optimizer use
+    ``optimizer``)."""
+    by_name = {t.name: t for t in tables}
+    problems = []
+    for rank in range(plan.world_size):
+        shards = plan.shards_for_rank(rank)
+        sizes = [
+            block_bytes(by_name[name], sh.num_rows, sh.num_cols, optimizer) for name, sh in shards
+        ]
+        need = sum(sizes)
+        if need <= budget_bytes:
+            continue
+        i = max(range(len(shards)), key=sizes.__getitem__)
+        (name, big), rest = shards[i], need - sizes[i]
+        others = f" + {fmt_bytes(rest)} of {len(shards) - 1} other shard(s)" if rest else ""
+        problems.append(
+            f"rank {rank} needs {fmt_bytes(need)}, budget {fmt_bytes(budget_bytes)}: "
+            f"table '{name}' {shard_equation(by_name[name], big, optimizer)}{others}"
+        )
+    return problems
 
 
 def _without_version(data: Any, where: str) -> Any:

@@ -30,16 +30,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from ._yaml import check_choice, check_int, check_number
-from .cost import (
-    UNIFORM,
-    CostAccumulator,
-    CostModel,
-    PlanCost,
-    evaluate,
-    fmt_bytes,
-    state_bytes,
-)
-from .plan import SHARDING_TYPES, Shard, ShardingPlan, TableSharding
+from .cost import UNIFORM, CostAccumulator, CostModel, PlanCost, evaluate
+from .memory import block_bytes, fmt_bytes
+from .plan import ShardingPlan
+from .shards import SHARDING_TYPES, Shard, TableSharding
 from .stats import IdDistribution, balanced_cuts, equal_cuts
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
 
@@ -61,6 +55,16 @@ TW_CANDIDATE_RANKS = 4
 
 def _quanta(seconds: float) -> int:
     return round(seconds / TIME_QUANTUM)
+
+
+def _table_sharding(spec: TableSpec, sharding: str, shards: Iterable[Shard]) -> TableSharding:
+    return TableSharding(
+        name=spec.name,
+        sharding=sharding,  # type: ignore[arg-type]
+        num_embeddings=spec.num_embeddings,
+        embedding_dim=spec.embedding_dim,
+        shards=tuple(shards),
+    )
 
 
 class PlanError(ValueError):
@@ -273,8 +277,7 @@ class ShardingPlanner:
             )
 
     def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:
-        opt = spec.optimizer or self.optimizer
-        return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+        return block_bytes(spec, rows, cols, self.optimizer)
 
     def _check_total_memory(self, specs: Sequence[TableSpec]) -> None:
         need = sum(self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs)
@@ -370,63 +373,87 @@ class ShardingPlanner:
         dist: IdDistribution,
         acc: CostAccumulator,
     ) -> Iterator[TableSharding]:
-        E, D = spec.num_embeddings, spec.embedding_dim
+        """The placements ``sharding`` offers for the table, given the load already in ``acc``."""
         ranks = self._candidate_ranks(c)
         lo, hi = c.min_shards or 1, c.max_shards or self.world_size
-
-        def make(shards: list[Shard]) -> TableSharding:
-            return TableSharding(
-                name=spec.name,
-                sharding=sharding,  # type: ignore[arg-type]
-                num_embeddings=E,
-                embedding_dim=D,
-                shards=tuple(shards),
-            )
-
         by_load = sorted(ranks, key=lambda r: (acc.time(r), acc.memory(r), r))
         if sharding == "data_parallel":
-            if len(ranks) == self.world_size:
-                yield make(
-                    [
-                        Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)
-                        for r in range(self.world_size)
-                    ]
-                )
+            cuts = self._replicas(spec, ranks)
         elif sharding == "table_wise":
-            if lo <= 1:
-                need = self._table_bytes(spec, E, D)
-                fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
-                for r in fits[:TW_CANDIDATE_RANKS]:
-                    yield make([Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)])
+            cuts = self._whole_tables(spec, lo, by_load, acc)
         elif sharding == "column_wise":
-            for k in self._column_splits(D, c, len(ranks)):
-                w = D // k
-                need = self._table_bytes(spec, E, w)
-                fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
-                if len(fits) >= k:
-                    owners = sorted(fits[:k])
-                    yield make(
-                        [
-                            Shard(
-                                rank=r, row_start=0, row_end=E, col_start=i * w, col_end=(i + 1) * w
-                            )
-                            for i, r in enumerate(owners)
-                        ]
-                    )
+            cuts = self._column_slices(spec, c, len(ranks), by_load, acc)
         elif sharding == "grid_shard":
-            for shards in self._grid(spec, ranks, lo, hi, dist, acc):
-                yield make(shards)
+            cuts = self._grid(spec, ranks, lo, hi, dist, acc)
         else:
-            for group in self._row_groups(sharding, ranks, by_load, lo, hi):
-                cuts = self._cut(spec, sharding, group, dist, acc)
-                if cuts is not None:
-                    yield make(
-                        [
-                            Shard(rank=r, row_start=a, row_end=b, col_start=0, col_end=D)
-                            for r, a, b in zip(group, cuts, cuts[1:], strict=False)
-                            if b > a
-                        ]
-                    )
+            cuts = self._row_blocks(spec, sharding, ranks, by_load, lo, hi, dist, acc)
+        for shards in cuts:
+            yield _table_sharding(spec, sharding, shards)
+
+    def _replicas(self, spec: TableSpec, ranks: list[int]) -> Iterator[list[Shard]]:
+        """Data-parallel: a full replica on every rank (never pinned to some ranks)."""
+        E, D = spec.num_embeddings, spec.embedding_dim
+        if len(ranks) == self.world_size:
+            yield [
+                Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)
+                for r in range(self.world_size)
+            ]
+
+    def _whole_tables(
+        self, spec: TableSpec, lo: int, by_load: list[int], acc: CostAccumulator
+    ) -> Iterator[list[Shard]]:
+        """Table-wise: the whole table on one of the ``TW_CANDIDATE_RANKS`` least-loaded ranks
+        that have room."""
+        E, D = spec.num_embeddings, spec.embedding_dim
+        if lo <= 1:
+            need = self._table_bytes(spec, E, D)
+            fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+            for r in fits[:TW_CANDIDATE_RANKS]:
+                yield [Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)]
+
+    def _column_slices(
+        self,
+        spec: TableSpec,
+        c: TableConstraints,
+        num_ranks: int,
+        by_load: list[int],
+        acc: CostAccumulator,
+    ) -> Iterator[list[Shard]]:
+        """Column-wise: for each allowed slice count k, k equal slices on the k least-loaded
+        ranks that have room for one (in rank order)."""
+        E, D = spec.num_embeddings, spec.embedding_dim
+        for k in self._column_splits(D, c, num_ranks):
+            w = D // k
+            need = self._table_bytes(spec, E, w)
+            fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+            if len(fits) >= k:
+                yield [
+                    Shard(rank=r, row_start=0, row_end=E, col_start=i * w, col_end=(i + 1) * w)
+                    for i, r in enumerate(sorted(fits[:k]))
+                ]
+
+    def _row_blocks(
+        self,
+        spec: TableSpec,
+        sharding: str,
+        ranks: list[int],
+        by_load: list[int],
+        lo: int,
+        hi: int,
+        dist: IdDistribution,
+        acc: CostAccumulator,
+    ) -> Iterator[list[Shard]]:
+        """Row-wise and table-row-wise: the rows cut over each candidate group of ranks
+        (``_row_groups``), a rank left without rows holding no shard."""
+        D = spec.embedding_dim
+        for group in self._row_groups(sharding, ranks, by_load, lo, hi):
+            cuts = self._cut(spec, sharding, group, dist, acc)
+            if cuts is not None:
+                yield [
+                    Shard(rank=r, row_start=a, row_end=b, col_start=0, col_end=D)
+                    for r, a, b in zip(group, cuts, cuts[1:], strict=False)
+                    if b > a
+                ]
 
     def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
         """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
@@ -453,7 +480,7 @@ class ShardingPlanner:
     ) -> Iterator[list[Shard]]:
         """Grid-shard placements: for each slice count n, slice i of D/n columns is cut by rows
         (balanced) over the allowed ranks of the i-th least-loaded host (at most hi/n each)."""
-        E, D, H = spec.num_embeddings, spec.embedding_dim, self.local_world_size
+        D, H = spec.embedding_dim, self.local_world_size
         hosts: dict[int, list[int]] = {}
         for r in sorted(ranks, key=lambda r: (acc.time(r), acc.memory(r), r)):
             hosts.setdefault(r // H, []).append(r)
@@ -477,16 +504,7 @@ class ShardingPlanner:
                     if b > a
                 ]
                 work.add_table(
-                    spec,
-                    TableSharding(
-                        name=spec.name,
-                        sharding="grid_shard",
-                        num_embeddings=E,
-                        embedding_dim=D,
-                        shards=tuple(part),
-                    ),
-                    dist,
-                    self.optimizer,
+                    spec, _table_sharding(spec, "grid_shard", part), dist, self.optimizer
                 )
                 shards += part
             else:
@@ -535,20 +553,8 @@ class ShardingPlanner:
             return cuts if ok else None
         # every rank's load before this table, plus the pooled slices it will receive
         probe = acc.copy()
-        probe.add_table(
-            spec,
-            TableSharding(
-                name=spec.name,
-                sharding=sharding,  # type: ignore[arg-type]
-                num_embeddings=E,
-                embedding_dim=D,
-                shards=tuple(
-                    Shard(rank=r, row_start=0, row_end=E, col_start=c0, col_end=c1) for r in group
-                ),
-            ),
-            UNIFORM,
-            self.optimizer,
-        )
+        whole = [Shard(rank=r, row_start=0, row_end=E, col_start=c0, col_end=c1) for r in group]
+        probe.add_table(spec, _table_sharding(spec, sharding, whole), UNIFORM, self.optimizer)
         # probe gave each holder the full table's share (p=1); undo that linear part per rank
         k = len(group)
         t0 = acc.terms_time(acc.row_holder_terms(spec, 0.0, k, sharding, c1 - c0))

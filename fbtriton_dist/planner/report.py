@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .cost import UNIFORM, PlanCost, fmt_bytes
+from .cost import UNIFORM, PlanCost
+from .memory import fmt_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec

@@ -41,7 +41,7 @@ from ._yaml import (
     expect_mapping,
     read_yaml,
 )
-from .plan import SHARDING_TYPES, ShardingType
+from .shards import SHARDING_TYPES, ShardingType
 from .stats import IdDistribution
 
 __all__ = [

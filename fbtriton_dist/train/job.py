@@ -54,6 +54,7 @@ from .config import (
     load_job,
 )
 from .data import DataPosition, make_source
+from .env import Env
 from .loop import Trainer
 from .metrics import format_summary
 
@@ -78,17 +79,6 @@ _PLANNER_OPTIMIZER = {
     "rowwise_adagrad": "rowwise_adagrad",
     "adam": "adam",
 }
-
-
-@dataclass(frozen=True)
-class Env:
-    """Where this process runs: its rank, the world, its device and process group."""
-
-    rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    process_group: dist.ProcessGroup | None
 
 
 @contextlib.contextmanager

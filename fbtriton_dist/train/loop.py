@@ -6,7 +6,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,10 +15,8 @@ from torch import nn
 from .checkpoint import save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
+from .env import Env
 from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
-
-if TYPE_CHECKING:
-    from .job import Env
 
 __all__ = ["Trainer", "evaluate"]
 
