@@ -70,18 +70,6 @@ ALLOWED: dict[str, set[str]] = {
 }
 ALLOWED["bench"] = set(ALLOWED)  # anything; and no row lists bench: the library never imports it
 
-# (file, imported module) pairs the test lets through for now.
-# MUST BE EMPTY WHEN ISSUE 18 LANDS: sharding/ picks kernel or reference itself here, which is
-# ops/'s job (ops/bucketize.py and ops/backend.py take it over; then delete these lines).
-KNOWN_VIOLATIONS: set[tuple[str, str]] = {
-    ("sharding/fixed.py", "fbtriton_dist.kernels"),
-    ("sharding/fixed.py", "fbtriton_dist.kernels.bucketize"),
-    ("sharding/fixed.py", "fbtriton_dist.reference"),
-    ("sharding/input_dist.py", "fbtriton_dist.kernels"),
-    ("sharding/input_dist.py", "fbtriton_dist.kernels.bucketize"),
-    ("sharding/input_dist.py", "fbtriton_dist.reference"),
-}
-
 NO_TENSORS = ("torch", "triton", "torchrec", "fbgemm_gpu")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "planner/": NO_TENSORS,  # pure Python: plans without a GPU or torch
@@ -345,14 +333,8 @@ def test_every_top_level_module_has_a_layer():
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_imports_point_down(imports, layer):
     found = layer_violations([i for i in imports if layer_of(i.source) == layer], ALLOWED)
-    problems = [msg for key, msg in sorted(found.items()) if key not in KNOWN_VIOLATIONS]
+    problems = [msg for _, msg in sorted(found.items())]
     assert problems == []
-
-
-def test_known_violations_are_still_there(imports):
-    """An entry that is fixed leaves the list (which must be empty when issue 18 lands)."""
-    fixed = KNOWN_VIOLATIONS - set(layer_violations(imports, ALLOWED))
-    assert fixed == set(), "fixed: remove these from KNOWN_VIOLATIONS"
 
 
 def test_no_import_cycles(imports):
