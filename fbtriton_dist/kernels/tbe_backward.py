@@ -476,7 +476,7 @@ def linearize(
 
 def backward_config(max_D: int) -> tuple[int, int, int, int, int]:
     """(RUNS, num_warps, IDS, CHUNK, maxnreg) of the row kernel and the chunk kernel, from a
-    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md). The row
+    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, docs/kernels.md). The row
     update is bound by its chain of dependent loads, so what counts is programs in flight: one
     run per one-warp program, its registers capped at 64 so that 32 programs (the most an SM
     holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured

@@ -277,7 +277,7 @@ def block_sizes(max_D: int) -> tuple[int, int]:
 
 def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape, from a
-    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, DEVELOPERS.md): one warp per
+    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, docs/kernels.md): one warp per
     bag (its sums stay inside the warp, and 32 bags fit on an SM) and 4 ids in flight per step
     up to D=256 (with rows loaded as 16-byte vectors, ``row_align``; 8 ids was better before
     that on uniform ids only); a bigger tile spills registers. Several bags per program
