@@ -13,7 +13,8 @@ trains on the same pre-generated batches (each rank its own), one provider's mod
 warm-up steps are not counted (``dist_measure`` says what is measured and how). Rank 0 prints a
 table with the ratios against TorchRec and writes ``--out`` (JSON) after every provider, so a
 crash keeps the rows measured so far. A provider that fails or cannot run here is recorded with
-the reason and the run goes on.
+the reason and the run goes on; at the end the run exits non-zero if any provider failed (only
+a peer that is not importable here, TorchRec or FBGEMM, may be skipped; ours never are).
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "versions": _versions(device),
         },
         "rows": [],
+        "failed": [],
     }
     _say(
         env,
@@ -298,6 +300,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             for provider in args.providers:
                 row = _run_one(provider, ctx, args, env, estimate)
                 group_rows.append(row)
+                if failure(row):
+                    results["failed"].append(failure(row))
                 if rank == 0:
                     results["rows"].append(row)
                     _ratios(group_rows)
@@ -311,6 +315,14 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
         if args.out:
             print(f"results written to {args.out}", flush=True)
     return results
+
+
+def failure(row: dict[str, Any]) -> str | None:
+    """Why ``row`` fails the run, or None: an error of any provider, or a skip of one of ours
+    (only a peer that is not importable may be skipped)."""
+    if row["status"] == "ok" or (row["status"] == "skipped" and row["provider"] == "torchrec"):
+        return None
+    return f"{row['plan']}/{row['model']}/{row['provider']}: {row['status']}: {row.get('note')}"
 
 
 def _say(env, text: str) -> None:
@@ -480,7 +492,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fbtriton_dist.train.job import distributed
 
     with distributed(args.device, group_of_one=args.one_rank) as env:
-        run(args, env)
+        results = run(args, env)
+        rank = env.rank
+    if results["failed"]:  # every rank exits non-zero; rank 0 says why
+        lines = "".join(f"\n  {f}" for f in results["failed"])
+        raise SystemExit(f"bench dist: {len(results['failed'])} failed:{lines}" if rank == 0 else 1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@
   ``ours_graph`` with
   ``wire_dtype=torch.bfloat16`` (TorchRec's wire stays fp32: not a like-for-like ratio).
 
-A provider that cannot run here raises :class:`Skip` with the reason. The dense optimizer is
+A peer that is not importable here (TorchRec, FBGEMM) raises :class:`Skip` with the reason; our
+own providers never skip: an error in our code (an import error included) is the provider's
+error, and fails the run (``bench dist`` exits non-zero). The dense optimizer is
 SGD for everyone; ours all-reduces (averages) dense gradients in an optimizer pre-step hook,
 so a pipeline that calls ``optimizer.step()`` itself does it too (averaging twice is harmless).
 """
@@ -23,7 +25,6 @@ so a pipeline that calls ``optimizer.step()`` itself does it too (averaging twic
 from __future__ import annotations
 
 import gc
-import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from .dist_setup import ModelSpec, Table, build_model, embedding_fqn, torchrec_m
 
 
 class Skip(Exception):
-    """This provider cannot run here (a missing package or API); the message says why."""
+    """A peer cannot run here (its package is not importable); the message says why. Never
+    raised for our own providers."""
 
 
 @dataclass(kw_only=True)
@@ -139,26 +141,6 @@ PIPELINE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _comm_options(options: dict[str, Any]):
-    import fbtriton_dist
-
-    try:
-        from fbtriton_dist.sharding.options import CommOptions
-    except ImportError as e:
-        raise Skip(f"fbtriton_dist.sharding.options.CommOptions is not importable: {e}") from e
-    if "comm" not in inspect.signature(fbtriton_dist.shard).parameters:
-        raise Skip("fbtriton_dist.shard() takes no comm= argument yet (CommOptions not wired)")
-    return CommOptions(**options)
-
-
-def _pipeline_class():
-    try:
-        from fbtriton_dist.sharding.pipeline import TrainPipeline
-    except (ImportError, AttributeError) as e:
-        raise Skip(f"fbtriton_dist.sharding.pipeline.TrainPipeline is not importable: {e}") from e
-    return TrainPipeline
-
-
 def build_ours(name: str, ctx: Context) -> Runner:
     import fbtriton_dist
     from fbtriton_dist import optim
@@ -166,9 +148,11 @@ def build_ours(name: str, ctx: Context) -> Runner:
 
     kwargs: dict[str, Any] = {"optimizer": optim.RowWiseAdagrad(lr=ctx.lr, eps=ctx.eps)}
     pipeline_cls = None
-    if name != "ours_plain":
-        kwargs["comm"] = _comm_options({**LEAN_OPTIONS[name], **ctx.comm_extra})
-        pipeline_cls = _pipeline_class()
+    if name != "ours_plain":  # our own code: an import error here fails the provider, never skips
+        from fbtriton_dist.sharding import CommOptions, TrainPipeline
+
+        kwargs["comm"] = CommOptions(**{**LEAN_OPTIONS[name], **ctx.comm_extra})
+        pipeline_cls = TrainPipeline
     torch.manual_seed(ctx.seed)
     ebc = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
     model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)

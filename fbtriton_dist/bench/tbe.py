@@ -21,6 +21,12 @@ Per (shape, provider, phase): median ms (L2 flushed, CUDA events), pipelined ms,
 (profiler), effective GB/s with the byte count beside it (BASELINES.md's model), % of the copy
 bandwidth measured in this process, speedup against every other provider, peak memory, and for
 ``ours``/``fbgemm`` the per-kernel µs/iter. Method: ../shared/tools/fbgemm-sm90/BASELINES.md.
+
+Correctness comes before timing, per shape: ``--check`` (Triton vs the reference at the shape's
+size: forward, 3 fused rowwise-Adagrad steps) and, when ``fbgemm`` is a provider, ours vs
+FBGEMM on the same weights (forward, one SGD step; ``--no-compare`` leaves it out). A check
+that differs beyond its tolerance, or raises, stops the run with exit status 1 before that
+shape is timed, naming the shape, the provider, what differs and by how much.
 """
 
 import argparse
@@ -28,6 +34,7 @@ import dataclasses
 import json
 import sys
 import time
+from typing import NoReturn
 
 import torch
 
@@ -45,6 +52,7 @@ from fbtriton_dist.bench.tbe_cases import (
     _free,
     check,
     compare_with_fbgemm,
+    import_fbgemm,
     make_batch,
     model_bytes,
     output_size,
@@ -265,8 +273,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--phases", default=None, help=f"comma list of {list(PHASES)}")
     p.add_argument("--tiny", action="store_true", help="E<=1000, B<=16, T<=4 (CPU, CI)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--check", action="store_true", help="first, Triton vs reference per shape")
-    p.add_argument("--no-compare", action="store_true", help="skip ours-vs-fbgemm correctness")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="first, Triton vs reference per shape; a mismatch stops the run (exit 1) untimed",
+    )
+    p.add_argument(
+        "--no-compare",
+        action="store_true",
+        help="skip ours-vs-fbgemm correctness (run when fbgemm is a provider; a mismatch stops "
+        "the run, exit 1, before the shape is timed)",
+    )
     p.add_argument(
         "--dense-limit-gb",
         type=float,
@@ -356,10 +373,16 @@ def _run(args: argparse.Namespace) -> dict:
             print(f"  check Triton vs reference: {report['check'][shape.name]['skipped']}")
         elif args.check:
             try:
-                report["check"][shape.name] = check(shape, device)
+                res = check(shape, device)
             except Exception as e:
-                report["check"][shape.name] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"  check Triton vs reference: {json.dumps(report['check'][shape.name])}")
+                msg = f"{type(e).__name__}: {str(e)[:500]}"
+                res = {"error": msg, "ok": False, "failures": [f"the check raised {msg}"]}
+                _free()
+            report["check"][shape.name] = res
+            print(f"  check Triton vs reference: {json.dumps(res)}", flush=True)
+            if not res["ok"]:
+                what = "provider ours (backend='triton') vs the reference backend"
+                _refuse(report, args, shape, what, res["failures"])
         try:
             batch = make_batch(shape, device, args.seed)
         except Exception as e:
@@ -388,12 +411,21 @@ def _run(args: argparse.Namespace) -> dict:
         if "fbgemm" in providers and ours_like and not args.no_compare:
             backend = "triton" if ours_like == "ours" else "reference"
             try:
-                res = compare_with_fbgemm(ctx, backend)
-            except Exception as e:
-                res = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-                _free()
+                import_fbgemm()
+            except ImportError as e:  # a peer that is not installed: no comparison, say why
+                res = {"skipped": f"fbgemm_gpu is not importable: {e}"}
+            else:
+                try:
+                    res = compare_with_fbgemm(ctx, backend)
+                except Exception as e:
+                    msg = f"{type(e).__name__}: {str(e)[:500]}"
+                    res = {"error": msg, "ok": False, "failures": [f"the comparison raised {msg}"]}
+                    _free()
             report["correctness"][shape.name] = res
             print(f"  correctness {ours_like} vs fbgemm: {json.dumps(res)}", flush=True)
+            if "skipped" not in res and not res["ok"]:
+                what = f"provider {ours_like} (backend={backend!r}) vs fbgemm"
+                _refuse(report, args, shape, what, res["failures"])
         rows = run_shape(ctx, providers, timer, copy_gbs)
         derived = derived_bwd(rows)
         report["rows"] += rows
@@ -409,6 +441,25 @@ def _run(args: argparse.Namespace) -> dict:
             _write(report, args.out)
     print(f"\ntotal {time.perf_counter() - t_run:.1f} s")
     return report
+
+
+class CheckFailed(SystemExit):
+    """A correctness check failed: the run stops (exit status 1) before timing that shape."""
+
+
+def _refuse(report: dict, args, shape: Shape, what: str, failures: list[str]) -> NoReturn:
+    """Stop the run: a path that computes the wrong thing is not timed. The report so far (with
+    the failed check) is written to ``--out`` first."""
+    msg = (
+        f"bench tbe: {shape.name} ({shape.describe()}): {what}: check failed, so this shape "
+        "and the ones after it are not timed:"
+        + "".join(f"\n  {f}" for f in failures)
+    )
+    report["failed"] = msg
+    if args.out:
+        _write(report, args.out)
+    print(msg, file=sys.stderr, flush=True)
+    raise CheckFailed(1)
 
 
 def _write(report: dict, path: str) -> None:

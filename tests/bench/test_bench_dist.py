@@ -1,6 +1,8 @@
 """``bench dist --tiny`` on 2 CPU ranks (torchrun, gloo), under a timeout: every provider gives
-a row, the measured ones have numbers, and the lean / dedup paths train exactly like the plain
-one on the same batches (bf16 on the wire: within a small relative error)."""
+a row, ours are all measured (only TorchRec, a peer, may be skipped, when it is not importable,
+and the run says why), and the lean / dedup paths train exactly like the plain one on the same
+batches (bf16 on the wire: within a small relative error). A broken import in our own code
+fails the run."""
 
 import json
 import math
@@ -22,7 +24,7 @@ TOLERANCE = {"ours_lean": (1e-5, 1e-6), "ours_dedup": (1e-5, 1e-6), "ours_lean_b
              "ours_graph_overlap": (1e-5, 1e-6), "ours_graph_bf16": (3e-2, 1e-2)}
 
 
-def _run(*cmd: str, timeout: float = RUN_TIMEOUT_S) -> str:
+def _run(*cmd: str, timeout: float = RUN_TIMEOUT_S, ok: bool = True) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FBTD_PG_TIMEOUT_S": "60"}
     proc = subprocess.Popen(
         [sys.executable, *cmd],
@@ -39,28 +41,18 @@ def _run(*cmd: str, timeout: float = RUN_TIMEOUT_S) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    assert (proc.returncode == 0) == ok, f"exit status {proc.returncode}:\n{out[-6000:]}"
     return out
+
+
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "0")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench_dist") / "dist.json"
-    out = _run(
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-        "-m",
-        "fbtriton_dist.bench",
-        "dist",
-        "--tiny",
-        "--out",
-        str(path),
-    )
+    out = _run(*TORCHRUN, "-m", "fbtriton_dist.bench", "dist", "--tiny", "--out", str(path))
     with open(path, encoding="utf-8") as f:
         return json.load(f), out, path
 
@@ -84,12 +76,13 @@ def test_every_provider_has_a_row_and_the_measured_ones_have_numbers(tiny):
         for model in MODELS:
             for provider in PROVIDERS:
                 r = _row(results, plan, model, provider)
-                assert r["status"] in ("ok", "skipped"), f"{provider}: {r.get('note')}\n" + r.get(
+                if provider == "torchrec" and r["status"] == "skipped":  # a peer: may be absent
+                    assert "not importable" in r["note"], r["note"]
+                    assert f"{plan} {model} torchrec: skipped: {r['note']}" in out  # says why
+                    continue
+                assert r["status"] == "ok", f"{provider}: {r.get('note')}\n" + r.get(
                     "traceback", ""
                 )
-                if r["status"] == "skipped":
-                    assert r["note"], "a skipped provider says why"
-                    continue
                 assert r["samples_per_s"] > 0 and r["ms_per_step"] > 0
                 assert len(r["losses"]) == setup["steps"]
                 assert all(math.isfinite(x) for x in r["losses"])
@@ -109,20 +102,48 @@ def test_every_provider_has_a_row_and_the_measured_ones_have_numbers(tiny):
 @pytest.mark.parametrize("provider", list(TOLERANCE))
 def test_lean_paths_train_like_the_plain_loop(tiny, provider):
     results, _, _ = tiny
-    skipped = []
     for plan in PLANS:
         for model in MODELS:
             r = _row(results, plan, model, provider)
-            if r["status"] != "ok":
-                skipped.append(r["note"])
-                continue
+            assert r["status"] == "ok", (plan, model, r.get("note"))  # ours are never skipped
             plain = _row(results, plan, model, "ours_plain")
             rtol, atol = TOLERANCE[provider]
             assert r["losses"] == pytest.approx(plain["losses"], rel=rtol, abs=atol), (plan, model)
             for a, b in zip(r["losses_per_rank"], plain["losses_per_rank"], strict=True):
                 assert a == pytest.approx(b, rel=rtol, abs=atol), (plan, model)
-    if skipped:
-        pytest.skip(f"{provider} not measured: {skipped[0]}")
+
+
+@pytest.mark.parametrize("name", ["CommOptions", "TrainPipeline"])
+def test_a_broken_import_in_our_own_code_fails_the_run(tmp_path, name):
+    """Our own fast path cannot be skipped: with ``fbtriton_dist.sharding.NAME`` unimportable,
+    ``ours_lean`` is an error (the ImportError named), ``ours_plain`` is still measured, and
+    the run exits non-zero."""
+    path = tmp_path / "dist.json"
+    out = _run(*TORCHRUN, "-m", "tests.bench.dist_driver", name, "--", "--tiny", "--plans",
+               "row_wise", "--models", "ebc", "--providers", "ours_plain", "ours_lean",
+               "--out", str(path), ok=False)
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    lean = _row(results, "row_wise", "ebc", "ours_lean")
+    assert lean["status"] == "error", lean
+    assert lean["note"].startswith("ImportError: cannot import name") and name in lean["note"]
+    assert _row(results, "row_wise", "ebc", "ours_plain")["status"] == "ok"
+    assert results["failed"] == [f"row_wise/ebc/ours_lean: error: {lean['note']}"]
+    assert "bench dist: 1 failed:\n  row_wise/ebc/ours_lean: error: ImportError" in out
+
+
+def test_only_a_peer_may_be_skipped():
+    from fbtriton_dist.bench.dist import failure
+
+    row = dict(plan="row_wise", model="ebc", status="skipped", note="not importable: x")
+    assert failure(dict(row, provider="torchrec")) is None
+    assert failure(dict(row, provider="ours_lean")) == (
+        "row_wise/ebc/ours_lean: skipped: not importable: x"
+    )
+    assert failure(dict(row, provider="torchrec", status="error", note="E")) == (
+        "row_wise/ebc/torchrec: error: E"
+    )
+    assert failure(dict(row, provider="ours_plain", status="ok")) is None
 
 
 def test_plot_draws_the_results(tiny, tmp_path):

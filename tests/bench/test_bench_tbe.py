@@ -1,7 +1,9 @@
 """The TBE benchmark (issue 3) cannot rot: its tiny CPU run, its JSON, its bytes model and the
-PNG chart mode run in CI."""
+PNG chart mode run in CI; its correctness checks pass on this code and stop the run, untimed,
+on a planted wrong result."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -45,6 +47,87 @@ def test_tiny_cpu_rows(report):
     assert ("S5", "torch_fused_sparse", "bwd_sgd") in derived
     assert ("S6", "reference", "bwd_rowwise_adagrad") in derived
     assert data["shapes"]["S5"]["T"] == 4 and data["shapes"]["S6"]["zipf"] == 1.15
+
+
+def test_check_and_fbgemm_comparison_pass_then_the_shape_is_timed(tmp_path):
+    """``bench tbe --tiny --device cpu --check`` on this code: the Triton kernels (interpreted)
+    agree with the reference, ours with FBGEMM's CPU TBE, and then every phase is timed."""
+    out = tmp_path / "tbe.json"
+    args = ["--tiny", "--device", "cpu", "--check", "--shapes", "S0", "--providers"]
+    tbe.main([*args, "reference,fbgemm", *FAST, "--out", str(out)])
+    data = json.loads(out.read_text())
+    check = data["check"]["S0"]
+    assert check["ok"] and check["failures"] == [] and check["rows_touched"] > 0, check
+    assert check["weights_max_abs_err"] < 1e-5
+    compared = data["correctness"]["S0"]
+    if "skipped" in compared:  # FBGEMM is a peer: without it there is nothing to compare with
+        assert "not importable" in compared["skipped"]
+    else:
+        assert compared["ok"] and compared["failures"] == [] and compared["rows_compared"] > 0
+    timed = {r["phase"] for r in data["rows"] if r["provider"] == "reference" and r["median_ms"]}
+    assert timed == set(tbe.PHASES) and "failed" not in data
+
+
+def _plant(monkeypatch, bug: str, on_backend: str) -> None:
+    """A wrong TBE wherever the bench builds one for ``on_backend`` (run on the reference, so the
+    test needs no interpreter): ``forward`` adds 0.1 to every pooled value, ``accumulator``
+    doubles the rowwise-Adagrad state before every step, ``raises`` cannot be built."""
+    from fbtriton_dist.bench import tbe_cases
+
+    class Planted(tbe_cases.TableBatchedEmbedding):
+        def __init__(self, *args, backend="auto", **kwargs):
+            planted = backend == on_backend
+            if planted and bug == "raises":
+                raise RuntimeError("planted: this TBE cannot be built")
+            super().__init__(*args, backend="reference" if planted else backend, **kwargs)
+            self.planted = planted
+
+        def forward(self, *args, **kwargs):
+            if self.planted and bug == "accumulator" and torch.is_grad_enabled():
+                with torch.no_grad():
+                    self.momentum1.mul_(2.0)
+            out = super().forward(*args, **kwargs)
+            return out + 0.1 if self.planted and bug == "forward" else out
+
+    monkeypatch.setattr(tbe_cases, "TableBatchedEmbedding", Planted)
+
+
+CHECKED = r"S0 \(.*\): provider ours \(backend='triton'\) vs the reference backend: check failed"
+COMPARED = r"S0 \(.*\): provider reference \(backend='reference'\) vs fbgemm: check failed"
+
+
+@pytest.mark.parametrize(
+    "bug, on_backend, flags, says",
+    [
+        ("forward", "triton", ["--check"], CHECKED + r".*\n  forward of step 0: "
+         r"step0_forward_max_abs_err 0\.1 > 0\.0001"),
+        ("accumulator", "triton", ["--check"], CHECKED + r"(.|\n)*\n  weights after 3 fused "
+         r"rowwise-Adagrad steps: weights_max_abs_err [0-9.e-]+ > 1e-05"),
+        ("raises", "triton", ["--check"], CHECKED + r".*\n  the check raised RuntimeError: "
+         r"planted: this TBE cannot be built"),
+        ("forward", "reference", ["--providers", "reference,fbgemm"], COMPARED
+         + r".*\n  forward output \(max err / max \|FBGEMM's\|\): fwd_rel_err [0-9.e-]+ > 1e-05"),
+    ],
+    ids=["check-forward", "check-accumulator", "check-raises", "fbgemm-forward"],
+)
+def test_a_wrong_result_fails_the_run_and_nothing_is_timed(
+    monkeypatch, tmp_path, capsys, bug, on_backend, flags, says
+):
+    if "fbgemm" in " ".join(flags):
+        pytest.importorskip("fbgemm_gpu")
+    _plant(monkeypatch, bug, on_backend)
+    timed = []
+    measure = tbe.Timer.measure
+    monkeypatch.setattr(tbe.Timer, "measure", lambda self, fn: timed.append(fn) or measure(self, fn))
+    out = tmp_path / "tbe.json"
+    with pytest.raises(SystemExit) as exc:
+        tbe.main(["--tiny", "--device", "cpu", "--shapes", "S0,S1", *flags, *FAST, "--out", str(out)])
+    assert exc.value.code not in (0, None)
+    assert timed == []
+    err = capsys.readouterr().err
+    assert re.search(says, err), err
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["failed"] == err.strip() and "S1" not in data["shapes"]
 
 
 def test_plot(report, tmp_path):

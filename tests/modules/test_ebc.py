@@ -45,6 +45,16 @@ def _configs(name: str) -> list[EmbeddingBagConfig]:
             ),
             cfg(name="b", embedding_dim=6, num_embeddings=5, feature_names=["fb", "fc"]),
         ],
+        "bf16-and-fp32": [
+            cfg(
+                name="c",
+                embedding_dim=5,
+                num_embeddings=11,
+                feature_names=["fd", "fe"],
+                data_type=DataType.BF16,
+            ),
+            cfg(name="d", embedding_dim=3, num_embeddings=4, feature_names=["ff"]),
+        ],
     }
     return sets[name]
 
@@ -75,8 +85,15 @@ def _kjt(configs, B, *, weighted=False, seed=0, shuffle=True, cover_all_rows=Fal
 
 
 def _pair(name, backend, weighted=False):
+    """TorchRec's unsharded EBC stores every non-FP32 table as fp16; a BF16 table's weights are
+    therefore first rounded to bf16 (exact in fp16) so that both modules hold the same values."""
     torch.manual_seed(0)
     theirs = torchrec.EmbeddingBagCollection(tables=_configs(name), is_weighted=weighted)
+    with torch.no_grad():
+        for c in _configs(name):
+            if c.data_type == DataType.BF16:
+                w = theirs.embedding_bags[c.name].weight
+                w.copy_(w.to(torch.bfloat16))
     ours = fbtriton_dist.EmbeddingBagCollection(
         tables=_configs(name), is_weighted=weighted, device=device_for(backend), backend=backend
     )
@@ -93,11 +110,25 @@ def _grad(kt, step):
     return torch.randn(kt.values().shape, generator=g)
 
 
-TOL = dict(atol=2e-3, rtol=2e-3)  # FP16 tables: TorchRec pools in fp16, we in fp32
+# (atol, rtol) by the dtype of the table (our weights). fp32 tables agree to fp32 rounding.
+# Outputs of FP16 and BF16 tables: TorchRec holds both as fp16 (see _pair) and pools in fp16, we
+# pool in fp32. Gradients: fp16 as TorchRec's; ours of a BF16 table is rounded to bf16.
+OUT_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-3, 2e-3)}
+GRAD_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (8e-3, 8e-3)}
+_DTYPE = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+
+
+def _assert_close_by_dtype(actual, expected, tol, dtype, what):
+    atol, rtol = tol[dtype]
+    torch.testing.assert_close(
+        actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what} ({dtype}): {m}"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["two-tables", "shared-mixed-mean", "fp16-and-fp32"])
+@pytest.mark.parametrize(
+    "name", ["two-tables", "shared-mixed-mean", "fp16-and-fp32", "bf16-and-fp32"]
+)
 def test_forward_and_gradients_match_torchrec(name, backend):
     weighted = name == "two-tables"  # TorchRec refuses weights with MEAN pooling
     theirs, ours = _pair(name, backend, weighted)
@@ -105,7 +136,11 @@ def test_forward_and_gradients_match_torchrec(name, backend):
     kt_t, kt_o = theirs(kjt), ours(_to(kjt, device_for(backend)))
     assert kt_o.keys() == kt_t.keys()
     assert kt_o.length_per_key() == kt_t.length_per_key()
-    torch.testing.assert_close(kt_o.values().cpu(), kt_t.values(), **TOL)
+    configs = {c.name: c for c in _configs(name)}
+    dtype_of = {f: _DTYPE[c.data_type] for c in configs.values() for f in c.feature_names}
+    out_t, out_o = kt_t.to_dict(), kt_o.to_dict()
+    for f in kt_t.keys():  # each feature's columns at the tolerance of its table's dtype
+        _assert_close_by_dtype(out_o[f].cpu(), out_t[f], OUT_TOL, dtype_of[f], f"output {f!r}")
     grad = _grad(kt_t, 0)
     kt_t.values().backward(grad)
     kt_o.values().backward(grad.to(kt_o.values().device))
@@ -113,7 +148,8 @@ def test_forward_and_gradients_match_torchrec(name, backend):
         theirs.named_parameters(), ours.named_parameters(), strict=True
     ):
         assert n_t == n_o
-        torch.testing.assert_close(p_o.grad.float().cpu(), p_t.grad.float(), **TOL)
+        assert p_o.dtype == _DTYPE[configs[n_o.split(".")[1]].data_type], n_o
+        _assert_close_by_dtype(p_o.grad.float().cpu(), p_t.grad.float(), GRAD_TOL, p_o.dtype, n_o)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
