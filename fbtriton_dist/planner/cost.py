@@ -7,8 +7,8 @@ i bytes per id, l bytes per bag length, o bytes per pooled value; for a shard: i
 the table's :class:`IdDistribution`). Every term below is per rank, per step.
 
 * ``weight_bytes`` = rows x c x s
-* ``state_bytes``  (optimizer state, fp32 as in FBGEMM): none/sgd 0, rowwise_adagrad rows x 4,
-  adam 2 x rows x c x 4
+* ``state_bytes``  (optimizer state, fp32 as in FBGEMM, from ``optim.REGISTRY``): none/sgd 0,
+  rowwise_adagrad rows x 4, adagrad rows x c x 4, adam 2 x rows x c x 4
 * ``lookups``      ids gathered in the forward: row-wise kinds R·B·L·p, table-/column-wise
   R·B·L, data-parallel B·L
 * ``lookup_bytes`` = lookups x c x s (the forward gather; backward costs ``backward_factor``
@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from fbtriton_dist import optim
 
 from ._yaml import check_int, check_number
 from .plan import GiB, Shard, ShardingPlan, TableSharding
@@ -127,12 +129,9 @@ class PlanCost:
 
 
 def state_bytes(optimizer: str, rows: int, cols: int) -> int:
-    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it."""
-    if optimizer == "rowwise_adagrad":
-        return rows * 4
-    if optimizer == "adam":
-        return 2 * rows * cols * 4
-    return 0
+    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it (``optim.REGISTRY``'s
+    state layout; ``none``: 0)."""
+    return 0 if optimizer == "none" else optim.spec(optimizer).state_bytes(rows, cols)
 
 
 def fmt_bytes(n: float) -> str:

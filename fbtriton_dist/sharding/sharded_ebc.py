@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.fixed import FixedInputDist
@@ -382,12 +381,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bias correction)."""
         out = {"step": torch.tensor(self.tbes[0].step if self.tbes else 0)}
         shards = self._local_shards()
-        rowwise = isinstance(self._optimizer, optim.RowWiseAdagrad)
         for t, cfg in enumerate(self._configs):
             mine = [(lt, st) for lt, _, st in shards if lt.table == t]
             slices = sorted({(sf.col_start, sf.col_end) for sf in self._table_shards(t)})
-            size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
-            for i in range(self._optimizer.num_states):
+            for i, state in enumerate(optim.spec_of(self._optimizer).states):
+                rowwise = state.per_row
+                size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
                 key = f"embedding_bags.{cfg.name}.weight.{i}"
                 if self.layout.table_data_parallel[t]:  # the replica, same shape as sharded
                     out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]
@@ -491,7 +490,7 @@ def _optimizer_of(ebc: nn.Module, name: str) -> optim.Optimizer | None:
     if not specs:
         return None
     cls, kwargs = specs.pop()
-    return fused_optimizer_from_torch(cls, dict(kwargs), name)
+    return optim.from_torch(cls, dict(kwargs), name)
 
 
 def shard(
