@@ -1,14 +1,42 @@
-"""Fused optimizers for TableBatchedEmbedding: configuration only, applied inside backward.
+"""Fused optimizers of TableBatchedEmbedding: one registry entry each, applied inside backward.
+
+Adding a fused optimizer touches these four files, and no other:
+
+1. ``fbtriton_dist/optim.py`` (this file): its config dataclass (added to ``Optimizer``) and
+   one ``OptimizerSpec`` in ``REGISTRY``: the name (YAML, planner), the FBGEMM name, the
+   states, the hyper-parameters the kernels read, the torch / TorchRec classes that map to
+   it, the kernel code. The planner (choices, state bytes), the job config (choices, keys),
+   the modules (state tensors and their per-table views), the sharded module's state dict
+   and the torch-class mapping all read it.
+2. ``fbtriton_dist/kernels/tbe_optim.py``: its kernel code as a constexpr global, a
+   ``@triton.jit`` ``_<name>_update`` helper and its branch in ``optimizer_update`` (the
+   row-update kernel of ``kernels/tbe_backward.py`` calls that, by the constexpr code).
+3. ``fbtriton_dist/reference/tbe.py``: its twin ``_<name>_update``, listed in ``UPDATES``.
+4. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
+   (Triton vs the reference over three steps). ``tests/test_optim.py`` checks every registry
+   entry without being edited (torch-class round trip, kernel code, planner and job choices,
+   state bytes against the module's state tensors, a reference step for each entry).
+
+Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``) and
+hyper-parameters among ``lr``, ``eps``, ``betas``, ``weight_decay``. A new hyper-parameter is
+also a new slot in ``HYPER_FIELDS`` and in ``tbe_optim.load_hyper`` and, to be set from a job's
+YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig``; a new compile-time variant
+(like rowwise Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel.
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM): the
-gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
-rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
+ADAM): the gradients of duplicate ids in a batch are summed first, then each unique row gets
+one update; rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
+
+This module never imports torch at import time (the planner and the job config read it); the
+torch classes are named by dotted path and imported only when a mapping needs them.
 """
 
+import dataclasses
+import importlib
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -27,8 +55,6 @@ class SGD:
     def __post_init__(self) -> None:
         _check_positive("SGD", lr=self.lr)
 
-    num_states = 0
-
 
 @dataclass(kw_only=True, frozen=True)
 class Adagrad:
@@ -42,8 +68,6 @@ class Adagrad:
 
     def __post_init__(self) -> None:
         _check_positive("Adagrad", lr=self.lr, eps=self.eps)
-
-    num_states = 1
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -72,8 +96,6 @@ class RowWiseAdagrad:
                 f"got {self.weight_decay_mode!r}"
             )
 
-    num_states = 1
-
 
 @dataclass(kw_only=True, frozen=True)
 class Adam:
@@ -98,10 +120,215 @@ class Adam:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"Adam.betas: expected two numbers in [0, 1), got {self.betas!r}")
 
-    num_states = 2
-
 
 Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class State:
+    """One fp32 state tensor of an optimizer."""
+
+    name: str
+    """The TableBatchedEmbedding buffer (and its state-dict key) holding it: state i is
+    ``momentum{i+1}``; the collections key it ``embedding_bags.<table>.weight.<i>``."""
+    per_row: bool
+    """One value per row (``[E]``, a collection's state dict shows ``[E, 1]``), else one per
+    element (``[E, D]``)."""
+
+
+@dataclass(frozen=True)
+class TorchClass:
+    """A torch / TorchRec optimizer class that an ``apply_optimizer_in_backward`` annotation
+    may name, and how its keyword arguments map to our config."""
+
+    path: str
+    """Dotted path, imported only when a mapping needs the class, e.g. ``torch.optim.SGD``."""
+    kwargs: Mapping[str, Any]
+    """Keyword -> the class's default, for keywords that are fields of our config (same
+    name, same meaning)."""
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """Keywords with no fused equivalent unless left at this value (the class's default)."""
+
+    def resolve(self) -> type | None:
+        """The class, or None where its package is not installed."""
+        module, _, name = self.path.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except ImportError:
+            return None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Everything the package knows about one fused optimizer."""
+
+    name: str
+    """The YAML and planner name (``optimizer.embedding.type``, a table's ``optimizer``)."""
+    fbgemm: str
+    """FBGEMM's ``EmbOptimType`` member with the same update."""
+    config: type
+    """Our config dataclass (an ``Optimizer``)."""
+    states: tuple[State, ...]
+    """The state tensors, in order (at most two)."""
+    hyper: tuple[str, ...]
+    """Config fields the kernels read from the device hyper-parameter tensor
+    (``hyper_parameters``); other fields (e.g. a mode) are compile-time choices."""
+    torch: tuple[TorchClass, ...]
+    """The torch / TorchRec classes that map to it; the first is its equivalent."""
+    kernel_code: int
+    """The integer the kernels use for it (0 is no optimizer)."""
+
+    def state_bytes(self, rows: int, cols: int) -> int:
+        """Bytes of its states for a rows x cols block, fp32 as FBGEMM keeps them."""
+        return sum(4 * rows * (1 if s.per_row else cols) for s in self.states)
+
+    def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
+        """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
+        defaults where not given). Raises if a keyword has no fused equivalent."""
+        tc = self.torch[0]
+        name = cls_name or tc.path
+        for key, allowed in tc.fixed.items():
+            value = kwargs.get(key, allowed)
+            if value != allowed:
+                raise ValueError(
+                    f"{where}: {name}({key}={value!r}) has no fused equivalent "
+                    f"(supported: {key}={allowed})"
+                )
+        values = {}
+        for key, default in tc.kwargs.items():
+            value = kwargs.get(key, default)
+            values[key] = tuple(value) if isinstance(default, tuple) else value
+        return self.config(**values)
+
+
+REGISTRY: dict[str, OptimizerSpec] = {
+    spec.name: spec
+    for spec in (
+        OptimizerSpec(
+            name="sgd",
+            fbgemm="EXACT_SGD",
+            config=SGD,
+            states=(),
+            hyper=("lr",),
+            torch=(
+                TorchClass(
+                    "torch.optim.SGD",
+                    kwargs={"lr": 1e-3},
+                    fixed={"momentum": 0, "weight_decay": 0, "dampening": 0, "nesterov": False},
+                ),
+            ),
+            kernel_code=1,
+        ),
+        OptimizerSpec(
+            name="adagrad",
+            fbgemm="EXACT_ADAGRAD",
+            config=Adagrad,
+            states=(State("momentum1", per_row=False),),
+            hyper=("lr", "eps"),
+            torch=(
+                TorchClass(
+                    "torch.optim.Adagrad",
+                    kwargs={"lr": 1e-2, "eps": 1e-10},
+                    fixed={"lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 0},
+                ),
+            ),
+            kernel_code=4,
+        ),
+        OptimizerSpec(
+            name="rowwise_adagrad",
+            fbgemm="EXACT_ROWWISE_ADAGRAD",
+            config=RowWiseAdagrad,
+            states=(State("momentum1", per_row=True),),
+            hyper=("lr", "eps", "weight_decay"),
+            torch=(
+                TorchClass(  # TorchRec's decay is L2: our weight_decay_mode="l2" (the default)
+                    "torchrec.optim.RowWiseAdagrad",
+                    kwargs={"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
+                    fixed={"lr_decay": 0, "initial_accumulator_value": 0},
+                ),
+            ),
+            kernel_code=2,
+        ),
+        OptimizerSpec(
+            name="adam",
+            fbgemm="ADAM",
+            config=Adam,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(
+                TorchClass(  # torch's weight_decay is L2, ours decoupled: not mapped
+                    "torch.optim.Adam",
+                    kwargs={"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8},
+                    fixed={"weight_decay": 0, "amsgrad": False},
+                ),
+            ),
+            kernel_code=3,
+        ),
+    )
+}
+"""Every fused optimizer, by name."""
+
+NAMES: tuple[str, ...] = tuple(REGISTRY)
+"""The optimizers' names, in registry order (the job's and the planner's choices)."""
+
+STATE_BUFFERS = ("momentum1", "momentum2")
+"""TableBatchedEmbedding's state buffers (empty where the optimizer has fewer states)."""
+
+_BY_CONFIG = {spec.config: spec for spec in REGISTRY.values()}
+
+
+def spec(name: str) -> OptimizerSpec:
+    """The registry entry called ``name``."""
+    if name not in REGISTRY:
+        raise ValueError(f"optimizer: expected one of [{', '.join(NAMES)}], got {name!r}")
+    return REGISTRY[name]
+
+
+def spec_of(optimizer: Optimizer) -> OptimizerSpec:
+    """The registry entry of a config instance."""
+    found = next((_BY_CONFIG[c] for c in type(optimizer).__mro__ if c in _BY_CONFIG), None)
+    if found is None:
+        configs = " / ".join(f"fbtriton_dist.optim.{s.config.__name__}" for s in REGISTRY.values())
+        raise ValueError(f"optimizer: expected None or {configs}, got {optimizer!r}")
+    return found
+
+
+def from_torch(cls: type, kwargs: Mapping[str, Any], where: str) -> Optimizer:
+    """Our fused optimizer for a ``(optimizer class, kwargs)`` annotation left by
+    ``torchrec.optim.apply_optimizer_in_backward`` (or torch's). Raises if it has no exact
+    fused equivalent."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    for entry in REGISTRY.values():
+        for tc in entry.torch:
+            # compare names first: resolving a path imports its package
+            if tc.path.rpartition(".")[2] == cls.__name__ and tc.resolve() is cls:
+                return entry.from_kwargs(kwargs, where, name)
+    paths = [tc.path for entry in REGISTRY.values() for tc in entry.torch]
+    raise ValueError(
+        f"{where}: optimizer {name} has no fused equivalent; use "
+        f"{', '.join(paths[:-1])} or {paths[-1]}"
+    )
+
+
+def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
+    """``(class, kwargs)`` for ``apply_optimizer_in_backward`` that ``from_torch`` maps back
+    to ``optimizer`` (for a TorchRec-shaped model that reads the annotation). Raises where a
+    field has no equivalent in the class (e.g. decoupled weight decay)."""
+    entry = spec_of(optimizer)
+    tc = entry.torch[0]
+    for f in dataclasses.fields(optimizer):
+        if f.name not in tc.kwargs and getattr(optimizer, f.name) != f.default:
+            raise ValueError(
+                f"optimizer: {optimizer!r} has no {tc.path} equivalent "
+                f"({f.name}={getattr(optimizer, f.name)!r} is not one of its arguments)"
+            )
+    cls = tc.resolve()
+    if cls is None:
+        raise ValueError(f"optimizer: {tc.path} is not installed")
+    return cls, {key: getattr(optimizer, key) for key in tc.kwargs}
 
 
 HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2")
@@ -110,17 +337,19 @@ so that a CUDA-graph-captured step sees a changed learning rate): the fields in 
 
 
 def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
-    """``optimizer``'s values of ``HYPER_FIELDS`` (0 where it has none). ``log_beta`` is the
-    natural log of the beta (-inf for 0): Adam's bias corrections ``1 - beta^t`` are computed
-    from it on the device, with the step count t read from device memory."""
+    """``optimizer``'s values of ``HYPER_FIELDS`` (0 where its entry's ``hyper`` has none).
+    ``log_beta`` is the natural log of the beta (-inf for 0): Adam's bias corrections
+    ``1 - beta^t`` are computed from it on the device, with the step count t read from
+    device memory."""
     if optimizer is None:
         return [0.0] * len(HYPER_FIELDS)
-    b1, b2 = getattr(optimizer, "betas", (0.0, 0.0))
+    values = {name: getattr(optimizer, name) for name in spec_of(optimizer).hyper}
+    b1, b2 = values.get("betas", (0.0, 0.0))
     return [
-        float(optimizer.lr),
-        float(getattr(optimizer, "eps", 0.0)),
+        float(values["lr"]),
+        float(values.get("eps", 0.0)),
         float(b1),
         float(b2),
-        float(getattr(optimizer, "weight_decay", 0.0)),
+        float(values.get("weight_decay", 0.0)),
         *(math.log(b) if b > 0 else -math.inf for b in (b1, b2)),
     ]

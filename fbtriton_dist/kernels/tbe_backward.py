@@ -14,8 +14,9 @@ Steps (launcher ``tbe_backward``), with no host synchronisation on the fused pat
    rather than one long serial chain; blocks without long runs exit at once;
 3. ``_tbe_row_update_kernel``: each program takes RUNS runs side by side (a [RUNS, D] tile, so
    short runs of uniform ids stream many rows per program), sums each run's gradient in fp32
-   (ids, or its blocks' partials in order) and applies the optimizer to the rows in place, or,
-   without an optimizer, writes the rows' gradients to a compact buffer. The row kernel is
+   (ids, or its blocks' partials in order) and applies the optimizer to the rows in place
+   (``kernels/tbe_optim.py``: one update helper per optimizer), or, without an optimizer,
+   writes the rows' gradients to a compact buffer. The row kernel is
    persistent (programs loop over the runs up to the count on the device); the chunk kernel
    skips the dropped ids' run (padding of a fixed-size batch included).
 No atomics: results are bit-identical run to run.
@@ -30,27 +31,17 @@ import triton.language as tl
 
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.kernels.launch import Launcher
-from fbtriton_dist.kernels.tbe_forward import block_sizes, cast_rne, cast_rtz, key_dtype
+from fbtriton_dist.kernels.tbe_forward import block_sizes, key_dtype
+from fbtriton_dist.kernels.tbe_optim import (
+    OPT_NONE,
+    half_format,
+    load_hyper,
+    optimizer_code,
+    optimizer_update,
+    store_rows,
+)
 
-OPT_NONE = 0
-OPT_SGD = 1
-OPT_ROWWISE_ADAGRAD = 2
-OPT_ADAM = 3
-OPT_ADAGRAD = 4
 CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by block
-
-
-def optimizer_code(optimizer: optim.Optimizer | None) -> int:
-    """The kernels' integer code for an optimizer config (None: plain gradients)."""
-    if optimizer is None:
-        return OPT_NONE
-    codes = {
-        optim.SGD: OPT_SGD,
-        optim.Adagrad: OPT_ADAGRAD,
-        optim.RowWiseAdagrad: OPT_ROWWISE_ADAGRAD,
-        optim.Adam: OPT_ADAM,
-    }
-    return codes[type(optimizer)]
 
 
 @triton.jit
@@ -83,40 +74,6 @@ def _gather_grad_sum(
             g = g * s[:, None]
         acc += tl.sum(g, axis=0)
     return acc
-
-
-@triton.jit
-def _uniform16(seed, key, RUNS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[RUNS, BLOCK_D] uniform in [0, 1) with 16-bit resolution (finer than the 13 / 16 bits
-    that rounding fp32 to fp16 / bf16 drops, so the rounding stays exactly unbiased): one
-    Philox call gives 128 bits, enough for 8 columns, a fraction of tl.rand's cost."""
-    if BLOCK_D >= 8:
-        off = key[:, None] * (BLOCK_D // 8) + tl.arange(0, BLOCK_D // 8)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, off.to(tl.int32))
-        lo = tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16))
-        hi = tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))
-        u = tl.reshape(tl.join(lo, hi), [RUNS, BLOCK_D])
-        return (u & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)
-    else:
-        offs = key[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-        return tl.rand(seed, offs.to(tl.int32))
-
-
-@triton.jit
-def _one_minus_pow(log_b, t):
-    """``1 - b^t`` (Adam's bias correction) from ``log(b)`` and the step t >= 1, in fp32
-    without the cancellation of ``1 - exp(x)`` near x = 0: ``-expm1(x)``, x = t log(b), by its
-    Taylor series while |x| < 0.5 (truncation < 1e-8 relative), else ``1 - exp(x)`` (exact
-    enough there; log(b) = -inf, b = 0, gives 1)."""
-    x = t.to(tl.float32) * log_b
-    s = 1.0 + x * (1.0 / 8.0)
-    s = 1.0 + x * (1.0 / 7.0) * s
-    s = 1.0 + x * (1.0 / 6.0) * s
-    s = 1.0 + x * (1.0 / 5.0) * s
-    s = 1.0 + x * (1.0 / 4.0) * s
-    s = 1.0 + x * (1.0 / 3.0) * s
-    s = 1.0 + x * (1.0 / 2.0) * s
-    return tl.where(x > -0.5, -(x * s), 1.0 - tl.exp(x))
 
 
 @triton.jit
@@ -273,6 +230,105 @@ def _tbe_chunk_reduce_kernel(
             tl.store(partial_ptr + (2 * c + 1) * BLOCK_D + d, acc)
 
 
+@triton.jit
+def _short_runs_grad(
+    grad_ptr,  # [B, sum(D)] upstream gradient
+    goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
+    scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
+    run_goffs_ptr,  # [U] int64 grad_output element of each run's first id
+    r,  # [RUNS] run indices
+    s,  # [RUNS] first sorted position of each run
+    n_short,  # [RUNS] ids of each run of at most CHUNK_SIZE ids, else 0
+    d,  # [BLOCK_D] column indices
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    HAS_SCALE: tl.constexpr,
+    RUNS: tl.constexpr,
+    IDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GALIGN: tl.constexpr,
+):
+    """[RUNS, BLOCK_D] fp32: the gradient of each short run summed over its ids, the runs side
+    by side: step j reads the j-th id of every run; the first id's gradient offset came with
+    the run, so most rows (one id) need no further lookup."""
+    first = n_short > 0
+    goff0 = tl.multiple_of(tl.load(run_goffs_ptr + r, mask=first, other=0), GALIGN)
+    acc = tl.load(
+        grad_ptr + goff0[:, None] + d[None, :], mask=first[:, None] & dm, other=0.0
+    ).to(tl.float32)
+    if HAS_SCALE:
+        acc = acc * tl.load(scales_ptr + s, mask=first, other=0.0)[:, None]
+    if IDS == 1:
+        for j in range(1, tl.max(n_short, axis=0)):
+            jm = j < n_short
+            goff = tl.multiple_of(tl.load(goffs_ptr + s + j, mask=jm, other=0), GALIGN)
+            gr = tl.load(
+                grad_ptr + goff[:, None] + d[None, :],
+                mask=jm[:, None] & dm,
+                other=0.0,
+            ).to(tl.float32)
+            if HAS_SCALE:
+                gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
+            acc += gr
+    else:
+        # IDS ids of every run per step: tile row t is id (t % IDS) of run (t // IDS)
+        s_t = tl.reshape(tl.broadcast_to(s[:, None], [RUNS, IDS]), [RUNS * IDS])
+        n_t = tl.reshape(tl.broadcast_to(n_short[:, None], [RUNS, IDS]), [RUNS * IDS])
+        dm_t = tl.reshape(
+            tl.broadcast_to(dm[:, None, :], [RUNS, IDS, BLOCK_D]), [RUNS * IDS, BLOCK_D]
+        )
+        jj = tl.arange(0, RUNS * IDS) % IDS
+        for j0 in range(1, tl.max(n_short, axis=0), IDS):
+            j = j0 + jj
+            jm = j < n_t
+            goff = tl.multiple_of(tl.load(goffs_ptr + s_t + j, mask=jm, other=0), GALIGN)
+            gr = tl.load(
+                grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm_t, other=0.0
+            ).to(tl.float32)
+            if HAS_SCALE:
+                gr = gr * tl.load(scales_ptr + s_t + j, mask=jm, other=0.0)[:, None]
+            acc += tl.sum(tl.reshape(gr, [RUNS, IDS, BLOCK_D]), axis=1)
+    return acc
+
+
+@triton.jit
+def _add_long_runs(
+    acc,  # [RUNS, BLOCK_D] fp32 the short runs' sums
+    partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
+    lane,  # [RUNS] 0..RUNS-1
+    s,  # [RUNS] first sorted position of each run
+    e,  # [RUNS] one past its last
+    long,  # [RUNS] live runs of more than CHUNK_SIZE ids
+    d,  # [BLOCK_D] column indices
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    CHUNK_SIZE: tl.constexpr,
+    PART_L: tl.constexpr,
+    RUNS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``acc`` plus each long run's gradient: the sum of its blocks' partials, in order, one
+    run at a time."""
+    if tl.sum(long.to(tl.int32), axis=0) > 0:
+        for i in range(0, RUNS):
+            sel = lane == i
+            if tl.sum((sel & long).to(tl.int32), axis=0) > 0:
+                s_i = tl.sum(tl.where(sel, s, 0), axis=0)
+                e_i = tl.sum(tl.where(sel, e, 0), axis=0)
+                c0 = s_i // CHUNK_SIZE
+                c1 = (e_i - 1) // CHUNK_SIZE + 1
+                part_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for k0 in range(c0, c1, PART_L):
+                    k = k0 + tl.arange(0, PART_L)
+                    slot = tl.where((k == c0) & (s_i != c0 * CHUNK_SIZE), 1, 0)
+                    part = tl.load(
+                        partial_ptr + (2 * k + slot)[:, None] * BLOCK_D + d[None, :],
+                        mask=(k < c1)[:, None],
+                        other=0.0,
+                    )
+                    part_sum += tl.sum(part, axis=0)
+                acc += tl.where(sel[:, None] & dm, part_sum[None, :], 0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["sentinel", "seed"])
 def _tbe_row_update_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
@@ -289,13 +345,14 @@ def _tbe_row_update_kernel(
     num_runs_ptr,  # [1] int64 U
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
-    mom1_ptr,  # rowwise adagrad: [sum(E_t)] fp32; adagrad, adam: [sum(E_t * D_t)] fp32
-    mom2_ptr,  # adam: [sum(E_t * D_t)] fp32
+    mom1_ptr,  # state 0 (optim.REGISTRY): [sum(E_t)] per row or [sum(E_t * D_t)] fp32
+    mom2_ptr,  # state 1: [sum(E_t * D_t)] fp32
     sentinel,  # key of dropped ids: their run is skipped
     hyper_ptr,  # [7] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
     step_ptr,  # [1] int64 fused updates taken, this one included: t >= 1
     seed,  # the module's stochastic-rounding seed; this step's is (seed * 1000003 + t) % (2^31-1)
-    OPTIMIZER: tl.constexpr,  # OPT_* code
+    OPTIMIZER: tl.constexpr,  # kernel code of the optimizer (optim.REGISTRY), 0: none
+    ROW_STATE: tl.constexpr,  # its state 0 is per row: loaded before the gradient loop
     WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
     HAS_SCALE: tl.constexpr,
     STOCHASTIC: tl.constexpr,  # stochastic rounding of half weights
@@ -331,130 +388,35 @@ def _tbe_row_update_kernel(
         long = live & (n > CHUNK_SIZE)
         n_short = tl.where(live & (n <= CHUNK_SIZE), n, 0)
         if OPTIMIZER != 0:  # issue the row's loads before the gradient loop
-            # per-step values come from device memory (a captured step replays them fresh)
-            lr = tl.load(hyper_ptr)
-            eps = tl.load(hyper_ptr + 1)
-            weight_decay = tl.load(hyper_ptr + 4)
-            t = tl.load(step_ptr)
-            if OPTIMIZER == 3:
-                beta1 = tl.load(hyper_ptr + 2)
-                beta2 = tl.load(hyper_ptr + 3)
-                bias_c1 = _one_minus_pow(tl.load(hyper_ptr + 5), t)
-                bias_c2 = _one_minus_pow(tl.load(hyper_ptr + 6), t)
+            lr, eps, weight_decay, t, beta1, beta2, bias_c1, bias_c2 = load_hyper(
+                hyper_ptr, step_ptr
+            )
             row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
             elem = tl.multiple_of(tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D,
                                   ALIGN)
             ptrs = elem[:, None] + d[None, :]
             w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
-            if OPTIMIZER == 2:
-                m_old = tl.load(mom1_ptr + key, mask=live, other=0.0)
+            if ROW_STATE:
+                m_row = tl.load(mom1_ptr + key, mask=live, other=0.0)
+            else:
+                m_row = tl.zeros([RUNS], dtype=tl.float32)
 
-        # short runs side by side: step j reads the j-th id of every run; the first id's
-        # gradient offset came with the run, so most rows (one id) need no further lookup
-        first = n_short > 0
-        goff0 = tl.multiple_of(tl.load(run_goffs_ptr + r, mask=first, other=0), GALIGN)
-        acc = tl.load(
-            grad_ptr + goff0[:, None] + d[None, :], mask=first[:, None] & dm, other=0.0
-        ).to(tl.float32)
-        if HAS_SCALE:
-            acc = acc * tl.load(scales_ptr + s, mask=first, other=0.0)[:, None]
-        if IDS == 1:
-            for j in range(1, tl.max(n_short, axis=0)):
-                jm = j < n_short
-                goff = tl.multiple_of(tl.load(goffs_ptr + s + j, mask=jm, other=0), GALIGN)
-                gr = tl.load(
-                    grad_ptr + goff[:, None] + d[None, :],
-                    mask=jm[:, None] & dm,
-                    other=0.0,
-                ).to(tl.float32)
-                if HAS_SCALE:
-                    gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
-                acc += gr
-        else:
-            # IDS ids of every run per step: tile row t is id (t % IDS) of run (t // IDS)
-            s_t = tl.reshape(tl.broadcast_to(s[:, None], [RUNS, IDS]), [RUNS * IDS])
-            n_t = tl.reshape(tl.broadcast_to(n_short[:, None], [RUNS, IDS]), [RUNS * IDS])
-            dm_t = tl.reshape(
-                tl.broadcast_to(dm[:, None, :], [RUNS, IDS, BLOCK_D]), [RUNS * IDS, BLOCK_D]
-            )
-            jj = tl.arange(0, RUNS * IDS) % IDS
-            for j0 in range(1, tl.max(n_short, axis=0), IDS):
-                j = j0 + jj
-                jm = j < n_t
-                goff = tl.multiple_of(tl.load(goffs_ptr + s_t + j, mask=jm, other=0), GALIGN)
-                gr = tl.load(
-                    grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm_t, other=0.0
-                ).to(tl.float32)
-                if HAS_SCALE:
-                    gr = gr * tl.load(scales_ptr + s_t + j, mask=jm, other=0.0)[:, None]
-                acc += tl.sum(tl.reshape(gr, [RUNS, IDS, BLOCK_D]), axis=1)
-
-        # long runs one at a time: sum their blocks' partials in order
-        if tl.sum(long.to(tl.int32), axis=0) > 0:
-            for i in range(0, RUNS):
-                sel = lane == i
-                if tl.sum((sel & long).to(tl.int32), axis=0) > 0:
-                    s_i = tl.sum(tl.where(sel, s, 0), axis=0)
-                    e_i = tl.sum(tl.where(sel, e, 0), axis=0)
-                    c0 = s_i // CHUNK_SIZE
-                    c1 = (e_i - 1) // CHUNK_SIZE + 1
-                    part_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-                    for k0 in range(c0, c1, PART_L):
-                        k = k0 + tl.arange(0, PART_L)
-                        slot = tl.where((k == c0) & (s_i != c0 * CHUNK_SIZE), 1, 0)
-                        part = tl.load(
-                            partial_ptr + (2 * k + slot)[:, None] * BLOCK_D + d[None, :],
-                            mask=(k < c1)[:, None],
-                            other=0.0,
-                        )
-                        part_sum += tl.sum(part, axis=0)
-                    acc += tl.where(sel[:, None] & dm, part_sum[None, :], 0.0)
+        acc = _short_runs_grad(
+            grad_ptr, goffs_ptr, scales_ptr, run_goffs_ptr, r, s, n_short, d, dm, HAS_SCALE,
+            RUNS, IDS, BLOCK_D, GALIGN,
+        )
+        acc = _add_long_runs(acc, partial_ptr, lane, s, e, long, d, dm, CHUNK_SIZE, PART_L, RUNS,
+                             BLOCK_D)
 
         if OPTIMIZER == 0:
             tl.store(out_rows_ptr + r[:, None] * BLOCK_D + d[None, :], acc, mask=r_mask[:, None])
         else:
-            Df = D.to(tl.float32)
-            if OPTIMIZER == 1:
-                w = w - lr * acc
-            elif OPTIMIZER == 2:
-                if WD_DECOUPLED:
-                    g_sq = tl.sum(acc * acc, axis=1) / Df
-                else:
-                    g_wd = tl.where(dm, acc + weight_decay * w, 0.0)
-                    g_sq = tl.sum(g_wd * g_wd, axis=1) / Df
-                m = m_old + g_sq
-                tl.store(mom1_ptr + key, m, mask=live)
-                mult = lr / (tl.sqrt(m) + eps)
-                if WD_DECOUPLED:
-                    corr = 1.0 - lr * weight_decay
-                else:
-                    corr = 1.0 - mult * weight_decay
-                w = corr[:, None] * w - mult[:, None] * acc
-            elif OPTIMIZER == 4:
-                m = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + acc * acc
-                tl.store(mom1_ptr + ptrs, m, mask=dm)
-                w = w - lr * acc / (tl.sqrt(m) + eps)
-            else:
-                m1 = beta1 * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta1) * acc
-                m2 = (
-                    beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * acc * acc
-                )
-                tl.store(mom1_ptr + ptrs, m1, mask=dm)
-                tl.store(mom2_ptr + ptrs, m2, mask=dm)
-                w = w - lr * ((m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w)
-            if STOCHASTIC:
-                # add uniform noise of one ulp of the target dtype, then round toward zero
-                bits = w.to(tl.int32, bitcast=True)
-                exp = ((bits >> 23) & 0xFF) - 127
-                ulp_exp = tl.maximum(tl.maximum(exp, MIN_EXP) - MANTISSA, -126)
-                ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-                step_seed = (seed.to(tl.int64) * 1000003 + t) % 2147483647
-                noise = _uniform16(step_seed, key, RUNS, BLOCK_D) * ulp
-                w = tl.where(w < 0, w - noise, w + noise)
-                w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
-            else:
-                w_new = cast_rne(w, weights_ptr.dtype.element_ty)
-            tl.store(weights_ptr + ptrs, w_new, mask=dm)
+            w = optimizer_update(
+                w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
+                beta1, beta2, bias_c1, bias_c2, OPTIMIZER, WD_DECOUPLED,
+            )
+            store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP,
+                        RUNS, BLOCK_D)
 
 
 _RUN_COUNT = Launcher(_tbe_run_count_kernel)
@@ -505,11 +467,6 @@ def _resident_programs(device: torch.device, num_warps: int) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _half_format(dtype: torch.dtype) -> tuple[int, int]:
-    """(mantissa bits, smallest normal exponent) of a weight dtype, for stochastic rounding."""
-    return {torch.float16: (10, -14), torch.bfloat16: (7, -126)}.get(dtype, (23, -126))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -705,64 +662,120 @@ def tbe_backward(
             )
         if code:
             step.add_(1)  # a plan made ahead (in the forward) did not count the step
-    sentinel, changes, scales = plan.sentinel, plan.changes, plan.scales
-    goffs, run_starts, num_runs = plan.goffs, plan.run_starts, plan.num_runs
-    run_keys, run_feats, run_goffs = plan.run_keys, plan.run_feats, plan.run_goffs
     # gradient offsets are b * sum(D) + D_offsets[f]: multiples of what divides every D
     galign = min(row_align, max(1, 16 // grad_output.element_size()))
-    runs, num_warps, ids, chunk, maxnreg = backward_config(max_D)
+    config = backward_config(max_D)
+    partial = _reduce_long_runs(grad_output, dims, plan, config, block_d, galign)
+    U = int(plan.num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
+    out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
+    _update_rows(
+        grad_output, weights, w_offsets, dims, row_offsets, plan, partial, out_rows,
+        optimizer=optimizer, momentum1=momentum1, momentum2=momentum2, hyper=hyper, step=step,
+        seed=seed, stochastic_rounding=stochastic_rounding, config=config, block_d=block_d,
+        row_align=row_align, galign=galign,
+    )
+    if code != OPT_NONE:
+        return None
+    run_keys, f = plan.run_keys[:U], plan.run_feats[:U].to(torch.int64)
+    live = run_keys < plan.sentinel
+    run_keys, f, out_rows = run_keys[live], f[live], out_rows[live]
+    row_elems = w_offsets[f] + (run_keys - row_offsets[f]) * dims[f]
+    return row_elems, dims[f], out_rows
+
+
+def _reduce_long_runs(
+    grad_output: torch.Tensor,
+    dims: torch.Tensor,
+    plan: BackwardPlan,
+    config: tuple[int, int, int, int, int],
+    block_d: int,
+    galign: int,
+) -> torch.Tensor:
+    """Step 2: the fp32 partial sums ``[cdiv(N, CHUNK), 2, block_d]`` of the runs longer than
+    a chunk (a ``[1, 2, block_d]`` placeholder when no run can be that long)."""
+    _, num_warps, _, chunk, _ = config
+    N = plan.N
     n_blocks = triton.cdiv(N, chunk)
-    partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=device)
+    partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=grad_output.device)
     if N > chunk:  # else no run can be long
         _CHUNKS(
             (n_blocks,),
             grad_output,
             dims,
-            goffs,
-            scales if scales is not None else partial,
-            changes,
-            run_starts,
-            run_feats,
-            run_keys,
+            plan.goffs,
+            plan.scales if plan.scales is not None else partial,
+            plan.changes,
+            plan.run_starts,
+            plan.run_feats,
+            plan.run_keys,
             partial,
             N,
-            sentinel,
-            HAS_SCALE=scales is not None,
+            plan.sentinel,
+            HAS_SCALE=plan.scales is not None,
             CHUNK_SIZE=chunk,
             BLOCK_L=max(1, min(32, 512 * num_warps // block_d)),
             BLOCK_D=block_d,
             GALIGN=galign,
             num_warps=num_warps,
         )
+    return partial
 
-    U = int(num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
-    out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
-    mantissa, min_exp = _half_format(weights.dtype)
+
+def _update_rows(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    row_offsets: torch.Tensor,
+    plan: BackwardPlan,
+    partial: torch.Tensor,
+    out_rows: torch.Tensor,
+    *,
+    optimizer: optim.Optimizer | None,
+    momentum1: torch.Tensor | None,
+    momentum2: torch.Tensor | None,
+    hyper: torch.Tensor | None,
+    step: torch.Tensor | None,
+    seed: int,
+    stochastic_rounding: bool,
+    config: tuple[int, int, int, int, int],
+    block_d: int,
+    row_align: int,
+    galign: int,
+) -> None:
+    """Step 3: sum each run's gradient and update its row in place (with ``optimizer``), or
+    write the row gradients to ``out_rows`` (without)."""
+    device = weights.device
+    code = optimizer_code(optimizer)
+    states = optim.spec_of(optimizer).states if optimizer is not None else ()
+    runs, num_warps, ids, chunk, maxnreg = config
+    scales = plan.scales
+    mantissa, min_exp = half_format(weights.dtype)
     _ROWS(
-        (min(triton.cdiv(N, runs), _resident_programs(device, num_warps)),),
+        (min(triton.cdiv(plan.N, runs), _resident_programs(device, num_warps)),),
         grad_output,
         weights,
         w_offsets,
         dims,
         row_offsets,
-        goffs,
+        plan.goffs,
         scales if scales is not None else partial,
-        run_starts,
-        run_keys,
-        run_feats,
-        run_goffs,
-        num_runs,
+        plan.run_starts,
+        plan.run_keys,
+        plan.run_feats,
+        plan.run_goffs,
+        plan.num_runs,
         partial,
         out_rows,
         momentum1 if momentum1 is not None else partial,
         momentum2 if momentum2 is not None else partial,
-        sentinel,
+        plan.sentinel,
         hyper if code else partial,
-        step if code else num_runs,
+        step if code else plan.num_runs,
         seed % 2147483647,  # (seed * 1000003 + t) % (2^31 - 1) stays in int64
         OPTIMIZER=code,
-        WD_DECOUPLED=isinstance(optimizer, optim.RowWiseAdagrad)
-        and optimizer.weight_decay_mode == "decoupled",
+        ROW_STATE=bool(states) and states[0].per_row,
+        WD_DECOUPLED=getattr(optimizer, "weight_decay_mode", "l2") == "decoupled",
         HAS_SCALE=scales is not None,
         STOCHASTIC=bool(stochastic_rounding) and weights.dtype in (torch.float16, torch.bfloat16),
         MANTISSA=mantissa,
@@ -778,10 +791,3 @@ def tbe_backward(
         # a launch option of NVIDIA's backend only (ROCm's torch also says "cuda")
         maxnreg=maxnreg if maxnreg and device.type == "cuda" and not torch.version.hip else None,
     )
-    if code != OPT_NONE:
-        return None
-    run_keys, f = run_keys[:U], run_feats[:U].to(torch.int64)
-    live = run_keys < sentinel
-    run_keys, f, out_rows = run_keys[live], f[live], out_rows[live]
-    row_elems = w_offsets[f] + (run_keys - row_offsets[f]) * dims[f]
-    return row_elems, dims[f], out_rows

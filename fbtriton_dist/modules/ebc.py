@@ -19,54 +19,6 @@ DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat
 POOLINGS = {"SUM": "sum", "MEAN": "mean"}
 
 
-def fused_optimizer_from_torch(cls: type, kwargs: dict, where: str) -> optim.Optimizer:
-    """Our fused optimizer for a ``(optimizer class, kwargs)`` annotation left by
-    ``torchrec.optim.apply_optimizer_in_backward`` (or torch's). Raises if it has no exact
-    fused equivalent."""
-    name = f"{cls.__module__}.{cls.__qualname__}"
-
-    def unsupported(key, value, allowed):
-        return ValueError(
-            f"{where}: {name}({key}={value!r}) has no fused equivalent (supported: {key}={allowed})"
-        )
-
-    def require(key, allowed, default):
-        value = kwargs.get(key, default)
-        if value != allowed:
-            raise unsupported(key, value, allowed)
-
-    if cls is torch.optim.SGD:
-        for key in ("momentum", "weight_decay", "dampening"):
-            require(key, 0, 0)
-        require("nesterov", False, False)
-        return optim.SGD(lr=kwargs.get("lr", 1e-3))
-    if cls is torch.optim.Adagrad:
-        for key in ("lr_decay", "weight_decay", "initial_accumulator_value"):
-            require(key, 0, 0)
-        return optim.Adagrad(lr=kwargs.get("lr", 1e-2), eps=kwargs.get("eps", 1e-10))
-    if cls is torch.optim.Adam:
-        require("weight_decay", 0, 0)  # torch's L2 decay differs from FBGEMM's
-        require("amsgrad", False, False)
-        return optim.Adam(
-            lr=kwargs.get("lr", 1e-3),
-            betas=tuple(kwargs.get("betas", (0.9, 0.999))),
-            eps=kwargs.get("eps", 1e-8),
-        )
-    if cls.__name__ == "RowWiseAdagrad" and cls.__module__.startswith("torchrec"):
-        require("lr_decay", 0, 0)
-        require("initial_accumulator_value", 0, 0)
-        return optim.RowWiseAdagrad(
-            lr=kwargs.get("lr", 1e-2),
-            eps=kwargs.get("eps", 1e-10),
-            weight_decay=kwargs.get("weight_decay", 0.0),
-            weight_decay_mode="l2",
-        )
-    raise ValueError(
-        f"{where}: optimizer {name} has no fused equivalent; use torch.optim.SGD, "
-        "torch.optim.Adagrad, torch.optim.Adam or torchrec.optim.RowWiseAdagrad"
-    )
-
-
 class EmbeddingBagCollection(nn.Module):
     """Drop-in for ``torchrec.EmbeddingBagCollection``: pooled embeddings of many tables.
 
@@ -81,7 +33,8 @@ class EmbeddingBagCollection(nn.Module):
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per feature, in config
     order, ``[B, sum(D)]`` fp32 values. Weights are ordinary parameters (any torch optimizer
     works); parameters annotated by ``apply_optimizer_in_backward`` are instead updated by the
-    fused TBE backward (SGD, Adagrad, torchrec RowWiseAdagrad, Adam).
+    fused TBE backward (the classes of ``optim.REGISTRY``: torch SGD, Adagrad, Adam, torchrec
+    RowWiseAdagrad).
     """
 
     def __init__(
@@ -262,7 +215,7 @@ class EmbeddingBagCollection(nn.Module):
                 f"pooling the same optimizer (or none); got {specs}"
             )
         cls, kwargs = specs[0]
-        return fused_optimizer_from_torch(cls, dict(kwargs), f"tables {names}")
+        return optim.from_torch(cls, dict(kwargs), f"tables {names}")
 
     def _sync_optimizer(self, tbe: TableBatchedEmbedding, members: list[int]):
         """Give the group's TBE the fused optimizer its parameters are annotated with."""

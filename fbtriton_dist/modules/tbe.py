@@ -165,11 +165,7 @@ class TableBatchedEmbedding(nn.Module):
     def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:
         """Switch the fused optimizer (None: plain gradients). State is kept when the kind of
         optimizer stays (only hyper-parameters change), else allocated anew at zero."""
-        if optimizer is not None and not isinstance(optimizer, optim.Optimizer):
-            raise ValueError(
-                "optimizer: expected None or fbtriton_dist.optim.SGD / Adagrad / "
-                f"RowWiseAdagrad / Adam, got {optimizer!r}"
-            )
+        states = optim.spec_of(optimizer).states if optimizer is not None else ()
         same_kind = type(optimizer) is type(self.optimizer)
         self.optimizer = optimizer
         # a fused module's weights are updated in backward, not by torch optimizers
@@ -179,16 +175,15 @@ class TableBatchedEmbedding(nn.Module):
         self._anchor = torch.zeros(0, requires_grad=True) if optimizer is not None else None
         if same_kind:
             return
-        n1, n2 = 0, 0
-        if isinstance(optimizer, optim.RowWiseAdagrad):
-            n1 = self.table_row_offsets[-1]  # one fp32 accumulator per row
-        elif isinstance(optimizer, optim.Adagrad):
-            n1 = self.table_offsets[-1]  # one fp32 accumulator per element
-        elif isinstance(optimizer, optim.Adam):
-            n1 = n2 = self.table_offsets[-1]  # fp32 moments per element
-        device = self.weights.device
-        self.momentum1 = torch.zeros(n1, dtype=torch.float32, device=device)
-        self.momentum2 = torch.zeros(n2, dtype=torch.float32, device=device)
+        # each state fp32, one value per row or per element (optim.REGISTRY); unused buffers
+        # stay empty
+        sizes = {
+            s.name: self.table_row_offsets[-1] if s.per_row else self.table_offsets[-1]
+            for s in states
+        }
+        for name in optim.STATE_BUFFERS:
+            numel = sizes.get(name, 0)
+            setattr(self, name, torch.zeros(numel, dtype=torch.float32, device=self.weights.device))
         self.step = 0
 
     @property
@@ -327,21 +322,19 @@ class TableBatchedEmbedding(nn.Module):
         ]
 
     def split_optimizer_states(self) -> list[list[torch.Tensor]]:
-        """Per table, views of its optimizer states: [] (SGD or none), [momentum [E]] (rowwise
-        Adagrad), [exp_avg [E, D], exp_avg_sq [E, D]] (Adam)."""
+        """Per table, views of its optimizer states in the registry's order
+        (``optim.REGISTRY``): ``[E]`` for a per-row state (rowwise Adagrad's), ``[E, D]`` for
+        a per-element one (Adagrad's, Adam's two moments); [] for SGD or none."""
+        states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
         out = []
         for t, (E, D) in enumerate(self.tables):
-            if isinstance(self.optimizer, optim.RowWiseAdagrad):
-                r0, r1 = self.table_row_offsets[t], self.table_row_offsets[t + 1]
-                out.append([self.momentum1[r0:r1]])
-            elif isinstance(self.optimizer, optim.Adagrad):
-                e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
-                out.append([self.momentum1[e0:e1].view(E, D)])
-            elif isinstance(self.optimizer, optim.Adam):
-                e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
-                out.append([self.momentum1[e0:e1].view(E, D), self.momentum2[e0:e1].view(E, D)])
-            else:
-                out.append([])
+            r0, r1 = self.table_row_offsets[t], self.table_row_offsets[t + 1]
+            e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
+            out.append([
+                getattr(self, s.name)[r0:r1] if s.per_row
+                else getattr(self, s.name)[e0:e1].view(E, D)
+                for s in states
+            ])
         return out
 
     def set_learning_rate(self, lr: float) -> None:

@@ -7,8 +7,8 @@ i bytes per id, l bytes per bag length, o bytes per pooled value; for a shard: i
 the table's :class:`IdDistribution`). Every term below is per rank, per step.
 
 * ``weight_bytes`` = rows x c x s
-* ``state_bytes``  (optimizer state, fp32 as in FBGEMM): none/sgd 0, rowwise_adagrad rows x 4,
-  adam 2 x rows x c x 4
+* ``state_bytes``  (optimizer state, fp32 as in FBGEMM, from ``optim.REGISTRY``): none/sgd 0,
+  rowwise_adagrad rows x 4, adagrad rows x c x 4, adam 2 x rows x c x 4
 * ``lookups``      ids gathered in the forward: row-wise kinds R·B·L·p, table-/column-wise
   R·B·L, data-parallel B·L
 * ``lookup_bytes`` = lookups x c x s (the forward gather; backward costs ``backward_factor``

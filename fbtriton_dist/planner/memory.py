@@ -6,6 +6,8 @@ count memory the same way.
 
 from __future__ import annotations
 
+from fbtriton_dist import optim
+
 from .shards import Shard
 from .tables import TableSpec
 
@@ -15,12 +17,9 @@ GiB = 1024**3
 
 
 def state_bytes(optimizer: str, rows: int, cols: int) -> int:
-    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it."""
-    if optimizer == "rowwise_adagrad":
-        return rows * 4
-    if optimizer == "adam":
-        return 2 * rows * cols * 4
-    return 0
+    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it (``optim.REGISTRY``'s
+    state layout; ``none``: 0)."""
+    return 0 if optimizer == "none" else optim.spec(optimizer).state_bytes(rows, cols)
 
 
 def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fbtriton_dist import optim
+
 from ._yaml import (
     ConfigError,
     FieldError,
@@ -57,8 +59,9 @@ __all__ = [
 DType = Literal["fp32", "fp16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 Pooling = Literal["sum", "mean"]
-Optimizer = Literal["none", "sgd", "rowwise_adagrad", "adam"]
-OPTIMIZERS: tuple[str, ...] = Optimizer.__args__  # type: ignore[attr-defined]
+OPTIMIZERS: tuple[str, ...] = ("none", *optim.NAMES)
+"""A table's fused optimizer: ``none`` (no state) or a name of ``optim.REGISTRY``."""
+Optimizer = str  # one of OPTIMIZERS
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -232,6 +232,56 @@ def tbe_per_sample_weights_grad(
     return grad
 
 
+# -- fused optimizer updates, one per optimizer of optim.REGISTRY (the twins of
+# kernels/tbe_optim.py's helpers): rows ``w`` [U, D] fp32 and their gradients ``g`` [U, D]
+# summed over the batch, t the step count (>= 1), ``state_rows`` [U] the rows' linear rows
+# (per-row states), ``elems`` [U, D] their elements (per-element states); the states are
+# updated in place, the new rows returned
+
+
+def _sgd_update(opt: optim.SGD, w, g, t, momentum1, momentum2, state_rows, elems):
+    return w - opt.lr * g
+
+
+def _adagrad_update(opt: optim.Adagrad, w, g, t, momentum1, momentum2, state_rows, elems):
+    m = momentum1[elems] + g * g
+    momentum1[elems] = m
+    return w - opt.lr * g / (torch.sqrt(m) + opt.eps)
+
+
+def _rowwise_adagrad_update(
+    opt: optim.RowWiseAdagrad, w, g, t, momentum1, momentum2, state_rows, elems
+):
+    wd = opt.weight_decay
+    decoupled = opt.weight_decay_mode == "decoupled"
+    g_wd = g if decoupled else g + wd * w
+    m = momentum1[state_rows] + (g_wd * g_wd).mean(dim=1)
+    momentum1[state_rows] = m
+    mult = opt.lr / (torch.sqrt(m) + opt.eps)
+    corr = torch.full_like(m, 1.0 - opt.lr * wd) if decoupled else 1.0 - mult * wd
+    return corr[:, None] * w - mult[:, None] * g
+
+
+def _adam_update(opt: optim.Adam, w, g, t, momentum1, momentum2, state_rows, elems):
+    b1, b2 = opt.betas
+    m1 = b1 * momentum1[elems] + (1.0 - b1) * g
+    m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g
+    momentum1[elems] = m1
+    momentum2[elems] = m2
+    m_hat = m1 / (1.0 - b1**t)
+    v_hat = m2 / (1.0 - b2**t)
+    return w - opt.lr * (m_hat / (torch.sqrt(v_hat) + opt.eps) + opt.weight_decay * w)
+
+
+UPDATES = {
+    "sgd": _sgd_update,
+    "adagrad": _adagrad_update,
+    "rowwise_adagrad": _rowwise_adagrad_update,
+    "adam": _adam_update,
+}
+"""The update of each optimizer, by its registry name."""
+
+
 def _apply_optimizer(
     optimizer: optim.Optimizer,
     w: torch.Tensor,
@@ -243,28 +293,5 @@ def _apply_optimizer(
     elems: torch.Tensor,
 ) -> torch.Tensor:
     """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows."""
-    if isinstance(optimizer, optim.SGD):
-        return w - optimizer.lr * g
-    if isinstance(optimizer, optim.RowWiseAdagrad):
-        wd = optimizer.weight_decay
-        decoupled = optimizer.weight_decay_mode == "decoupled"
-        g_wd = g if decoupled else g + wd * w
-        m = momentum1[state_rows] + (g_wd * g_wd).mean(dim=1)
-        momentum1[state_rows] = m
-        mult = optimizer.lr / (torch.sqrt(m) + optimizer.eps)
-        corr = torch.full_like(m, 1.0 - optimizer.lr * wd) if decoupled else 1.0 - mult * wd
-        return corr[:, None] * w - mult[:, None] * g
-    if isinstance(optimizer, optim.Adagrad):
-        m = momentum1[elems] + g * g
-        momentum1[elems] = m
-        return w - optimizer.lr * g / (torch.sqrt(m) + optimizer.eps)
-    b1, b2 = optimizer.betas
-    m1 = b1 * momentum1[elems] + (1.0 - b1) * g
-    m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g
-    momentum1[elems] = m1
-    momentum2[elems] = m2
-    m_hat = m1 / (1.0 - b1**step)
-    v_hat = m2 / (1.0 - b2**step)
-    return w - optimizer.lr * (
-        m_hat / (torch.sqrt(v_hat) + optimizer.eps) + optimizer.weight_decay * w
-    )
+    update = UPDATES[optim.spec_of(optimizer).name]
+    return update(optimizer, w, g, step, momentum1, momentum2, state_rows, elems)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules.ebc import fused_optimizer_from_torch
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding import state_dict as states
@@ -367,7 +366,7 @@ def _optimizer_of(ebc: nn.Module, name: str) -> optim.Optimizer | None:
     if not specs:
         return None
     cls, kwargs = specs.pop()
-    return fused_optimizer_from_torch(cls, dict(kwargs), name)
+    return optim.from_torch(cls, dict(kwargs), name)
 
 
 def shard(

@@ -82,12 +82,12 @@ def fused_optimizer_state_dict(ebc) -> dict:
     bias correction)."""
     out = {"step": torch.tensor(ebc.tbes[0].step if ebc.tbes else 0)}
     shards = ebc.local_shards()
-    rowwise = isinstance(ebc.optimizer, optim.RowWiseAdagrad)
     for t, cfg in enumerate(ebc.embedding_bag_configs()):
         mine = [(lt, st) for lt, _, st in shards if lt.table == t]
         slices = sorted({(sf.col_start, sf.col_end) for sf in _table_shards(ebc, t)})
-        size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
-        for i in range(ebc.optimizer.num_states):
+        for i, state in enumerate(optim.spec_of(ebc.optimizer).states):
+            rowwise = state.per_row
+            size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
             key = f"embedding_bags.{cfg.name}.weight.{i}"
             if ebc.layout.table_data_parallel[t]:  # the replica, same shape as sharded
                 out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]

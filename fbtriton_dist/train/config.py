@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import yaml
 
+from fbtriton_dist import optim
 from fbtriton_dist.planner import ConfigError, FieldError, TableSet, load_tables
 from fbtriton_dist.planner._yaml import (
     build,
@@ -75,7 +76,6 @@ __all__ = [
     "load_job",
 ]
 
-EmbeddingOptimizer = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
 DataSource = Literal["synthetic", "random_rec", "criteo"]
 CRITEO_DENSE, CRITEO_SPARSE = 13, 26
@@ -284,25 +284,29 @@ class ShardingConfig:
 class EmbeddingOptimizerConfig:
     """The fused optimizer of every table (``apply_optimizer_in_backward``)."""
 
-    type: EmbeddingOptimizer = "rowwise_adagrad"
-    """``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``."""
+    type: str = "rowwise_adagrad"
+    """A name of ``optim.REGISTRY`` (``optim.NAMES``: sgd, adagrad, rowwise_adagrad, ...)."""
     lr: float = 0.01
     """Learning rate."""
     eps: float | None = None
-    """Denominator epsilon; None: the optimizer's default."""
+    """Denominator epsilon; None: the default of the optimizer's torch / TorchRec class (its
+    registry entry's), as with ``apply_optimizer_in_backward``."""
     weight_decay: float = 0.0
-    """L2 weight decay (``rowwise_adagrad`` only)."""
+    """L2 weight decay (only where the optimizer's torch class takes it: rowwise_adagrad)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam's moment decays."""
 
     def __post_init__(self) -> None:
-        check_choice("type", self.type, _choices(EmbeddingOptimizer))
+        check_choice("type", self.type, optim.NAMES)
         check_number("lr", self.lr, 0.0)
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
-        if self.weight_decay and self.type != "rowwise_adagrad":
+        # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
+        if self.weight_decay and "weight_decay" not in optim.spec(self.type).torch[0].kwargs:
+            with_decay = [n for n in optim.NAMES if "weight_decay" in optim.spec(n).torch[0].kwargs]
             raise FieldError(
-                "weight_decay", f"only supported with type: rowwise_adagrad, got type: {self.type}"
+                "weight_decay",
+                f"only supported with type: {', '.join(with_decay)}, got type: {self.type}",
             )
 
 

@@ -31,7 +31,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.optim import apply_optimizer_in_backward
 
-from fbtriton_dist import knobs
+from fbtriton_dist import knobs, optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.planner import (
     ConfigError,
@@ -71,14 +71,6 @@ __all__ = [
 ]
 
 GiB = 1024**3
-"""Collectives that wait longer than this fail the job instead of hanging it."""
-# the planner's state-size model knows no elementwise Adagrad: count it as Adam (conservative)
-_PLANNER_OPTIMIZER = {
-    "sgd": "sgd",
-    "adagrad": "adam",
-    "rowwise_adagrad": "rowwise_adagrad",
-    "adam": "adam",
-}
 
 
 @contextlib.contextmanager
@@ -132,20 +124,13 @@ def _table_configs(cfg: JobConfig) -> list[torchrec.EmbeddingBagConfig]:
     ]
 
 
-def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> tuple[type, dict[str, Any]]:
-    """The ``(class, kwargs)`` for ``apply_optimizer_in_backward`` that our EBC fuses."""
-    kw: dict[str, Any] = {"lr": c.lr}
-    if c.eps is not None and c.type != "sgd":
-        kw["eps"] = c.eps
-    if c.type == "sgd":
-        return torch.optim.SGD, kw
-    if c.type == "adagrad":
-        return torch.optim.Adagrad, kw
-    if c.type == "adam":
-        return torch.optim.Adam, {**kw, "betas": c.betas}
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    return RowWiseAdagrad, {**kw, "weight_decay": c.weight_decay}
+def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
+    """Our fused optimizer for ``optimizer.embedding``: the keys its torch / TorchRec class
+    takes (``optim.REGISTRY``), that class's defaults for those not given."""
+    entry = optim.spec(c.type)
+    given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay}
+    kwargs = {k: v for k, v in given.items() if k in entry.torch[0].kwargs and v is not None}
+    return entry.from_kwargs(kwargs, "optimizer.embedding")
 
 
 def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter]):
@@ -171,7 +156,8 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> DL
         device=torch.device("meta") if world_size > 1 else device,
         backend=cfg.backend,
     )
-    cls, kwargs = _embedding_optimizer(cfg.optimizer.embedding)
+    # our EBC, as TorchRec's, takes its fused optimizer from this annotation
+    cls, kwargs = optim.torch_equivalent(_embedding_optimizer(cfg.optimizer.embedding))
     apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
     return DLRM(
         embedding_bag_collection=ebc,
@@ -193,7 +179,7 @@ def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[S
     if cfg.data.source == "synthetic" and cfg.data.synthetic.zipf > 0:
         zipf = IdDistribution(kind="zipf", alpha=cfg.data.synthetic.zipf)
         stats = {t.name: stats.get(t.name, zipf) for t in specs}
-    optimizer = _PLANNER_OPTIMIZER[cfg.optimizer.embedding.type]
+    optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
     planner = ShardingPlanner(
         world_size=world_size,
         local_world_size=H,
@@ -262,7 +248,8 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
         wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
         comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes,
                            max_ids=c.max_ids)
-        model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm)
+        model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
+                                    optimizer=_embedding_optimizer(cfg.optimizer.embedding))
     dense_params = [
         p
         for n, p in model.named_parameters()

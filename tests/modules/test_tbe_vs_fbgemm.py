@@ -27,15 +27,9 @@ TABLE_SETS = {
 
 
 def _fbgemm_tbe(tables, ftm, opt, pooling, wdt):
-    kwargs = {}
-    if isinstance(opt, optim.SGD):
-        kind = EmbOptimType.EXACT_SGD
-    elif isinstance(opt, optim.Adagrad):
-        kind = EmbOptimType.EXACT_ADAGRAD
-        kwargs = dict(eps=opt.eps)
-    else:
-        kind = EmbOptimType.EXACT_ROWWISE_ADAGRAD
-        kwargs = dict(eps=opt.eps)
+    entry = optim.spec_of(opt)  # the registry names FBGEMM's equivalent
+    kind = getattr(EmbOptimType, entry.fbgemm)
+    kwargs = dict(eps=opt.eps) if "eps" in entry.hyper else {}
     return fbgemm.SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[
             (E, D, EmbeddingLocation.HOST, fbgemm.ComputeDevice.CPU) for E, D in tables

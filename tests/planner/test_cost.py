@@ -44,11 +44,14 @@ def one_table(sharding, shards, R=2, H=2, E=1000, D=16, dtype="fp16", L=(2.0,), 
 def test_state_bytes():
     assert state_bytes("none", 10, 8) == state_bytes("sgd", 10, 8) == 0
     assert state_bytes("rowwise_adagrad", 10, 8) == 40
+    assert state_bytes("adagrad", 10, 8) == 10 * 8 * 4  # one accumulator per element
     assert state_bytes("adam", 10, 8) == 2 * 10 * 8 * 4
 
 
 @pytest.mark.parametrize(
-    "optimizer, state", [("sgd", 0), ("rowwise_adagrad", 250 * 4), ("adam", 2 * 250 * 16 * 4)]
+    "optimizer, state",
+    [("sgd", 0), ("rowwise_adagrad", 250 * 4), ("adagrad", 250 * 16 * 4),
+     ("adam", 2 * 250 * 16 * 4)],
 )
 def test_row_wise_by_hand(optimizer, state):
     shards = [

@@ -108,6 +108,28 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, embedding):
     assert [r["steps_this_run"] for r in records(tmp_path / "half", "summary")] == [6, 6]
 
 
+def test_plan_counts_adagrad_state_per_element(tmp_path):
+    """The job plans elementwise Adagrad with its own state (one fp32 per element, as much as
+    the fp32 weights), not as Adam's two moments: a budget between the two fits it."""
+    from fbtriton_dist.planner import PlanError
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.job import GiB, make_plan
+
+    weights = (300 + 40) * 8 * 4  # TINY's tables, fp32
+    budget = 2.5 * weights  # weights + adagrad's state fit, weights + adam's do not
+    sharding = {"hbm_gb": budget / 0.9 / GiB, "reserved": 0.1}
+
+    def job(kind):
+        opt = {"embedding": {"type": kind, "lr": 0.1}, "dense": {"type": "adam", "lr": 0.1}}
+        return load_job(write_job(tmp_path, kind, optimizer=opt, sharding=sharding))
+
+    plan, report = make_plan(job("adagrad"), 1, 1)
+    rank0 = next(line for line in report.splitlines() if line.startswith("0 "))
+    assert rank0.split()[1:5] == ["21.2", "KiB", "10.6", "KiB"]  # memory, weights: state 10.6
+    with pytest.raises(PlanError, match="optimizer state"):
+        make_plan(job("adam"), 1, 1)
+
+
 def test_resume_without_checkpoint_starts_fresh(tmp_path, capsys):
     path = write_job(tmp_path, train__steps=2, train__eval_batches=0)
     assert main(["--config", str(path), "--resume", "checkpoint.enabled=false"]) == 0

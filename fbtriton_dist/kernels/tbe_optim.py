@@ -1,0 +1,241 @@
+"""The fused optimizer update of the TBE backward's row kernel: one ``@triton.jit`` helper per
+optimizer of ``optim.REGISTRY`` (``_<name>_update``), picked by its constexpr kernel code in
+``optimizer_update``; the per-step hyper-parameters (``load_hyper``) and the rounded store of
+the new rows (``store_rows``). ``kernels/tbe_backward.py``'s ``_tbe_row_update_kernel`` loads
+the rows (and a per-row state) before its gradient loop, then calls these.
+
+Adding an optimizer here: its kernel code as a constexpr global, its ``_<name>_update`` and
+its branch in ``optimizer_update`` (see ``fbtriton_dist/optim.py``).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from fbtriton_dist import optim
+from fbtriton_dist.kernels.tbe_forward import cast_rne, cast_rtz
+
+OPT_NONE = 0  # no optimizer: the row gradients are returned
+# the optimizers' kernel codes (optim.REGISTRY), constexpr globals for the jit functions
+_SGD = tl.constexpr(optim.spec("sgd").kernel_code)
+_ADAGRAD = tl.constexpr(optim.spec("adagrad").kernel_code)
+_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("rowwise_adagrad").kernel_code)
+_ADAM = tl.constexpr(optim.spec("adam").kernel_code)
+
+
+def optimizer_code(optimizer: optim.Optimizer | None) -> int:
+    """The kernels' integer code for an optimizer config (None: plain gradients)."""
+    return OPT_NONE if optimizer is None else optim.spec_of(optimizer).kernel_code
+
+
+# -- fused optimizer updates: one helper per optimizer of optim.REGISTRY, each taking the rows
+# ``w`` and their summed gradients ``g`` ([RUNS, BLOCK_D] fp32; masked columns are 0) and
+# returning the new rows (fp32), its states updated in place ----------------------------------
+
+
+@triton.jit
+def _sgd_update(w, g, lr):
+    """``w - lr * g``."""
+    return w - lr * g
+
+
+@triton.jit
+def _adagrad_update(
+    w,
+    g,
+    mom1_ptr,  # [sum(E_t * D_t)] fp32 accumulator per element
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    lr,
+    eps,
+):
+    """``m += g^2``, ``w - lr * g / (sqrt(m) + eps)``."""
+    m = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + g * g
+    tl.store(mom1_ptr + ptrs, m, mask=dm)
+    return w - lr * g / (tl.sqrt(m) + eps)
+
+
+@triton.jit
+def _rowwise_adagrad_update(
+    w,
+    g,
+    m_row,  # [RUNS] fp32 the rows' accumulators, loaded before the gradient loop
+    mom1_ptr,  # [sum(E_t)] fp32 accumulator per row
+    key,  # [RUNS] linear row of each run
+    live,  # [RUNS] runs that update a row
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    D,  # [RUNS] the rows' D
+    lr,
+    eps,
+    weight_decay,
+    WD_DECOUPLED: tl.constexpr,  # decoupled weight decay, else L2
+):
+    """``m += mean(g'^2)`` over the row, ``w = c * w - lr / (sqrt(m) + eps) * g``
+    (``optim.RowWiseAdagrad``)."""
+    Df = D.to(tl.float32)
+    if WD_DECOUPLED:
+        g_sq = tl.sum(g * g, axis=1) / Df
+    else:
+        g_wd = tl.where(dm, g + weight_decay * w, 0.0)
+        g_sq = tl.sum(g_wd * g_wd, axis=1) / Df
+    m = m_row + g_sq
+    tl.store(mom1_ptr + key, m, mask=live)
+    mult = lr / (tl.sqrt(m) + eps)
+    if WD_DECOUPLED:
+        corr = 1.0 - lr * weight_decay
+    else:
+        corr = 1.0 - mult * weight_decay
+    return corr[:, None] * w - mult[:, None] * g
+
+
+@triton.jit
+def _adam_update(
+    w,
+    g,
+    mom1_ptr,  # [sum(E_t * D_t)] fp32 first moment per element
+    mom2_ptr,  # [sum(E_t * D_t)] fp32 second moment per element
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_c1,  # 1 - beta1^t
+    bias_c2,  # 1 - beta2^t
+):
+    """Lazy Adam with decoupled weight decay (``optim.Adam``)."""
+    m1 = beta1 * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta1) * g
+    m2 = beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * g * g
+    tl.store(mom1_ptr + ptrs, m1, mask=dm)
+    tl.store(mom2_ptr + ptrs, m2, mask=dm)
+    return w - lr * ((m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w)
+
+
+@triton.jit
+def optimizer_update(
+    w,  # [RUNS, BLOCK_D] fp32 the rows (masked columns 0)
+    g,  # [RUNS, BLOCK_D] fp32 their gradients summed over the batch
+    m_row,  # [RUNS] fp32 the rows' state 0 where it is per row (ROW_STATE), else unused
+    key,  # [RUNS] int64 linear row of each run
+    live,  # [RUNS] runs that update a row
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements (of the weights and per-element states)
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    D,  # [RUNS] the rows' D
+    mom1_ptr,  # state 0 (momentum1), fp32
+    mom2_ptr,  # state 1 (momentum2), fp32
+    lr,  # load_hyper's values from here on
+    eps,
+    weight_decay,
+    beta1,
+    beta2,
+    bias_c1,
+    bias_c2,
+    OPTIMIZER: tl.constexpr,  # kernel code (optim.REGISTRY)
+    WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
+):
+    """The new rows ([RUNS, BLOCK_D] fp32) by the optimizer of kernel code OPTIMIZER, its
+    states updated in place: its helper, given what it reads."""
+    if OPTIMIZER == _SGD:
+        w = _sgd_update(w, g, lr)
+    elif OPTIMIZER == _ADAGRAD:
+        w = _adagrad_update(w, g, mom1_ptr, ptrs, dm, lr, eps)
+    elif OPTIMIZER == _ROWWISE_ADAGRAD:
+        w = _rowwise_adagrad_update(
+            w, g, m_row, mom1_ptr, key, live, dm, D, lr, eps, weight_decay, WD_DECOUPLED
+        )
+    elif OPTIMIZER == _ADAM:
+        w = _adam_update(
+            w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, eps, beta1, beta2, weight_decay, bias_c1,
+            bias_c2,
+        )
+    else:
+        tl.static_assert(False, "unknown optimizer code")
+    return w
+
+
+@triton.jit
+def load_hyper(hyper_ptr, step_ptr):
+    """The fused update's per-step values, from device memory (a captured step replays them
+    fresh): ``(lr, eps, weight_decay, t, beta1, beta2, bias_c1, bias_c2)``, t the step count
+    (this update included) and ``bias_c = 1 - beta^t``. An optimizer that reads none of the
+    betas leaves their loads unused, and the compiler drops them."""
+    lr = tl.load(hyper_ptr)
+    eps = tl.load(hyper_ptr + 1)
+    weight_decay = tl.load(hyper_ptr + 4)
+    t = tl.load(step_ptr)
+    beta1 = tl.load(hyper_ptr + 2)
+    beta2 = tl.load(hyper_ptr + 3)
+    bias_c1 = _one_minus_pow(tl.load(hyper_ptr + 5), t)
+    bias_c2 = _one_minus_pow(tl.load(hyper_ptr + 6), t)
+    return lr, eps, weight_decay, t, beta1, beta2, bias_c1, bias_c2
+
+
+@triton.jit
+def _one_minus_pow(log_b, t):
+    """``1 - b^t`` (Adam's bias correction) from ``log(b)`` and the step t >= 1, in fp32
+    without the cancellation of ``1 - exp(x)`` near x = 0: ``-expm1(x)``, x = t log(b), by its
+    Taylor series while |x| < 0.5 (truncation < 1e-8 relative), else ``1 - exp(x)`` (exact
+    enough there; log(b) = -inf, b = 0, gives 1)."""
+    x = t.to(tl.float32) * log_b
+    s = 1.0 + x * (1.0 / 8.0)
+    s = 1.0 + x * (1.0 / 7.0) * s
+    s = 1.0 + x * (1.0 / 6.0) * s
+    s = 1.0 + x * (1.0 / 5.0) * s
+    s = 1.0 + x * (1.0 / 4.0) * s
+    s = 1.0 + x * (1.0 / 3.0) * s
+    s = 1.0 + x * (1.0 / 2.0) * s
+    return tl.where(x > -0.5, -(x * s), 1.0 - tl.exp(x))
+
+
+@triton.jit
+def store_rows(
+    weights_ptr,  # [sum(E_t * D_t)] flat weights
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    w,  # [RUNS, BLOCK_D] fp32 new rows
+    key,  # [RUNS] linear row of each run (the rounding noise's counter)
+    seed,
+    t,  # the step count (the rounding seed's clock)
+    STOCHASTIC: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    RUNS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Round the new rows to the weights' dtype (stochastically, or to nearest) and store."""
+    if STOCHASTIC:
+        # add uniform noise of one ulp of the target dtype, then round toward zero
+        bits = w.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        ulp_exp = tl.maximum(tl.maximum(exp, MIN_EXP) - MANTISSA, -126)
+        ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+        step_seed = (seed.to(tl.int64) * 1000003 + t) % 2147483647
+        noise = _uniform16(step_seed, key, RUNS, BLOCK_D) * ulp
+        w = tl.where(w < 0, w - noise, w + noise)
+        w_new = cast_rtz(w, weights_ptr.dtype.element_ty)
+    else:
+        w_new = cast_rne(w, weights_ptr.dtype.element_ty)
+    tl.store(weights_ptr + ptrs, w_new, mask=dm)
+
+
+@triton.jit
+def _uniform16(seed, key, RUNS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[RUNS, BLOCK_D] uniform in [0, 1) with 16-bit resolution (finer than the 13 / 16 bits
+    that rounding fp32 to fp16 / bf16 drops, so the rounding stays exactly unbiased): one
+    Philox call gives 128 bits, enough for 8 columns, a fraction of tl.rand's cost."""
+    if BLOCK_D >= 8:
+        off = key[:, None] * (BLOCK_D // 8) + tl.arange(0, BLOCK_D // 8)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, off.to(tl.int32))
+        lo = tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16))
+        hi = tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16))
+        u = tl.reshape(tl.join(lo, hi), [RUNS, BLOCK_D])
+        return (u & 0xFFFF).to(tl.float32) * (1.0 / 65536.0)
+    else:
+        offs = key[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        return tl.rand(seed, offs.to(tl.int32))
+
+
+def half_format(dtype: torch.dtype) -> tuple[int, int]:
+    """(mantissa bits, smallest normal exponent) of a weight dtype, for stochastic rounding."""
+    return {torch.float16: (10, -14), torch.bfloat16: (7, -126)}.get(dtype, (23, -126))
