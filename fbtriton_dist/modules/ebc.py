@@ -254,6 +254,8 @@ class EmbeddingBagCollection(nn.Module):
             params = self._group_params(members)
             self._bind(tbe, params)
             fused = self._sync_optimizer(tbe, members)
+            if fused is not None:
+                _refuse_data_parallel()
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             if len(self._tbes) > 1:  # this group's features only
@@ -278,3 +280,18 @@ class EmbeddingBagCollection(nn.Module):
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt} {pool}" for (dt, pool), m in self._groups.items())
         return f"tables: {groups}, is_weighted={self._is_weighted}"
+
+
+def _refuse_data_parallel() -> None:
+    """A fused optimizer under DistributedDataParallel is wrong: every rank would update its
+    own full replica with its own gradients. TorchRec's DistributedModelParallel does that to a
+    module it has no sharder for; say what to do instead."""
+    if torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+        raise RuntimeError(
+            "fbtriton_dist.EmbeddingBagCollection with a fused optimizer "
+            "(apply_optimizer_in_backward) runs inside DistributedDataParallel: every rank "
+            "would replicate every table and update it with its own gradients only. TorchRec's "
+            "DistributedModelParallel does this when it has no sharder for our module; pass "
+            "sharders=[fbtriton_dist.sharding.torchrec_sharder.EmbeddingBagCollectionSharder()] "
+            "to DistributedModelParallel, or shard the model with fbtriton_dist.shard(model, plan)"
+        )

@@ -1,0 +1,286 @@
+"""A TorchRec ``ModuleSharder`` for our EmbeddingBagCollection: DMP shards it through ``shard()``.
+
+    model = DistributedModelParallel(model, sharders=[EmbeddingBagCollectionSharder()], plan=...)
+
+``DistributedModelParallel`` walks the model; for every module whose path has a plan it calls
+the sharder of the module's exact type: ``shard(module, params, env, device, module_fqn)``,
+with ``params`` TorchRec's ``{table name: ParameterSharding}`` for that module (from
+``EmbeddingShardingPlanner``, which plans ours through this sharder's ``shardable_parameters``,
+``sharding_types`` and ``compute_kernels``, or written by hand). Here that plan becomes our
+``fbtriton_dist.planner.ShardingPlan`` (``to_fbtd_plan``: each ShardMetadata's offsets and
+sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagCollection``.
+DMP gets it wrapped in ``DMPShardedEmbeddingBagCollection``, a TorchRec ``ShardedModule``
+(so DDP leaves it alone) and ``FusedOptimizerModule`` (so ``dmp.fused_optimizer`` holds its
+fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in backward).
+
+What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` (the
+optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
+is ``fused``); ``table_column_wise`` is taken as column-wise (the ranks as given);
+``reshard()``; ``named_parameters()`` lists no embedding weights (the shards are not
+parameters; the state dict has them, as ``ShardedTensor``); the ``param_groups`` of the fused
+optimizer are read-only (changing ``lr`` there does not reach the kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import (
+    ModuleSharder,
+    NoWait,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+)
+from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+
+from fbtriton_dist import optim
+from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+from fbtriton_dist.sharding.input_dist import InputDistOut
+from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection, shard
+
+__all__ = ["DMPShardedEmbeddingBagCollection", "EmbeddingBagCollectionSharder", "to_fbtd_plan"]
+
+SHARDING_TYPES = (
+    "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel",
+)
+"""TorchRec's sharding types we take (its ``ShardingType`` values are our names)."""
+_ALIASES = {"table_column_wise": "column_wise"}
+
+
+# -- TorchRec's plan -> ours ---------------------------------------------------------------------
+def _table_sharding(cfg, ps: ParameterSharding, world_size: int) -> TableSharding:
+    E, D, name = cfg.num_embeddings, cfg.embedding_dim, cfg.name
+    kind = _ALIASES.get(ps.sharding_type, ps.sharding_type)
+    if kind not in SHARDING_TYPES:
+        raise ValueError(
+            f"table '{name}': expected a sharding type in {[*SHARDING_TYPES, *_ALIASES]}, "
+            f"got {ps.sharding_type!r}"
+        )
+    if kind == "data_parallel":
+        shards = [Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)
+                  for r in range(world_size)]
+    else:
+        metas = getattr(ps.sharding_spec, "shards", None)
+        if not metas:
+            raise ValueError(
+                f"table '{name}' ({kind}): expected a sharding_spec with ShardMetadata, "
+                f"got {ps.sharding_spec!r}"
+            )
+        shards = []
+        for m in metas:
+            (r0, c0), (nr, nc) = m.shard_offsets, m.shard_sizes
+            if nr == 0 or nc == 0:  # TorchRec's even row cuts leave empty shards on small tables
+                continue
+            if m.placement is None:
+                raise ValueError(f"table '{name}': shard at {m.shard_offsets} has no placement")
+            shards.append(Shard(rank=m.placement.rank(), row_start=r0, row_end=r0 + nr,
+                                col_start=c0, col_end=c0 + nc))
+        shards.sort(key=lambda s: (s.col_start, s.row_start))  # our order: slice by slice, rows
+    return TableSharding(name=name, sharding=kind, num_embeddings=E, embedding_dim=D,
+                         shards=tuple(shards))
+
+
+def to_fbtd_plan(
+    configs, params: Mapping[str, ParameterSharding], world_size: int, local_world_size: int
+) -> ShardingPlan:
+    """TorchRec's plan of one module (``{table name: ParameterSharding}``) as our
+    ``ShardingPlan`` over ``configs`` (``EmbeddingBagConfig``), validated."""
+    names = [c.name for c in configs]
+    missing = [n for n in names if n not in params]
+    unknown = sorted(set(params) - set(names))
+    if missing or unknown:
+        raise ValueError(
+            f"plan: expected one ParameterSharding per table {names}; missing {missing}, "
+            f"unknown {unknown}"
+        )
+    plan = ShardingPlan(
+        world_size=world_size,
+        local_world_size=local_world_size,
+        tables=tuple(_table_sharding(c, params[c.name], world_size) for c in configs),
+    )
+    plan.validate()
+    return plan
+
+
+# -- what DMP holds ------------------------------------------------------------------------------
+class _Context:
+    """One step's state between ``compute`` and ``output_dist`` (TorchRec's ShrdCtx)."""
+
+    def __init__(self) -> None:
+        self.lengths: torch.Tensor | None = None
+        self.sizes: list[int] | None = None
+
+    def record_stream(self, stream) -> None:
+        if self.lengths is not None:
+            self.lengths.record_stream(stream)
+
+
+class _FusedOptimizer(FusedOptimizer):
+    """The sharded tables' optimizer as TorchRec's ``KeyedOptimizer``: params are the weights
+    (``embedding_bags.<table>.weight``, ShardedTensor views of the live shards), state the
+    fused optimizer's state (``momentum1``, ...: ShardedTensor views too) and ``step``;
+    ``step()``/``zero_grad()`` are no-ops (the update runs in
+    backward)."""
+
+    def __init__(self, ebc: ShardedEmbeddingBagCollection) -> None:
+        self._ebc = ebc
+        weights, state = self._read()
+        group = {"params": list(weights.values()), **dataclasses.asdict(ebc.optimizer)}
+        super().__init__(weights, state, [group])
+
+    def _read(self):
+        weights = self._ebc.state_dict()
+        states = self._ebc.fused_optimizer_state_dict()
+        names = [s.name for s in optim.spec_of(self._ebc.optimizer).states]  # momentum1, ...
+        state = {
+            w: {**{n: states[f"{key}.{i}"] for i, n in enumerate(names)}, "step": states["step"]}
+            for key, w in weights.items()
+        }
+        return weights, state
+
+    def state_dict(self) -> dict[str, Any]:
+        """KeyedOptimizer's form; read now (the step count, and views of moved buffers)."""
+        self.params, self.state = self._read()
+        self.param_groups[0]["params"] = list(self.params.values())
+        return super().state_dict()
+
+    def step(self, closure: Any = None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
+    """Our ``ShardedEmbeddingBagCollection`` (``.sharded``) as the TorchRec ``ShardedModule``
+    DMP expects: ``input_dist(ctx, kjt)`` / ``compute(ctx, dist_input)`` /
+    ``output_dist(ctx, partials)`` are its three stages; the forward returns the KeyedTensor
+    itself (not a LazyAwaitable). State dict: the sharded collection's (TorchRec's keys,
+    ShardedTensor values)."""
+
+    def __init__(self, sharded: ShardedEmbeddingBagCollection, module_type: type) -> None:
+        super().__init__()
+        self.__dict__["sharded"] = sharded  # not a child: its state dict keys are ours
+        self._module_type = module_type
+        self._fused = _FusedOptimizer(sharded)
+
+    # ShardedModule
+    def create_context(self) -> _Context:
+        return _Context()
+
+    def input_dist(self, ctx: _Context, features) -> NoWait[NoWait[InputDistOut]]:
+        return NoWait(NoWait(self.sharded.input_dist(features)))  # its collectives run here
+
+    def compute(self, ctx: _Context, dist_input: InputDistOut) -> torch.Tensor:
+        lengths, lookup, sizes = dist_input
+        ctx.lengths, ctx.sizes = lengths, sizes
+        return self.sharded.compute(lookup)
+
+    def output_dist(self, ctx: _Context, output: torch.Tensor):
+        return self.sharded.output_dist(output, ctx.lengths, ctx.sizes)
+
+    @property
+    def unsharded_module_type(self) -> type:
+        return self._module_type
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        yield from ()  # no parameters: DDP has nothing of ours to ignore or reduce
+
+    # FusedOptimizerModule
+    @property
+    def fused_optimizer(self) -> _FusedOptimizer:
+        return self._fused
+
+    # what ShardedEmbeddingBagCollection answers
+    def is_weighted(self) -> bool:
+        return self.sharded.is_weighted()
+
+    def embedding_bag_configs(self) -> list:
+        return self.sharded.embedding_bag_configs()
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        return self.sharded.state_dict(destination=destination, prefix=prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        self.sharded._load_from_state_dict(state_dict, prefix, *args)
+
+    def _apply(self, fn, recurse=True):
+        self.sharded._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+
+class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
+    """Shards ``fbtriton_dist.EmbeddingBagCollection`` (``module_type``; pass
+    ``torchrec.EmbeddingBagCollection`` to shard TorchRec's into ours) under TorchRec's DMP.
+
+    Args:
+        optimizer: the fused optimizer; default the one ``apply_optimizer_in_backward``
+            annotated the tables with.
+        local_world_size: ranks per host of the plan (table-row-wise and grid tables stay in a
+            host); default TorchRec's ``get_local_size`` (``LOCAL_WORLD_SIZE``).
+        backend, comm: passed to ``fbtriton_dist.shard()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer: optim.Optimizer | None = None,
+        local_world_size: int | None = None,
+        backend: str = "auto",
+        comm: CommOptions | None = None,
+        module_type: type = EmbeddingBagCollection,
+    ) -> None:
+        super().__init__()
+        self._optimizer = optimizer
+        self._local_world_size = local_world_size
+        self._backend = backend
+        self._comm = comm
+        self._module_type = module_type
+
+    @property
+    def module_type(self) -> type:
+        return self._module_type
+
+    def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys."""
+        return {c.name: module.embedding_bags[c.name].weight
+                for c in module.embedding_bag_configs()}
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: Mapping[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> DMPShardedEmbeddingBagCollection:
+        if not isinstance(module, self._module_type):
+            raise ValueError(
+                f"{module_fqn or 'module'}: expected a {self._module_type.__name__}, "
+                f"got {type(module).__name__}"
+            )
+        H = self._local_world_size
+        if H is None:
+            from torchrec.distributed.comm import get_local_size
+
+            H = get_local_size(env.world_size)
+        plan = to_fbtd_plan(module.embedding_bag_configs(), params, env.world_size, H)
+        sharded = shard(
+            module, plan, env.process_group, device,
+            optimizer=self._optimizer, backend=self._backend, comm=self._comm,
+        )
+        return DMPShardedEmbeddingBagCollection(sharded, type(module))
