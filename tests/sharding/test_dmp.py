@@ -96,7 +96,12 @@ def _planner_plan(model, sharder, world):
     return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
 
 
-def _dmp_vs_unsharded(rank, world, planned_by):
+def _dmp_vs_unsharded(rank, world):
+    """Both plans in one process (one start-up of torchrec per rank)."""
+    return {by: _one_dmp_run(rank, world, by) for by in ("hand", "torchrec_planner")}
+
+
+def _one_dmp_run(rank, world, planned_by):
     import torchrec
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -152,6 +157,13 @@ def _dmp_vs_unsharded(rank, world, planned_by):
     )
     report["state"] = _state_error(dmp.fused_optimizer.state_dict()["state"], ref, configs)
     keys = sorted(dmp.state_dict())
+    # DMP's load_state_dict takes a full (TorchRec) state dict into the shards
+    zeros = {k: torch.zeros_like(v) for k, v in ref.state_dict().items()}
+    result = dmp.load_state_dict(zeros)
+    report["load.keys"] = float(bool(result.missing_keys or result.unexpected_keys))
+    report["load.values"] = max(
+        v.abs().max().item() for v in sharded.sharded.gather_full_state_dict().values()
+    )
     sharding = {t.name: t.sharding for t in sharded.sharded.plan.tables}
     return report, keys, sharding
 
@@ -175,17 +187,18 @@ def _state_error(state, ref, configs):
     return err
 
 
-@pytest.mark.parametrize("planned_by", ["hand", "torchrec_planner"])
-def test_dmp_with_our_sharder_matches_unsharded_after_3_fused_steps(planned_by):
-    results = run_ranks(_dmp_vs_unsharded, 2, planned_by)
+def test_dmp_with_our_sharder_matches_unsharded_after_3_fused_steps():
+    """A hand-made TorchRec plan (construct_module_sharding_plan) and one from TorchRec's
+    EmbeddingShardingPlanner, each table of its own sharding type."""
     tables = [c.name for c in _configs()]
-    for rank, (report, keys, sharding) in enumerate(results):
-        for key, err in report.items():
-            assert err < 2e-5, f"rank {rank} {key}: {err}"
-        assert keys == sorted([*(f"ebc.embedding_bags.{t}.weight" for t in tables),
-                               "top.bias", "top.weight"])
-        assert sharding == {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise",
-                                "twrw": "table_row_wise", "dp": "data_parallel"}
+    for rank, runs in enumerate(run_ranks(_dmp_vs_unsharded, 2)):
+        for planned_by, (report, keys, sharding) in runs.items():
+            for key, err in report.items():
+                assert err < 2e-5, f"rank {rank} {planned_by} {key}: {err}"
+            assert keys == sorted([*(f"ebc.embedding_bags.{t}.weight" for t in tables),
+                                   "top.bias", "top.weight"])
+            assert sharding == {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise",
+                                "twrw": "table_row_wise", "dp": "data_parallel"}, planned_by
 
 
 def _dmp_without_our_sharder(rank, world):
