@@ -27,6 +27,7 @@ next collective until the process group's timeout.
 """
 
 import collections
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,6 @@ from fbtriton_dist.sharding.input_dist import (
     InputDistOut,
     LookupBatch,
     Message,
-    _with_stats,
 )
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sparse import kjt_parts
@@ -195,7 +195,7 @@ class FixedInputDist(InputDist):
             per_feature=lambda own=own: own.sum(1),
             B=B,
         )
-        return InputDistOut(own, _with_stats(lookup, stats), sizes)
+        return InputDistOut(own, dataclasses.replace(lookup, stats=stats), sizes)
 
     def _unpack_fixed(self, buf, sizes, weighted):
         """(LookupBatch with one (indices, offsets, weights) per TBE group, each [slots] long

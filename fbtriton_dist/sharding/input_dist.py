@@ -32,6 +32,7 @@ tables, the bucketize check and the stats the comm report reads.
 """
 
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -447,7 +448,7 @@ class InputDist:
             per_feature=own.sum(1),  # device; read by comm_report only
             B=sizes[me],
         )
-        return InputDistOut(own, _with_stats(lookup, stats), sizes)
+        return InputDistOut(own, dataclasses.replace(lookup, stats=stats), sizes)
 
     @staticmethod
     def stats(*, traffic: dict, ids, without_dedup, batch_sizes: list[int], per_feature,
@@ -512,11 +513,3 @@ class InputDist:
             id_bounds=tuple(bounds),
         )
 
-
-def _with_stats(lookup: LookupBatch, stats: dict) -> LookupBatch:
-    """``lookup`` carrying this step's ``stats``."""
-    return LookupBatch(
-        indices=lookup.indices, offsets=lookup.offsets,
-        per_sample_weights=lookup.per_sample_weights, batch_size=lookup.batch_size,
-        id_bounds=lookup.id_bounds, stats=stats, groups=lookup.groups,
-    )
