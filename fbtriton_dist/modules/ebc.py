@@ -55,7 +55,8 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError(f"tables: duplicate table names {duplicates}")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # no device: the default one (``with torch.device("meta")`` included)
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         for cfg in tables:
             if not cfg.feature_names:
                 cfg.feature_names = [cfg.name]
@@ -199,7 +200,10 @@ class EmbeddingBagCollection(nn.Module):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
-            tbe.to(params[0].device)
+            if tbe._step.is_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
+                tbe.to_empty(device=params[0].device)
+            else:
+                tbe.to(params[0].device)
             self._bind(tbe, params)
         self._device = self._tbes[0].weights.device
         return self

@@ -36,7 +36,7 @@ def register(module) -> int:
     return handle
 
 
-def _module(handle: int, params: list[Tensor] | None = None):
+def _module(handle: int, params: list[Tensor] | None = None, same_storage: bool = True):
     ref = _MODULES.get(handle)
     module = ref() if ref is not None else None
     if module is None:
@@ -47,7 +47,7 @@ def _module(handle: int, params: list[Tensor] | None = None):
     if params is not None:
         ours = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
         if len(params) != len(ours) or any(
-            p.data_ptr() != q.data_ptr() or p.shape != q.shape
+            (same_storage and p.data_ptr() != q.data_ptr()) or p.shape != q.shape
             for p, q in zip(params, ours, strict=False)
         ):
             raise RuntimeError(
@@ -122,17 +122,20 @@ def ebc_lookup_backward(
     order: list[int],
     psw_grad: bool,
 ) -> list[Tensor]:
-    """[the weights' gradient (empty if not asked for), one per table: its weight's gradient
-    (empty for a table with a fused optimizer: ``ebc_fused_update`` updates it)]."""
+    """[the weights' gradient ([1] if not asked for), one per table: its weight's gradient
+    ``[E, D]`` (a 1-D placeholder for a table with a fused optimizer: ``ebc_fused_update``
+    updates it)]. Placeholders hold one element: returns may not share storage."""
     module = _module(handle, params)
     batch = order_batch(values, lengths, weights, order)
     g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False)
     out = [
         unorder_weights_grad(g_psw, lengths, order)
         if g_psw is not None
-        else values.new_empty(0, dtype=torch.float32)
+        else values.new_zeros(1, dtype=torch.float32)
     ]
-    out += [g if g is not None else p.new_empty(0) for g, p in zip(g_tables, params, strict=True)]
+    # (the tables' gradients are views of one flat gradient: returns may not alias)
+    for g, p in zip(g_tables, params, strict=True):
+        out.append(g.clone() if g is not None else p.new_zeros(1))
     return out
 
 
@@ -148,8 +151,8 @@ def _fused_tables(module) -> set[int]:
 @ebc_lookup_backward.register_fake
 def _(grad, values, lengths, weights, params, handle, order, psw_grad):
     fused = _fused_tables(_module(handle))
-    out = [torch.empty_like(weights) if psw_grad else values.new_empty(0, dtype=torch.float32)]
-    out += [p.new_empty(0) if t in fused else torch.empty_like(p) for t, p in enumerate(params)]
+    out = [torch.empty_like(weights) if psw_grad else values.new_empty(1, dtype=torch.float32)]
+    out += [p.new_empty(1) if t in fused else torch.empty_like(p) for t, p in enumerate(params)]
     return out
 
 
@@ -162,15 +165,26 @@ def ebc_fused_update(
     params: list[Tensor],
     handle: int,
     order: list[int],
+    after: Tensor,
 ) -> None:
-    """The fused optimizers' in-place update of their tables' rows (and states, step)."""
-    module = _module(handle, params)
+    """The fused optimizers' in-place update of their tables' rows (and states, step).
+    ``after``: an output of ``ebc_lookup_backward``, which reads the rows before the update
+    (a data dependency, so that no compiler runs this first).
+
+    Functionalized (torch.compile, export) the op may be given copies of ``params``, which
+    are then copied back into them: the module's rows are updated, then copied into those."""
+    module = _module(handle, params, same_storage=False)
     batch = order_batch(values, lengths, weights, order)
     module._lookup_backward(batch, grad.contiguous(), False, update=True)
+    ours = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
+    with torch.no_grad():
+        for p, q in zip(params, ours, strict=True):
+            if p.data_ptr() != q.data_ptr():
+                p.copy_(q)
 
 
 @ebc_fused_update.register_fake
-def _(grad, values, lengths, weights, params, handle, order):
+def _(grad, values, lengths, weights, params, handle, order, after):
     return None
 
 
@@ -189,10 +203,10 @@ def _backward(ctx, grad):
     )
     if _fused_tables(_module(ctx.handle)):  # after the gradients, which read the old rows
         torch.ops.fbtriton_dist.ebc_fused_update(
-            grad, values, lengths, weights, params, ctx.handle, ctx.order
+            grad, values, lengths, weights, params, ctx.handle, ctx.order, out[0]
         )
     g_psw = out[0] if psw_grad else None
-    g_params = [g if g.numel() else None for g in out[1:]]
+    g_params = [g if g.dim() == 2 else None for g in out[1:]]
     return None, None, g_psw, g_params, None, None
 
 
