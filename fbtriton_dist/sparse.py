@@ -98,10 +98,30 @@ def kjt_to_batch(
     do not add up to the values, or a weighted/unweighted mismatch raise ValueError.
     """
     parts = kjt_parts(features, feature_names, weighted)
-    keys, values, lengths = list(parts.keys), parts.values, parts.lengths
-    weights = features.weights_or_none()
-    T, B = len(keys), parts.batch_size
-    per_key = lengths.view(T, B).sum(dim=1).tolist() if T else []
+    keys = list(parts.keys)
+    order = [keys.index(f) for f in feature_names]
+    return order_batch(
+        parts.values, parts.lengths.reshape(len(keys), parts.batch_size), parts.weights, order, keys
+    )
+
+
+def order_batch(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    order: Sequence[int],
+    keys: Sequence[str] | None = None,
+) -> JaggedBatch:
+    """A KJT's tensors (``values`` [N], ``lengths`` [K, B], ``weights`` [N] or None, in its
+    key order) as the TBE batch of the keys ``order`` picks (an index may repeat): the eager
+    part of ``kjt_to_batch``, which reads the per-key lengths on the host. ``keys`` name the
+    keys in errors (default: their positions).
+
+    Lengths that do not add up to the values raise ValueError.
+    """
+    K, B = lengths.shape
+    keys = list(keys) if keys is not None else [f"#{k}" for k in range(K)]
+    per_key = lengths.sum(dim=1).tolist() if K else []
     if sum(per_key) != values.numel():
         ends = list(accumulate(per_key))
         bad = next((k for k, e in zip(keys, ends, strict=True) if e > values.numel()), keys[-1])
@@ -109,22 +129,35 @@ def kjt_to_batch(
             f"KeyedJaggedTensor feature '{bad}': lengths add up to {sum(per_key)} ids in all, "
             f"but values holds {values.numel()}"
         )
-    if keys != list(feature_names):
+    lengths = lengths.reshape(-1)
+    T = K
+    if list(order) != list(range(K)):
         # reorder the per-feature segments with plain torch ops (KJT.permute needs fbgemm's
         # CUDA ops on GPU tensors); a feature may be asked for twice (two tables)
-        order = [keys.index(f) for f in feature_names]
         values = permute_segments(values, per_key, order)
         weights = permute_segments(weights, per_key, order) if weights is not None else None
-        lengths = lengths.view(T, B)[torch.tensor(order, device=lengths.device)].reshape(-1)
+        lengths = lengths.view(K, B)[torch.tensor(order, device=lengths.device)].reshape(-1)
         T = len(order)
     offsets = torch.zeros(T * B + 1, dtype=lengths.dtype, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return JaggedBatch(
         indices=values,
         offsets=offsets.to(values.dtype),
-        per_sample_weights=weights if weighted else None,
+        per_sample_weights=weights,
         batch_size=B,
     )
+
+
+def unorder_weights_grad(
+    grad: torch.Tensor, lengths: torch.Tensor, order: Sequence[int]
+) -> torch.Tensor:
+    """The gradient of ``order_batch``'s per-sample weights (``grad`` [N'] in batch order)
+    back in the KJT's order: summed where a key was picked twice, zero where not picked."""
+    K = lengths.shape[0]
+    per_key = lengths.sum(dim=1).tolist() if K else []
+    N = sum(per_key)
+    position = permute_segments(torch.arange(N, device=grad.device), per_key, order)
+    return grad.new_zeros(N).index_add_(0, position, grad)
 
 
 def permute_segments(

@@ -7,13 +7,15 @@ one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serve
 """
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules import ebc_op
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
-from fbtriton_dist.sparse import keyed_tensor, kjt_to_batch
+from fbtriton_dist.sparse import JaggedBatch, keyed_tensor, kjt_to_batch
 
 DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 POOLINGS = {"SUM": "sum", "MEAN": "mean"}
@@ -53,7 +55,8 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError(f"tables: duplicate table names {duplicates}")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # no device: the default one (``with torch.device("meta")`` included)
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
         for cfg in tables:
             if not cfg.feature_names:
                 cfg.feature_names = [cfg.name]
@@ -103,10 +106,7 @@ class EmbeddingBagCollection(nn.Module):
             cfg.embedding_dim for cfg in tables for _ in cfg.feature_names
         ]
         # output columns come out group after group; src puts them back in config order
-        first_feature = [
-            0,
-            *torch.tensor([len(c.feature_names) for c in tables]).cumsum(0).tolist(),
-        ]
+        first_feature = [0, *accumulate(len(c.feature_names) for c in tables)]
         produced = [
             first_feature[t] + j
             for members in self._groups.values()
@@ -118,7 +118,8 @@ class EmbeddingBagCollection(nn.Module):
         for k in produced:
             start[k], col = col, col + dims[k]
         src = [start[k] + d for k in range(len(dims)) for d in range(dims[k])]
-        self._column_order = None if src == list(range(col)) else torch.tensor(src)
+        self._column_order = None if src == list(range(col)) else torch.tensor(src, device="cpu")
+        self._op_handle = ebc_op.register(self)
         self.reset_parameters()
 
     @staticmethod
@@ -149,10 +150,18 @@ class EmbeddingBagCollection(nn.Module):
     def device(self) -> torch.device:
         return self._device
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
+
     def reset_parameters(self) -> None:
-        """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max)."""
+        """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max), and
+        fused optimizer states and steps to zero: after ``to_empty(device=...)`` this gives the
+        weights a module built on that device with the same seed starts from."""
         if self._device.type == "meta":
             return
+        for tbe in self._tbes:
+            tbe.reset_optimizer_states()
         for cfg in self._embedding_bag_configs:
             weight = self.embedding_bags[cfg.name].weight
             with torch.no_grad():
@@ -191,7 +200,10 @@ class EmbeddingBagCollection(nn.Module):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
-            tbe.to(params[0].device)
+            if tbe._step.is_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
+                tbe.to_empty(device=params[0].device)
+            else:
+                tbe.to(params[0].device)
             self._bind(tbe, params)
         self._device = self._tbes[0].weights.device
         return self
@@ -244,12 +256,22 @@ class EmbeddingBagCollection(nn.Module):
         for tbe in self._tbes:
             tbe.step = int(state["step"])
 
-    @torch.compiler.disable  # the lookup runs eagerly: a graph break around the kernels
     def forward(self, features):
-        """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order."""
+        """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order.
+
+        Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
+        lookup is one registered op, ``torch.ops.fbtriton_dist.ebc_lookup`` (``ebc_op``)."""
+        if ebc_op.traced(features):
+            return ebc_op.forward(self, features)
         batch = kjt_to_batch(features, self._feature_order, self._is_weighted)
-        T_seen, pooled = 0, []
-        offsets_cpu = None
+        values = self._lookup(batch)
+        return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
+
+    def _group_batches(self, batch: JaggedBatch):
+        """Per (dtype, pooling) group, bound to the parameters' storage: (tbe, its parameters,
+        its fused optimizer or None, its indices, offsets, per-sample weights, (a, b): where
+        its ids are in ``batch.indices``)."""
+        T_seen, offsets_cpu = 0, None
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             self._bind(tbe, params)
@@ -258,6 +280,7 @@ class EmbeddingBagCollection(nn.Module):
                 _refuse_data_parallel()
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
+            a, b = 0, indices.numel()
             if len(self._tbes) > 1:  # this group's features only
                 B = batch.batch_size
                 if offsets_cpu is None:
@@ -270,12 +293,49 @@ class EmbeddingBagCollection(nn.Module):
                 indices = indices[a:b]
                 offsets = offsets[T_seen * B : (T_seen + T) * B + 1] - a
                 psw = psw[a:b] if psw is not None else None
-            pooled.append(tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params))
+            yield tbe, params, fused, indices, offsets, psw, (a, b)
             T_seen += T
+
+    def _lookup(self, batch: JaggedBatch) -> torch.Tensor:
+        """Pooled ``[B, sum(D)]`` of a batch in ``_feature_order``, columns in config order."""
+        pooled = [
+            tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params)
+            for tbe, params, fused, indices, offsets, psw, _ in self._group_batches(batch)
+        ]
         values = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
         if self._column_order is not None:
             values = values.index_select(1, self._column_order.to(values.device))
-        return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
+        return values
+
+    def _lookup_backward(self, batch: JaggedBatch, grad: torch.Tensor, psw_grad: bool,
+                         update: bool):
+        """``_lookup``'s backward (the registered ops'): (the per-sample weights' gradient in
+        batch order or None, each table's weight gradient in config order, None for a fused
+        table). ``update``: only apply the fused groups' optimizers to their rows in place;
+        else every gradient, without touching the rows."""
+        if self._column_order is not None:
+            order = self._column_order.to(grad.device)
+            grad = torch.empty_like(grad).index_copy_(1, order, grad)  # back to group order
+        grads, grad_psw, col = {}, None, 0
+        if psw_grad and not update:
+            grad_psw = torch.zeros_like(batch.per_sample_weights)
+        groups = self._groups.values()
+        for (tbe, _, fused, indices, offsets, psw, (a, b)), members in zip(
+            self._group_batches(batch), groups, strict=True
+        ):
+            width = tbe._layout().total_D
+            g = grad[:, col : col + width].contiguous()
+            col += width
+            if update and fused is None:
+                continue
+            g_psw, g_tables = tbe.lookup_backward(
+                g, indices, offsets, psw, psw_grad=grad_psw is not None, rows=update or not fused
+            )
+            if g_psw is not None:
+                grad_psw[a:b] = g_psw
+            for t, g_t in zip(members, g_tables or [None] * len(members), strict=True):
+                grads[t] = g_t
+        return grad_psw, [grads.get(t) for t in range(len(self._embedding_bag_configs))]
 
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt} {pool}" for (dt, pool), m in self._groups.items())

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -17,6 +18,7 @@ from fbtriton_dist.ops.tbe import (
     TBELayout,
     capturing,
     tbe_lookup,
+    tbe_lookup_backward,
 )
 
 POOLING = {"sum": 0, "mean": 1}
@@ -129,23 +131,14 @@ class TableBatchedEmbedding(nn.Module):
         )
         self._hyper: torch.Tensor | None = None  # optim.hyper_parameters on the device
         self._hyper_of: optim.Optimizer | None = None
-        self.seed = int(torch.randint(2**31 - 1, ()).item()) if seed is None else int(seed)
+        # drawn on the CPU (host metadata: also under ``with torch.device("meta")``)
+        self.seed = (
+            int(torch.randint(2**31 - 1, (), device="cpu").item()) if seed is None else int(seed)
+        )
 
-        sizes = [E * D for E, D in tables]
-        self.table_offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-        self.table_row_offsets = [0, *torch.tensor([E for E, _ in tables]).cumsum(0).tolist()]
-        dims = [tables[t][1] for t in ftm]
-        per_feature = {
-            "w_offsets": [self.table_offsets[t] for t in ftm],
-            "dims": dims,
-            "row_offsets": [self.table_row_offsets[t] for t in ftm],
-            "D_offsets": [0, *torch.tensor(dims).cumsum(0).tolist()],
-            "rows": [tables[t][0] for t in ftm],
-        }
-        for name, values in per_feature.items():
-            self.register_buffer(
-                f"_{name}", torch.tensor(values, dtype=torch.int64, device=device), persistent=False
-            )
+        self.table_offsets = [0, *accumulate(E * D for E, D in tables)]
+        self.table_row_offsets = [0, *accumulate(E for E, _ in tables)]
+        self._set_layout_buffers(device)
 
         if weights is None:
             weights = torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device)
@@ -161,6 +154,28 @@ class TableBatchedEmbedding(nn.Module):
         self.set_optimizer(optimizer)
         if init_weights:
             self.reset_parameters()
+
+    def _set_layout_buffers(self, device) -> None:
+        """The per-feature layout (``TBELayout``'s tensors), made from host metadata: at
+        construction, and again after every ``_apply`` (``to_empty`` leaves them garbage)."""
+        ftm, tables = self.feature_table_map, self.tables
+        dims = [tables[t][1] for t in ftm]
+        per_feature = {
+            "w_offsets": [self.table_offsets[t] for t in ftm],
+            "dims": dims,
+            "row_offsets": [self.table_row_offsets[t] for t in ftm],
+            "D_offsets": [0, *accumulate(dims)],
+            "rows": [tables[t][0] for t in ftm],
+        }
+        for name, values in per_feature.items():
+            self.register_buffer(
+                f"_{name}", torch.tensor(values, dtype=torch.int64, device=device), persistent=False
+            )
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._set_layout_buffers(self.weights.device)
+        return self
 
     def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:
         """Switch the fused optimizer (None: plain gradients). State is kept when the kind of
@@ -226,6 +241,11 @@ class TableBatchedEmbedding(nn.Module):
         with torch.no_grad():
             for (E, _), view in zip(self.tables, self.split_embedding_weights(), strict=True):
                 view.uniform_(-1.0 / math.sqrt(E), 1.0 / math.sqrt(E))
+        self.reset_optimizer_states()
+
+    def reset_optimizer_states(self) -> None:
+        """Optimizer states and ``step`` to 0 (after ``to_empty`` they hold garbage)."""
+        with torch.no_grad():
             self.momentum1.zero_()
             self.momentum2.zero_()
         self.step = 0
@@ -278,17 +298,7 @@ class TableBatchedEmbedding(nn.Module):
         ``grad_targets`` (one ``[E_t, D_t]`` tensor per table, e.g. per-table parameters that
         are views of ``weights``) instead of to ``weights``."""
         backend = self.resolved_backend()
-        fused = None
-        if self.optimizer is not None:
-            fused = FusedOptimizer(
-                optimizer=self.optimizer,
-                momentum1=self.momentum1,
-                momentum2=self.momentum2,
-                step=self._step,
-                stochastic_rounding=self.stochastic_rounding,
-                seed=self.seed,
-                hyper=self._device_hyper(),
-            )
+        fused = self._fused()
         return tbe_lookup(
             self.weights,
             indices,
@@ -306,6 +316,48 @@ class TableBatchedEmbedding(nn.Module):
             table_offsets=self.table_offsets,
             monitor=self._bounds_monitor,
             plan_ahead=self.plan_ahead,
+        )
+
+    def _fused(self) -> FusedOptimizer | None:
+        if self.optimizer is None:
+            return None
+        return FusedOptimizer(
+            optimizer=self.optimizer,
+            momentum1=self.momentum1,
+            momentum2=self.momentum2,
+            step=self._step,
+            stochastic_rounding=self.stochastic_rounding,
+            seed=self.seed,
+            hyper=self._device_hyper(),
+        )
+
+    def lookup_backward(
+        self,
+        grad_output: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        psw_grad: bool = False,
+        rows: bool = True,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """The backward of a ``lookup`` of this batch made without autograd (the registered
+        op's, ``ops.tbe.tbe_lookup_backward``): (per-sample weight gradient or None, per-table
+        weight gradients, or None when the fused optimizer updated the rows in place;
+        ``rows=False``: neither)."""
+        return tbe_lookup_backward(
+            grad_output,
+            self.weights,
+            indices,
+            offsets,
+            per_sample_weights,
+            layout=self._layout(),
+            pooling=POOLING[self.pooling],
+            backend=self.resolved_backend(),
+            bounds_check=self.bounds_check,
+            fused=self._fused(),
+            table_offsets=self.table_offsets,
+            psw_grad=psw_grad,
+            rows=rows,
         )
 
     def poll_bounds_check(self) -> None:

@@ -5,6 +5,7 @@ Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B
 """
 
 import collections
+import types
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -156,10 +157,7 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     T = layout.num_features
     N = indices.numel()
     B = (offsets.numel() - 1) // T
-    pos = torch.arange(N, device=indices.device, dtype=offsets.dtype)
-    bags = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(T * B - 1, 0))
-    rows = layout.rows[bags // max(B, 1)] if B else torch.zeros_like(indices, dtype=torch.int64)
-    bad = (indices < 0) | (indices.to(torch.int64) >= rows)
+    bags, bad = _bad_ids(indices, offsets, layout)
     decreasing = offsets[1:] < offsets[:-1]
     flags = torch.stack([offsets[0] != 0, offsets[-1] != N, decreasing.any(), bad.any()]).tolist()
     if flags[0] or flags[1]:
@@ -195,6 +193,16 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     new_offsets[1:] = torch.cumsum(kept_per_bag, 0)
     psw = per_sample_weights[keep] if per_sample_weights is not None else None
     return indices[keep], new_offsets, psw
+
+
+def _bad_ids(indices, offsets, layout):
+    """([N] bag of each id, [N] bool: the id is out of its table's range), on the device."""
+    T = layout.num_features
+    B = (offsets.numel() - 1) // T
+    pos = torch.arange(indices.numel(), device=indices.device, dtype=offsets.dtype)
+    bags = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(T * B - 1, 0))
+    rows = layout.rows[bags // max(B, 1)] if B else torch.zeros_like(indices, dtype=torch.int64)
+    return bags, (indices < 0) | (indices.to(torch.int64) >= rows)
 
 
 _NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
@@ -531,6 +539,84 @@ def tbe_lookup(
         elif any(err.tolist()):
             _report_bad_input(batch, err.tolist())
     return out
+
+
+def tbe_lookup_backward(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    layout: TBELayout,
+    pooling: int,
+    backend: Backend,
+    bounds_check: BoundsCheck = "error",
+    fused: FusedOptimizer | None = None,
+    table_offsets: Sequence[int] | None = None,
+    psw_grad: bool = False,
+    rows: bool = True,
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """The backward of a ``tbe_lookup`` of this batch made earlier without autograd (a
+    registered op's backward, which keeps no autograd context): ``_TBELookup.backward`` on
+    what its forward would have saved. Returns (``[N]`` per-sample weight gradient or None,
+    one ``[E_t, D_t]`` weight gradient per table, or None when ``fused`` updated the rows in
+    place). Ids that ``bounds_check="warn"`` dropped get no gradient. ``rows=False``: only
+    the per-sample weight gradient (rows neither updated nor given a gradient).
+
+    Example: ``g_psw, g_tables = tbe_lookup_backward(grad [B, sum(D)], w, indices, offsets,
+    psw, layout=..., pooling=0, backend="reference", table_offsets=[0, 40, 88])``.
+    """
+    if capturing(weights.device):
+        raise RuntimeError(
+            "TBE backward under CUDA graph capture: the registered op (torch.compile, FX) "
+            "re-reads the batch on the host; capture the eager module instead"
+        )
+    check_shapes(indices, offsets, per_sample_weights, layout)
+    keep = None
+    if bounds_check == "warn":  # the forward dropped these ids (and warned)
+        _, bad = _bad_ids(indices, offsets, layout)
+        if bool(bad.any()):
+            keep = ~bad
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                indices, offsets, kept_psw = check_inputs(
+                    indices, offsets, per_sample_weights, layout, "warn"
+                )
+            full_psw, per_sample_weights = per_sample_weights, kept_psw
+    if not rows:
+        grads = [None] * 3
+        if psw_grad:
+            grads[2] = reference.tbe_per_sample_weights_grad(
+                grad_output, weights.detach(), layout.w_offsets, layout.dims, layout.D_offsets,
+                indices, offsets, pooling=pooling,
+            ).to(per_sample_weights.dtype)
+        num_targets = 0
+    else:
+        num_targets = 0 if fused is not None else len(layout.table_rows)
+        grads = _TBELookup.backward(_context(
+            indices, offsets, per_sample_weights, weights, layout, pooling, backend, fused,
+            table_offsets, psw_grad, num_targets,
+        ), grad_output)
+    grad_psw = grads[2]
+    if grad_psw is not None and keep is not None:
+        grad_psw = torch.zeros_like(full_psw).masked_scatter_(keep, grad_psw)
+    return grad_psw, (list(grads[_NUM_INPUTS:]) if num_targets else None)
+
+
+def _context(indices, offsets, per_sample_weights, weights, layout, pooling, backend, fused,
+             table_offsets, psw_grad, num_targets):
+    """What ``_TBELookup.forward`` leaves its backward, for a batch looked up without it."""
+    return types.SimpleNamespace(
+        saved_tensors=(indices, offsets, per_sample_weights, None, None, None),
+        args=(layout, pooling, backend, fused, False, table_offsets),
+        weights=weights,
+        num_targets=num_targets,
+        plan=None,
+        ahead_check=None,
+        needs_input_grad=(False, False, psw_grad, *[False] * (_NUM_INPUTS - 3),
+                          *[True] * num_targets),
+    )
 
 
 def _report_bad_input(batch, flags: list[int]) -> None:
