@@ -49,16 +49,22 @@ def kjt_parts(
     dtypes, number of lengths) and return its tensors as they are, in its own key order.
     Whether the lengths add up to the values needs the device: callers check it there.
 
-    A missing or unknown feature, per-key batch sizes, non-integer ids, a weighted/unweighted
+    Keys no table uses are left where they are (ignored, as TorchRec's EBC does). A missing
+    or duplicated feature, per-key batch sizes, non-integer ids, a weighted/unweighted
     mismatch or a wrong number of lengths raise ValueError.
     """
     keys = list(features.keys())
-    missing = [f for f in feature_names if f not in keys]
-    unknown = [k for k in keys if k not in feature_names]
-    if missing or unknown:
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicated:
         raise ValueError(
-            f"KeyedJaggedTensor keys: missing features {missing}, unknown features {unknown}; "
-            f"expected exactly {list(feature_names)}"
+            f"KeyedJaggedTensor keys: expected each key once, got {duplicated} more than once "
+            f"in {keys}"
+        )
+    missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
+    if missing:
+        raise ValueError(
+            f"KeyedJaggedTensor keys: missing features {missing}; expected (at least) "
+            f"{list(dict.fromkeys(feature_names))}, got {keys}"
         )
     if features.variable_stride_per_key():
         raise ValueError(
@@ -94,8 +100,9 @@ def kjt_to_batch(
 ) -> JaggedBatch:
     """Reorder ``features`` to ``feature_names`` and flatten it to a TBE batch.
 
-    Keys may come in any order; a missing or unknown feature, per-key batch sizes, lengths that
-    do not add up to the values, or a weighted/unweighted mismatch raise ValueError.
+    Keys may come in any order and keys no table uses are dropped; a missing or duplicated
+    feature, per-key batch sizes, lengths that do not add up to the values, or a
+    weighted/unweighted mismatch raise ValueError.
     """
     parts = kjt_parts(features, feature_names, weighted)
     keys = list(parts.keys)
@@ -133,7 +140,8 @@ def order_batch(
     T = K
     if list(order) != list(range(K)):
         # reorder the per-feature segments with plain torch ops (KJT.permute needs fbgemm's
-        # CUDA ops on GPU tensors); a feature may be asked for twice (two tables)
+        # CUDA ops on GPU tensors); a feature may be asked for twice (two tables), a key
+        # no table uses is left out
         values = permute_segments(values, per_key, order)
         weights = permute_segments(weights, per_key, order) if weights is not None else None
         lengths = lengths.view(K, B)[torch.tensor(order, device=lengths.device)].reshape(-1)

@@ -21,6 +21,18 @@ DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat
 POOLINGS = {"SUM": "sum", "MEAN": "mean"}
 
 
+def embedding_names(tables: Sequence) -> list[str]:
+    """The output key of every (table, feature), in config order, as TorchRec names them: the
+    feature's name, or ``feature@table`` for a feature name more than one table (or one
+    table twice) lists."""
+    features = [f for cfg in tables for f in cfg.feature_names]
+    return [
+        f"{f}@{cfg.name}" if features.count(f) > 1 else f
+        for cfg in tables
+        for f in cfg.feature_names
+    ]
+
+
 class EmbeddingBagCollection(nn.Module):
     """Drop-in for ``torchrec.EmbeddingBagCollection``: pooled embeddings of many tables.
 
@@ -32,8 +44,9 @@ class EmbeddingBagCollection(nn.Module):
         device: where the tables live; ``"meta"`` allocates nothing.
         backend, bounds_check: passed to each TableBatchedEmbedding.
 
-    ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per feature, in config
-    order, ``[B, sum(D)]`` fp32 values. Weights are ordinary parameters (any torch optimizer
+    ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per (table, feature),
+    in config order (``feature@table`` where tables share a feature name), ``[B, sum(D)]`` fp32
+    values; KJT keys no table uses are ignored. Weights are ordinary parameters (any torch optimizer
     works); parameters annotated by ``apply_optimizer_in_backward`` are instead updated by the
     fused TBE backward (the classes of ``optim.REGISTRY``: torch SGD, Adagrad, Adam, torchrec
     RowWiseAdagrad).
@@ -73,6 +86,8 @@ class EmbeddingBagCollection(nn.Module):
             shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
             flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
+            with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
+                seed = int(torch.randint(2**31 - 1, ()))
             tbe = TableBatchedEmbedding(
                 shapes,
                 ftm,
@@ -82,8 +97,10 @@ class EmbeddingBagCollection(nn.Module):
                 backend=backend,
                 bounds_check=bounds_check,
                 table_names=[tables[t].name for t in members],
+                feature_names=[f for t in members for f in tables[t].feature_names],
                 weights=flat,
                 init_weights=False,
+                seed=seed,
             )
             tbe.weights.requires_grad_(False)
             views.update(zip(members, tbe.split_embedding_weights(), strict=True))
@@ -100,8 +117,11 @@ class EmbeddingBagCollection(nn.Module):
                 device=self._device,
                 dtype=dtype,
             )
+            # nn.EmbeddingBag draws N(0, 1) at construction (TorchRec's EBC builds one per
+            # table and then runs reset_parameters): draw it too, so a seeded build matches
+            nn.init.normal_(self.embedding_bags[cfg.name].weight)
 
-        self._embedding_names = [f for cfg in tables for f in cfg.feature_names]
+        self._embedding_names = embedding_names(tables)
         self._lengths_per_embedding = [
             cfg.embedding_dim for cfg in tables for _ in cfg.feature_names
         ]

@@ -39,11 +39,13 @@ class TableBatchedEmbedding(nn.Module):
             accumulated in fp32 whatever they are.
         weights: optional flat ``[sum(E_t * D_t)]`` storage to use for the rows (shared, for
             instance, with per-table parameters); with ``init_weights=False`` it is kept as is.
-        bounds_check: out-of-range ids raise (``"error"``), are dropped with a warning
+        bounds_check: out-of-range ids (and, with ``"error"``, NaN/inf per-sample weights)
+            raise (``"error"``), are dropped with a warning
             (``"warn"``), or are not checked (``"ignore"``: the caller promises valid ids).
         backend: ``"auto"`` (Triton for CUDA weights, the PyTorch reference on CPU),
             ``"triton"`` or ``"reference"``.
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
+        feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
             stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
             ``FBTD_TBE_AHEAD=0``; True on the CPU: in the forward, in order.
@@ -79,6 +81,7 @@ class TableBatchedEmbedding(nn.Module):
         weights: torch.Tensor | None = None,
         init_weights: bool = True,
         plan_ahead: bool | None = None,
+        feature_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         tables = [(int(E), int(D)) for E, D in tables]
@@ -116,6 +119,12 @@ class TableBatchedEmbedding(nn.Module):
         self.tables = tables
         self.feature_table_map = ftm
         self.table_names = names
+        self.feature_names = list(feature_names) if feature_names is not None else []
+        if feature_names is not None and len(self.feature_names) != len(ftm):
+            raise ValueError(
+                f"feature_names: expected {len(ftm)} names (one per feature), got "
+                f"{len(self.feature_names)}"
+            )
         self.pooling = pooling
         self.output_dtype = output_dtype
         self.bounds_check = bounds_check
@@ -262,6 +271,7 @@ class TableBatchedEmbedding(nn.Module):
             feature_table_map=self.feature_table_map,
             table_rows=[E for E, _ in self.tables],
             table_names=self.table_names,
+            feature_names=self.feature_names,
             row_align=self._row_align(),
         )
 

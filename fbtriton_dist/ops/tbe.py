@@ -40,6 +40,8 @@ class TBELayout:
     table_rows: list[int] = field(default_factory=list)
     """E of each table (not feature): shapes of per-table gradients."""
     table_names: list[str] = field(default_factory=list)
+    feature_names: list[str] = field(default_factory=list)
+    """Name of each feature (error messages), or empty."""
     row_align: int = 1
     """Every row starts at a multiple of this many elements (a power of two dividing each
     table's D and its offset in ``weights``, at most 16 bytes): the forward kernel then loads
@@ -159,7 +161,15 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     B = (offsets.numel() - 1) // T
     bags, bad = _bad_ids(indices, offsets, layout)
     decreasing = offsets[1:] < offsets[:-1]
-    flags = torch.stack([offsets[0] != 0, offsets[-1] != N, decreasing.any(), bad.any()]).tolist()
+    # under "error", a NaN/inf per-sample weight is refused (it would poison the rows)
+    nonfinite = (
+        ~torch.isfinite(per_sample_weights)
+        if bounds_check == "error" and per_sample_weights is not None
+        else torch.zeros(0, dtype=torch.bool, device=indices.device)
+    )
+    flags = torch.stack(
+        [offsets[0] != 0, offsets[-1] != N, decreasing.any(), bad.any(), nonfinite.any()]
+    ).tolist()
     if flags[0] or flags[1]:
         raise ValueError(
             f"offsets: expected offsets[0] == 0 and offsets[-1] == len(indices) == {N}, got "
@@ -170,6 +180,15 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
         raise ValueError(
             f"offsets: expected non-decreasing values, got offsets[{i}]={int(offsets[i])} > "
             f"offsets[{i + 1}]={int(offsets[i + 1])}"
+        )
+    if flags[4]:
+        p = int(torch.nonzero(nonfinite)[0])
+        f, b = divmod(int(bags[p]), B)
+        t = layout.feature_table_map[f]
+        name = layout.table_names[t] if layout.table_names else f"table_{t}"
+        raise ValueError(
+            f"per_sample_weights[{p}] = {float(per_sample_weights[p])} (feature "
+            f"{_feature_name(layout, f)} of table '{name}', sample {b}): expected finite weights"
         )
     if not flags[3]:
         return indices, offsets, per_sample_weights
@@ -203,6 +222,11 @@ def _bad_ids(indices, offsets, layout):
     bags = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(T * B - 1, 0))
     rows = layout.rows[bags // max(B, 1)] if B else torch.zeros_like(indices, dtype=torch.int64)
     return bags, (indices < 0) | (indices.to(torch.int64) >= rows)
+
+
+def _feature_name(layout: TBELayout, f: int) -> str:
+    """``'name'`` of feature ``f`` where the layout knows it, else its index."""
+    return repr(layout.feature_names[f]) if layout.feature_names else str(f)
 
 
 _NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
@@ -510,6 +534,10 @@ def tbe_lookup(
     elif bounds_check != "ignore":
         # the kernel drops and counts out-of-range ids (and clamps malformed bags) in err
         err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        if bounds_check == "error" and per_sample_weights is not None:
+            # a non-finite weight marks the batch bad (no extra sync: err is read anyway);
+            # _report_bad_input then names it
+            err[2] = (~torch.isfinite(per_sample_weights)).sum()
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.replay_counts(weights.device)  # allocated now, before any capture
     if plan_ahead is None:

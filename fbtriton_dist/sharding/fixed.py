@@ -17,13 +17,13 @@ of which the bags (offsets from the received lengths) use the first ones; the TB
 rest is padding. The price is bytes: each destination gets C id slots whether it needs them or
 not (R times the ids of a uniform row-wise split, at most).
 
-Bad input (an id out of range, lengths that do not add up) cannot stop the step without a
-sync: the bucketize drops the bad ids and the sender raises its flag in the message. The flag
-is read asynchronously (pinned memory, an event): a later call, or ``poll()``, raises on every
-rank, within ``DEPTH`` steps; the rank that sent the batch names the id (it keeps its last
-batches for that). Changing the batch size or sending more ids than the capacity raises at
-once on that rank (``ValueError``), before any collective: the other ranks then wait in the
-next collective until the process group's timeout.
+Bad input (an id out of range, lengths that do not add up, a NaN/inf per-sample weight) cannot
+stop the step without a sync: the bucketize drops the bad ids and the sender raises its flag in
+the message. The flag is read asynchronously (pinned memory, an event): a later call, or
+``poll()``, raises on every rank, within ``DEPTH`` steps; the rank that sent the batch names
+the id (it keeps its last batches for that). Changing the batch size or sending more ids than
+the capacity raises at once on that rank (``ValueError``), before any collective: the other
+ranks then wait in the next collective until the process group's timeout.
 """
 
 import collections
@@ -324,6 +324,9 @@ class FixedInputDist(InputDist):
                 grid=keyed.grid, check=check,
             )
             if check is not None:  # the kernels checked the batch and wrote the flag
+                if parts.weights is not None:  # they do not look at the weights
+                    flag = torch.maximum(meta[self._meta_at], self.bad_weights(parts))
+                    meta.index_put_((self._meta_at,), flag)
                 return lengths
         failed = self.bad_batch(parts, lengths, offsets[-1] > N).to(torch.int64)
         meta.index_put_((self._meta_at,), failed.expand(self.world))

@@ -8,10 +8,11 @@ One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key orde
    feature's key), so the KJT is never permuted into config order.
 2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
    per destination its id count per shard-feature, this rank's batch size, a failure flag
-   (bad ids, lengths that do not add up, a KJT that does not match) and, with dedup, its
-   distinct ids per shard-feature. **The one host sync of the step** reads it back: the data
-   all-to-all below needs host split lists (``all_to_all_single``'s contract), and every other
-   size on the host (received ids, TBE group bounds, the comm report) comes from the same read.
+   (bad ids, lengths that do not add up, a KJT that does not match, NaN/inf weights) and,
+   with dedup, its distinct ids per shard-feature. **The one host sync of the step** reads it
+   back: the data all-to-all below needs host split lists (``all_to_all_single``'s contract),
+   and every other size on the host (received ids, TBE group bounds, the comm report) comes
+   from the same read.
 3. data all-to-all: one byte message per (source, destination) pair holding, each piece
    padded to 8 bytes, the bag lengths (int32), the ids (int32 when every shard of the
    destination has fewer than 2**31 rows, else int64), with dedup each shard-feature's
@@ -168,6 +169,23 @@ def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
         )
 
 
+def check_weights(batch: JaggedBatch, layout: ShardLayout) -> None:
+    """Every per-sample weight finite; raises ValueError naming the first bad one. Only run
+    to explain a failure the device check found (it syncs)."""
+    w, B = batch.per_sample_weights, batch.batch_size
+    if w is None or w.numel() == 0 or B == 0:
+        return
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        p = int(torch.nonzero(bad)[0])
+        bag = int(torch.searchsorted(batch.offsets[1:], torch.tensor(p), right=True))
+        f, b = divmod(bag, B)
+        raise ValueError(
+            f"per-sample weight {float(w[p])} of feature '{layout.feature_names[f]}' (sample "
+            f"{b}): expected finite weights"
+        )
+
+
 class KeyTables(NamedTuple):
     """What a KJT's key order fixes (device tensors, cached per order)."""
 
@@ -273,7 +291,20 @@ class InputDist:
         bucketized lengths add up to ``cover`` x the bag lengths iff every id is valid."""
         K, B = len(parts.keys), parts.batch_size
         expected = (parts.lengths.view(K, B).sum(1) * self.tables_for(parts.keys).cover_key).sum()
-        return bad_lengths | (lengths.sum() != expected)
+        return bad_lengths | (lengths.sum() != expected) | self.bad_weights(parts)
+
+    def bad_weights(self, parts: KJTParts) -> torch.Tensor:
+        """The device flag of a NaN/inf per-sample weight on an id some table reads (keys no
+        table uses, cover 0, and values past the bags are not looked at)."""
+        w = parts.weights
+        if w is None or w.numel() == 0 or parts.batch_size == 0:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        K, B = len(parts.keys), parts.batch_size
+        ends = torch.cumsum(parts.lengths.view(K, B).sum(1), 0)
+        key = torch.searchsorted(ends, torch.arange(w.numel(), device=w.device), right=True)
+        used = torch.zeros(K + 1, dtype=torch.bool, device=self.device)
+        used[:K] = self.tables_for(parts.keys).cover_key > 0
+        return (~torch.isfinite(w) & used[key]).any()
 
     def own_lengths(self, parts: KJTParts) -> torch.Tensor:
         """[T, B] this rank's bag lengths in config feature order (MEAN divides by them)."""
@@ -289,6 +320,7 @@ class InputDist:
         try:
             batch = kjt_to_batch(features, self.layout.feature_names, weighted)
             check_ids(batch, self.layout)
+            check_weights(batch, self.layout)
         except (IndexError, ValueError) as e:
             return e
         return RuntimeError("input dist: the device check failed but no bad id was found")

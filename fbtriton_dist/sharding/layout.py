@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fbtriton_dist.modules.ebc import DATA_TYPES, POOLINGS
+from fbtriton_dist.modules.ebc import DATA_TYPES, POOLINGS, embedding_names
 from fbtriton_dist.planner import ShardingPlan, to_table_specs
 
 
@@ -75,6 +75,9 @@ class ShardLayout:
         self.configs = list(configs)
         self.world_size = world_size
         self.feature_names = [f for c in configs for f in c.feature_names]
+        """The KJT key each feature reads (a name two tables share appears twice)."""
+        self.output_names = embedding_names(configs)
+        """The output key of each feature (``feature@table`` for a shared name, as TorchRec)."""
         self.feature_table = [t for t, c in enumerate(configs) for _ in c.feature_names]
         self.feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
         self.feature_mean = [

@@ -117,7 +117,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self.tbes.append(tbe)
             self._group_features.append(len(sfs))
         self._init_shards(weights)
-        self._embedding_names = self.layout.feature_names
+        self._embedding_names = self.layout.output_names
         self._dims = self.layout.feature_dims
         self._make_dists()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import TRITON_OK
 from tests.sharding.harness import device, run_ranks
 
 BATCH = [3, 5, 2, 4, 1, 6, 2, 3]  # local batch sizes of ranks 0, 1, 2, ...
@@ -397,3 +398,83 @@ def _dlrm_and_meta(rank, world):
 def test_shard_torchrec_dlrm_and_meta_init(world):
     for err, in_range, nonzero in run_ranks(_dlrm_and_meta, world):
         assert err < 1e-5 and in_range and nonzero
+
+
+def _keys_case(rank, world, fixed, backend):
+    """An extra key (ids out of every table, NaN weights) and a feature two tables share,
+    against TorchRec's EBC on the global batch; then a NaN weight on rank 1's feature 'u'."""
+    import torchrec
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    import fbtriton_dist
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+    from fbtriton_dist.sharding.options import CommOptions
+
+    configs = [EmbeddingBagConfig(name="a", num_embeddings=7, embedding_dim=3,
+                                  feature_names=["s", "u"]),
+               EmbeddingBagConfig(name="b", num_embeddings=5, embedding_dim=2,
+                                  feature_names=["s"])]
+    plan = ShardingPlan(world_size=2, local_world_size=2, tables=(
+        TableSharding(name="a", sharding="row_wise", num_embeddings=7, embedding_dim=3,
+                      shards=(Shard(rank=0, row_start=0, row_end=3, col_start=0, col_end=3),
+                              Shard(rank=1, row_start=3, row_end=7, col_start=0, col_end=3))),
+        TableSharding(name="b", sharding="table_wise", num_embeddings=5, embedding_dim=2,
+                      shards=(Shard(rank=1, row_start=0, row_end=5, col_start=0, col_end=2),)),
+    ))
+    torch.manual_seed(0)
+    theirs = torchrec.EmbeddingBagCollection(tables=configs, is_weighted=True)
+    ours = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=True)
+    ours.load_state_dict(theirs.state_dict())
+    sharded = fbtriton_dist.shard(ours, plan, optimizer=fbtriton_dist.optim.SGD(lr=0.1),
+                                  backend=backend, comm=CommOptions(fixed_shapes=fixed))
+    B = 2
+    g = torch.Generator().manual_seed(1)
+    lengths = {k: torch.randint(1, 3, (2 * B,), generator=g) for k in ("x", "u", "s")}
+    values = {k: torch.randint(0, 5, (int(n.sum()),), generator=g) for k, n in lengths.items()}
+    values["x"] += 1000
+    weights = {k: torch.rand(v.numel(), generator=g) + 0.5 for k, v in values.items()}
+    weights["x"][:] = float("nan")
+
+    def kjt(lo, hi, keys):
+        parts = [(lengths[k][lo:hi], *(d[k][int(lengths[k][:lo].sum()):int(lengths[k][:hi].sum())]
+                                       for d in (values, weights))) for k in keys]
+        return KeyedJaggedTensor(keys=keys, lengths=torch.cat([p[0] for p in parts]),
+                                 values=torch.cat([p[1] for p in parts]),
+                                 weights=torch.cat([p[2] for p in parts]))
+
+    expected = theirs(kjt(0, 2 * B, ["u", "x", "s"]))
+    lo = rank * B
+    out = sharded(kjt(lo, lo + B, ["x", "u", "s"] if rank else ["s", "x", "u"]).to(device()))
+    error = (out.values().cpu() - expected.values()[lo : lo + B]).abs().max().item()
+    report = {"keys": out.keys(), "expected_keys": expected.keys(), "error": error,
+              "dims": (out.length_per_key(), expected.length_per_key())}
+    if rank == 1:
+        weights["u"][int(lengths["u"][:lo].sum())] = float("nan")  # bag ('u', local sample 0)
+    try:
+        sharded(kjt(lo, lo + B, ["x", "u", "s"]).to(device()))
+        if fixed:
+            sharded.poll_input()
+        report["raised"] = None
+    except (ValueError, RuntimeError) as e:
+        report["raised"] = (type(e).__name__, str(e))
+    return report
+
+
+def _keys_cases(rank, world, cases):
+    return [_keys_case(rank, world, fixed, backend) for fixed, backend in cases]
+
+
+def test_extra_keys_shared_features_and_non_finite_weights():
+    # the default input dist, and the fixed-shape one with its in-kernel check (one spawn)
+    cases = [(False, "auto"), (True, "triton" if TRITON_OK else "auto")]
+    reports = run_ranks(_keys_cases, 2, cases)
+    for rank, r in ((rank, r) for rank, per_case in enumerate(reports) for r in per_case):
+        assert r["keys"] == r["expected_keys"] == ["s@a", "u", "s@b"], rank
+        assert r["dims"][0] == r["dims"][1], rank
+        assert r["error"] < 1e-6, (rank, r["error"])
+        kind, text = r["raised"]
+        if rank == 1:
+            assert kind == "ValueError", text
+            assert "per-sample weight nan of feature 'u' (sample 0)" in text, text
+        else:
+            assert kind == "RuntimeError" and "rank(s) [1]" in text, text
