@@ -87,7 +87,7 @@ class EmbeddingBagCollection(nn.Module):
             flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
             with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
-                seed = int(torch.randint(2**31 - 1, ()))
+                seed = int(torch.randint(2**31 - 1, (), device="cpu"))
             tbe = TableBatchedEmbedding(
                 shapes,
                 ftm,
