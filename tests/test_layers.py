@@ -86,6 +86,7 @@ TORCHREC_FILES = (
     "sharding/sharded_ebc.py",  # shard() accepts a torchrec.EmbeddingBagCollection too
     "sharding/pipeline.py",  # the CUDA-graph pipeline rebuilds the batch's KJT on static buffers
     "sharding/torchrec_sharder.py",  # a ModuleSharder: TorchRec's DMP shards ours via shard()
+    "modules/ir.py",  # TorchRec's IR counterpart: EmbeddingBagConfigs to and from JSON
     "train/data.py",  # batches carry KJTs; RandomRecDataset is the random source
     "train/job.py",  # the model: torchrec's DLRM, EmbeddingBagConfig, optimizer-in-backward
     "bench/",  # TorchRec and FBGEMM are the peers we measure against

@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None, help=f"comma list of {list(SHAPES)} (default all)")
     p.add_argument("--providers", default=None, help=f"comma list of {list(PROVIDERS)} or torch")
     p.add_argument("--phases", default=None, help=f"comma list of {list(PHASES)}")
-    p.add_argument("--tiny", action="store_true", help="E<=1000, B<=16, T<=4 (CPU, CI)")
+    p.add_argument("--tiny", action="store_true", help="E<=1000, B<=8, T<=2 (CPU, CI)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument(
         "--check",

@@ -77,10 +77,10 @@ class Shape:
         return sum(E * D for E, D in self.tables) * _esize(self.dtype)
 
     def tiny(self) -> "Shape":
-        """The same shape scaled to CPU size: E <= 1000, B <= 16, T <= 4 (every group kept)."""
-        per = max(1, 4 // len(self.groups))
+        """The same shape scaled to CPU size: E <= 1000, B <= 8, T <= 2 (every group kept)."""
+        per = max(1, 2 // len(self.groups))
         groups = tuple((min(n, per), min(E, 1000), D) for n, E, D in self.groups)
-        return dataclasses.replace(self, groups=groups, B=min(self.B, 16))
+        return dataclasses.replace(self, groups=groups, B=min(self.B, 8))
 
     def describe(self) -> str:
         tabs = " + ".join(f"{n}x(E{E:.0e} D{D})".replace("e+0", "e") for n, E, D in self.groups)

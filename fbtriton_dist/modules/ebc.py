@@ -13,9 +13,15 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import ebc_op
+from fbtriton_dist.modules import ebc_op, portable
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
-from fbtriton_dist.sparse import JaggedBatch, keyed_tensor, kjt_to_batch
+from fbtriton_dist.sparse import (
+    JaggedBatch,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    keyed_tensor,
+    kjt_to_batch,
+)
 
 DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
 POOLINGS = {"SUM": "sum", "MEAN": "mean"}
@@ -52,6 +58,9 @@ class EmbeddingBagCollection(nn.Module):
     RowWiseAdagrad).
     """
 
+    # host-side state torch.jit.script need not type (the scripted forward reads none of it)
+    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs"]
+
     def __init__(
         self,
         tables: Sequence,
@@ -79,7 +88,7 @@ class EmbeddingBagCollection(nn.Module):
             key = (self._dtype(cfg), self._pooling(cfg))
             self._groups.setdefault(key, []).append(t)
 
-        self._tbes: list[TableBatchedEmbedding] = []  # not submodules: the parameters are ours
+        self._tbes = []  # a TableBatchedEmbedding per group (not submodules: the parameters are)
         self._feature_order: list[str] = []
         views: dict[int, torch.Tensor] = {}
         for (dtype, pooling), members in self._groups.items():
@@ -122,6 +131,13 @@ class EmbeddingBagCollection(nn.Module):
             nn.init.normal_(self.embedding_bags[cfg.name].weight)
 
         self._embedding_names = embedding_names(tables)
+        # the scripted forward's plain lookup (``portable.pooled``), in config order
+        self._config_features = [f for cfg in tables for f in cfg.feature_names]
+        self._config_feature_tables = [t for t, cfg in enumerate(tables) for _ in cfg.feature_names]
+        self._config_means = [
+            self._pooling(cfg) == "mean" for cfg in tables for _ in cfg.feature_names
+        ]
+        self._config_names = [f"{f}@{cfg.name}" for cfg in tables for f in cfg.feature_names]
         self._lengths_per_embedding = [
             cfg.embedding_dim for cfg in tables for _ in cfg.feature_names
         ]
@@ -140,6 +156,7 @@ class EmbeddingBagCollection(nn.Module):
         src = [start[k] + d for k in range(len(dims)) for d in range(dims[k])]
         self._column_order = None if src == list(range(col)) else torch.tensor(src, device="cpu")
         self._op_handle = ebc_op.register(self)
+        self._portable_export = False  # ir.encapsulate_ir_modules sets it
         self.reset_parameters()
 
     @staticmethod
@@ -276,11 +293,37 @@ class EmbeddingBagCollection(nn.Module):
         for tbe in self._tbes:
             tbe.step = int(state["step"])
 
-    def forward(self, features):
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order.
 
         Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
-        lookup is one registered op, ``torch.ops.fbtriton_dist.ebc_lookup`` (``ebc_op``)."""
+        lookup is one registered op, ``torch.ops.fbtriton_dist.ebc_lookup`` (``ebc_op``).
+        Under ``torch.jit.script`` (inference) it is ``portable.pooled``, plain torch ops."""
+        if torch.jit.is_scripting():
+            return self._scripted_forward(features)
+        return self._forward(features)
+
+    def _scripted_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        keys = features.keys()
+        order = [keys.index(f) for f in self._config_features]
+        params: list[torch.Tensor] = []
+        for bag in self.embedding_bags.values():
+            params.append(bag.weight)
+        lengths = features.lengths().view(len(keys), features.stride())
+        weights = features.weights_or_none() if self._is_weighted else None
+        values = portable.pooled(
+            features.values(), lengths, weights, params, self._config_feature_tables,
+            self._config_means, order, self._config_names,
+        )
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=values,
+            key_dim=1,
+        )
+
+    @torch.jit.unused
+    def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if ebc_op.traced(features):
             return ebc_op.forward(self, features)
         batch = kjt_to_batch(features, self._feature_order, self._is_weighted)

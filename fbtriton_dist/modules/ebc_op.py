@@ -23,6 +23,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from fbtriton_dist.modules import portable  # noqa: F401 (registers ebc_portable_lookup)
 from fbtriton_dist.sparse import keyed_tensor, kjt_parts, order_batch, unorder_weights_grad
 
 _MODULES: dict[int, weakref.ref] = {}
@@ -79,9 +80,17 @@ def _kjt_inputs(features, feature_names: tuple[str, ...], weighted: bool):
 
 def forward(module, features):
     """``module(features)`` through the registered op: a KeyedTensor in config order."""
-    inputs = _kjt_inputs(features, tuple(module._feature_order), module._is_weighted)
+    portable_export = module._portable_export  # ir.encapsulate_ir_modules: for elsewhere
+    names = module._config_features if portable_export else module._feature_order
+    inputs = _kjt_inputs(features, tuple(names), module._is_weighted)
     values, lengths, weights, order = inputs[0], inputs[1], inputs[2], inputs[3]
     params = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
+    if portable_export:
+        out = torch.ops.fbtriton_dist.ebc_portable_lookup(
+            values, lengths, weights, params, module._config_feature_tables,
+            module._config_means, order, "\n".join(module._config_names),
+        )
+        return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
     out = torch.ops.fbtriton_dist.ebc_lookup(
         values, lengths, weights, params, module._op_handle, order
     )

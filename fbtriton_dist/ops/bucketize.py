@@ -7,9 +7,16 @@ check, the reference's need for values without padding) end here, so the input d
 Shapes: K KJT keys (bags feature-major, ``offsets`` [K*B+1]), S shard-features (a feature's
 rows on one shard), each pointing at its key (``sf_key`` [S]) with its row range
 ``[lo[s], hi[s])``.
+
+``bucketize`` is also one registered op, ``torch.ops.fbtriton_dist.bucketize``, with a fake
+(meta) implementation: traced (FX, ``torch.compile``, ``torch.export``) or on meta tensors the
+call goes through it, so a graph sees one op whose id count is a dynamic size (or
+``capacity``). The ops that write into communication buffers stay eager.
 """
 
 import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from fbtriton_dist.ops.backend import Backend, implementation
 
@@ -55,10 +62,57 @@ def bucketize(
     (``reference.bucketize.bucketize``). Bags past the values are clamped to them (a
     malformed batch stays in bounds; the caller's check reports it). With ``capacity`` the
     ids are that long, and the kernels need no host sync to size them."""
+    if _traced(values):
+        if capacity is None and values.device.type == "meta" and not is_fake(values):
+            raise ValueError(
+                "bucketize on meta tensors: the number of ids depends on their values; give "
+                "capacity (or trace with fake tensors)"
+            )
+        lengths, ids, w = torch.ops.fbtriton_dist.bucketize(
+            values, offsets, weights, sf_key, lo, hi, B, backend, capacity, grid
+        )
+        return lengths, ids, w if weights is not None else None
+    return _bucketize(values, offsets, weights, sf_key, lo, hi, B, backend, capacity, grid)
+
+
+def _bucketize(values, offsets, weights, sf_key, lo, hi, B, backend, capacity, grid):
     clamped = offsets.clamp(max=values.numel())
     return implementation(backend).bucketize(
         values, clamped, weights, sf_key, lo, hi, B, capacity=capacity, table=grid
     )
+
+
+def _traced(values: Tensor) -> bool:
+    if torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        return True
+    return values.device.type == "meta" or is_fake(values)
+
+
+@torch.library.custom_op("fbtriton_dist::bucketize", mutates_args=())
+def _bucketize_op(
+    values: Tensor,
+    offsets: Tensor,
+    weights: Tensor | None,
+    sf_key: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    B: int,
+    backend: str,
+    capacity: int | None,
+    grid: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``bucketize`` as an op: (lengths [S*B] int64, ids, weights; [0] float32 unweighted)."""
+    lengths, ids, w = _bucketize(values, offsets, weights, sf_key, lo, hi, B, backend, capacity,
+                                 grid)
+    return lengths, ids, w if w is not None else values.new_zeros(0, dtype=torch.float32)
+
+
+@_bucketize_op.register_fake
+def _(values, offsets, weights, sf_key, lo, hi, B, backend, capacity, grid):
+    n = capacity if capacity is not None else torch.library.get_ctx().new_dynamic_size()
+    lengths = values.new_empty(sf_key.shape[0] * B, dtype=torch.int64)
+    w = weights.new_empty(n) if weights is not None else values.new_empty(0, dtype=torch.float32)
+    return lengths, values.new_empty(n, dtype=torch.int64), w
 
 
 def bucketize_into(

@@ -13,7 +13,7 @@ TABLE_SETS = {
     "one-row-table": ([(1, 5)], [0], 1, 3),
     "mixed-shared": ([(10, 3), (7, 8), (1, 5)], [0, 1, 0, 2], 4, 6),
     "T8": ([(50, 16), (20, 4), (9, 1)], [0, 1, 2, 0, 1, 2, 0, 0], 6, 5),
-    "B64-L50": ([(100, 12), (30, 7)], [0, 1], 64, 50),
+    "B24-L40": ([(100, 12), (30, 7)], [0, 1], 24, 40),
 }
 OPTIMIZERS = {
     "none": None,
@@ -47,9 +47,9 @@ CASES = [
     ("T8", "adam", "mean", torch.float32, torch.int64, False, False),
     ("T8", "none", "sum", torch.bfloat16, torch.int64, True, False),
     ("T8", "sgd", "sum", torch.float16, torch.int64, False, False),
-    ("B64-L50", "adagrad", "sum", torch.float32, torch.int64, True, True),
-    ("B64-L50", "adam", "sum", torch.float16, torch.int32, False, True),
-    ("B64-L50", "none", "mean", torch.float32, torch.int64, False, False),
+    ("B24-L40", "adagrad", "sum", torch.float32, torch.int64, True, True),
+    ("B24-L40", "adam", "sum", torch.float16, torch.int32, False, True),
+    ("B24-L40", "none", "mean", torch.float32, torch.int64, False, False),
 ]
 
 

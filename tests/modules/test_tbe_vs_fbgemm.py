@@ -22,7 +22,7 @@ SPARSE_TYPE = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}
 TABLE_SETS = {
     "T1": ([(1, 4)], [0], 3, 4),
     "T3-shared": ([(20, 8), (5, 4), (12, 12)], [0, 0, 1, 2, 2], 6, 8),
-    "T8-B32": ([(40, 16), (9, 4), (64, 8), (3, 4)], [0, 0, 1, 2, 2, 2, 3, 3], 32, 12),
+    "T8-B16": ([(40, 16), (9, 4), (64, 8), (3, 4)], [0, 0, 1, 2, 2, 2, 3, 3], 16, 12),
 }
 
 
@@ -53,11 +53,11 @@ CASES = [
     ("T3-shared", "adagrad", "sum", torch.float32, True, False, torch.int64),
     ("T3-shared", "adagrad", "mean", torch.float32, False, True, torch.int64),
     ("T3-shared", "sgd", "sum", torch.float16, True, False, torch.int64),
-    ("T8-B32", "adagrad", "sum", torch.float32, False, True, torch.int64),
-    ("T8-B32", "adagrad", "sum", torch.float16, False, False, torch.int32),
+    ("T8-B16", "adagrad", "sum", torch.float32, False, True, torch.int64),
+    ("T8-B16", "adagrad", "sum", torch.float16, False, False, torch.int32),
     ("T3-shared", "adagrad-elementwise", "sum", torch.float32, True, True, torch.int64),
-    ("T8-B32", "adagrad-elementwise", "mean", torch.float32, False, False, torch.int32),
-    ("T8-B32", "sgd", "mean", torch.float32, False, True, torch.int64),
+    ("T8-B16", "adagrad-elementwise", "mean", torch.float32, False, False, torch.int32),
+    ("T8-B16", "sgd", "mean", torch.float32, False, True, torch.int64),
     # MEAN with per-sample weights is left out: FBGEMM's CPU forward gives sum(w_i row_i) / L
     # but its backward updates rows by w_i * g without the 1 / L (not the gradient of its own
     # forward); ours is the true gradient, checked against autograd in test_tbe_module.py.

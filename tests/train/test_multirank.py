@@ -155,11 +155,10 @@ def test_checkpoint_from_2_ranks_loads_on_3_ranks_with_another_plan(tmp_path, em
     ok(torchrun(2, "fbtriton_dist.train", "--config", str(job)))
     ckpt = str(tmp_path / "job" / "checkpoints" / "step_00000006")
     results = {}
-    for world, plan in [(2, "plan2.yaml"), (3, "plan3.yaml")]:
-        out = str(tmp_path / f"predict{world}.json")
-        args = ["predict", str(job), ckpt, out, f"sharding.plan={plan}"]
-        ok(torchrun(world, "tests.train.rank_driver", *args))
-        results[world] = json.loads((tmp_path / f"predict{world}.json").read_text())
+    out = str(tmp_path / "predict3.json")
+    ok(torchrun(3, "tests.train.rank_driver", "predict", str(job), ckpt, out,
+                "sharding.plan=plan3.yaml"))
+    results[3] = json.loads((tmp_path / "predict3.json").read_text())
     shardings = [t["sharding"] for t in results[3]["plan"]["tables"]]
     assert shardings == [t["sharding"] for t in _plan_3(plan_3)["tables"]]
     # and in this process, unsharded (no process group)
@@ -171,13 +170,14 @@ def test_checkpoint_from_2_ranks_loads_on_3_ranks_with_another_plan(tmp_path, em
         torch.use_deterministic_algorithms(was)
     results[1] = json.loads((tmp_path / "predict1.json").read_text())
 
-    want = torch.tensor(results[2]["logits"])
+    # the unsharded load is the reference (2 ranks loading a 2-rank checkpoint: the SIGKILL
+    # resume test)
+    want = torch.tensor(results[1]["logits"])
     assert want.numel() == 96 and want.std() > 0.1  # a trained model, not a constant
-    for world in (1, 3):
-        got = torch.tensor(results[world]["logits"])
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"world {world}")
-        assert results[world]["loss"] == pytest.approx(results[2]["loss"], abs=1e-6)
-        assert results[world]["auc"] == pytest.approx(results[2]["auc"], abs=1e-6)
+    got = torch.tensor(results[3]["logits"])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg="world 3")
+    assert results[3]["loss"] == pytest.approx(results[1]["loss"], abs=1e-6)
+    assert results[3]["auc"] == pytest.approx(results[1]["auc"], abs=1e-6)
 
 
 def test_job_with_fixed_shapes_trains_like_the_default(tmp_path):
