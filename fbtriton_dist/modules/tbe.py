@@ -11,6 +11,7 @@ from torch import nn
 
 from fbtriton_dist import optim
 from fbtriton_dist.ops import backend as backends
+from fbtriton_dist.ops import vbe
 from fbtriton_dist.ops.tbe import (
     BoundsCheck,
     BoundsMonitor,
@@ -20,6 +21,7 @@ from fbtriton_dist.ops.tbe import (
     tbe_lookup,
     tbe_lookup_backward,
 )
+from fbtriton_dist.ops.vbe import VBELayout
 
 POOLING = {"sum": 0, "mean": 1}
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -129,6 +131,7 @@ class TableBatchedEmbedding(nn.Module):
         self.output_dtype = output_dtype
         self.bounds_check = bounds_check
         self._bounds_monitor = BoundsMonitor()
+        self._vbe_layouts: dict[tuple, VBELayout] = {}
         self.backend = backend
         self.plan_ahead = plan_ahead
         self.stochastic_rounding = stochastic_rounding
@@ -293,9 +296,27 @@ class TableBatchedEmbedding(nn.Module):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """``indices`` [N], ``offsets`` [T*B+1] feature-major -> pooled ``[B, sum(D)]``."""
-        return self.lookup(indices, offsets, per_sample_weights)
+        """``indices`` [N], ``offsets`` [T*B+1] feature-major -> pooled ``[B, sum(D)]``.
+
+        With ``batch_size_per_feature_per_rank`` (FBGEMM's VBE: ``B[t][r]`` bags of feature
+        ``t`` from rank ``r``), ``offsets`` has ``sum(B) + 1`` entries and the output is
+        FBGEMM's 1-D VBE layout (``ops.vbe``)."""
+        return self.lookup(indices, offsets, per_sample_weights,
+                           batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+
+    def vbe_layout(self, batch_size_per_feature_per_rank: Sequence[Sequence[int]]) -> VBELayout:
+        """The padded layout of these batch sizes (kept for the last few seen)."""
+        key = (tuple(map(tuple, batch_size_per_feature_per_rank)), self.weights.device)
+        layout = self._vbe_layouts.get(key)
+        if layout is None:
+            dims = [self.tables[t][1] for t in self.feature_table_map]
+            layout = vbe.vbe_layout(batch_size_per_feature_per_rank, dims, self.weights.device)
+            if len(self._vbe_layouts) >= 16:
+                self._vbe_layouts.clear()
+            self._vbe_layouts[key] = layout
+        return layout
 
     def lookup(
         self,
@@ -303,10 +324,16 @@ class TableBatchedEmbedding(nn.Module):
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
         grad_targets: Sequence[torch.Tensor] | None = None,
+        batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """``forward``, with, when not fused, the weight gradient delivered to
         ``grad_targets`` (one ``[E_t, D_t]`` tensor per table, e.g. per-table parameters that
         are views of ``weights``) instead of to ``weights``."""
+        if batch_size_per_feature_per_rank is not None:
+            layout = self.vbe_layout(batch_size_per_feature_per_rank)
+            padded = self.lookup(indices, vbe.padded_offsets(offsets, layout), per_sample_weights,
+                                 grad_targets)
+            return vbe.vbe_output(padded, layout)
         backend = self.resolved_backend()
         fused = self._fused()
         return tbe_lookup(
