@@ -23,7 +23,11 @@ class JaggedBatch:
     per_sample_weights: torch.Tensor | None
     """[N] weight of each id, or None."""
     batch_size: int
-    """B."""
+    """B (with ``batch_sizes``: the samples the output has after expanding by the inverse
+    indices)."""
+    batch_sizes: tuple[int, ...] | None = None
+    """Variable batch per feature (VBE): ``B_t`` bags of each feature, ``offsets`` then has
+    ``sum(B_t) + 1`` entries; None for a fixed batch."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +72,9 @@ def kjt_parts(
         )
     if features.variable_stride_per_key():
         raise ValueError(
-            "KeyedJaggedTensor: a batch size per feature (variable stride per key) is not "
-            "supported; give every feature the same number of samples"
+            "KeyedJaggedTensor: a batch size per feature (variable stride per key) is taken by "
+            "the eager EmbeddingBagCollection only, not yet under FX / compile / export nor by "
+            "shard(); give every feature the same number of samples there"
         )
     values = features.values()
     if values.dtype not in (torch.int32, torch.int64):
@@ -93,6 +98,87 @@ def kjt_parts(
         weights=weights if weighted else None,
         batch_size=B,
     )
+
+
+def vbe_kjt_to_batch(
+    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
+) -> tuple[JaggedBatch, torch.Tensor | None]:
+    """A KJT with a batch size per key (VBE: ``stride_per_key``) as a TBE batch in
+    ``feature_names`` order (``batch_sizes`` set), and the inverse indices
+    (``[len(feature_names), B]`` int64, the row of feature ``i``'s bags each sample reads) or
+    None if the KJT has none. Checks as ``kjt_to_batch``, and: strides that do not add up to
+    the lengths, inverse indices of the wrong shape, missing a feature or out of a feature's
+    range raise ValueError (one host read of their bounds)."""
+    keys = list(features.keys())
+    missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
+    if missing or len(set(keys)) != len(keys):
+        kjt_parts(features, feature_names, weighted)  # its error
+    strides = [int(s) for s in features.stride_per_key()]
+    lengths = features.lengths()
+    if sum(strides) != lengths.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor: strides per key {dict(zip(keys, strides, strict=True))} add up "
+            f"to {sum(strides)} bags, but lengths holds {lengths.numel()}"
+        )
+    values = features.values()
+    if values.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"KeyedJaggedTensor values: expected int32/int64 ids, got {values.dtype}")
+    weights = features.weights_or_none()
+    if weighted and weights is None:
+        raise ValueError(
+            "KeyedJaggedTensor: the module is weighted but the features have no weights"
+        )
+    weights = weights if weighted else None
+    per_key_lengths = list(torch.split(lengths, strides))
+    per_key_ids = torch.stack([seg.sum() for seg in per_key_lengths]).tolist() if keys else []
+    if sum(per_key_ids) != values.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor: lengths add up to {sum(per_key_ids)} ids in all, but values "
+            f"holds {values.numel()}"
+        )
+    order = [keys.index(f) for f in feature_names]
+    values = permute_segments(values, per_key_ids, order)
+    weights = permute_segments(weights, per_key_ids, order) if weights is not None else None
+    new_lengths = permute_segments(lengths, strides, order)
+    offsets = torch.zeros(new_lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+    torch.cumsum(new_lengths, 0, out=offsets[1:])
+    batch_sizes = tuple(strides[k] for k in order)
+    inverse = features.inverse_indices_or_none()
+    B = batch_sizes[0] if batch_sizes else 0
+    rows = None
+    if inverse is not None:
+        inv_keys, inv = inverse
+        if inv.dim() != 2 or inv.shape[0] != len(inv_keys):
+            raise ValueError(
+                f"KeyedJaggedTensor inverse_indices: expected [{len(inv_keys)} keys, B], got "
+                f"{tuple(inv.shape)}"
+            )
+        lacking = [f for f in dict.fromkeys(feature_names) if f not in inv_keys]
+        if lacking:
+            raise ValueError(f"KeyedJaggedTensor inverse_indices: no row for features {lacking}")
+        pick = torch.tensor([inv_keys.index(f) for f in feature_names], device=inv.device)
+        rows = inv.index_select(0, pick).to(torch.int64)
+        B = int(inv.shape[1])
+        if rows.numel():  # one host read: the bounds of every feature's rows
+            lows, highs = rows.min(1).values.tolist(), rows.max(1).values.tolist()
+            for f, n, a, b in zip(feature_names, batch_sizes, lows, highs, strict=True):
+                if a < 0 or b >= n:
+                    raise ValueError(
+                        f"KeyedJaggedTensor inverse_indices of feature '{f}': rows in [{a}, {b}], "
+                        f"outside its {n} bags [0, {n})"
+                    )
+    elif len(set(batch_sizes)) > 1:
+        raise ValueError(
+            "KeyedJaggedTensor: a batch size per feature "
+            f"{dict(zip(feature_names, batch_sizes, strict=True))} without inverse_indices "
+            "(TorchRec's EBC cannot concatenate such features either); give the KJT "
+            "inverse_indices"
+        )
+    batch = JaggedBatch(
+        indices=values, offsets=offsets.to(values.dtype), per_sample_weights=weights,
+        batch_size=B, batch_sizes=batch_sizes,
+    )
+    return batch, rows
 
 
 def kjt_to_batch(

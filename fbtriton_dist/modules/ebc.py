@@ -21,6 +21,7 @@ from fbtriton_dist.sparse import (
     KeyedTensor,
     keyed_tensor,
     kjt_to_batch,
+    vbe_kjt_to_batch,
 )
 
 DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
@@ -138,6 +139,20 @@ class EmbeddingBagCollection(nn.Module):
             self._pooling(cfg) == "mean" for cfg in tables for _ in cfg.feature_names
         ]
         self._config_names = [f"{f}@{cfg.name}" for cfg in tables for f in cfg.feature_names]
+        # output feature j (config order) is position _config_positions[j] of _feature_order
+        group_positions = {
+            (t, j): i
+            for i, (t, j) in enumerate(
+                (t, j)
+                for members in self._groups.values()
+                for t in members
+                for j in range(len(tables[t].feature_names))
+            )
+        }
+        self._config_positions = [
+            group_positions[(t, j)] for t, cfg in enumerate(tables)
+            for j in range(len(cfg.feature_names))
+        ]
         self._lengths_per_embedding = [
             cfg.embedding_dim for cfg in tables for _ in cfg.feature_names
         ]
@@ -326,8 +341,57 @@ class EmbeddingBagCollection(nn.Module):
     def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if ebc_op.traced(features):
             return ebc_op.forward(self, features)
+        if features.variable_stride_per_key():
+            return self._vbe_forward(features)
         batch = kjt_to_batch(features, self._feature_order, self._is_weighted)
         values = self._lookup(batch)
+        return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
+
+    def _vbe_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """A batch size per feature (VBE): each feature's bags pooled once (the TBE's VBE
+        lookup), then every output feature's rows expanded by the KJT's inverse indices to
+        ``[B, sum(D)]``, as TorchRec's EBC does (one gather; its backward sums the expanded
+        gradients back into each bag)."""
+        batch, rows = vbe_kjt_to_batch(features, self._feature_order, self._is_weighted)
+        sizes = batch.batch_sizes
+        bag_start = [0, *accumulate(sizes)]
+        B = batch.batch_size
+        if rows is None:  # every feature has the same batch: the fixed batch it is
+            fixed = JaggedBatch(batch.indices, batch.offsets, batch.per_sample_weights, B)
+            return keyed_tensor(self._embedding_names, self._lengths_per_embedding,
+                                self._lookup(fixed))
+        pooled, base, flat_at, f0 = [], {}, 0, 0
+        ids_at = batch.offsets[bag_start].tolist() if len(self._tbes) > 1 else None
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            params = self._group_params(members)
+            self._bind(tbe, params)
+            fused = self._sync_optimizer(tbe, members)
+            if fused is not None:
+                _refuse_data_parallel()
+            T = tbe.num_features
+            indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
+            if ids_at is not None:  # this group's features only
+                a, b = ids_at[f0], ids_at[f0 + T]
+                indices = indices[a:b]
+                offsets = offsets[bag_start[f0]: bag_start[f0 + T] + 1] - a
+                psw = psw[a:b] if psw is not None else None
+            out = tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params,
+                             batch_size_per_feature_per_rank=[[n] for n in sizes[f0:f0 + T]])
+            dims = [tbe.tables[t][1] for t in tbe.feature_table_map]
+            for i in range(T):  # where feature f0 + i's [B_f, D] block starts in the flat
+                base[f0 + i] = flat_at
+                flat_at += sizes[f0 + i] * dims[i]
+            pooled.append(out)
+            f0 += T
+        flat = pooled[0] if len(pooled) == 1 else torch.cat(pooled)
+        # output feature j (config order) reads _feature_order position pos[j]
+        columns = []
+        for j, D in enumerate(self._lengths_per_embedding):
+            p = self._config_positions[j]
+            cols = torch.arange(D, device=flat.device)
+            columns.append(base[p] + rows[p][:, None] * D + cols[None, :])
+        index = torch.cat(columns, dim=1)
+        values = flat.index_select(0, index.reshape(-1)).view(B, -1)
         return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
 
     def _group_batches(self, batch: JaggedBatch):
