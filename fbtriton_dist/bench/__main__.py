@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,planner} [args]``.
+"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,vbe,planner} [args]``.
 
 Each subcommand is the module ``fbtriton_dist.bench.<name>`` with a ``main(argv)``; ``dist``
 runs under torchrun (``torchrun --nproc-per-node 2 -m fbtriton_dist.bench dist ...``).
@@ -7,7 +7,7 @@ runs under torchrun (``torchrun --nproc-per-node 2 -m fbtriton_dist.bench dist .
 import importlib
 import sys
 
-COMMANDS = {"tbe": "tbe", "dist": "dist", "planner": "planner_vs_torchrec"}
+COMMANDS = {"tbe": "tbe", "dist": "dist", "vbe": "vbe", "planner": "planner_vs_torchrec"}
 
 
 def main(argv: list[str] | None = None) -> None:
