@@ -76,14 +76,7 @@ def kjt_parts(
             "the eager EmbeddingBagCollection only, not yet under FX / compile / export nor by "
             "shard(); give every feature the same number of samples there"
         )
-    values = features.values()
-    if values.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"KeyedJaggedTensor values: expected int32/int64 ids, got {values.dtype}")
-    weights = features.weights_or_none()
-    if weighted and weights is None:
-        raise ValueError(
-            "KeyedJaggedTensor: the module is weighted but the features have no weights"
-        )
+    values, weights = _values_and_weights(features, weighted)
     T, B = len(keys), features.stride()
     lengths = features.lengths()
     if lengths.numel() != T * B:
@@ -95,9 +88,22 @@ def kjt_parts(
         keys=tuple(keys),
         values=values,
         lengths=lengths,
-        weights=weights if weighted else None,
+        weights=weights,
         batch_size=B,
     )
+
+
+def _values_and_weights(features: KeyedJaggedTensor, weighted: bool):
+    """(ids, per-sample weights if ``weighted`` else None), their dtypes and presence checked."""
+    values = features.values()
+    if values.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"KeyedJaggedTensor values: expected int32/int64 ids, got {values.dtype}")
+    weights = features.weights_or_none()
+    if weighted and weights is None:
+        raise ValueError(
+            "KeyedJaggedTensor: the module is weighted but the features have no weights"
+        )
+    return values, weights if weighted else None
 
 
 def vbe_kjt_to_batch(
@@ -120,15 +126,7 @@ def vbe_kjt_to_batch(
             f"KeyedJaggedTensor: strides per key {dict(zip(keys, strides, strict=True))} add up "
             f"to {sum(strides)} bags, but lengths holds {lengths.numel()}"
         )
-    values = features.values()
-    if values.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"KeyedJaggedTensor values: expected int32/int64 ids, got {values.dtype}")
-    weights = features.weights_or_none()
-    if weighted and weights is None:
-        raise ValueError(
-            "KeyedJaggedTensor: the module is weighted but the features have no weights"
-        )
-    weights = weights if weighted else None
+    values, weights = _values_and_weights(features, weighted)
     per_key_lengths = list(torch.split(lengths, strides))
     per_key_ids = torch.stack([seg.sum() for seg in per_key_lengths]).tolist() if keys else []
     if sum(per_key_ids) != values.numel():

@@ -353,28 +353,14 @@ class EmbeddingBagCollection(nn.Module):
         ``[B, sum(D)]``, as TorchRec's EBC does (one gather; its backward sums the expanded
         gradients back into each bag)."""
         batch, rows = vbe_kjt_to_batch(features, self._feature_order, self._is_weighted)
-        sizes = batch.batch_sizes
-        bag_start = [0, *accumulate(sizes)]
-        B = batch.batch_size
+        sizes, B = batch.batch_sizes, batch.batch_size
         if rows is None:  # every feature has the same batch: the fixed batch it is
             fixed = JaggedBatch(batch.indices, batch.offsets, batch.per_sample_weights, B)
             return keyed_tensor(self._embedding_names, self._lengths_per_embedding,
                                 self._lookup(fixed))
         pooled, base, flat_at, f0 = [], {}, 0, 0
-        ids_at = batch.offsets[bag_start].tolist() if len(self._tbes) > 1 else None
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
-            self._bind(tbe, params)
-            fused = self._sync_optimizer(tbe, members)
-            if fused is not None:
-                _refuse_data_parallel()
+        for tbe, params, fused, indices, offsets, psw, _ in self._group_batches(batch):
             T = tbe.num_features
-            indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
-            if ids_at is not None:  # this group's features only
-                a, b = ids_at[f0], ids_at[f0 + T]
-                indices = indices[a:b]
-                offsets = offsets[bag_start[f0]: bag_start[f0 + T] + 1] - a
-                psw = psw[a:b] if psw is not None else None
             out = tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params,
                              batch_size_per_feature_per_rank=[[n] for n in sizes[f0:f0 + T]])
             dims = [tbe.tables[t][1] for t in tbe.feature_table_map]
@@ -384,8 +370,7 @@ class EmbeddingBagCollection(nn.Module):
             pooled.append(out)
             f0 += T
         flat = pooled[0] if len(pooled) == 1 else torch.cat(pooled)
-        # output feature j (config order) reads _feature_order position pos[j]
-        columns = []
+        columns = []  # output feature j (config order): _feature_order position p
         for j, D in enumerate(self._lengths_per_embedding):
             p = self._config_positions[j]
             cols = torch.arange(D, device=flat.device)
@@ -398,7 +383,9 @@ class EmbeddingBagCollection(nn.Module):
         """Per (dtype, pooling) group, bound to the parameters' storage: (tbe, its parameters,
         its fused optimizer or None, its indices, offsets, per-sample weights, (a, b): where
         its ids are in ``batch.indices``)."""
-        T_seen, offsets_cpu = 0, None
+        sizes = batch.batch_sizes or [batch.batch_size] * len(self._feature_order)
+        bag_start = [0, *accumulate(sizes)]  # first bag of each feature (VBE or not)
+        T_seen, ids_at = 0, None
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             self._bind(tbe, params)
@@ -409,16 +396,12 @@ class EmbeddingBagCollection(nn.Module):
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             a, b = 0, indices.numel()
             if len(self._tbes) > 1:  # this group's features only
-                B = batch.batch_size
-                if offsets_cpu is None:
-                    offsets_cpu = (
-                        batch.offsets[:: max(B, 1)].tolist()
-                        if B
-                        else [0] * (len(self._feature_order) + 1)
-                    )
-                a, b = offsets_cpu[T_seen], offsets_cpu[T_seen + T]
+                if ids_at is None:  # one host read: where each feature's ids start
+                    at = torch.tensor(bag_start, device=offsets.device)
+                    ids_at = offsets.index_select(0, at).tolist()
+                a, b = ids_at[T_seen], ids_at[T_seen + T]
                 indices = indices[a:b]
-                offsets = offsets[T_seen * B : (T_seen + T) * B + 1] - a
+                offsets = offsets[bag_start[T_seen] : bag_start[T_seen + T] + 1] - a
                 psw = psw[a:b] if psw is not None else None
             yield tbe, params, fused, indices, offsets, psw, (a, b)
             T_seen += T
