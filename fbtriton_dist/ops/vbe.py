@@ -34,8 +34,9 @@ class VBELayout:
     """``B_pad``: samples per feature of the padded batch."""
     num_bags: int
     """``sum(B)``."""
-    bag_slot: torch.Tensor
-    """[num_bags] int64: the padded bag (``t * B_pad + b``) of each VBE bag, in offsets order."""
+    offset_src: torch.Tensor
+    """[T * B_pad + 1] int64: for each offset of the padded batch, the VBE offset it equals
+    (an empty bag of the padding repeats the offset before it)."""
     output_index: torch.Tensor
     """[sum_t,r B[t][r] * D_t] int64: for each VBE output element, its place in the flattened
     padded output ``[B_pad, sum(D)]``."""
@@ -70,10 +71,14 @@ def vbe_layout(
     B_pad = sum(rank_width)
     D_offsets = [sum(dims[:t]) for t in range(T + 1)]
     total_D = D_offsets[-1]
-    slots, out = [], []
+    # padded bag t * B_pad + rank_start[r] + b is VBE bag number (bags before it) for b < B[t][r]
+    real = torch.zeros(T * B_pad, dtype=torch.int64)
     for t in range(T):
         for r in range(R):
-            slots.append(t * B_pad + rank_start[r] + torch.arange(B[t][r]))
+            real[t * B_pad + rank_start[r] : t * B_pad + rank_start[r] + B[t][r]] = 1
+    offset_src = torch.zeros(T * B_pad + 1, dtype=torch.int64)
+    torch.cumsum(real, 0, out=offset_src[1:])
+    out = []
     for r in range(R):
         for t in range(T):
             rows = rank_start[r] + torch.arange(B[t][r])
@@ -84,26 +89,20 @@ def vbe_layout(
         batch_sizes=B,
         padded_batch=B_pad,
         num_bags=sum(map(sum, B)),
-        bag_slot=(torch.cat(slots) if slots else empty).to(device),
+        offset_src=offset_src.to(device),
         output_index=(torch.cat(out) if out else empty).to(device),
     )
 
 
 def padded_offsets(offsets: torch.Tensor, layout: VBELayout) -> torch.Tensor:
-    """VBE ``offsets`` [sum(B) + 1] -> the padded batch's [T * B_pad + 1] (the same ids)."""
+    """VBE ``offsets`` [sum(B) + 1] -> the padded batch's [T * B_pad + 1] (the same ids):
+    one gather."""
     if offsets.dim() != 1 or offsets.numel() != layout.num_bags + 1:
         raise ValueError(
             f"offsets: batch_size_per_feature_per_rank gives {layout.num_bags} bags, so expected "
             f"{layout.num_bags + 1} offsets, got {tuple(offsets.shape)}"
         )
-    T = len(layout.batch_sizes)
-    lengths = torch.zeros(T * layout.padded_batch, dtype=offsets.dtype, device=offsets.device)
-    lengths[layout.bag_slot] = offsets[1:] - offsets[:-1]
-    out = torch.empty(T * layout.padded_batch + 1, dtype=offsets.dtype, device=offsets.device)
-    out[:1] = offsets[:1]
-    torch.cumsum(lengths, 0, out=out[1:])
-    out[1:] += offsets[:1]
-    return out
+    return offsets.index_select(0, layout.offset_src)
 
 
 def vbe_output(padded: torch.Tensor, layout: VBELayout) -> torch.Tensor:
