@@ -242,12 +242,13 @@ def test_static_copy_of_a_fixed_input_dist_output():
     assert all(run_ranks(_static_copy, 2))
 
 
-def _shared_feature(rank, world, bad, kernels):
+def _shared_feature(rank, world, kernels):
     """Feature ``f`` feeds two tables (``a``: 10 rows, row-wise on both ranks; ``b``: 5 rows,
     table-wise on the last, with ``g``): an id of ``f`` must be valid for both, so it lands in
     two shard-features, and the fixed-shape check counts both (``cover`` 2 for ``f``).
     ``kernels``: the Triton backend, so the send side runs the kernels with their own check
-    (as on CUDA; on the CPU under the interpreter)."""
+    (as on CUDA; on the CPU under the interpreter). A good batch, then a bad one (an id of
+    ``f`` valid for ``a`` only, on rank 1): (good batch right, its shape, the error)."""
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
     import fbtriton_dist
@@ -274,30 +275,35 @@ def _shared_feature(rank, world, bad, kernels):
     plain = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd)
     fixed = fbtriton_dist.shard(copy.deepcopy(ref), plan, optimizer=sgd, backend=backend,
                                 comm=CommOptions(fixed_shapes=True))
-    # two samples per rank; f's ids are valid for both tables (< 5) except in the bad batch
-    f_ids = [[1, 4], [0, 3, 2]] if rank == 0 else [[2], [4, 4]]
-    if bad and rank == 1:
-        f_ids[0] = [7]  # a row of a, past b's 5 rows
-    g_ids = [[0], [1, 2]]
-    values = torch.tensor([i for bag in f_ids + g_ids for i in bag])
-    lengths = torch.tensor([len(bag) for bag in f_ids + g_ids])
-    kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths).to(dev)
-    outs = [m(kjt).values().detach() for m in ((fixed,) if bad else (plain, fixed))]
-    if bad:
-        fixed(kjt)  # the flag is read a few steps later
-        fixed.poll_input()
-        return "no error"
+    def batch(bad: bool):
+        # two samples per rank; f's ids are valid for both tables (< 5) except in the bad one
+        f_ids = [[1, 4], [0, 3, 2]] if rank == 0 else [[2], [4, 4]]
+        if bad and rank == 1:
+            f_ids[0] = [7]  # a row of a, past b's 5 rows
+        g_ids = [[0], [1, 2]]
+        values = torch.tensor([i for bag in f_ids + g_ids for i in bag])
+        lengths = torch.tensor([len(bag) for bag in f_ids + g_ids])
+        return KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths).to(dev)
+
+    kjt = batch(False)
+    outs = [m(kjt).values().detach() for m in (plain, fixed)]
     want = ref(kjt).values().detach()  # the unsharded collection on this rank's samples
-    return (torch.equal(outs[0], outs[1]) and torch.allclose(outs[1], want, atol=1e-6),
-            tuple(outs[1].shape))
+    good = torch.equal(outs[0], outs[1]) and torch.allclose(outs[1], want, atol=1e-6)
+    error = "no error"
+    try:
+        for _ in range(2):  # the flag is read a few steps later
+            fixed(batch(True))
+        fixed.poll_input()
+    except Exception as e:  # every rank stops
+        error = f"{type(e).__name__}: {e}"
+    return good, tuple(outs[1].shape), error
 
 
 @pytest.mark.parametrize("kernels", [False, True])
 def test_fixed_shapes_with_a_feature_two_tables_share(kernels):
     if kernels and device().type == "cuda":
         pytest.skip("on CUDA the kernels run in every case")
-    got = run_ranks(_shared_feature, 2, False, kernels)
-    assert got == [(True, (2, 10))] * 2  # f:a, f:b, g:b
-    with pytest.raises(RuntimeError) as info:
-        run_ranks(_shared_feature, 2, True, kernels, timeout=120)
-    assert "out of range" in str(info.value) or "found bad input" in str(info.value)
+    got = run_ranks(_shared_feature, 2, kernels, timeout=120)
+    assert [g[:2] for g in got] == [(True, (2, 10))] * 2  # f:a, f:b, g:b
+    for _, _, error in got:  # both ranks stop on rank 1's bad id
+        assert "out of range" in error or "found bad input" in error, error

@@ -397,7 +397,11 @@ def _job_comm(rank, world, comm=None):
 def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
     from fbtriton_dist.sharding import CommOptions
 
-    for comms in run_ranks(_job_comm, 2):
-        assert comms == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]
-    for comms in run_ranks(_job_comm, 2, {"fixed_shapes": True, "max_ids": 5000}):
-        assert comms == [CommOptions(fixed_shapes=True, max_ids=5000)]
+    for default, fixed in run_ranks(_job_comms, 2):  # one start-up of the ranks for both
+        assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]
+        assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000)]
+
+
+def _job_comms(rank, world):
+    return (_job_comm(rank, world),
+            _job_comm(rank, world, {"fixed_shapes": True, "max_ids": 5000}))
