@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fbtriton_dist import TableBatchedEmbedding, optim
-from tests.conftest import TRITON_OK
+from tests.conftest import HAS_CUDA, TRITON_OK
 from tests.helpers import device_for, make_batch, to, upstream_grad
 
 fbgemm = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
@@ -87,6 +87,12 @@ def test_matches_fbgemm_cpu(case, backend):
     if backend == "triton" and not TRITON_OK:
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
     name, opt_name, pooling, wdt, weighted, hot, idt = case
+    if backend == "triton" and not HAS_CUDA and name == "T8-B16":
+        # ~20 s each under the interpreter; on CPU the reference meets FBGEMM here and the
+        # interpreted kernels meet the reference on T8 sets in test_tbe_module.py; a GPU runs
+        # these cases on the kernels themselves
+        pytest.skip("T8-B16 on the Triton interpreter: covered by reference == FBGEMM here "
+                    "and kernels == reference in test_tbe_module.py (runs on a GPU)")
     tables, ftm, B, max_L = TABLE_SETS[name]
     opt = OPTS[opt_name]
     ours = TableBatchedEmbedding(
