@@ -43,7 +43,13 @@ class KJTParts:
     weights: torch.Tensor | None
     """[N] per-sample weights (None unless ``weighted``)."""
     batch_size: int
-    """B."""
+    """B (VBE: P, the most bags any key the module reads has; the lengths are padded)."""
+    strides: tuple[int, ...] | None = None
+    """VBE: each key's real number of bags (its first ``strides[k]`` bags of P hold them,
+    the rest are empty); None for a fixed batch."""
+    inverse: torch.Tensor | None = None
+    """VBE: ``[len(feature_names), B]`` int64, the bag of each feature every sample reads
+    (the KJT's inverse indices in ``feature_names`` order; bounds not checked yet)."""
 
 
 def kjt_parts(
@@ -57,24 +63,12 @@ def kjt_parts(
     or duplicated feature, per-key batch sizes, non-integer ids, a weighted/unweighted
     mismatch or a wrong number of lengths raise ValueError.
     """
-    keys = list(features.keys())
-    duplicated = sorted({k for k in keys if keys.count(k) > 1})
-    if duplicated:
-        raise ValueError(
-            f"KeyedJaggedTensor keys: expected each key once, got {duplicated} more than once "
-            f"in {keys}"
-        )
-    missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
-    if missing:
-        raise ValueError(
-            f"KeyedJaggedTensor keys: missing features {missing}; expected (at least) "
-            f"{list(dict.fromkeys(feature_names))}, got {keys}"
-        )
+    keys = _check_keys(features, feature_names)
     if features.variable_stride_per_key():
         raise ValueError(
             "KeyedJaggedTensor: a batch size per feature (variable stride per key) is taken by "
-            "the eager EmbeddingBagCollection only, not yet under FX / compile / export nor by "
-            "shard(); give every feature the same number of samples there"
+            "the eager EmbeddingBagCollection and by shard() without fixed shapes, not yet "
+            "under FX / compile / export; give every feature the same number of samples there"
         )
     values, weights = _values_and_weights(features, weighted)
     T, B = len(keys), features.stride()
@@ -93,6 +87,24 @@ def kjt_parts(
     )
 
 
+def _check_keys(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> list[str]:
+    """The KJT's keys; raises ValueError for a duplicated key or a missing feature."""
+    keys = list(features.keys())
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicated:
+        raise ValueError(
+            f"KeyedJaggedTensor keys: expected each key once, got {duplicated} more than once "
+            f"in {keys}"
+        )
+    missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
+    if missing:
+        raise ValueError(
+            f"KeyedJaggedTensor keys: missing features {missing}; expected (at least) "
+            f"{list(dict.fromkeys(feature_names))}, got {keys}"
+        )
+    return keys
+
+
 def _values_and_weights(features: KeyedJaggedTensor, weighted: bool):
     """(ids, per-sample weights if ``weighted`` else None), their dtypes and presence checked."""
     values = features.values()
@@ -106,6 +118,62 @@ def _values_and_weights(features: KeyedJaggedTensor, weighted: bool):
     return values, weights if weighted else None
 
 
+def _vbe_meta(features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool):
+    """The host checks of a VBE KJT: (keys, strides per key, values, weights, the inverse
+    indices in ``feature_names`` order [T, B] int64 or None, B). Strides that do not add up
+    to the lengths, inverse indices of the wrong shape or missing a feature, and different
+    strides without inverse indices raise ValueError."""
+    keys = _check_keys(features, feature_names)
+    strides = [int(s) for s in features.stride_per_key()]
+    lengths = features.lengths()
+    if sum(strides) != lengths.numel():
+        raise ValueError(
+            f"KeyedJaggedTensor: strides per key {dict(zip(keys, strides, strict=True))} add up "
+            f"to {sum(strides)} bags, but lengths holds {lengths.numel()}"
+        )
+    values, weights = _values_and_weights(features, weighted)
+    order = [keys.index(f) for f in feature_names]
+    batch_sizes = [strides[k] for k in order]
+    inverse = features.inverse_indices_or_none()
+    B, rows = (batch_sizes[0] if batch_sizes else 0), None
+    if inverse is not None:
+        inv_keys, inv = inverse
+        if inv.dim() != 2 or inv.shape[0] != len(inv_keys):
+            raise ValueError(
+                f"KeyedJaggedTensor inverse_indices: expected [{len(inv_keys)} keys, B], got "
+                f"{tuple(inv.shape)}"
+            )
+        lacking = [f for f in dict.fromkeys(feature_names) if f not in inv_keys]
+        if lacking:
+            raise ValueError(f"KeyedJaggedTensor inverse_indices: no row for features {lacking}")
+        pick = torch.tensor([inv_keys.index(f) for f in feature_names], device=inv.device)
+        rows = inv.index_select(0, pick).to(torch.int64)
+        B = int(inv.shape[1])
+    elif len(set(batch_sizes)) > 1:
+        raise ValueError(
+            "KeyedJaggedTensor: a batch size per feature "
+            f"{dict(zip(feature_names, batch_sizes, strict=True))} without inverse_indices "
+            "(TorchRec's EBC cannot concatenate such features either); give the KJT "
+            "inverse_indices"
+        )
+    return keys, strides, values, weights, rows, B
+
+
+def check_inverse_bounds(rows: torch.Tensor, feature_names: Sequence[str],
+                         batch_sizes: Sequence[int]) -> None:
+    """Every feature's inverse indices inside its bags (one host read of their bounds);
+    raises ValueError naming the feature and the bound."""
+    if not rows.numel():
+        return
+    lows, highs = rows.min(1).values.tolist(), rows.max(1).values.tolist()
+    for f, n, a, b in zip(feature_names, batch_sizes, lows, highs, strict=True):
+        if a < 0 or b >= n:
+            raise ValueError(
+                f"KeyedJaggedTensor inverse_indices of feature '{f}': rows in [{a}, {b}], "
+                f"outside its {n} bags [0, {n})"
+            )
+
+
 def vbe_kjt_to_batch(
     features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
 ) -> tuple[JaggedBatch, torch.Tensor | None]:
@@ -115,18 +183,8 @@ def vbe_kjt_to_batch(
     None if the KJT has none. Checks as ``kjt_to_batch``, and: strides that do not add up to
     the lengths, inverse indices of the wrong shape, missing a feature or out of a feature's
     range raise ValueError (one host read of their bounds)."""
-    keys = list(features.keys())
-    missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
-    if missing or len(set(keys)) != len(keys):
-        kjt_parts(features, feature_names, weighted)  # its error
-    strides = [int(s) for s in features.stride_per_key()]
+    keys, strides, values, weights, rows, B = _vbe_meta(features, feature_names, weighted)
     lengths = features.lengths()
-    if sum(strides) != lengths.numel():
-        raise ValueError(
-            f"KeyedJaggedTensor: strides per key {dict(zip(keys, strides, strict=True))} add up "
-            f"to {sum(strides)} bags, but lengths holds {lengths.numel()}"
-        )
-    values, weights = _values_and_weights(features, weighted)
     per_key_lengths = list(torch.split(lengths, strides))
     per_key_ids = torch.stack([seg.sum() for seg in per_key_lengths]).tolist() if keys else []
     if sum(per_key_ids) != values.numel():
@@ -141,42 +199,50 @@ def vbe_kjt_to_batch(
     offsets = torch.zeros(new_lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
     torch.cumsum(new_lengths, 0, out=offsets[1:])
     batch_sizes = tuple(strides[k] for k in order)
-    inverse = features.inverse_indices_or_none()
-    B = batch_sizes[0] if batch_sizes else 0
-    rows = None
-    if inverse is not None:
-        inv_keys, inv = inverse
-        if inv.dim() != 2 or inv.shape[0] != len(inv_keys):
-            raise ValueError(
-                f"KeyedJaggedTensor inverse_indices: expected [{len(inv_keys)} keys, B], got "
-                f"{tuple(inv.shape)}"
-            )
-        lacking = [f for f in dict.fromkeys(feature_names) if f not in inv_keys]
-        if lacking:
-            raise ValueError(f"KeyedJaggedTensor inverse_indices: no row for features {lacking}")
-        pick = torch.tensor([inv_keys.index(f) for f in feature_names], device=inv.device)
-        rows = inv.index_select(0, pick).to(torch.int64)
-        B = int(inv.shape[1])
-        if rows.numel():  # one host read: the bounds of every feature's rows
-            lows, highs = rows.min(1).values.tolist(), rows.max(1).values.tolist()
-            for f, n, a, b in zip(feature_names, batch_sizes, lows, highs, strict=True):
-                if a < 0 or b >= n:
-                    raise ValueError(
-                        f"KeyedJaggedTensor inverse_indices of feature '{f}': rows in [{a}, {b}], "
-                        f"outside its {n} bags [0, {n})"
-                    )
-    elif len(set(batch_sizes)) > 1:
-        raise ValueError(
-            "KeyedJaggedTensor: a batch size per feature "
-            f"{dict(zip(feature_names, batch_sizes, strict=True))} without inverse_indices "
-            "(TorchRec's EBC cannot concatenate such features either); give the KJT "
-            "inverse_indices"
-        )
+    if rows is not None:
+        check_inverse_bounds(rows, feature_names, batch_sizes)
     batch = JaggedBatch(
         indices=values, offsets=offsets.to(values.dtype), per_sample_weights=weights,
         batch_size=B, batch_sizes=batch_sizes,
     )
     return batch, rows
+
+
+def padding_positions(strides: Sequence[int], P: int, device) -> torch.Tensor:
+    """[sum(strides)] int64: where bag ``b`` of segment ``k`` (``strides[k]`` bags, back to
+    back) lands when every segment is padded to ``P`` bags (``k * P + b``)."""
+    n = sum(strides)
+    s = torch.tensor(list(strides), dtype=torch.int64, device=device)
+    shift = torch.arange(len(strides), dtype=torch.int64, device=device) * P - (
+        torch.cumsum(s, 0) - s
+    )
+    return torch.arange(n, device=device) + torch.repeat_interleave(shift, s, output_size=n)
+
+
+def vbe_kjt_parts(
+    features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
+) -> KJTParts:
+    """``kjt_parts`` of a KJT with a batch size per key (VBE), host checks only (as
+    ``vbe_kjt_to_batch``'s; the inverse indices' bounds are the caller's to check on the
+    device). Every key's lengths are padded with empty bags to P, the most bags a key has
+    (the values do not move), so the fixed-batch machinery reads it;
+    ``strides`` and ``inverse`` say what is real. Equal strides without inverse indices are
+    a fixed batch (``strides`` None)."""
+    keys, strides, values, weights, rows, _ = _vbe_meta(features, feature_names, weighted)
+    lengths = features.lengths()
+    P = max(strides, default=0)
+    if rows is None:  # equal strides (else _vbe_meta raised), keys no table reads included
+        if any(s != P for s in strides):
+            raise ValueError(
+                f"KeyedJaggedTensor: strides per key {dict(zip(keys, strides, strict=True))} "
+                "differ (for keys no table reads) and there are no inverse_indices"
+            )
+        return KJTParts(keys=tuple(keys), values=values, lengths=lengths, weights=weights,
+                        batch_size=P)
+    at = padding_positions(strides, P, lengths.device)
+    padded = lengths.new_zeros(len(keys) * P).index_copy_(0, at, lengths)
+    return KJTParts(keys=tuple(keys), values=values, lengths=padded, weights=weights,
+                    batch_size=P, strides=tuple(strides), inverse=rows)
 
 
 def kjt_to_batch(

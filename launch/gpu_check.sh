@@ -58,7 +58,7 @@ case $part in
       tests=("$@")
     elif [ "$gpus" -ge 2 ]; then
       tests=(tests/sharding/test_lean.py tests/sharding/test_fixed.py tests/sharding/test_comm.py
-             tests/sharding/test_sharded_ebc.py)
+             tests/sharding/test_sharded_ebc.py tests/sharding/test_sharded_vbe.py)
     else
       tests=(tests/sharding/test_lean.py -k graphed)
     fi

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --out dist.json
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny   # CPU, gloo
+    torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny --vbe 8
     python -m fbtriton_dist.bench dist --plot dist.json --png dist.png            # no torchrun
 
 Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
@@ -15,6 +16,12 @@ table with the ratios against TorchRec and writes ``--out`` (JSON) after every p
 crash keeps the rows measured so far. A provider that fails or cannot run here is recorded with
 the reason and the run goes on; at the end the run exits non-zero if any provider failed (only
 a peer that is not importable here, TorchRec or FBGEMM, may be skipped; ours never are).
+
+``--vbe K``: every sample is one of K candidates of a user, and the first half of the tables
+are user features (half of the ids at equal L): each provider trains on VBE batches (one bag
+per user for those features, ``stride_per_key_per_rank`` + ``inverse_indices``) and on the same
+samples as fixed batches; the rows say which (``batch``), with the ids and bytes sent and the
+time per step of both (the fixed-shape providers take fixed batches only).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .dist_report import PROVIDERS, format_table, line, plot
+from .dist_report import PROVIDERS, format_table, line, plot, vbe_table
 
 DEFAULT_TABLES = os.path.join(
     os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
@@ -130,6 +137,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="allow a world of one process (a proxy for the compute when one GPU is all there "
         "is: no collective crosses a link, so it says nothing about the network)",
     )
+    p.add_argument(
+        "--vbe",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K > 1: K candidates per user, user features (half the tables) once per user; "
+        "measure VBE batches against the same samples as fixed batches",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
@@ -147,6 +162,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         else ([32, args.dim] if args.tiny else [512, 256, args.dim])
     )
     args.over_arch = _ints(args.over_arch)
+    if args.vbe < 1:
+        p.error(f"--vbe: expected K >= 1 candidates per user, got {args.vbe}")
     if args.dense_arch[-1] != args.dim:
         p.error(f"--dense-arch must end in D={args.dim}, got {args.dense_arch}")
     args.comm_extra = dict(_comm_item(p, item) for item in args.comm)
@@ -200,9 +217,10 @@ def _versions(device) -> dict[str, str]:
 def run(args: argparse.Namespace, env) -> dict[str, Any]:
     """Measure every (plan, model, provider) on this rank; rank 0 returns (and writes) all."""
 
-    from .dist_providers import Context
+    from .dist_providers import LEAN_OPTIONS, Context
     from .dist_setup import (
         ModelSpec,
+        fixed_copies,
         fixed_grad,
         make_batches,
         make_plan,
@@ -227,7 +245,10 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
         rank=rank,
         device=device,
         scatter=args.hot_rows == "scattered",
+        candidates_per_user=args.vbe,
     )
+    by_batch = {"fixed": batches} if args.vbe == 1 else {"vbe": batches,
+                                                          "fixed": fixed_copies(batches)}
     grad = fixed_grad(tables, args.batch_size, args.seed, rank, device)
     weights_gb = sum(t.num_embeddings * t.embedding_dim for t in tables) * 4 / 1e9
     results: dict[str, Any] = {
@@ -246,6 +267,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "bag_size": args.bag_size,
             "zipf": args.zipf,
             "hot_rows": args.hot_rows,
+            "candidates_per_user": args.vbe,
+            "user_tables": len(tables) // 2 if args.vbe > 1 else 0,
             "optimizer": {"type": "rowwise_adagrad", "lr": args.lr, "eps": args.eps},
             "dense": {
                 "num_dense": args.num_dense,
@@ -273,7 +296,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     )
     for plan_name in args.plans:
         plan = make_plan(plan_name, tables, R, H)
-        for kind in args.models:
+        for kind, batch_kind in ((k, b) for k in args.models for b in by_batch):
             spec = ModelSpec(
                 kind=kind,
                 num_dense=args.num_dense,
@@ -285,7 +308,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 configs=configs,
                 plan=plan,
                 spec=spec,
-                batches=batches,
+                batches=by_batch[batch_kind],
                 grad=grad if kind == "ebc" else None,
                 device=device,
                 group=env.process_group,
@@ -295,10 +318,13 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 dense_lr=args.dense_lr,
                 comm_extra=args.comm_extra,
             )
-            estimate = torchrec_bytes(batches[0], plan, tables, rank)
+            estimate = torchrec_bytes(ctx.batches[0], plan, tables, rank)
             group_rows = []
             for provider in args.providers:
+                if batch_kind == "vbe" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
+                    continue  # fixed message sizes take fixed batches only
                 row = _run_one(provider, ctx, args, env, estimate)
+                row["batch"] = batch_kind
                 group_rows.append(row)
                 if failure(row):
                     results["failed"].append(failure(row))
@@ -310,6 +336,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     if rank == 0:
         results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)
         print(format_table(results["rows"]), flush=True)
+        if args.vbe > 1:
+            print(vbe_table(results["rows"]), flush=True)
         print(f"total {results['setup']['total_s']:.0f} s", flush=True)
         _write(args.out, results)
         if args.out:
@@ -414,6 +442,7 @@ def _bytes(
         out = {k: v for k, v in out.items() if v}
         local["bytes_source"] = "comm_report"
         local["comm_report"] = report
+        local["ids_sent"] = float(report["input_dist.data"].get("ids_sent", 0.0))
     if dense_numel:
         out["dense.all_reduce"] = 2.0 * (R - 1) / R * dense_numel * 4
     return out
@@ -453,6 +482,8 @@ def merge(
     row["bytes_sent"] = {k: sum(r["bytes"].get(k, 0.0) for r in ranks) for k in keys}
     row["bytes_sent_per_step"] = sum(row["bytes_sent"].values())
     row["bytes_source"] = r0.get("bytes_source")
+    if all("ids_sent" in r for r in ranks):
+        row["ids_sent_per_step"] = sum(r["ids_sent"] for r in ranks)
     if "comm_report" in r0:
         row["comm_report_rank0"] = r0["comm_report"]
     if all("peak_mem_gb" in r for r in ranks):

@@ -41,7 +41,8 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 def _cells(r: dict) -> list[str]:
-    head = [r["plan"], r["model"], r["provider"]]
+    vbe = "/vbe" if r.get("batch") == "vbe" else ""
+    head = [r["plan"], r["model"], r["provider"] + vbe]
     if r.get("status") != "ok":
         return head
     st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
@@ -85,6 +86,26 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def vbe_table(rows: Sequence[dict]) -> str:
+    """Per (plan, model, provider) measured on both: ids and bytes sent by all ranks per step
+    and ms per step, VBE batches against the same samples as fixed batches."""
+    by = {(r["plan"], r["model"], r["provider"], r.get("batch")): r for r in rows
+          if r.get("status") == "ok"}
+    lines = ["VBE vs the same samples as fixed batches (all ranks, per step):",
+             f"{'plan':>10}  {'model':>5}  {'provider':>14}  {'ids vbe':>10}  {'ids fixed':>10}  "
+             f"{'MB vbe':>8}  {'MB fixed':>8}  {'ms vbe':>8}  {'ms fixed':>8}"]
+    for (plan, model, provider, batch), v in by.items():
+        f = by.get((plan, model, provider, "fixed"))
+        if batch != "vbe" or f is None:
+            continue
+        lines.append(
+            f"{plan:>10}  {model:>5}  {provider:>14}  {_fmt(v.get('ids_sent_per_step'), 0):>10}  "
+            f"{_fmt(f.get('ids_sent_per_step'), 0):>10}  "
+            f"{v['bytes_sent_per_step'] / 1e6:>8.2f}  {f['bytes_sent_per_step'] / 1e6:>8.2f}  "
+            f"{v['ms_per_step']:>8.2f}  {f['ms_per_step']:>8.2f}")
+    return "\n".join(lines)
+
+
 def _stage(stages: dict, name: str) -> float:
     """A stage's ms for the chart; ``forward`` only where the forward was not split."""
     if name == "forward":
@@ -107,17 +128,17 @@ def plot(path: str, png: str) -> None:
     rows = [r for r in results["rows"] if r.get("status") == "ok"]
     if not rows:
         raise SystemExit(f"{path}: no measured rows to plot")
-    groups = list(dict.fromkeys((r["plan"], r["model"]) for r in rows))
+    groups = list(dict.fromkeys((r["plan"], r["model"], r.get("batch", "fixed")) for r in rows))
     providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 2.6 * len(groups)), 9))
     width = 0.8 / max(len(providers), 1)
     for i, prov in enumerate(providers):
         xs, ys, labels = [], [], []
-        for g, (plan, model) in enumerate(groups):
-            r = next(
-                (r for r in rows if (r["plan"], r["model"], r["provider"]) == (plan, model, prov)),
-                None,
-            )
+        for g, group in enumerate(groups):
+            key = (*group, prov)
+            r = next((r for r in rows
+                      if (r["plan"], r["model"], r.get("batch", "fixed"), r["provider"]) == key),
+                     None)
             if r is None or not r.get("samples_per_s"):
                 continue
             xs.append(g + (i - (len(providers) - 1) / 2) * width)
@@ -133,7 +154,8 @@ def plot(path: str, png: str) -> None:
                     va="bottom",
                     fontsize=7,
                 )
-    ax1.set_xticks(range(len(groups)), [f"{p}\n{m}" for p, m in groups])
+    ax1.set_xticks(range(len(groups)),
+                   [f"{p}\n{m}" + ("\nvbe" if b == "vbe" else "") for p, m, b in groups])
     ax1.set_ylabel("M samples/s (global)")
     setup = results.get("setup", {})
     ax1.set_title(
@@ -142,7 +164,8 @@ def plot(path: str, png: str) -> None:
         f"B={setup.get('batch_size_per_rank', '?')}/rank (label: x TorchRec)"
     )
     ax1.legend(fontsize=8)
-    names = [f"{r['plan'][:5]}/{r['model']}/{r['provider']}" for r in rows]
+    names = [f"{r['plan'][:5]}/{r['model']}/{r['provider']}" + ("/vbe" if r.get("batch") == "vbe"
+             else "") for r in rows]
     bottom = [0.0] * len(rows)
     for s in ("input_dist", "lookup", "output_dist", "dense", "forward", "backward"):
         vals = [_stage(r.get("stages_ms", {}), s) for r in rows]

@@ -184,24 +184,59 @@ def make_batches(
     rank: int,
     device: torch.device,
     scatter: bool = True,
+    candidates_per_user: int = 1,
 ) -> list[Batch]:
     """``n`` batches of this rank (a function of ``seed`` and ``rank``), on ``device``: fixed
     bags of L ids (int64; lengths int32, as TorchRec's datasets), [B, num_dense] dense
-    features, 0/1 labels."""
+    features, 0/1 labels. ``candidates_per_user`` K > 1: VBE batches, the first half of the
+    tables' features one bag per user (ceil(B / K) users, K consecutive samples each), the
+    others one per sample (``fixed_copies`` gives the same samples as fixed batches)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank * 7919 + 17)
     keys = [t.feature for t in tables]
-    lengths = torch.full((len(tables) * B,), L, dtype=torch.int32, device=device)
+    K = candidates_per_user
+    # K > 1: the first half of the tables are user features, one bag per user (VBE)
+    strides = [-(-B // K) if K > 1 and i < len(tables) // 2 else B for i in range(len(tables))]
+    lengths = torch.full((sum(strides),), L, dtype=torch.int32, device=device)
+    vbe = {}
+    if K > 1:
+        arange = torch.arange(B, device=device)
+        inverse = torch.stack([arange // K if s < B else arange for s in strides])
+        vbe = {"stride_per_key_per_rank": [[s] for s in strides],
+               "inverse_indices": (keys, inverse)}
     out = []
     for _ in range(n):
-        values = torch.cat(
-            [zipf_rows(t.num_embeddings, B * L, alpha, g, device, scatter) for t in tables]
-        )
-        kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+        values = torch.cat([zipf_rows(t.num_embeddings, s * L, alpha, g, device, scatter)
+                            for t, s in zip(tables, strides, strict=True)])
+        kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, **vbe)
         dense = torch.randn(B, num_dense, generator=g, device=device)
         labels = (torch.rand(B, generator=g, device=device) < 0.5).float()
         out.append(Batch(dense=dense, sparse=kjt, labels=labels))
+    return out
+
+
+def fixed_copies(batches: Sequence[Batch]) -> list[Batch]:
+    """The same samples as fixed batches: every VBE feature's bags copied per sample."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from fbtriton_dist.train.data import expand_bags
+
+    out = []
+    for b in batches:
+        kjt = b.sparse
+        if not kjt.variable_stride_per_key():
+            out.append(b)
+            continue
+        inv_keys, inverse = kjt.inverse_indices()
+        lengths, values = [], []
+        for key, jt in kjt.to_dict().items():
+            rows = inverse[inv_keys.index(key)]
+            lengths.append(jt.lengths()[rows])
+            values.append(expand_bags(jt.lengths(), jt.values(), rows))
+        fixed = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values),
+                                  lengths=torch.cat(lengths))
+        out.append(Batch(dense=b.dense, sparse=fixed, labels=b.labels))
     return out
 
 
@@ -284,14 +319,15 @@ def torchrec_bytes(batch: Batch, plan: ShardingPlan, tables: Sequence[Table], ra
     """Bytes this rank sends per collective in one TorchRec step, estimated from the KJT and
     the pooled sizes: ids and lengths to their owners (row-wise: lengths of every bag to every
     rank), pooled partials reduce-scattered (row-wise) or sent to their samples' rank
-    (table-wise), and their gradients back."""
+    (table-wise), and their gradients back; a VBE batch at each feature's own batch size."""
     kjt = batch.sparse
-    R, B = plan.world_size, batch.batch_size
+    R = plan.world_size
     id_size, len_size = kjt.values().element_size(), kjt.lengths().element_size()
     per_key = kjt.to_dict()
     ids = lengths = fwd = bwd = 0
     for t, ts in zip(tables, plan.tables, strict=True):
         values = per_key[t.feature].values()
+        B = per_key[t.feature].lengths().numel()  # VBE: the feature's own bags
         if ts.sharding == "row_wise":
             cuts = torch.tensor([s.row_start for s in ts.shards[1:]], device=values.device)
             owner = torch.bucketize(values, cuts, right=True)

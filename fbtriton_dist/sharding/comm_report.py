@@ -22,7 +22,8 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
     if last is None:
         raise RuntimeError("comm_report: no step has run yet")
     B, sizes = last["B"], last["batch_sizes"]
-    traffic = dict(last["traffic"]) | ebc.output_dist_.traffic(sizes)
+    strides = last.get("strides")  # a VBE step's rows per (rank, feature)
+    traffic = dict(last["traffic"]) | ebc.output_dist_.traffic(sizes, strides)
     per_feature = _value(last["per_feature"]).tolist()
     pooling = {f: n / max(B, 1)
                for f, n in zip(ebc.layout.feature_names, per_feature, strict=True)}
@@ -49,6 +50,6 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
                                   "planner_estimate": float(cost.input_dist_bytes)}
     report["output_dist.total"] = {"received": float(measured_out),
                                    "planner_estimate": float(cost.output_dist_bytes)}
-    sent, received = ebc.output_dist_.inter_host(sizes)  # a part of output_dist.forward
+    sent, received = ebc.output_dist_.inter_host(sizes, strides)  # a part of output_dist.forward
     report["output_dist.forward.inter_host"] = {"sent": float(sent), "received": float(received)}
     return report

@@ -156,6 +156,12 @@ class FixedInputDist(InputDist):
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
             self.poll(wait=False)
+        if features.variable_stride_per_key():
+            raise ValueError(
+                "CommOptions(fixed_shapes=True): a batch size per feature (VBE, "
+                "stride_per_key) changes the message sizes every batch; use "
+                "CommOptions(fixed_shapes=False) for VBE batches"
+            )
         parts = kjt_parts(features, self.layout.feature_names, weighted)
         B, N = parts.batch_size, parts.values.numel()
         if self.agreed is None:

@@ -43,7 +43,16 @@ import torch.distributed as dist
 from fbtriton_dist.ops import backend as backends
 from fbtriton_dist.ops import bucketize as ops
 from fbtriton_dist.sharding.layout import ShardLayout
-from fbtriton_dist.sparse import JaggedBatch, KJTParts, kjt_parts, kjt_to_batch
+from fbtriton_dist.sparse import (
+    JaggedBatch,
+    KJTParts,
+    check_inverse_bounds,
+    kjt_parts,
+    kjt_to_batch,
+    padding_positions,
+    vbe_kjt_parts,
+    vbe_kjt_to_batch,
+)
 
 ALIGN = 8  # bytes: every piece of a message starts aligned, so it can be viewed in place
 INVERSE16 = 2**16  # inverse maps into at most this many distinct ids travel in 16 bits
@@ -64,6 +73,21 @@ class LookupBatch(JaggedBatch):
     ``indices``/``offsets`` above are then the first group's."""
 
 
+@dataclass(frozen=True, eq=False)
+class VBEStep:
+    """A step where some rank's batch has a batch size per feature (VBE). Every rank's
+    lookup block is padded to its ``batch_sizes`` entry P_r with empty bags; the output dist
+    sends feature f's first ``strides[r][f]`` rows of rank r's block only (the deduplicated
+    rows), and rank r expands them to its samples by ``inverse``."""
+
+    strides: tuple[tuple[int, ...], ...]
+    """[R][T] rows of feature f (config order) in rank r's batch, for the features of this
+    rank's shards and, for r = this rank, every feature; -1 where this rank does not know."""
+    inverse: torch.Tensor | None
+    """[T, B] int64: the row of each feature each of this rank's samples reads (the KJT's
+    inverse indices, config feature order); None when this rank's own batch is fixed."""
+
+
 class InputDistOut(NamedTuple):
     """What the ``input_dist`` stage hands to ``compute`` and ``output_dist``."""
 
@@ -72,7 +96,9 @@ class InputDistOut(NamedTuple):
     lookup: LookupBatch
     """The lookup batch of this rank's shards."""
     batch_sizes: list[int]
-    """Every rank's local batch size."""
+    """Every rank's local batch size (VBE: its padded batch P_r)."""
+    vbe: VBEStep | None = None
+    """Set when some rank's batch has a batch size per feature."""
 
 
 @dataclass(frozen=True)
@@ -146,21 +172,22 @@ def message(
 def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
     """Every id inside its table; raises IndexError naming the first bad one. Only run to
     explain a failure the device check found (it syncs)."""
-    B = batch.batch_size
-    if batch.indices.numel() == 0 or B == 0:
+    if batch.indices.numel() == 0:
         return
+    bag_feature, first_bag = _bag_features(batch, len(layout.feature_names))
     bags = torch.repeat_interleave(
-        torch.arange(len(layout.feature_names) * B, device=batch.indices.device),
+        torch.arange(bag_feature.numel(), device=batch.indices.device),
         batch.offsets[1:] - batch.offsets[:-1],
         output_size=batch.indices.numel(),
     )
     rows = torch.tensor(
         [layout.table_rows[t] for t in layout.feature_table], device=batch.indices.device
-    )[bags // B]
+    )[bag_feature[bags]]
     bad = (batch.indices < 0) | (batch.indices >= rows)
     if bool(bad.any()):
         p = int(torch.nonzero(bad)[0])
-        f, b = divmod(int(bags[p]), B)
+        f = int(bag_feature[bags[p]])
+        b = int(bags[p]) - first_bag[f]
         t = layout.feature_table[f]
         raise IndexError(
             f"id {int(batch.indices[p])} of feature '{layout.feature_names[f]}' (sample {b}) is "
@@ -172,18 +199,30 @@ def check_ids(batch: JaggedBatch, layout: ShardLayout) -> None:
 def check_weights(batch: JaggedBatch, layout: ShardLayout) -> None:
     """Every per-sample weight finite; raises ValueError naming the first bad one. Only run
     to explain a failure the device check found (it syncs)."""
-    w, B = batch.per_sample_weights, batch.batch_size
-    if w is None or w.numel() == 0 or B == 0:
+    w = batch.per_sample_weights
+    if w is None or w.numel() == 0:
         return
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
         p = int(torch.nonzero(bad)[0])
         bag = int(torch.searchsorted(batch.offsets[1:], torch.tensor(p), right=True))
-        f, b = divmod(bag, B)
+        bag_feature, first_bag = _bag_features(batch, len(layout.feature_names))
+        f = int(bag_feature[bag])
+        b = bag - first_bag[f]
         raise ValueError(
             f"per-sample weight {float(w[p])} of feature '{layout.feature_names[f]}' (sample "
             f"{b}): expected finite weights"
         )
+
+
+def _bag_features(batch: JaggedBatch, T: int) -> tuple[torch.Tensor, list[int]]:
+    """([bags] the feature of each bag, the first bag of each feature), fixed batch or VBE."""
+    sizes = list(batch.batch_sizes or [batch.batch_size] * T)
+    dev = batch.indices.device
+    per_bag = torch.repeat_interleave(
+        torch.arange(T, device=dev), torch.tensor(sizes, dtype=torch.int64, device=dev)
+    )
+    return per_bag, [sum(sizes[:f]) for f in range(T)]
 
 
 class KeyTables(NamedTuple):
@@ -191,6 +230,8 @@ class KeyTables(NamedTuple):
 
     sf_key: torch.Tensor
     """[S] the key index of each shard-feature."""
+    sf_keys: tuple[int, ...]
+    """The same, on the host."""
     cover_key: torch.Tensor
     """[K] how many ids each valid id of a key becomes (a name two tables share: both)."""
     feat_key: torch.Tensor
@@ -221,10 +262,13 @@ class InputDist:
         R = layout.world_size
         self.n_sf = [len(q) for q in layout.local]  # shard-features per destination
         self.n_max = max(self.n_sf, default=0)
-        # header columns: ids per shard-feature, [distinct ids per shard-feature,] B, failed
-        self.c_B = self.n_max * (2 if dedup else 1)
+        # header columns: ids per shard-feature, [distinct ids per shard-feature,] bags per
+        # shard-feature (its feature's batch size: B unless VBE), B, failed, VBE
+        self.c_stride = self.n_max * (2 if dedup else 1)
+        self.c_B = self.c_stride + self.n_max
         self.c_failed = self.c_B + 1
-        self.H = self.c_B + 2
+        self.c_vbe = self.c_B + 2
+        self.H = self.c_B + 3
         self.sfs = [sf for q in layout.local for sf in q]
         self.sf_start = [0]
         for n in self.n_sf:
@@ -273,7 +317,7 @@ class InputDist:
                 return torch.tensor(values, dtype=torch.int64, device=self.device)
 
             self._per_keys[keys] = KeyTables(
-                tensor(sf_key), tensor(cover_key), tensor(key_of), grid,
+                tensor(sf_key), tuple(sf_key), tensor(cover_key), tensor(key_of), grid,
                 ops.grid_cover(grid, cover_key, self.device),
             )
         return self._per_keys[keys]
@@ -306,6 +350,30 @@ class InputDist:
         used[:K] = self.tables_for(parts.keys).cover_key > 0
         return (~torch.isfinite(w) & used[key]).any()
 
+    def bad_inverse(self, parts: KJTParts) -> torch.Tensor:
+        """The device flag of a VBE batch whose inverse indices point outside a feature's
+        bags (False for a fixed batch)."""
+        if parts.inverse is None or parts.inverse.numel() == 0:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        strides = torch.tensor(parts.strides, dtype=torch.int64, device=self.device)
+        bags = strides.index_select(0, self.tables_for(parts.keys).feat_key)[:, None]
+        inv = parts.inverse.to(self.device)
+        return ((inv < 0) | (inv >= bags)).any()
+
+    def parts(self, features, weighted: bool) -> KJTParts:
+        """The KJT's parts (``sparse.kjt_parts``; a batch size per feature: ``vbe_kjt_parts``,
+        lengths padded to the largest)."""
+        if features.variable_stride_per_key():
+            return vbe_kjt_parts(features, self.layout.feature_names, weighted)
+        return kjt_parts(features, self.layout.feature_names, weighted)
+
+    def own_strides(self, parts: KJTParts) -> list[int]:
+        """Bags of each config feature in this rank's batch (B unless VBE)."""
+        if parts.strides is None:
+            return [parts.batch_size] * len(self.layout.feature_names)
+        key_of = [parts.keys.index(f) for f in self.layout.feature_names]
+        return [parts.strides[k] for k in key_of]
+
     def own_lengths(self, parts: KJTParts) -> torch.Tensor:
         """[T, B] this rank's bag lengths in config feature order (MEAN divides by them)."""
         own = parts.lengths.view(len(parts.keys), parts.batch_size)
@@ -318,7 +386,12 @@ class InputDist:
         check (a ValueError or IndexError naming the feature, id and bound), or a
         RuntimeError if it finds none."""
         try:
-            batch = kjt_to_batch(features, self.layout.feature_names, weighted)
+            if features.variable_stride_per_key():
+                batch, rows = vbe_kjt_to_batch(features, self.layout.feature_names, weighted)
+                if rows is not None:
+                    check_inverse_bounds(rows, self.layout.feature_names, batch.batch_sizes)
+            else:
+                batch = kjt_to_batch(features, self.layout.feature_names, weighted)
             check_ids(batch, self.layout)
             check_weights(batch, self.layout)
         except (IndexError, ValueError) as e:
@@ -376,7 +449,7 @@ class InputDist:
         R, me = self.world, self.rank
         error, parts, sent = None, None, None
         try:
-            parts = kjt_parts(features, self.layout.feature_names, weighted)
+            parts = self.parts(features, weighted)
         except ValueError as e:  # tell the other ranks before raising
             error = e
         hdr = torch.zeros((R, self.H), dtype=torch.int64, device=self.device)
@@ -384,13 +457,23 @@ class InputDist:
             lengths, ids, w, failed = self._bucketize(parts)
             per_sf = lengths.view(len(self.sfs), parts.batch_size).sum(1)  # [S]
             hdr.view(-1).index_copy_(0, self.hdr_pos, per_sf)
+            sf_strides = None
+            if parts.strides is None:
+                hdr[:, self.c_stride : self.c_B] = parts.batch_size
+            else:  # VBE: each shard-feature's bags, and the inverse indices checked here
+                keyed = self.tables_for(parts.keys)
+                sf_strides = [parts.strides[k] for k in keyed.sf_keys]
+                hdr.view(-1).index_copy_(0, self.hdr_pos + self.c_stride, torch.tensor(
+                    sf_strides, dtype=torch.int64, device=self.device))
+                hdr[:, self.c_vbe] = 1
+                failed = failed | self.bad_inverse(parts)
             hdr[:, self.c_B] = parts.batch_size
             hdr[:, self.c_failed] = failed
             uniq = inverse = None
             if self.dedup and ids.numel():
                 uniq, inverse, n_unique = self._unique(ids, per_sf)
                 hdr.view(-1).index_copy_(0, self.hdr_pos + self.n_max, n_unique)
-            sent = (lengths, ids, w, uniq, inverse)
+            sent = (lengths, ids, w, uniq, inverse, sf_strides)
         else:
             hdr[:, self.c_failed] = 1
         hdr_recv = torch.empty_like(hdr)
@@ -408,22 +491,25 @@ class InputDist:
     def _pack(self, sent, sent_h, B: int, weighted: bool):
         """The send buffer: one message per destination (``message``), and their layouts and
         (ids, first id, distinct ids, first distinct id) counts."""
-        lengths, ids, w, uniq, inverse = sent
-        msgs, counts, id_start, u_start = [], [], 0, 0
+        lengths, ids, w, uniq, inverse, sf_strides = sent
+        if sf_strides is not None:  # VBE: only each shard-feature's real bags travel
+            lengths = lengths.index_select(0, padding_positions(sf_strides, B, self.device))
+        msgs, counts, id_start, u_start, l_start = [], [], 0, 0, [0]
         for q in range(self.world):
             count = sum(sent_h[q][: self.n_sf[q]])
             per_u = sent_h[q][self.n_max : self.n_max + self.n_sf[q]] if self.dedup else [0]
             unique = sum(per_u)
-            msgs.append(message(self.n_sf[q] * B, count, unique, self.id_dtype[q], weighted,
+            n_lengths = sum(sent_h[q][self.c_stride : self.c_stride + self.n_sf[q]])
+            msgs.append(message(n_lengths, count, unique, self.id_dtype[q], weighted,
                                 self.dedup, max(per_u, default=0)))
             counts.append((count, id_start, unique, u_start))
             id_start += count
             u_start += unique
+            l_start.append(l_start[-1] + n_lengths)
         buf = torch.empty(sum(m.nbytes for m in msgs), dtype=torch.uint8, device=self.device)
         base = 0
         for q, (msg, (count, a, unique, u)) in enumerate(zip(msgs, counts, strict=True)):
-            s0 = self.sf_start[q] * B
-            pieces = {"lengths": lengths[s0 : s0 + self.n_sf[q] * B], "ids": ids[a : a + count]}
+            pieces = {"lengths": lengths[l_start[q] : l_start[q + 1]], "ids": ids[a : a + count]}
             if "unique" in msg.pieces:
                 pieces["unique"] = uniq[u : u + unique]
                 pieces["inverse"] = inverse[a : a + count]
@@ -441,7 +527,8 @@ class InputDist:
         for r in range(self.world):
             count = sum(recv_h[r][:n_local])
             per_u = recv_h[r][self.n_max : self.n_max + n_local] if self.dedup else [0]
-            msgs.append(message(n_local * sizes[r], count, sum(per_u), self.id_dtype[self.rank],
+            n_lengths = sum(recv_h[r][self.c_stride : self.c_stride + n_local])
+            msgs.append(message(n_lengths, count, sum(per_u), self.id_dtype[self.rank],
                                 weighted, self.dedup, max(per_u, default=0)))
         return msgs
 
@@ -461,6 +548,7 @@ class InputDist:
             group=group,
         )
         lookup = self._unpack(recvbuf, recv_msgs, recv_h, hdr_recv, sizes, weighted_wire)
+        vbe = self.vbe_step(parts, recv_h)
 
         others = [q for q in range(R) if q != me]
         n_local = self.n_sf[me]
@@ -479,25 +567,47 @@ class InputDist:
             batch_sizes=sizes,
             per_feature=own.sum(1),  # device; read by comm_report only
             B=sizes[me],
+            strides=vbe.strides if vbe is not None else None,
         )
-        return InputDistOut(own, dataclasses.replace(lookup, stats=stats), sizes)
+        return InputDistOut(own, dataclasses.replace(lookup, stats=stats), sizes, vbe)
+
+    def vbe_step(self, parts: KJTParts, recv_h) -> VBEStep | None:
+        """The step's ``VBEStep`` if some rank's batch has a batch size per feature (every
+        rank got every rank's header, so all agree), else None."""
+        R, me = self.world, self.rank
+        if not any(recv_h[r][self.c_vbe] for r in range(R)):
+            return None
+        T = len(self.layout.feature_names)
+        strides = [[-1] * T for _ in range(R)]
+        for r in range(R):
+            for i, sf in enumerate(self.layout.local[me]):
+                strides[r][sf.feature] = recv_h[r][self.c_stride + i]
+        strides[me] = self.own_strides(parts)
+        return VBEStep(tuple(map(tuple, strides)), parts.inverse)
 
     @staticmethod
     def stats(*, traffic: dict, ids, without_dedup, batch_sizes: list[int], per_feature,
-              B: int) -> dict:
+              B: int, strides=None) -> dict:
         """What ``comm_report`` reads of a step: bytes per collective (sent, received), ids
         sent and received, the data bytes without dedup, every rank's batch size, the ids
         per feature of this rank's batch and its size ``B``. ``ids`` and ``per_feature`` may
-        be functions that compute them (read only when a report asks)."""
+        be functions that compute them (read only when a report asks). ``strides``: a VBE
+        step's ``VBEStep.strides``."""
         return {"traffic": traffic, "ids": ids, "without_dedup": without_dedup,
-                "batch_sizes": batch_sizes, "per_feature": per_feature, "B": B}
+                "batch_sizes": batch_sizes, "per_feature": per_feature, "B": B,
+                "strides": strides}
 
     # -- receiver ---------------------------------------------------------------------------
     def _unpack(self, buf, msgs, recv_h, hdr_recv, sizes, weighted) -> LookupBatch:
         R, n_local, dev = self.world, self.n_sf[self.rank], self.device
         lens, ids, ws, base = [], [], [], 0
         for r, msg in enumerate(msgs):
-            lens.append(msg.piece(buf, base, "lengths").view(n_local, sizes[r]))
+            got = msg.piece(buf, base, "lengths")
+            if got.numel() != n_local * sizes[r]:  # VBE: padded back to the source's batch
+                strides = recv_h[r][self.c_stride : self.c_stride + n_local]
+                at = padding_positions(strides, sizes[r], dev)
+                got = got.new_zeros(n_local * sizes[r]).index_copy_(0, at, got)
+            lens.append(got.view(n_local, sizes[r]))
             if "unique" in msg.pieces:
                 # each id's place among its shard-feature's distinct ids, plus where those
                 # start in the message (from the header on the device)

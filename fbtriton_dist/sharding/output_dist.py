@@ -17,6 +17,11 @@ Data-parallel shard-features never travel: every rank computed them for the glob
 keeps its own rows. Backward is autograd's: index_add -> gather, all-to-all -> reverse
 all-to-all (step 1's: an all-gather of the gradient rows inside the host), own rows ->
 all-gather.
+
+A VBE step (``strides`` given, ``input_dist.VBEStep``): every rank's rows are its padded
+batch P_r, but a block carries only feature f's first ``strides[r][f]`` rows of it (column
+run by column run of one feature, row-major inside), so the wire holds each feature's
+deduplicated rows; the receiver expands them afterwards.
 """
 
 from dataclasses import dataclass
@@ -36,6 +41,8 @@ class Block:
     dest: int
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    features: tuple[int, ...] = ()
+    """The feature of each column (a VBE step sends each feature's own rows)."""
 
 
 class BlockExchange:
@@ -52,27 +59,44 @@ class BlockExchange:
         self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
         self._slice_cache: dict = {}
 
-    def elements(self, batch_sizes: list[int]) -> tuple[list[int], list[int]]:
-        """Values sent to / received from each peer."""
-        count = [[sum(batch_sizes[b.dest] * len(b.src) for b in bl) for bl in side]
-                 for side in (self.send, self.recv)]
+    @staticmethod
+    def _runs(b: Block, batch_sizes, strides) -> list[tuple[int, int, int]]:
+        """(first column index in the block, columns, rows) of the pieces block ``b`` travels
+        in: the whole block, or in a VBE step one per run of columns of one feature."""
+        if strides is None:
+            return [(0, len(b.src), batch_sizes[b.dest])]
+        runs = []
+        for i, f in enumerate(b.features):
+            if runs and f == b.features[i - 1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, strides[b.dest][f]])
+        return [tuple(r) for r in runs]
+
+    def elements(self, batch_sizes: list[int], strides=None) -> tuple[list[int], list[int]]:
+        """Values sent to / received from each peer (``strides``: a VBE step's)."""
+        count = [[sum(n * rows for b in bl for _, n, rows in self._runs(b, batch_sizes, strides))
+                  for bl in side] for side in (self.send, self.recv)]
         return count[0], count[1]
 
-    def _flat(self, blocks, batch_sizes, width, global_rows, receiving) -> torch.Tensor:
+    def _flat(self, blocks, batch_sizes, width, global_rows, receiving, strides=None):
         """Flat indices (row * width + column) of every block's values, peer by peer."""
         starts = [0, *accumulate(batch_sizes)]
         parts = [torch.zeros(0, dtype=torch.int64)]
         for b in (b for per_peer in blocks for b in per_peer):
-            rows = torch.arange(batch_sizes[b.dest]) + (starts[b.dest] if global_rows else 0)
             cols = torch.tensor(b.dst if receiving else b.src, dtype=torch.int64)
-            parts.append((rows[:, None] * width + cols[None, :]).flatten())
+            for c0, n, n_rows in self._runs(b, batch_sizes, strides):
+                rows = torch.arange(n_rows) + (starts[b.dest] if global_rows else 0)
+                parts.append((rows[:, None] * width + cols[None, c0 : c0 + n]).flatten())
         return torch.cat(parts).to(self.device)
 
-    def _indices(self, batch_sizes: list[int]):
-        if self._cached[0] != batch_sizes:
-            send = self._flat(self.send, batch_sizes, self.widths[0], True, False)
-            recv = self._flat(self.recv, batch_sizes, self.widths[1], self.global_rows, True)
-            self._cached = (list(batch_sizes), (send, recv, *self.elements(batch_sizes)))
+    def _indices(self, batch_sizes: list[int], strides=None):
+        key = (list(batch_sizes), strides)
+        if self._cached[0] != key:
+            send = self._flat(self.send, batch_sizes, self.widths[0], True, False, strides)
+            recv = self._flat(self.recv, batch_sizes, self.widths[1], self.global_rows, True,
+                              strides)
+            self._cached = (key, (send, recv, *self.elements(batch_sizes, strides)))
         return self._cached[1]
 
     def _slices(self, batch_sizes: list[int]):
@@ -156,15 +180,17 @@ class BlockExchange:
     def _row_splits(send) -> list[int]:
         return [blk[0][1] - blk[0][0] for blk in send]
 
-    def __call__(self, x, target, batch_sizes: list[int], group=None, rows: int = 0):
+    def __call__(self, x, target, batch_sizes: list[int], group=None, rows: int = 0,
+                 strides=None):
         """``target`` plus the blocks of ``x`` that every peer sent this rank (``target`` None:
-        zeros of ``rows`` rows by the receiving width)."""
-        plan = self._slices(batch_sizes)
+        zeros of ``rows`` rows by the receiving width). ``strides``: a VBE step's rows per
+        (rank, feature) (``input_dist.VBEStep.strides``)."""
+        plan = self._slices(batch_sizes) if strides is None else None
         if plan is not None:
             return self._sliced(x, target, plan, group, rows)
         if target is None:
             target = x.new_zeros((rows, self.widths[1]))
-        send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
+        send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes, strides)
         values = x.reshape(-1).index_select(0, send_idx)
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
@@ -240,14 +266,15 @@ def host_blocks(layout: ShardLayout, q: int, p: int) -> list[Block]:
         at_p.setdefault(sf.slice_key, j)
     blocks = []
     for dest in range(layout.world_size):
-        src, dst = [], []
+        src, dst, features = [], [], []
         for i, sf in enumerate(layout.local[q]):
             if sf.in_host and layout.responsible(sf, dest) == p:
                 j = at_p[sf.slice_key]
                 src += range(starts_q[i], starts_q[i] + sf.dim)
                 dst += range(starts_p[j], starts_p[j] + sf.dim)
+                features += [sf.feature] * sf.dim
         if src:
-            blocks.append(Block(dest, tuple(src), tuple(dst)))
+            blocks.append(Block(dest, tuple(src), tuple(dst), tuple(features)))
     return blocks
 
 
@@ -255,14 +282,15 @@ def out_blocks(layout: ShardLayout, q: int, r: int) -> list[Block]:
     """Step 2, rank ``q`` to rank ``r``: r's rows of q's shard-features (an in-host one only if
     q is responsible for r), added into the feature's columns of r's pooled output."""
     starts = layout.local_columns(q)
-    src, dst = [], []
+    src, dst, features = [], [], []
     for i, sf in enumerate(layout.local[q]):
         if sf.data_parallel or (sf.in_host and layout.responsible(sf, r) != q):
             continue
         src += range(starts[i], starts[i] + sf.dim)
         first = layout.feature_cols[sf.feature] + sf.col_start
         dst += range(first, first + sf.dim)
-    return [Block(r, tuple(src), tuple(dst))] if src else []
+        features += [sf.feature] * sf.dim
+    return [Block(r, tuple(src), tuple(dst), tuple(features))] if src else []
 
 
 class OutputDist:
@@ -302,19 +330,21 @@ class OutputDist:
         self.dp_src = torch.tensor(dp_src, dtype=torch.int64, device=device)
         self.dp_dst = torch.tensor(dp_dst, dtype=torch.int64, device=device)
 
-    def _bytes(self, ex: BlockExchange, batch_sizes: list[int], keep) -> tuple[int, int]:
+    def _bytes(self, ex: BlockExchange, batch_sizes: list[int], keep,
+               strides=None) -> tuple[int, int]:
         """Bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks."""
         return tuple(
             self.value_bytes * sum(n for p, n in zip(ex.peers, side, strict=True) if keep(p))
-            for side in ex.elements(batch_sizes)
+            for side in ex.elements(batch_sizes, strides)
         )
 
-    def traffic(self, batch_sizes: list[int]) -> dict[str, tuple[int, int]]:
+    def traffic(self, batch_sizes: list[int], strides=None) -> dict[str, tuple[int, int]]:
         """Bytes (sent, received) to/from the other ranks per collective, backward included
-        (it mirrors the forward), pooled values in the wire dtype."""
+        (it mirrors the forward), pooled values in the wire dtype (``strides``: a VBE
+        step's)."""
         me, B = self.rank, batch_sizes[self.rank]
-        host_sent, host_recv = self._bytes(self.host, batch_sizes, lambda p: p != me)
-        sent, recv = self._bytes(self.out, batch_sizes, lambda p: p != me)
+        host_sent, host_recv = self._bytes(self.host, batch_sizes, lambda p: p != me, strides)
+        sent, recv = self._bytes(self.out, batch_sizes, lambda p: p != me, strides)
         others = [q for q in range(len(batch_sizes)) if q != me]
         dp = 4 * self.dp_src.numel()
         return {
@@ -327,22 +357,26 @@ class OutputDist:
             ),
         }
 
-    def inter_host(self, batch_sizes: list[int]) -> tuple[int, int]:
+    def inter_host(self, batch_sizes: list[int], strides=None) -> tuple[int, int]:
         """Bytes (sent, received) of the forward output dist that cross hosts (the backward
         mirrors them)."""
         H = self.layout.local_world_size
-        return self._bytes(self.out, batch_sizes, lambda p: p // H != self.rank // H)
+        return self._bytes(self.out, batch_sizes, lambda p: p // H != self.rank // H, strides)
 
     def __call__(
-        self, local: torch.Tensor, batch_sizes: list[int], group=None, host_group=None
+        self, local: torch.Tensor, batch_sizes: list[int], group=None, host_group=None,
+        strides=None,
     ) -> torch.Tensor:
         """``local`` [sum(batch_sizes), W_rank] -> pooled ``[B_rank, sum(D)]`` (fp32, SUM).
-        ``host_group``: the ranks of this rank's host (``ShardLayout.host_ranks``)."""
+        ``host_group``: the ranks of this rank's host (``ShardLayout.host_ranks``).
+        ``strides``: a VBE step's rows per (rank, feature); each feature's rows past them
+        stay zero."""
         # every rank of a group takes part in its exchanges (and, through autograd, in their
         # backward), even with nothing to send or receive: the output depends on what came back
         if self.has_host_step:
-            local = self.host(local, local, batch_sizes, host_group)
-        out = self.out(local, None, batch_sizes, group, rows=batch_sizes[self.rank])
+            local = self.host(local, local, batch_sizes, host_group, strides=strides)
+        out = self.out(local, None, batch_sizes, group, rows=batch_sizes[self.rank],
+                       strides=strides)
         if self.dp_src.numel():
             mine = own_rows(local.index_select(1, self.dp_src), batch_sizes, self.rank, group)
             out = out.index_add(1, self.dp_dst, mine)

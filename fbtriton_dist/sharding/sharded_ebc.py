@@ -26,7 +26,7 @@ from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding import state_dict as states
 from fbtriton_dist.sharding.comm_report import comm_report
 from fbtriton_dist.sharding.fixed import FixedInputDist
-from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut, LookupBatch
+from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut, LookupBatch, VBEStep
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sharding.options import CommOptions
 from fbtriton_dist.sharding.output_dist import OutputDist
@@ -48,9 +48,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     The stages, for pipelines and benchmarks that run them apart::
 
-        lengths, lookup, sizes = ebc.input_dist(kjt)   # bucketize + header/data all-to-alls
-        local = ebc.compute(lookup)                    # TBE lookup of the local shards
-        kt = ebc.output_dist(local, lengths, sizes)    # KeyedTensor [B, sum(D)]
+        lengths, lookup, sizes, vbe = ebc.input_dist(kjt)  # bucketize + header/data all-to-alls
+        local = ebc.compute(lookup)                         # TBE lookup of the local shards
+        kt = ebc.output_dist(local, lengths, sizes, vbe)    # KeyedTensor [B, sum(D)]
 
     ``input_group`` (default: the process group) carries the input dist; a pipeline may give
     it a group of its own so the next batch's ids do not queue behind this batch's output
@@ -290,21 +290,29 @@ class ShardedEmbeddingBagCollection(nn.Module):
             first += n
         return outs[0] if single else torch.cat(outs, dim=1)
 
-    def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int]):
+    def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int],
+                    vbe: VBEStep | None = None):
         """Pooled partials -> KeyedTensor ``[B, sum(D)]`` of this rank's samples; MEAN
-        features divided by their global bag length (``lengths`` [T, B] from input_dist)."""
-        out = self.output_dist_(local, sizes, self.group, self.host_group)
+        features divided by their global bag length (``lengths`` [T, B] from input_dist).
+        ``vbe`` (a step with a batch size per feature): each feature's deduplicated rows
+        travel, then this rank expands them by its inverse indices (one gather; backward
+        sums the expanded gradients back into each row before the output dist's)."""
+        strides = vbe.strides if vbe is not None else None
+        out = self.output_dist_(local, sizes, self.group, self.host_group, strides=strides)
         if any(self.layout.feature_mean):  # exact MEAN: divide by the global bag length
             scale = torch.where(self._mean, 1.0 / lengths.to(out.dtype).clamp(min=1), 1.0)
             out = out * scale.t().index_select(1, self._col_feature)
+        if vbe is not None and vbe.inverse is not None:
+            rows = vbe.inverse.to(out.device).index_select(0, self._col_feature)  # [sum(D), B]
+            out = torch.gather(out, 0, rows.t())
         return keyed_tensor(self._embedding_names, self._dims, out)
 
     def forward(self, features):
         dist_out = self._take_prefetched(features)
         if dist_out is None:
             dist_out = self.input_dist(features)
-        lengths, lookup, sizes = dist_out
-        return self.output_dist(self.compute(lookup), lengths, sizes)
+        return self.output_dist(self.compute(dist_out.lookup), dist_out.lengths,
+                                dist_out.batch_sizes, dist_out.vbe)
 
     def comm_report(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent and received in the last step per collective, next to the

@@ -115,12 +115,13 @@ class _Context:
     """One step's state between ``compute`` and ``output_dist`` (TorchRec's ShrdCtx)."""
 
     def __init__(self) -> None:
-        self.lengths: torch.Tensor | None = None
-        self.sizes: list[int] | None = None
+        self.dist_input: InputDistOut | None = None
 
     def record_stream(self, stream) -> None:
-        if self.lengths is not None:
-            self.lengths.record_stream(stream)
+        if self.dist_input is not None:
+            self.dist_input.lengths.record_stream(stream)
+            if self.dist_input.vbe is not None and self.dist_input.vbe.inverse is not None:
+                self.dist_input.vbe.inverse.record_stream(stream)
 
 
 class _FusedOptimizer(FusedOptimizer):
@@ -180,12 +181,12 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
         return NoWait(NoWait(self.sharded.input_dist(features)))  # its collectives run here
 
     def compute(self, ctx: _Context, dist_input: InputDistOut) -> torch.Tensor:
-        lengths, lookup, sizes = dist_input
-        ctx.lengths, ctx.sizes = lengths, sizes
-        return self.sharded.compute(lookup)
+        ctx.dist_input = dist_input
+        return self.sharded.compute(dist_input.lookup)
 
     def output_dist(self, ctx: _Context, output: torch.Tensor):
-        return self.sharded.output_dist(output, ctx.lengths, ctx.sizes)
+        d = ctx.dist_input
+        return self.sharded.output_dist(output, d.lengths, d.batch_sizes, d.vbe)
 
     @property
     def unsharded_module_type(self) -> type:

@@ -13,7 +13,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     data:
       source: synthetic              # synthetic | random_rec | criteo
       num_dense: 13
-      synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5}
+      synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5,
+                  candidates_per_user: 1, user_features: null, vbe: true}  # K > 1: VBE
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
@@ -113,6 +114,16 @@ def _strings(value: Any, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _optional_strings(value: Any, key: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a list of feature names, got {value!r}")
+    for i, v in enumerate(value):
+        check_name(f"{key}[{i}]", v)
+    return tuple(value)
+
+
 def _numbers_by_name(value: Any, key: str) -> Mapping[str, float]:
     if not isinstance(value, Mapping):
         raise FieldError(key, f"expected a mapping of feature name to number, got {value!r}")
@@ -155,10 +166,22 @@ class SyntheticConfig:
     """Exponent per feature name, overriding the above and the table set."""
     noise: float = 0.5
     """Std of the Gaussian noise added to the hidden logit (0: labels fully learnable)."""
+    candidates_per_user: int = 1
+    """K > 1: every user is scored against K candidate items, so a batch of B samples has
+    ceil(B / K) users; the user features carry one bag per user and the item features one per
+    sample (a VBE batch: ``stride_per_key_per_rank`` and ``inverse_indices``). 1: one bag per
+    sample for every feature."""
+    user_features: Sequence[str] | None = None
+    """The user-side features with ``candidates_per_user`` > 1; None: the first half of the
+    features in table order."""
+    vbe: bool = True
+    """With ``candidates_per_user`` > 1: false sends the same samples as a fixed batch (each
+    user bag copied for each of its candidates), to compare against VBE."""
 
     def __post_init__(self) -> None:
         check_number("zipf", self.zipf, 0.0)
         check_number("noise", self.noise, 0.0)
+        check_int("candidates_per_user", self.candidates_per_user, 1)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -467,6 +490,14 @@ class JobConfig:
                 f"data.synthetic.zipf_per_feature.{unknown[0]}",
                 f"not a feature of the tables, expected one of [{', '.join(features)}]",
             )
+        users = self.data.synthetic.user_features or ()
+        unknown = [f for f in users if f not in features]
+        if unknown:
+            raise FieldError(
+                "data.synthetic.user_features",
+                f"{unknown[0]!r} is not a feature of the tables, expected some of "
+                f"[{', '.join(features)}]",
+            )
         criteo = self.data.criteo
         if self.data.source == "criteo" and criteo is not None:
             if not criteo.features and len(features) != CRITEO_SPARSE:
@@ -536,7 +567,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
             where,
             {
                 "synthetic": _section(
-                    SyntheticConfig, where, {"zipf_per_feature": _numbers_by_name}
+                    SyntheticConfig, where,
+                    {"zipf_per_feature": _numbers_by_name, "user_features": _optional_strings}
                 ),
                 "random_rec": _section(RandomRecConfig, where),
                 "criteo": _section(

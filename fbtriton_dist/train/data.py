@@ -2,7 +2,9 @@
 
 * :class:`SyntheticSource`: Zipf ids, Poisson bag lengths around each feature's pooling factor,
   Gaussian dense features, and labels from a hidden function of dense and sparse inputs (so the
-  loss can go down). Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)``.
+  loss can go down). Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)``. With
+  ``candidates_per_user`` K > 1 its batches are VBE: each user's K candidates share one bag of
+  every user feature.
 * :class:`RandomRecSource`: TorchRec's ``RandomRecDataset`` (uniform ids, random labels).
 * :class:`CriteoSource`: Criteo click-logs TSV lines (label, 13 integer, 26 hex categorical
   columns; any column may be empty), line ``g`` of an epoch going to rank ``g % R``.
@@ -34,6 +36,7 @@ __all__ = [
     "FeatureSpec",
     "RandomRecSource",
     "SyntheticSource",
+    "expand_bags",
     "feature_specs",
     "make_source",
     "parse_criteo_line",
@@ -135,6 +138,17 @@ def _mix(*values: int) -> int:
     return x
 
 
+def expand_bags(lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The ids of bags ``rows`` (``lengths`` [n] bags of ``ids``), one after the other (the
+    fixed-batch copy of a VBE feature: ``rows`` its inverse indices)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    picked = lengths[rows]
+    n = int(picked.sum())
+    first = torch.repeat_interleave(starts[rows] - (torch.cumsum(picked, 0) - picked), picked,
+                                    output_size=n)
+    return ids[torch.arange(n, device=ids.device) + first]
+
+
 class SyntheticSource:
     """Synthetic batches, batch ``k`` of rank ``rank`` a pure function of ``(seed, rank, k)``.
 
@@ -142,6 +156,12 @@ class SyntheticSource:
     ``1[dense . w / sqrt(n) + 2 * mean_f(mean of h_f(id) over the bag) + noise * N(0,1) > 0]``
     with fixed hidden ``w`` and per-row scores ``h_f`` in [-1, 1): the dense and embedding
     layers can both learn it.
+
+    ``candidates_per_user`` K > 1: sample ``b`` is candidate ``b % K`` of user ``b // K``
+    (ceil(B / K) users). ``user_features`` (default: the first half) then have one bag per
+    user, the others one per sample: a KJT with ``stride_per_key_per_rank`` and
+    ``inverse_indices`` (each sample's row of every feature), as TorchRec's VBE batches;
+    ``vbe=False``: the same samples as a fixed batch (each user bag copied per candidate).
     """
 
     def __init__(
@@ -154,8 +174,20 @@ class SyntheticSource:
         rank: int = 0,
         world_size: int = 1,
         noise: float = 0.5,
+        candidates_per_user: int = 1,
+        user_features: Sequence[str] | None = None,
+        vbe: bool = True,
     ) -> None:
         self.features = list(features)
+        names = [f.name for f in self.features]
+        if user_features is None:
+            user_features = names[: len(names) // 2]
+        unknown = [f for f in user_features if f not in names]
+        if unknown:
+            raise ValueError(f"user_features: {unknown} are not features of the source, "
+                             f"expected some of {names}")
+        self.candidates_per_user, self.vbe = candidates_per_user, vbe
+        self.user_features = frozenset(user_features) if candidates_per_user > 1 else frozenset()
         self.num_dense, self.batch_size = num_dense, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.noise = noise
@@ -168,22 +200,35 @@ class SyntheticSource:
         B, T = self.batch_size, len(self.features)
         dense = torch.randn(B, self.num_dense, generator=g, dtype=torch.float64)
         logit = dense @ self._w / math.sqrt(self.num_dense)
-        lengths, values = [], []
+        K = self.candidates_per_user
+        user_of = torch.arange(B) // K  # each sample's user (every sample its own when K == 1)
+        lengths, values, strides, rows = [], [], [], []
         sparse_signal = torch.zeros(B, dtype=torch.float64)
         for i, f in enumerate(self.features):
-            L = torch.poisson(torch.full((B,), float(f.pooling_factor)), generator=g).long()
+            user_side = f.name in self.user_features
+            n = -(-B // K) if user_side else B  # bags of this feature
+            L = torch.poisson(torch.full((n,), float(f.pooling_factor)), generator=g).long()
             ids = zipf_ids(f.num_rows, int(L.sum()), f.zipf, g)
-            sample = torch.repeat_interleave(torch.arange(B), L)
-            score = torch.zeros(B, dtype=torch.float64).index_add_(0, sample, _row_score(ids, i))
-            sparse_signal += score / L.clamp(min=1)
+            bag = torch.repeat_interleave(torch.arange(n), L)
+            score = torch.zeros(n, dtype=torch.float64).index_add_(0, bag, _row_score(ids, i))
+            row = user_of if user_side else torch.arange(B)
+            sparse_signal += (score / L.clamp(min=1))[row]
+            if user_side and not self.vbe:  # every sample gets its own copy of its user's bag
+                ids = expand_bags(L, ids, row)
+                L, n, row = L[row], B, torch.arange(B)
             lengths.append(L)
             values.append(ids)
+            strides.append(n)
+            rows.append(row)
         logit = logit + 2.0 * sparse_signal / max(T, 1)
         logit = logit + self.noise * torch.randn(B, generator=g, dtype=torch.float64)
+        keys = [f.name for f in self.features]
+        vbe = {}
+        if self.user_features and self.vbe:
+            vbe = {"stride_per_key_per_rank": [[n] for n in strides],
+                   "inverse_indices": (keys, torch.stack(rows))}
         kjt = KeyedJaggedTensor(
-            keys=[f.name for f in self.features],
-            values=torch.cat(values),
-            lengths=torch.cat(lengths),
+            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), **vbe
         )
         return Batch(dense=dense.float(), sparse=kjt, labels=(logit > 0).float())
 
@@ -353,8 +398,12 @@ def make_source(
     features = feature_specs(tables, data)
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     if data.source == "synthetic":
+        syn = data.synthetic
         return SyntheticSource(
-            features, num_dense=data.num_dense, seed=seed, noise=data.synthetic.noise, **common
+            features, num_dense=data.num_dense, seed=seed, noise=syn.noise,
+            candidates_per_user=syn.candidates_per_user, user_features=syn.user_features,
+            vbe=syn.vbe,
+            **common,
         )
     if data.source == "random_rec":
         return RandomRecSource(

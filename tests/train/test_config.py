@@ -91,6 +91,10 @@ def test_bad_choice_lists_choices():
         ({"model": {"dense_arch": [8, 0]}}, "model.dense_arch[1]", "expected an integer >= 1"),
         ({"optimizer": {"dense": {"lr": -1}}}, "optimizer.dense.lr", "expected a number >= 0"),
         ({"data": {"synthetic": {"zipf": "x"}}}, "data.synthetic.zipf", "expected a number"),
+        ({"data": {"synthetic": {"candidates_per_user": 0}}}, "data.synthetic.candidates_per_user",
+         "expected an integer >= 1"),
+        ({"data": {"synthetic": {"user_features": "a"}}}, "data.synthetic.user_features",
+         "expected a list of feature names"),
         ({"sharding": {"reserved": 1.5}}, "sharding.reserved", "expected a number < 1"),
         ({"sharding": {"comm": {"wire_dtype": "int8"}}}, "sharding.comm.wire_dtype",
          "expected one of [fp32, bf16, fp16], got 'int8'"),
@@ -128,6 +132,8 @@ def test_cross_section_checks():
     assert "data.criteo: required with source: criteo" in msg
     msg = error(job(data={"synthetic": {"zipf_per_feature": {"nope": 1.1}}}))
     assert "data.synthetic.zipf_per_feature.nope: not a feature of the tables" in msg
+    msg = error(job(data={"synthetic": {"candidates_per_user": 4, "user_features": ["nope"]}}))
+    assert "data.synthetic.user_features: 'nope' is not a feature of the tables" in msg
     msg = error(job(data={"source": "criteo", "criteo": {"train": ["a.tsv"]}}))
     assert "data.criteo.features: the tables have 2 features, Criteo has 26" in msg
 

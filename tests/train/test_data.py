@@ -232,3 +232,36 @@ def test_make_source_picks_the_configured_source(criteo_files, tmp_path):
     assert isinstance(src, CriteoSource) and src.eval_batches(3) == []
     batch, _ = next(src.train_batches(DataPosition()))
     assert batch.sparse.keys() == [f"c{j}" for j in range(26)]
+
+
+def test_synthetic_vbe_batches_share_each_users_bags():
+    """``candidates_per_user`` K: user features have one bag per user (ceil(B / K)), items one
+    per sample, the KJT carries the inverse indices; with ``vbe=False`` the same samples come
+    as a fixed batch, and an EBC gives the same rows for both."""
+    import torchrec
+
+    import fbtriton_dist
+
+    feats = [*FEATURES, FeatureSpec(name="c", num_rows=50, pooling_factor=2.0, zipf=1.05)]
+    make = lambda **kw: SyntheticSource(feats, num_dense=5, batch_size=10, seed=4,  # noqa: E731
+                                        user_features=["a", "c"], **kw)
+    vbe, fixed = make(candidates_per_user=4).batch(2), make(candidates_per_user=4, vbe=False).batch(2)
+    kjt = vbe.sparse
+    assert kjt.variable_stride_per_key() and kjt.stride_per_key() == [3, 10, 3]
+    keys, inverse = kjt.inverse_indices()
+    assert keys == ["a", "b", "c"]
+    assert inverse[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2] == inverse[2].tolist()
+    assert inverse[1].tolist() == list(range(10))
+    assert not fixed.sparse.variable_stride_per_key() and fixed.sparse.stride() == 10
+    assert torch.equal(vbe.labels, fixed.labels) and torch.equal(vbe.dense, fixed.dense)
+    assert fixed.sparse.values().numel() > kjt.values().numel()
+    one = make(candidates_per_user=1).batch(2)  # K = 1: the default stream, user features or not
+    assert not one.sparse.variable_stride_per_key() and one.sparse.stride() == 10
+    assert same(one, SyntheticSource(feats, num_dense=5, batch_size=10, seed=4).batch(2))
+    configs = [torchrec.EmbeddingBagConfig(name=f.name, num_embeddings=f.num_rows,
+                                           embedding_dim=3, feature_names=[f.name]) for f in feats]
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+    assert torch.allclose(ebc(kjt).values(), ebc(fixed.sparse).values(), atol=1e-6)
+    with pytest.raises(ValueError, match="user_features: \\['z'\\] are not features"):
+        SyntheticSource(feats, num_dense=5, batch_size=4, seed=0, user_features=["z"],
+                        candidates_per_user=2)

@@ -193,3 +193,23 @@ def test_job_with_fixed_shapes_trains_like_the_default(tmp_path):
     assert all(got[s] == want[s] for s in want)
     evals = [[r["loss"] for r in records(tmp_path / n, "eval")] for n in ("default", "fixed")]
     assert evals[0] and evals[0] == evals[1]
+
+
+def test_job_trains_on_vbe_batches_like_on_the_same_samples_as_fixed_batches(tmp_path):
+    """``data.synthetic.candidates_per_user: 4``: the user features (t_a's, row-wise over both
+    ranks) come once per user (VBE), the items per sample; the job trains on them, and its
+    losses are those of the same samples sent as fixed batches (``vbe: false``), up to the
+    order of float sums."""
+    runs = {}
+    for name, vbe in (("vbe", True), ("expanded", False)):
+        path = write_job(tmp_path, name, steps=6, eval_every=3)
+        data = yaml.safe_load(path.read_text())
+        data["data"]["synthetic"] |= {"candidates_per_user": 4, "vbe": vbe}
+        path.write_text(yaml.safe_dump(data))
+        ok(torchrun(2, "fbtriton_dist.train", "--config", str(path)))
+        runs[name] = losses(tmp_path / name)
+    assert sorted(runs["vbe"]) == sorted(runs["expanded"]) == list(range(1, 7))
+    for step, loss in runs["expanded"].items():
+        assert abs(runs["vbe"][step] - loss) <= 1e-5 * max(1.0, abs(loss)), step
+    evals = [[r["loss"] for r in records(tmp_path / n, "eval")] for n in ("vbe", "expanded")]
+    assert evals[0] and all(abs(a - b) <= 1e-5 for a, b in zip(*evals, strict=True))
