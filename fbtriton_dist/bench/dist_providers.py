@@ -83,11 +83,16 @@ class Runner:
 
 def fresh(batch: Batch) -> Batch:
     """``batch`` with a new KeyedJaggedTensor over the same device tensors: no lengths per key
-    or offsets cached from an earlier step, as a data loader hands them over."""
+    or offsets cached from an earlier step, as a data loader hands them over (a VBE batch keeps
+    its strides and inverse indices)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     kjt = batch.sparse
-    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths())
+    vbe = {}
+    if kjt.variable_stride_per_key():
+        vbe = {"stride_per_key_per_rank": kjt.stride_per_key_per_rank(),
+               "inverse_indices": kjt.inverse_indices()}
+    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), **vbe)
     return Batch(dense=batch.dense, sparse=sparse, labels=batch.labels)
 
 

@@ -113,6 +113,34 @@ def test_lean_paths_train_like_the_plain_loop(tiny, provider):
                 assert a == pytest.approx(b, rel=rtol, abs=atol), (plan, model)
 
 
+def test_vbe_batches_send_fewer_ids_and_bytes_and_train_like_the_same_fixed_samples(tmp_path):
+    """``--vbe 8``: half of the tables are user features (one bag per 8 samples); each provider
+    runs on the VBE batches and on the same samples as fixed batches. Ours send fewer ids and
+    bytes on VBE batches, by the expected share, and train to the same losses; the fixed-shape
+    provider takes fixed batches only."""
+    path = tmp_path / "vbe.json"
+    out = _run(*TORCHRUN, "-m", "fbtriton_dist.bench", "dist", "--tiny", "--vbe", "8",
+               "--plans", "row_wise", "--models", "ebc", "--providers", "ours_plain",
+               "ours_lean", "ours_fixed", "--out", str(path))
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    assert "VBE vs the same samples as fixed batches" in out
+    rows = {(r["provider"], r["batch"]): r for r in results["rows"]}
+    assert set(rows) == {("ours_plain", "vbe"), ("ours_plain", "fixed"), ("ours_lean", "vbe"),
+                         ("ours_lean", "fixed"), ("ours_fixed", "fixed")}
+    for provider in ("ours_plain", "ours_lean"):
+        vbe, fixed = rows[(provider, "vbe")], rows[(provider, "fixed")]
+        assert vbe["status"] == fixed["status"] == "ok", vbe.get("note")
+        # 13 of 26 tables at 1/8 of the bags, L ids each: 9/16 of the ids (Zipf ids land on
+        # the other rank about as often)
+        share = vbe["ids_sent_per_step"] / fixed["ids_sent_per_step"]
+        assert 0.45 < share < 0.7, share
+        assert vbe["bytes_sent_per_step"] < 0.75 * fixed["bytes_sent_per_step"]
+        for key in ("input_dist.data", "output_dist.forward", "output_dist.backward"):
+            assert vbe["bytes_sent"][key] < fixed["bytes_sent"][key], key
+        assert vbe["losses"] == pytest.approx(fixed["losses"], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("name", ["CommOptions", "TrainPipeline"])
 def test_a_broken_import_in_our_own_code_fails_the_run(tmp_path, name):
     """Our own fast path cannot be skipped: with ``fbtriton_dist.sharding.NAME`` unimportable,
