@@ -79,25 +79,58 @@ class BlockExchange:
                   for bl in side] for side in (self.send, self.recv)]
         return count[0], count[1]
 
-    def _flat(self, blocks, batch_sizes, width, global_rows, receiving, strides=None):
+    def _flat(self, blocks, batch_sizes, width, global_rows, receiving):
         """Flat indices (row * width + column) of every block's values, peer by peer."""
         starts = [0, *accumulate(batch_sizes)]
         parts = [torch.zeros(0, dtype=torch.int64)]
         for b in (b for per_peer in blocks for b in per_peer):
+            rows = torch.arange(batch_sizes[b.dest]) + (starts[b.dest] if global_rows else 0)
             cols = torch.tensor(b.dst if receiving else b.src, dtype=torch.int64)
-            for c0, n, n_rows in self._runs(b, batch_sizes, strides):
-                rows = torch.arange(n_rows) + (starts[b.dest] if global_rows else 0)
-                parts.append((rows[:, None] * width + cols[None, c0 : c0 + n]).flatten())
+            parts.append((rows[:, None] * width + cols[None, :]).flatten())
         return torch.cat(parts).to(self.device)
 
-    def _indices(self, batch_sizes: list[int], strides=None):
-        key = (list(batch_sizes), strides)
-        if self._cached[0] != key:
-            send = self._flat(self.send, batch_sizes, self.widths[0], True, False, strides)
-            recv = self._flat(self.recv, batch_sizes, self.widths[1], self.global_rows, True,
-                              strides)
-            self._cached = (key, (send, recv, *self.elements(batch_sizes, strides)))
+    def _indices(self, batch_sizes: list[int]):
+        if self._cached[0] != batch_sizes:
+            send = self._flat(self.send, batch_sizes, self.widths[0], True, False)
+            recv = self._flat(self.recv, batch_sizes, self.widths[1], self.global_rows, True)
+            self._cached = (list(batch_sizes), (send, recv, *self.elements(batch_sizes)))
         return self._cached[1]
+
+    def _vbe_pieces(self, blocks, batch_sizes, strides, global_rows, receiving):
+        """A VBE step's pieces, peer by peer: ``(first row, rows, first column, columns)`` of
+        each run of one feature's columns where the block's source and target columns both go
+        up by one (so both sides cut a block the same way). No per-value index: the strides
+        change from batch to batch."""
+        starts = [0, *accumulate(batch_sizes)]
+        out = []
+        for per_peer in blocks:
+            pieces = []
+            for b in per_peer:
+                r0 = starts[b.dest] if global_rows else 0
+                for c0, n, n_rows in self._runs(b, batch_sizes, strides):
+                    if n_rows <= 0:
+                        continue
+                    for a, c, k in _runs(b.src[c0 : c0 + n], b.dst[c0 : c0 + n]):
+                        pieces.append((r0, n_rows, c if receiving else a, k))
+            out.append(pieces)
+        return out
+
+    def _vbe(self, x, target, batch_sizes, strides, group, rows: int) -> torch.Tensor:
+        """The exchange of a VBE step: each feature's rows at its stride, as 2-D slices."""
+        send = self._vbe_pieces(self.send, batch_sizes, strides, True, False)
+        recv = self._vbe_pieces(self.recv, batch_sizes, strides, self.global_rows, True)
+        parts = [x[r0 : r0 + m, a : a + k].reshape(-1) for peer in send for r0, m, a, k in peer]
+        # nothing to send: still a node of x's graph (autograd must reach the collective)
+        values = torch.cat(parts) if parts else x.reshape(-1)[:0]
+        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
+            values = values.to(self.wire_dtype)
+        send_n = [sum(m * k for _, m, _, k in peer) for peer in send]
+        recv_n = [sum(m * k for _, m, _, k in peer) for peer in recv]
+        got = all_to_all(values, send_n, recv_n, group)
+        B, width = target.shape if target is not None else (rows, self.widths[1])
+        dtype = target.dtype if target is not None else x.dtype
+        out = _PlacePieces.apply(got.to(dtype), [p for peer in recv for p in peer], B, width)
+        return out if target is None else target + out
 
     def _slices(self, batch_sizes: list[int]):
         """The exchange as 2-D slices where every block is a few runs of consecutive columns:
@@ -185,12 +218,14 @@ class BlockExchange:
         """``target`` plus the blocks of ``x`` that every peer sent this rank (``target`` None:
         zeros of ``rows`` rows by the receiving width). ``strides``: a VBE step's rows per
         (rank, feature) (``input_dist.VBEStep.strides``)."""
-        plan = self._slices(batch_sizes) if strides is None else None
+        if strides is not None:
+            return self._vbe(x, target, batch_sizes, strides, group, rows)
+        plan = self._slices(batch_sizes)
         if plan is not None:
             return self._sliced(x, target, plan, group, rows)
         if target is None:
             target = x.new_zeros((rows, self.widths[1]))
-        send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes, strides)
+        send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
         values = x.reshape(-1).index_select(0, send_idx)
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
@@ -242,6 +277,28 @@ class _Place(torch.autograd.Function):
             else:
                 torch.cat(pieces, dim=1, out=dst)
         return out, None, None, None
+
+
+class _PlacePieces(torch.autograd.Function):
+    """Row-major pieces ``(first row, rows, first column, columns)``, back to back in ``got``,
+    added into a zero ``[B, width]`` output (a VBE step); backward cuts each piece's gradient
+    out of the output's, in one concatenation."""
+
+    @staticmethod
+    def forward(ctx, got, pieces, B, width):
+        ctx.pieces = pieces
+        out = got.new_zeros((B, width))
+        at = 0
+        for r0, m, c, k in pieces:
+            out[r0 : r0 + m, c : c + k] += got[at : at + m * k].view(m, k)
+            at += m * k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [grad[r0 : r0 + m, c : c + k].reshape(-1) for r0, m, c, k in ctx.pieces]
+        got = torch.cat(parts) if parts else grad.new_zeros(0)
+        return got, None, None, None
 
 
 def _runs(src, dst) -> list[tuple[int, int, int]]:

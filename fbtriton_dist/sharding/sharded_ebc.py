@@ -303,9 +303,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
             scale = torch.where(self._mean, 1.0 / lengths.to(out.dtype).clamp(min=1), 1.0)
             out = out * scale.t().index_select(1, self._col_feature)
         if vbe is not None and vbe.inverse is not None:
-            rows = vbe.inverse.to(out.device).index_select(0, self._col_feature)  # [sum(D), B]
-            out = torch.gather(out, 0, rows.t())
+            out = self._expand(out, vbe.inverse.to(out.device))
         return keyed_tensor(self._embedding_names, self._dims, out)
+
+    def _expand(self, out: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """``[P, sum(D)]`` -> ``[B, sum(D)]``: feature f's columns take row ``inverse[f, b]``
+        for sample b. One gather when every feature has the same D (an index of [B, T]),
+        else one per feature; backward adds each sample's gradient into its row."""
+        T, dims = len(self._dims), self._dims
+        if len(set(dims)) == 1:
+            picked = out.view(out.shape[0], T, dims[0])[
+                inverse.t(), torch.arange(T, device=out.device)
+            ]
+            return picked.reshape(inverse.shape[1], T * dims[0])
+        cols = self.layout.feature_cols
+        return torch.cat([out[:, cols[f] : cols[f + 1]].index_select(0, inverse[f])
+                          for f in range(T)], dim=1)
 
     def forward(self, features):
         dist_out = self._take_prefetched(features)
