@@ -229,11 +229,13 @@ def fixed_copies(batches: Sequence[Batch]) -> list[Batch]:
             out.append(b)
             continue
         inv_keys, inverse = kjt.inverse_indices()
+        per_key = torch.split(kjt.lengths(), kjt.stride_per_key())  # (no fbgemm op: plain torch)
+        ids = torch.split(kjt.values(), torch.stack([n.sum() for n in per_key]).tolist())
         lengths, values = [], []
-        for key, jt in kjt.to_dict().items():
+        for key, n, v in zip(kjt.keys(), per_key, ids, strict=True):
             rows = inverse[inv_keys.index(key)]
-            lengths.append(jt.lengths()[rows])
-            values.append(expand_bags(jt.lengths(), jt.values(), rows))
+            lengths.append(n[rows])
+            values.append(expand_bags(n, v, rows))
         fixed = KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values),
                                   lengths=torch.cat(lengths))
         out.append(Batch(dense=b.dense, sparse=fixed, labels=b.labels))

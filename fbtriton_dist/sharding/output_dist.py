@@ -58,25 +58,39 @@ class BlockExchange:
         self.wire_dtype = wire_dtype  # values (and, through autograd, gradients) on the wire
         self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
         self._slice_cache: dict = {}
+        self._vbe_cut = None  # the pieces a VBE step cuts the blocks into (``_feature_pieces``)
 
     @staticmethod
-    def _runs(b: Block, batch_sizes, strides) -> list[tuple[int, int, int]]:
-        """(first column index in the block, columns, rows) of the pieces block ``b`` travels
-        in: the whole block, or in a VBE step one per run of columns of one feature."""
-        if strides is None:
-            return [(0, len(b.src), batch_sizes[b.dest])]
-        runs = []
-        for i, f in enumerate(b.features):
-            if runs and f == b.features[i - 1]:
-                runs[-1][1] += 1
-            else:
-                runs.append([i, 1, strides[b.dest][f]])
-        return [tuple(r) for r in runs]
+    def _feature_pieces(blocks) -> list[list[tuple[int, int, int, int, int]]]:
+        """Per peer, the pieces a VBE step cuts its blocks into: ``(destination, feature, source
+        column, target column, columns)`` for each run of one feature's columns where source
+        and target columns both go up by one (both sides cut a block the same way)."""
+        out = []
+        for per_peer in blocks:
+            pieces = []
+            for b in per_peer:
+                start = 0
+                for i in range(1, len(b.features) + 1):
+                    if i < len(b.features) and b.features[i] == b.features[start]:
+                        continue
+                    pieces += [(b.dest, b.features[start], a, c, k) for a, c, k in
+                               _runs(b.src[start:i], b.dst[start:i])]
+                    start = i
+            out.append(pieces)
+        return out
+
+    def _vbe_static(self):
+        if self._vbe_cut is None:
+            self._vbe_cut = (self._feature_pieces(self.send), self._feature_pieces(self.recv))
+        return self._vbe_cut
 
     def elements(self, batch_sizes: list[int], strides=None) -> tuple[list[int], list[int]]:
         """Values sent to / received from each peer (``strides``: a VBE step's)."""
-        count = [[sum(n * rows for b in bl for _, n, rows in self._runs(b, batch_sizes, strides))
-                  for bl in side] for side in (self.send, self.recv)]
+        if strides is not None:
+            return tuple([sum(strides[d][f] * k for d, f, _, _, k in peer) for peer in side]
+                         for side in self._vbe_static())
+        count = [[sum(batch_sizes[b.dest] * len(b.src) for b in bl) for bl in side]
+                 for side in (self.send, self.recv)]
         return count[0], count[1]
 
     def _flat(self, blocks, batch_sizes, width, global_rows, receiving):
@@ -96,32 +110,18 @@ class BlockExchange:
             self._cached = (list(batch_sizes), (send, recv, *self.elements(batch_sizes)))
         return self._cached[1]
 
-    def _vbe_pieces(self, blocks, batch_sizes, strides, global_rows, receiving):
-        """A VBE step's pieces, peer by peer: ``(first row, rows, first column, columns)`` of
-        each run of one feature's columns where the block's source and target columns both go
-        up by one (so both sides cut a block the same way). No per-value index: the strides
-        change from batch to batch."""
-        starts = [0, *accumulate(batch_sizes)]
-        out = []
-        for per_peer in blocks:
-            pieces = []
-            for b in per_peer:
-                r0 = starts[b.dest] if global_rows else 0
-                for c0, n, n_rows in self._runs(b, batch_sizes, strides):
-                    if n_rows <= 0:
-                        continue
-                    for a, c, k in _runs(b.src[c0 : c0 + n], b.dst[c0 : c0 + n]):
-                        pieces.append((r0, n_rows, c if receiving else a, k))
-            out.append(pieces)
-        return out
-
     def _vbe(self, x, target, batch_sizes, strides, group, rows: int) -> torch.Tensor:
-        """The exchange of a VBE step: each feature's rows at its stride, as 2-D slices."""
-        send = self._vbe_pieces(self.send, batch_sizes, strides, True, False)
-        recv = self._vbe_pieces(self.recv, batch_sizes, strides, self.global_rows, True)
-        parts = [x[r0 : r0 + m, a : a + k].reshape(-1) for peer in send for r0, m, a, k in peer]
-        # nothing to send: still a node of x's graph (autograd must reach the collective)
-        values = torch.cat(parts) if parts else x.reshape(-1)[:0]
+        """The exchange of a VBE step: each feature's rows at its stride, as 2-D slices
+        ``(first row, rows, first column, columns)``; no per-value index (the strides change
+        from batch to batch)."""
+        starts = [0, *accumulate(batch_sizes)]
+        send_cut, recv_cut = self._vbe_static()
+        send = [[(starts[d], m, a, k) for d, m, a, _, k in _merged(peer, strides)]
+                for peer in send_cut]
+        g = self.global_rows
+        recv = [[(starts[d] if g else 0, m, c, k) for d, m, _, c, k in _merged(peer, strides)]
+                for peer in recv_cut]
+        values = _TakePieces.apply(x, [p for peer in send for p in peer])
         if self.wire_dtype is not None:  # backward: the gradient is cast the same way
             values = values.to(self.wire_dtype)
         send_n = [sum(m * k for _, m, _, k in peer) for peer in send]
@@ -277,6 +277,46 @@ class _Place(torch.autograd.Function):
             else:
                 torch.cat(pieces, dim=1, out=dst)
         return out, None, None, None
+
+
+def _merged(pieces, strides) -> list[tuple[int, int, int, int, int]]:
+    """A VBE step's pieces of one peer as ``(destination, rows, source column, target column,
+    columns)``, empty ones dropped and neighbours merged where the rows agree and both column
+    ranges continue (the features of one stride side by side travel as one slice); both sides
+    see the same pieces and strides, so they merge alike."""
+    out: list[list[int]] = []
+    for d, f, a, c, k in pieces:
+        m = strides[d][f]
+        if m <= 0:
+            continue
+        if out and out[-1][0] == d and out[-1][1] == m and out[-1][2] + out[-1][4] == a and (
+            out[-1][3] + out[-1][4] == c
+        ):
+            out[-1][4] += k
+        else:
+            out.append([d, m, a, c, k])
+    return [tuple(p) for p in out]
+
+
+class _TakePieces(torch.autograd.Function):
+    """The pieces ``(first row, rows, first column, columns)`` of ``x``, row-major, back to
+    back (a VBE step's send buffer); backward puts their gradients in one zero ``x``-sized
+    tensor (autograd of the slices would build a full-size zero tensor per piece)."""
+
+    @staticmethod
+    def forward(ctx, x, pieces):
+        ctx.pieces, ctx.shape = pieces, x.shape
+        parts = [x[r0 : r0 + m, a : a + k].reshape(-1) for r0, m, a, k in pieces]
+        return torch.cat(parts) if parts else x.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.shape)
+        at = 0
+        for r0, m, a, k in ctx.pieces:
+            out[r0 : r0 + m, a : a + k] += grad[at : at + m * k].view(m, k)  # (may overlap)
+            at += m * k
+        return out, None
 
 
 class _PlacePieces(torch.autograd.Function):
