@@ -91,6 +91,18 @@ def test_skew_aware_cuts_balance_zipf(R):
     assert sizes[0] < sizes[-1] / 100  # the hot block is short, the cold one long
 
 
+@pytest.mark.parametrize(("R", "H"), [(8, None), (16, 4)])
+def test_default_cuts_are_never_worse_than_equal_blocks(R, H):
+    """Skew-aware cuts are placed greedily, table by table; the default planner also scores
+    equal row blocks (per table and as a whole plan) and keeps the better. Criteo at 8 ranks
+    used to come out at 0.169 ms against 0.159 ms for equal blocks."""
+    ts = load_tables(CONFIGS / "criteo_terabyte.yaml")
+    ours, equal = planner(R, H), planner(R, H, row_cuts="equal")
+    mine = ours.cost(ours.plan(ts.tables, ts.constraints, ts.stats), ts.tables, ts.stats)
+    theirs = ours.cost(equal.plan(ts.tables, ts.constraints, ts.stats), ts.tables, ts.stats)
+    assert mine.max() <= theirs.max() * (1 + 1e-9), (mine.max(), theirs.max())
+
+
 def test_skew_cuts_respect_memory():
     """With a tight budget the cold ranks cannot take all the rows they would like."""
     t = spec("big", 40_000_000, D=128, L=20)
