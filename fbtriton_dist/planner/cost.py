@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._yaml import check_int, check_number
 from .memory import state_bytes
 from .plan import ShardingPlan
@@ -129,7 +131,9 @@ class PlanCost:
 
 
 class CostAccumulator:
-    """Per-rank running sums of the cost terms; the planner adds tables one at a time."""
+    """Per-rank running sums of the cost terms; the planner adds tables one at a time. The
+    sums are one numpy array ``[len(TERMS), R]``: adding a table is a few vector operations
+    over the ranks, not a Python loop per rank (the planner adds thousands at 4,096 ranks)."""
 
     TERMS = (
         "weight_bytes",
@@ -140,59 +144,77 @@ class CostAccumulator:
         "output_dist_bytes",
         "inter_host_bytes",
     )
+    _ROW = {t: i for i, t in enumerate(TERMS)}
 
     def __init__(self, world_size: int, local_world_size: int, model: CostModel) -> None:
         self.R, self.H, self.model = world_size, local_world_size, model
-        self.terms = {t: [0.0] * world_size for t in self.TERMS}
+        self.values = np.zeros((len(self.TERMS), world_size))
+        m = model
+        # time = coef . terms: lookup bytes at HBM speed (forward + backward), communication
+        # inside the host at its bandwidth, the part that crosses hosts at the network's
+        coef = np.zeros(len(self.TERMS))
+        coef[self._ROW["lookup_bytes"]] = (1.0 + m.backward_factor) / m.hbm_bandwidth
+        coef[self._ROW["input_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
+        coef[self._ROW["output_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
+        coef[self._ROW["inter_host_bytes"]] = (
+            1.0 / m.inter_host_bandwidth - 1.0 / m.intra_host_bandwidth
+        )
+        self._coef = coef
 
     def copy(self) -> CostAccumulator:
-        other = CostAccumulator(self.R, self.H, self.model)
-        other.terms = {t: list(v) for t, v in self.terms.items()}
+        other = CostAccumulator.__new__(CostAccumulator)
+        other.R, other.H, other.model, other._coef = self.R, self.H, self.model, self._coef
+        other.values = self.values.copy()
         return other
 
-    def add(self, rank: int, **terms: float) -> None:
+    def add(self, rank, **terms) -> None:
+        """Add ``terms`` (numbers, or arrays over ``rank`` when it is an index array)."""
         for name, value in terms.items():
-            self.terms[name][rank] += value
+            self.values[self._ROW[name], rank] += value
 
     def merge(self, other: CostAccumulator) -> None:
-        for name, values in other.terms.items():
-            mine = self.terms[name]
-            for r, v in enumerate(values):
-                mine[r] += v
+        self.values += other.values
+
+    @property
+    def terms(self) -> dict[str, list[float]]:
+        """``{term: [value per rank]}`` (a copy, for reading)."""
+        return {t: self.values[i].tolist() for i, t in enumerate(self.TERMS)}
 
     def memory(self, rank: int) -> float:
-        return self.terms["weight_bytes"][rank] + self.terms["state_bytes"][rank]
+        return float(self.values[0, rank] + self.values[1, rank])
+
+    def memories(self) -> np.ndarray:
+        """[R] weight + state bytes of every rank."""
+        return self.values[0] + self.values[1]
 
     def terms_time(self, terms: Mapping[str, float]) -> float:
         """Time of a set of terms on their own (time is linear in every term)."""
-        m = self.model
-        comm = terms.get("input_dist_bytes", 0.0) + terms.get("output_dist_bytes", 0.0)
-        inter = terms.get("inter_host_bytes", 0.0)
-        return (
-            terms.get("lookup_bytes", 0.0) * (1.0 + m.backward_factor) / m.hbm_bandwidth
-            + (comm - inter) / m.intra_host_bandwidth
-            + inter / m.inter_host_bandwidth
-        )
+        return float(sum(self._coef[self._ROW[k]] * v for k, v in terms.items()))
 
     def time(self, rank: int) -> float:
-        return self.terms_time({t: v[rank] for t, v in self.terms.items()})
+        return float(self._coef @ self.values[:, rank])
+
+    def time_array(self) -> np.ndarray:
+        """[R] estimated step time of every rank."""
+        return self._coef @ self.values
 
     def times(self) -> list[float]:
-        return [self.time(r) for r in range(self.R)]
+        return self.time_array().tolist()
 
     def result(self) -> PlanCost:
+        v, times = self.values, self.times()
         return PlanCost(
             ranks=tuple(
                 RankCost(
                     rank=r,
-                    weight_bytes=int(self.terms["weight_bytes"][r]),
-                    state_bytes=int(self.terms["state_bytes"][r]),
-                    lookups=self.terms["lookups"][r],
-                    lookup_bytes=self.terms["lookup_bytes"][r],
-                    input_dist_bytes=self.terms["input_dist_bytes"][r],
-                    output_dist_bytes=self.terms["output_dist_bytes"][r],
-                    inter_host_bytes=self.terms["inter_host_bytes"][r],
-                    time_s=self.time(r),
+                    weight_bytes=int(v[0, r]),
+                    state_bytes=int(v[1, r]),
+                    lookups=float(v[2, r]),
+                    lookup_bytes=float(v[3, r]),
+                    input_dist_bytes=float(v[4, r]),
+                    output_dist_bytes=float(v[5, r]),
+                    inter_host_bytes=float(v[6, r]),
+                    time_s=times[r],
                 )
                 for r in range(self.R)
             )
@@ -230,22 +252,25 @@ class CostAccumulator:
                 for sh in shards:
                     p = dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
                     self.add_row_holder(spec, sh.rank, p, len(holders), kind, b - a)
-                for q in range(self.R):
-                    self._add_pooled_slices(spec, q, holders, b - a, kind)
+                self._add_pooled_slices(spec, holders, b - a, kind)
 
     def _add_replicas(self, spec: TableSpec) -> None:
         m, R = self.model, self.R
         L, D, s = spec.ids_per_sample, spec.embedding_dim, spec.dtype_bytes
         grad_sync = 2.0 * (R - 1) / R * spec.num_embeddings * D * s
-        for r in range(R):
-            lookups = m.batch_size * L
-            self.add(
-                r,
-                lookups=lookups,
-                lookup_bytes=lookups * D * s,
-                output_dist_bytes=grad_sync,
-                inter_host_bytes=grad_sync * self._from_all(),
-            )
+        lookups = m.batch_size * L
+        self.add(
+            slice(None),
+            lookups=lookups,
+            lookup_bytes=lookups * D * s,
+            output_dist_bytes=grad_sync,
+            inter_host_bytes=grad_sync * self._from_all(),
+        )
+
+    def _other_host(self, rank: int) -> np.ndarray:
+        """[R] 1.0 for the ranks on another host than ``rank``, else 0.0."""
+        hosts = np.arange(self.R) // self.H
+        return (hosts != rank // self.H).astype(float)
 
     def _add_whole_rows(self, spec: TableSpec, sh: Shard) -> None:
         """A table-wise table or one column slice: its owner serves all R·B samples."""
@@ -262,12 +287,11 @@ class CostAccumulator:
             output_dist_bytes=grads,
             inter_host_bytes=(inp + grads) * self._from_all(),
         )
-        for q in range(R):
-            if q != sh.rank:
-                pooled = B * c * m.output_bytes
-                self.add(
-                    q, output_dist_bytes=pooled, inter_host_bytes=pooled * self._cross(q, sh.rank)
-                )
+        pooled = B * c * m.output_bytes
+        others = np.ones(R)
+        others[sh.rank] = 0.0  # every other rank receives its samples' pooled slice
+        self.add(slice(None), output_dist_bytes=pooled * others,
+                 inter_host_bytes=pooled * self._other_host(sh.rank))
 
     def row_holder_terms(
         self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None
@@ -300,25 +324,26 @@ class CostAccumulator:
         self.add(rank, **self.row_holder_terms(spec, p, k, sharding, cols))
 
     def _add_pooled_slices(
-        self, spec: TableSpec, q: int, holders: Sequence[int], c: int, sharding: str
+        self, spec: TableSpec, holders: Sequence[int], c: int, sharding: str
     ) -> None:
-        """Forward pooled values rank ``q`` receives for its B samples of a row-sharded table."""
-        o, B = self.model.output_bytes, self.model.batch_size
-        if sharding == "table_row_wise":  # one holder of the host sends q its reduced slice
-            if q in holders:
-                return  # counted as the in-host all-gather in row_holder_terms
-            pooled = B * c * o
-            self.add(
-                q, output_dist_bytes=pooled, inter_host_bytes=pooled * self._cross(q, holders[0])
-            )
-            return
-        others = [h for h in holders if h != q]
+        """Forward pooled values every rank receives for its B samples of a row-sharded
+        table (one column slice, held by ``holders``)."""
+        o, B, R, H = self.model.output_bytes, self.model.batch_size, self.R, self.H
         pooled = B * c * o
-        self.add(
-            q,
-            output_dist_bytes=pooled * len(others),
-            inter_host_bytes=pooled * sum(self._cross(q, h) for h in others),
-        )
+        held = np.zeros(R)
+        held[list(holders)] = 1.0
+        if sharding == "table_row_wise":  # one holder of the host sends q its reduced slice
+            # (a holder's own is counted as the in-host all-gather in row_holder_terms)
+            rest = 1.0 - held
+            self.add(slice(None), output_dist_bytes=pooled * rest,
+                     inter_host_bytes=pooled * rest * self._other_host(holders[0]))
+            return
+        per_host = np.bincount(np.asarray(holders) // H, minlength=R // H)
+        hosts = np.arange(R) // H
+        others = len(holders) - held  # holders other than q
+        far = len(holders) - per_host[hosts]  # holders on another host than q
+        self.add(slice(None), output_dist_bytes=pooled * others,
+                 inter_host_bytes=pooled * far)
 
 
 def evaluate(

@@ -30,6 +30,8 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 from ._yaml import check_choice, check_int, check_number
 from .cost import UNIFORM, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
@@ -352,7 +354,7 @@ class ShardingPlanner:
         grid: bool,
     ) -> TableSharding:
         best, best_score, failures = None, None, []
-        base = acc.times()
+        base = acc.time_array()
         for sharding in self._allowed_types(c, grid):
             proposals = list(self._proposals(spec, sharding, c, dist, acc))
             if not proposals:
@@ -360,17 +362,13 @@ class ShardingPlanner:
             for ts in proposals:
                 add = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
                 add.add_table(spec, ts, dist, self.optimizer)
-                over = [
-                    r
-                    for r in range(self.world_size)
-                    if acc.memory(r) + add.memory(r) > self.budget_bytes
-                ]
-                if over:
+                if (acc.memories() + add.memories() > self.budget_bytes).any():
                     failures.append(self._why_not(spec, sharding, c, acc))
                     continue
-                extra = add.times()
-                new = sorted((b + e for b, e in zip(base, extra, strict=True)), reverse=True)
-                score = (tuple(round(t / TIME_QUANTUM) for t in new), sum(extra))
+                extra = add.time_array()
+                new = np.sort(base + extra)[::-1]
+                score = (tuple(np.round(new / TIME_QUANTUM).astype(np.int64).tolist()),
+                         float(extra.sum()))
                 if best_score is None or score < best_score:
                     best, best_score, best_add = ts, score, add
         if best is None:
