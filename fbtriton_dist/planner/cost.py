@@ -168,9 +168,13 @@ class CostAccumulator:
         return other
 
     def add(self, rank, **terms) -> None:
-        """Add ``terms`` (numbers, or arrays over ``rank`` when it is an index array)."""
+        """Add ``terms`` to ``rank``: an int, a slice, or an index array (then each term is a
+        number or an array of its length; repeated ranks add up)."""
         for name, value in terms.items():
-            self.values[self._ROW[name], rank] += value
+            if isinstance(rank, np.ndarray):
+                np.add.at(self.values[self._ROW[name]], rank, value)
+            else:
+                self.values[self._ROW[name], rank] += value
 
     def merge(self, other: CostAccumulator) -> None:
         self.values += other.values
@@ -234,12 +238,10 @@ class CostAccumulator:
         """Add the terms of every shard of ``ts`` (one table's sharding) to the sums."""
         opt = spec.optimizer or optimizer
         s = spec.dtype_bytes
-        for sh in ts.shards:
-            self.add(
-                sh.rank,
-                weight_bytes=sh.num_rows * sh.num_cols * s,
-                state_bytes=state_bytes(opt, sh.num_rows, sh.num_cols),
-            )
+        ranks = np.array([sh.rank for sh in ts.shards])
+        rows = np.array([sh.num_rows for sh in ts.shards], dtype=np.float64)
+        cols = np.array([sh.num_cols for sh in ts.shards], dtype=np.float64)
+        self.add(ranks, weight_bytes=rows * cols * s, state_bytes=state_bytes(opt, rows, cols))
         if ts.sharding == "data_parallel":
             self._add_replicas(spec)
         elif ts.sharding in ("table_wise", "column_wise"):
@@ -249,9 +251,11 @@ class CostAccumulator:
             kind = "table_row_wise" if ts.sharding == "grid_shard" else ts.sharding
             for a, b, shards in ts.column_slices():
                 holders = [sh.rank for sh in shards]
-                for sh in shards:
-                    p = dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
-                    self.add_row_holder(spec, sh.rank, p, len(holders), kind, b - a)
+                p = np.array([dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
+                              for sh in shards])
+                # the terms are linear in the lookup share p: every holder in one addition
+                self.add(np.array(holders),
+                         **self.row_holder_terms(spec, p, len(holders), kind, b - a))
                 self._add_pooled_slices(spec, holders, b - a, kind)
 
     def _add_replicas(self, spec: TableSpec) -> None:
@@ -297,7 +301,8 @@ class CostAccumulator:
         self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None
     ) -> dict[str, float]:
         """Terms of a rank holding a row block with lookup share ``p``, one of ``k`` holders,
-        ``cols`` columns wide (default: all D; a grid-shard slice is narrower)."""
+        ``cols`` columns wide (default: all D; a grid-shard slice is narrower). ``p`` may be
+        an array (one per holder): the terms come out as arrays."""
         m, R, B = self.model, self.R, self.model.batch_size
         L, F, o = spec.ids_per_sample, len(spec.features), m.output_bytes
         D = spec.embedding_dim if cols is None else cols

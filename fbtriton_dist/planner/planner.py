@@ -397,7 +397,8 @@ class ShardingPlanner:
         """The placements ``sharding`` offers for the table, given the load already in ``acc``."""
         ranks = self._candidate_ranks(c)
         lo, hi = c.min_shards or 1, c.max_shards or self.world_size
-        by_load = sorted(ranks, key=lambda r: (acc.time(r), acc.memory(r), r))
+        times, mem = acc.times(), acc.memories().tolist()
+        by_load = sorted(ranks, key=lambda r: (times[r], mem[r], r))
         if sharding == "data_parallel":
             cuts = self._replicas(spec, ranks)
         elif sharding == "table_wise":
@@ -428,7 +429,8 @@ class ShardingPlanner:
         E, D = spec.num_embeddings, spec.embedding_dim
         if lo <= 1:
             need = self._table_bytes(spec, E, D)
-            fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+            mem = acc.memories().tolist()
+            fits = [r for r in by_load if mem[r] + need <= self.budget_bytes]
             for r in fits[:TW_CANDIDATE_RANKS]:
                 yield [Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)]
 
@@ -446,7 +448,8 @@ class ShardingPlanner:
         for k in self._column_splits(D, c, num_ranks):
             w = D // k
             need = self._table_bytes(spec, E, w)
-            fits = [r for r in by_load if acc.memory(r) + need <= self.budget_bytes]
+            mem = acc.memories().tolist()
+            fits = [r for r in by_load if mem[r] + need <= self.budget_bytes]
             if len(fits) >= k:
                 yield [
                     Shard(rank=r, row_start=0, row_end=E, col_start=i * w, col_end=(i + 1) * w)
@@ -503,10 +506,11 @@ class ShardingPlanner:
         (balanced) over the allowed ranks of the i-th least-loaded host (at most hi/n each)."""
         D, H = spec.embedding_dim, self.local_world_size
         hosts: dict[int, list[int]] = {}
-        for r in sorted(ranks, key=lambda r: (acc.time(r), acc.memory(r), r)):
+        times, mem = acc.times(), acc.memories().tolist()
+        for r in sorted(ranks, key=lambda r: (times[r], mem[r], r)):
             hosts.setdefault(r // H, []).append(r)
         order = sorted(
-            hosts, key=lambda h: (max(acc.time(r) for r in hosts[h]), acc.time(hosts[h][0]), h)
+            hosts, key=lambda h: (max(times[r] for r in hosts[h]), times[hosts[h][0]], h)
         )
         for n in self._grid_splits(D, len(order)):
             per_host, w = min(H, hi // n), D // n
@@ -577,7 +581,8 @@ class ShardingPlanner:
         k = len(group)
         t0 = acc.terms_time(acc.row_holder_terms(spec, 0.0, k, sharding, c1 - c0))
         t1 = acc.terms_time(acc.row_holder_terms(spec, 1.0, k, sharding, c1 - c0))
-        base = [probe.time(r) - t1 for r in group]
+        probe_times = probe.times()
+        base = [probe_times[r] - t1 for r in group]
 
         def load(j: int, share: float) -> float:
             return base[j] + t0 + (t1 - t0) * share
@@ -588,7 +593,8 @@ class ShardingPlanner:
                   cols: int) -> list[int]:
         """Rows of ``cols`` columns each rank of ``group`` still has memory for."""
         per_row = self._table_bytes(spec, 1, cols)
-        return [max(0, int((self.budget_bytes - acc.memory(r)) // per_row)) for r in group]
+        mem = acc.memories().tolist()
+        return [max(0, int((self.budget_bytes - mem[r]) // per_row)) for r in group]
 
     def _equal_cut(self, spec: TableSpec, group: list[int], acc: CostAccumulator,
                    cols: int | None = None) -> list[int] | None:
@@ -604,7 +610,8 @@ class ShardingPlanner:
         """One line: why ``sharding`` cannot hold this table, with the numbers."""
         E, D = spec.num_embeddings, spec.embedding_dim
         ranks = self._candidate_ranks(c)
-        free = {r: max(0.0, self.budget_bytes - acc.memory(r)) for r in ranks}
+        mem = acc.memories().tolist()
+        free = {r: max(0.0, self.budget_bytes - mem[r]) for r in ranks}
         most = max(free, key=lambda r: free[r])
         full = self._table_bytes(spec, E, D)
         if sharding == "data_parallel":
