@@ -117,21 +117,52 @@ def _failure_flag(rank, world):
     return sizes
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_all_to_all_forward_and_backward(world):
-    assert run_ranks(_all_to_all, world) == [(True, True)] * world
-
-
-@pytest.mark.parametrize("even", [False, True])
-@pytest.mark.parametrize("wire", [None, torch.bfloat16])
-@pytest.mark.parametrize("world", [2, 3])
-def test_exchange_sum_forward_and_backward(world, wire, even):
+def _sizes(world, even):
     """Small integers: exact in bf16 too; summed and returned in fp32. Uneven sizes (one rank
     without samples on 3 ranks) take the all-to-all; even ones, on NCCL, the reduce-scatter."""
-    sizes = [3, 3, 3][:world] if even else [2, 3, 0][:world]
-    assert run_ranks(_exchange_sum, world, wire, sizes) == [
-        ((sizes[r], 3), True, True, torch.float32) for r in range(world)
-    ]
+    return [3, 3, 3][:world] if even else [2, 3, 0][:world]
+
+
+WIRES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _every_collective(rank, world, nccl):
+    """Every collective above on one set of ranks (starting the ranks costs more than the
+    collectives): name -> what it returned. The failure flag goes last (it raises)."""
+    out = {"all_to_all": _all_to_all(rank, world), "own_rows": _own_rows(rank, world),
+           "host_reduce_scatter": _host_reduce_scatter(rank, world)}
+    for name, wire in WIRES.items():
+        for even in (False, True):
+            out[f"exchange_sum[{name}-even={even}]"] = _exchange_sum_body(
+                rank, world, wire, _sizes(world, even))
+    if not nccl:  # NCCL runs the real reduce_scatter_tensor in exchange_sum[*-even=True]
+        out["reduce_scatter_branch"] = _exchange_sum_as_reduce_scatter(rank, world)
+    if world == 3:
+        out["failure_flag"] = _failure_flag(rank, world)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_forward_and_backward(world):
+    from tests.sharding.harness import backend
+
+    nccl = backend() == "nccl"
+    got = run_ranks(_every_collective, world, nccl)
+    for r, res in enumerate(got):
+        assert res["all_to_all"] == (True, True), r
+        assert res["own_rows"] == (True, True), r
+        assert res["host_reduce_scatter"] == (True, True), r
+        for name in WIRES:
+            for even in (False, True):
+                want = ((_sizes(world, even)[r], 3), True, True, torch.float32)
+                assert res[f"exchange_sum[{name}-even={even}]"] == want, (r, name, even)
+        if not nccl:
+            assert res["reduce_scatter_branch"] == (
+                ((3, 3), True, True, torch.float32), [((3, 3), (3 * world, 3))]), r
+    if world == 3:
+        assert got[1]["failure_flag"] == [2, 3, 4]  # the failing rank gets the sizes, then
+        for r in (0, 2):                             # raises its own error
+            assert "rank(s) [1] found bad input" in got[r]["failure_flag"]
 
 
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
@@ -139,30 +170,3 @@ def test_exchange_sum_at_world_size_one(wire):
     """One rank: its block comes back as it is (received straight into the output, no
     extra copy), in x's dtype, and the gradient goes back unchanged."""
     assert run_ranks(_exchange_sum, 1, wire, [4]) == [((4, 3), True, True, torch.float32)]
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_exchange_sum_reduce_scatter_branch(world):
-    from tests.sharding.harness import backend
-
-    if backend() == "nccl":
-        pytest.skip("the real reduce_scatter_tensor runs in test_exchange_sum_forward_and_backward")
-    got = run_ranks(_exchange_sum_as_reduce_scatter, world)
-    assert got == [(((3, 3), True, True, torch.float32), [((3, 3), (3 * world, 3))])] * world
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_own_rows_backward_all_gathers(world):
-    assert run_ranks(_own_rows, world) == [(True, True)] * world
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_host_reduce_scatter_forward_and_backward(world):
-    assert run_ranks(_host_reduce_scatter, world) == [(True, True)] * world
-
-
-def test_failure_flag_reaches_every_rank():
-    out = run_ranks(_failure_flag, 3)
-    assert out[1] == [2, 3, 4]  # the failing rank gets the sizes, then raises its own error
-    for r in (0, 2):
-        assert "rank(s) [1] found bad input" in out[r]

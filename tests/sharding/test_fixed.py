@@ -70,20 +70,28 @@ def _equal_to_plain(rank, world, weighted, even=False):
     return identical, counts, report, fixed.input_dist_.send_msgs[0].nbytes
 
 
-@pytest.mark.parametrize("world,weighted,even", [(2, True, False), (3, False, False),
-                                                 (2, False, True)])
-def test_fixed_shapes_equal_the_default_input_dist(world, weighted, even):
-    """Uneven batches (one empty), and even ones (the receiver sums every source's ids in
-    one reduction)."""
-    results = run_ranks(_equal_to_plain, world, weighted, even)
-    for rank, (identical, _, _, _) in enumerate(results):
-        assert identical, f"rank {rank}: fixed_shapes changed the result"
-    assert len({c for _, counts, _, _ in results for c in counts}) > 2  # id counts changed
-    reports = [r[2] for r in results]
-    for key in ("input_dist.data", "output_dist.forward"):
-        assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
-    assert sum(r["input_dist.data"]["ids_sent"] for r in reports) == sum(
-        r["input_dist.data"]["ids_received"] for r in reports)
+def _equal_cases(rank, world, cases):
+    """``_equal_to_plain(weighted, even)`` for each case on one set of ranks."""
+    return [_equal_to_plain(rank, world, *case) for case in cases]
+
+
+@pytest.mark.parametrize("world,cases", [(2, ((True, False), (False, True))),
+                                         (3, ((False, False),))], ids=["2", "3"])
+def test_fixed_shapes_equal_the_default_input_dist(world, cases):
+    """Uneven batches (one empty; weighted on 2 ranks), and even ones (the receiver sums every
+    source's ids in one reduction)."""
+    per_rank = run_ranks(_equal_cases, world, cases)
+    for i, case in enumerate(cases):
+        results = [r[i] for r in per_rank]
+        for rank, (identical, _, _, _) in enumerate(results):
+            assert identical, f"rank {rank} {case}: fixed_shapes changed the result"
+        assert len({c for _, counts, _, _ in results for c in counts}) > 2  # id counts changed
+        reports = [r[2] for r in results]
+        for key in ("input_dist.data", "output_dist.forward"):
+            assert sum(r[key]["sent"] for r in reports) == sum(
+                r[key]["received"] for r in reports), case
+        assert sum(r["input_dist.data"]["ids_sent"] for r in reports) == sum(
+            r["input_dist.data"]["ids_received"] for r in reports), case
 
 
 def _bad(rank, world, case):

@@ -193,14 +193,21 @@ def _wire_dtype(rank, world, wire):
     return worst
 
 
-@pytest.mark.parametrize("world,wire", [(2, torch.bfloat16), (3, torch.bfloat16),
-                                        (2, torch.float16)], ids=["2-bf16", "3-bf16", "2-fp16"])
-def test_wire_dtype_within_one_rounding_per_hop(world, wire):
-    for rank, worst in enumerate(run_ranks(_wire_dtype, world, wire)):
-        for kind, (fwd, bwd, changed, scale, _) in worst.items():
-            assert fwd <= 1e-6, f"rank {rank} {kind}: forward over the bound by {fwd}"
-            assert bwd <= 1e-6, f"rank {rank} {kind}: weight change over the bound by {bwd}"
-            assert changed or scale == 0, f"rank {rank} {kind}: the wire dtype had no effect"
+def _wire_dtypes(rank, world, wires):
+    """``_wire_dtype`` for each of ``wires`` on one set of ranks."""
+    return [_wire_dtype(rank, world, wire) for wire in wires]
+
+
+@pytest.mark.parametrize("world,wires", [(2, (torch.bfloat16, torch.float16)),
+                                         (3, (torch.bfloat16,))], ids=["2-bf16-fp16", "3-bf16"])
+def test_wire_dtype_within_one_rounding_per_hop(world, wires):
+    for rank, per_wire in enumerate(run_ranks(_wire_dtypes, world, wires)):
+        for wire, worst in zip(wires, per_wire, strict=True):
+            for kind, (fwd, bwd, changed, scale, _) in worst.items():
+                where = f"rank {rank} {wire} {kind}"
+                assert fwd <= 1e-6, f"{where}: forward over the bound by {fwd}"
+                assert bwd <= 1e-6, f"{where}: weight change over the bound by {bwd}"
+                assert changed or scale == 0, f"{where}: the wire dtype had no effect"
 
 
 @dataclass
@@ -301,6 +308,11 @@ def _pipeline(rank, world, graph=False, overlap=False):
     return same_losses, same_tables, same_dense, [x.item() for x in losses_plain]
 
 
+def _pipelines(rank, world, variants):
+    """``_pipeline(fixed shapes + graphed, overlap)`` for each variant on one set of ranks."""
+    return [_pipeline(rank, world, *v) for v in variants]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_pipeline_matches_the_plain_loop(world):
     for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, world)):
@@ -308,17 +320,17 @@ def test_pipeline_matches_the_plain_loop(world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop(world, overlap):
-    """On NCCL the whole step is one CUDA graph replay from the third batch on (``overlap``:
-    with the next batch's input dist inside the replay, over two epochs). World size one is
-    for a machine with one GPU (real capture with NCCL communicators); on gloo it adds
-    nothing to two ranks and is skipped."""
+def test_graphed_pipeline_with_fixed_shapes_matches_the_plain_loop(world):
+    """On NCCL the whole step is one CUDA graph replay from the third batch on (overlap: with
+    the next batch's input dist inside the replay, over two epochs); both, without and with
+    overlap. World size one is for a machine with one GPU (real capture with NCCL
+    communicators); on gloo it adds nothing to two ranks and is skipped."""
     if world == 1 and backend() != "nccl":
         pytest.skip("world size one checks the NCCL capture on a one-GPU machine")
-    for rank, (losses, tables, dense_, values) in enumerate(
-            run_ranks(_pipeline, world, True, overlap)):
-        assert losses and tables and dense_, (rank, losses, tables, dense_, values)
+    variants = [(True, False), (True, True)]
+    for rank, per in enumerate(run_ranks(_pipelines, world, variants)):
+        for (_, overlap), (losses, tables, dense_, values) in zip(variants, per, strict=True):
+            assert losses and tables and dense_, (rank, overlap, losses, tables, dense_, values)
 
 
 def _lengths_overrun(rank, world):
