@@ -93,6 +93,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         cost_model=CostModel(batch_size=args.batch_size),
         optimizer=args.optimizer,
         row_cuts=args.row_cuts,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if args.check:
         plan = ShardingPlan.load_yaml(args.check)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -94,6 +95,8 @@ class ShardingPlanner:
             measured on Criteo at 64 ranks, Zipf(1.1): 0.501 ms / 1.063 instead of 0.500 ms /
             1.115, while 0.03 would already trade 3 % of step time for balance (0.515 ms /
             1.059). 0 keeps the fastest plan.
+        progress: called with a line of text (which pass, how many tables placed, seconds so
+            far) about once a second once a plan has taken ``progress_after_s``; None: quiet.
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class ShardingPlanner:
         optimizer: str = "rowwise_adagrad",
         row_cuts: RowCuts = "balanced",
         balance_tolerance: float = 0.01,
+        progress: Callable[[str], None] | None = None,
+        progress_after_s: float = 2.0,
     ) -> None:
         check_int("world_size", world_size, 1)
         local_world_size = world_size if local_world_size is None else local_world_size
@@ -131,6 +136,8 @@ class ShardingPlanner:
         self.optimizer = optimizer
         self.row_cuts = row_cuts
         self.balance_tolerance = balance_tolerance
+        self.progress, self.progress_after_s = progress, progress_after_s
+        self._clock = (0.0, 0.0)  # (start of the plan, last progress line)
 
     @property
     def budget_bytes(self) -> float:
@@ -161,6 +168,11 @@ class ShardingPlanner:
         ``constraints`` and ``stats`` (id distributions) are keyed by table name; tables
         without stats are taken as uniform.
         """
+        self._clock = (time.monotonic(), -math.inf)
+        return self._plan(tables, constraints, stats)
+
+    def _plan(self, tables, constraints, stats) -> ShardingPlan:
+        """``plan`` without restarting the progress clock."""
         specs = to_table_specs(tables)
         cons = table_constraints(constraints, specs)
         for name in stats or {}:
@@ -213,10 +225,10 @@ class ShardingPlanner:
         slower than equal blocks, e.g. Criteo at 8 ranks). Only with ``row_cuts="balanced"``."""
         if self.row_cuts != "balanced":
             return plan
-        equal = copy.copy(self)
+        equal = copy.copy(self)  # the same clock: its progress lines continue ours
         equal.row_cuts = "equal"
         try:
-            other = equal.plan(specs, cons, stats)
+            other = equal._plan(specs, cons, stats)
         except PlanError:  # equal blocks do not fit where balanced cuts do
             return plan
         mine = self._plan_cost(plan, specs, stats).max()
@@ -241,7 +253,10 @@ class ShardingPlanner:
         """One greedy pass; tables named in ``grid`` may also be grid-sharded."""
         acc = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
         chosen: dict[str, TableSharding] = {}
-        for spec in self._order(specs):
+        for i, spec in enumerate(self._order(specs)):
+            self._report(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
+                         f"{f', grid {sorted(grid)}' if grid else ''}: table {i + 1}/"
+                         f"{len(specs)}")
             dist = stats.get(spec.name, UNIFORM)
             chosen[spec.name] = self._place(spec, cons[spec.name], dist, acc, spec.name in grid)
         return ShardingPlan(
@@ -249,6 +264,17 @@ class ShardingPlanner:
             local_world_size=self.local_world_size,
             tables=tuple(chosen[s.name] for s in specs),
         )
+
+    def _report(self, where: str) -> None:
+        """A progress line, once the plan has taken ``progress_after_s``, at most once a
+        second."""
+        if self.progress is None:
+            return
+        start, last = self._clock
+        now = time.monotonic()
+        if now - start >= self.progress_after_s and now - last >= 1.0:
+            self._clock = (start, now)
+            self.progress(f"planning {self.world_size} ranks: {where} ({now - start:.0f} s)")
 
     def _plan_cost(
         self,

@@ -228,3 +228,18 @@ def test_balance_tolerance_picks_the_most_even_of_the_near_fastest():
     assert planner(16, 8, balance_tolerance=0.05)._choose(candidates) == slow_even
     with pytest.raises(ValueError, match="balance_tolerance: expected a number >= 0"):
         planner(16, 8, balance_tolerance=-0.01)
+
+
+def test_a_long_plan_reports_progress():
+    """Past ``progress_after_s`` the planner says which pass and table it is on (the CLI
+    prints these lines to stderr); quiet by default and before that time."""
+    ts = load_tables(CONFIGS / "criteo_terabyte.yaml")
+    lines = []
+    p = planner(16, 8, progress=lines.append, progress_after_s=0.0)
+    p.plan(ts.tables, ts.constraints, ts.stats)
+    assert lines and all(line.startswith("planning 16 ranks: ") for line in lines)
+    assert all(line.endswith(" s)") and "table " in line for line in lines)
+    quiet = []
+    planner(16, 8, progress=quiet.append, progress_after_s=3600.0).plan(
+        ts.tables, ts.constraints, ts.stats)
+    assert quiet == []
