@@ -4,7 +4,7 @@ linear -> logistic loss) with a fused rowwise-Adagrad update of the embedding ro
     python examples/train_tbe.py --steps 50 --batch-size 512
 
 Labels come from a hidden "true" embedding per row, so the loss can really go down. Runs on the
-GPU with the Triton kernels when there is one, else on the CPU with the PyTorch reference.
+GPU with the Triton kernels when there is one, else on the CPU's fast path (torch ops).
 """
 
 import argparse

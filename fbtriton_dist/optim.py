@@ -1,6 +1,6 @@
 """Fused optimizers of TableBatchedEmbedding: one registry entry each, applied inside backward.
 
-Adding a fused optimizer touches these four files, and no other:
+Adding a fused optimizer touches these five files, and no other:
 
 1. ``fbtriton_dist/optim.py`` (this file): its config dataclass (added to ``Optimizer``) and
    one ``OptimizerSpec`` in ``REGISTRY``: the name (YAML, planner), the FBGEMM name, the
@@ -12,7 +12,9 @@ Adding a fused optimizer touches these four files, and no other:
    ``@triton.jit`` ``_<name>_update`` helper and its branch in ``optimizer_update`` (the
    row-update kernel of ``kernels/tbe_backward.py`` calls that, by the constexpr code).
 3. ``fbtriton_dist/reference/tbe.py``: its twin ``_<name>_update``, listed in ``UPDATES``.
-4. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
+4. ``fbtriton_dist/ops/cpu.py``: its vectorised step for the fast CPU path, ``_<name>_step`` in
+   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``).
+5. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
    (Triton vs the reference over three steps). ``tests/test_optim.py`` checks every registry
    entry without being edited (torch-class round trip, kernel code, planner and job choices,
    state bytes against the module's state tensors, a reference step for each entry).

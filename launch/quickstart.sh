@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README's first command: install into .venv (launch/install.sh), then train the default job,
 # configs/jobs/quickstart.yaml, under torchrun (launch/multinode.sh): without a GPU on 2 CPU
-# processes (gloo, PyTorch reference backend), with GPUs on every local GPU (NCCL, Triton
+# processes (gloo, the fast CPU path), with GPUs on every local GPU (NCCL, Triton
 # kernels). It prints the sharding plan (saved as runs/quickstart/plan.yaml), a progress bar
 # and the final summary; metrics and checkpoints go to runs/quickstart/.
 #

@@ -183,3 +183,30 @@ def test_kernels_match_the_reference(name):
     for b in optim.STATE_BUFFERS:
         torch.testing.assert_close(getattr(tri, b).cpu(), getattr(ref, b), atol=1e-5, rtol=1e-4)
     assert tri.step == ref.step == 2
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fast_cpu_path_matches_the_reference(name):
+    """Every entry has a step on the fast CPU path that equals its reference update (two
+    steps, non-default hyper-parameters: weights and states)."""
+    from fbtriton_dist.ops import cpu
+
+    assert set(cpu._STEPS) == set(cpu._NEEDS_ROWS) == set(NAMES)
+    opt = _example(optim.REGISTRY[name])
+    g = torch.Generator().manual_seed(5)
+    batches = [make_batch(TABLES, FTM, B, MAX_L, hot=True, weighted=True, generator=g)
+               for _ in range(2)]
+    w0 = TableBatchedEmbedding(TABLES, FTM).weights.detach().clone()
+    mods = [TableBatchedEmbedding(TABLES, FTM, optimizer=opt, backend=backend,
+                                  stochastic_rounding=False) for backend in ("reference", "cpu")]
+    for m in mods:
+        with torch.no_grad():
+            m.weights.copy_(w0)
+        for step, batch in enumerate(batches):
+            out = m(*batch)
+            out.backward(upstream_grad(out, step))
+    ref, fast = mods
+    torch.testing.assert_close(fast.weights.detach(), ref.weights.detach(), atol=1e-5, rtol=1e-5)
+    for b in optim.STATE_BUFFERS:
+        torch.testing.assert_close(getattr(fast, b), getattr(ref, b), atol=1e-5, rtol=1e-4)
+    assert fast.step == ref.step == 2

@@ -1,18 +1,23 @@
-"""TBE benchmark (issue 3): our Triton TableBatchedEmbedding vs FBGEMM's CUDA TBE and torch.
+"""TBE benchmark: our TableBatchedEmbedding vs FBGEMM's TBE, TorchRec and torch.
 
     python -m fbtriton_dist.bench tbe --out tbe.json            # S0..S6, every provider (GPU)
+    python -m fbtriton_dist.bench tbe --device cpu              # C0, C1: the fast CPU path
     python -m fbtriton_dist.bench tbe --tiny --device cpu       # CI: tiny shapes, CPU providers
     python -m fbtriton_dist.bench tbe --plot tbe.json --png tbe.png   # chart, no GPU needed
 
-Providers: ``ours`` (Triton, bounds_check="warn"), ``ours_graph`` (the same module's whole
+Providers: ``ours`` (backend "auto": Triton on CUDA, the fast CPU path on CPU;
+bounds_check="warn"), ``ours_graph`` (the same module's whole
 step replayed from a CUDA graph by ``fbtriton_dist.graphs.GraphedStep``: the batch copied in
 and one replay per call, timed like every provider, host included; on CPU it falls back to
 eager, labelled in the rows' ``note``), ``ours_checked`` (bounds_check="error",
-synchronous), ``reference`` (the same module on the PyTorch reference), ``torch_pt``
+synchronous), ``reference`` (the same module on the PyTorch reference), ``torchrec``
+(TorchRec's unsharded EmbeddingBagCollection on a KeyedJaggedTensor, dense grads + torch.optim;
+CPU), ``torch_pt``
 (F.embedding_bag per table + cat; dense grad + torch.optim), ``torch_fused`` (one concatenated
 table per distinct D, shifted ids; dense grad + torch.optim), ``torch_pt_sparse`` /
 ``torch_fused_sparse`` (sparse=True grads + index_add_ for SGD, torch.optim.Adagrad on the sparse
-grad), ``fbgemm`` (SplitTableBatchedEmbeddingBagsCodegen, when importable).
+grad), ``fbgemm`` (SplitTableBatchedEmbeddingBagsCodegen, when importable: its CUDA TBE, or
+on ``--device cpu`` its CPU TBE).
 Phases: ``fwd`` (a training forward), ``fwd_bwd_sgd``, ``fwd_bwd_rowwise_adagrad`` (fused
 providers update inside backward; torch ones run backward + step + zero_grad; torch's Adagrad is
 per-element). ``bwd`` = fwd_bwd - fwd is printed as derived.
@@ -41,6 +46,7 @@ import torch
 from fbtriton_dist.bench.tbe_cases import (
     ALIASES,
     DEFAULT_PROVIDERS,
+    DEFAULT_SHAPES,
     FWD_OF,
     KERNEL_TABLE_PROVIDERS,
     PHASES,
@@ -72,20 +78,20 @@ def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float)
         base = dict(shape=ctx.shape.name, provider=provider)
         done: set[str] = set()
         cases = provider_cases(provider, ctx)
-        if provider == "fbgemm" and ctx.device.type != "cuda":
-            msg = "skipped: FBGEMM's CUDA TBE needs --device cuda"
-            cases = (item for item in [(p, msg) for p in ctx.phases])
         while True:
             try:
                 phase, fn = next(cases)
             except StopIteration:
                 break
             except Exception as e:  # building the module failed: the remaining phases fail
+                missing = isinstance(e, ImportError)  # a peer that is not installed
                 msg = f"{type(e).__name__}: {e}"
-                print(f"  {provider}: ERROR {msg}", flush=True)
+                print(f"  {provider}: {'skipped' if missing else 'ERROR'} {msg}", flush=True)
                 for phase in ctx.phases:
                     if phase not in done and not (phase == "fwd" and provider in FWD_OF):
-                        rows.append(dict(base, phase=phase, error=msg))
+                        what = {"skipped": f"skipped: not importable: {e}"} if missing else {
+                            "error": msg}
+                        rows.append(dict(base, phase=phase, **what))
                 break
             done.add(phase)
             if isinstance(fn, str):
@@ -209,7 +215,8 @@ def print_vs_fbgemm(rows: list[dict]) -> None:
             for p in ours
         ]
         print(
-            f"  e2e median (L2 flushed, host included) {phase}: fbgemm {fb['median_ms']:.3f} ms; "
+            f"  e2e median ({'wall' if fb.get('busy_source') == 'wall' else 'L2 flushed'}, host "
+            f"included) {phase}: fbgemm {fb['median_ms']:.3f} ms; "
             + "; ".join(parts)
         )
 
@@ -268,7 +275,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m fbtriton_dist.bench tbe", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--shapes", default=None, help=f"comma list of {list(SHAPES)} (default all)")
+    p.add_argument(
+        "--shapes", default=None,
+        help=f"comma list of {list(SHAPES)} (default: S* on CUDA, C* on CPU; every one --tiny)",
+    )
     p.add_argument("--providers", default=None, help=f"comma list of {list(PROVIDERS)} or torch")
     p.add_argument("--phases", default=None, help=f"comma list of {list(PHASES)}")
     p.add_argument("--tiny", action="store_true", help="E<=1000, B<=8, T<=2 (CPU, CI)")
@@ -297,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pipelined", type=int, default=None)
     p.add_argument("--profiled", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 with --tiny on CPU)")
     p.add_argument("--out", default=None, help="write everything as JSON here")
     p.add_argument("--plot", default=None, metavar="JSON", help="only plot this JSON (no GPU)")
     p.add_argument("--png", default=None, help="where --plot writes (default JSON's name .png)")
@@ -316,13 +328,16 @@ def _run(args: argparse.Namespace) -> dict:
     device = torch.device(dev_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny)")
-    shapes = [SHAPES[n] for n in _select(args.shapes, list(SHAPES), SHAPES, "shapes")]
+    default_shapes = DEFAULT_SHAPES[device.type] if not args.tiny else list(SHAPES)
+    shapes = [SHAPES[n] for n in _select(args.shapes, default_shapes, SHAPES, "shapes")]
     if args.tiny:
         shapes = [s.tiny() for s in shapes]
     providers = _select(args.providers, DEFAULT_PROVIDERS[device.type], PROVIDERS, "providers")
     phases = _select(args.phases, list(PHASES), PHASES, "phases")
     cpu = device.type == "cpu"
-    if cpu and args.tiny:  # tiny ops: one thread avoids OpenMP spin-waits on a shared CPU
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif cpu and args.tiny:  # tiny ops: one thread avoids OpenMP spin-waits on a shared CPU
         torch.set_num_threads(1)
     cfg = TimerConfig(
         warmup=args.warmup,
@@ -334,6 +349,7 @@ def _run(args: argparse.Namespace) -> dict:
     )
     report = {
         "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
+        "threads": torch.get_num_threads(),
         **_versions(providers),
         "args": vars(args),
         "timer": dataclasses.asdict(cfg),
@@ -409,7 +425,7 @@ def _run(args: argparse.Namespace) -> dict:
         )
         ours_like = next((p for p in ("ours", "reference") if p in providers), None)
         if "fbgemm" in providers and ours_like and not args.no_compare:
-            backend = "triton" if ours_like == "ours" else "reference"
+            backend = "auto" if ours_like == "ours" else "reference"
             try:
                 import_fbgemm()
             except ImportError as e:  # a peer that is not installed: no comparison, say why

@@ -1,7 +1,7 @@
-"""The TBE benchmark's cases: shapes S0..S6 and their id batches, BASELINES.md's bytes model,
-one generator of (phase, step) per provider (one module alive at a time), and the correctness
-checks (ours vs FBGEMM on the same weights; Triton vs reference at full size), each with the
-list of what differs beyond its tolerance."""
+"""The TBE benchmark's cases: shapes S0..S6 (GPU) and C0, C1 (CPU) and their id batches,
+BASELINES.md's bytes model, one generator of (phase, step) per provider (one module alive at a
+time), and the correctness checks (ours vs FBGEMM on the same weights; Triton vs reference at
+full size), each with the list of what differs beyond its tolerance."""
 
 import dataclasses
 import gc
@@ -23,16 +23,20 @@ PROVIDERS = (
     "ours_checked",
     "reference",
     "fbgemm",
+    "torchrec",
     "torch_pt",
     "torch_pt_sparse",
     "torch_fused",
     "torch_fused_sparse",
 )
 DEFAULT_PROVIDERS = {
-    "cuda": [p for p in PROVIDERS if p != "reference"],
+    "cuda": [p for p in PROVIDERS if p not in ("reference", "torchrec")],
     "cpu": [
+        "ours",
         "reference",
         "ours_graph",
+        "fbgemm",
+        "torchrec",
         "torch_pt",
         "torch_pt_sparse",
         "torch_fused",
@@ -55,7 +59,7 @@ class Shape:
     """One benchmark shape: fixed bag size L, int64 ids, table-major (``[T][B][L]``)."""
 
     name: str
-    """S0..S6."""
+    """S0..S6 (GPU), C0, C1 (CPU)."""
     groups: tuple[tuple[int, int, int], ...]
     """(number of tables, E rows, D dim) per group of equal tables, in table order."""
     B: int
@@ -98,7 +102,14 @@ SHAPES = {
         Shape(name="S4", groups=((8, 10_000_000, 256),), B=4096, L=40, dtype=torch.float16),
         Shape(name="S5", groups=((16, 1_000_000, 64), (16, 1_000_000, 256)), B=2048, L=20),
         Shape(name="S6", groups=((8, 1_000_000, 128),), B=65536, L=20, zipf=1.15),
+        # CPU: the shapes of the fast-CPU-path issue (one process, its threads)
+        Shape(name="C0", groups=((8, 100_000, 64),), B=512, L=20),
+        Shape(name="C1", groups=((4, 200_000, 128),), B=1024, L=10, zipf=1.1),
     )
+}
+DEFAULT_SHAPES = {
+    "cuda": [n for n in SHAPES if n.startswith("S")],
+    "cpu": [n for n in SHAPES if n.startswith("C")],
 }
 
 
@@ -203,16 +214,15 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
     """``ours``' whole step (forward, or forward + backward + fused update; the host work
     included) replayed from a CUDA graph by ``graphs.GraphedStep``: each call copies the batch's
     ids and offsets into the graph's inputs and replays. Warmed up and captured here, before
-    the timer sees it. Without CUDA, GraphedStep runs the step eagerly (on the reference
-    backend here): the rows say so in ``note``."""
+    the timer sees it. Without CUDA, GraphedStep runs the step eagerly (on the fast CPU
+    path): the rows say so in ``note``."""
     idx, off, grad = ctx.batch.indices, ctx.batch.offsets, ctx.batch.grad
-    cuda = ctx.device.type == "cuda"
     m = TableBatchedEmbedding(
         ctx.shape.tables,
         optimizer=optim.SGD(lr=LR),
         weights_dtype=ctx.shape.dtype,
         bounds_check="warn",
-        backend="triton" if cuda else "reference",
+        backend="auto",
         device=ctx.device,
     )
 
@@ -238,7 +248,7 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
         run.note = (
             f"CUDA graph ({step.captures} capture, replayed)"
             if step.captures
-            else "eager: GraphedStep's fallback without CUDA (reference backend)"
+            else "eager: GraphedStep's fallback without CUDA (the fast CPU path)"
         )
         yield phase, run
         del step, run
@@ -302,6 +312,50 @@ def _fbgemm_cases(ctx: Context) -> Iterator[tuple[str, object]]:
     if "fwd_bwd_rowwise_adagrad" in ctx.phases:
         emb2 = fbgemm_tbe(ctx.shape, "rowwise_adagrad", ctx.device)
         yield "fwd_bwd_rowwise_adagrad", lambda: emb2(idx, off).backward(grad)
+
+
+def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
+    """TorchRec's unsharded ``EmbeddingBagCollection`` (one ``nn.EmbeddingBag`` per table) on
+    the same ids as a KeyedJaggedTensor: its forward; backward with dense gradients and
+    ``torch.optim.SGD`` / ``torch.optim.Adagrad`` (per-element: TorchRec's unsharded module has
+    no fused or row-wise optimizer)."""
+    import torchrec  # noqa: PLC0415 (a peer, imported only when benchmarked)
+
+    shape, batch = ctx.shape, ctx.batch
+    tables = [
+        torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=D, num_embeddings=E,
+                                    feature_names=[f"f{t}"])
+        for t, (E, D) in enumerate(shape.tables)
+    ]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables, device=ctx.device)
+    if shape.dtype != torch.float32:
+        ebc = ebc.to(shape.dtype)
+    kjt = torchrec.KeyedJaggedTensor(
+        keys=[f"f{t}" for t in range(len(tables))], values=batch.indices,
+        offsets=batch.offsets,
+    )
+    grad = batch.grad.to(shape.dtype)
+
+    def forward() -> torch.Tensor:
+        return ebc(kjt).values()
+
+    if "fwd" in ctx.phases:
+        yield "fwd", torch.no_grad()(forward)
+    for phase in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
+        if phase not in ctx.phases:
+            continue
+        params = list(ebc.parameters())
+        opt = (torch.optim.SGD(params, lr=LR) if phase == "fwd_bwd_sgd"
+               else torch.optim.Adagrad(params, lr=LR, eps=EPS))
+
+        def step(opt=opt) -> None:
+            forward().backward(grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step.note = "dense grads + torch.optim" + ("" if "sgd" in phase else ".Adagrad")
+        yield phase, step
+        del opt, step
 
 
 def _torch_lookup(ctx: Context, fused: bool, sparse: bool):
@@ -415,15 +469,17 @@ def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str,
 
 def provider_cases(name: str, ctx: Context) -> Iterator[tuple[str, object]]:
     if name == "ours":
-        return _ours_cases(ctx, "triton", "warn")
+        return _ours_cases(ctx, "auto", "warn")
     if name == "ours_graph":
         return _ours_graph_cases(ctx)
     if name == "ours_checked":
-        return _ours_cases(ctx, "triton", "error")
+        return _ours_cases(ctx, "auto", "error")
     if name == "reference":
         return _ours_cases(ctx, "reference", "warn")
     if name == "fbgemm":
         return _fbgemm_cases(ctx)
+    if name == "torchrec":
+        return _torchrec_cases(ctx)
     fused = name.startswith("torch_fused")
     return _torch_cases(ctx, fused=fused, sparse=name.endswith("_sparse"))
 

@@ -44,8 +44,8 @@ class TableBatchedEmbedding(nn.Module):
         bounds_check: out-of-range ids (and, with ``"error"``, NaN/inf per-sample weights)
             raise (``"error"``), are dropped with a warning
             (``"warn"``), or are not checked (``"ignore"``: the caller promises valid ids).
-        backend: ``"auto"`` (Triton for CUDA weights, the PyTorch reference on CPU),
-            ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton for CUDA weights, the fast CPU path ``"cpu"`` for CPU
+            weights), ``"triton"``, ``"cpu"`` or ``"reference"`` (the slow spec).
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
         feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
@@ -75,7 +75,7 @@ class TableBatchedEmbedding(nn.Module):
         output_dtype: torch.dtype = torch.float32,
         bounds_check: BoundsCheck = "error",
         device: torch.device | str | None = None,
-        backend: Literal["auto", "triton", "reference"] = "auto",
+        backend: Literal["auto", "triton", "cpu", "reference"] = "auto",
         stochastic_rounding: bool = True,
         sparse: bool = False,
         table_names: Sequence[str] | None = None,

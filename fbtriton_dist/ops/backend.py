@@ -1,9 +1,11 @@
-"""The one place that picks what runs an op: the Triton kernels or the PyTorch reference.
+"""The one place that picks what runs an op: the Triton kernels, the fast CPU path or the
+PyTorch reference.
 
 ``backend="auto"`` (every module's and ``shard()``'s default) is Triton for CUDA tensors and
-the reference on the CPU; ``"triton"`` on CPU tensors runs the kernels in Triton's
-interpreter (``TRITON_INTERPRET=1``, set before triton is first imported: tests, small
-shapes); ``"reference"`` is the slow, obvious twin everywhere. Every op in ``ops/`` takes the
+the fast CPU path (``"cpu"``, ``ops/cpu.py``: vectorised torch ops) for CPU tensors;
+``"triton"`` on CPU tensors runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``,
+set before triton is first imported: tests, small shapes); ``"reference"`` is the slow,
+obvious twin everywhere (the spec and the test oracle). Every op in ``ops/`` takes the
 resolved name and gets its implementation module from ``implementation``.
 """
 
@@ -13,11 +15,11 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["triton", "reference"]
+Backend = Literal["triton", "cpu", "reference"]
 """A resolved backend: what an op runs."""
-BackendChoice = Literal["auto", "triton", "reference"]
+BackendChoice = Literal["auto", "triton", "cpu", "reference"]
 """What a user asks for."""
-CHOICES: tuple[str, ...] = ("auto", "triton", "reference")
+CHOICES: tuple[str, ...] = ("auto", "triton", "cpu", "reference")
 
 
 def check_choice(backend: str) -> None:
@@ -27,19 +29,20 @@ def check_choice(backend: str) -> None:
 
 
 def resolve(backend: str, device: torch.device | str) -> Backend:
-    """``backend`` for tensors on ``device``: ``"auto"`` becomes Triton on CUDA, the
-    reference elsewhere. Raises if Triton cannot run there (``check_backend``)."""
+    """``backend`` for tensors on ``device``: ``"auto"`` becomes Triton on CUDA, the fast
+    CPU path elsewhere. Raises if Triton cannot run there (``check_backend``)."""
     check_choice(backend)
     device = torch.device(device)
     resolved: Backend = (
-        backend if backend != "auto" else ("triton" if device.type == "cuda" else "reference")
+        backend if backend != "auto" else ("triton" if device.type == "cuda" else "cpu")
     )
     check_backend(resolved, device)
     return resolved
 
 
 def check_backend(backend: Backend, device: torch.device) -> None:
-    """Refuse Triton on CPU tensors unless the interpreter is on (it must be set before import)."""
+    """Refuse Triton on CPU tensors unless the interpreter is on (it must be set before import).
+    The fast CPU path is torch ops: it runs anywhere (host-synchronous on CUDA)."""
     if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "backend='triton' on CPU tensors runs the kernels in Triton's interpreter: set "
@@ -50,11 +53,15 @@ def check_backend(backend: Backend, device: torch.device) -> None:
 
 def implementation(backend: Backend) -> ModuleType:
     """The module holding ``backend``'s twin of every op: ``fbtriton_dist.kernels`` (imports
-    triton, only when asked for) or ``fbtriton_dist.reference``."""
+    triton, only when asked for), ``fbtriton_dist.ops.cpu`` or ``fbtriton_dist.reference``."""
     if backend == "triton":
         from fbtriton_dist import kernels  # noqa: PLC0415 (triton only when asked for)
 
         return kernels
+    if backend == "cpu":
+        from fbtriton_dist.ops import cpu  # noqa: PLC0415
+
+        return cpu
     from fbtriton_dist import reference  # noqa: PLC0415
 
     return reference

@@ -89,9 +89,9 @@ def check_capturable(
 ) -> None:
     """Refuse, naming the option, what a CUDA graph capture cannot record: work that reads
     device values on the host."""
-    if backend == "reference" or layout.num_rows is None:
+    if backend != "triton" or layout.num_rows is None:
         raise RuntimeError(
-            "TBE lookup under CUDA graph capture: backend='reference' validates and reduces on "
+            f"TBE lookup under CUDA graph capture: backend={backend!r} validates and reduces on "
             "the host (device-to-host reads), which a graph cannot record; use backend='triton'"
         )
     if bounds_check == "error":
@@ -115,7 +115,7 @@ def check_inputs(
     layout: TBELayout,
     bounds_check: BoundsCheck,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate one batch (one device round trip at most). Returns the batch to look up: the
+    """Validate one batch (two device round trips at most). Returns the batch to look up: the
     same tensors, or, with ``bounds_check="warn"``, copies without the out-of-range ids.
     """
     check_shapes(indices, offsets, per_sample_weights, layout)
@@ -155,21 +155,14 @@ def check_shapes(
 
 
 def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
-    """The value checks on the device, one round trip: raise, or warn and drop bad ids."""
+    """The value checks on the device, two round trips (the offsets, then the ids): raise,
+    or warn and drop bad ids. The ids are checked against each feature's row count without a
+    search per id; only a batch with bad ids pays for finding each one's bag."""
     T = layout.num_features
     N = indices.numel()
     B = (offsets.numel() - 1) // T
-    bags, bad = _bad_ids(indices, offsets, layout)
     decreasing = offsets[1:] < offsets[:-1]
-    # under "error", a NaN/inf per-sample weight is refused (it would poison the rows)
-    nonfinite = (
-        ~torch.isfinite(per_sample_weights)
-        if bounds_check == "error" and per_sample_weights is not None
-        else torch.zeros(0, dtype=torch.bool, device=indices.device)
-    )
-    flags = torch.stack(
-        [offsets[0] != 0, offsets[-1] != N, decreasing.any(), bad.any(), nonfinite.any()]
-    ).tolist()
+    flags = torch.stack([offsets[0] != 0, offsets[-1] != N, decreasing.any()]).tolist()
     if flags[0] or flags[1]:
         raise ValueError(
             f"offsets: expected offsets[0] == 0 and offsets[-1] == len(indices) == {N}, got "
@@ -181,6 +174,17 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
             f"offsets: expected non-decreasing values, got offsets[{i}]={int(offsets[i])} > "
             f"offsets[{i + 1}]={int(offsets[i + 1])}"
         )
+    bad = _any_bad_id(indices, offsets, layout) if B else indices.new_zeros((), dtype=torch.bool)
+    # under "error", a NaN/inf per-sample weight is refused (it would poison the rows)
+    nonfinite = (
+        ~torch.isfinite(per_sample_weights)
+        if bounds_check == "error" and per_sample_weights is not None
+        else torch.zeros(0, dtype=torch.bool, device=indices.device)
+    )
+    flags = [False, False, False, *torch.stack([bad, nonfinite.any()]).tolist()]
+    if not (flags[3] or flags[4]):
+        return indices, offsets, per_sample_weights
+    bags, bad = _bad_ids(indices, offsets, layout)
     if flags[4]:
         p = int(torch.nonzero(nonfinite)[0])
         f, b = divmod(int(bags[p]), B)
@@ -212,6 +216,25 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     new_offsets[1:] = torch.cumsum(kept_per_bag, 0)
     psw = per_sample_weights[keep] if per_sample_weights is not None else None
     return indices[keep], new_offsets, psw
+
+
+def _any_bad_id(indices, offsets, layout) -> torch.Tensor:
+    """[] bool: is some id outside its feature's rows? For well-formed offsets (feature f's
+    ids are ``offsets[f * B]`` .. ``offsets[(f + 1) * B]``): each feature's smallest and
+    largest id (a few features), or each id against its feature's bound (many)."""
+    T = layout.num_features
+    B = (offsets.numel() - 1) // T
+    if T <= 64 and indices.device.type == "cpu":
+        bounds = offsets[::B].tolist()
+        used = [f for f in range(T) if bounds[f + 1] > bounds[f]]
+        if not used:
+            return torch.zeros((), dtype=torch.bool)
+        lo_hi = [torch.aminmax(indices[bounds[f] : bounds[f + 1]]) for f in used]
+        rows = layout.rows[used]
+        lo, hi = torch.stack([t[0] for t in lo_hi]), torch.stack([t[1] for t in lo_hi])
+        return ((lo < 0) | (hi.to(torch.int64) >= rows)).any()
+    bound = torch.repeat_interleave(layout.rows, offsets[::B].diff(), output_size=indices.numel())
+    return ((indices < 0) | (indices.to(torch.int64) >= bound)).any()
 
 
 def _bad_ids(indices, offsets, layout):
@@ -383,7 +406,7 @@ class _TBELookup(torch.autograd.Function):
             )
         grad_psw = None
         if ctx.needs_input_grad[2]:  # before a fused update changes the rows
-            grad_psw = reference.tbe_per_sample_weights_grad(
+            grad_psw = _psw_grad_of(backend)(
                 grad_output,
                 weights.detach(),
                 layout.w_offsets,
@@ -442,6 +465,14 @@ class _TBELookup(torch.autograd.Function):
         elif not fused and ctx.needs_input_grad[0]:
             grad_w = _rows_to_grad(result, weights, sparse)
         return (grad_w, None, grad_psw, *[None] * (_NUM_INPUTS - 3), *grad_targets)
+
+
+def _psw_grad_of(backend: Backend):
+    """Who computes the per-sample weights' gradient: the fast CPU path's own, else the
+    reference (host reads; never under a CUDA graph capture)."""
+    return _impl(backend).tbe_per_sample_weights_grad if backend == "cpu" else (
+        reference.tbe_per_sample_weights_grad
+    )
 
 
 def _rows_to_grad(result, weights: torch.Tensor, sparse: bool) -> torch.Tensor:
@@ -525,7 +556,7 @@ def tbe_lookup(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
     )
     err = None
-    if backend == "reference" or layout.num_rows is None:
+    if backend != "triton" or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
             indices, offsets, per_sample_weights, layout, bounds_check
         )
@@ -615,7 +646,7 @@ def tbe_lookup_backward(
     if not rows:
         grads = [None] * 3
         if psw_grad:
-            grads[2] = reference.tbe_per_sample_weights_grad(
+            grads[2] = _psw_grad_of(backend)(
                 grad_output, weights.detach(), layout.w_offsets, layout.dims, layout.D_offsets,
                 indices, offsets, pooling=pooling,
             ).to(per_sample_weights.dtype)

@@ -6,7 +6,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     seed: 0
     deterministic: true              # torch.use_deterministic_algorithms, exact resume
     device: auto                     # auto | cpu | cuda
-    backend: auto                    # TBE backend: auto | reference | triton
+    backend: auto                    # TBE backend: auto | cpu | reference | triton
     tables: ../tables/small.yaml     # a table-set file (relative to this file), or a list of
                                      # table entries in the table-set schema (docs/planner.md)
     model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
@@ -451,7 +451,7 @@ class JobConfig:
     """``torch.use_deterministic_algorithms(True)``: a resumed run repeats the same losses."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: cuda (LOCAL_RANK's GPU) when available, else cpu."""
-    backend: Literal["auto", "reference", "triton"] = "auto"
+    backend: Literal["auto", "cpu", "reference", "triton"] = "auto"
     """TBE backend."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The DLRM around the tables."""
@@ -473,7 +473,7 @@ class JobConfig:
         check_int("seed", self.seed, 0)
         _check_bool("deterministic", self.deterministic)
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("backend", self.backend, ("auto", "reference", "triton"))
+        check_choice("backend", self.backend, ("auto", "cpu", "reference", "triton"))
         dims = {t.name: t.embedding_dim for t in self.tables.tables}
         D = self.model.dense_arch[-1]
         wrong = {n: d for n, d in dims.items() if d != D}

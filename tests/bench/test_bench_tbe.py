@@ -149,7 +149,10 @@ def test_bytes_model_matches_baselines():
 
 
 def test_shapes_and_tiny():
-    assert list(tbe.SHAPES) == [f"S{i}" for i in range(7)]
+    assert list(tbe.SHAPES) == [f"S{i}" for i in range(7)] + ["C0", "C1"]
+    c0, c1 = tbe.SHAPES["C0"], tbe.SHAPES["C1"]  # the fast-CPU-path issue's shapes
+    assert (c0.tables, c0.B, c0.L, c0.zipf) == ([(100_000, 64)] * 8, 512, 20, None)
+    assert (c1.tables, c1.B, c1.L, c1.zipf) == ([(200_000, 128)] * 4, 1024, 10, 1.1)
     assert tbe.SHAPES["S4"].weight_bytes == 8 * 10_000_000 * 256 * 2
     for s in tbe.SHAPES.values():
         t = s.tiny()

@@ -116,7 +116,7 @@ def test_triton_matches_reference(case):
     assert tri.step == ref.step == (3 if opt_name != "none" else 0)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_matches_torch_embedding_bag(backend, pooling):
     """Forward and weight gradient (autograd) against torch.nn.functional.embedding_bag."""
@@ -155,7 +155,7 @@ def test_matches_torch_embedding_bag(backend, pooling):
         torch.testing.assert_close(a, b.grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 def test_sparse_grad_and_per_sample_weight_grad(backend):
     if backend == "triton" and not TRITON_OK:
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")

@@ -81,7 +81,7 @@ def _id(case):
     )
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_fbgemm_cpu(case, backend):
     if backend == "triton" and not TRITON_OK:

@@ -1,0 +1,425 @@
+"""The fast CPU path: the TBE from vectorised torch ops, what ``backend="auto"`` runs on CPU
+tensors (the embedded default, CI, CPU clusters).
+
+Same signatures and results as ``fbtriton_dist.reference`` within fp32 rounding (sums are
+taken in another order), and deterministic. The tables of one D whose rows line up in one
+``[rows, D]`` view of the flat weights form a group (usually every table is in one): its ids
+become keys into that view, so that
+
+- the forward is one ``torch.nn.functional.embedding_bag`` per group over every bag of its
+  features (fp16/bf16 rows are gathered and summed in fp32);
+- the backward sorts the group's keys once (stably, with their bags), sums each unique
+  row's gradients with one ``embedding_bag`` over the bags' gradients (a bag per unique row,
+  in batch order), and applies the optimizer to the unique rows in chunks that stay in cache:
+  a vectorised step per optimizer (the reference's formulas, ``reference.tbe.UPDATES``),
+  added to fp32 rows with one ``index_add_`` (each row once).
+
+The input dist's ops are the reference's (already vectorised). Ids are checked before they
+get here (``ops.tbe.check_inputs``).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from fbtriton_dist import optim
+from fbtriton_dist.reference.bucketize import (
+    bucketize,
+    bucketize_into,
+    segment_copy,
+    segment_plan,
+)
+from fbtriton_dist.reference.tbe import step_seed, stochastic_round
+
+__all__ = [
+    "bucketize",
+    "bucketize_into",
+    "segment_copy",
+    "segment_plan",
+    "tbe_backward",
+    "tbe_forward",
+    "tbe_per_sample_weights_grad",
+]
+
+CHUNK_ELEMENTS = 2**20
+"""Unique rows are reduced and updated in chunks of about this many fp32 gradient elements
+(4 MB): big enough that the per-op cost is small, small enough to stay in cache."""
+
+
+class _Features:
+    """Host copies of one batch's per-feature layout: what every loop below reads."""
+
+    def __init__(self, w_offsets, dims, D_offsets, offsets, row_offsets=None):
+        self.dims = dims.tolist()
+        self.w_base = w_offsets.tolist()
+        self.cols = D_offsets.tolist()
+        self.row_base = row_offsets.tolist() if row_offsets is not None else self.w_base
+        self.T = T = len(self.dims)
+        self.B = (offsets.numel() - 1) // T
+        self.bounds = offsets[:: self.B].tolist() if self.B else [0] * (T + 1)
+
+
+class _Group:
+    """Tables of one D whose rows are rows of one ``[rows, D]`` view of the flat weights (and
+    of a per-element state) from element ``start``: every table whose first element is a
+    multiple of D shares the view from 0; any other table has its own. An id of a feature
+    becomes the key ``key_base`` of its table + id."""
+
+    def __init__(self, D: int, start: int):
+        self.D, self.start = D, start
+        self.tables: list[tuple[int, int, list[int]]] = []
+        """(key_base, first linear row, its features)."""
+        self.features: list[int] = []
+        """The group's features, in feature order."""
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = (flat.numel() - self.start) // self.D
+        return flat[self.start : self.start + rows * self.D].view(rows, self.D)
+
+    def key_base(self, f: int) -> int:
+        return next(kb for kb, _, feats in self.tables if f in feats)
+
+    def batch(self, layout: _Features, indices, offsets, per_sample_weights):
+        """The group's ids as (keys [n] int64, [nf * B + 1] offsets of its bags, weights [n]
+        or None, the ids' positions in ``indices`` or None where they are ``indices[:n]``):
+        bag k * B + b is sample b of the group's k-th feature."""
+        B, device = layout.B, indices.device
+        feats = self.features
+        if feats == list(range(layout.T)):  # every feature: the batch as it is
+            n = layout.bounds[-1]
+            bases = torch.tensor([self.key_base(f) for f in feats], device=device)
+            counts = torch.tensor(
+                [layout.bounds[f + 1] - layout.bounds[f] for f in feats], device=device
+            )
+            keys = indices[:n].to(torch.int64)
+            if bool(bases.any()):
+                keys = keys + torch.repeat_interleave(bases, counts, output_size=n)
+            psw = per_sample_weights[:n] if per_sample_weights is not None else None
+            return keys, offsets, psw, None
+        keys, offs, psw, where, first = [], [offsets.new_zeros(1)], [], [], 0
+        for f in feats:
+            a, e = layout.bounds[f], layout.bounds[f + 1]
+            keys.append(indices[a:e].to(torch.int64) + self.key_base(f))
+            offs.append(offsets[f * B + 1 : (f + 1) * B + 1] - a + first)
+            where.append(torch.arange(a, e, device=device))
+            if per_sample_weights is not None:
+                psw.append(per_sample_weights[a:e])
+            first += e - a
+        return torch.cat(keys), torch.cat(offs), torch.cat(psw) if psw else None, torch.cat(where)
+
+    def columns(self, out: torch.Tensor, layout: _Features):
+        """``out`` [B, total_D]'s columns of the group's features as ``[nf * B, D]`` (bag
+        k * B + b is row b of feature k's columns): a copy, or, with ``out`` None, the
+        feature's column slices to fill."""
+        B, D = layout.B, self.D
+        cols = [layout.cols[f] for f in self.features]
+        if out.shape[1] == D * len(cols) and cols == list(range(0, out.shape[1], D)):
+            return out.reshape(B, len(cols), D).transpose(0, 1).reshape(-1, D)
+        return torch.cat([out[:, c : c + D] for c in cols])
+
+    def place(self, pooled: torch.Tensor, out: torch.Tensor, layout: _Features) -> None:
+        """Write ``pooled`` [nf * B, D] into its features' columns of ``out``."""
+        B, D = layout.B, self.D
+        cols = [layout.cols[f] for f in self.features]
+        if out.shape[1] == D * len(cols) and cols == list(range(0, out.shape[1], D)):
+            out.view(B, len(cols), D).copy_(pooled.view(len(cols), B, D).transpose(0, 1))
+            return
+        for k, c in enumerate(cols):
+            out[:, c : c + D] = pooled[k * B : (k + 1) * B]
+
+    def state_shift(self, device) -> tuple[torch.Tensor, torch.Tensor] | int:
+        """Linear row - key of each table (a number when the group has one table; else the
+        tables' key bases and shifts, for a searchsorted)."""
+        if len(self.tables) == 1:
+            key_base, base, _ = self.tables[0]
+            return base - key_base
+        key_bases = torch.tensor([kb for kb, _, _ in self.tables], device=device)
+        shift = torch.tensor([b - kb for kb, b, _ in self.tables], device=device)
+        return key_bases, shift
+
+
+def _groups(layout: _Features) -> list[_Group]:
+    tables: dict[int, list[int]] = {}  # one table per distinct first row
+    for f in range(layout.T):
+        tables.setdefault(layout.row_base[f], []).append(f)
+    groups: dict[tuple[int, int], _Group] = {}
+    for base in sorted(tables):
+        feats = tables[base]
+        D, w_base = layout.dims[feats[0]], layout.w_base[feats[0]]
+        start = 0 if w_base % D == 0 else w_base
+        group = groups.setdefault((D, start), _Group(D, start))
+        group.tables.append(((w_base - start) // D, base, feats))
+        group.features.extend(feats)
+    for group in groups.values():
+        group.tables.sort()
+        group.features.sort()
+    return list(groups.values())
+
+
+def _pool(view, keys, offs, psw, mean: bool) -> torch.Tensor:
+    """``[bags, D]`` fp32 sums (or means) of the bags ``offs`` of rows ``keys`` of ``view``."""
+    if view.dtype != torch.float32:  # gather in the weights' dtype, sum in fp32
+        view = view.index_select(0, keys).to(torch.float32)
+        keys = torch.arange(view.shape[0], device=view.device)
+    if psw is None:
+        return F.embedding_bag(keys, view, offs, mode="mean" if mean else "sum",
+                               include_last_offset=True)
+    out = F.embedding_bag(keys, view, offs, mode="sum", per_sample_weights=psw.to(torch.float32),
+                          include_last_offset=True)
+    if mean:
+        out = out / (offs[1:] - offs[:-1]).clamp(min=1).to(torch.float32)[:, None]
+    return out
+
+
+def tbe_forward(
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    pooling: int,
+    max_D: int,
+    total_D: int,
+    output_dtype: torch.dtype,
+    row_offsets: torch.Tensor | None = None,
+    **_kernel_hints,
+) -> torch.Tensor:
+    """``reference.tbe_forward`` (pooled ``[B, total_D]``); the ids are in range (checked by
+    the caller), so the kernels' ``err`` / ``linearize`` / ``row_align`` are not used."""
+    layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
+    out = torch.empty((layout.B, total_D), dtype=torch.float32, device=weights.device)
+    for group in _groups(layout):
+        keys, offs, psw, _ = group.batch(layout, indices, offsets, per_sample_weights)
+        group.place(_pool(group.view(weights), keys, offs, psw, pooling == 1), out, layout)
+    return out if output_dtype == torch.float32 else out.to(output_dtype)
+
+
+def tbe_backward(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    row_offsets: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    *,
+    pooling: int,
+    max_D: int,
+    optimizer: optim.Optimizer | None,
+    step: torch.Tensor | None,
+    momentum1: torch.Tensor | None,
+    momentum2: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+    **_kernel_hints,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``reference.tbe_backward``: with an optimizer, every touched row is updated in place
+    (``step`` advanced first; stochastic rounding seeded as the reference's, drawn per chunk,
+    so rounded rows differ from the reference's draws); without, returns
+    ``(row_elems, row_dims, row_grads)``."""
+    device = weights.device
+    t = 0
+    if optimizer is not None:
+        if step is None:
+            raise ValueError("step: expected the optimizer's [1] int64 step counter, got None")
+        step.add_(1)
+        t = int(step.item())
+    layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
+    generator = torch.Generator(device=device).manual_seed(step_seed(seed, t))
+    row_elems, row_dims, row_grads = [], [], []
+    for group in _groups(layout):
+        keys, offs, psw, _ = group.batch(layout, indices, offsets, per_sample_weights)
+        if keys.numel() == 0:
+            continue
+        bag_grads = group.columns(grad_output.to(torch.float32), layout)
+        if pooling == 1:
+            bag_grads = bag_grads / (offs[1:] - offs[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        runs = _Runs(keys, offs, psw, bag_grads)
+        chunk = CHUNK_ELEMENTS // group.D if optimizer is not None else runs.rows.numel()
+        shift = group.state_shift(device) if optimizer is not None else 0
+        for lo, hi, a, b in runs.chunks(chunk):
+            rows, grad = runs.reduce(lo, hi, a, b)
+            if optimizer is None:
+                row_elems.append(group.start + rows * group.D)
+                row_dims.append(torch.full_like(rows, group.D))
+                row_grads.append(F.pad(grad, (0, max_D - group.D)))
+                continue
+            _update(optimizer, group, rows, grad, t, weights, (momentum1, momentum2), shift,
+                    generator if stochastic_rounding else None)
+    if optimizer is not None:
+        return None
+    if not row_elems:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.empty((0, max_D), dtype=torch.float32, device=device)
+    return torch.cat(row_elems), torch.cat(row_dims), torch.cat(row_grads)
+
+
+class _Runs:
+    """A group's ids sorted stably by key with their bags (``keys``, ``bags``, ``weights``),
+    each unique key (``rows`` [U]) with the start of its run (``starts`` [U + 1]), and the
+    bags' gradients ``bag_grads`` [bags, D]."""
+
+    def __init__(self, keys, offsets, weights, bag_grads):
+        n = keys.numel()
+        bags = torch.repeat_interleave(
+            torch.arange(offsets.numel() - 1, device=keys.device), offsets[1:] - offsets[:-1],
+            output_size=n,
+        )
+        self.keys, order = torch.sort(keys, stable=True)
+        self.bags = bags.index_select(0, order)
+        self.weights = (
+            weights.index_select(0, order).to(torch.float32) if weights is not None else None
+        )
+        self.bag_grads = bag_grads
+        self.rows, counts = torch.unique_consecutive(self.keys, return_counts=True)
+        self.starts = torch.zeros(self.rows.numel() + 1, dtype=torch.int64, device=keys.device)
+        torch.cumsum(counts, 0, out=self.starts[1:])
+
+    def chunks(self, rows_per_chunk: int):
+        """(first, end unique key, first, end sorted id) of each chunk of unique keys."""
+        U = self.rows.numel()
+        bounds = list(range(0, U, max(rows_per_chunk, 1))) + [U]
+        ids = self.starts[bounds].tolist()
+        return [(bounds[i], bounds[i + 1], ids[i], ids[i + 1]) for i in range(len(bounds) - 1)]
+
+    def reduce(self, lo: int, hi: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unique keys lo..hi, ``[hi - lo, D]`` fp32 their summed gradients; their ids are
+        the sorted ids a..b): one ``embedding_bag`` over the bags' gradients with a bag per
+        key sums each key's gradients in batch order."""
+        starts = self.starts[lo : hi + 1] - a if a else self.starts[lo : hi + 1]
+        w = self.weights[a:b] if self.weights is not None else None
+        grad = F.embedding_bag(self.bags[a:b], self.bag_grads, starts, mode="sum",
+                               per_sample_weights=w, include_last_offset=True)
+        return self.rows[lo:hi], grad
+
+
+def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
+            generator) -> None:
+    """One fused update of some of the group's unique rows, in place. fp32 weights without
+    stochastic rounding add the step (``index_add_``, each row once); others gather the rows
+    in fp32, add it and round back."""
+    spec = optim.spec_of(optimizer)
+    view = group.view(weights)
+    states = []
+    for state, buffer in zip(spec.states, buffers, strict=False):
+        if state.per_row:
+            if isinstance(shift, int):
+                state_rows = rows + shift
+            else:
+                key_bases, shifts = shift
+                state_rows = rows + shifts[torch.searchsorted(key_bases, rows, right=True) - 1]
+            states += [state_rows, buffer]
+        else:
+            states += [None, group.view(buffer)]
+    fast = weights.dtype == torch.float32 and generator is None
+    w = None
+    if not fast or _NEEDS_ROWS[spec.name](optimizer):
+        w = view.index_select(0, rows).to(torch.float32)
+    delta = _STEPS[spec.name](optimizer, grad, w, t, rows, *states)
+    if fast:
+        view.index_add_(0, rows, delta)
+        return
+    w = w + delta
+    w = stochastic_round(w, weights.dtype, generator) if generator is not None else w
+    view.index_copy_(0, rows, w.to(weights.dtype))
+
+
+def tbe_per_sample_weights_grad(
+    grad_output: torch.Tensor,
+    weights: torch.Tensor,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
+    D_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    pooling: int,
+    row_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``reference.tbe_per_sample_weights_grad``: ``<grad of id i's bag, row_i>`` (/ length)."""
+    layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
+    grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
+    for group in _groups(layout):
+        keys, offs, _, where = group.batch(layout, indices, offsets, None)
+        if keys.numel() == 0:
+            continue
+        lengths = offs[1:] - offs[:-1]
+        bag_grads = group.columns(grad_output.to(torch.float32), layout)
+        if pooling == 1:
+            bag_grads = bag_grads / lengths.clamp(min=1).to(torch.float32)[:, None]
+        bags = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=keys.device), lengths, output_size=keys.numel()
+        )
+        rows = group.view(weights).index_select(0, keys).to(torch.float32)
+        dots = torch.linalg.vecdot(rows, bag_grads.index_select(0, bags))
+        if where is None:
+            grad[: dots.numel()] = dots
+        else:
+            grad.index_copy_(0, where, dots)
+    return grad
+
+
+# -- the fused updates, one per optimizer of optim.REGISTRY, the reference's
+# (``reference.tbe.UPDATES``) as steps: each gets the rows' summed gradients ``g`` [U, D], the
+# rows themselves ``w`` [U, D] fp32 (only where ``_NEEDS_ROWS`` says so, else None), t (>= 1)
+# and ``rows`` [U] (their rows in the states' views), then per state its index and tensor
+# (a per-row state: [U] linear rows and the whole [rows] state; a per-element one: None and
+# the [rows, D] view); it updates the states in place and returns the step w_new - w
+
+
+def _sgd_step(opt: optim.SGD, g, w, t, rows):
+    return g.mul_(-opt.lr)
+
+
+def _adagrad_step(opt: optim.Adagrad, g, w, t, rows, _, m1):
+    m = m1.index_select(0, rows).addcmul_(g, g)
+    m1.index_copy_(0, rows, m)
+    return (g * -opt.lr).div_(m.sqrt_().add_(opt.eps))
+
+
+def _rowwise_adagrad_step(opt: optim.RowWiseAdagrad, g, w, t, rows, state_rows, m1):
+    wd = opt.weight_decay
+    decoupled = opt.weight_decay_mode == "decoupled"
+    g_wd = g if decoupled or wd == 0 else g + wd * w
+    m = m1.index_select(0, state_rows) + torch.linalg.vecdot(g_wd, g_wd) / g.shape[1]
+    m1.index_copy_(0, state_rows, m)
+    mult = opt.lr / (torch.sqrt(m) + opt.eps)
+    step = g_wd.mul_(-mult[:, None]) if g_wd is g else g_wd * -mult[:, None]
+    if decoupled and wd:
+        step.add_(w, alpha=-opt.lr * wd)
+    return step
+
+
+def _adam_step(opt: optim.Adam, g, w, t, rows, _, m1, __, m2):
+    b1, b2 = opt.betas
+    mom1 = m1.index_select(0, rows).mul_(b1).add_(g, alpha=1.0 - b1)
+    mom2 = m2.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    m1.index_copy_(0, rows, mom1)
+    m2.index_copy_(0, rows, mom2)
+    m_hat = mom1 / (1.0 - b1**t)
+    v_hat = mom2 / (1.0 - b2**t)
+    step = m_hat.div_(v_hat.sqrt_().add_(opt.eps))
+    if opt.weight_decay:
+        step.add_(w, alpha=opt.weight_decay)
+    return step.mul_(-opt.lr)
+
+
+_STEPS = {
+    "sgd": _sgd_step,
+    "adagrad": _adagrad_step,
+    "rowwise_adagrad": _rowwise_adagrad_step,
+    "adam": _adam_step,
+}
+"""The step of each optimizer, by its registry name."""
+
+_NEEDS_ROWS = {
+    "sgd": lambda opt: False,
+    "adagrad": lambda opt: False,
+    "rowwise_adagrad": lambda opt: opt.weight_decay != 0,
+    "adam": lambda opt: opt.weight_decay != 0,
+}
+"""Does the step read the rows (weight decay)?"""
