@@ -18,6 +18,7 @@ SUBMODULES = (
 
 _NAMES = {
     "EmbeddingBagCollection": "fbtriton_dist.modules.ebc",
+    "EmbeddingCollection": "fbtriton_dist.modules.ec",
     "TableBatchedEmbedding": "fbtriton_dist.modules.tbe",
     "ShardedEmbeddingBagCollection": "fbtriton_dist.sharding",
     "shard": "fbtriton_dist.sharding",

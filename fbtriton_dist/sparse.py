@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +85,59 @@ def kjt_parts(
         weights=weights,
         batch_size=B,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class KJTSequences:
+    """A KeyedJaggedTensor as sequences of ids, for unpooled lookups (any batch size per key)."""
+
+    keys: tuple[str, ...]
+    values: torch.Tensor
+    """[N] int32/int64 ids, key after key."""
+    ids_per_key: tuple[int, ...]
+    """How many ids each key has (host)."""
+    lengths: torch.Tensor
+    """The KJT's lengths, key after key."""
+    bags_per_key: tuple[int, ...]
+    """How many bags (samples) each key has: its stride."""
+
+    def ids(self, key: str) -> tuple[int, int]:
+        k = self.keys.index(key)
+        a = sum(self.ids_per_key[:k])
+        return a, a + self.ids_per_key[k]
+
+    def key_lengths(self, key: str) -> torch.Tensor:
+        k = self.keys.index(key)
+        a = sum(self.bags_per_key[:k])
+        return self.lengths[a : a + self.bags_per_key[k]]
+
+
+def kjt_sequences(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> KJTSequences:
+    """Check ``features`` against ``feature_names`` (every one present, once) and cut it by
+    key: one host read of the ids per key. Lengths that do not add up to the values, or a
+    number of lengths that is not the strides', raise ValueError naming the key."""
+    keys = _check_keys(features, feature_names)
+    values, _ = _values_and_weights(features, False)
+    strides = [int(s) for s in features.stride_per_key()]
+    lengths = features.lengths()
+    if lengths.numel() != sum(strides):
+        raise ValueError(
+            f"KeyedJaggedTensor lengths: expected {sum(strides)} (the keys' strides {strides}), "
+            f"got {lengths.numel()}"
+        )
+    bounds = torch.tensor([0, *accumulate(strides)], device=lengths.device)
+    cum = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=cum[1:])
+    ends = cum[bounds].tolist()
+    per_key = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    if ends[-1] != values.numel():
+        bad = next((k for k, e in zip(keys, ends[1:], strict=True) if e > values.numel()),
+                   keys[-1])
+        raise ValueError(
+            f"KeyedJaggedTensor feature '{bad}': lengths add up to {ends[-1]} ids in all, "
+            f"but values holds {values.numel()}"
+        )
+    return KJTSequences(tuple(keys), values, tuple(per_key), lengths, tuple(strides))
 
 
 def _check_keys(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> list[str]:

@@ -121,6 +121,7 @@ def _tbe_runs_kernel(
     sentinel,  # key of dropped ids and padding: nothing reads their gradient offsets
     HAS_PSW: tl.constexpr,
     MEAN: tl.constexpr,
+    SEQUENCE: tl.constexpr,  # no pooling: one gradient row per id
     COUNT_STEP: tl.constexpr,  # a fused update follows: advance its step counter
     BLOCK: tl.constexpr,
 ):
@@ -140,8 +141,11 @@ def _tbe_runs_kernel(
     src = tl.load(perm_ptr + p, mask=ml, other=0)
     bag = tl.load(bag_ids_ptr + src, mask=ml, other=0).to(tl.int64)
     f = bag // B
-    col = tl.load(D_offsets_ptr + f, mask=ml, other=0)
-    goff = (bag - f * B) * grad_stride + col
+    if SEQUENCE:  # no pooling: id src's gradient is row src of grad_output
+        goff = src * grad_stride
+    else:
+        col = tl.load(D_offsets_ptr + f, mask=ml, other=0)
+        goff = (bag - f * B) * grad_stride + col
     tl.store(goffs_ptr + p, goff, mask=ml)
     if HAS_PSW or MEAN:
         scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
@@ -564,6 +568,7 @@ def tbe_backward_plan(
             sentinel,
             HAS_PSW=per_sample_weights is not None,
             MEAN=pooling == 1,
+            SEQUENCE=pooling == 2,
             COUNT_STEP=step is not None,
             BLOCK=1024,
         )

@@ -15,6 +15,7 @@ from fbtriton_dist.kernels.launch import Launcher
 
 POOL_SUM = 0
 POOL_MEAN = 1
+POOL_NONE = 2  # one output row per id (sequence embeddings), ``[N, max_D]``
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def _tbe_forward_kernel(
     indices_ptr,  # [N] int32/int64 row ids, local to each table
     offsets_ptr,  # [T * B + 1] int32/int64 bag boundaries, feature-major
     psw_ptr,  # [N] fp32 per-sample weights (read only if HAS_PSW)
-    out_ptr,  # [B, sum(D)] pooled output
+    out_ptr,  # [B, sum(D)] pooled output; POOL_NONE: [N, max_D], one row per id
     keys_ptr,  # [N] int32/int64 out: linear row key of each id, sentinel if dropped (LINEARIZE)
     bag_ids_ptr,  # [N] int32 out: bag (f * B + b) of each id (LINEARIZE)
     counts_ptr,  # [T * B] fp32 out: ids kept per bag (LINEARIZE and mean pooling)
@@ -59,7 +60,7 @@ def _tbe_forward_kernel(
     N,  # number of ids
     out_stride,  # row stride of out
     sentinel,  # key of a dropped id: one past the last linear row
-    POOLING: tl.constexpr,  # POOL_SUM or POOL_MEAN
+    POOLING: tl.constexpr,  # POOL_SUM, POOL_MEAN or POOL_NONE
     HAS_PSW: tl.constexpr,  # multiply each row by its per-sample weight
     CHECK: tl.constexpr,  # drop out-of-range ids and count them (and malformed offsets) in err
     LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
@@ -115,7 +116,12 @@ def _tbe_forward_kernel(
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=l_mask, other=0.0).to(tl.float32)
             rows = rows * psw[:, None]
-        acc += tl.sum(rows, axis=0)
+        if POOLING == 2:  # each id's row to its own output row (a dropped id's stays zero)
+            at = pos[:, None] * out_stride + d[None, :]
+            tl.store(out_ptr + at, cast_rne(rows, out_ptr.dtype.element_ty),
+                     mask=(pos < end)[:, None] & d_mask[None, :])
+        else:
+            acc += tl.sum(rows, axis=0)
         if LINEARIZE:
             key = tl.where(l_mask, row_base + idx, sentinel)
             tl.store(keys_ptr + pos, key.to(keys_ptr.dtype.element_ty), mask=pos < end)
@@ -139,14 +145,15 @@ def _tbe_forward_kernel(
                 p = p0 + d
                 tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < head)
                 tl.store(bag_ids_ptr + p, 0, mask=p < head)
-    n_kept = tl.sum(kept, axis=0).to(tl.float32)
-    if POOLING == 1:
-        acc = acc / tl.maximum(n_kept, 1.0)
-        if LINEARIZE:
-            tl.store(counts_ptr + fb, n_kept)
-    # every D, so every column offset and the row stride, is a multiple of ALIGN
-    out_at = tl.multiple_of(b * out_stride + col, ALIGN)
-    tl.store(out_ptr + out_at + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask)
+    if POOLING != 2:
+        n_kept = tl.sum(kept, axis=0).to(tl.float32)
+        if POOLING == 1:
+            acc = acc / tl.maximum(n_kept, 1.0)
+            if LINEARIZE:
+                tl.store(counts_ptr + fb, n_kept)
+        # every D, so every column offset and the row stride, is a multiple of ALIGN
+        out_at = tl.multiple_of(b * out_stride + col, ALIGN)
+        tl.store(out_ptr + out_at + d, cast_rne(acc, out_ptr.dtype.element_ty), mask=d_mask)
 
 
 _FORWARD = Launcher(_tbe_forward_kernel)
@@ -321,7 +328,9 @@ def tbe_forward(
     linearize: bool = False,
     row_align: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Pooled lookup of T features over B bags. Returns ``[B, sum(D)]`` in ``output_dtype``.
+    """Pooled lookup of T features over B bags. Returns ``[B, sum(D)]`` in ``output_dtype``;
+    with ``pooling=POOL_NONE``, ``[N, max_D]``: row i is id i's row (times its per-sample
+    weight) in its first D columns, zeros after them, in padding rows and for dropped ids.
 
     ``err`` ([3] int64, zeroed) turns on the in-kernel check against ``rows`` ([T] E per
     feature): out-of-range ids are dropped and counted in ``err[0]``, ``err[1]`` gets N minus
@@ -339,14 +348,20 @@ def tbe_forward(
     B = (offsets.numel() - 1) // T
     N = indices.numel()
     device = weights.device
-    out = torch.empty((B, total_D), dtype=output_dtype, device=device)
+    if pooling == POOL_NONE:  # zeros: the columns past a feature's D and the padding rows
+        out = torch.zeros((N, max_D), dtype=output_dtype, device=device)
+    else:
+        out = torch.empty((B, total_D), dtype=output_dtype, device=device)
     keys = torch.empty(N if linearize else 0, dtype=key_dtype(num_rows), device=device)
     bag_ids = torch.empty(N if linearize else 0, dtype=torch.int32, device=device)
     counts = None
     if linearize and pooling == POOL_MEAN:
         counts = torch.empty(T * B, dtype=torch.float32, device=device)
     result = (out, keys, bag_ids, counts) if linearize else out
-    if B == 0 or total_D == 0:
+    if B == 0 or total_D == 0 or out.numel() == 0:
+        if linearize:
+            keys.fill_(num_rows)
+            bag_ids.zero_()
         if counts is not None:
             counts.zero_()
         return result

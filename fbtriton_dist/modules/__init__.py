@@ -1,9 +1,9 @@
 """nn.Modules: TableBatchedEmbedding (flat weights of many tables + optimizer state) and the
-drop-in EmbeddingBagCollection."""
+drop-ins EmbeddingBagCollection and EmbeddingCollection."""
 
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 
-__all__ = ["EmbeddingBagCollection", "TableBatchedEmbedding"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TableBatchedEmbedding"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 
         return EmbeddingBagCollection
+    if name == "EmbeddingCollection":
+        from fbtriton_dist.modules.ec import EmbeddingCollection
+
+        return EmbeddingCollection
     raise AttributeError(name)

@@ -12,8 +12,8 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from fbtriton_dist import optim
 from fbtriton_dist.modules import ebc_op, portable
+from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import (
     JaggedBatch,
@@ -40,7 +40,7 @@ def embedding_names(tables: Sequence) -> list[str]:
     ]
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(TableGroups):
     """Drop-in for ``torchrec.EmbeddingBagCollection``: pooled embeddings of many tables.
 
     Args:
@@ -60,7 +60,7 @@ class EmbeddingBagCollection(nn.Module):
     """
 
     # host-side state torch.jit.script need not type (the scripted forward reads none of it)
-    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs"]
+    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs", "_table_configs"]
 
     def __init__(
         self,
@@ -78,6 +78,7 @@ class EmbeddingBagCollection(nn.Module):
             raise ValueError(f"tables: duplicate table names {duplicates}")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
+        self._table_configs = self._embedding_bag_configs
         # no device: the default one (``with torch.device("meta")`` included)
         self._device = torch.device(device) if device is not None else torch.get_default_device()
         for cfg in tables:
@@ -210,103 +211,7 @@ class EmbeddingBagCollection(nn.Module):
         """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max), and
         fused optimizer states and steps to zero: after ``to_empty(device=...)`` this gives the
         weights a module built on that device with the same seed starts from."""
-        if self._device.type == "meta":
-            return
-        for tbe in self._tbes:
-            tbe.reset_optimizer_states()
-        for cfg in self._embedding_bag_configs:
-            weight = self.embedding_bags[cfg.name].weight
-            with torch.no_grad():
-                if cfg.init_fn is not None:
-                    cfg.init_fn(weight)
-                else:
-                    weight.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
-
-    def _group_params(self, members: list[int]) -> list[nn.Parameter]:
-        return [self.embedding_bags[self._embedding_bag_configs[t].name].weight for t in members]
-
-    def _bind(self, tbe: TableBatchedEmbedding, params: list[nn.Parameter]) -> None:
-        """Make sure the TBE reads the parameters' current storage: after ``.to()``, a
-        ``load_state_dict(assign=True)`` or a ``.data`` swap, pack them into one buffer again
-        and make the parameters views of it."""
-        flat = tbe.weights
-        esize = flat.element_size()
-        bound = all(
-            p.device == flat.device
-            and p.dtype == flat.dtype
-            and p.is_contiguous()
-            and p.data_ptr() == flat.data_ptr() + a * esize
-            for p, a in zip(params, tbe.table_offsets, strict=False)
-        )
-        if bound:
-            return
-        packed = torch.cat([p.detach().reshape(-1) for p in params])
-        tbe.weights = nn.Parameter(packed, requires_grad=False)
-        for p, view in zip(params, tbe.split_embedding_weights(), strict=True):
-            p.data = view
-
-    def _apply(self, fn, recurse=True):
-        """``.to()``, ``.cuda()``, ``.half()``...: convert the parameters, then rebuild each
-        group's buffer from them; the TBEs' own buffers (layout, optimizer state) only move."""
-        super()._apply(fn, recurse)
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
-            tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
-            if tbe._step.is_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
-                tbe.to_empty(device=params[0].device)
-            else:
-                tbe.to(params[0].device)
-            self._bind(tbe, params)
-        self._device = self._tbes[0].weights.device
-        return self
-
-    def _fused_optimizer(self, members: list[int]) -> optim.Optimizer | None:
-        """The fused optimizer asked for by ``apply_optimizer_in_backward`` on this group's
-        parameters (all or none of them, with one optimizer), or None."""
-        params = self._group_params(members)
-        specs = [
-            (p._optimizer_classes[0], p._optimizer_kwargs[0])
-            if getattr(p, "_optimizer_classes", None)
-            else None
-            for p in params
-        ]
-        if all(s is None for s in specs):
-            return None
-        names = [self._embedding_bag_configs[t].name for t in members]
-        if any(s != specs[0] for s in specs):
-            raise ValueError(
-                f"tables {names}: apply_optimizer_in_backward must give tables of one dtype and "
-                f"pooling the same optimizer (or none); got {specs}"
-            )
-        cls, kwargs = specs[0]
-        return optim.from_torch(cls, dict(kwargs), f"tables {names}")
-
-    def _sync_optimizer(self, tbe: TableBatchedEmbedding, members: list[int]):
-        """Give the group's TBE the fused optimizer its parameters are annotated with."""
-        fused = self._fused_optimizer(members)
-        if fused != tbe.optimizer:
-            tbe.set_optimizer(fused)
-            tbe.weights.requires_grad_(False)  # gradients go to the per-table parameters
-        return fused
-
-    def fused_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
-        """The fused optimizer's state, keyed as the sharded module's:
-        ``embedding_bags.<table>.weight.<i>`` (rowwise Adagrad ``[E, 1]``, others ``[E, D]``)
-        and ``step``. Views of the live state: torch.distributed.checkpoint loads in place."""
-        out = {"step": torch.tensor(max((tbe.step for tbe in self._tbes), default=0))}
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            if self._sync_optimizer(tbe, members) is None:
-                continue
-            for t, states in zip(members, tbe.split_optimizer_states(), strict=True):
-                for i, state in enumerate(states):
-                    key = f"embedding_bags.{self._embedding_bag_configs[t].name}.weight.{i}"
-                    out[key] = state.view(-1, 1) if state.dim() == 1 else state
-        return out
-
-    def load_fused_optimizer_state_dict(self, state: dict) -> None:
-        """After ``fused_optimizer_state_dict()`` was loaded in place: restore the step."""
-        for tbe in self._tbes:
-            tbe.step = int(state["step"])
+        self._reset_tables(_init_table)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order.
@@ -391,7 +296,7 @@ class EmbeddingBagCollection(nn.Module):
             self._bind(tbe, params)
             fused = self._sync_optimizer(tbe, members)
             if fused is not None:
-                _refuse_data_parallel()
+                refuse_data_parallel("EmbeddingBagCollection")
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             a, b = 0, indices.numel()
@@ -452,16 +357,9 @@ class EmbeddingBagCollection(nn.Module):
         return f"tables: {groups}, is_weighted={self._is_weighted}"
 
 
-def _refuse_data_parallel() -> None:
-    """A fused optimizer under DistributedDataParallel is wrong: every rank would update its
-    own full replica with its own gradients. TorchRec's DistributedModelParallel does that to a
-    module it has no sharder for; say what to do instead."""
-    if torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
-        raise RuntimeError(
-            "fbtriton_dist.EmbeddingBagCollection with a fused optimizer "
-            "(apply_optimizer_in_backward) runs inside DistributedDataParallel: every rank "
-            "would replicate every table and update it with its own gradients only. TorchRec's "
-            "DistributedModelParallel does this when it has no sharder for our module; pass "
-            "sharders=[fbtriton_dist.sharding.torchrec_sharder.EmbeddingBagCollectionSharder()] "
-            "to DistributedModelParallel, or shard the model with fbtriton_dist.shard(model, plan)"
-        )
+def _init_table(cfg, weight: torch.Tensor) -> None:
+    """A table's ``init_fn``, else uniform in its weight_init_min/max (TorchRec's default)."""
+    if cfg.init_fn is not None:
+        cfg.init_fn(weight)
+    else:
+        weight.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())

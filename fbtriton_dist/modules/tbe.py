@@ -23,7 +23,7 @@ from fbtriton_dist.ops.tbe import (
 )
 from fbtriton_dist.ops.vbe import VBELayout
 
-POOLING = {"sum": 0, "mean": 1}
+POOLING = {"sum": 0, "mean": 1, "none": 2}
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -34,7 +34,10 @@ class TableBatchedEmbedding(nn.Module):
         tables: ``[(num_embeddings E, embedding_dim D), ...]``, one per table.
         feature_table_map: table of each feature (several features may share one); default
             one feature per table.
-        pooling: ``"sum"`` or ``"mean"`` (divided by the bag length; empty bags give zeros).
+        pooling: ``"sum"`` or ``"mean"`` (divided by the bag length; empty bags give zeros),
+            or ``"none"`` (sequence embeddings, FBGEMM's ``PoolingMode.NONE``): the output is
+            ``[N, max_D]``, one row per id in ``indices`` order, its table's D columns first
+            and zeros after them (all tables of one D: exactly FBGEMM's ``[N, D]``).
         optimizer: None (weights are a plain Parameter with a dense, or ``sparse``, gradient)
             or a fused optimizer from ``fbtriton_dist.optim``, applied in backward in place.
         weights_dtype, output_dtype: storage of the rows and of the pooled output; sums are
@@ -69,7 +72,7 @@ class TableBatchedEmbedding(nn.Module):
         self,
         tables: Sequence[tuple[int, int]],
         feature_table_map: Sequence[int] | None = None,
-        pooling: Literal["sum", "mean"] = "sum",
+        pooling: Literal["sum", "mean", "none"] = "sum",
         optimizer: optim.Optimizer | None = None,
         weights_dtype: torch.dtype = torch.float32,
         output_dtype: torch.dtype = torch.float32,
@@ -330,6 +333,11 @@ class TableBatchedEmbedding(nn.Module):
         ``grad_targets`` (one ``[E_t, D_t]`` tensor per table, e.g. per-table parameters that
         are views of ``weights``) instead of to ``weights``."""
         if batch_size_per_feature_per_rank is not None:
+            if self.pooling == "none":
+                raise ValueError(
+                    "batch_size_per_feature_per_rank: variable batch per feature is for pooled "
+                    "lookups; pooling='none' already returns one row per id of any batch"
+                )
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             padded = self.lookup(indices, vbe.padded_offsets(offsets, layout), per_sample_weights,
                                  grad_targets)

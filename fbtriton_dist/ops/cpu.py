@@ -7,7 +7,7 @@ taken in another order), and deterministic. The tables of one D whose rows line 
 become keys into that view, so that
 
 - the forward is one ``torch.nn.functional.embedding_bag`` per group over every bag of its
-  features (fp16/bf16 rows are gathered and summed in fp32);
+  features (fp16/bf16 rows are gathered and summed in fp32); without pooling, one gather;
 - the backward sorts the group's keys once (stably, with their bags), sums each unique
   row's gradients with one ``embedding_bag`` over the bags' gradients (a bag per unique row,
   in batch order), and applies the optimizer to the unique rows in chunks that stay in cache:
@@ -28,7 +28,7 @@ from fbtriton_dist.reference.bucketize import (
     segment_copy,
     segment_plan,
 )
-from fbtriton_dist.reference.tbe import step_seed, stochastic_round
+from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed, stochastic_round
 
 __all__ = [
     "bucketize",
@@ -186,14 +186,39 @@ def tbe_forward(
     row_offsets: torch.Tensor | None = None,
     **_kernel_hints,
 ) -> torch.Tensor:
-    """``reference.tbe_forward`` (pooled ``[B, total_D]``); the ids are in range (checked by
-    the caller), so the kernels' ``err`` / ``linearize`` / ``row_align`` are not used."""
+    """``reference.tbe_forward`` (pooled ``[B, total_D]``, or ``[N, max_D]`` rows without
+    pooling); the ids are in range (checked by the caller), so the kernels' ``err`` /
+    ``linearize`` / ``row_align`` are not used."""
     layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
+    if pooling == POOL_NONE:
+        return _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,
+                                 output_dtype)
     out = torch.empty((layout.B, total_D), dtype=torch.float32, device=weights.device)
     for group in _groups(layout):
         keys, offs, psw, _ = group.batch(layout, indices, offsets, per_sample_weights)
-        group.place(_pool(group.view(weights), keys, offs, psw, pooling == 1), out, layout)
+        group.place(_pool(group.view(weights), keys, offs, psw, pooling == POOL_MEAN), out,
+                    layout)
     return out if output_dtype == torch.float32 else out.to(output_dtype)
+
+
+def _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,
+                      output_dtype) -> torch.Tensor:
+    """``[N, max_D]``: row i is id i's row (times its weight), zeros after its D and in
+    padding rows (ids after the last bag)."""
+    n = layout.bounds[-1]
+    out = torch.zeros((indices.numel(), max_D), dtype=output_dtype, device=weights.device)
+    for group in _groups(layout):
+        keys, _, psw, where = group.batch(layout, indices, offsets, per_sample_weights)
+        rows = group.view(weights).index_select(0, keys)
+        if psw is not None:
+            rows = rows.to(torch.float32) * psw.to(torch.float32)[:, None]
+        if where is None and group.D == max_D:
+            out[:n] = rows
+        elif where is None:
+            out[:n, : group.D] = rows
+        else:
+            out[where, : group.D] = rows.to(output_dtype)
+    return out
 
 
 def tbe_backward(
@@ -232,13 +257,18 @@ def tbe_backward(
     generator = torch.Generator(device=device).manual_seed(step_seed(seed, t))
     row_elems, row_dims, row_grads = [], [], []
     for group in _groups(layout):
-        keys, offs, psw, _ = group.batch(layout, indices, offsets, per_sample_weights)
+        keys, offs, psw, where = group.batch(layout, indices, offsets, per_sample_weights)
         if keys.numel() == 0:
             continue
-        bag_grads = group.columns(grad_output.to(torch.float32), layout)
-        if pooling == 1:
+        if pooling == POOL_NONE:  # id i's gradient is row i of grad_output
+            bags = where if where is not None else torch.arange(keys.numel(), device=device)
+            bag_grads = grad_output[:, : group.D].to(torch.float32)
+        else:
+            bags = _bag_of_ids(offs, keys.numel())
+            bag_grads = group.columns(grad_output.to(torch.float32), layout)
+        if pooling == POOL_MEAN:
             bag_grads = bag_grads / (offs[1:] - offs[:-1]).clamp(min=1).to(torch.float32)[:, None]
-        runs = _Runs(keys, offs, psw, bag_grads)
+        runs = _Runs(keys, bags, psw, bag_grads.contiguous())
         chunk = CHUNK_ELEMENTS // group.D if optimizer is not None else runs.rows.numel()
         shift = group.state_shift(device) if optimizer is not None else 0
         for lo, hi, a, b in runs.chunks(chunk):
@@ -258,17 +288,20 @@ def tbe_backward(
     return torch.cat(row_elems), torch.cat(row_dims), torch.cat(row_grads)
 
 
+def _bag_of_ids(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] the bag of each of the n ids of bags ``offsets``."""
+    return torch.repeat_interleave(
+        torch.arange(offsets.numel() - 1, device=offsets.device), offsets[1:] - offsets[:-1],
+        output_size=n,
+    )
+
+
 class _Runs:
     """A group's ids sorted stably by key with their bags (``keys``, ``bags``, ``weights``),
     each unique key (``rows`` [U]) with the start of its run (``starts`` [U + 1]), and the
-    bags' gradients ``bag_grads`` [bags, D]."""
+    bags' gradients ``bag_grads`` [bags, D] (without pooling, a bag is one id's position)."""
 
-    def __init__(self, keys, offsets, weights, bag_grads):
-        n = keys.numel()
-        bags = torch.repeat_interleave(
-            torch.arange(offsets.numel() - 1, device=keys.device), offsets[1:] - offsets[:-1],
-            output_size=n,
-        )
+    def __init__(self, keys, bags, weights, bag_grads):
         self.keys, order = torch.sort(keys, stable=True)
         self.bags = bags.index_select(0, order)
         self.weights = (
@@ -347,13 +380,14 @@ def tbe_per_sample_weights_grad(
         keys, offs, _, where = group.batch(layout, indices, offsets, None)
         if keys.numel() == 0:
             continue
-        lengths = offs[1:] - offs[:-1]
-        bag_grads = group.columns(grad_output.to(torch.float32), layout)
-        if pooling == 1:
-            bag_grads = bag_grads / lengths.clamp(min=1).to(torch.float32)[:, None]
-        bags = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=keys.device), lengths, output_size=keys.numel()
-        )
+        if pooling == POOL_NONE:
+            bags = where if where is not None else torch.arange(keys.numel(), device=keys.device)
+            bag_grads = grad_output[:, : group.D].to(torch.float32)
+        else:
+            bags = _bag_of_ids(offs, keys.numel())
+            bag_grads = group.columns(grad_output.to(torch.float32), layout)
+        if pooling == POOL_MEAN:
+            bag_grads = bag_grads / (offs[1:] - offs[:-1]).clamp(min=1).to(torch.float32)[:, None]
         rows = group.view(weights).index_select(0, keys).to(torch.float32)
         dots = torch.linalg.vecdot(rows, bag_grads.index_select(0, bags))
         if where is None:

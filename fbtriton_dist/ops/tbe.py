@@ -1,7 +1,10 @@
-"""TBE lookup op: validate a batch, then run forward/backward on Triton or the reference.
+"""TBE lookup op: validate a batch, then run forward/backward on Triton, the fast CPU path or
+the reference.
 
 Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B+1]
-(feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``.
+(feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``, or without
+pooling (``pooling=2``, sequence embeddings) ``[N, max_D]``: id i's row in row i's first
+D_f columns, zeros after them (and in padding rows).
 """
 
 import collections
@@ -203,7 +206,8 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     t = layout.feature_table_map[f]
     name = layout.table_names[t] if layout.table_names else f"table_{t}"
     what = (
-        f"id {int(indices[p])} at indices[{p}] (feature {f}, sample {b}) is out of range for "
+        f"id {int(indices[p])} at indices[{p}] (feature {_feature_name(layout, f)}, sample {b}) "
+        "is out of range for "
         f"table '{name}' with {int(layout.rows[f])} rows: expected 0 <= id < {int(layout.rows[f])}"
     )
     if bounds_check == "error":
@@ -289,7 +293,7 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
             layout.D_offsets,
             layout.row_offsets,
             pooling=pooling,
-            grad_stride=layout.total_D,
+            grad_stride=layout.max_D if pooling == reference.POOL_NONE else layout.total_D,
             num_rows=layout.num_rows,
             keys=keys,
             bag_ids=bag_ids,

@@ -10,6 +10,9 @@ from fbtriton_dist.reference.bucketize import (
     segment_plan,
 )
 from fbtriton_dist.reference.tbe import (
+    POOL_MEAN,
+    POOL_NONE,
+    POOL_SUM,
     step_seed,
     stochastic_round,
     tbe_backward,
@@ -18,6 +21,9 @@ from fbtriton_dist.reference.tbe import (
 )
 
 __all__ = [
+    "POOL_MEAN",
+    "POOL_NONE",
+    "POOL_SUM",
     "bucketize",
     "bucketize_into",
     "segment_copy",

@@ -4,6 +4,9 @@ import torch
 
 from fbtriton_dist import optim
 
+POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
+"""The ``pooling`` codes: sum or mean per bag, or none (one row per id)."""
+
 
 def _bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
     """Bag id (f * B + b) of every id position; 0 for the padding after the last bag."""
@@ -37,14 +40,17 @@ def tbe_forward(
     linearize: bool = False,
     row_align: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``.
+    """Pooled lookup: ``out[b, D_offsets[f]:D_offsets[f+1]] = sum/mean of bag (f, b)'s rows``;
+    ``pooling=POOL_NONE`` (2): one row per id, ``out[i, :D_f]`` = id i's row (times its
+    weight), ``[N, max_D]`` with zeros after each feature's D and in padding rows.
     With ``err``, ids outside ``[0, rows[f])`` are dropped and counted (kernels.tbe_forward
     has the whole contract, ``linearize`` included; ``row_align`` is a kernel hint, unused
     here); offsets must be well formed here."""
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()
-    out = torch.zeros((B, total_D), dtype=torch.float32, device=weights.device)
+    shape = (N, max_D) if pooling == POOL_NONE else (B, total_D)
+    out = torch.zeros(shape, dtype=torch.float32, device=weights.device)
     bags = _bags(offsets, N)
     keep = _in_bags(offsets, N)
     if err is not None and N:
@@ -63,6 +69,9 @@ def tbe_forward(
         rows = rows.to(torch.float32)
         if per_sample_weights is not None:
             rows = rows * per_sample_weights[sel].to(torch.float32)[:, None]
+        if pooling == POOL_NONE:
+            out[torch.nonzero(sel).flatten(), :D] = rows
+            continue
         pooled = torch.zeros((B, D), dtype=torch.float32, device=weights.device)
         pooled.index_add_(0, bags[sel] - f * B, rows)
         if pooling == 1:
@@ -156,6 +165,7 @@ def tbe_backward(
         keys = torch.where(_in_bags(offsets, N), keys, sentinel)  # padding: no gradient
     keys = keys.to(torch.int64)
     keep = keys < sentinel  # dropped ids and padding get no gradient
+    positions = torch.arange(N, device=device)[keep]
     bags, keys = bags[keep], keys[keep]
     if per_sample_weights is not None:
         per_sample_weights = per_sample_weights[keep]
@@ -178,8 +188,12 @@ def tbe_backward(
         sel = torch.isin(feats, torch.tensor(f_of_table, device=device))
         if not bool(sel.any()):
             continue
-        cols = D_offsets[feats[sel]][:, None] + torch.arange(D, device=device)
-        g = grad_output.to(torch.float32)[(bags[sel] % B)[:, None], cols] * scale[sel][:, None]
+        if pooling == POOL_NONE:  # id i's gradient is row i of grad_output
+            g = grad_output.to(torch.float32)[positions[sel], :D] * scale[sel][:, None]
+        else:
+            cols = D_offsets[feats[sel]][:, None] + torch.arange(D, device=device)
+            g = grad_output.to(torch.float32)[(bags[sel] % B)[:, None], cols]
+            g = g * scale[sel][:, None]
         rows, inverse = torch.unique(keys[sel] - base, return_inverse=True)
         grad = torch.zeros((rows.numel(), D), dtype=torch.float32, device=device)
         grad.index_add_(0, inverse, g)
@@ -214,7 +228,8 @@ def tbe_per_sample_weights_grad(
     *,
     pooling: int,
 ) -> torch.Tensor:
-    """d out / d per_sample_weights[i] = <grad_output[b, cols(f)], row_i> (/ bag length)."""
+    """d out / d per_sample_weights[i] = <grad_output[b, cols(f)], row_i> (/ bag length);
+    without pooling, <grad_output[i, :D_f], row_i>."""
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     bags = _bags(offsets, indices.numel())
@@ -224,7 +239,10 @@ def tbe_per_sample_weights_grad(
         sel = ((bags // B) == f) & _in_bags(offsets, indices.numel())
         ids = indices[sel].to(torch.int64)
         rows = weights[base + ids[:, None] * D + torch.arange(D, device=weights.device)]
-        g = grad_output[bags[sel] - f * B, col : col + D]
+        if pooling == POOL_NONE:
+            g = grad_output[torch.nonzero(sel).flatten(), :D]
+        else:
+            g = grad_output[bags[sel] - f * B, col : col + D]
         grad[sel] = (rows.to(torch.float32) * g.to(torch.float32)).sum(dim=1)
     if pooling == 1:
         lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)

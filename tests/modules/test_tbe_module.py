@@ -50,6 +50,12 @@ CASES = [
     ("B24-L40", "adagrad", "sum", torch.float32, torch.int64, True, True),
     ("B24-L40", "adam", "sum", torch.float16, torch.int32, False, True),
     ("B24-L40", "none", "mean", torch.float32, torch.int64, False, False),
+    # pooling "none" (sequence embeddings): one output row per id, [N, max_D]
+    ("mixed-shared", "none", "none", torch.float32, torch.int64, True, True),
+    ("mixed-shared", "adagrad", "none", torch.float16, torch.int32, False, True),
+    ("T8", "adam", "none", torch.float32, torch.int64, True, False),
+    ("B24-L40", "sgd", "none", torch.bfloat16, torch.int64, False, True),
+    ("one-row-table", "adagrad-elementwise", "none", torch.float32, torch.int32, False, False),
 ]
 
 

@@ -132,3 +132,52 @@ def test_matches_fbgemm_cpu(case, backend):
         a = [x.view_as(b[0]) for x in a]
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y.cpu(), x.view_as(y).float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("wdt", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_pooling_none_matches_fbgemm_cpu(backend, opt_name, wdt):
+    """Sequence lookups (``pooling="none"``, FBGEMM's ``PoolingMode.NONE``, one D for every
+    table as FBGEMM requires): the ``[N, D]`` rows, then weights and states after 3 fused
+    steps with hot ids, a one-row table and empty bags."""
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    tables, ftm, B, max_L = [(30, 8), (1, 8), (12, 8)], [0, 0, 1, 2], 5, 6
+    opt = OPTS[opt_name]
+    dev = device_for(backend)
+    ours = TableBatchedEmbedding(tables, ftm, pooling="none", optimizer=opt, weights_dtype=wdt,
+                                 backend=backend, device=dev, stochastic_rounding=False)
+    entry = optim.spec_of(opt)
+    theirs = fbgemm.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(E, D, EmbeddingLocation.HOST, fbgemm.ComputeDevice.CPU)
+                         for E, D in tables],
+        feature_table_map=ftm,
+        optimizer=getattr(EmbOptimType, entry.fbgemm),
+        learning_rate=opt.lr,
+        pooling_mode=PoolingMode.NONE,
+        weights_precision=SPARSE_TYPE[wdt],
+        output_dtype=SparseType.FP32,
+        stochastic_rounding=False,
+        **(dict(eps=opt.eps) if "eps" in entry.hyper else {}),
+    )
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        a.copy_(b.cpu())
+    g = torch.Generator().manual_seed(2)
+    atol = 1e-5 if wdt == torch.float32 else 2e-3
+    for step in range(3):
+        indices, offsets, _ = make_batch(tables, ftm, B, max_L, hot=True, generator=g)
+        out_ours = ours(*to(dev, indices, offsets)).cpu()
+        out_theirs = theirs(indices, offsets)
+        assert out_ours.shape == out_theirs.shape == (indices.numel(), 8)
+        torch.testing.assert_close(out_ours, out_theirs, atol=atol, rtol=atol)
+        grad = upstream_grad(out_ours, step)
+        out_ours.backward(grad.to(out_ours.device))
+        out_theirs.backward(grad)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b.float().cpu(), a.float(), atol=atol, rtol=atol)
+    if isinstance(opt, optim.SGD):  # FBGEMM lists no states for SGD
+        return
+    for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(), strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y.cpu().reshape(x.shape), x, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,186 @@
+"""EmbeddingCollection: TorchRec's unsharded sequence-embedding module on our TBE.
+
+Same constructor, same KeyedJaggedTensor in / ``dict[str, JaggedTensor]`` out, same state_dict
+keys (``embeddings.<table>.weight``, shapes [E, D]) as ``torchrec.EmbeddingCollection``: every
+id gets its table's row, unpooled. Each table's weight is a real ``nn.Embedding`` parameter and
+a view into the flat buffer of one TableBatchedEmbedding (``pooling="none"``) per dtype, so one
+kernel launch looks up every table of a dtype.
+"""
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+from torch import nn
+
+from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
+from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
+from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.sparse import JaggedTensor, KeyedJaggedTensor, kjt_sequences
+
+
+class EmbeddingCollection(TableGroups):
+    """Drop-in for ``torchrec.EmbeddingCollection``: one embedding row per id.
+
+    Args:
+        tables: ``torchrec.EmbeddingConfig`` per table (``num_embeddings``, ``embedding_dim``,
+            ``feature_names``, ``data_type`` FP32/FP16/BF16, ``init_fn``). Unlike TorchRec's,
+            the tables may have different dims.
+        device: where the tables live; ``"meta"`` allocates nothing.
+        need_indices: each output JaggedTensor carries its feature's ids as ``weights()``
+            (TorchRec's convention).
+        backend, bounds_check: passed to each TableBatchedEmbedding.
+
+    ``forward(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]``: one key per (table,
+    feature) in config order (``feature@table`` where tables share a feature name), values
+    ``[ids of the feature, D]`` fp32 in the KJT's order, the KJT's lengths. Per-id weights of
+    the KJT are not used (as TorchRec's). Weights are ordinary parameters (any torch optimizer
+    works); parameters annotated by ``apply_optimizer_in_backward`` are updated by the fused
+    TBE backward instead (the classes of ``optim.REGISTRY``).
+    """
+
+    _tables_attr = "embeddings"
+    _group_what = "dtype"
+
+    def __init__(
+        self,
+        tables: Sequence,
+        device: torch.device | str | None = None,
+        need_indices: bool = False,
+        *,
+        backend: str = "auto",
+        bounds_check: str = "error",
+    ) -> None:
+        super().__init__()
+        names = [t.name for t in tables]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"tables: duplicate table names {duplicates}")
+        self._embedding_configs = list(tables)
+        self._table_configs = self._embedding_configs
+        self._need_indices = need_indices
+        self._device = torch.device(device) if device is not None else torch.get_default_device()
+        for cfg in tables:
+            if not cfg.feature_names:
+                cfg.feature_names = [cfg.name]
+        self._groups: dict[torch.dtype, list[int]] = {}
+        for t, cfg in enumerate(tables):
+            self._groups.setdefault(self._dtype(cfg), []).append(t)
+
+        self._tbes: list[TableBatchedEmbedding] = []
+        self._feature_order: list[str] = []  # the features of the groups, group after group
+        self._output_of: list[int] = []  # for each of them, its output (config order)
+        first_output = [0, *accumulate(len(c.feature_names) for c in tables)]
+        views: dict[int, torch.Tensor] = {}
+        for dtype, members in self._groups.items():
+            shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
+            flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
+            ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
+            with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
+                seed = int(torch.randint(2**31 - 1, (), device="cpu"))
+            tbe = TableBatchedEmbedding(
+                shapes,
+                ftm,
+                pooling="none",
+                weights_dtype=dtype,
+                device=self._device,
+                backend=backend,
+                bounds_check=bounds_check,
+                table_names=[tables[t].name for t in members],
+                feature_names=[f for t in members for f in tables[t].feature_names],
+                weights=flat,
+                init_weights=False,
+                seed=seed,
+            )
+            tbe.weights.requires_grad_(False)
+            views.update(zip(members, tbe.split_embedding_weights(), strict=True))
+            for t in members:
+                names = tables[t].feature_names
+                self._feature_order += names
+                self._output_of += [first_output[t] + j for j in range(len(names))]
+            self._tbes.append(tbe)
+        self.embeddings = nn.ModuleDict()
+        for t, cfg in enumerate(tables):  # in config order, drawn as TorchRec draws them
+            self.embeddings[cfg.name] = nn.Embedding(
+                cfg.num_embeddings, cfg.embedding_dim, _weight=views[t], device=self._device,
+                dtype=self._dtype(cfg),
+            )
+            if self._device.type != "meta":
+                with torch.no_grad():
+                    nn.init.normal_(self.embeddings[cfg.name].weight)  # nn.Embedding's draw
+                    if cfg.init_fn is not None:
+                        cfg.init_fn(self.embeddings[cfg.name].weight)
+        self._embedding_names = embedding_names(tables)
+        self._embedding_names_by_table = [
+            self._embedding_names[first_output[t] : first_output[t + 1]]
+            for t in range(len(tables))
+        ]
+        self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
+
+    @staticmethod
+    def _dtype(cfg) -> torch.dtype:
+        name = getattr(cfg.data_type, "name", str(cfg.data_type))
+        if name not in DATA_TYPES:
+            raise ValueError(
+                f"table '{cfg.name}' data_type: expected one of {list(DATA_TYPES)}, got {name}"
+            )
+        return DATA_TYPES[name]
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_configs(self) -> list:
+        return self._embedding_configs
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return self._embedding_names_by_table
+
+    def embedding_dim(self) -> int:
+        """The tables' one embedding dim (TorchRec's accessor); raises for mixed dims."""
+        dims = {cfg.embedding_dim for cfg in self._embedding_configs}
+        if len(dims) != 1:
+            raise ValueError(f"embedding_dim: the tables have different dims {sorted(dims)}")
+        return dims.pop()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def reset_parameters(self) -> None:
+        """Each table's ``init_fn`` (TorchRec's EmbeddingConfig default: uniform in
+        weight_init_min/max), and fused optimizer states and steps to zero."""
+        self._reset_tables(lambda cfg, w: cfg.init_fn(w) if cfg.init_fn is not None else None)
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """KeyedJaggedTensor (keys in any order, a batch size per key allowed) -> one
+        JaggedTensor per (table, feature), config order."""
+        seqs = kjt_sequences(features, self._feature_order)
+        out: list[JaggedTensor | None] = [None] * len(self._embedding_names)
+        f0 = 0
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            params = self._group_params(members)
+            self._bind(tbe, params)
+            fused = self._sync_optimizer(tbe, members)
+            if fused is not None:
+                refuse_data_parallel("EmbeddingCollection")
+            names = self._feature_order[f0 : f0 + tbe.num_features]
+            spans = [seqs.ids(f) for f in names]
+            ids = [seqs.values[a:b] for a, b in spans]
+            indices = ids[0] if len(ids) == 1 else torch.cat(ids)
+            # one bag per feature: without pooling only which ids are whose matters
+            starts = [0, *accumulate(b - a for a, b in spans)]
+            offsets = torch.tensor(starts, dtype=indices.dtype, device=indices.device)
+            rows = tbe.lookup(indices, offsets, None, grad_targets=None if fused else params)
+            for i, f in enumerate(names):
+                j = self._output_of[f0 + i]
+                out[j] = JaggedTensor(
+                    values=rows[starts[i] : starts[i + 1], : self._dims[j]],
+                    lengths=seqs.key_lengths(f),
+                    weights=ids[i] if self._need_indices else None,
+                )
+            f0 += tbe.num_features
+        return dict(zip(self._embedding_names, out, strict=True))
+
+    def extra_repr(self) -> str:
+        groups = ", ".join(f"{len(m)} x {dt}" for dt, m in self._groups.items())
+        return f"tables: {groups}, need_indices={self._need_indices}"
