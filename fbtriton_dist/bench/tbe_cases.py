@@ -71,6 +71,9 @@ class Shape:
     zipf: float | None = None
     """Zipf exponent s of the ids (p(rank k) ∝ k^-s, ranks scattered by a permutation), or
     None for uniform ids."""
+    pooling: str = "sum"
+    """``"sum"`` (pooled, ``[B, sum(D)]``) or ``"none"`` (sequence lookups, one row per id:
+    ``[N, max_D]``; ``--pooling none``)."""
 
     @property
     def tables(self) -> list[tuple[int, int]]:
@@ -89,7 +92,12 @@ class Shape:
     def describe(self) -> str:
         tabs = " + ".join(f"{n}x(E{E:.0e} D{D})".replace("e+0", "e") for n, E, D in self.groups)
         ids = f"zipf({self.zipf})" if self.zipf else "uniform"
-        return f"{tabs} B{self.B} L{self.L} {str(self.dtype).removeprefix('torch.')} {ids}"
+        pool = " pooling none" if self.pooling == "none" else ""
+        return f"{tabs} B{self.B} L{self.L} {str(self.dtype).removeprefix('torch.')} {ids}{pool}"
+
+    @property
+    def mixed_D(self) -> bool:
+        return len({D for _, D in self.tables}) > 1
 
 
 SHAPES = {
@@ -151,17 +159,22 @@ def make_batch(shape: Shape, device: torch.device, seed: int = 0) -> Batch:
     T = len(shape.tables)
     offsets = torch.arange(T * shape.B + 1, dtype=torch.int64, device=device) * shape.L
     total_D = sum(D for _, D in shape.tables)
-    grad = torch.randn(shape.B, total_D, generator=gen, device=device)
+    rows = (T * n, max(D for _, D in shape.tables)) if shape.pooling == "none" else (
+        shape.B, total_D)
+    grad = torch.randn(rows, generator=gen, device=device)
     return Batch(torch.cat(ids), offsets, grad, [n] * T, unique)
 
 
 def model_bytes(shape: Shape, batch: Batch, phase: str, out_size: int) -> int:
     """BASELINES.md's useful bytes: fwd = every looked-up row read + pooled output written;
     fwd_bwd adds the output gradient read and each unique row read and written once (+ its
-    fp32 rowwise-Adagrad state). Ids and offsets are not counted."""
+    fp32 rowwise-Adagrad state). Ids and offsets are not counted. Without pooling the output
+    (and its gradient) is one row per id."""
     w = _esize(shape.dtype)
     dims = [D for _, D in shape.tables]
     out = shape.B * sum(dims) * out_size
+    if shape.pooling == "none":
+        out = sum(n * D for n, D in zip(batch.lookups, dims, strict=True)) * out_size
     nbytes = sum(n * D * w for n, D in zip(batch.lookups, dims, strict=True)) + out
     if phase != "fwd":
         nbytes += out + sum(2 * u * D * w for u, D in zip(batch.unique, dims, strict=True))
@@ -200,6 +213,7 @@ def _ours_cases(ctx: Context, backend: str, bounds_check: str) -> Iterator[tuple
         bounds_check=bounds_check,
         backend=backend,
         device=ctx.device,
+        pooling=ctx.shape.pooling,
     )
     if "fwd" in ctx.phases:  # an inference lookup, as FBGEMM's forward (no backward plan)
         yield "fwd", torch.no_grad()(lambda: m(idx, off))
@@ -224,6 +238,7 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
         bounds_check="warn",
         backend="auto",
         device=ctx.device,
+        pooling=ctx.shape.pooling,
     )
 
     @torch.no_grad()
@@ -278,7 +293,8 @@ def import_fbgemm():
 
 def fbgemm_tbe(shape: Shape, optimizer: str, device: torch.device):
     """BASELINES.md's construction: EXACT_SGD / EXACT_ROWWISE_ADAGRAD, lr 0.01, eps 1e-8, fp32
-    output, SUM pooling, all else default; weights uniform(-0.1, 0.1). On CPU: FBGEMM's CPU TBE."""
+    output, SUM pooling (NONE for the shape's ``pooling="none"``), all else default; weights
+    uniform(-0.1, 0.1). On CPU: FBGEMM's CPU TBE."""
     fb = import_fbgemm()
     if device.type == "cuda":
         where = (fb["EmbeddingLocation"].DEVICE, fb["ComputeDevice"].CUDA)
@@ -293,7 +309,7 @@ def fbgemm_tbe(shape: Shape, optimizer: str, device: torch.device):
         eps=EPS,
         weights_precision=getattr(fb["SparseType"], precision),
         output_dtype=fb["SparseType"].FP32,
-        pooling_mode=fb["PoolingMode"].SUM,
+        pooling_mode=fb["PoolingMode"].NONE if shape.pooling == "none" else fb["PoolingMode"].SUM,
     )
     emb.init_embedding_weights_uniform(-0.1, 0.1)
     return emb
@@ -301,6 +317,10 @@ def fbgemm_tbe(shape: Shape, optimizer: str, device: torch.device):
 
 def _fbgemm_cases(ctx: Context) -> Iterator[tuple[str, object]]:
     idx, off, grad = ctx.batch.indices, ctx.batch.offsets, ctx.batch.grad
+    if ctx.shape.pooling == "none" and ctx.shape.mixed_D:
+        for phase in ctx.phases:
+            yield phase, "skipped: FBGEMM's NONE pooling takes tables of one D only"
+        return
     if "fwd" in ctx.phases or "fwd_bwd_sgd" in ctx.phases:
         emb = fbgemm_tbe(ctx.shape, "sgd", ctx.device)
         if "fwd" in ctx.phases:
@@ -319,9 +339,14 @@ def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
     the same ids as a KeyedJaggedTensor: its forward; backward with dense gradients and
     ``torch.optim.SGD`` / ``torch.optim.Adagrad`` (per-element: TorchRec's unsharded module has
     no fused or row-wise optimizer)."""
+    shape, batch = ctx.shape, ctx.batch
+    if shape.pooling == "none":
+        for phase in ctx.phases:
+            yield phase, ("skipped: pooling none: TorchRec's EmbeddingCollection is one "
+                          "nn.Embedding per table, the torch_pt provider here")
+        return
     import torchrec  # noqa: PLC0415 (a peer, imported only when benchmarked)
 
-    shape, batch = ctx.shape, ctx.batch
     tables = [
         torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=D, num_embeddings=E,
                                     feature_names=[f"f{t}"])
@@ -358,9 +383,42 @@ def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
         del opt, step
 
 
+def _torch_rows(ctx: Context, fused: bool, sparse: bool):
+    """(parameters, forward) for torch's ``F.embedding`` without pooling, ``[N, max_D]``: per
+    table (rows of a narrower table padded to max_D), or one concatenated table (one D) with
+    the ids shifted by each table's first row; ``sparse`` grads are per-id rows (the SGD step
+    then is one ``index_add_``)."""
+    shape, batch, dev = ctx.shape, ctx.batch, ctx.device
+    B, tables = shape.B, shape.tables
+    bounds = batch.offsets[::B].tolist()
+    max_D = max(D for _, D in tables)
+
+    def new_param(rows: int, D: int) -> torch.nn.Parameter:
+        w = torch.empty(rows, D, dtype=shape.dtype, device=dev).uniform_(-0.1, 0.1)
+        return torch.nn.Parameter(w)
+
+    ids = [batch.indices[bounds[t] : bounds[t + 1]] for t in range(len(tables))]
+    if not fused:
+        params = [new_param(E, D) for E, D in tables]
+
+        def forward() -> torch.Tensor:
+            rows = [F.pad(F.embedding(i, w, sparse=sparse), (0, max_D - w.shape[1]))
+                    for w, i in zip(params, ids, strict=True)]
+            return torch.cat(rows)
+
+        return params, forward
+    first = [0, *torch.tensor([E for E, _ in tables]).cumsum(0).tolist()]
+    params = [new_param(first[-1], max_D)]
+    shifted = torch.cat([i + first[t] for t, i in enumerate(ids)])
+    return params, lambda: F.embedding(shifted, params[0], sparse=sparse)
+
+
 def _torch_lookup(ctx: Context, fused: bool, sparse: bool):
     """(parameters, forward) for torch's embedding_bag: per table, or one concatenated table
-    per distinct D (ids shifted by the table's first row) with the [T, B, D] -> [B, T*D] copy."""
+    per distinct D (ids shifted by the table's first row) with the [T, B, D] -> [B, T*D] copy.
+    Without pooling, ``_torch_rows``."""
+    if ctx.shape.pooling == "none":
+        return _torch_rows(ctx, fused, sparse)
     shape, batch, dev = ctx.shape, ctx.batch, ctx.device
     B, tables = shape.B, shape.tables
     bounds = batch.offsets[::B].tolist()  # first id of each table, and N: [T + 1]
@@ -417,6 +475,10 @@ def _torch_lookup(ctx: Context, fused: bool, sparse: bool):
 
 def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str, object]]:
     shape = ctx.shape
+    if shape.pooling == "none" and fused and shape.mixed_D:
+        for phase in ctx.phases:
+            yield phase, "skipped: one concatenated table needs one D (torch_pt pads instead)"
+        return
     w_bytes, state_bytes = shape.weight_bytes, sum(E * D for E, D in shape.tables) * 4
     limit = ctx.dense_limit_gb * 1e9
     need = {  # weights + dense grad / dense optimizer state, what each mode allocates up front
@@ -584,14 +646,15 @@ def check(shape: Shape, device: torch.device) -> dict:
     tables = shape.tables
     E_min = min(E for E, _ in tables)
     opt = optim.RowWiseAdagrad(lr=0.05)
-    tri = TableBatchedEmbedding(tables, optimizer=opt, backend="triton", device=device)
-    ref = TableBatchedEmbedding(tables, optimizer=opt, backend="reference", device=device)
+    kw = dict(optimizer=opt, device=device, pooling=shape.pooling)
+    tri = TableBatchedEmbedding(tables, backend="triton", **kw)
+    ref = TableBatchedEmbedding(tables, backend="reference", **kw)
     ref.load_state_dict(tri.state_dict())
     result = {}
     for step in range(3):
         indices, offsets = _random_length_batch(len(tables), E_min, shape.B, shape.L, gen, device)
-        grad = torch.randn(shape.B, sum(D for _, D in tables), device=device)
         out_t, out_r = tri(indices, offsets), ref(indices, offsets)
+        grad = torch.randn(out_r.shape, device=device)
         result[f"step{step}_forward_max_abs_err"] = (out_t - out_r).abs().max().item()
         out_t.backward(grad)
         out_r.backward(grad)
