@@ -9,7 +9,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import (
+    JaggedTensor,  # noqa: F401  (re-exported: the EC's output)
+    KeyedJaggedTensor,
+    KeyedTensor,
+)
 
 
 @dataclass(frozen=True, eq=False)
