@@ -21,6 +21,7 @@ _NAMES = {
     "EmbeddingCollection": "fbtriton_dist.modules.ec",
     "TableBatchedEmbedding": "fbtriton_dist.modules.tbe",
     "ShardedEmbeddingBagCollection": "fbtriton_dist.sharding",
+    "ShardedEmbeddingCollection": "fbtriton_dist.sharding",
     "shard": "fbtriton_dist.sharding",
 }
 """Top-level names and the module each comes from."""

@@ -22,6 +22,9 @@ the table's :class:`IdDistribution`). Every term below is per rank, per step.
   grid-shard: each column slice of c columns counts as a table-row-wise table of width c on
   its host, so every slice gathers, and receives the ids of, all the table's lookups);
   data-parallel: the ring all-reduce of the dense gradient, 2·(R-1)/R·E·D·s
+* a sequence table (``pooling: none``, an EmbeddingCollection's) returns one row per id: the
+  pooled B x c above becomes B·L x c (a row block: B·L·p x c from each holder, both ways, and
+  no sum inside the host for table-row-wise and grid)
 * ``inter_host_bytes``  the part of the two comm terms that crosses hosts: traffic from all
   other ranks crosses with odds (R-H)/(R-1); traffic from a known rank crosses if its host differs
 * ``time_s`` = lookup_bytes·(1 + backward_factor)/hbm_bandwidth
@@ -256,7 +259,10 @@ class CostAccumulator:
                 # the terms are linear in the lookup share p: every holder in one addition
                 self.add(np.array(holders),
                          **self.row_holder_terms(spec, p, len(holders), kind, b - a))
-                self._add_pooled_slices(spec, holders, b - a, kind)
+                if spec.pooling == "none":
+                    self._add_sequence_rows(spec, holders, p, b - a)
+                else:
+                    self._add_pooled_slices(spec, holders, b - a, kind)
 
     def _add_replicas(self, spec: TableSpec) -> None:
         m, R = self.model, self.R
@@ -282,7 +288,8 @@ class CostAccumulator:
         L, F, c = spec.ids_per_sample, len(spec.features), sh.num_cols
         lookups = R * B * L
         inp = (R - 1) * B * (L * m.index_bytes + F * m.length_bytes)
-        grads = (R - 1) * B * c * m.output_bytes
+        per_sample = L if spec.pooling == "none" else 1.0  # rows per sample on the wire
+        grads = (R - 1) * B * per_sample * c * m.output_bytes
         self.add(
             sh.rank,
             lookups=lookups,
@@ -291,7 +298,7 @@ class CostAccumulator:
             output_dist_bytes=grads,
             inter_host_bytes=(inp + grads) * self._from_all(),
         )
-        pooled = B * c * m.output_bytes
+        pooled = B * per_sample * c * m.output_bytes
         others = np.ones(R)
         others[sh.rank] = 0.0  # every other rank receives its samples' pooled slice
         self.add(slice(None), output_dist_bytes=pooled * others,
@@ -308,7 +315,10 @@ class CostAccumulator:
         D = spec.embedding_dim if cols is None else cols
         lookups = R * B * L * p
         inp = (R - 1) * B * (L * p * m.index_bytes + F * m.length_bytes)
-        if sharding in ("table_row_wise", "grid_shard"):
+        if spec.pooling == "none":  # the rows of the other ranks' ids here come back
+            out = (R - 1) * B * L * p * D * o
+            inter = (inp + out) * self._from_all()
+        elif sharding in ("table_row_wise", "grid_shard"):
             intra = 2.0 * (k - 1) * R * B / k * D * o  # reduce-scatter + all-gather in the host
             back = R * B / k * D * o  # gradients of this holder's sample slice, from all ranks
             out, inter = intra + back, (inp + back) * self._from_all()
@@ -349,6 +359,20 @@ class CostAccumulator:
         far = len(holders) - per_host[hosts]  # holders on another host than q
         self.add(slice(None), output_dist_bytes=pooled * others,
                  inter_host_bytes=pooled * far)
+
+
+    def _add_sequence_rows(
+        self, spec: TableSpec, holders: Sequence[int], p: np.ndarray, c: int
+    ) -> None:
+        """Forward rows every rank receives for its B·L ids of a row-sharded sequence table
+        (one column slice): from each holder h other than itself, the p_h share of them."""
+        rows = self.model.batch_size * spec.ids_per_sample * c * self.model.output_bytes
+        share = np.zeros(self.R)
+        np.add.at(share, np.asarray(holders), p)
+        hosts = np.arange(self.R) // self.H
+        per_host = np.bincount(hosts, weights=share, minlength=self.R // self.H)
+        self.add(slice(None), output_dist_bytes=rows * (share.sum() - share),
+                 inter_host_bytes=rows * (share.sum() - per_host[hosts]))
 
 
 def evaluate(

@@ -58,7 +58,7 @@ __all__ = [
 
 DType = Literal["fp32", "fp16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
-Pooling = Literal["sum", "mean"]
+Pooling = Literal["sum", "mean", "none"]
 OPTIMIZERS: tuple[str, ...] = ("none", *optim.NAMES)
 """A table's fused optimizer: ``none`` (no state) or a name of ``optim.REGISTRY``."""
 Optimizer = str  # one of OPTIMIZERS
@@ -77,7 +77,8 @@ class TableSpec:
     features: tuple[str, ...]
     """Feature names looked up in this table (``EmbeddingBagConfig.feature_names``)."""
     pooling: Pooling = "sum"
-    """Bag pooling, ``sum`` or ``mean`` (does not change the cost)."""
+    """Bag pooling, ``sum`` or ``mean`` (the same cost), or ``none``: a sequence table (an
+    ``EmbeddingConfig``), whose output dist carries one row per id instead of one per bag."""
     dtype: DType = "fp32"
     """Weights dtype: ``fp32``, ``fp16`` or ``bf16``."""
     pooling_factors: tuple[float, ...] = ()
@@ -305,7 +306,8 @@ def to_table_specs(
     """TableSpecs from TableSpecs or ``torchrec.EmbeddingBagConfig``-like objects.
 
     Config objects are read by attribute (``name``, ``num_embeddings``, ``embedding_dim``,
-    ``feature_names``, ``pooling``, ``data_type``), so torchrec is never imported here.
+    ``feature_names``, ``pooling``, ``data_type``), so torchrec is never imported here; one
+    without ``pooling`` (``torchrec.EmbeddingConfig``) is a sequence table (``pooling: none``).
     ``pooling_factors`` maps feature name to L (default 1.0).
     """
     out = []
@@ -321,7 +323,8 @@ def to_table_specs(
                 num_embeddings=t.num_embeddings,
                 embedding_dim=t.embedding_dim,
                 features=features,
-                pooling=_enum_name(t.pooling),  # type: ignore[arg-type]
+                # an EmbeddingConfig (a sequence table) has no pooling: one row per id
+                pooling=_enum_name(getattr(t, "pooling", "none")),  # type: ignore[arg-type]
                 dtype=dtype or _enum_name(t.data_type),  # type: ignore[arg-type]
                 pooling_factors=tuple(float((pooling_factors or {}).get(f, 1.0)) for f in features),
             )

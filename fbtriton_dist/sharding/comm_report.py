@@ -27,7 +27,7 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
     per_feature = _value(last["per_feature"]).tolist()
     pooling = {f: n / max(B, 1)
                for f, n in zip(ebc.layout.feature_names, per_feature, strict=True)}
-    specs = to_table_specs(ebc.embedding_bag_configs(), pooling_factors=pooling)
+    specs = to_table_specs(ebc.table_configs(), pooling_factors=pooling)
     id_bytes = max(d.itemsize for d in ebc.input_dist_.id_dtype)
     model = CostModel(batch_size=max(B, 1), index_bytes=id_bytes, length_bytes=4,
                       output_bytes=ebc.output_dist_.value_bytes)

@@ -71,6 +71,12 @@ class LookupBatch(JaggedBatch):
     """With fixed shapes: ``(indices, offsets, per_sample_weights)`` of each TBE group, the
     indices padded after the last bag to a fixed length (``fbtriton_dist.sharding.fixed``);
     ``indices``/``offsets`` above are then the first group's."""
+    received: tuple[tuple[int, ...], ...] = ()
+    """[R][local shard-features] ids each source rank sent for each of this rank's
+    shard-features (host numbers of the header; empty with fixed shapes)."""
+    sent: tuple[tuple[int, ...], ...] = ()
+    """[R][shard-features of rank q] ids this rank sent for each of rank q's shard-features
+    (a sequence output dist sends the rows back in this order; empty with fixed shapes)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -569,7 +575,11 @@ class InputDist:
             B=sizes[me],
             strides=vbe.strides if vbe is not None else None,
         )
-        return InputDistOut(own, dataclasses.replace(lookup, stats=stats), sizes, vbe)
+        counts = {
+            "received": tuple(tuple(recv_h[r][:n_local]) for r in range(R)),
+            "sent": tuple(tuple(sent_h[q][: self.n_sf[q]]) for q in range(R)),
+        }
+        return InputDistOut(own, dataclasses.replace(lookup, stats=stats, **counts), sizes, vbe)
 
     def vbe_step(self, parts: KJTParts, recv_h) -> VBEStep | None:
         """The step's ``VBEStep`` if some rank's batch has a batch size per feature (every

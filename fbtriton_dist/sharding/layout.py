@@ -81,8 +81,9 @@ class ShardLayout:
         self.feature_table = [t for t, c in enumerate(configs) for _ in c.feature_names]
         self.feature_dims = [c.embedding_dim for c in configs for _ in c.feature_names]
         self.feature_mean = [
-            POOLINGS[getattr(c.pooling, "name", str(c.pooling))] == "mean"
+            POOLINGS.get(getattr(pooling, "name", str(pooling))) == "mean"
             for c in configs
+            for pooling in [getattr(c, "pooling", None)]  # an EmbeddingConfig has none
             for _ in c.feature_names
         ]
         self.feature_cols = [0, *torch.tensor(self.feature_dims).cumsum(0).tolist()]

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.graphs import joined_at_exit
+from fbtriton_dist.sharding.collection import ShardedCollection
 from fbtriton_dist.sharding.input_dist import InputDistOut
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sparse import padded_kjt
 
 
@@ -109,7 +109,7 @@ class TrainPipeline:
         self.sparse = sparse or (lambda batch: batch.sparse)
         self.after_backward = after_backward
         self.sharded = [
-            m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)
+            m for m in model.modules() if isinstance(m, ShardedCollection)
         ]
         if own_group:
             for m in self.sharded:

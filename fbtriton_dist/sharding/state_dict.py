@@ -1,7 +1,8 @@
-"""The state dict of a ShardedEmbeddingBagCollection: TorchRec's keys, sharded values.
+"""The state dict of a sharded collection: TorchRec's keys, sharded values.
 
-``embedding_bags.<table>.weight`` is a ShardedTensor whose local shards are views of the live
-weights (so ``torch.distributed.checkpoint`` saves and loads in place, and reshards across
+``embedding_bags.<table>.weight`` (an EmbeddingCollection's: ``embeddings.<table>.weight``;
+``ebc.tables_key`` below) is a ShardedTensor whose local shards are views of the live weights
+(so ``torch.distributed.checkpoint`` saves and loads in place, and reshards across
 plans and world sizes), or, for a data-parallel table, its full replica. The fused
 optimizer's state has the same form (``fused_optimizer_state_dict``). The module's methods
 call these functions; they read only its public attributes.
@@ -64,8 +65,8 @@ def weights_state_dict(ebc, destination=None, prefix=""):
     or for a data-parallel table its full replica."""
     out = {} if destination is None else destination
     local = ebc.local_views()
-    for t, cfg in enumerate(ebc.embedding_bag_configs()):
-        key = f"{prefix}embedding_bags.{cfg.name}.weight"
+    for t, cfg in enumerate(ebc.table_configs()):
+        key = f"{prefix}{ebc.tables_key}.{cfg.name}.weight"
         mine = [(lt, v) for lt, v in local if lt.table == t]
         if ebc.layout.table_data_parallel[t]:
             out[key] = mine[0][1]
@@ -82,13 +83,13 @@ def fused_optimizer_state_dict(ebc) -> dict:
     bias correction)."""
     out = {"step": torch.tensor(ebc.tbes[0].step if ebc.tbes else 0)}
     shards = ebc.local_shards()
-    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+    for t, cfg in enumerate(ebc.table_configs()):
         mine = [(lt, st) for lt, _, st in shards if lt.table == t]
         slices = sorted({(sf.col_start, sf.col_end) for sf in _table_shards(ebc, t)})
         for i, state in enumerate(optim.spec_of(ebc.optimizer).states):
             rowwise = state.per_row
             size = (cfg.num_embeddings, len(slices) if rowwise else cfg.embedding_dim)
-            key = f"embedding_bags.{cfg.name}.weight.{i}"
+            key = f"{ebc.tables_key}.{cfg.name}.weight.{i}"
             if ebc.layout.table_data_parallel[t]:  # the replica, same shape as sharded
                 out[key] = mine[0][1][i].view(-1, 1) if rowwise else mine[0][1][i]
                 continue
@@ -116,8 +117,8 @@ def load_weights(ebc, state_dict, prefix, missing_keys, unexpected_keys, errors)
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     local = ebc.local_views()
-    for t, cfg in enumerate(ebc.embedding_bag_configs()):
-        key = f"{prefix}embedding_bags.{cfg.name}.weight"
+    for t, cfg in enumerate(ebc.table_configs()):
+        key = f"{prefix}{ebc.tables_key}.{cfg.name}.weight"
         if key not in state_dict:
             missing_keys.append(key)
             continue
@@ -147,9 +148,9 @@ def load_weights(ebc, state_dict, prefix, missing_keys, unexpected_keys, errors)
             if piece.data_ptr() != view.data_ptr():
                 with torch.no_grad():
                     view.copy_(piece)
-    known = {f"{prefix}embedding_bags.{c.name}.weight" for c in ebc.embedding_bag_configs()}
+    known = {f"{prefix}{ebc.tables_key}.{c.name}.weight" for c in ebc.table_configs()}
     unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in known
-                        and k[len(prefix):].split(".")[0] == "embedding_bags"]
+                        and k[len(prefix):].split(".")[0] == ebc.tables_key]
 
 
 @torch.no_grad()
@@ -158,7 +159,7 @@ def gather_full_state_dict(ebc) -> dict[str, torch.Tensor]:
     EmbeddingBagCollection (fp32 sum of each rank's shards; replicas taken once)."""
     local = ebc.local_views()
     out = {}
-    for t, cfg in enumerate(ebc.embedding_bag_configs()):
+    for t, cfg in enumerate(ebc.table_configs()):
         dtype = ebc.layout.dtypes[t]
         full = torch.zeros((cfg.num_embeddings, cfg.embedding_dim), dtype=torch.float32,
                            device=ebc.device)
@@ -167,7 +168,7 @@ def gather_full_state_dict(ebc) -> dict[str, torch.Tensor]:
             if lt.table == t and not replica_elsewhere:  # replicas: rank 0's copy only
                 full[lt.row_start : lt.row_end, lt.col_start : lt.col_end] = view.float()
         dist.all_reduce(full, group=ebc.group)
-        out[f"embedding_bags.{cfg.name}.weight"] = full.to(dtype)
+        out[f"{ebc.tables_key}.{cfg.name}.weight"] = full.to(dtype)
     return out
 
 

@@ -44,7 +44,8 @@ from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 from fbtriton_dist.sharding.input_dist import InputDistOut
 from fbtriton_dist.sharding.options import CommOptions
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection, shard
+from fbtriton_dist.sharding.shard import shard
+from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 
 __all__ = ["DMPShardedEmbeddingBagCollection", "EmbeddingBagCollectionSharder", "to_fbtd_plan"]
 

@@ -1,0 +1,305 @@
+"""What every sharded collection shares: this rank's shards in one TableBatchedEmbedding per
+dtype, the input dist that feeds them, the fused optimizer, the state dict.
+
+``ShardedCollection`` holds the tables of one collection (``configs``) cut by a
+``ShardingPlan``; its subclasses add the lookup and the output dist:
+``ShardedEmbeddingBagCollection`` (pooled bags, ``sharding/sharded_ebc.py``) and
+``ShardedEmbeddingCollection`` (one row per id, ``sharding/sharded_ec.py``). The input dist is
+the same for both: each id goes to the shards whose rows hold it.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fbtriton_dist import optim
+from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.sharding import state_dict as states
+from fbtriton_dist.sharding.comm_report import comm_report
+from fbtriton_dist.sharding.fixed import FixedInputDist
+from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut
+from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.options import CommOptions
+
+
+class ShardedCollection(nn.Module):
+    """The shards of one embedding collection that live on this rank, and the input dist
+    that feeds them (the base of the sharded EmbeddingBagCollection and EmbeddingCollection).
+
+    Args:
+        configs: the tables' configs (every rank passes the same list).
+        plan: where each shard lives (``fbtriton_dist.planner.ShardingPlan``).
+        optimizer: the fused optimizer applied in backward to every local shard.
+        weights: optional full weights ``{table name: [E, D]}`` to copy this rank's shards
+            from; otherwise each shard is initialised with its table's ``init_fn``.
+        comm: how it talks to the other ranks (``CommOptions``); kept as ``self.comm``.
+
+    ``input_group`` (default: the process group) carries the input dist; a pipeline may give
+    it a group of its own so the next batch's ids do not queue behind this batch's output
+    dist on one NCCL stream.
+    """
+
+    _pooling = "sum"
+    """The local TBE's pooling (``"none"``: a row per id)."""
+    tables_key = "embedding_bags"
+    """TorchRec's state-dict name of the tables (``<tables_key>.<table>.weight``)."""
+
+    def __init__(
+        self,
+        configs: Sequence,
+        plan: ShardingPlan,
+        *,
+        optimizer: optim.Optimizer,
+        is_weighted: bool = False,
+        weights: dict[str, torch.Tensor] | None = None,
+        process_group=None,
+        device: torch.device | str | None = None,
+        backend: str = "auto",
+        comm: CommOptions | None = None,
+    ) -> None:
+        super().__init__()
+        if comm is not None and not isinstance(comm, CommOptions):
+            raise ValueError(f"comm: expected a CommOptions, got {type(comm).__name__}")
+        self.comm = comm if comm is not None else CommOptions()
+        if optimizer is None:
+            raise ValueError(
+                "sharded tables are trained with a fused optimizer: pass optimizer= to shard() "
+                "or annotate the embedding parameters with apply_optimizer_in_backward"
+            )
+        self.group = process_group
+        self.input_group = process_group
+        self._prefetched: list[tuple[object, InputDistOut]] = []
+        self.rank = dist.get_rank(process_group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
+        self._is_weighted = is_weighted
+        self._configs = list(configs)
+        self._check_plan()
+        self._optimizer = optimizer
+        self.plan = plan
+        self.backend = backend
+        self.last_step_stats: dict | None = None
+        """What the input dist of the last step learnt (``comm_report`` reads it)."""
+        self.host_group = self._host_group(process_group)
+        local, ftm = self.layout.local_tables(self.rank)
+        self.local_tables = local
+        # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
+        # not submodules: the state dict speaks TorchRec's keys (see state_dict below)
+        self.tbes: list[TableBatchedEmbedding] = []
+        self._group_features: list[int] = []
+        # the TBEs' rounding seeds are drawn without advancing the global RNG: ranks hold
+        # different numbers of TBEs, and a model built after shard() must see the same RNG
+        # on every rank (the same draw everywhere, then varied by rank and group)
+        with torch.random.fork_rng(devices=[]):
+            base = int(torch.randint(2**31 - 1, (), device="cpu"))
+        for dtype in dict.fromkeys(t.dtype for t in local):
+            members = [i for i, t in enumerate(local) if t.dtype == dtype]
+            sfs = [j for j, i in enumerate(ftm) if local[i].dtype == dtype]
+            tbe = TableBatchedEmbedding(
+                [local[i].shape for i in members],
+                [members.index(ftm[j]) for j in sfs],
+                pooling=self._pooling,
+                optimizer=optimizer,
+                weights_dtype=dtype,
+                device=self.device,
+                backend=backend,
+                bounds_check="ignore",  # checked on the sending rank, before the collectives
+                table_names=[self._shard_name(local[i]) for i in members],
+                init_weights=False,
+                seed=(base + 7919 * self.rank + 104729 * len(self.tbes)) % (2**31 - 1),
+            )
+            self.tbes.append(tbe)
+            self._group_features.append(len(sfs))
+        self._init_shards(weights)
+        self._embedding_names = self.layout.output_names
+        self._dims = self.layout.feature_dims
+        self._make_dists()
+
+    def _check_plan(self) -> None:
+        """Refuse what this kind of collection cannot shard (a subclass's rule)."""
+
+    def _make_dists(self) -> None:
+        """The input dist and the subclass's output dist, on ``self.device``."""
+        if self.comm.fixed_shapes:
+            self.input_dist_ = FixedInputDist(
+                self.layout, self.rank, self.device, self._group_features,
+                max_ids=self.comm.max_ids, backend=self.backend,
+            )
+        else:
+            self.input_dist_ = InputDist(
+                self.layout, self.rank, self.device, self._group_features,
+                dedup=self.comm.dedup, backend=self.backend,
+            )
+        self._make_output_dist()
+
+    def _make_output_dist(self) -> None:
+        raise NotImplementedError
+
+    def _host_group(self, group):
+        """The process group of this rank's host: ``group`` itself if it is one host, else a
+        new group per host, made on every rank in the same order (``new_group`` wants that)."""
+        H, R = self.layout.local_world_size, self.layout.world_size
+        if H == R:
+            return group
+        mine = None
+        for first in range(0, R, H):
+            ranks = [r if group is None else dist.get_global_rank(group, r)
+                     for r in range(first, first + H)]
+            g = dist.new_group(ranks)
+            if first <= self.rank < first + H:
+                mine = g
+        return mine
+
+    def _shard_name(self, t) -> str:
+        rows, cols = f"{t.row_start}:{t.row_end}", f"{t.col_start}:{t.col_end}"
+        return f"{self._configs[t.table].name}[{rows}, {cols}]"
+
+    @property
+    def optimizer(self) -> optim.Optimizer:
+        """The fused optimizer every local shard is updated with in backward."""
+        return self._optimizer
+
+    def local_shards(self):
+        """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
+        views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
+        states = [s for tbe in self.tbes for s in tbe.split_optimizer_states()]
+        by_dtype = [
+            t
+            for dtype in dict.fromkeys(t.dtype for t in self.local_tables)
+            for t in self.local_tables
+            if t.dtype == dtype
+        ]
+        return list(zip(by_dtype, views, states, strict=True))
+
+    def local_views(self):
+        """(LocalTable, its [E_s, D_s] weight view) for every shard on this rank."""
+        return [(t, v) for t, v, _ in self.local_shards()]
+
+    @torch.no_grad()
+    def _init_shards(self, weights: dict[str, torch.Tensor] | None) -> None:
+        for t, view in self.local_views():
+            cfg = self._configs[t.table]
+            if weights is not None:
+                view.copy_(weights[cfg.name][t.row_start : t.row_end, t.col_start : t.col_end])
+            elif cfg.init_fn is not None:
+                cfg.init_fn(view)
+            else:
+                view.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+
+    def table_configs(self) -> list:
+        """The configs of the collection's tables (every rank's list)."""
+        return self._configs
+
+    # -- the input dist ---------------------------------------------------------------------
+    def input_dist(self, features) -> InputDistOut:
+        """KJT of this rank -> ``(lengths [T, B] of its own bags, the lookup batch of its
+        shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync
+        (the data all-to-all's split lists; on GPU the bucketize launcher sizes its output
+        with one more), one data all-to-all (``fbtriton_dist.sharding.input_dist``)."""
+        out = self.input_dist_(features, self._is_weighted, self.input_group)
+        self.last_step_stats = out.lookup.stats
+        return out
+
+    def poll_input(self, wait: bool = True) -> None:
+        """With ``CommOptions(fixed_shapes=True)``: raise if a recent batch (or, after CUDA
+        graph replays, any batch since the last poll) had bad input on some rank; ``wait``:
+        wait for the batches in flight (else only those done). A no-op otherwise: the default
+        input dist raises in the step itself."""
+        if isinstance(self.input_dist_, FixedInputDist):
+            self.input_dist_.poll(wait)
+
+    # -- what a pipeline needs (fixed shapes: the capacity, the failure flag) ----------------
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether the input dist has fixed message sizes (``CommOptions.fixed_shapes``)."""
+        return isinstance(self.input_dist_, FixedInputDist)
+
+    def input_capacity(self) -> int:
+        """With fixed shapes, after the first batch: the most ids this rank's batch may hold
+        (its agreed ``max_ids``)."""
+        if not self.fixed_shapes or self.input_dist_.agreed is None:
+            raise RuntimeError("input_capacity: needs CommOptions(fixed_shapes=True) and a "
+                               "first batch (the capacity is agreed on it)")
+        return self.input_dist_.agreed[1][self.rank]
+
+    @property
+    def input_failed(self) -> torch.Tensor:
+        """With fixed shapes: the sticky [] int64 device flag, nonzero once some rank sent bad
+        input (graph replays update it); ``clear_input_failed`` resets it."""
+        if not self.fixed_shapes:
+            raise RuntimeError("input_failed: only the fixed-shape input dist flags late")
+        return self.input_dist_.failed
+
+    def clear_input_failed(self) -> None:
+        self.input_failed.zero_()
+
+    def explain_input(self, features) -> Exception:
+        """What is wrong with ``features`` (this rank's batch), by the slow exact check: an
+        IndexError/ValueError naming the id and bound, or a RuntimeError when it finds none."""
+        return self.input_dist_.explain(features, self._is_weighted)
+
+    def prefetch(self, features) -> InputDistOut:
+        """Run ``input_dist(features)`` now (a pipeline does, for the next batch, on a side
+        stream) and keep it for the ``forward`` that is called with this same ``features``
+        object."""
+        out = self.input_dist(features)
+        self._prefetched = [*self._prefetched[-1:], (features, out)]
+        return out
+
+    def offer(self, features, out: InputDistOut) -> None:
+        """Use ``out`` as the input dist of the next ``forward(features)`` (a pipeline that
+        ran it elsewhere, e.g. inside a CUDA graph); replaces any prefetched one."""
+        self._prefetched = [(features, out)]
+
+    def drop_prefetched(self) -> None:
+        """Forget prefetched input dists (a ``forward`` then runs its own)."""
+        self._prefetched = []
+
+    def _take_prefetched(self, features) -> InputDistOut | None:
+        for i, (f, out) in enumerate(self._prefetched):
+            if f is features:
+                del self._prefetched[i]
+                return out
+        return None
+
+    def comm_report(self) -> dict[str, dict[str, float]]:
+        """Bytes this rank sent and received in the last step per collective, next to the
+        planner's estimate (``sharding.comm_report``; syncs: not for the hot path)."""
+        return comm_report(self)
+
+    # -- state dict: TorchRec's keys, sharded values (``sharding.state_dict``) -------------
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """``{prefix}<tables_key>.<table>.weight``: a ShardedTensor of views of the live
+        weights, or for a data-parallel table its full replica."""
+        return states.weights_state_dict(self, destination, prefix)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        states.load_weights(self, state_dict, prefix, missing_keys, unexpected_keys, errors)
+
+    def fused_optimizer_state_dict(self) -> dict:
+        """The fused optimizer's state, ``<tables_key>.<table>.weight.<i>`` and ``step``."""
+        return states.fused_optimizer_state_dict(self)
+
+    def load_fused_optimizer_state_dict(self, state: dict) -> None:
+        """Restore ``fused_optimizer_state_dict()`` (after DCP loaded it in place)."""
+        states.load_fused_optimizer_state_dict(self, state)
+
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """``{<tables_key>.<table>.weight: [E, D]}`` on every rank (a collective)."""
+        return states.gather_full_state_dict(self)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for tbe in self.tbes:
+            tbe._apply(fn)
+        if self.tbes and self.tbes[0].weights.device != self.device:
+            self.device = self.tbes[0].weights.device  # .to(device): the index lists follow
+            self._make_dists()
+        return self
+
+

@@ -1,0 +1,169 @@
+"""Sequence output dist: every looked-up row back to the rank that sent its id, in the order
+of that rank's KJT.
+
+An EmbeddingCollection has no bags to pool, so nothing is summed on the way back: rank q's
+lookup holds one row per id it received, shard-feature after shard-feature and, inside one,
+source rank after source rank (the input dist's feature-major lookup batch), and the header
+told both sides how many ids each (source, shard-feature) pair holds. One all-to-all of
+values brings the rows home:
+
+1. q sends rank r, for each of its shard-features (each the rows of one row block and one
+   column slice of a feature's table), r's rows, ``[ids, columns]`` row-major, back to back;
+2. r cuts what it receives into those blocks (it sent the ids: it knows their counts), and
+   for each feature and column slice puts the blocks' rows back in its KJT's order. An id's
+   row block is the shard whose rows hold it, and the bucketize kept the KJT's order inside
+   each block, so the order is a stable sort of the ids by their row block (one per slice
+   and step, shared by slices with the same row cuts); column slices are joined side by side.
+
+Table-row-wise and grid shards are row blocks like any other here (no sum inside the host).
+Data-parallel shard-features never travel: every rank looked up every rank's ids in its
+replica and keeps its own rows; backward all-gathers their gradients, so every replica takes
+the same update. Backward is autograd's: the gathers become scatters, the all-to-all sends
+the gradient rows back to their owners.
+"""
+
+import torch
+
+from fbtriton_dist.sharding.comm import all_to_all, own_rows
+from fbtriton_dist.sharding.layout import ShardLayout
+
+
+class SequenceDist:
+    """The sequence output dist of one rank, fixed by the plan (``layout``).
+
+    ``wire_dtype`` (bf16 / fp16): the rows and their gradients travel in it; the output is
+    fp32."""
+
+    def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int],
+                 wire_dtype=None) -> None:
+        self.layout, self.rank, self.device = layout, rank, torch.device(device)
+        self.group_sizes = list(group_sizes)  # local shard-features of each TBE group
+        self.wire_dtype = wire_dtype
+        self.value_bytes = (wire_dtype or torch.float32).itemsize
+        R = layout.world_size
+        self.local = layout.local[rank]
+        # for each feature, its column slices in column order, each its row blocks in row
+        # order as (owner rank, index among the owner's shard-features); data-parallel: the
+        # one block on this rank
+        slices: list[dict[tuple[int, int], list]] = [{} for _ in layout.feature_names]
+        for q in range(R):
+            for j, sf in enumerate(layout.local[q]):
+                if sf.data_parallel and q != rank:
+                    continue
+                slices[sf.feature].setdefault((sf.col_start, sf.col_end), []).append((sf, q, j))
+        self.slices = [
+            [(cols, sorted(blocks, key=lambda b: b[0].row_start))
+             for cols, blocks in sorted(per.items())]
+            for per in slices
+        ]
+        self._last: tuple | None = None  # (values sent, received) per peer, last step
+
+    def traffic(self) -> dict[str, tuple[int, int]]:
+        """Bytes (sent, received) to/from the other ranks in the last step, forward and
+        backward (it mirrors the forward)."""
+        if self._last is None:
+            return {}
+        send_n, recv_n = self._last
+        others = [q for q in range(len(send_n)) if q != self.rank]
+        sent = self.value_bytes * sum(send_n[q] for q in others)
+        received = self.value_bytes * sum(recv_n[q] for q in others)
+        return {"output_dist.forward": (sent, received), "output_dist.backward": (received, sent)}
+
+    def __call__(self, rows: list[torch.Tensor], received, sent, ids: list[torch.Tensor],
+                 group=None) -> list[torch.Tensor]:
+        """``rows``: the local lookup, one ``[ids, max D]`` tensor per TBE group (this rank's
+        shard-features in order, ``received[r][i]`` rows of source r for shard-feature i);
+        ``sent[q][j]``: the ids this rank sent for rank q's shard-feature j; ``ids[f]``: this
+        rank's ids of feature f (config order), in its KJT's order. Returns, per feature,
+        ``[ids of f, D_f]`` fp32 rows in that order."""
+        layout, R = self.layout, self.layout.world_size
+        blocks = self._local_blocks(rows, received)  # [local sf][source] -> [n, dim]
+        # 1. this rank's rows of every other rank's ids, to that rank; data-parallel stays
+        pieces, send_n = [], []
+        for r in range(R):
+            mine = [blocks[i][r].reshape(-1) for i, sf in enumerate(self.local)
+                    if not sf.data_parallel]
+            pieces += mine
+            send_n.append(sum(p.numel() for p in mine))
+        recv_n = [sum(n * sf.dim for n, sf in zip(sent[q], layout.local[q], strict=True)
+                      if not sf.data_parallel) for q in range(R)]
+        self._last = (send_n, recv_n)
+        if pieces:
+            values = torch.cat(pieces)
+        else:  # still a node of the graph: every rank takes part in the backward all-to-all
+            values = torch.zeros(0, device=self.device, requires_grad=torch.is_grad_enabled())
+        if self.wire_dtype is not None:
+            values = values.to(self.wire_dtype)
+        got = all_to_all(values, send_n, recv_n, group).float()
+        # 2. cut into blocks: (owner q, its shard-feature j) -> [ids sent, dim]
+        came: dict[tuple[int, int], torch.Tensor] = {}
+        at = 0
+        for q in range(R):
+            for j, (n, sf) in enumerate(zip(sent[q], layout.local[q], strict=True)):
+                if sf.data_parallel:
+                    continue
+                came[(q, j)] = got[at : at + n * sf.dim].view(n, sf.dim)
+                at += n * sf.dim
+        came.update(self._own_replica_rows(blocks, received, group))
+        # 3. per feature and column slice, the blocks' rows back in the KJT's order
+        out = []
+        for f, per_slice in enumerate(self.slices):
+            order_cache: dict[tuple[int, ...], torch.Tensor] = {}
+            cols = []
+            for _, row_blocks in per_slice:
+                parts = [came[(q, j)] for _, q, j in row_blocks]
+                if len(parts) == 1:
+                    cols.append(parts[0])
+                    continue
+                starts = tuple(sf.row_start for sf, _, _ in row_blocks[1:])
+                if starts not in order_cache:
+                    order_cache[starts] = _kjt_order(ids[f], starts)
+                cols.append(torch.cat(parts).index_select(0, order_cache[starts]))
+            out.append(cols[0] if len(cols) == 1 else torch.cat(cols, dim=1))
+        return out
+
+    def _local_blocks(self, rows: list[torch.Tensor], received) -> list[list[torch.Tensor]]:
+        """The local lookup cut into ``[ids of source r, dim]`` blocks, per shard-feature and
+        source rank (host numbers: no sync)."""
+        R = self.layout.world_size
+        blocks, i = [], 0
+        for group_rows, n_sf in zip(rows, self.group_sizes, strict=True):
+            at = 0
+            for _ in range(n_sf):
+                per_source = []
+                for r in range(R):
+                    n = received[r][i]
+                    per_source.append(group_rows[at : at + n, : self.local[i].dim])
+                    at += n
+                blocks.append(per_source)
+                i += 1
+        return blocks
+
+    def _own_replica_rows(self, blocks, received, group) -> dict:
+        """Data-parallel shard-features: this rank's rows of its replica's lookup, all in
+        one ``own_rows`` (backward all-gathers every rank's gradients of them)."""
+        R, me = self.layout.world_size, self.rank
+        dp = [i for i, sf in enumerate(self.local) if sf.data_parallel]
+        if not dp:
+            return {}
+        flat = torch.cat([blocks[i][r].reshape(-1) for r in range(R) for i in dp])
+        per_rank = [sum(received[r][i] * self.local[i].dim for i in dp) for r in range(R)]
+        mine = own_rows(flat, per_rank, me, group)
+        out, at = {}, 0
+        for i in dp:
+            n, dim = received[me][i], self.local[i].dim
+            out[(me, i)] = mine[at : at + n * dim].view(n, dim)
+            at += n * dim
+        return out
+
+
+def _kjt_order(ids: torch.Tensor, starts: tuple[int, ...]) -> torch.Tensor:
+    """For ids cut into row blocks at ``starts`` (the first row of every block but the first)
+    and listed block after block, each block in the KJT's order: where each id of ``ids``
+    (the KJT's order) sits in that list."""
+    cuts = torch.tensor(starts, dtype=ids.dtype, device=ids.device)
+    block = torch.bucketize(ids, cuts, right=True)
+    by_block = torch.sort(block, stable=True).indices
+    where = torch.empty_like(by_block)
+    where[by_block] = torch.arange(by_block.numel(), device=ids.device)
+    return where

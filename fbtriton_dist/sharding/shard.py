@@ -1,0 +1,102 @@
+"""``shard()``: replace the embedding collections of a model by their sharded counterparts."""
+
+import torch
+from torch import nn
+
+from fbtriton_dist import optim
+from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
+
+
+def _kind(module: nn.Module) -> str | None:
+    """``"ebc"`` for an EmbeddingBagCollection, ``"ec"`` for an EmbeddingCollection (ours or
+    TorchRec's), else None."""
+    from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+    from fbtriton_dist.modules.ec import EmbeddingCollection
+
+    if isinstance(module, EmbeddingBagCollection):
+        return "ebc"
+    if isinstance(module, EmbeddingCollection):
+        return "ec"
+    try:
+        import torchrec
+    except ImportError:
+        return None
+    if isinstance(module, torchrec.EmbeddingBagCollection):
+        return "ebc"
+    if isinstance(module, torchrec.EmbeddingCollection):
+        return "ec"
+    return None
+
+
+def _optimizer_of(module: nn.Module, name: str) -> optim.Optimizer | None:
+    specs = {
+        (p._optimizer_classes[0], tuple(sorted(p._optimizer_kwargs[0].items())))
+        for p in module.parameters()
+        if getattr(p, "_optimizer_classes", None)
+    }
+    if len(specs) > 1:
+        raise ValueError(f"{name}: one fused optimizer for all sharded tables, got {specs}")
+    if not specs:
+        return None
+    cls, kwargs = specs.pop()
+    return optim.from_torch(cls, dict(kwargs), name)
+
+
+def shard(
+    module: nn.Module,
+    plan: ShardingPlan,
+    process_group=None,
+    device: torch.device | str | None = None,
+    *,
+    optimizer: optim.Optimizer | None = None,
+    backend: str = "auto",
+    comm: CommOptions | None = None,
+) -> nn.Module:
+    """Replace every EmbeddingBagCollection and EmbeddingCollection in ``module`` (ours or
+    TorchRec's, at any depth) by a ShardedEmbeddingBagCollection / ShardedEmbeddingCollection
+    that keeps only this rank's shards (one plan covers the tables of all of them). Weights
+    are copied from the module, or, for a module built on the meta device, initialised shard
+    by shard (a table is never materialised whole). The fused optimizer is ``optimizer`` or
+    the one the tables were annotated with by ``apply_optimizer_in_backward``. ``comm``: how
+    the sharded collections talk to each other (``CommOptions``: bf16/fp16 values on the
+    wire, id dedup; default exact). Returns the module (the sharded collection itself if
+    ``module`` was one)."""
+    if _kind(module) is not None:
+        return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
+    for name, child in list(module.named_modules()):
+        if _kind(child) is None or not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, _shard_one(child, name, plan, process_group, device, optimizer,
+                                         backend, comm))
+    return module
+
+
+def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None):
+    kind = _kind(collection)
+    ebc = kind == "ebc"
+    configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
+    tables = collection.embedding_bags if ebc else collection.embeddings
+    first = next(iter(collection.parameters()), None)
+    weights = None
+    if first is not None and not first.is_meta:
+        weights = {c.name: tables[c.name].weight.detach() for c in configs}
+    common = {
+        "optimizer": optimizer if optimizer is not None else _optimizer_of(collection, name),
+        "weights": weights,
+        "process_group": process_group,
+        "device": device if device is not None else (
+            first.device if first is not None and not first.is_meta else None
+        ),
+        "backend": backend,
+        "comm": comm,
+    }
+    if ebc:
+        return ShardedEmbeddingBagCollection(configs, plan, is_weighted=collection.is_weighted(),
+                                             **common)
+    return ShardedEmbeddingCollection(configs, plan, need_indices=collection.need_indices(),
+                                      **common)
