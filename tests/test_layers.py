@@ -83,7 +83,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 TORCHREC = ("torchrec", "fbgemm_gpu")
 TORCHREC_FILES = (
     "sparse.py",  # the converter: KJT / KeyedTensor <-> JaggedBatch
-    "sharding/sharded_ebc.py",  # shard() accepts a torchrec.EmbeddingBagCollection too
+    "sharding/shard.py",  # shard() accepts a torchrec.EmbeddingBagCollection / EmbeddingCollection too
     "sharding/pipeline.py",  # the CUDA-graph pipeline rebuilds the batch's KJT on static buffers
     "sharding/torchrec_sharder.py",  # a ModuleSharder: TorchRec's DMP shards ours via shard()
     "modules/ir.py",  # TorchRec's IR counterpart: EmbeddingBagConfigs to and from JSON

@@ -18,6 +18,7 @@ the whole-plan checks, the budget check (``memory_problems``) and the YAML form.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,16 @@ class ShardingPlan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank: expected 0 <= rank < {self.world_size}, got {rank}")
         return [(t.name, s) for t in self.tables for s in t.shards if s.rank == rank]
+
+    def subset(self, names: Iterable[str]) -> ShardingPlan:
+        """The plan of tables ``names`` only (one collection of a model the plan covers);
+        raises KeyError naming a table the plan lacks."""
+        wanted = list(names)
+        by_name = {t.name: t for t in self.tables}
+        missing = [n for n in wanted if n not in by_name]
+        if missing:
+            raise KeyError(f"tables {missing} are not in the plan; known: {list(by_name)}")
+        return dataclasses.replace(self, tables=tuple(by_name[n] for n in wanted))
 
     def row_boundaries(self, name: str) -> tuple[int, ...]:
         """Row cuts ``(0, ..., E)`` of table ``name`` (see ``TableSharding.row_boundaries``)."""

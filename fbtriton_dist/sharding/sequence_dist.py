@@ -58,16 +58,23 @@ class SequenceDist:
         ]
         self._last: tuple | None = None  # (values sent, received) per peer, last step
 
-    def traffic(self) -> dict[str, tuple[int, int]]:
+    def traffic(self, batch_sizes=None, strides=None) -> dict[str, tuple[int, int]]:
         """Bytes (sent, received) to/from the other ranks in the last step, forward and
-        backward (it mirrors the forward)."""
-        if self._last is None:
-            return {}
-        send_n, recv_n = self._last
-        others = [q for q in range(len(send_n)) if q != self.rank]
-        sent = self.value_bytes * sum(send_n[q] for q in others)
-        received = self.value_bytes * sum(recv_n[q] for q in others)
+        backward (it mirrors the forward); the rows are counted per id, so the batch sizes
+        (the pooled output dist's arguments) are not needed."""
+        sent, received = self._bytes(lambda q: q != self.rank)
         return {"output_dist.forward": (sent, received), "output_dist.backward": (received, sent)}
+
+    def inter_host(self, batch_sizes=None, strides=None) -> tuple[int, int]:
+        """Bytes (sent, received) of the last forward that crossed hosts."""
+        H = self.layout.local_world_size
+        return self._bytes(lambda q: q // H != self.rank // H)
+
+    def _bytes(self, keep) -> tuple[int, int]:
+        if self._last is None:
+            return 0, 0
+        return tuple(self.value_bytes * sum(n for q, n in enumerate(side) if keep(q))
+                     for side in self._last)
 
     def __call__(self, rows: list[torch.Tensor], received, sent, ids: list[torch.Tensor],
                  group=None) -> list[torch.Tensor]:

@@ -66,14 +66,48 @@ def shard(
     ``module`` was one)."""
     if _kind(module) is not None:
         return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
-    for name, child in list(module.named_modules()):
-        if _kind(child) is None or not name:
-            continue
+    found = [(name, child) for name, child in module.named_modules()
+             if name and _kind(child) is not None]
+    plans = _plans_per_collection(found, plan)
+    for (name, child), sub in zip(found, plans, strict=True):
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, _shard_one(child, name, plan, process_group, device, optimizer,
+        setattr(parent, attr, _shard_one(child, name, sub, process_group, device, optimizer,
                                          backend, comm))
     return module
+
+
+def _configs_of(collection) -> list:
+    if _kind(collection) == "ebc":
+        return collection.embedding_bag_configs()
+    return collection.embedding_configs()
+
+
+def _plans_per_collection(found, plan: ShardingPlan) -> list[ShardingPlan]:
+    """One plan covers the tables of every collection in the model (table names unique
+    across them): each collection gets the part for its tables; a planned table that no
+    collection holds is an error."""
+    owner: dict[str, str] = {}
+    for name, child in found:
+        for cfg in _configs_of(child):
+            if cfg.name in owner:
+                raise ValueError(
+                    f"table '{cfg.name}' is in both '{owner[cfg.name]}' and '{name}': the plan "
+                    "names tables, so table names must be unique across the model's collections"
+                )
+            owner[cfg.name] = name
+    stray = [t.name for t in plan.tables if t.name not in owner]
+    if stray:
+        raise ValueError(f"plan: table(s) {stray} are in no embedding collection of the model "
+                         f"(the collections hold {sorted(owner)})")
+    return [_subset_or_all(plan, [c.name for c in _configs_of(child)]) for _, child in found]
+
+
+def _subset_or_all(plan: ShardingPlan, names: list[str]) -> ShardingPlan:
+    """The plan of ``names``; those the plan lacks are left for the collection's own check
+    (it names them)."""
+    planned = {t.name for t in plan.tables}
+    return plan.subset([n for n in names if n in planned])
 
 
 def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None):

@@ -19,8 +19,10 @@ from fbtriton_dist.planner import (
 B = 4
 
 
-def one_table(sharding, shards, R=2, H=2, E=1000, D=16, dtype="fp16", L=(2.0,), optimizer=None):
+def one_table(sharding, shards, R=2, H=2, E=1000, D=16, dtype="fp16", L=(2.0,), optimizer=None,
+              pooling="sum"):
     spec = TableSpec(
+        pooling=pooling,
         name="t",
         num_embeddings=E,
         embedding_dim=D,
@@ -90,6 +92,39 @@ def test_table_wise_across_hosts_by_hand():
     assert other.output_dist_bytes == B * 16 * 4 == other.inter_host_bytes
     assert cost.ranks[0].inter_host_bytes == 0.0  # same host as the owner
     assert cost.imbalance("lookups") == pytest.approx(4.0)
+
+
+def test_sequence_tables_send_a_row_per_id_by_hand():
+    """A sequence table (pooling none): the output dist carries B*L rows, not B pooled ones;
+    row-wise, each holder returns only the rows of the ids its rows hold."""
+    shards = [
+        Shard(rank=0, row_start=0, row_end=250, col_start=0, col_end=16),
+        Shard(rank=1, row_start=250, row_end=1000, col_start=0, col_end=16),
+    ]
+    spec, plan = one_table("row_wise", shards, L=(3.0,), pooling="none")
+    r0, r1 = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks
+    # rank 0 receives the rows of its B*L ids held by rank 1 (3/4 of them), and the
+    # gradients of the other rank's ids its quarter holds
+    assert r0.output_dist_bytes == pytest.approx(B * 3 * 0.75 * 16 * 4 + B * 3 * 0.25 * 16 * 4)
+    assert r1.output_dist_bytes == pytest.approx(B * 3 * 0.25 * 16 * 4 + B * 3 * 0.75 * 16 * 4)
+    assert r0.input_dist_bytes == pytest.approx(B * (3 * 0.25 * 8 + 4))  # as a pooled table
+    tw = [Shard(rank=1, row_start=0, row_end=1000, col_start=0, col_end=16)]
+    spec, plan = one_table("table_wise", tw, R=4, H=2, L=(3.0,), pooling="none")
+    cost = evaluate(plan, [spec], model=CostModel(batch_size=B))
+    assert cost.ranks[1].output_dist_bytes == 3 * B * 3 * 16 * 4  # every other rank's rows
+    assert cost.ranks[2].output_dist_bytes == B * 3 * 16 * 4 == cost.ranks[2].inter_host_bytes
+
+
+def test_to_table_specs_reads_an_embedding_config_as_a_sequence_table():
+    from torchrec import EmbeddingBagConfig, EmbeddingConfig
+
+    from fbtriton_dist.planner import to_table_specs
+
+    seq, bag = to_table_specs([
+        EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["a"]),
+        EmbeddingBagConfig(name="b", num_embeddings=10, embedding_dim=4, feature_names=["b"]),
+    ])
+    assert (seq.pooling, bag.pooling) == ("none", "sum")
 
 
 def test_data_parallel_by_hand():

@@ -161,3 +161,239 @@ def test_sharded_ec_matches_unsharded(world):
         for case, report in reports.items():
             for key, err in report.items():
                 assert err < 2e-5, f"rank {rank} {case} {key}: {err}"
+
+
+# -- an EBC and an EC in one model, one plan --------------------------------------------------
+class _TwoCollections(torch.nn.Module):
+    """Pooled features through the EBC, sequences through the EC, on one KJT."""
+
+    def __init__(self, ebc, ec, dims):
+        super().__init__()
+        self.ebc, self.ec = ebc, ec
+        g = torch.Generator().manual_seed(4)
+        self.pooled_proj = torch.nn.Parameter(torch.randn(sum(dims["pooled"]), generator=g))
+        self.row_proj = torch.nn.ParameterDict({
+            n.replace("@", "_"): torch.nn.Parameter(torch.randn(D, generator=g))
+            for n, D in dims["rows"]
+        })
+
+    def forward(self, kjt):
+        pooled = self.ebc(kjt).values()
+        rows = self.ec(kjt)
+        per_sample = pooled @ self.pooled_proj
+        row_terms = sum((jt.values() @ self.row_proj[n.replace("@", "_")]).sum()
+                        for n, jt in rows.items())
+        return per_sample, rows, per_sample.sum() + row_terms
+
+
+def _ebc_and_ec(rank, world):
+    import dataclasses
+
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from tests.sharding.test_sharded_ebc import _configs as _bag_configs
+
+    dev = device()
+    bags = _bag_configs(False)
+    seqs = _configs(False)
+    for c in seqs:
+        c.name = f"s_{c.name}"
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=bags, device=dev)
+    ec = fbtriton_dist.EmbeddingCollection(tables=seqs, device=dev)
+    dims = {"pooled": [c.embedding_dim for c in bags for _ in c.feature_names],
+            "rows": list(zip(ec._embedding_names,
+                             [c.embedding_dim for c in seqs for _ in c.feature_names],
+                             strict=True))}
+    ref = _TwoCollections(ebc, ec, dims)
+    cls, kwargs = _optimizer("adagrad")
+    apply_optimizer_in_backward(cls, [*ebc.parameters(), *ec.parameters()], kwargs)
+    model = copy.deepcopy(ref)
+    apply_optimizer_in_backward(cls, [*model.ebc.parameters(), *model.ec.parameters()], kwargs)
+    bag_plan = _plan("mixed", world)
+    seq_plan = _plan("row_wise", world)  # the same shapes, every sequence table row-wise
+    plan = dataclasses.replace(bag_plan, tables=bag_plan.tables + tuple(
+        dataclasses.replace(ts, name=f"s_{ts.name}") for ts in seq_plan.tables))
+    fbtriton_dist.shard(model, plan, device=dev)
+    kinds = (type(model.ebc).__name__, type(model.ec).__name__)
+    assert kinds == ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"), kinds
+    sizes = BATCH[:world]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    report = {}
+    for step in range(3):
+        batch = _feature_batch(bags + seqs, sum(sizes), step)
+        want_pooled, want_rows, want_loss = ref(_kjt(*batch, 0, sum(sizes)).to(dev))
+        want_loss.backward()
+        got_pooled, got_rows, got_loss = model(_kjt(*batch, lo, hi).to(dev))
+        got_loss.backward()
+        report[f"step{step}.pooled"] = (got_pooled - want_pooled[lo:hi]).abs().max().item()
+        report[f"step{step}.rows"] = max(
+            ((jt.values() - _rows_of(want_rows[n], lo, hi)[0]).abs().max().item()
+             if jt.values().numel() else 0.0) for n, jt in got_rows.items())
+        grads = [p.grad.clone() for p in (model.pooled_proj, *model.row_proj.values())]
+        for g in grads:
+            dist.all_reduce(g)
+        wants = [ref.pooled_proj.grad, *(p.grad for p in ref.row_proj.values())]
+        report[f"step{step}.dense_grad"] = max(
+            (a - b).abs().max().item() for a, b in zip(grads, wants, strict=True))
+        for m in (ref, model):
+            m.zero_grad()
+    for sharded, unsharded in ((model.ebc, ebc), (model.ec, ec)):
+        full = sharded.gather_full_state_dict()
+        report[f"weights.{type(sharded).__name__}"] = max(
+            (full[k].float() - v.float()).abs().max().item()
+            for k, v in unsharded.state_dict().items())
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_model_with_an_ebc_and_an_ec_shards_both_with_one_plan(world):
+    for rank, report in enumerate(run_ranks(_ebc_and_ec, world)):
+        for key, err in report.items():
+            assert err < 2e-5, f"rank {rank} {key}: {err}"
+
+
+def test_a_plan_table_that_no_collection_holds_is_refused():
+    import dataclasses
+
+    import fbtriton_dist
+
+    ec = fbtriton_dist.EmbeddingCollection(tables=_configs(False), device="meta")
+    plan = _plan("table_wise", 1)
+    extra = dataclasses.replace(plan.tables[0], name="nowhere")
+    model = torch.nn.Sequential(ec)
+    with pytest.raises(ValueError, match=r"plan: table\(s\) \['nowhere'\] are in no embedding"):
+        fbtriton_dist.shard(model, dataclasses.replace(plan, tables=(*plan.tables, extra)),
+                            optimizer=fbtriton_dist.optim.SGD())
+
+
+# -- checkpoints, bad input, traffic -----------------------------------------------------------
+GLOBAL_B = 10
+SPLITS = {2: [5, 5], 3: [3, 5, 2]}
+
+
+def _ec_model(world, kind="mixed"):
+    import fbtriton_dist
+
+    torch.manual_seed(0)
+    ec = fbtriton_dist.EmbeddingCollection(tables=_configs(False), device=device())
+    return fbtriton_dist.shard(ec, _plan(kind, world), device=device(),
+                               optimizer=fbtriton_dist.optim.Adagrad(lr=0.2))
+
+
+def _ec_step(sharded, rank, world, step):
+    sizes = SPLITS[world]
+    lo = sum(sizes[:rank])
+    out = sharded(_kjt(*_feature_batch(_configs(False), GLOBAL_B, step), lo,
+                       lo + sizes[rank]).to(device()))
+    g = torch.Generator().manual_seed(50 + step)
+    loss = sum((jt.values() * torch.randn(jt.values().shape[1], generator=g)).sum()
+               for jt in out.values())
+    loss.backward()
+
+
+def _ec_save(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    sharded = _ec_model(world)
+    for step in range(2):
+        _ec_step(sharded, rank, world, step)
+    sd = sharded.state_dict()
+    assert list(sd) == [f"embeddings.{c.name}.weight" for c in _configs(False)]
+    dcp.save({"model": sd, "fused": sharded.fused_optimizer_state_dict()}, checkpoint_id=path)
+    _ec_step(sharded, rank, world, 2)
+    full = {k: v.cpu() for k, v in sharded.gather_full_state_dict().items()}
+    if rank == 0:
+        torch.save(full, f"{path}/expected.pt")
+
+
+def _ec_load(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    sharded = _ec_model(world)
+    state = {"model": sharded.state_dict(), "fused": sharded.fused_optimizer_state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    sharded.load_state_dict(state["model"])
+    sharded.load_fused_optimizer_state_dict(state["fused"])
+    _ec_step(sharded, rank, world, 2)  # the same third step: equal only if the state came back
+    expected = torch.load(f"{path}/expected.pt", weights_only=True)
+    full = sharded.gather_full_state_dict()
+    return max((full[k].cpu() - v).abs().max().item() for k, v in expected.items())
+
+
+def test_ec_dcp_save_on_2_ranks_load_resharded_on_3(tmp_path):
+    run_ranks(_ec_save, 2, str(tmp_path))
+    errors = run_ranks(_ec_load, 3, str(tmp_path))
+    assert max(errors) < 1e-6, errors
+
+
+def _ec_loads_torchrec_state(rank, world):
+    import torchrec
+
+    import fbtriton_dist
+
+    torch.manual_seed(5)
+    theirs = torchrec.EmbeddingCollection(tables=_configs(True))
+    ours = fbtriton_dist.shard(fbtriton_dist.EmbeddingCollection(tables=_configs(True)),
+                               _plan_for("mixed", world, True),
+                               optimizer=fbtriton_dist.optim.SGD())
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    full = ours.gather_full_state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in theirs.state_dict().items())
+
+
+def test_a_full_torchrec_ec_state_dict_loads_into_shards():
+    assert max(run_ranks(_ec_loads_torchrec_state, 2)) == 0.0
+
+
+def _ec_bad_id(rank, world):
+    from torchrec import KeyedJaggedTensor
+
+    sharded = _ec_model(world)
+    names = list(dict.fromkeys(f for c in _configs(False) for f in c.feature_names))
+    values = torch.zeros(len(names), dtype=torch.int64)
+    if rank == 1:
+        values[names.index("f_cw")] = 9  # table 'cw' has 9 rows
+    kjt = KeyedJaggedTensor(keys=names, values=values,
+                            lengths=torch.ones(len(names), dtype=torch.int64))
+    sharded(kjt.to(device()))
+
+
+def test_a_bad_id_on_one_rank_stops_every_rank():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_ec_bad_id, 3, timeout=120)
+    text = str(info.value)
+    assert "id 9 of feature 'f_cw' (sample 0) is out of range for table 'cw' with 9 rows" in text
+    assert text.count("rank(s) [1] found bad input") == 2
+
+
+def _ec_traffic(rank, world):
+    sharded = _ec_model(world, "row_wise")
+    sizes = SPLITS[world]
+    lo = sum(sizes[:rank])
+    batch = _feature_batch(_configs(False), GLOBAL_B, 0)
+    _ec_step(sharded, rank, world, 0)
+    feats, lengths, values, _ = batch
+    # rows of my ids that live on another rank: each comes back as D fp32 values
+    expected = 0
+    for c in _configs(False):
+        for f in c.feature_names:
+            a, b = int(lengths[f][:lo].sum()), int(lengths[f][: lo + sizes[rank]].sum())
+            ids = values[f][a:b]
+            for s in sharded.plan.table(c.name).shards:
+                if s.rank != rank:
+                    hit = (ids >= s.row_start) & (ids < s.row_end)
+                    expected += 4 * c.embedding_dim * int(hit.sum())
+    return sharded.comm_report(), expected
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ec_comm_report_counts_a_row_per_id(world):
+    results = run_ranks(_ec_traffic, world)
+    reports = [r for r, _ in results]
+    for rank, (report, expected) in enumerate(results):
+        assert report["output_dist.forward"]["received"] == expected, rank
+        assert report["output_dist.backward"]["sent"] == expected, rank
+    for key in ("output_dist.forward", "output_dist.backward", "input_dist.data"):
+        assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
