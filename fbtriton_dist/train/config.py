@@ -10,6 +10,9 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     tables: ../tables/small.yaml     # a table-set file (relative to this file), or a list of
                                      # table entries in the table-set schema (docs/planner.md)
     model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
+                                     # or {kind: sequence, target: item, history: [item_seq],
+                                     #     dense_arch: [..], over_arch: [.., 1]} (pooling: none
+                                     #     tables are sequence tables)
     data:
       source: synthetic              # synthetic | random_rec | criteo
       num_dense: 13
@@ -114,6 +117,16 @@ def _strings(value: Any, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _feature_names(value: Any, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a list of feature names, got {value!r}")
+    for i, v in enumerate(value):
+        check_name(f"{key}[{i}]", v)
+    return tuple(value)
+
+
 def _optional_strings(value: Any, key: str) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -142,18 +155,34 @@ def _pair(value: Any, key: str) -> tuple[float, float]:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
-    """``torchrec.models.dlrm.DLRM`` around the EmbeddingBagCollection."""
+    """The model around the tables: ``dlrm`` (``torchrec.models.dlrm.DLRM`` over the
+    EmbeddingBagCollection) or ``sequence`` (``train/models.py``: target attention over
+    behaviour sequences looked up by an EmbeddingCollection, pooled tables beside them)."""
 
+    kind: Literal["dlrm", "sequence"] = "dlrm"
+    """``dlrm``: every table pooled; ``sequence``: tables with ``pooling: none`` are sequence
+    tables (an EmbeddingCollection), the others pooled (an EmbeddingBagCollection)."""
     dense_arch: tuple[int, ...] = (64, 16)
-    """Layer sizes of the MLP over the dense features; the last must equal every table's D."""
+    """Layer sizes of the MLP over the dense features (DLRM: the last must equal every
+    table's D)."""
     over_arch: tuple[int, ...] = (64, 1)
     """Layer sizes of the MLP over the interactions; at least two, the last is 1 (the logit)."""
+    target: str | None = None
+    """``sequence``: the feature holding each sample's candidate item (a sequence table's;
+    its rows are averaged per sample)."""
+    history: tuple[str, ...] = ()
+    """``sequence``: behaviour-sequence features (sequence tables of the target's D), each
+    attended to by the target."""
 
     def __post_init__(self) -> None:
+        check_choice("kind", self.kind, ("dlrm", "sequence"))
         if len(self.over_arch) < 2 or self.over_arch[-1] != 1:
             raise FieldError(
                 "over_arch", f"expected at least two layer sizes ending in 1, got {self.over_arch}"
             )
+        if self.kind == "sequence" and (self.target is None or not self.history):
+            raise FieldError("target" if self.target is None else "history",
+                             "a sequence model needs a target feature and history features")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -468,21 +497,47 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Run folder, metrics, progress bar, TensorBoard."""
 
+    def _check_model(self) -> None:
+        tables = self.tables.tables
+        sequence = [t for t in tables if t.pooling == "none"]
+        if self.model.kind == "dlrm":
+            if sequence:
+                raise FieldError(
+                    "model.kind",
+                    f"DLRM pools every table, but {[t.name for t in sequence]} have pooling "
+                    "none (sequence tables): use model.kind: sequence",
+                )
+            D = self.model.dense_arch[-1]
+            wrong = {t.name: t.embedding_dim for t in tables if t.embedding_dim != D}
+            if wrong:
+                raise FieldError(
+                    "model.dense_arch",
+                    f"DLRM needs every table's embedding_dim == dense_arch[-1] = {D}; "
+                    f"tables {wrong} differ",
+                )
+            return
+        table_of = {f: t for t in sequence for f in t.features}
+        m = self.model
+        for key, f in [("model.target", m.target)] + [
+            (f"model.history[{i}]", h) for i, h in enumerate(m.history)
+        ]:
+            if f not in table_of:
+                raise FieldError(key, f"{f!r} is not a feature of a sequence table (pooling: "
+                                      f"none), expected one of {sorted(table_of)}")
+        D = table_of[m.target].embedding_dim
+        wrong = {h: table_of[h].embedding_dim for h in m.history
+                 if table_of[h].embedding_dim != D}
+        if wrong:
+            raise FieldError("model.history", f"attention needs the target's D = {D}; the "
+                                              f"history features {wrong} differ")
+
     def __post_init__(self) -> None:
         check_name("name", self.name)
         check_int("seed", self.seed, 0)
         _check_bool("deterministic", self.deterministic)
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_choice("backend", self.backend, ("auto", "cpu", "reference", "triton"))
-        dims = {t.name: t.embedding_dim for t in self.tables.tables}
-        D = self.model.dense_arch[-1]
-        wrong = {n: d for n, d in dims.items() if d != D}
-        if wrong:
-            raise FieldError(
-                "model.dense_arch",
-                f"DLRM needs every table's embedding_dim == dense_arch[-1] = {D}; "
-                f"tables {wrong} differ",
-            )
+        self._check_model()
         features = [f for t in self.tables.tables for f in t.features]
         unknown = [f for f in self.data.synthetic.zipf_per_feature if f not in features]
         if unknown:
@@ -561,7 +616,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
         name = os.path.splitext(os.path.basename(where))[0] if where != "<job>" else "job"
     converters: dict[str, Callable] = {
         "tables": _tables(where, base_dir),
-        "model": _section(ModelConfig, where, {"dense_arch": _ints, "over_arch": _ints}),
+        "model": _section(ModelConfig, where,
+                          {"dense_arch": _ints, "over_arch": _ints, "history": _feature_names}),
         "data": _section(
             DataConfig,
             where,

@@ -1,4 +1,5 @@
-"""The training job: DLRM over the EmbeddingBagCollection, planned, (sharded,) trained.
+"""The training job: DLRM (or the sequence model) over our embedding collections, planned,
+(sharded,) trained.
 
     python -m fbtriton_dist.train --config configs/jobs/quickstart.yaml [--resume] [--steps N]
     torchrun --nproc-per-node 2 -m fbtriton_dist.train --config configs/jobs/quickstart.yaml
@@ -33,6 +34,7 @@ from torchrec.optim import apply_optimizer_in_backward
 
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.planner import (
     ConfigError,
     CostModel,
@@ -57,6 +59,7 @@ from .data import DataPosition, make_source
 from .env import Env
 from .loop import Trainer
 from .metrics import format_summary
+from .models import TargetAttentionModel
 
 __all__ = [
     "Built",
@@ -111,6 +114,7 @@ def distributed(device: str = "auto", group_of_one: bool = False) -> Iterator[En
 
 
 def _table_configs(cfg: JobConfig) -> list[torchrec.EmbeddingBagConfig]:
+    """The pooled tables' configs (every table but the sequence ones, ``pooling: none``)."""
     return [
         torchrec.EmbeddingBagConfig(
             name=t.name,
@@ -121,6 +125,22 @@ def _table_configs(cfg: JobConfig) -> list[torchrec.EmbeddingBagConfig]:
             data_type=DataType[t.dtype.upper()],
         )
         for t in cfg.tables.tables
+        if t.pooling != "none"
+    ]
+
+
+def _sequence_configs(cfg: JobConfig) -> list[torchrec.EmbeddingConfig]:
+    """The sequence tables' configs (``pooling: none``: a row per id, an EmbeddingCollection)."""
+    return [
+        torchrec.EmbeddingConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=list(t.features),
+            data_type=DataType[t.dtype.upper()],
+        )
+        for t in cfg.tables.tables
+        if t.pooling == "none"
     ]
 
 
@@ -145,26 +165,40 @@ def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter]):
     return cls(params, betas=c.betas, **kw)
 
 
-def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> DLRM:
-    """DLRM over our EmbeddingBagCollection, its tables annotated with the fused optimizer.
+def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn.Module:
+    """The job's model (``model.kind``): DLRM over our EmbeddingBagCollection, or the
+    target-attention model over an EmbeddingCollection of the sequence tables and an
+    EmbeddingBagCollection of the others (``train/models.py``); the tables annotated with the
+    fused optimizer.
 
     With several ranks the tables are built on the meta device (nothing allocated):
     ``fbtriton_dist.shard`` initialises each rank's shards in place.
     """
-    ebc = EmbeddingBagCollection(
-        tables=_table_configs(cfg),
-        device=torch.device("meta") if world_size > 1 else device,
-        backend=cfg.backend,
-    )
-    # our EBC, as TorchRec's, takes its fused optimizer from this annotation
+    where = torch.device("meta") if world_size > 1 else device
+    # our collections, as TorchRec's, take their fused optimizer from this annotation
     cls, kwargs = optim.torch_equivalent(_embedding_optimizer(cfg.optimizer.embedding))
-    apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
-    return DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=cfg.data.num_dense,
-        dense_arch_layer_sizes=list(cfg.model.dense_arch),
-        over_arch_layer_sizes=list(cfg.model.over_arch),
-        dense_device=device,
+    pooled = _table_configs(cfg)
+    ebc = None
+    if pooled:
+        ebc = EmbeddingBagCollection(tables=pooled, device=where, backend=cfg.backend)
+        apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+    if cfg.model.kind == "dlrm":
+        return DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=cfg.data.num_dense,
+            dense_arch_layer_sizes=list(cfg.model.dense_arch),
+            over_arch_layer_sizes=list(cfg.model.over_arch),
+            dense_device=device,
+        )
+    ec = EmbeddingCollection(tables=_sequence_configs(cfg), device=where, backend=cfg.backend)
+    apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
+    dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}
+    return TargetAttentionModel(
+        ebc, ec, target=cfg.model.target, history=cfg.model.history,
+        num_dense=cfg.data.num_dense, dense_arch=cfg.model.dense_arch,
+        over_arch=cfg.model.over_arch,
+        pooled_dim=sum(c.embedding_dim * len(c.feature_names) for c in pooled),
+        target_dim=dims[cfg.model.target], dense_device=device,
     )
 
 
@@ -234,12 +268,14 @@ class Built:
 
 
 def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
-    """Seed, build DLRM over our EBC, shard it by ``plan`` (several ranks) and make the dense
-    optimizer: the same on every call with the same config, so a checkpoint loads into it."""
+    """Seed, build the model over our collections, shard it by ``plan`` (several ranks) and
+    make the dense optimizer: the same on every call with the same config, so a checkpoint
+    loads into it."""
     torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
     model = build_model(cfg, env.device, env.world_size)
-    emb_fqns = [n for n, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)]
-    # ---- the one multi-rank step: replace every EmbeddingBagCollection by its sharded twin ----
+    emb_fqns = [n for n, m in model.named_modules()
+                if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
+    # ---- the one multi-rank step: replace every embedding collection by its sharded twin ----
     if env.world_size > 1:
         import fbtriton_dist
         from fbtriton_dist.sharding import CommOptions

@@ -118,7 +118,7 @@ def test_wrong_types_name_the_key(section, key, expected):
 def test_table_errors_keep_the_key_path():
     bad = [{**TABLES[0], "pooling": "max"}]
     msg = error(job(tables=bad))
-    assert msg.startswith("jobs/x.yaml: tables[0].pooling: expected one of [sum, mean]")
+    assert msg.startswith("jobs/x.yaml: tables[0].pooling: expected one of [sum, mean, none]")
 
 
 def test_cross_section_checks():
