@@ -186,7 +186,9 @@ class _TwoCollections(torch.nn.Module):
         return per_sample, rows, per_sample.sum() + row_terms
 
 
-def _ebc_and_ec(rank, world):
+def _ebc_and_ec_models(rank, world, copies=1):
+    """The unsharded EBC + EC model, its collections, ``copies`` sharded copies and the
+    test's batch split."""
     import dataclasses
 
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -209,20 +211,69 @@ def _ebc_and_ec(rank, world):
     ref = _TwoCollections(ebc, ec, dims)
     cls, kwargs = _optimizer("adagrad")
     apply_optimizer_in_backward(cls, [*ebc.parameters(), *ec.parameters()], kwargs)
-    model = copy.deepcopy(ref)
-    apply_optimizer_in_backward(cls, [*model.ebc.parameters(), *model.ec.parameters()], kwargs)
     bag_plan = _plan("mixed", world)
     seq_plan = _plan("row_wise", world)  # the same shapes, every sequence table row-wise
     plan = dataclasses.replace(bag_plan, tables=bag_plan.tables + tuple(
         dataclasses.replace(ts, name=f"s_{ts.name}") for ts in seq_plan.tables))
-    fbtriton_dist.shard(model, plan, device=dev)
+    models = []
+    for _ in range(copies):
+        model = copy.deepcopy(ref)
+        apply_optimizer_in_backward(cls, [*model.ebc.parameters(), *model.ec.parameters()],
+                                    kwargs)
+        models.append(fbtriton_dist.shard(model, plan, device=dev))
+    return ref, (ebc, ec), models, bags + seqs
+
+
+def _pipelined_ebc_and_ec(rank, world):
+    """The EBC + EC model trained by TrainPipeline (the next batch's input dists run ahead)
+    and by a plain loop from the same start: the same losses and weights."""
+    from fbtriton_dist.sharding import TrainPipeline
+    from tests.sharding.test_lean import _Batch
+
+    _, _, (plain, piped), configs = _ebc_and_ec_models(rank, world, copies=2)
+    sizes = BATCH[:world]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    batches = [_Batch(torch.zeros(hi - lo, 1), _kjt(*_feature_batch(configs, sum(sizes), s),
+                                                     lo, hi), torch.zeros(hi - lo))
+               for s in range(4)]
+    plain_losses = []
+    for b in batches:
+        loss = plain(b.sparse.to(device()))[2]
+        loss.backward()
+        plain_losses.append(loss.detach())
+    pipe = TrainPipeline(piped, None, device(), loss_fn=lambda m, b: m(b.sparse)[2])
+    it, piped_losses = iter(batches), []
+    while True:
+        try:
+            piped_losses.append(pipe.progress(it))
+        except StopIteration:
+            break
+    report = {"losses": max(abs(float(a - b)) for a, b in
+                            zip(plain_losses, piped_losses, strict=True)),
+              "count": float(len(piped_losses) != len(batches))}
+    for name in ("ebc", "ec"):
+        a = getattr(plain, name).gather_full_state_dict()
+        b = getattr(piped, name).gather_full_state_dict()
+        report[f"weights.{name}"] = max((a[k] - b[k]).abs().max().item() for k in a)
+    return report
+
+
+def test_train_pipeline_runs_an_ebc_and_an_ec_ahead_like_the_plain_loop():
+    for rank, report in enumerate(run_ranks(_pipelined_ebc_and_ec, 2)):
+        for key, err in report.items():
+            assert err == 0.0, f"rank {rank} {key}: {err}"
+
+
+def _ebc_and_ec(rank, world):
+    ref, (ebc, ec), (model,), configs = _ebc_and_ec_models(rank, world)
     kinds = (type(model.ebc).__name__, type(model.ec).__name__)
     assert kinds == ("ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"), kinds
+    dev = device()
     sizes = BATCH[:world]
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     report = {}
     for step in range(3):
-        batch = _feature_batch(bags + seqs, sum(sizes), step)
+        batch = _feature_batch(configs, sum(sizes), step)
         want_pooled, want_rows, want_loss = ref(_kjt(*batch, 0, sum(sizes)).to(dev))
         want_loss.backward()
         got_pooled, got_rows, got_loss = model(_kjt(*batch, lo, hi).to(dev))
