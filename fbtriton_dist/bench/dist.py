@@ -7,7 +7,8 @@
 
 Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
 per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
-``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone) and ``dlrm``; providers
+``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone), ``dlrm`` and ``ec`` (the
+tables as an EmbeddingCollection, a row per id; ``--models ec``); providers
 ``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``,
 ``ours_fixed``, ``ours_graph`` (see ``dist_setup`` and ``dist_providers``). Every provider
 trains on the same pre-generated batches (each rank its own), one provider's model at a time;
@@ -43,7 +44,7 @@ DEFAULT_TABLES = os.path.join(
     os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
 )
 PLANS = ("row_wise", "table_wise")
-MODELS = ("ebc", "dlrm")
+MODELS = ("ebc", "dlrm", "ec")
 FULL = {
     "total_gb": 20.0,
     "dim": 128,
@@ -117,7 +118,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, help="profiled steps, CUDA only (default 5)")
     p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
     p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=MODELS, default=["ebc", "dlrm"],
+                   help="ebc, dlrm (default both), ec (an EmbeddingCollection: a row per id)")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument(
         "--comm",
@@ -222,11 +224,13 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
         ModelSpec,
         fixed_copies,
         fixed_grad,
+        fixed_row_grad,
         make_batches,
         make_plan,
         scaled_tables,
         torchrec_bytes,
         torchrec_configs,
+        torchrec_sequence_configs,
     )
 
     R, rank, device = env.world_size, env.rank, env.device
@@ -303,13 +307,17 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 dense_arch=tuple(args.dense_arch),
                 over_arch=tuple(args.over_arch),
             )
+            if kind == "ec" and batch_kind == "vbe":
+                continue  # a sequence collection's batches have one stride
+            row_grad = fixed_row_grad(tables, args.batch_size, args.bag_size, args.seed, rank,
+                                      device)
             ctx = Context(
                 tables=tables,
-                configs=configs,
+                configs=torchrec_sequence_configs(tables) if kind == "ec" else configs,
                 plan=plan,
                 spec=spec,
                 batches=by_batch[batch_kind],
-                grad=grad if kind == "ebc" else None,
+                grad={"ebc": grad, "ec": row_grad}.get(kind),
                 device=device,
                 group=env.process_group,
                 seed=args.seed,
@@ -318,11 +326,13 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 dense_lr=args.dense_lr,
                 comm_extra=args.comm_extra,
             )
-            estimate = torchrec_bytes(ctx.batches[0], plan, tables, rank)
+            estimate = torchrec_bytes(ctx.batches[0], plan, tables, rank, sequence=kind == "ec")
             group_rows = []
             for provider in args.providers:
                 if batch_kind == "vbe" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
                     continue  # fixed message sizes take fixed batches only
+                if kind == "ec" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
+                    continue  # the sequence output dist has no fixed-shape mode
                 row = _run_one(provider, ctx, args, env, estimate)
                 row["batch"] = batch_kind
                 group_rows.append(row)

@@ -52,6 +52,7 @@ class Context:
 
     tables: Sequence[Table]
     configs: list
+    """The tables' configs: ``EmbeddingBagConfig``, or ``EmbeddingConfig`` for model ``ec``."""
     plan: ShardingPlan
     spec: ModelSpec
     batches: Sequence[Batch]
@@ -159,8 +160,13 @@ def build_ours(name: str, ctx: Context) -> Runner:
         kwargs["comm"] = CommOptions(**{**LEAN_OPTIONS[name], **ctx.comm_extra})
         pipeline_cls = TrainPipeline
     torch.manual_seed(ctx.seed)
-    ebc = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
-    model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
+    if ctx.spec.kind == "ec":
+        from fbtriton_dist.modules.ec import EmbeddingCollection
+
+        collection = EmbeddingCollection(tables=ctx.configs, device=torch.device("meta"))
+    else:
+        collection = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
+    model = build_model(ctx.spec, collection, ctx.device, ctx.grad)
     model = fbtriton_dist.shard(model, ctx.plan, ctx.group, ctx.device, **kwargs)
     model = model.to(ctx.device)  # buffers the model made on the CPU (DLRM's triu_indices)
     fqn = embedding_fqn(ctx.spec.kind)
@@ -195,6 +201,7 @@ def build_torchrec(ctx: Context) -> Runner:
         import torchrec
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from torchrec.distributed import DistributedModelParallel
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.types import ShardingEnv
         from torchrec.distributed.types import ShardingPlan as TorchRecPlan
@@ -202,15 +209,15 @@ def build_torchrec(ctx: Context) -> Runner:
     except ImportError as e:
         raise Skip(f"TorchRec / FBGEMM not importable: {e}") from e
     torch.manual_seed(ctx.seed)
-    ebc = torchrec.EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": ctx.lr,
+             "eps": ctx.eps}
+    if ctx.spec.kind == "ec":
+        ebc = torchrec.EmbeddingCollection(tables=ctx.configs, device=torch.device("meta"))
+        sharder = EmbeddingCollectionSharder(fused_params=fused)
+    else:
+        ebc = torchrec.EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused)
     model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": ctx.lr,
-            "eps": ctx.eps,
-        }
-    )
     module_plan = torchrec_module_plan(ebc, ctx.plan, sharder, ctx.device.type)
     fqn = embedding_fqn(ctx.spec.kind)
     dmp = DistributedModelParallel(
@@ -223,7 +230,7 @@ def build_torchrec(ctx: Context) -> Runner:
     params = [
         p
         for n, p in in_backward_optimizer_filter(dmp.named_parameters())
-        if p.requires_grad and "embedding_bags" not in n
+        if p.requires_grad and "embedding_bags" not in n and "embeddings." not in n
     ]
     opt = _dense_optimizer(params, ctx, allreduce=False)  # DMP's DDP averages them
     return Runner(

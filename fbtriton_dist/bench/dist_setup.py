@@ -10,8 +10,10 @@ this module builds them (see ``fbtriton_dist.bench.dist`` for the measurement).
   those with fewer than ceil(T/R) tables). TorchRec gets the same placement, shard for shard.
 * batches: B samples per rank, L ids per bag, Zipf(alpha) ids (hot rows scattered over the
   table by a fixed bijection, or the first rows), dense features and labels; on the device.
-* models: ``ebc`` (the collection alone; loss = sum(pooled * a fixed random gradient)) and
-  ``dlrm`` (TorchRec's DLRM over the collection, as the training job builds it; BCE loss).
+* models: ``ebc`` (the collection alone; loss = sum(pooled * a fixed random gradient)),
+  ``dlrm`` (TorchRec's DLRM over the collection, as the training job builds it; BCE loss) and
+  ``ec`` (the same tables as an EmbeddingCollection, a row per id; loss = sum over features of
+  rows @ a fixed random [D] vector).
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ def torchrec_configs(tables: Sequence[Table]) -> list:
 
     return [
         torchrec.EmbeddingBagConfig(
+            name=t.name,
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            feature_names=[t.feature],
+        )
+        for t in tables
+    ]
+
+
+def torchrec_sequence_configs(tables: Sequence[Table]) -> list:
+    """The tables as ``torchrec.EmbeddingConfig`` (model ``ec``: a row per id)."""
+    import torchrec
+
+    return [
+        torchrec.EmbeddingConfig(
             name=t.name,
             num_embeddings=t.num_embeddings,
             embedding_dim=t.embedding_dim,
@@ -244,7 +261,8 @@ def fixed_copies(batches: Sequence[Batch]) -> list[Batch]:
 
 # -- models -----------------------------------------------------------------------------------
 class EmbeddingsOnly(nn.Module):
-    """The collection alone (model ``ebc``); its forward returns the pooled KeyedTensor."""
+    """The collection alone (models ``ebc``, ``ec``); its forward returns the collection's
+    output (the pooled KeyedTensor, or ``{feature: JaggedTensor}``)."""
 
     def __init__(self, ebc: nn.Module) -> None:
         super().__init__()
@@ -270,6 +288,10 @@ class TrainModel(nn.Module):
             logits = self.model(batch.dense, batch.sparse).squeeze(-1)
             loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
             return loss, (loss.detach(), logits.detach(), batch.labels)
+        if self.kind == "ec":  # every feature's rows [ids, D] against one fixed [D] vector
+            rows = self.model(batch.dense, batch.sparse)
+            loss = sum((jt.values() @ self._grad).sum() for jt in rows.values())
+            return loss, (loss.detach(), loss.detach(), batch.labels)
         pooled = self.model(batch.dense, batch.sparse).values()
         loss = (pooled * self._grad).sum()
         return loss, (loss.detach(), pooled.detach(), batch.labels)
@@ -302,11 +324,18 @@ def build_model(spec: ModelSpec, ebc: nn.Module, device: torch.device, grad) -> 
             over_arch_layer_sizes=list(spec.over_arch),
             dense_device=device,
         )
-    elif spec.kind == "ebc":
+    elif spec.kind in ("ebc", "ec"):
         inner = EmbeddingsOnly(ebc)
     else:
-        raise ValueError(f"model: expected one of [ebc, dlrm], got {spec.kind!r}")
+        raise ValueError(f"model: expected one of [ebc, dlrm, ec], got {spec.kind!r}")
     return TrainModel(inner, spec.kind, grad)
+
+
+def fixed_row_grad(tables: Sequence[Table], B: int, L: int, seed: int, rank: int,
+                   device) -> torch.Tensor:
+    """The ``ec`` model's gradient of every row: one [D] vector, N(0, 1) / sqrt(B L)."""
+    g = torch.Generator(device=device).manual_seed(seed * 31 + rank + 7)
+    return torch.randn(tables[0].embedding_dim, generator=g, device=device) / math.sqrt(B * L)
 
 
 def fixed_grad(tables: Sequence[Table], B: int, seed: int, rank: int, device) -> torch.Tensor:
@@ -317,11 +346,14 @@ def fixed_grad(tables: Sequence[Table], B: int, seed: int, rank: int, device) ->
 
 
 # -- bytes TorchRec sends (an estimate from the batch and the plan) ------------------------------
-def torchrec_bytes(batch: Batch, plan: ShardingPlan, tables: Sequence[Table], rank: int) -> dict:
+def torchrec_bytes(batch: Batch, plan: ShardingPlan, tables: Sequence[Table], rank: int,
+                   sequence: bool = False) -> dict:
     """Bytes this rank sends per collective in one TorchRec step, estimated from the KJT and
     the pooled sizes: ids and lengths to their owners (row-wise: lengths of every bag to every
     rank), pooled partials reduce-scattered (row-wise) or sent to their samples' rank
-    (table-wise), and their gradients back; a VBE batch at each feature's own batch size."""
+    (table-wise), and their gradients back; a VBE batch at each feature's own batch size.
+    ``sequence`` (an EmbeddingCollection): a row per id instead of a pooled one per bag, taking
+    the other ranks' batches to be like this one."""
     kjt = batch.sparse
     R = plan.world_size
     id_size, len_size = kjt.values().element_size(), kjt.lengths().element_size()
@@ -330,7 +362,21 @@ def torchrec_bytes(batch: Batch, plan: ShardingPlan, tables: Sequence[Table], ra
     for t, ts in zip(tables, plan.tables, strict=True):
         values = per_key[t.feature].values()
         B = per_key[t.feature].lengths().numel()  # VBE: the feature's own bags
-        if ts.sharding == "row_wise":
+        row_bytes = t.embedding_dim * 4
+        if sequence and ts.sharding == "row_wise":
+            cuts = torch.tensor([s.row_start for s in ts.shards[1:]], device=values.device)
+            far = int((torch.bucketize(values, cuts, right=True) != rank).sum())
+            ids += far * id_size
+            lengths += (len(ts.shards) - (1 if rank < len(ts.shards) else 0)) * B * len_size
+            fwd += far * row_bytes  # the rows of the other ranks' ids held here, as many
+            bwd += far * row_bytes  # the gradients of this rank's rows held elsewhere
+        elif sequence and ts.shards[0].rank != rank:
+            ids += values.numel() * id_size
+            lengths += B * len_size
+            bwd += values.numel() * row_bytes
+        elif sequence:
+            fwd += (R - 1) * values.numel() * row_bytes
+        elif ts.sharding == "row_wise":
             cuts = torch.tensor([s.row_start for s in ts.shards[1:]], device=values.device)
             owner = torch.bucketize(values, cuts, right=True)
             ids += int((owner != rank).sum()) * id_size

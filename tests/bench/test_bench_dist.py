@@ -141,6 +141,30 @@ def test_vbe_batches_send_fewer_ids_and_bytes_and_train_like_the_same_fixed_samp
         assert vbe["losses"] == pytest.approx(fixed["losses"], rel=1e-5, abs=1e-6)
 
 
+def test_an_embedding_collection_step_against_torchrec(tmp_path):
+    """``--models ec``: the tables as an EmbeddingCollection (a row per id), ours against
+    TorchRec's sharded EmbeddingCollection; the lean and dedup paths train like the plain
+    one; the fixed-shape provider has no sequence mode and gives no row."""
+    path = tmp_path / "ec.json"
+    _run(*TORCHRUN, "-m", "fbtriton_dist.bench", "dist", "--tiny", "--models", "ec",
+         "--providers", "torchrec", "ours_plain", "ours_lean", "ours_dedup", "ours_fixed",
+         "--out", str(path))
+    with open(path, encoding="utf-8") as f:
+        results = json.load(f)
+    for plan in PLANS:
+        rows = {r["provider"]: r for r in results["rows"] if r["plan"] == plan}
+        assert set(rows) == {"torchrec", "ours_plain", "ours_lean", "ours_dedup"}, plan
+        for name, r in rows.items():
+            if name == "torchrec" and r["status"] == "skipped":
+                continue
+            assert r["status"] == "ok", (plan, name, r.get("note"), r.get("traceback"))
+            assert r["model"] == "ec" and all(math.isfinite(x) for x in r["losses"])
+        plain = rows["ours_plain"]
+        assert plain["bytes_sent"]["output_dist.forward"] > 0
+        for name in ("ours_lean", "ours_dedup"):
+            assert rows[name]["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("name", ["CommOptions", "TrainPipeline"])
 def test_a_broken_import_in_our_own_code_fails_the_run(tmp_path, name):
     """Our own fast path cannot be skipped: with ``fbtriton_dist.sharding.NAME`` unimportable,

@@ -180,3 +180,23 @@ def test_bucketize_sweep_configs_agree_on_a_small_batch():
     assert len(rows) == 8  # 2 cuts x 2 configs x 2 paths
     assert all(r["same"] for r in rows)
     assert {r["phase"] for r in rows} == {"bucketize", "bucketize_into+check"}
+
+
+def test_pooling_none_rows_and_the_sequence_check(tmp_path):
+    """``bench tbe --pooling none`` (sequence lookups, a row per id) on the CPU: ours, the
+    reference and torch's F.embedding timed on every phase; with ``--check`` ours agrees with
+    the reference first."""
+    out = tmp_path / "tbe_none.json"
+    tbe.main(["--tiny", "--device", "cpu", "--pooling", "none", "--check", "--shapes", "S0,S5",
+              "--providers", "ours,reference,torch", *FAST, "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert all(c["ok"] for c in data["check"].values()), data["check"]
+    rows = {(r["shape"], r["provider"], r["phase"]): r for r in data["rows"]}
+    for shape in ("S0", "S5"):
+        for provider in ("ours", "reference"):
+            for phase in tbe.PHASES:
+                r = rows[(shape, provider, phase)]
+                assert "error" not in r and r["median_ms"] > 0, (shape, provider, phase, r)
+        assert any(p.startswith("torch") and "error" not in r and r.get("median_ms")
+                   for (s, p, _), r in rows.items() if s == shape), shape
+    assert "failed" not in data
