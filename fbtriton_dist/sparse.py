@@ -144,6 +144,17 @@ def kjt_sequences(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> 
     return KJTSequences(tuple(keys), values, tuple(per_key), lengths, tuple(strides))
 
 
+def check_sequence_keys(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> list[str]:
+    """The KJT's keys, from host metadata only; raises ValueError for a duplicated key or a
+    missing feature, or ids that are not int32/int64 (a traced EmbeddingCollection's check)."""
+    keys = _check_keys(features, feature_names)
+    if features.values().dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"KeyedJaggedTensor values: expected int32/int64 ids, got {features.values().dtype}"
+        )
+    return keys
+
+
 def _check_keys(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> list[str]:
     """The KJT's keys; raises ValueError for a duplicated key or a missing feature."""
     keys = list(features.keys())

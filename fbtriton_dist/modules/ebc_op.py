@@ -31,7 +31,8 @@ _NEXT = itertools.count()
 
 
 def register(module) -> int:
-    """A handle for ``module`` (an EmbeddingBagCollection), valid while it lives."""
+    """A handle for ``module`` (an EmbeddingBagCollection or EmbeddingCollection: a
+    ``TableGroups``), valid while it lives."""
     handle = next(_NEXT)
     _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
     return handle
@@ -42,18 +43,18 @@ def _module(handle: int, params: list[Tensor] | None = None, same_storage: bool 
     module = ref() if ref is not None else None
     if module is None:
         raise RuntimeError(
-            f"fbtriton_dist::ebc_lookup: no EmbeddingBagCollection with handle {handle} in this "
-            "process; a graph holding the op runs only beside the module it was made from"
+            f"fbtriton_dist: no embedding collection with handle {handle} in this process; a "
+            "graph holding its lookup op runs only beside the module it was made from"
         )
     if params is not None:
-        ours = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
+        ours = module._group_params(range(len(module._table_configs)))
         if len(params) != len(ours) or any(
             (same_storage and p.data_ptr() != q.data_ptr()) or p.shape != q.shape
             for p, q in zip(params, ours, strict=False)
         ):
             raise RuntimeError(
-                "fbtriton_dist::ebc_lookup: the weights given are not those of the module the "
-                f"graph was made from (handle {handle}); trace or compile the copy itself"
+                "fbtriton_dist: the weights given to a lookup op are not those of the module "
+                f"the graph was made from (handle {handle}); trace or compile the copy itself"
             )
     return module
 

@@ -13,6 +13,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
+from fbtriton_dist.modules import ebc_op, ec_op
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
@@ -116,6 +117,7 @@ class EmbeddingCollection(TableGroups):
             for t in range(len(tables))
         ]
         self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
+        self._op_handle = ebc_op.register(self)
 
     @staticmethod
     def _dtype(cfg) -> torch.dtype:
@@ -151,11 +153,35 @@ class EmbeddingCollection(TableGroups):
         weight_init_min/max), and fused optimizer states and steps to zero."""
         self._reset_tables(lambda cfg, w: cfg.init_fn(w) if cfg.init_fn is not None else None)
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
+
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """KeyedJaggedTensor (keys in any order, a batch size per key allowed) -> one
-        JaggedTensor per (table, feature), config order."""
+        JaggedTensor per (table, feature), config order.
+
+        Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
+        lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``)."""
+        if ebc_op.traced(features):
+            return ec_op.forward(self, features)
         seqs = kjt_sequences(features, self._feature_order)
+        ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]
+        rows = self._lookup(ids)
+        return self._outputs(rows, ids, [seqs.key_lengths(f) for f in self._feature_order])
+
+    def _outputs(self, rows, ids, lengths) -> dict[str, JaggedTensor]:
+        """The JaggedTensors in config order from ``_feature_order``'s rows, ids, lengths."""
         out: list[JaggedTensor | None] = [None] * len(self._embedding_names)
+        for i, j in enumerate(self._output_of):
+            out[j] = JaggedTensor(values=rows[i], lengths=lengths[i],
+                                  weights=ids[i] if self._need_indices else None)
+        return dict(zip(self._embedding_names, out, strict=True))
+
+    def _groups_of(self, ids: list[torch.Tensor]):
+        """Per dtype group, bound to the parameters' storage: (tbe, its members, parameters,
+        fused optimizer or None, indices, offsets (one bag per feature), first position of
+        each of its features in ``ids``' order)."""
         f0 = 0
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
@@ -163,23 +189,43 @@ class EmbeddingCollection(TableGroups):
             fused = self._sync_optimizer(tbe, members)
             if fused is not None:
                 refuse_data_parallel("EmbeddingCollection")
-            names = self._feature_order[f0 : f0 + tbe.num_features]
-            spans = [seqs.ids(f) for f in names]
-            ids = [seqs.values[a:b] for a, b in spans]
-            indices = ids[0] if len(ids) == 1 else torch.cat(ids)
+            mine = ids[f0 : f0 + tbe.num_features]
+            indices = mine[0] if len(mine) == 1 else torch.cat(mine)
             # one bag per feature: without pooling only which ids are whose matters
-            starts = [0, *accumulate(b - a for a, b in spans)]
+            starts = [0, *accumulate(int(t.numel()) for t in mine)]
             offsets = torch.tensor(starts, dtype=indices.dtype, device=indices.device)
-            rows = tbe.lookup(indices, offsets, None, grad_targets=None if fused else params)
-            for i, f in enumerate(names):
-                j = self._output_of[f0 + i]
-                out[j] = JaggedTensor(
-                    values=rows[starts[i] : starts[i + 1], : self._dims[j]],
-                    lengths=seqs.key_lengths(f),
-                    weights=ids[i] if self._need_indices else None,
-                )
+            yield tbe, members, params, fused, indices, offsets, starts, f0
             f0 += tbe.num_features
-        return dict(zip(self._embedding_names, out, strict=True))
+
+    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True) -> list[torch.Tensor]:
+        """Rows ``[ids of f, D_f]`` of every feature of ``_feature_order`` (its ``ids``)."""
+        rows: list[torch.Tensor] = []
+        for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+            targets = None if fused or not autograd else params
+            out = tbe.lookup(indices, offsets, None, grad_targets=targets)
+            for i in range(tbe.num_features):
+                rows.append(out[starts[i] : starts[i + 1], : self._dims[self._output_of[f0 + i]]])
+        return rows
+
+    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool) -> list:
+        """``_lookup``'s backward (the registered op's): each table's weight gradient in
+        config order (None for a fused table). ``update``: only apply the fused groups'
+        optimizers to their rows in place; else every gradient, the rows untouched."""
+        out: dict[int, torch.Tensor | None] = {}
+        for tbe, members, _, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+            if update and fused is None:
+                continue
+            width = max(tbe.tables[t][1] for t in range(len(tbe.tables)))
+            g = torch.zeros((indices.numel(), width), dtype=torch.float32,
+                            device=indices.device)
+            for i in range(tbe.num_features):
+                if grads[f0 + i] is not None:
+                    g[starts[i] : starts[i + 1], : grads[f0 + i].shape[1]] = grads[f0 + i]
+            _, g_tables = tbe.lookup_backward(g, indices, offsets, None,
+                                              rows=update or not fused)
+            for t, g_t in zip(members, g_tables or [None] * len(members), strict=True):
+                out[t] = g_t
+        return [out.get(t) for t in range(len(self._embedding_configs))]
 
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt}" for dt, m in self._groups.items())
