@@ -1,6 +1,8 @@
-"""A TorchRec ``ModuleSharder`` for our EmbeddingBagCollection: DMP shards it through ``shard()``.
+"""TorchRec ``ModuleSharder``s for our EmbeddingBagCollection and EmbeddingCollection: DMP
+shards them through ``shard()``.
 
-    model = DistributedModelParallel(model, sharders=[EmbeddingBagCollectionSharder()], plan=...)
+    model = DistributedModelParallel(model, plan=..., sharders=[EmbeddingBagCollectionSharder(),
+                                                                EmbeddingCollectionSharder()])
 
 ``DistributedModelParallel`` walks the model; for every module whose path has a plan it calls
 the sharder of the module's exact type: ``shard(module, params, env, device, module_fqn)``,
@@ -8,8 +10,9 @@ with ``params`` TorchRec's ``{table name: ParameterSharding}`` for that module (
 ``EmbeddingShardingPlanner``, which plans ours through this sharder's ``shardable_parameters``,
 ``sharding_types`` and ``compute_kernels``, or written by hand). Here that plan becomes our
 ``fbtriton_dist.planner.ShardingPlan`` (``to_fbtd_plan``: each ShardMetadata's offsets and
-sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagCollection``.
-DMP gets it wrapped in ``DMPShardedEmbeddingBagCollection``, a TorchRec ``ShardedModule``
+sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagCollection``
+(``ShardedEmbeddingCollection``). DMP gets it wrapped in ``DMPShardedEmbeddingBagCollection``
+(``DMPShardedEmbeddingCollection``), a TorchRec ``ShardedModule``
 (so DDP leaves it alone) and ``FusedOptimizerModule`` (so ``dmp.fused_optimizer`` holds its
 fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in backward).
 
@@ -41,13 +44,21 @@ from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
 
 from fbtriton_dist import optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 from fbtriton_dist.sharding.input_dist import InputDistOut
 from fbtriton_dist.sharding.options import CommOptions
 from fbtriton_dist.sharding.shard import shard
 from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
 
-__all__ = ["DMPShardedEmbeddingBagCollection", "EmbeddingBagCollectionSharder", "to_fbtd_plan"]
+__all__ = [
+    "DMPShardedEmbeddingBagCollection",
+    "DMPShardedEmbeddingCollection",
+    "EmbeddingBagCollectionSharder",
+    "EmbeddingCollectionSharder",
+    "to_fbtd_plan",
+]
 
 SHARDING_TYPES = (
     "table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard", "data_parallel",
@@ -117,6 +128,7 @@ class _Context:
 
     def __init__(self) -> None:
         self.dist_input: InputDistOut | None = None
+        self.features = None  # the KJT (an EmbeddingCollection's output dist orders by it)
 
     def record_stream(self, stream) -> None:
         if self.dist_input is not None:
@@ -132,7 +144,7 @@ class _FusedOptimizer(FusedOptimizer):
     ``step()``/``zero_grad()`` are no-ops (the update runs in
     backward)."""
 
-    def __init__(self, ebc: ShardedEmbeddingBagCollection) -> None:
+    def __init__(self, ebc: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection) -> None:
         self._ebc = ebc
         weights, state = self._read()
         group = {"params": list(weights.values()), **dataclasses.asdict(ebc.optimizer)}
@@ -179,6 +191,7 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
         return _Context()
 
     def input_dist(self, ctx: _Context, features) -> NoWait[NoWait[InputDistOut]]:
+        ctx.features = features
         return NoWait(NoWait(self.sharded.input_dist(features)))  # its collectives run here
 
     def compute(self, ctx: _Context, dist_input: InputDistOut) -> torch.Tensor:
@@ -219,6 +232,26 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
         return super()._apply(fn, recurse)
 
 
+class DMPShardedEmbeddingCollection(DMPShardedEmbeddingBagCollection):
+    """Our ``ShardedEmbeddingCollection`` (``.sharded``) as DMP's ``ShardedModule``: the same
+    stages, the output dist giving ``{feature: JaggedTensor}`` in the KJT's order."""
+
+    def output_dist(self, ctx: _Context, output):
+        return self.sharded.output_dist(output, ctx.dist_input.lookup, ctx.features)
+
+    def is_weighted(self) -> bool:
+        return False
+
+    def embedding_bag_configs(self) -> list:
+        raise AttributeError("an EmbeddingCollection has embedding_configs()")
+
+    def embedding_configs(self) -> list:
+        return self.sharded.embedding_configs()
+
+    def need_indices(self) -> bool:
+        return self.sharded.need_indices()
+
+
 class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     """Shards ``fbtriton_dist.EmbeddingBagCollection`` (``module_type``; pass
     ``torchrec.EmbeddingBagCollection`` to shard TorchRec's into ours) under TorchRec's DMP.
@@ -251,10 +284,16 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     def module_type(self) -> type:
         return self._module_type
 
+    _tables_attr = "embedding_bags"
+    _wrapper = DMPShardedEmbeddingBagCollection
+
+    def _configs(self, module: nn.Module) -> list:
+        return module.embedding_bag_configs()
+
     def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys."""
-        return {c.name: module.embedding_bags[c.name].weight
-                for c in module.embedding_bag_configs()}
+        tables = getattr(module, self._tables_attr)
+        return {c.name: tables[c.name].weight for c in self._configs(module)}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SHARDING_TYPES)
@@ -280,9 +319,24 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             from torchrec.distributed.comm import get_local_size
 
             H = get_local_size(env.world_size)
-        plan = to_fbtd_plan(module.embedding_bag_configs(), params, env.world_size, H)
+        plan = to_fbtd_plan(self._configs(module), params, env.world_size, H)
         sharded = shard(
             module, plan, env.process_group, device,
             optimizer=self._optimizer, backend=self._backend, comm=self._comm,
         )
-        return DMPShardedEmbeddingBagCollection(sharded, type(module))
+        return self._wrapper(sharded, type(module))
+
+
+class EmbeddingCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards ``fbtriton_dist.EmbeddingCollection`` (``module_type``; pass
+    ``torchrec.EmbeddingCollection`` to shard TorchRec's into ours) under TorchRec's DMP; the
+    arguments as ``EmbeddingBagCollectionSharder``'s (``comm``: no ``fixed_shapes``)."""
+
+    _tables_attr = "embeddings"
+    _wrapper = DMPShardedEmbeddingCollection
+
+    def __init__(self, *, module_type: type = EmbeddingCollection, **kwargs) -> None:
+        super().__init__(module_type=module_type, **kwargs)
+
+    def _configs(self, module: nn.Module) -> list:
+        return module.embedding_configs()
