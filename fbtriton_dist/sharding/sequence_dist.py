@@ -102,15 +102,15 @@ class SequenceDist:
         if self.wire_dtype is not None:
             values = values.to(self.wire_dtype)
         got = all_to_all(values, send_n, recv_n, group).float()
-        # 2. cut into blocks: (owner q, its shard-feature j) -> [ids sent, dim]
-        came: dict[tuple[int, int], torch.Tensor] = {}
-        at = 0
-        for q in range(R):
-            for j, (n, sf) in enumerate(zip(sent[q], layout.local[q], strict=True)):
-                if sf.data_parallel:
-                    continue
-                came[(q, j)] = got[at : at + n * sf.dim].view(n, sf.dim)
-                at += n * sf.dim
+        # 2. cut into blocks: (owner q, its shard-feature j) -> [ids sent, dim] (one split)
+        where = [(q, j, n, sf.dim) for q in range(R)
+                 for j, (n, sf) in enumerate(zip(sent[q], layout.local[q], strict=True))
+                 if not sf.data_parallel]
+        came: dict[tuple[int, int], torch.Tensor] = {
+            (q, j): piece.view(n, dim)
+            for (q, j, n, dim), piece in zip(where, got.split([n * d for _, _, n, d in where]),
+                                             strict=True)
+        }
         came.update(self._own_replica_rows(blocks, received, group))
         # 3. per feature and column slice, the blocks' rows back in the KJT's order
         out = []
@@ -131,19 +131,20 @@ class SequenceDist:
 
     def _local_blocks(self, rows: list[torch.Tensor], received) -> list[list[torch.Tensor]]:
         """The local lookup cut into ``[ids of source r, dim]`` blocks, per shard-feature and
-        source rank (host numbers: no sync)."""
+        source rank (host numbers: no sync). One ``split`` per group: its backward is one
+        concatenation, not a zero-filled copy of the whole lookup per block."""
         R = self.layout.world_size
         blocks, i = [], 0
         for group_rows, n_sf in zip(rows, self.group_sizes, strict=True):
-            at = 0
-            for _ in range(n_sf):
-                per_source = []
-                for r in range(R):
-                    n = received[r][i]
-                    per_source.append(group_rows[at : at + n, : self.local[i].dim])
-                    at += n
-                blocks.append(per_source)
-                i += 1
+            sizes = [received[r][j] for j in range(i, i + n_sf) for r in range(R)]
+            pieces = group_rows.split(sizes)
+            for j in range(n_sf):
+                dim = self.local[i + j].dim
+                per_source = pieces[j * R : (j + 1) * R]
+                if dim < group_rows.shape[1]:
+                    per_source = [p[:, :dim] for p in per_source]
+                blocks.append(list(per_source))
+            i += n_sf
         return blocks
 
     def _own_replica_rows(self, blocks, received, group) -> dict:
@@ -156,12 +157,9 @@ class SequenceDist:
         flat = torch.cat([blocks[i][r].reshape(-1) for r in range(R) for i in dp])
         per_rank = [sum(received[r][i] * self.local[i].dim for i in dp) for r in range(R)]
         mine = own_rows(flat, per_rank, me, group)
-        out, at = {}, 0
-        for i in dp:
-            n, dim = received[me][i], self.local[i].dim
-            out[(me, i)] = mine[at : at + n * dim].view(n, dim)
-            at += n * dim
-        return out
+        sizes = [received[me][i] * self.local[i].dim for i in dp]
+        return {(me, i): piece.view(received[me][i], self.local[i].dim)
+                for i, piece in zip(dp, mine.split(sizes), strict=True)}
 
 
 def _kjt_order(ids: torch.Tensor, starts: tuple[int, ...]) -> torch.Tensor:
