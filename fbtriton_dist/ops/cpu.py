@@ -14,20 +14,17 @@ become keys into that view, so that
   a vectorised step per optimizer (the reference's formulas, ``reference.tbe.UPDATES``),
   added to fp32 rows with one ``index_add_`` (each row once).
 
-The input dist's ops are the reference's (already vectorised). Ids are checked before they
-get here (``ops.tbe.check_inputs``).
+The input dist's bucketize pairs every id with its key's shard-features at once
+(``ops/cpu_bucketize.py``); its other ops (the fixed-shape placement) are the reference's.
+Ids are checked before they get here (``ops.tbe.check_inputs``).
 """
 
 import torch
 import torch.nn.functional as F
 
 from fbtriton_dist import optim
-from fbtriton_dist.reference.bucketize import (
-    bucketize,
-    bucketize_into,
-    segment_copy,
-    segment_plan,
-)
+from fbtriton_dist.ops.cpu_bucketize import bucketize
+from fbtriton_dist.reference.bucketize import bucketize_into, segment_copy, segment_plan
 from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed, stochastic_round
 
 __all__ = [

@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bucketize_matches_loop(name, weighted, backend):
@@ -58,8 +58,11 @@ def test_bucketize_matches_loop(name, weighted, backend):
         table = by_feature([f for f, _, _ in sfs]).to(dev)
         padded = kernels.bucketize(*args, B, capacity=len(expected[1]) + 5, table=table)
     else:
-        lengths, ids, w = reference.bucketize(indices, offsets, psw, *cols, B)
-        padded = reference.bucketize(indices, offsets, psw, *cols, B, capacity=len(expected[1]) + 5)
+        from fbtriton_dist.ops import cpu
+
+        impl = reference if backend == "reference" else cpu
+        lengths, ids, w = impl.bucketize(indices, offsets, psw, *cols, B)
+        padded = impl.bucketize(indices, offsets, psw, *cols, B, capacity=len(expected[1]) + 5)
     assert lengths.cpu().tolist() == expected[0]
     assert ids.cpu().tolist() == expected[1]
     # sized by a bound instead of a sync: same lengths, the ids first, room after them
@@ -339,3 +342,34 @@ def test_bucketize_into_never_writes_past_a_destination_s_capacity():
     assert (buf[20:] == -7).all()  # nothing past the buffer
     assert (buf[2 + 2 * B : 2 + 2 * B + C] == 1).all()  # destination 0: C ids (row 1)
     assert (buf[12 + 2 * B : 12 + 2 * B + C] == -7).all()  # destination 1 got no ids
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_cpu_bucketize_matches_the_reference_on_random_layouts(id_dtype, monkeypatch):
+    """The fast CPU path's layered binary search against the reference: random row ranges
+    (cuts, copies, overlaps, empty ones), empty bags, ids outside every range (they land
+    nowhere, negative ones included), weights, capacity padding."""
+    from fbtriton_dist.ops import cpu, cpu_bucketize
+
+    monkeypatch.setattr(cpu_bucketize, "IDS_PER_SF", 10**9)  # never the reference here
+    g = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        K, B = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(1, 6, (), generator=g))
+        E = 30
+        lengths = torch.randint(0, 5, (K * B,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        values = torch.randint(-3, E + 3, (int(lengths.sum()),), generator=g).to(id_dtype)
+        psw = torch.rand(values.numel(), generator=g) if trial % 2 else None
+        S = int(torch.randint(1, 9, (), generator=g))
+        sf_key = torch.randint(0, K, (S,), generator=g)
+        a = torch.randint(0, E, (S,), generator=g)
+        b = torch.randint(0, E + 1, (S,), generator=g)
+        lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+        args = (values, offsets, psw, sf_key, lo, hi, B)
+        want = reference.bucketize(*args, capacity=values.numel() * S + 2)
+        got = cpu.bucketize(*args, capacity=values.numel() * S + 2)
+        for x, y in zip(got, want, strict=True):
+            if y is None:
+                assert x is None
+            else:
+                assert torch.equal(x, y), trial
