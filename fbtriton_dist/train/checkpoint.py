@@ -27,11 +27,13 @@ state_dict: dense_optim.param_groups"). Both planners are therefore built with
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -46,14 +49,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 __all__ = [
+    "checkpoint_steps",
+    "clean_stale",
     "fused_optimizer_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
+    "remove_run_files",
     "save_checkpoint",
+    "usable_checkpoint",
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_STALE = re.compile(r"^\.(tmp|old)-step_\d{8,}$")
 META = "meta.json"
+CHECKSUM_LIMIT = 1 << 30
+"""Files of a checkpoint are CRC32-summed at save (and checked at resume) while the whole
+checkpoint is below this many bytes; above it only their names and sizes are recorded."""
 
 
 def _embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -131,21 +142,34 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash while saving
         os.makedirs(tmp)
     _barrier(process_group)
-    with _quiet_dcp(process_group):
-        dcp.save(
-            _state(model, optimizer, dict(train_state)),
-            checkpoint_id=tmp,
-            process_group=process_group,
-            planner=DefaultSavePlanner(flatten_sharded_tensors=False),
-            no_dist=process_group is None,
-        )
+    try:
+        with _quiet_dcp(process_group):
+            dcp.save(
+                _state(model, optimizer, dict(train_state)),
+                checkpoint_id=tmp,
+                process_group=process_group,
+                planner=DefaultSavePlanner(flatten_sharded_tensors=False),
+                no_dist=process_group is None,
+            )
+    except (OSError, CheckpointException) as e:  # a full disk: the last good one stays
+        os_error = e if isinstance(e, OSError) else next(
+            (f[0] for f in e.failures.values() if isinstance(f[0], OSError)), None)
+        if os_error is None:
+            raise
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(os_error, tmp, directory) from e
     _barrier(process_group)
     if rank == 0:
-        meta = {"step": step, **train_state}
-        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            meta = {"step": step, **train_state, "files": _manifest(tmp)}
+            with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _save_error(e, tmp, directory) from e
         if os.path.exists(final):  # saving the same step again: swap, then drop the old one
             old = os.path.join(directory, f".old-step_{step:08d}")
             shutil.rmtree(old, ignore_errors=True)
@@ -154,10 +178,111 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        for stale in _complete_checkpoints(directory)[:-keep]:
-            shutil.rmtree(stale[1], ignore_errors=True)
+        # keep the newest `keep`, the one just written always among them
+        complete = _complete_checkpoints(directory)
+        others = [path for _, path in complete if path != final]
+        for stale in others[: max(0, len(complete) - keep)]:
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier(process_group)
     return final
+
+
+def _save_error(e: OSError, tmp: str, directory: str) -> OSError:
+    """An OSError that says which save failed and which checkpoint is still good."""
+    kept = latest_checkpoint(directory) or "none (this was the first)"
+    what = "no space left on device" if e.errno == errno.ENOSPC else str(e)
+    return OSError(e.errno, f"checkpoint save into {tmp} failed: {what}; the unfinished save "
+                            f"was removed, the last good checkpoint is kept: {kept}")
+
+
+def _manifest(folder: str) -> dict[str, list]:
+    """``{file: [bytes, crc32 or None]}`` of every file in ``folder`` (recursively)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            files[os.path.relpath(path, folder)] = os.path.getsize(path)
+    summed = sum(files.values()) <= CHECKSUM_LIMIT
+    return {rel: [size, _crc(os.path.join(folder, rel)) if summed else None]
+            for rel, size in sorted(files.items())}
+
+
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Steps of the complete checkpoints under ``directory``, oldest first."""
+    return [step for step, _ in _complete_checkpoints(directory)]
+
+
+def clean_stale(directory: str) -> list[str]:
+    """Remove the ``.tmp-step_*`` / ``.old-step_*`` folders interrupted saves left (a crash,
+    SIGINT, a full disk); return their names. Only at the start of a job (rank 0)."""
+    if not os.path.isdir(directory):
+        return []
+    stale = sorted(n for n in os.listdir(directory) if _STALE.match(n))
+    for name in stale:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return stale
+
+
+def remove_run_files(run_dir: str, checkpoint_dir: str, names: list[str]) -> None:
+    """``--overwrite``: delete a run's own files: ``names`` in ``run_dir`` and every
+    checkpoint (complete or not) in ``checkpoint_dir``; nothing else there is touched."""
+    for name in names:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    if os.path.isdir(checkpoint_dir):
+        for name in os.listdir(checkpoint_dir):
+            if _STEP_DIR.match(name) or _STALE.match(name):
+                shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+
+
+def check_checkpoint(path: str) -> str | None:
+    """What is wrong with the checkpoint folder ``path`` against what its save recorded
+    (``meta.json``: every file, its size and, below ``CHECKSUM_LIMIT``, its CRC32), or None."""
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return f"{META} is missing (an unfinished or damaged save)"
+    except (OSError, ValueError) as e:
+        return f"{META} cannot be read ({type(e).__name__}: {e})"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None  # saved before manifests were recorded: nothing to check against
+    for rel, (size, crc) in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, the save wrote {size} (truncated?)"
+        if crc is not None and _crc(full) != crc:
+            return f"{rel} does not match its CRC32 from the save (corrupted)"
+    return None
+
+
+def usable_checkpoint(directory: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the newest checkpoint under ``directory`` that ``check_checkpoint`` passes, or None;
+    the newer ones skipped, each with what is wrong with it). A ``step_*`` folder without
+    ``meta.json`` counts too: it is named, not silently passed over."""
+    if not os.path.isdir(directory):
+        return None, []
+    found = sorted((int(m.group(1)), os.path.join(directory, n))
+                   for n in os.listdir(directory) if (m := _STEP_DIR.match(n)))
+    skipped = []
+    for _, path in reversed(found):
+        problem = check_checkpoint(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
 def _complete_checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -189,7 +314,8 @@ def load_checkpoint(
     ``optimizer``; return the saved train state (``step``, ``epoch``, ``samples``, ...)."""
     with open(os.path.join(path, META), encoding="utf-8") as f:
         meta = json.load(f)
-    state = _state(model, optimizer, {k: v for k, v in meta.items() if k != "step"} | {"step": 0})
+    train = {k: v for k, v in meta.items() if k not in ("step", "files")}  # files: the manifest
+    state = _state(model, optimizer, train | {"step": 0})
     with _quiet_dcp(process_group):
         dcp.load(
             state,

@@ -26,7 +26,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     optimizer:
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
-    train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4}
+    train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4,
+            nonfinite: error}          # error | skip: a step with a nan/inf loss or gradient
     checkpoint: {enabled: true, dir: null, every: 100, keep: 2}
     logging: {run_dir: null, metrics: metrics.jsonl, log_every: 10, progress_bar: true,
               tensorboard: null}
@@ -410,8 +411,13 @@ class TrainConfig:
     """Evaluate every this many steps (0: only at the end)."""
     eval_batches: int = 4
     """Batches per rank in one evaluation (0: never evaluate)."""
+    nonfinite: Literal["error", "skip"] = "error"
+    """A step whose loss or dense gradient is not finite: ``error`` stops the job naming the
+    step (found at the next log line or checkpoint, before anything is saved); ``skip``
+    checks every step before its backward (one host sync) and drops it, counting the skips."""
 
     def __post_init__(self) -> None:
+        check_choice("nonfinite", self.nonfinite, ("error", "skip"))
         _check_optional(check_int, "steps", self.steps, 1)
         _check_optional(check_int, "epochs", self.epochs, 1)
         if self.steps is None and self.epochs is None:
@@ -703,6 +709,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the newest complete checkpoint"
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps")
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="start over in a run folder that holds another run (its metrics, plan and "
+        "checkpoints are deleted); without it (or --resume) such a folder is refused",
+    )
     p.add_argument(
         "overrides",
         nargs="*",

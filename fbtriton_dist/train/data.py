@@ -291,6 +291,16 @@ class RandomRecSource:
         return [self._convert(b) for b in itertools.islice(self._dataset(1), n)]
 
 
+def _dense_value(text: str, i: int) -> float:
+    """One integer column: ``log(1 + max(x, 0))``, empty = 0; nan / inf refused by name."""
+    if not text:
+        return 0.0
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"integer column {i + 1}: {text!r} is not a finite number")
+    return math.log1p(max(x, 0.0))
+
+
 def parse_criteo_line(
     line: str, hash_sizes: Sequence[int], where: str = "<line>"
 ) -> tuple[float, list[float], list[int | None]]:
@@ -302,7 +312,7 @@ def parse_criteo_line(
         raise ValueError(f"{where}: expected {n} tab-separated columns, got {len(cols)}")
     try:
         label = float(cols[0] or 0)
-        dense = [math.log1p(max(float(c), 0.0)) if c else 0.0 for c in cols[1 : 1 + CRITEO_DENSE]]
+        dense = [_dense_value(c, i) for i, c in enumerate(cols[1 : 1 + CRITEO_DENSE])]
         cats = [
             int(c, 16) % E if c else None
             for c, E in zip(cols[1 + CRITEO_DENSE :], hash_sizes, strict=True)

@@ -46,7 +46,13 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.report import format_report
 
-from .checkpoint import latest_checkpoint, load_checkpoint
+from .checkpoint import (
+    checkpoint_steps,
+    clean_stale,
+    load_checkpoint,
+    remove_run_files,
+    usable_checkpoint,
+)
 from .config import (
     DenseOptimizerConfig,
     EmbeddingOptimizerConfig,
@@ -57,7 +63,7 @@ from .config import (
 )
 from .data import DataPosition, make_source
 from .env import Env
-from .loop import Trainer
+from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
 from .models import TargetAttentionModel
 
@@ -244,14 +250,32 @@ def _log(env: Env, text: str) -> None:
         print(text, flush=True)
 
 
-def train(cfg: JobConfig, env: Env, resume: bool = False) -> dict[str, Any]:
-    """Run the job on this rank; return the summary (the same on every rank)."""
+def _resume_point(ckpt_dir: str, env: Env) -> str | None:
+    """The newest checkpoint that checks out against what its save recorded (rank 0 looks,
+    every rank gets the answer); each one skipped is named with what is wrong with it."""
+    choice: list[str | None] = [None]
+    if env.rank == 0:
+        path, skipped = usable_checkpoint(ckpt_dir)
+        for bad, why in skipped:
+            print(f"warning: --resume: skipping checkpoint {bad}: {why}", file=sys.stderr,
+                  flush=True)
+        choice[0] = path
+    if env.process_group is not None:
+        dist.broadcast_object_list(choice, src=0, group=env.process_group)
+    return choice[0]
+
+
+def train(cfg: JobConfig, env: Env, resume: bool = False,
+          overwrite: bool = False) -> dict[str, Any]:
+    """Run the job on this rank; return the summary (the same on every rank). ``resume``:
+    from the newest usable checkpoint; ``overwrite``: a run folder holding another run is
+    emptied of it first (else refused)."""
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        return _train(cfg, env, resume)
+        return _train(cfg, env, resume, overwrite)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
 
@@ -295,10 +319,51 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
     return Built(model, optimizer, dense_params, emb_fqns)
 
 
-def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
-    run_dir = cfg.run_dir
+class RunDirError(ValueError):
+    """The run folder holds another run (exit status 2, as a config error)."""
+
+
+def _other_run(cfg: JobConfig) -> str | None:
+    """What of another run ``cfg.run_dir`` holds (its metrics, checkpoints), or None."""
+    found = []
+    metrics = os.path.join(cfg.run_dir, cfg.logging.metrics)
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(cfg.logging.metrics)
+    steps = checkpoint_steps(cfg.checkpoint_dir)
+    if steps:
+        found.append(f"checkpoints up to step {steps[-1]}")
+    return ", ".join(found) or None
+
+
+def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> None:
+    """A new run never writes into another run's folder: refuse it unless ``resume`` or
+    ``overwrite`` (which deletes that run's metrics, plan and checkpoints first). Rank 0
+    looks; every rank gets its verdict. Stale ``.tmp-*`` folders of interrupted saves go."""
+    verdict: list[str | None] = [None]
     if env.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        other = _other_run(cfg)
+        if other and overwrite:
+            remove_run_files(cfg.run_dir, cfg.checkpoint_dir,
+                             [cfg.logging.metrics, "plan.yaml"])
+        elif other and not resume:
+            verdict[0] = (
+                f"run_dir {cfg.run_dir} holds another run ({other}): pass --resume to continue "
+                "it, --overwrite to start over there (deleting it), or choose another folder "
+                "with logging.run_dir=..."
+            )
+        removed = clean_stale(cfg.checkpoint_dir)
+        if removed:
+            _log(env, f"removed {len(removed)} unfinished checkpoint save(s): {removed}")
+    if env.process_group is not None:
+        dist.broadcast_object_list(verdict, src=0, group=env.process_group)
+    if verdict[0] is not None:
+        raise RunDirError(verdict[0])
+
+
+def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> dict[str, Any]:
+    run_dir = cfg.run_dir
+    _claim_run_dir(cfg, env, resume, overwrite)
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
     if env.rank == 0:
@@ -319,7 +384,7 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
     step, position = 0, DataPosition()
     ckpt_dir = cfg.checkpoint_dir
     if resume:
-        path = latest_checkpoint(ckpt_dir)
+        path = _resume_point(ckpt_dir, env)
         if path is None:
             _log(env, f"--resume: no complete checkpoint in {ckpt_dir}, starting at step 0")
         else:
@@ -327,6 +392,11 @@ def _train(cfg: JobConfig, env: Env, resume: bool) -> dict[str, Any]:
             step = int(state["step"])
             position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
             _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
+            if cfg.train.steps is not None and cfg.train.steps <= step:
+                raise RunDirError(
+                    f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
+                    f"{step}: nothing left to train; give --steps above {step}"
+                )
     trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns, source)
     summary = trainer.fit(step, position)
     _log(env, format_summary(summary))
@@ -340,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     # notice on every rank: not the user's business
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     with distributed(cfg.device) as env:
-        train(cfg, env, resume=args.resume)
+        train(cfg, env, resume=args.resume, overwrite=getattr(args, "overwrite", False))
     return 0
 
 
@@ -358,3 +428,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 3

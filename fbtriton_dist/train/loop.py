@@ -18,6 +18,13 @@ from .data import Batch, DataPosition
 from .env import Env
 from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
 
+NO_BAD_STEP = 2**62
+"""``Trainer._first_bad`` while every step so far was finite."""
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or dense gradient was not finite (``train.nonfinite: error``)."""
+
 __all__ = ["Trainer", "evaluate"]
 
 
@@ -121,27 +128,70 @@ class Trainer:
         self._saved_at: int | None = None
         self._window_loss = torch.zeros((), device=env.device)
         self._window_steps = 0
+        self._first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=env.device)
+        """The first step whose loss or dense gradient was not finite (train.nonfinite:
+        error); read at log lines and checkpoints, never per step."""
+        self.skipped = 0  # steps dropped by train.nonfinite: skip
 
     # -- one step --------------------------------------------------------------------------
-    def train_step(self, batch: Batch) -> torch.Tensor:
+    def train_step(self, batch: Batch) -> torch.Tensor | None:
+        """One step; returns its loss (detached), or None when ``train.nonfinite: skip``
+        dropped it."""
         batch = batch.to(self.env.device, non_blocking=True)
         self.timer.start("forward")
         logits = self.model(batch.dense, batch.sparse).squeeze(-1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         self.timer.stop("forward")
+        skip = self.cfg.train.nonfinite == "skip"
+        if skip and self._any_rank(~torch.isfinite(loss.detach())):
+            self.skipped += 1  # before backward: the fused update never sees it
+            self.timer.step_done()
+            return None
         self.timer.start("backward")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
         if self.env.process_group is not None:
             allreduce_mean(self.dense_params, self.env.process_group)
-        self.optimizer.step()
+        grads = [p.grad.sum() for p in self.dense_params if p.grad is not None]
+        bad = ~torch.isfinite(loss.detach() + (torch.stack(grads).sum() if grads else 0.0))
+        if skip and self._any_rank(bad):
+            self.skipped += 1  # a gradient overflowed: the dense step is dropped
+        else:
+            self.optimizer.step()
+        if not skip:
+            step = torch.full_like(self._first_bad, self.step + 1)
+            self._first_bad = torch.where(bad & (self._first_bad == NO_BAD_STEP), step,
+                                          self._first_bad)
         self.timer.stop("backward")
         self.timer.step_done()
         return loss.detach()
 
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` is set on some rank (a host sync; every rank gets the answer)."""
+        flag = flag.to(torch.int32).reshape(1)
+        if self.env.process_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.env.process_group)
+        return bool(flag.item())
+
+    def _check_finite(self) -> None:
+        """Stop if some rank saw a non-finite loss or gradient (``train.nonfinite: error``):
+        called at log lines, before checkpoints and at the end, on every rank alike."""
+        if self.cfg.train.nonfinite != "error":
+            return
+        first = self._first_bad.clone().reshape(1)
+        if self.env.process_group is not None:
+            dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.env.process_group)
+        step = int(first.item())
+        if step != NO_BAD_STEP:
+            raise NonFiniteError(
+                f"step {step}: the loss or a dense gradient is not finite (nan/inf); stopped "
+                "before any later checkpoint (look for nan/inf in the inputs, or lower the "
+                f"learning rates; train.nonfinite: skip drops such steps instead)"
+            )
+
     # -- around the steps ------------------------------------------------------------------
     def _log(self, metrics: MetricsWriter, bar) -> None:
-        self.last_loss = self._window_loss.item() / self._window_steps
+        self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
         sps = self.throughput.window()
         ms = split_dense(self.timer.take())
         metrics.write(
@@ -212,14 +262,17 @@ class Trainer:
         self.throughput.restart_clock()
         try:
             for batch, next_position in self._batches():
-                self._window_loss += self.train_step(batch)
-                self._window_steps += 1
+                loss = self.train_step(batch)
+                if loss is not None:
+                    self._window_loss += loss
+                    self._window_steps += 1
                 self.step, self.position = self.step + 1, next_position
                 self.steps_run += 1
                 bar.update(1)
                 log_now = self.step % cfg.logging.log_every == 0 or self.step == t.steps
                 if log_now:  # read the loss (a device sync) before the step's end is marked
-                    self.last_loss = self._window_loss.item() / self._window_steps
+                    self._check_finite()
+                    self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
                 self.throughput.step()
                 if log_now:
                     self._log(metrics, bar)
@@ -227,8 +280,10 @@ class Trainer:
                 if every_eval and self.step % every_eval == 0 and eval_batches:
                     self._evaluate(metrics, eval_batches)
                 if cfg.checkpoint.enabled and every_ckpt and self.step % every_ckpt == 0:
+                    self._check_finite()  # never a checkpoint of nan weights
                     self._checkpoint()
                 self.throughput.restart_clock()
+            self._check_finite()
             if self._window_steps:
                 self._log(metrics, bar)
             evaluated_last_step = t.eval_every and self.step % t.eval_every == 0 and self.last_eval
@@ -256,6 +311,8 @@ class Trainer:
             "eval_loss": self.last_eval.get("loss", math.nan),
             "eval_auc": self.last_eval.get("auc", math.nan),
             "ms_per_step": split_dense(self.timer.totals()),
-            "checkpoint": self.last_checkpoint or "-",
+            "skipped_steps": self.skipped,
+            "checkpoint": self.last_checkpoint if self.last_checkpoint
+            and os.path.isdir(self.last_checkpoint) else "-",
             "run_dir": self.cfg.run_dir,
         }
