@@ -25,6 +25,11 @@ if [[ $# -lt 1 ]]; then
 fi
 job=$1
 shift
+if [[ ! -f $job ]]; then
+  echo "multinode.sh: job file $job not found (from $(pwd))" >&2
+  exit 2
+fi
+job=$(cd "$(dirname "$job")" && pwd)/$(basename "$job")  # the job file, from any folder
 gpus=0
 if command -v nvidia-smi >/dev/null 2>&1; then
   gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l || echo 0)
@@ -50,7 +55,7 @@ else
 fi
 echo "[multinode] node $node_rank/$nnodes, $nproc processes ($backend), $where"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-cd "$root"
+# no cd: relative paths of the arguments, and runs/, are the caller's folder's
 exec "$venv/bin/torchrun" "${rdzv[@]}" \
   --nproc-per-node "$nproc" \
   --max-restarts 0 \
