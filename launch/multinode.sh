@@ -54,6 +54,9 @@ else
   where="rendezvous c10d at $addr:$port"
 fi
 echo "[multinode] node $node_rank/$nnodes, $nproc processes ($backend), $where"
+# the job file and arguments checked once, before the workers start: a config error (or a
+# run folder holding another run) is said once, exit 2, as one process says it
+"$venv/bin/python" -m fbtriton_dist.train.precheck --config "$job" "$@" || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # no cd: relative paths of the arguments, and runs/, are the caller's folder's
 exec "$venv/bin/torchrun" "${rdzv[@]}" \

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -699,6 +700,52 @@ def load_job(
     if overrides:
         data = apply_overrides(data, overrides, where)
     return job_from_dict(data, where, os.path.dirname(os.path.abspath(where)))
+
+
+def other_run(cfg: JobConfig) -> str | None:
+    """What of another run ``cfg.run_dir`` holds (its metrics, complete checkpoints), or
+    None: a new run must not write there (``--resume`` / ``--overwrite`` aside)."""
+    found = []
+    metrics = os.path.join(cfg.run_dir, cfg.logging.metrics)
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        found.append(cfg.logging.metrics)
+    folder = cfg.checkpoint_dir
+    steps = sorted(
+        int(n[5:]) for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if n.startswith("step_") and n[5:].isdigit()
+        and os.path.isfile(os.path.join(folder, n, "meta.json"))
+    )
+    if steps:
+        found.append(f"checkpoints up to step {steps[-1]}")
+    return ", ".join(found) or None
+
+
+def run_dir_problem(cfg: JobConfig) -> str:
+    """The error for a new run into a folder holding another run (``other_run``)."""
+    return (
+        f"run_dir {cfg.run_dir} holds another run ({other_run(cfg)}): pass --resume to continue "
+        "it, --overwrite to start over there (deleting it), or choose another folder with "
+        "logging.run_dir=..."
+    )
+
+
+def precheck(argv: Sequence[str] | None = None) -> int:
+    """``python -m fbtriton_dist.train.precheck ARGS``: the job's arguments and file checked
+    once, before torchrun starts its workers (``launch/multinode.sh``): a config error, or a
+    new run into a folder holding another run, is printed once with exit status 2, as one
+    process prints it. 0: go ahead. Never imports torch."""
+    p = argparse.ArgumentParser(prog="python -m fbtriton_dist.train")
+    add_arguments(p)
+    args = finish_arguments(p, *p.parse_known_args(argv))
+    try:
+        cfg = load_job(args.config, args.overrides, args.steps)
+    except (ConfigError, ValueError) as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 2
+    if not (args.resume or args.overwrite) and other_run(cfg):
+        print(f"train: error: {run_dir_problem(cfg)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

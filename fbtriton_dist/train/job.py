@@ -47,7 +47,6 @@ from fbtriton_dist.planner import (
 from fbtriton_dist.planner.report import format_report
 
 from .checkpoint import (
-    checkpoint_steps,
     clean_stale,
     load_checkpoint,
     remove_run_files,
@@ -60,6 +59,8 @@ from .config import (
     add_arguments,
     finish_arguments,
     load_job,
+    other_run,
+    run_dir_problem,
 )
 from .data import DataPosition, make_source
 from .env import Env
@@ -323,18 +324,6 @@ class RunDirError(ValueError):
     """The run folder holds another run (exit status 2, as a config error)."""
 
 
-def _other_run(cfg: JobConfig) -> str | None:
-    """What of another run ``cfg.run_dir`` holds (its metrics, checkpoints), or None."""
-    found = []
-    metrics = os.path.join(cfg.run_dir, cfg.logging.metrics)
-    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
-        found.append(cfg.logging.metrics)
-    steps = checkpoint_steps(cfg.checkpoint_dir)
-    if steps:
-        found.append(f"checkpoints up to step {steps[-1]}")
-    return ", ".join(found) or None
-
-
 def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> None:
     """A new run never writes into another run's folder: refuse it unless ``resume`` or
     ``overwrite`` (which deletes that run's metrics, plan and checkpoints first). Rank 0
@@ -342,16 +331,12 @@ def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> N
     verdict: list[str | None] = [None]
     if env.rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        other = _other_run(cfg)
+        other = other_run(cfg)
         if other and overwrite:
             remove_run_files(cfg.run_dir, cfg.checkpoint_dir,
                              [cfg.logging.metrics, "plan.yaml"])
         elif other and not resume:
-            verdict[0] = (
-                f"run_dir {cfg.run_dir} holds another run ({other}): pass --resume to continue "
-                "it, --overwrite to start over there (deleting it), or choose another folder "
-                "with logging.run_dir=..."
-            )
+            verdict[0] = run_dir_problem(cfg)
         removed = clean_stale(cfg.checkpoint_dir)
         if removed:
             _log(env, f"removed {len(removed)} unfinished checkpoint save(s): {removed}")
@@ -420,14 +405,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_arguments(p)
     args = finish_arguments(p, *p.parse_known_args(argv))
+    # under torchrun: an error every rank meets alike (the config, the plan, the run folder,
+    # a nan step: agreed on by all ranks) is said once, by rank 0; any other by its rank
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    tag = f" (rank {rank})" if world > 1 else ""
     try:
         return run(args)
     except (PlanError, PlanValidationError) as e:
-        print(f"train: {e}", file=sys.stderr)
+        if rank == 0:
+            print(f"train: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, ValueError) as e:
-        print(f"train: error: {e}", file=sys.stderr)
+    except (ConfigError, RunDirError, NonFiniteError) as e:
+        if rank == 0:
+            print(f"train: error: {e}", file=sys.stderr)
+        return 3 if isinstance(e, NonFiniteError) else 2
+    except ValueError as e:
+        print(f"train: error{tag}: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
-        print(f"train: error: {e}", file=sys.stderr)
-        return 3
