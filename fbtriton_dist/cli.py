@@ -7,6 +7,7 @@ Exit status: 0 done, 1 the tables do not fit (the message says which table and b
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -34,7 +35,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
             "With --check, evaluate an existing plan file instead of planning."
         ),
     )
-    p.add_argument("tables", metavar="TABLES.yaml", help="table set (see docs/planner.md)")
+    p.add_argument("tables", metavar="TABLES.yaml",
+                   help="table set (see docs/planner.md), or a job file (its tables)")
     p.add_argument("--world-size", type=_positive_int, required=True, help="R, number of ranks")
     p.add_argument(
         "--local-world-size", type=_positive_int, default=None, help="ranks per host (default 8)"
@@ -66,17 +68,30 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_plan)
 
 
+def _table_set(path: str):
+    """The table set of a table-set file or of a job file (its ``tables``, overrides of the
+    job's own file applied), so that the plan a job wrote can be ``--check``ed."""
+    from fbtriton_dist.planner import load_tables
+    from fbtriton_dist.planner._yaml import read_yaml
+
+    data = read_yaml(path)
+    if isinstance(data, dict) and set(data) - {"defaults", "tables"}:
+        from fbtriton_dist.train.config import load_job  # torch-free
+
+        return load_job(path).tables
+    return load_tables(path)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from fbtriton_dist.planner import (
         CostModel,
         IdDistribution,
         ShardingPlan,
         ShardingPlanner,
-        load_tables,
     )
     from fbtriton_dist.planner.report import format_report
 
-    table_set = load_tables(args.tables)
+    table_set = _table_set(args.tables)
     specs = table_set.tables
     stats = dict(table_set.stats)
     if args.zipf is not None:
@@ -163,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except BrokenPipeError:  # `fbtriton-dist plan ... | head`: the reader left, not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except PlanError as e:
         print(f"fbtriton-dist {args.command}: does not fit: {e}", file=sys.stderr)
         return 1

@@ -10,8 +10,20 @@ import sys
 COMMANDS = {"tbe": "tbe", "dist": "dist", "vbe": "vbe", "planner": "planner_vs_torchrec"}
 
 
+USAGE = (
+    "usage: python -m fbtriton_dist.bench {tbe,dist,vbe,planner} [args]  (each takes --help)\n"
+    "  tbe      our TBE against FBGEMM's, TorchRec's and torch's, one process\n"
+    "  dist     a sharded training step against TorchRec's DMP (under torchrun)\n"
+    "  vbe      variable batch per feature against fixed batches\n"
+    "  planner  our planner against TorchRec's EmbeddingShardingPlanner"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return
     if not argv or argv[0] not in COMMANDS:
         raise SystemExit(
             f"usage: python -m fbtriton_dist.bench {{{','.join(COMMANDS)}}} [args]; "

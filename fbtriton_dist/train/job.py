@@ -91,7 +91,18 @@ def distributed(device: str = "auto", group_of_one: bool = False) -> Iterator[En
     (see the ``finally``)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("<job>", "device", f"cuda, but this torch ({torch.__version__}) sees "
+                                             "no CUDA device; use device: auto or cpu")
+    if device == "cuda" and local_rank >= torch.cuda.device_count():
+        raise ConfigError("<job>", "device", f"cuda: local rank {local_rank} needs GPU "
+                                             f"{local_rank}, this machine has "
+                                             f"{torch.cuda.device_count()}")
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks share the cores: one process each's share (all of them in one process)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local)))
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)

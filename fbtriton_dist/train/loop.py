@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -199,6 +200,10 @@ class Trainer:
             epoch=self.position.epoch, ms=ms,
         )  # fmt: skip
         bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
+        if getattr(self, "_plain_lines", False):
+            total = f"/{self.cfg.train.steps}" if self.cfg.train.steps else ""
+            print(f"{self.cfg.name}: step {self.step}{total}, loss {self.last_loss:.4f}, "
+                  f"{sps:,.0f} samples/s", flush=True)
         self._window_loss.zero_()
         self._window_steps = 0
 
@@ -251,13 +256,16 @@ class Trainer:
             os.path.join(cfg.run_dir, cfg.logging.tensorboard) if cfg.logging.tensorboard else None,
         )
         eval_batches = self.source.eval_batches(t.eval_batches) if t.eval_batches else []
+        # a bar on a terminal; in a log file (not a TTY) plain lines at each log step instead
+        tty = sys.stderr.isatty()
         bar = tqdm(
             total=t.steps,
             initial=step,
             desc=cfg.name,
-            disable=not rank0 or not cfg.logging.progress_bar,
+            disable=not rank0 or not cfg.logging.progress_bar or not tty,
             dynamic_ncols=True,
         )
+        self._plain_lines = rank0 and cfg.logging.progress_bar and not tty
         t0 = time.perf_counter()
         self.throughput.restart_clock()
         try:

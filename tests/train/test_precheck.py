@@ -44,3 +44,44 @@ def test_precheck_does_not_import_torch(tmp_path):
             f"rc = precheck(['--config', {str(path)!r}]); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_plan_reads_a_job_file_and_checks_the_plan_the_job_wrote(tmp_path):
+    from fbtriton_dist import cli
+    from fbtriton_dist.train.job import main
+
+    path = write_job(tmp_path, train__steps=2, train__eval_batches=0)
+    assert main(["--config", str(path)]) == 0
+    plan = tmp_path / "tiny" / "plan.yaml"
+    assert cli.main(["plan", str(path), "--world-size", "1"]) == 0
+    assert cli.main(["plan", str(path), "--world-size", "1", "--check", str(plan)]) == 0
+
+
+def test_progress_goes_to_plain_lines_without_a_terminal(tmp_path, capsys):
+    from fbtriton_dist.train.job import main
+
+    path = write_job(tmp_path, train__steps=4, train__eval_batches=0, logging__log_every=2,
+                     logging__progress_bar=True)
+    assert main(["--config", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "tiny: step 2/4, loss" in out.out and "tiny: step 4/4, loss" in out.out
+    assert "\r" not in out.err  # no bar redrawn into a log
+
+
+def test_device_cuda_without_cuda_is_a_config_error(tmp_path, capsys):
+    import pytest
+    import torch
+
+    from fbtriton_dist.train.job import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = write_job(tmp_path, device="cuda")
+    assert main(["--config", str(path)]) == 2
+    assert "device: cuda, but this torch" in capsys.readouterr().err
+
+
+def test_bench_help_exits_0():
+    done = subprocess.run([sys.executable, "-m", "fbtriton_dist.bench", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "tbe" in done.stdout and "dist" in done.stdout
