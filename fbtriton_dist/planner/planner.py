@@ -71,6 +71,10 @@ def _table_sharding(spec: TableSpec, sharding: str, shards: Iterable[Shard]) -> 
     )
 
 
+
+DEFAULT_HBM_BYTES = 80 * 2**30
+"""A rank's device memory when none is given (an H100's 80 GiB)."""
+
 class PlanError(ValueError):
     """The tables do not fit; the message explains which table and by how much."""
 
@@ -81,7 +85,8 @@ class ShardingPlanner:
     Args:
         world_size: R, the number of ranks.
         local_world_size: ranks per host (default: all R on one host).
-        hbm_bytes_per_rank: device memory of one rank.
+        hbm_bytes_per_rank: device memory of one rank (default 80 GiB, an H100's; the CLI's
+            and the job's default too).
         reserved_fraction: share of ``hbm_bytes_per_rank`` kept for the dense model,
             activations and communication buffers; the rest is the embedding budget.
         cost_model: workload and machine numbers (batch size, bandwidths, ...).
@@ -103,7 +108,7 @@ class ShardingPlanner:
         self,
         *,
         world_size: int,
-        hbm_bytes_per_rank: float,
+        hbm_bytes_per_rank: float = DEFAULT_HBM_BYTES,
         local_world_size: int | None = None,
         reserved_fraction: float = 0.1,
         cost_model: CostModel | None = None,

@@ -69,6 +69,13 @@ class ShardedCollection(nn.Module):
                 "sharded tables are trained with a fused optimizer: pass optimizer= to shard() "
                 "or annotate the embedding parameters with apply_optimizer_in_backward"
             )
+        if process_group is None and not dist.is_initialized():
+            raise RuntimeError(
+                "shard(): sharded tables talk to the other ranks through a process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets up its "
+                "environment), or pass process_group=; in one process without one, keep the "
+                "unsharded module"
+            )
         self.group = process_group
         self.input_group = process_group
         self._prefetched: list[tuple[object, InputDistOut]] = []

@@ -85,3 +85,20 @@ def test_bench_help_exits_0():
     done = subprocess.run([sys.executable, "-m", "fbtriton_dist.bench", "--help"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "tbe" in done.stdout and "dist" in done.stdout
+
+
+def test_planner_default_budget_and_shard_without_a_process_group_says_what_to_do():
+    import pytest
+    import torch.distributed as dist
+    import torchrec
+
+    import fbtriton_dist
+    from fbtriton_dist.planner import ShardingPlanner
+
+    cfg = [torchrec.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                       feature_names=["f"])]
+    plan = ShardingPlanner(world_size=1).plan(cfg)  # a default budget: 80 GiB per rank
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group"):
+        fbtriton_dist.shard(fbtriton_dist.EmbeddingBagCollection(tables=cfg), plan,
+                            optimizer=fbtriton_dist.optim.SGD())
