@@ -57,6 +57,15 @@ class SequenceDist:
             for per in slices
         ]
         self._last: tuple | None = None  # (values sent, received) per peer, last step
+        dims = {cols[1] - cols[0] for per in self.slices for cols, _ in per}
+        self.one_slice_of_one_dim = len(dims) == 1 and all(len(per) == 1 for per in self.slices)
+        """Every feature one column slice, all of one D (row-, table-wise, data-parallel
+        tables of one D): the rows of all features are put in order by one gather."""
+        if self.one_slice_of_one_dim:
+            blocks = [(f, sf.row_start) for f, per in enumerate(self.slices)
+                      for sf, _, _ in per[0][1]]
+            self._block_starts = torch.tensor([(f << 40) | r for f, r in blocks],
+                                              dtype=torch.int64, device=self.device)
 
     def traffic(self, batch_sizes=None, strides=None) -> dict[str, tuple[int, int]]:
         """Bytes (sent, received) to/from the other ranks in the last step, forward and
@@ -113,6 +122,8 @@ class SequenceDist:
         }
         came.update(self._own_replica_rows(blocks, received, group))
         # 3. per feature and column slice, the blocks' rows back in the KJT's order
+        if self.one_slice_of_one_dim:
+            return self._reorder_all(came, ids)
         out = []
         for f, per_slice in enumerate(self.slices):
             order_cache: dict[tuple[int, ...], torch.Tensor] = {}
@@ -128,6 +139,28 @@ class SequenceDist:
                 cols.append(torch.cat(parts).index_select(0, order_cache[starts]))
             out.append(cols[0] if len(cols) == 1 else torch.cat(cols, dim=1))
         return out
+
+    def _reorder_all(self, came: dict, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``one_slice_of_one_dim``: every feature's rows in its KJT order by one gather.
+        Each id's block is found among all features' (feature << 40 | first row) at once; a
+        stable sort by block lists the ids as the blocks came (block after block, each in KJT
+        order); its inverse takes the concatenated blocks back to the KJT's order."""
+        parts = [came[(q, j)] for per in self.slices for _, q, j in per[0][1]]
+        if not parts:
+            return []
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        sizes = [int(t.numel()) for t in ids]
+        if all(len(per[0][1]) == 1 for per in self.slices):  # one block each: in order
+            return list(rows.split(sizes))
+        feature = torch.repeat_interleave(
+            torch.arange(len(ids), device=rows.device),
+            torch.tensor(sizes, device=rows.device), output_size=sum(sizes))
+        key = (feature << 40) | torch.cat(ids).to(torch.int64)
+        block = torch.searchsorted(self._block_starts.to(rows.device), key, right=True)
+        by_block = torch.sort(block, stable=True).indices
+        where = torch.empty_like(by_block)
+        where[by_block] = torch.arange(by_block.numel(), device=rows.device)
+        return list(rows.index_select(0, where).split(sizes))
 
     def _local_blocks(self, rows: list[torch.Tensor], received) -> list[list[torch.Tensor]]:
         """The local lookup cut into ``[ids of source r, dim]`` blocks, per shard-feature and

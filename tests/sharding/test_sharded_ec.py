@@ -96,6 +96,8 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, torchrec_module=False):
     apply_optimizer_in_backward(cls, to_shard.parameters(), kwargs)
     sharded = fbtriton_dist.shard(to_shard, _plan_for(kind, world, same_dim), device=dev)
     assert type(sharded).__name__ == "ShardedEmbeddingCollection"
+    one_gather = kind in ("row_wise", "table_row_wise", "table_wise") and same_dim
+    assert sharded.output_dist_.one_slice_of_one_dim == one_gather, kind
     report = {}
     draw = torch.rand(1)  # shard() leaves the global RNG as it found it, on every rank
     every = [torch.empty(1) for _ in range(world)]
@@ -137,7 +139,7 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, torchrec_module=False):
 
 
 CASES = [
-    # (sharding kind, optimizer, TorchRec's module): rowwise Adagrad on column slices keeps
+    # (sharding kind, optimizer, TorchRec's module and one D): rowwise Adagrad on column slices keeps
     # one accumulator per slice, so column / grid use per-element optimizers
     ("row_wise", "rowwise_adagrad", False),
     ("table_wise", "sgd", False),
@@ -147,6 +149,9 @@ CASES = [
     ("data_parallel", "rowwise_adagrad", False),
     ("mixed", "adagrad", False),
     ("mixed", "sgd", True),
+    # one D everywhere and one column slice per table: the output dist's single gather
+    ("row_wise", "rowwise_adagrad", True),
+    ("table_row_wise", "sgd", True),
 ]
 
 
