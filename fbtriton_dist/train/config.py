@@ -27,7 +27,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
     train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4,
-            nonfinite: error}          # error | skip: a step with a nan/inf loss or gradient
+            nonfinite: error,          # error | skip: a step with a nan/inf loss or gradient
+            pipeline: auto}            # auto | plain | overlap | graph (the step loop)
     checkpoint: {enabled: true, dir: null, every: 100, keep: 2}
     logging: {run_dir: null, metrics: metrics.jsonl, log_every: 10, progress_bar: true,
               tensorboard: null}
@@ -412,6 +413,12 @@ class TrainConfig:
     """Evaluate every this many steps (0: only at the end)."""
     eval_batches: int = 4
     """Batches per rank in one evaluation (0: never evaluate)."""
+    pipeline: Literal["auto", "plain", "overlap", "graph"] = "auto"
+    """The step loop. ``plain``: batch after batch, in order (debugging); ``overlap``:
+    ``TrainPipeline``, the next batch's input dist runs while this batch trains (sharded runs;
+    results equal plain); ``graph``: the whole step one CUDA graph (needs CUDA and
+    ``sharding.comm.fixed_shapes``); ``auto``: overlap when sharded (several ranks) and
+    ``nonfinite: error``, else plain."""
     nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or dense gradient is not finite: ``error`` stops the job naming the
     step (found at the next log line or checkpoint, before anything is saved); ``skip``
@@ -419,6 +426,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("nonfinite", self.nonfinite, ("error", "skip"))
+        check_choice("pipeline", self.pipeline, ("auto", "plain", "overlap", "graph"))
+        if self.nonfinite == "skip" and self.pipeline in ("overlap", "graph"):
+            raise FieldError("nonfinite", "skip checks each step before its backward: it "
+                                          "needs pipeline: plain (or auto)")
         _check_optional(check_int, "steps", self.steps, 1)
         _check_optional(check_int, "epochs", self.epochs, 1)
         if self.steps is None and self.epochs is None:

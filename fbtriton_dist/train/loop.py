@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,16 +154,16 @@ class Trainer:
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
         if self.env.process_group is not None:
             allreduce_mean(self.dense_params, self.env.process_group)
-        grads = [p.grad.sum() for p in self.dense_params if p.grad is not None]
-        bad = ~torch.isfinite(loss.detach() + (torch.stack(grads).sum() if grads else 0.0))
-        if skip and self._any_rank(bad):
-            self.skipped += 1  # a gradient overflowed: the dense step is dropped
+        if skip:
+            grads = [p.grad.sum() for p in self.dense_params if p.grad is not None]
+            bad = ~torch.isfinite(torch.stack(grads).sum() if grads else torch.zeros(()))
+            if self._any_rank(bad):
+                self.skipped += 1  # a gradient overflowed: the dense step is dropped
+            else:
+                self.optimizer.step()
         else:
+            self._note_finite(loss.detach())
             self.optimizer.step()
-        if not skip:
-            step = torch.full_like(self._first_bad, self.step + 1)
-            self._first_bad = torch.where(bad & (self._first_bad == NO_BAD_STEP), step,
-                                          self._first_bad)
         self.timer.stop("backward")
         self.timer.step_done()
         return loss.detach()
@@ -244,6 +245,81 @@ class Trainer:
             if t.epochs is not None and self.position.epoch >= t.epochs:
                 return
 
+    # -- the step loop: plain, or the pipeline -------------------------------------------------
+    def loop_mode(self) -> str:
+        """``train.pipeline`` resolved: ``plain``, ``overlap`` or ``graph``."""
+        mode = self.cfg.train.pipeline
+        sharded = self.env.world_size > 1
+        if mode == "auto":
+            return "overlap" if sharded and self.cfg.train.nonfinite == "error" else "plain"
+        if mode == "graph" and (self.env.device.type != "cuda"
+                                or not self.cfg.sharding.comm.fixed_shapes):
+            raise ValueError("train.pipeline: graph captures the step in a CUDA graph: it needs "
+                             "CUDA and sharding.comm.fixed_shapes: true")
+        return mode if sharded else "plain"  # one process: no input dist to overlap
+
+    def _steps(self):
+        """``(loss or None, data position after the step)`` per step trained."""
+        mode = self.loop_mode()
+        if mode == "plain":
+            for batch, position in self._batches():
+                yield self.train_step(batch), position
+            return
+        pipe = self._pipeline(mode)
+        positions: deque[DataPosition] = deque()
+
+        def feed():  # the pipeline takes a batch ahead; positions stay with their batches
+            for batch, position in self._batches():
+                positions.append(position)
+                yield batch
+
+        batches, t = feed(), self.cfg.train
+        while t.steps is None or self.step < t.steps:
+            try:
+                loss = pipe.progress(batches)
+            except StopIteration:
+                return
+            self.timer.step_done()
+            yield loss, positions.popleft()
+
+    def _pipeline(self, mode: str):
+        """``TrainPipeline`` over this model: the step's forward and backward timed as the
+        plain loop's (not inside a CUDA graph), dense gradients averaged after backward, the
+        non-finite flag kept as ``train_step`` keeps it."""
+        from fbtriton_dist.sharding import TrainPipeline
+
+        graph, group = mode == "graph", self.env.process_group
+
+        def loss_fn(model, batch):
+            if not graph:
+                self.timer.start("forward")
+            logits = model(batch.dense, batch.sparse).squeeze(-1)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+            if not graph:
+                self.timer.stop("forward")
+                self.timer.start("backward")
+            self._pending_loss = loss.detach()
+            return loss
+
+        def after_backward():
+            if group is not None:
+                allreduce_mean(self.dense_params, group)
+            self._note_finite(self._pending_loss)
+            if not graph:
+                self.timer.stop("backward")
+
+        return TrainPipeline(self.model, self.optimizer, self.env.device, loss_fn=loss_fn,
+                             sparse=lambda b: b.sparse, after_backward=after_backward,
+                             own_group=True, cuda_graph=graph)
+
+    def _note_finite(self, loss: torch.Tensor) -> None:
+        """Keep the first step whose loss or dense gradient is not finite (no host sync)."""
+        grads = [p.grad.sum() for p in self.dense_params if p.grad is not None]
+        bad = ~torch.isfinite(loss + (torch.stack(grads).sum() if grads else 0.0))
+        step = torch.full_like(self._first_bad, self.step + 1)
+        self._first_bad = torch.where(bad & (self._first_bad == NO_BAD_STEP), step,
+                                      self._first_bad)
+
     def fit(self, step: int = 0, position: DataPosition | None = None) -> dict[str, Any]:
         """Train from ``step`` / ``position`` to the end; return the summary."""
         from tqdm import tqdm
@@ -269,8 +345,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.throughput.restart_clock()
         try:
-            for batch, next_position in self._batches():
-                loss = self.train_step(batch)
+            for loss, next_position in self._steps():
                 if loss is not None:
                     self._window_loss += loss
                     self._window_steps += 1

@@ -20,14 +20,20 @@ import sys
 def kill(rank: int, step: int, job_args: list[str]) -> int:
     from fbtriton_dist.train import job, loop
 
-    real_step = loop.Trainer.train_step
+    real_steps = loop.Trainer._steps
 
-    def train_step(self, batch):
-        if self.env.rank == rank and self.step == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_step(self, batch)
+    def steps(self):  # the plain loop's and the pipeline's steps alike
+        inner = real_steps(self)
+        while True:
+            if self.env.rank == rank and self.step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                item = next(inner)
+            except StopIteration:
+                return
+            yield item
 
-    loop.Trainer.train_step = train_step
+    loop.Trainer._steps = steps
     return job.main(job_args)
 
 

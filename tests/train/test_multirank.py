@@ -213,3 +213,19 @@ def test_job_trains_on_vbe_batches_like_on_the_same_samples_as_fixed_batches(tmp
         assert abs(runs["vbe"][step] - loss) <= 1e-5 * max(1.0, abs(loss)), step
     evals = [[r["loss"] for r in records(tmp_path / n, "eval")] for n in ("vbe", "expanded")]
     assert evals[0] and all(abs(a - b) <= 1e-5 for a, b in zip(*evals, strict=True))
+
+
+def test_pipeline_overlap_trains_like_the_plain_loop(tmp_path):
+    """``train.pipeline: overlap`` (``auto`` on several ranks: TrainPipeline runs the next
+    batch's input dist while this one trains) gives the plain loop's losses, eval and
+    checkpoints bit for bit; a resume into it continues the same."""
+    plain = write_job(tmp_path, "plain", steps=6, eval_every=3, pipeline="plain")
+    overlap = write_job(tmp_path, "overlap", steps=6, eval_every=3, pipeline="overlap")
+    ok(torchrun(2, "fbtriton_dist.train", "--config", str(plain)))
+    ok(torchrun(2, "fbtriton_dist.train", "--config", str(overlap), "--steps", "3"))
+    ok(torchrun(2, "fbtriton_dist.train", "--config", str(overlap), "--resume"))
+    want, got = losses(tmp_path / "plain"), losses(tmp_path / "overlap")
+    assert sorted(want) == sorted(got) == list(range(1, 7))
+    assert all(got[s] == want[s] for s in want), (want, got)
+    evals = [[r["loss"] for r in records(tmp_path / n, "eval")] for n in ("plain", "overlap")]
+    assert evals[0][-1] == evals[1][-1]
