@@ -264,10 +264,14 @@ class DataConfig:
     """Options of ``source: random_rec``."""
     criteo: CriteoConfig | None = None
     """Options of ``source: criteo`` (required with it)."""
+    prefetch: int = 4
+    """Training batches made ahead by a background thread (a bounded queue of this many);
+    0: made in the training thread. The batches and their order do not change."""
 
     def __post_init__(self) -> None:
         check_choice("source", self.source, _choices(DataSource))
         check_int("num_dense", self.num_dense, 1)
+        check_int("prefetch", self.prefetch, 0)
         if self.source == "criteo":
             if self.criteo is None:
                 raise FieldError("criteo", "required with source: criteo (train: [files])")

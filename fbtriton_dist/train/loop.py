@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import queue
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -22,6 +25,50 @@ from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
 
 NO_BAD_STEP = 2**62
 """``Trainer._first_bad`` while every step so far was finite."""
+
+
+def ahead(items, depth: int):
+    """``items`` made by a background thread up to ``depth`` ahead (0: here, as they are
+    asked for); the same items in the same order. An error of the producer is raised here;
+    leaving early (``close()``, a ``return`` in the consumer) stops the thread."""
+    if depth <= 0:
+        yield from items
+        return
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        out.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put((done, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            out.put((done, e))
+
+    worker = threading.Thread(target=produce, name="fbtd-data", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = out.get()
+            if item is done:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a producer waiting on a full queue
+            with contextlib.suppress(queue.Empty):
+                out.get_nowait()
+            worker.join(timeout=0.05)
 
 
 class NonFiniteError(RuntimeError):
@@ -230,7 +277,7 @@ class Trainer:
         t = self.cfg.train
         while t.steps is None or self.step < t.steps:
             seen = 0
-            for item in self.source.train_batches(self.position):
+            for item in ahead(self.source.train_batches(self.position), self.cfg.data.prefetch):
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:

@@ -150,3 +150,35 @@ def test_criteo_reader_refuses_nan_and_inf_in_integer_columns():
         line = "\t".join([*cols[:5], bad, *cols[6:]])
         with pytest.raises(ValueError, match=rf"day_0.tsv:7: integer column 5: '{bad}' is not"):
             parse_criteo_line(line, [100] * 26, "day_0.tsv:7")
+
+
+def test_batches_made_ahead_by_a_thread_are_the_same_batches():
+    import threading
+
+    from fbtriton_dist.train.loop import ahead
+
+    assert list(ahead(iter(range(50)), 3)) == list(range(50))
+    assert list(ahead(iter(range(5)), 0)) == list(range(5))
+
+    def broken():
+        yield 1
+        raise ValueError("data: bad line 7")
+
+    got = []
+    with pytest.raises(ValueError, match="bad line 7"):
+        for x in ahead(broken(), 2):
+            got.append(x)
+    assert got == [1]
+    before = threading.active_count()
+    gen = ahead(iter(range(10**6)), 2)
+    assert next(gen) == 0
+    gen.close()  # a consumer that stops early stops the thread
+    assert threading.active_count() <= before
+
+
+def test_a_job_with_data_made_ahead_trains_like_one_without(tmp_path):
+    here = write_job(tmp_path, "here", **QUICK, data__prefetch=0)
+    ahead_ = write_job(tmp_path, "ahead", **QUICK)
+    assert main(["--config", str(here)]) == 0
+    assert main(["--config", str(ahead_)]) == 0
+    assert losses(tmp_path / "here") == losses(tmp_path / "ahead")
