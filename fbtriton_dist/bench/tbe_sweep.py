@@ -52,7 +52,7 @@ def compiled_regs() -> dict[str, list[int]]:
     """[registers, spilled bytes] of each TBE kernel compiled so far (its last variant)."""
     out = {}
     kernels = (("tbe_forward", ["_FORWARD"]),
-               ("tbe_backward", ["_RUN_COUNT", "_RUNS", "_CHUNKS", "_ROWS"]))
+               ("tbe_backward", ["_RUN_COUNT", "_RUNS", "_CHUNKS"]), ("tbe_rows", ["_ROWS"]))
     for mod, names in kernels:
         module = importlib.import_module(f"fbtriton_dist.kernels.{mod}")
         for name in names:
@@ -214,7 +214,8 @@ def main(argv=None) -> None:
         if args.launch:
             fwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_forward")
             bwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_backward")
-            launchers = [fwd_mod._FORWARD, bwd_mod._RUNS, bwd_mod._CHUNKS, bwd_mod._ROWS]
+            rows_mod = importlib.import_module("fbtriton_dist.kernels.tbe_rows")
+            launchers = [fwd_mod._FORWARD, bwd_mod._RUNS, bwd_mod._CHUNKS, rows_mod._ROWS]
             for fast in (False, True, False, True):
                 for launcher in launchers:
                     launcher.enabled = fast

@@ -12,18 +12,17 @@ Steps (launcher ``tbe_backward``), with no host synchronisation on the fused pat
    that holds part of a run longer than CHUNK (a hot row) reduces that part into a fp32
    partial row, so a row hit 100,000 times is spread over many programs and summed in a tree
    rather than one long serial chain; blocks without long runs exit at once;
-3. ``_tbe_row_update_kernel``: each program takes RUNS runs side by side (a [RUNS, D] tile, so
-   short runs of uniform ids stream many rows per program), sums each run's gradient in fp32
-   (ids, or its blocks' partials in order) and applies the optimizer to the rows in place
-   (``kernels/tbe_optim.py``: one update helper per optimizer), or, without an optimizer,
-   writes the rows' gradients to a compact buffer. The row kernel is
-   persistent (programs loop over the runs up to the count on the device); the chunk kernel
-   skips the dropped ids' run (padding of a fixed-size batch included).
+3. ``_tbe_row_update_kernel`` (``kernels/tbe_rows.py``): each program takes RUNS runs side by
+   side, sums each run's gradient in fp32 (ids, or its blocks' partials in order) and applies
+   the optimizer to the rows in place, or, without an optimizer, writes the rows' gradients to
+   a compact buffer. It reads one record per run that the runs kernel wrote (start, key, the
+   row's flat element and D, the first id's gradient offset), so that its chain of dependent
+   loads is record -> row. The chunk kernel skips the dropped ids' run (padding of a
+   fixed-size batch included).
 No atomics: results are bit-identical run to run.
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -32,14 +31,8 @@ import triton.language as tl
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.kernels.launch import Launcher
 from fbtriton_dist.kernels.tbe_forward import block_sizes, key_dtype
-from fbtriton_dist.kernels.tbe_optim import (
-    OPT_NONE,
-    half_format,
-    load_hyper,
-    optimizer_code,
-    optimizer_update,
-    store_rows,
-)
+from fbtriton_dist.kernels.tbe_optim import OPT_NONE, optimizer_code
+from fbtriton_dist.kernels.tbe_rows import update_rows
 
 CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by block
 
@@ -58,12 +51,19 @@ def _gather_grad_sum(
     BLOCK_D: tl.constexpr,
     GALIGN: tl.constexpr,
 ):
-    """fp32 sum over sorted ids [start, end) of grad_output[goff + d] * scale."""
+    """fp32 sum over sorted ids [start, end) of grad_output[goff + d] * scale. The next
+    step's offsets are loaded before this step's rows, so a step waits on one load, not a
+    chain of two (S6's chunk kernel: 406 -> 361 µs). The hints go on the loads: a
+    loop-carried value has no op to carry one."""
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    j = start + tl.arange(0, BLOCK_L)
+    goff_next = tl.multiple_of(tl.load(goffs_ptr + j, mask=j < end, other=0), GALIGN)
     for j0 in range(start, end, BLOCK_L):
         j = j0 + tl.arange(0, BLOCK_L)
         j_mask = j < end
-        goff = tl.multiple_of(tl.load(goffs_ptr + j, mask=j_mask, other=0), GALIGN)
+        goff = goff_next
+        goff_next = tl.multiple_of(
+            tl.load(goffs_ptr + j + BLOCK_L, mask=j + BLOCK_L < end, other=0), GALIGN)
         g = tl.load(
             grad_ptr + goff[:, None] + d[None, :],
             mask=j_mask[:, None] & d_mask[None, :],
@@ -107,11 +107,15 @@ def _tbe_runs_kernel(
     block_prefix_ptr,  # [cdiv(N, BLOCK)] int32 inclusive scan of the blocks' key changes
     changes_ptr,  # [N - 1] int32 out: inclusive scan of key changes between sorted neighbours
     D_offsets_ptr,  # [T + 1] int64 output column of each feature
+    w_offsets_ptr,  # [T] int64 element offset of each feature's table
+    dims_ptr,  # [T] int64 D of each feature
+    row_offsets_ptr,  # [T] int64 first linear row of each feature's table
     goffs_ptr,  # [N] int64 out: element of grad_output each sorted id reads (b * stride + col)
     scales_ptr,  # [N] fp32 out: per-sample weight / bag length of each sorted id (HAS_SCALE)
     run_starts_ptr,  # [N + 1] int64 out: first sorted position of each run, then N after the last
     run_keys_ptr,  # [N] int64 out: key of each run
-    run_feats_ptr,  # [N] int64 out: feature of each run's first id (its table's layout)
+    run_elems_ptr,  # [N] int64 out: flat weights element of each run's row (0: dropped ids)
+    run_dims_ptr,  # [N] int64 out: D of each run's row
     run_goffs_ptr,  # [N] int64 out: grad_output element of each run's first id
     num_runs_ptr,  # [1] int64 out: number of runs U
     step_ptr,  # [1] int64 in/out: fused updates taken; one added here (COUNT_STEP)
@@ -164,7 +168,13 @@ def _tbe_runs_kernel(
     r = incl.to(tl.int64) + 1
     tl.store(run_starts_ptr + r - 1, p, mask=is_start)
     tl.store(run_keys_ptr + r - 1, key.to(tl.int64), mask=is_start)
-    tl.store(run_feats_ptr + r - 1, f, mask=is_start)
+    # the row kernel's whole record of a run, so that it reads no layout table before the row
+    D = tl.load(dims_ptr + f, mask=is_start, other=0)
+    w_at = tl.load(w_offsets_ptr + f, mask=is_start & ml, other=0)
+    first_row = tl.load(row_offsets_ptr + f, mask=is_start & ml, other=0)
+    elem = tl.where(ml, w_at + (key.to(tl.int64) - first_row) * D, 0)
+    tl.store(run_elems_ptr + r - 1, elem, mask=is_start)
+    tl.store(run_dims_ptr + r - 1, D, mask=is_start)
     tl.store(run_goffs_ptr + r - 1, goff, mask=is_start)
     last = m & (p == N - 1)
     tl.store(run_starts_ptr + r, p + 1, mask=last)
@@ -174,12 +184,11 @@ def _tbe_runs_kernel(
 @triton.jit(do_not_specialize=["N", "sentinel"])
 def _tbe_chunk_reduce_kernel(
     grad_ptr,  # [B, sum(D)] upstream gradient
-    dims_ptr,  # [T] int64 D of each feature
     goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
     scales_ptr,  # [N] fp32 per-sample weight / bag length of each sorted id (if HAS_SCALE)
     changes_ptr,  # [N - 1] int32 inclusive scan of key changes between sorted neighbours
     run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
-    run_feats_ptr,  # [U] int64 feature of each run
+    run_dims_ptr,  # [U] int64 D of each run's row
     run_keys_ptr,  # [U] int64 key of each run (sentinel: dropped ids and padding, skipped)
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 out: per block, head and tail sums
     N,  # number of ids
@@ -204,7 +213,7 @@ def _tbe_chunk_reduce_kernel(
     head_live = tl.load(run_keys_ptr + r_head) < sentinel
     if (head_end - head_start > CHUNK_SIZE) & head_live:
         # D is a multiple of GALIGN: the mask is constant per vector, so loads stay vectors
-        d_mask = d < tl.multiple_of(tl.load(dims_ptr + tl.load(run_feats_ptr + r_head)), GALIGN)
+        d_mask = d < tl.multiple_of(tl.load(run_dims_ptr + r_head), GALIGN)
         end = tl.minimum(head_end, hi)
         acc = _gather_grad_sum(
             grad_ptr, goffs_ptr, scales_ptr, lo, end, d, d_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
@@ -216,8 +225,7 @@ def _tbe_chunk_reduce_kernel(
         tail_end = tl.load(run_starts_ptr + r_tail + 1)
         tail_live = tl.load(run_keys_ptr + r_tail) < sentinel
         if (tail_end - tail_start > CHUNK_SIZE) & tail_live:
-            d_mask = d < tl.multiple_of(tl.load(dims_ptr + tl.load(run_feats_ptr + r_tail)),
-                                        GALIGN)
+            d_mask = d < tl.multiple_of(tl.load(run_dims_ptr + r_tail), GALIGN)
             acc = _gather_grad_sum(
                 grad_ptr,
                 goffs_ptr,
@@ -234,199 +242,9 @@ def _tbe_chunk_reduce_kernel(
             tl.store(partial_ptr + (2 * c + 1) * BLOCK_D + d, acc)
 
 
-@triton.jit
-def _short_runs_grad(
-    grad_ptr,  # [B, sum(D)] upstream gradient
-    goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
-    scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
-    run_goffs_ptr,  # [U] int64 grad_output element of each run's first id
-    r,  # [RUNS] run indices
-    s,  # [RUNS] first sorted position of each run
-    n_short,  # [RUNS] ids of each run of at most CHUNK_SIZE ids, else 0
-    d,  # [BLOCK_D] column indices
-    dm,  # [RUNS, BLOCK_D] live rows' columns < D
-    HAS_SCALE: tl.constexpr,
-    RUNS: tl.constexpr,
-    IDS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GALIGN: tl.constexpr,
-):
-    """[RUNS, BLOCK_D] fp32: the gradient of each short run summed over its ids, the runs side
-    by side: step j reads the j-th id of every run; the first id's gradient offset came with
-    the run, so most rows (one id) need no further lookup."""
-    first = n_short > 0
-    goff0 = tl.multiple_of(tl.load(run_goffs_ptr + r, mask=first, other=0), GALIGN)
-    acc = tl.load(
-        grad_ptr + goff0[:, None] + d[None, :], mask=first[:, None] & dm, other=0.0
-    ).to(tl.float32)
-    if HAS_SCALE:
-        acc = acc * tl.load(scales_ptr + s, mask=first, other=0.0)[:, None]
-    if IDS == 1:
-        for j in range(1, tl.max(n_short, axis=0)):
-            jm = j < n_short
-            goff = tl.multiple_of(tl.load(goffs_ptr + s + j, mask=jm, other=0), GALIGN)
-            gr = tl.load(
-                grad_ptr + goff[:, None] + d[None, :],
-                mask=jm[:, None] & dm,
-                other=0.0,
-            ).to(tl.float32)
-            if HAS_SCALE:
-                gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
-            acc += gr
-    else:
-        # IDS ids of every run per step: tile row t is id (t % IDS) of run (t // IDS)
-        s_t = tl.reshape(tl.broadcast_to(s[:, None], [RUNS, IDS]), [RUNS * IDS])
-        n_t = tl.reshape(tl.broadcast_to(n_short[:, None], [RUNS, IDS]), [RUNS * IDS])
-        dm_t = tl.reshape(
-            tl.broadcast_to(dm[:, None, :], [RUNS, IDS, BLOCK_D]), [RUNS * IDS, BLOCK_D]
-        )
-        jj = tl.arange(0, RUNS * IDS) % IDS
-        for j0 in range(1, tl.max(n_short, axis=0), IDS):
-            j = j0 + jj
-            jm = j < n_t
-            goff = tl.multiple_of(tl.load(goffs_ptr + s_t + j, mask=jm, other=0), GALIGN)
-            gr = tl.load(
-                grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm_t, other=0.0
-            ).to(tl.float32)
-            if HAS_SCALE:
-                gr = gr * tl.load(scales_ptr + s_t + j, mask=jm, other=0.0)[:, None]
-            acc += tl.sum(tl.reshape(gr, [RUNS, IDS, BLOCK_D]), axis=1)
-    return acc
-
-
-@triton.jit
-def _add_long_runs(
-    acc,  # [RUNS, BLOCK_D] fp32 the short runs' sums
-    partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
-    lane,  # [RUNS] 0..RUNS-1
-    s,  # [RUNS] first sorted position of each run
-    e,  # [RUNS] one past its last
-    long,  # [RUNS] live runs of more than CHUNK_SIZE ids
-    d,  # [BLOCK_D] column indices
-    dm,  # [RUNS, BLOCK_D] live rows' columns < D
-    CHUNK_SIZE: tl.constexpr,
-    PART_L: tl.constexpr,
-    RUNS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """``acc`` plus each long run's gradient: the sum of its blocks' partials, in order, one
-    run at a time."""
-    if tl.sum(long.to(tl.int32), axis=0) > 0:
-        for i in range(0, RUNS):
-            sel = lane == i
-            if tl.sum((sel & long).to(tl.int32), axis=0) > 0:
-                s_i = tl.sum(tl.where(sel, s, 0), axis=0)
-                e_i = tl.sum(tl.where(sel, e, 0), axis=0)
-                c0 = s_i // CHUNK_SIZE
-                c1 = (e_i - 1) // CHUNK_SIZE + 1
-                part_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-                for k0 in range(c0, c1, PART_L):
-                    k = k0 + tl.arange(0, PART_L)
-                    slot = tl.where((k == c0) & (s_i != c0 * CHUNK_SIZE), 1, 0)
-                    part = tl.load(
-                        partial_ptr + (2 * k + slot)[:, None] * BLOCK_D + d[None, :],
-                        mask=(k < c1)[:, None],
-                        other=0.0,
-                    )
-                    part_sum += tl.sum(part, axis=0)
-                acc += tl.where(sel[:, None] & dm, part_sum[None, :], 0.0)
-    return acc
-
-
-@triton.jit(do_not_specialize=["sentinel", "seed"])
-def _tbe_row_update_kernel(
-    grad_ptr,  # [B, sum(D)] upstream gradient
-    weights_ptr,  # [sum(E_t * D_t)] flat weights, updated in place
-    w_offsets_ptr,  # [T] int64 element offset of each feature's table
-    dims_ptr,  # [T] int64 D of each feature
-    row_offsets_ptr,  # [T] int64 first linear row of each feature's table
-    goffs_ptr,  # [N] int64 element of grad_output each sorted id reads
-    scales_ptr,  # [N] fp32 scale of each sorted id (if HAS_SCALE)
-    run_starts_ptr,  # [U + 1] int64 first sorted position of each run, then N
-    run_keys_ptr,  # [U] int64 linear row key of each run (sentinel: dropped ids)
-    run_feats_ptr,  # [U] int64 feature of each run
-    run_goffs_ptr,  # [U] int64 grad_output element of each run's first id
-    num_runs_ptr,  # [1] int64 U
-    partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
-    out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
-    mom1_ptr,  # state 0 (optim.REGISTRY): [sum(E_t)] per row or [sum(E_t * D_t)] fp32
-    mom2_ptr,  # state 1: [sum(E_t * D_t)] fp32
-    sentinel,  # key of dropped ids: their run is skipped
-    hyper_ptr,  # [7] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
-    step_ptr,  # [1] int64 fused updates taken, this one included: t >= 1
-    seed,  # the module's stochastic-rounding seed; this step's is (seed * 1000003 + t) % (2^31-1)
-    OPTIMIZER: tl.constexpr,  # kernel code of the optimizer (optim.REGISTRY), 0: none
-    ROW_STATE: tl.constexpr,  # its state 0 is per row: loaded before the gradient loop
-    WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
-    HAS_SCALE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,  # stochastic rounding of half weights
-    MANTISSA: tl.constexpr,  # mantissa bits of the weight dtype (stochastic rounding)
-    MIN_EXP: tl.constexpr,  # smallest normal exponent of the weight dtype
-    CHUNK_SIZE: tl.constexpr,
-    PART_L: tl.constexpr,  # block partials summed per step (long runs)
-    RUNS: tl.constexpr,  # runs (unique rows) per program, one per tile row
-    IDS: tl.constexpr,  # ids of each run read per step
-    BLOCK_D: tl.constexpr,
-    ALIGN: tl.constexpr,  # every row starts at a multiple of it (vector loads and stores)
-    GALIGN: tl.constexpr,  # every gradient offset is a multiple of it
-):
-    # persistent: each program takes groups of RUNS consecutive runs, grid-stride, until the
-    # run count (a grid sized for the worst case, every id its own run, launched mostly
-    # empty programs: twice as many for a padded batch, whose padding is one run)
-    U = tl.load(num_runs_ptr).to(tl.int64)
-    n_groups = (U + RUNS - 1) // RUNS
-    for g in range(tl.program_id(0), n_groups, tl.num_programs(0)):
-        lane = tl.arange(0, RUNS)
-        r = g * RUNS + lane
-        r_mask = r < U
-        s = tl.load(run_starts_ptr + r, mask=r_mask, other=0)
-        e = tl.load(run_starts_ptr + r + 1, mask=r_mask, other=0)
-        key = tl.load(run_keys_ptr + r, mask=r_mask, other=sentinel)
-        live = r_mask & (key < sentinel)
-        f = tl.load(run_feats_ptr + r, mask=live, other=0).to(tl.int64)
-        # a multiple of ALIGN (and so of GALIGN): d < D is constant per vector of loads/stores
-        D = tl.multiple_of(tl.load(dims_ptr + f, mask=live, other=ALIGN), [ALIGN])
-        d = tl.arange(0, BLOCK_D)
-        dm = live[:, None] & (d[None, :] < D[:, None])
-        n = e - s
-        long = live & (n > CHUNK_SIZE)
-        n_short = tl.where(live & (n <= CHUNK_SIZE), n, 0)
-        if OPTIMIZER != 0:  # issue the row's loads before the gradient loop
-            lr, eps, weight_decay, t, beta1, beta2, bias_c1, bias_c2 = load_hyper(
-                hyper_ptr, step_ptr
-            )
-            row = key - tl.load(row_offsets_ptr + f, mask=live, other=0)
-            elem = tl.multiple_of(tl.load(w_offsets_ptr + f, mask=live, other=0) + row * D,
-                                  ALIGN)
-            ptrs = elem[:, None] + d[None, :]
-            w = tl.load(weights_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
-            if ROW_STATE:
-                m_row = tl.load(mom1_ptr + key, mask=live, other=0.0)
-            else:
-                m_row = tl.zeros([RUNS], dtype=tl.float32)
-
-        acc = _short_runs_grad(
-            grad_ptr, goffs_ptr, scales_ptr, run_goffs_ptr, r, s, n_short, d, dm, HAS_SCALE,
-            RUNS, IDS, BLOCK_D, GALIGN,
-        )
-        acc = _add_long_runs(acc, partial_ptr, lane, s, e, long, d, dm, CHUNK_SIZE, PART_L, RUNS,
-                             BLOCK_D)
-
-        if OPTIMIZER == 0:
-            tl.store(out_rows_ptr + r[:, None] * BLOCK_D + d[None, :], acc, mask=r_mask[:, None])
-        else:
-            w = optimizer_update(
-                w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
-                beta1, beta2, bias_c1, bias_c2, OPTIMIZER, WD_DECOUPLED,
-            )
-            store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP,
-                        RUNS, BLOCK_D)
-
-
 _RUN_COUNT = Launcher(_tbe_run_count_kernel)
 _RUNS = Launcher(_tbe_runs_kernel)
 _CHUNKS = Launcher(_tbe_chunk_reduce_kernel)
-_ROWS = Launcher(_tbe_row_update_kernel)
 
 
 def linearize(
@@ -440,37 +258,25 @@ def linearize(
     return keys.to(key_dtype(num_rows)), bags.to(torch.int32)
 
 
-def backward_config(max_D: int) -> tuple[int, int, int, int, int]:
-    """(RUNS, num_warps, IDS, CHUNK, maxnreg) of the row kernel and the chunk kernel, from a
-    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, docs/kernels.md). The row
-    update is bound by its chain of dependent loads, so what counts is programs in flight: one
-    run per one-warp program, its registers capped at 64 so that 32 programs (the most an SM
-    holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured
-    1.1-1.6x slower. ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides the
-    fields it gives (maxnreg 0: no cap)."""
+def backward_config(max_D: int, weight_bytes: int = 4) -> tuple[int, int, int, int, int, bool]:
+    """(RUNS, num_warps, IDS, CHUNK, maxnreg, PREFETCH) of the row kernel and the chunk kernel,
+    from sweeps on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``,
+    docs/results/tbe-h200-session12.md). The row update is bound by its chain of dependent
+    loads, so what counts is programs in flight: one run per one-warp program, its registers
+    capped at 64 so that 32 programs (the most an SM holds) fit; two runs per program took
+    ~126 registers (16 programs per SM) and measured 1.1-1.6x slower. PREFETCH (the next
+    run's record loaded during this one's update) for fp32 rows up to D=128 only: 9% off the
+    row kernel on S0/S1, but 5-15% slower with 16-bit rows or D=256.
+    ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides the fields it gives
+    (maxnreg 0: no cap)."""
     _, block_d = block_sizes(max_D)
     runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
     given = knobs.tbe_backward_config() or []
     # the fields not given keep the heuristic's values (the cap follows num_warps)
     runs, num_warps, ids, chunk = (given + [runs, num_warps, ids, chunk][len(given):])[:4]
     maxnreg = given[4] if len(given) == 5 else (64 if num_warps == 1 else 0)
-    return runs, num_warps, ids, chunk, maxnreg
-
-
-def _resident_programs(device: torch.device, num_warps: int) -> int:
-    """Programs of ``num_warps`` warps that the device keeps resident at once (a persistent
-    grid): 32 per SM on NVIDIA GPUs since Volta (64 warps, at most 32 blocks); a few on CPU
-    (the interpreter), so that its loops run more than once."""
-    if device.type != "cuda":
-        return 3
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * min(
-        32, 64 // num_warps
-    )
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    prefetch = weight_bytes >= 4 and block_d <= 128
+    return runs, num_warps, ids, chunk, maxnreg, prefetch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,7 +295,8 @@ class BackwardPlan:
     scales: torch.Tensor | None  # [N] fp32 per-sample weight / bag length (if any)
     run_starts: torch.Tensor  # [N + 1] int64
     run_keys: torch.Tensor  # [N] int64
-    run_feats: torch.Tensor  # [N] int64
+    run_elems: torch.Tensor  # [N] int64 flat weights element of each run's row
+    run_dims: torch.Tensor  # [N] int64 D of each run's row
     run_goffs: torch.Tensor  # [N] int64
     num_runs: torch.Tensor  # [1] int64
 
@@ -506,6 +313,8 @@ def tbe_backward_plan(
     D_offsets: torch.Tensor,
     row_offsets: torch.Tensor,
     *,
+    w_offsets: torch.Tensor,
+    dims: torch.Tensor,
     pooling: int,
     grad_stride: int,
     num_rows: int | None = None,
@@ -515,7 +324,9 @@ def tbe_backward_plan(
     step: torch.Tensor | None = None,
 ) -> BackwardPlan:
     """Sort the ids' keys and number their runs: the half of ``tbe_backward`` that does not
-    read the gradient. ``keys``/``bag_ids``/``counts`` as in ``tbe_backward``; ``grad_stride``
+    read the gradient. ``w_offsets``/``dims`` ([T] int64, the layout's) give each run's row
+    its flat weights element and D (the row kernel's record of a run).
+    ``keys``/``bag_ids``/``counts`` as in ``tbe_backward``; ``grad_stride``
     is the row stride of the coming grad_output (``sum(D)`` for a contiguous one); ``step``
     given: its counter is advanced by one on the device (the fused update that follows; an
     empty batch counts too)."""
@@ -531,9 +342,9 @@ def tbe_backward_plan(
     has_scale = per_sample_weights is not None or pooling == 1
     if pooling == 1 and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
-    workspace = torch.empty(5 * N + 2, dtype=torch.int64, device=device)  # one allocation
-    goffs, run_keys, run_feats, run_goffs = workspace[: 4 * N].view(4, N)
-    run_starts, num_runs = workspace[4 * N : 5 * N + 1], workspace[5 * N + 1 :]
+    workspace = torch.empty(6 * N + 2, dtype=torch.int64, device=device)  # one allocation
+    goffs, run_keys, run_elems, run_dims, run_goffs = workspace[: 5 * N].view(5, N)
+    run_starts, num_runs = workspace[5 * N : 6 * N + 1], workspace[6 * N + 1 :]
     scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
     if not (N and B):  # nothing to sort or nothing to read a gradient from
         num_runs.zero_()
@@ -554,11 +365,15 @@ def tbe_backward_plan(
             block_prefix,
             changes,
             D_offsets,
+            w_offsets,
+            dims,
+            row_offsets,
             goffs,
             scales if scales is not None else goffs,
             run_starts,
             run_keys,
-            run_feats,
+            run_elems,
+            run_dims,
             run_goffs,
             num_runs,
             step if step is not None else num_runs,
@@ -573,7 +388,7 @@ def tbe_backward_plan(
             BLOCK=1024,
         )
     return BackwardPlan(N, grad_stride, sentinel, keys, perm, changes, goffs, scales,
-                        run_starts, run_keys, run_feats, run_goffs, num_runs)
+                        run_starts, run_keys, run_elems, run_dims, run_goffs, num_runs)
 
 
 def tbe_backward(
@@ -651,6 +466,8 @@ def tbe_backward(
             per_sample_weights,
             D_offsets,
             row_offsets,
+            w_offsets=w_offsets,
+            dims=dims,
             pooling=pooling,
             grad_stride=grad_output.stride(0),
             num_rows=num_rows,
@@ -669,36 +486,31 @@ def tbe_backward(
             step.add_(1)  # a plan made ahead (in the forward) did not count the step
     # gradient offsets are b * sum(D) + D_offsets[f]: multiples of what divides every D
     galign = min(row_align, max(1, 16 // grad_output.element_size()))
-    config = backward_config(max_D)
-    partial = _reduce_long_runs(grad_output, dims, plan, config, block_d, galign)
+    config = backward_config(max_D, weights.element_size())
+    partial = _reduce_long_runs(grad_output, plan, config, block_d, galign)
     U = int(plan.num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
-    _update_rows(
-        grad_output, weights, w_offsets, dims, row_offsets, plan, partial, out_rows,
-        optimizer=optimizer, momentum1=momentum1, momentum2=momentum2, hyper=hyper, step=step,
+    update_rows(
+        grad_output, weights, plan, partial, out_rows, optimizer=optimizer, momentum1=momentum1, momentum2=momentum2, hyper=hyper, step=step,
         seed=seed, stochastic_rounding=stochastic_rounding, config=config, block_d=block_d,
         row_align=row_align, galign=galign,
     )
     if code != OPT_NONE:
         return None
-    run_keys, f = plan.run_keys[:U], plan.run_feats[:U].to(torch.int64)
-    live = run_keys < plan.sentinel
-    run_keys, f, out_rows = run_keys[live], f[live], out_rows[live]
-    row_elems = w_offsets[f] + (run_keys - row_offsets[f]) * dims[f]
-    return row_elems, dims[f], out_rows
+    live = plan.run_keys[:U] < plan.sentinel
+    return plan.run_elems[:U][live], plan.run_dims[:U][live], out_rows[live]
 
 
 def _reduce_long_runs(
     grad_output: torch.Tensor,
-    dims: torch.Tensor,
     plan: BackwardPlan,
-    config: tuple[int, int, int, int, int],
+    config: tuple[int, ...],
     block_d: int,
     galign: int,
 ) -> torch.Tensor:
     """Step 2: the fp32 partial sums ``[cdiv(N, CHUNK), 2, block_d]`` of the runs longer than
     a chunk (a ``[1, 2, block_d]`` placeholder when no run can be that long)."""
-    _, num_warps, _, chunk, _ = config
+    _, num_warps, _, chunk = config[:4]
     N = plan.N
     n_blocks = triton.cdiv(N, chunk)
     partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=grad_output.device)
@@ -706,12 +518,11 @@ def _reduce_long_runs(
         _CHUNKS(
             (n_blocks,),
             grad_output,
-            dims,
             plan.goffs,
             plan.scales if plan.scales is not None else partial,
             plan.changes,
             plan.run_starts,
-            plan.run_feats,
+            plan.run_dims,
             plan.run_keys,
             partial,
             N,
@@ -725,74 +536,3 @@ def _reduce_long_runs(
         )
     return partial
 
-
-def _update_rows(
-    grad_output: torch.Tensor,
-    weights: torch.Tensor,
-    w_offsets: torch.Tensor,
-    dims: torch.Tensor,
-    row_offsets: torch.Tensor,
-    plan: BackwardPlan,
-    partial: torch.Tensor,
-    out_rows: torch.Tensor,
-    *,
-    optimizer: optim.Optimizer | None,
-    momentum1: torch.Tensor | None,
-    momentum2: torch.Tensor | None,
-    hyper: torch.Tensor | None,
-    step: torch.Tensor | None,
-    seed: int,
-    stochastic_rounding: bool,
-    config: tuple[int, int, int, int, int],
-    block_d: int,
-    row_align: int,
-    galign: int,
-) -> None:
-    """Step 3: sum each run's gradient and update its row in place (with ``optimizer``), or
-    write the row gradients to ``out_rows`` (without)."""
-    device = weights.device
-    code = optimizer_code(optimizer)
-    states = optim.spec_of(optimizer).states if optimizer is not None else ()
-    runs, num_warps, ids, chunk, maxnreg = config
-    scales = plan.scales
-    mantissa, min_exp = half_format(weights.dtype)
-    _ROWS(
-        (min(triton.cdiv(plan.N, runs), _resident_programs(device, num_warps)),),
-        grad_output,
-        weights,
-        w_offsets,
-        dims,
-        row_offsets,
-        plan.goffs,
-        scales if scales is not None else partial,
-        plan.run_starts,
-        plan.run_keys,
-        plan.run_feats,
-        plan.run_goffs,
-        plan.num_runs,
-        partial,
-        out_rows,
-        momentum1 if momentum1 is not None else partial,
-        momentum2 if momentum2 is not None else partial,
-        plan.sentinel,
-        hyper if code else partial,
-        step if code else plan.num_runs,
-        seed % 2147483647,  # (seed * 1000003 + t) % (2^31 - 1) stays in int64
-        OPTIMIZER=code,
-        ROW_STATE=bool(states) and states[0].per_row,
-        WD_DECOUPLED=getattr(optimizer, "weight_decay_mode", "l2") == "decoupled",
-        HAS_SCALE=scales is not None,
-        STOCHASTIC=bool(stochastic_rounding) and weights.dtype in (torch.float16, torch.bfloat16),
-        MANTISSA=mantissa,
-        MIN_EXP=min_exp,
-        CHUNK_SIZE=chunk,
-        PART_L=max(1, min(32, 1024 * num_warps // block_d)),
-        RUNS=runs,
-        IDS=ids,
-        BLOCK_D=block_d,
-        ALIGN=row_align,
-        GALIGN=galign,
-        num_warps=num_warps,
-        # a launch option of NVIDIA's backend only (ROCm's torch also says "cuda")
-        maxnreg=maxnreg if maxnreg and device.type == "cuda" and not torch.version.hip else None,
-    )

@@ -65,6 +65,7 @@ def _tbe_forward_kernel(
     CHECK: tl.constexpr,  # drop out-of-range ids and count them (and malformed offsets) in err
     LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
     ALIGN: tl.constexpr,  # every row starts at a multiple of ALIGN elements (vector loads)
+    AHEAD: tl.constexpr,  # load the next step's ids before this step's rows
     BLOCK_L: tl.constexpr,  # ids gathered per step
     BLOCK_D: tl.constexpr,  # >= max D, power of two
 ):
@@ -94,10 +95,17 @@ def _tbe_forward_kernel(
     d_mask = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     kept = tl.zeros([BLOCK_L], dtype=tl.int32)
+    if AHEAD:  # a step's ids were loaded during the step before: it waits on its rows only
+        pos = start + tl.arange(0, BLOCK_L)
+        idx_next = tl.load(indices_ptr + pos, mask=pos < end, other=0)
     for l0 in range(start, end, BLOCK_L):
         pos = l0 + tl.arange(0, BLOCK_L)
         l_mask = pos < end
-        idx = tl.load(indices_ptr + pos, mask=l_mask, other=0).to(tl.int64)
+        if AHEAD:
+            idx = idx_next.to(tl.int64)
+            idx_next = tl.load(indices_ptr + pos + BLOCK_L, mask=pos + BLOCK_L < end, other=0)
+        else:
+            idx = tl.load(indices_ptr + pos, mask=l_mask, other=0).to(tl.int64)
         if CHECK:
             ok = (idx >= 0) & (idx < E)
             bad = l_mask & ~ok
@@ -282,24 +290,30 @@ def block_sizes(max_D: int) -> tuple[int, int]:
     return block_l, block_d
 
 
-def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel. A heuristic keyed on shape, from a
-    sweep on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``, docs/kernels.md): one warp per
-    bag (its sums stay inside the warp, and 32 bags fit on an SM) and 4 ids in flight per step
-    up to D=256 (with rows loaded as 16-byte vectors, ``row_align``; 8 ids was better before
-    that on uniform ids only); a bigger tile spills registers. Several bags per program
-    ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower.
-    ``FBTD_TBE_FWD=block_l,num_warps[,maxnreg]`` overrides it (maxnreg: a register cap, NVIDIA
-    only; 0 or absent: none)."""
+def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_L, BLOCK_D, num_warps, maxnreg, AHEAD) of the forward kernel. A heuristic keyed
+    on shape, from sweeps on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``,
+    docs/results/tbe-h200-session12.md): one warp per bag (its sums stay inside the warp, and
+    32 bags fit on an SM) and 4 ids in flight per step up to D=256 (with rows loaded as 16-byte
+    vectors, ``row_align``); a bigger tile spills registers. 16-bit rows up to D=128 take 8
+    ids per step with the next step's ids loaded ahead (AHEAD: S2 0.118 -> 0.099 ms); on fp32
+    rows AHEAD gained <= 2% on uniform and Zipf(1.05) ids and lost 5% on Zipf(1.15).
+    Several bags per program ([BAGS, BLOCK_L, D] tiles, one warp each) measured 1.3-2x slower,
+    and so did 2-4 bags pooled one after the other by one program (their bounds in one load).
+    ``FBTD_TBE_FWD=block_l,num_warps[,maxnreg]`` overrides the first fields (maxnreg: a
+    register cap, NVIDIA only; 0 or absent: none)."""
     _, block_d = block_sizes(max_D)
     num_warps = 1 if block_d <= 256 else 2
     block_l = max(1, 2048 // block_d) if block_d > 256 else 4
+    ahead = weight_bytes <= 2 and block_d <= 128
+    if ahead:
+        block_l = 8
     maxnreg = 0
     fields = knobs.tbe_forward_config()
     if fields:
         block_l, num_warps = fields[:2]
         maxnreg = fields[2] if len(fields) == 3 else 0
-    return block_l, block_d, num_warps, maxnreg
+    return block_l, block_d, num_warps, maxnreg, ahead
 
 
 def key_dtype(num_rows: int) -> torch.dtype:
@@ -365,7 +379,7 @@ def tbe_forward(
         if counts is not None:
             counts.zero_()
         return result
-    block_l, block_d, num_warps, maxnreg = forward_config(max_D, weights.element_size())
+    block_l, block_d, num_warps, maxnreg, ahead = forward_config(max_D, weights.element_size())
     psw = per_sample_weights if per_sample_weights is not None else indices
     _FORWARD(
         (T * B,),
@@ -392,6 +406,7 @@ def tbe_forward(
         CHECK=err is not None,
         LINEARIZE=linearize,
         ALIGN=row_align,
+        AHEAD=ahead,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,

@@ -292,6 +292,8 @@ def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sam
             psw,
             layout.D_offsets,
             layout.row_offsets,
+            w_offsets=layout.w_offsets,
+            dims=layout.dims,
             pooling=pooling,
             grad_stride=layout.max_D if pooling == reference.POOL_NONE else layout.total_D,
             num_rows=layout.num_rows,

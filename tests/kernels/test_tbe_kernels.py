@@ -140,15 +140,28 @@ def test_padding_after_the_last_bag_is_ignored(optimizer, backend):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
+def test_forward_config_loads_ids_ahead_for_16_bit_rows_only(monkeypatch):
+    from fbtriton_dist.kernels.tbe_forward import forward_config
+
+    monkeypatch.delenv("FBTD_TBE_FWD", raising=False)
+    assert forward_config(128, 4) == (4, 128, 1, 0, False)
+    assert forward_config(128, 2) == (8, 128, 1, 0, True)
+    assert forward_config(256, 2) == (4, 256, 1, 0, False)
+    monkeypatch.setenv("FBTD_TBE_FWD", "2,1")
+    assert forward_config(64, 2) == (2, 64, 1, 0, True)
+
+
 def test_backward_config_override_keeps_the_fields_it_does_not_give(monkeypatch):
     from fbtriton_dist.kernels.tbe_backward import CHUNK, backward_config
 
-    assert backward_config(128) == (1, 1, 1, CHUNK, 64)
+    assert backward_config(128) == (1, 1, 1, CHUNK, 64, True)
+    # the next run's record ahead only for fp32 rows up to D=128
+    assert not backward_config(128, weight_bytes=2)[5] and not backward_config(256)[5]
     for env, want in [("2,1", (2, 1, 1, CHUNK, 64)), ("1,1,4", (1, 1, 4, CHUNK, 64)),
                       ("2,1,2,8", (2, 1, 2, 8, 64)), ("1,2", (1, 2, 1, CHUNK, 0)),
                       ("1,1,1,4,0", (1, 1, 1, 4, 0))]:
         monkeypatch.setenv("FBTD_TBE_BWD", env)
-        assert backward_config(128) == want, env
+        assert backward_config(128) == (*want, True), env
     monkeypatch.setenv("FBTD_TBE_BWD", "1,1,1,1,1,1")
     with pytest.raises(ValueError, match="at most 5 fields"):
         backward_config(128)

@@ -14,6 +14,7 @@ from torchrec import DataType, EmbeddingConfig, KeyedJaggedTensor
 
 import fbtriton_dist
 from tests.conftest import TRITON_OK
+from tests.helpers import device_for
 
 BACKENDS = ["cpu", "reference"] + (["triton"] if TRITON_OK else [])
 
@@ -48,12 +49,19 @@ def _kjt(B=4, seed=0, id_dtype=torch.int64, hot=False):
 
 
 def _pair(tables, backend="cpu", need_indices=False):
+    """TorchRec's (on the CPU) and ours (Triton on the GPU when there is one), same weights."""
     torch.manual_seed(3)
     theirs = torchrec.EmbeddingCollection(tables=copy.deepcopy(tables), need_indices=need_indices)
     torch.manual_seed(3)
     ours = fbtriton_dist.EmbeddingCollection(tables=copy.deepcopy(tables), backend=backend,
                                              need_indices=need_indices)
-    return theirs, ours
+    return theirs, ours.to(device_for(backend))
+
+
+def _run(ours, kjt) -> dict:
+    """``ours(kjt)`` on ours' device, the JaggedTensors back on the CPU (differentiably)."""
+    out = ours(kjt.to(ours.device))
+    return {k: jt.to(torch.device("cpu")) for k, jt in out.items()}
 
 
 def _loss(out: dict) -> torch.Tensor:
@@ -82,7 +90,7 @@ def test_seeded_build_and_state_dicts_load_strictly_both_ways():
 def test_outputs_and_gradients_match_torchrec(backend, id_dtype, need_indices):
     theirs, ours = _pair(_tables(), backend, need_indices)
     kjt = _kjt(id_dtype=id_dtype, hot=True)
-    out_t, out_o = theirs(kjt), ours(kjt)
+    out_t, out_o = theirs(kjt), _run(ours, kjt)
     assert list(out_t) == list(out_o) == ["history@item", "target", "user", "history@shared"]
     for k, jt in out_t.items():
         mine = out_o[k]
@@ -98,7 +106,7 @@ def test_outputs_and_gradients_match_torchrec(backend, id_dtype, need_indices):
     _loss(out_o).backward()
     mine = dict(ours.named_parameters())
     for name, p in theirs.named_parameters():
-        torch.testing.assert_close(mine[name].grad, p.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mine[name].grad.cpu(), p.grad, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -112,11 +120,11 @@ def test_a_torch_optimizer_trains_it_like_torchrec(backend, dtype, cls):
     for step in range(3):
         kjt = _kjt(seed=step, hot=True)
         for m, opt in zip((theirs, ours), opts, strict=True):
-            _loss(m(kjt)).backward()
+            _loss(m(kjt) if m is theirs else _run(m, kjt)).backward()
             opt.step()
             opt.zero_grad()
     for k, v in theirs.state_dict().items():
-        torch.testing.assert_close(ours.state_dict()[k], v, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(ours.state_dict()[k].cpu(), v, atol=2e-3, rtol=2e-3)
 
 
 FUSED = {
@@ -133,7 +141,7 @@ def test_fused_optimizer_matches_torchrec_with_the_same_optimizer(backend, name)
     TorchRec's steps each table's torch optimizer. Adam is compared on batches that touch
     every row (ours is lazy, FBGEMM's convention: rows a batch misses keep their moments)."""
     cls, kwargs = FUSED[name]
-    theirs, ours = _pair(_tables())
+    theirs, ours = _pair(_tables(), backend)
     for m in (theirs, ours):
         _apply_optimizer_in_backward(cls, m.parameters(), kwargs)
     ours_tbe = ours._tbes[0]
@@ -147,10 +155,10 @@ def test_fused_optimizer_matches_torchrec_with_the_same_optimizer(backend, name)
                 lengths=torch.tensor([n for n in every.values()]),  # one sample: every row
             )
         _loss(theirs(kjt)).backward()
-        _loss(ours(kjt)).backward()
+        _loss(_run(ours, kjt)).backward()
     assert ours_tbe.optimizer is not None and ours_tbe.step == 3
     for k, v in theirs.state_dict().items():
-        torch.testing.assert_close(ours.state_dict()[k], v, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.state_dict()[k].cpu(), v, atol=1e-5, rtol=1e-5)
     assert all(p.grad is None for p in ours.parameters())
 
 

@@ -165,10 +165,11 @@ def test_plan_tensors_are_the_plan_s_own_not_copies():
     offsets = torch.tensor([0, 2, 3, 5], device=DEVICE)
     plan = bwd.tbe_backward_plan(
         ids, offsets, None, torch.tensor([0, 4], device=DEVICE),
-        torch.tensor([0], device=DEVICE), pooling=0, grad_stride=4, num_rows=5)
+        torch.tensor([0], device=DEVICE), w_offsets=torch.tensor([0], device=DEVICE),
+        dims=torch.tensor([4], device=DEVICE), pooling=0, grad_stride=4, num_rows=5)
     got = plan.tensors()
-    assert len(got) == 9  # scales is None (sum pooling, no weights)
+    assert len(got) == 10  # scales is None (sum pooling, no weights)
     fields = [plan.keys, plan.perm, plan.changes, plan.goffs, plan.run_starts, plan.run_keys,
-              plan.run_feats, plan.run_goffs, plan.num_runs]
+              plan.run_elems, plan.run_dims, plan.run_goffs, plan.num_runs]
     assert all(any(t is f for t in got) for f in fields)
     assert int(plan.num_runs) == 4
