@@ -46,10 +46,10 @@ from ._yaml import check_int, check_number
 from .memory import state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
-from .stats import IdDistribution
+from .stats import IdDistribution, cdf_array
 from .tables import TableSpec
 
-__all__ = ["CostModel", "PlanCost", "RankCost", "evaluate"]
+__all__ = ["Blocks", "CostModel", "PlanCost", "RankCost", "evaluate"]
 
 UNIFORM = IdDistribution()
 
@@ -133,6 +133,56 @@ class PlanCost:
         return max(float(getattr(r, term)) for r in self.ranks)
 
 
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """Shards as arrays, one element per shard (what the planner scores: building thousands
+    of validated :class:`Shard` objects per proposal at 4,096 ranks cost more than scoring)."""
+
+    rank: np.ndarray
+    row_start: np.ndarray
+    row_end: np.ndarray
+    col_start: np.ndarray
+    col_end: np.ndarray
+
+    @staticmethod
+    def make(rank, row_start, row_end, col_start, col_end) -> Blocks:
+        """Blocks from arrays or numbers (numbers are repeated for every rank)."""
+        rank = np.atleast_1d(np.asarray(rank, dtype=np.int64))
+        n = rank.shape[0]
+
+        def full(x):
+            return np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).copy()
+
+        return Blocks(rank, full(row_start), full(row_end), full(col_start), full(col_end))
+
+    @staticmethod
+    def of(shards: Sequence[Shard]) -> Blocks:
+        return Blocks.make(*(np.array([getattr(sh, f) for sh in shards], dtype=np.int64)
+                             for f in ("rank", "row_start", "row_end", "col_start", "col_end")))
+
+    @staticmethod
+    def join(parts: Sequence[Blocks]) -> Blocks:
+        return Blocks(*(np.concatenate([getattr(b, f) for b in parts])
+                        for f in ("rank", "row_start", "row_end", "col_start", "col_end")))
+
+    def __len__(self) -> int:
+        return int(self.rank.shape[0])
+
+    def shards(self) -> tuple[Shard, ...]:
+        cols = zip(self.rank.tolist(), self.row_start.tolist(), self.row_end.tolist(),
+                   self.col_start.tolist(), self.col_end.tolist(), strict=True)
+        return tuple(Shard(rank=r, row_start=a, row_end=b, col_start=c, col_end=d)
+                     for r, a, b, c, d in cols)
+
+    def column_slices(self) -> list[tuple[int, int, np.ndarray]]:
+        """``(col_start, col_end, indices)`` per distinct column range, in column order."""
+        pairs = sorted(set(zip(self.col_start.tolist(), self.col_end.tolist(), strict=True)))
+        if len(pairs) == 1:
+            return [(pairs[0][0], pairs[0][1], np.arange(len(self)))]
+        return [(a, b, np.nonzero((self.col_start == a) & (self.col_end == b))[0])
+                for a, b in pairs]
+
+
 class CostAccumulator:
     """Per-rank running sums of the cost terms; the planner adds tables one at a time. The
     sums are one numpy array ``[len(TERMS), R]``: adding a table is a few vector operations
@@ -163,6 +213,11 @@ class CostAccumulator:
             1.0 / m.inter_host_bandwidth - 1.0 / m.intra_host_bandwidth
         )
         self._coef = coef
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        """[len(TERMS)] seconds per unit of each term: a rank's time is ``coef @ values[:, r]``."""
+        return self._coef
 
     def copy(self) -> CostAccumulator:
         other = CostAccumulator.__new__(CostAccumulator)
@@ -239,26 +294,33 @@ class CostAccumulator:
         self, spec: TableSpec, ts: TableSharding, dist: IdDistribution, optimizer: str
     ) -> None:
         """Add the terms of every shard of ``ts`` (one table's sharding) to the sums."""
+        self.add_blocks(spec, ts.sharding, Blocks.of(ts.shards), dist, optimizer)
+
+    def add_blocks(
+        self, spec: TableSpec, sharding: str, blocks: Blocks, dist: IdDistribution,
+        optimizer: str
+    ) -> None:
+        """:meth:`add_table` for shards given as :class:`Blocks`."""
         opt = spec.optimizer or optimizer
         s = spec.dtype_bytes
-        ranks = np.array([sh.rank for sh in ts.shards])
-        rows = np.array([sh.num_rows for sh in ts.shards], dtype=np.float64)
-        cols = np.array([sh.num_cols for sh in ts.shards], dtype=np.float64)
-        self.add(ranks, weight_bytes=rows * cols * s, state_bytes=state_bytes(opt, rows, cols))
-        if ts.sharding == "data_parallel":
+        rows = (blocks.row_end - blocks.row_start).astype(np.float64)
+        cols = (blocks.col_end - blocks.col_start).astype(np.float64)
+        self.add(blocks.rank, weight_bytes=rows * cols * s,
+                 state_bytes=state_bytes(opt, rows, cols))
+        if sharding == "data_parallel":
             self._add_replicas(spec)
-        elif ts.sharding in ("table_wise", "column_wise"):
-            for sh in ts.shards:
-                self._add_whole_rows(spec, sh)
+        elif sharding in ("table_wise", "column_wise"):
+            for r, c in zip(blocks.rank.tolist(), cols.tolist(), strict=True):
+                self._add_whole_rows(spec, r, int(c))
         else:  # row_wise, table_row_wise, grid_shard (one table-row-wise part per slice)
-            kind = "table_row_wise" if ts.sharding == "grid_shard" else ts.sharding
-            for a, b, shards in ts.column_slices():
-                holders = [sh.rank for sh in shards]
-                p = np.array([dist.fraction(spec.num_embeddings, sh.row_start, sh.row_end)
-                              for sh in shards])
+            kind = "table_row_wise" if sharding == "grid_shard" else sharding
+            E = spec.num_embeddings
+            for a, b, idx in blocks.column_slices():
+                holders = blocks.rank[idx]
+                p = cdf_array(dist, E, blocks.row_end[idx]) - cdf_array(
+                    dist, E, blocks.row_start[idx])
                 # the terms are linear in the lookup share p: every holder in one addition
-                self.add(np.array(holders),
-                         **self.row_holder_terms(spec, p, len(holders), kind, b - a))
+                self.add(holders, **self.row_holder_terms(spec, p, len(holders), kind, b - a))
                 if spec.pooling == "none":
                     self._add_sequence_rows(spec, holders, p, b - a)
                 else:
@@ -282,16 +344,17 @@ class CostAccumulator:
         hosts = np.arange(self.R) // self.H
         return (hosts != rank // self.H).astype(float)
 
-    def _add_whole_rows(self, spec: TableSpec, sh: Shard) -> None:
-        """A table-wise table or one column slice: its owner serves all R·B samples."""
+    def _add_whole_rows(self, spec: TableSpec, rank: int, c: int) -> None:
+        """A table-wise table or one column slice (``c`` columns, on ``rank``): its owner
+        serves all R·B samples."""
         m, R, B = self.model, self.R, self.model.batch_size
-        L, F, c = spec.ids_per_sample, len(spec.features), sh.num_cols
+        L, F = spec.ids_per_sample, len(spec.features)
         lookups = R * B * L
         inp = (R - 1) * B * (L * m.index_bytes + F * m.length_bytes)
         per_sample = L if spec.pooling == "none" else 1.0  # rows per sample on the wire
         grads = (R - 1) * B * per_sample * c * m.output_bytes
         self.add(
-            sh.rank,
+            rank,
             lookups=lookups,
             lookup_bytes=lookups * c * spec.dtype_bytes,
             input_dist_bytes=inp,
@@ -300,9 +363,9 @@ class CostAccumulator:
         )
         pooled = B * per_sample * c * m.output_bytes
         others = np.ones(R)
-        others[sh.rank] = 0.0  # every other rank receives its samples' pooled slice
+        others[rank] = 0.0  # every other rank receives its samples' pooled slice
         self.add(slice(None), output_dist_bytes=pooled * others,
-                 inter_host_bytes=pooled * self._other_host(sh.rank))
+                 inter_host_bytes=pooled * self._other_host(rank))
 
     def row_holder_terms(
         self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None

@@ -229,8 +229,12 @@ def memory_problems(
     ``optimizer``)."""
     by_name = {t.name: t for t in tables}
     problems = []
+    per_rank: dict[int, list[tuple[str, Shard]]] = {}
+    for t in plan.tables:  # one pass (shards_for_rank per rank is R x shards)
+        for s in t.shards:
+            per_rank.setdefault(s.rank, []).append((t.name, s))
     for rank in range(plan.world_size):
-        shards = plan.shards_for_rank(rank)
+        shards = per_rank.get(rank, [])
         sizes = [
             block_bytes(by_name[name], sh.num_rows, sh.num_cols, optimizer) for name, sh in shards
         ]

@@ -29,16 +29,17 @@ import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from ._yaml import check_choice, check_int, check_number
-from .cost import UNIFORM, CostAccumulator, CostModel, PlanCost, evaluate
+from .cost import UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
 from .plan import ShardingPlan
-from .shards import SHARDING_TYPES, Shard, TableSharding
-from .stats import IdDistribution, balanced_cuts, equal_cuts
+from .shards import SHARDING_TYPES, TableSharding
+from .stats import IdDistribution, balanced_cuts, cdf_array, equal_cuts
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
 
 __all__ = ["PlanError", "ShardingPlanner"]
@@ -55,19 +56,37 @@ GRID_BRANCHES = 2
 (so at most 2 + 4 + 8 + 16 = 30 re-plans with ``MAX_GRID_TABLES`` = 4)."""
 TW_CANDIDATE_RANKS = 4
 """Table-wise tries this many of the least-loaded ranks that have room."""
+TWRW_CANDIDATE_HOSTS = 4
+"""Table-row-wise tries this many hosts: those whose ranks are the least loaded."""
+
+
+def _row_cut_blocks(group: Sequence[int], cuts: Sequence[int], c0: int, c1: int) -> Blocks:
+    """Row block j ``[cuts[j], cuts[j+1])`` on ``group[j]``, empty blocks left out."""
+    starts, ends = np.asarray(cuts[:-1], dtype=np.int64), np.asarray(cuts[1:], dtype=np.int64)
+    keep = ends > starts
+    return Blocks.make(np.asarray(group, dtype=np.int64)[keep], starts[keep], ends[keep], c0, c1)
+
+
+def _better(a: tuple[np.ndarray, float], b: tuple[np.ndarray, float]) -> bool:
+    """``a < b`` for scores (rank times in quanta, slowest first; then the total added):
+    the tuples' order, on arrays."""
+    differ = np.flatnonzero(a[0] != b[0])
+    if differ.size:
+        return bool(a[0][differ[0]] < b[0][differ[0]])
+    return a[1] < b[1]
 
 
 def _quanta(seconds: float) -> int:
     return round(seconds / TIME_QUANTUM)
 
 
-def _table_sharding(spec: TableSpec, sharding: str, shards: Iterable[Shard]) -> TableSharding:
+def _table_sharding(spec: TableSpec, sharding: str, blocks: Blocks) -> TableSharding:
     return TableSharding(
         name=spec.name,
         sharding=sharding,  # type: ignore[arg-type]
         num_embeddings=spec.num_embeddings,
         embedding_dim=spec.embedding_dim,
-        shards=tuple(shards),
+        shards=blocks.shards(),
     )
 
 
@@ -77,6 +96,31 @@ DEFAULT_HBM_BYTES = 80 * 2**30
 
 class PlanError(ValueError):
     """The tables do not fit; the message explains which table and by how much."""
+
+
+@dataclass(eq=False)
+class _Draft:
+    """One greedy pass: each table's choice in placement order, what each added to the
+    per-rank sums (kept while a re-plan may start from it) and the sums."""
+
+    grid: frozenset[str]
+    order: list[str]
+    choices: list[tuple[str, Blocks]]
+    adds: list[np.ndarray] | None
+    acc: CostAccumulator
+
+    def times(self) -> np.ndarray:
+        return self.acc.time_array()
+
+    def step(self) -> float:
+        return float(self.times().max())
+
+
+
+def _imbalance(times: np.ndarray) -> float:
+    """max / mean (1.0 when every value is 0)."""
+    mean = float(times.mean())
+    return float(times.max()) / mean if mean > 0 else 1.0
 
 
 class ShardingPlanner:
@@ -174,11 +218,18 @@ class ShardingPlanner:
         without stats are taken as uniform.
         """
         self._clock = (time.monotonic(), -math.inf)
-        return self._plan(tables, constraints, stats)
-
-    def _plan(self, tables, constraints, stats) -> ShardingPlan:
-        """``plan`` without restarting the progress clock."""
         specs = to_table_specs(tables)
+        draft = self._plan(specs, constraints, stats)
+        by_name = {t.name: t for t in specs}
+        return ShardingPlan(
+            world_size=self.world_size,
+            local_world_size=self.local_world_size,
+            tables=tuple(_table_sharding(by_name[name], *draft.choices[draft.order.index(name)])
+                         for name in (t.name for t in specs)),
+        )
+
+    def _plan(self, specs, constraints, stats) -> _Draft:
+        """``plan`` without restarting the progress clock, as a draft."""
         cons = table_constraints(constraints, specs)
         for name in stats or {}:
             if name not in cons:
@@ -192,61 +243,67 @@ class ShardingPlanner:
             return self._no_worse_than_equal_cuts(best, specs, cons, stats)
         # grid-shard a table that dominates the slowest rank, re-plan; a re-plan whose step time
         # beats its parent's is explored further (a small tree: GRID_BRANCHES contributors per
-        # plan, MAX_GRID_TABLES deep); every plan seen is a candidate for _choose
-        candidates = [(best, self._plan_cost(best, specs, stats))]
-        frontier = [(frozenset[str](), candidates[0])]
+        # plan, MAX_GRID_TABLES deep); every plan seen is a candidate for _choose. A re-plan
+        # repeats its parent's choices up to the newly allowed table (same state, same choice)
+        candidates, frontier = [best], [best]
         seen: set[frozenset[str]] = set()
         for _ in range(MAX_GRID_TABLES):
             grown = []
-            for grid, (plan, cost) in frontier:
-                names = self._bottlenecks(plan, cost, specs, stats, grid)
+            for parent in frontier:
+                names = self._bottlenecks(parent, specs, parent.grid)
                 for name in names[:GRID_BRANCHES]:
                     if "grid_shard" not in self._allowed_types(cons[name], grid=True):
                         continue
-                    wider = grid | {name}
+                    wider = parent.grid | {name}
                     if wider in seen:
                         continue
                     seen.add(wider)
                     try:
-                        new = self._greedy(specs, cons, stats, wider)
+                        new = self._greedy(specs, cons, stats, wider, parent)
                     except PlanError:
                         continue
-                    new_cost = self._plan_cost(new, specs, stats)
-                    candidates.append((new, new_cost))
-                    if _quanta(new_cost.max()) < _quanta(cost.max()):
-                        grown.append((wider, (new, new_cost)))
+                    candidates.append(new)
+                    if _quanta(new.step()) < _quanta(parent.step()):
+                        grown.append(new)
+                    else:
+                        new.adds = None  # never extended: keep only its sums
+            for draft in frontier:
+                draft.adds = None  # no longer extended: keep only its sums
             frontier = grown
-        return self._no_worse_than_equal_cuts(self._choose(candidates), specs, cons, stats)
+        chosen = self._choose([(d, d.times()) for d in candidates])
+        return self._no_worse_than_equal_cuts(chosen, specs, cons, stats)
 
     def _no_worse_than_equal_cuts(
         self,
-        plan: ShardingPlan,
+        draft: _Draft,
         specs: Sequence[TableSpec],
         cons: Mapping[str, TableConstraints],
         stats: Mapping[str, IdDistribution],
-    ) -> ShardingPlan:
-        """``plan``, or the plan made with equal row blocks if that one's step time is lower
+    ) -> _Draft:
+        """``draft``, or the plan made with equal row blocks if that one's step time is lower
         (skew-aware cuts balance each table as it is placed; greedily, that can leave a plan
         slower than equal blocks, e.g. Criteo at 8 ranks). Only with ``row_cuts="balanced"``."""
         if self.row_cuts != "balanced":
-            return plan
+            return draft
         equal = copy.copy(self)  # the same clock: its progress lines continue ours
         equal.row_cuts = "equal"
         try:
             other = equal._plan(specs, cons, stats)
         except PlanError:  # equal blocks do not fit where balanced cuts do
-            return plan
-        mine = self._plan_cost(plan, specs, stats).max()
-        theirs = self._plan_cost(other, specs, stats).max()
-        return other if _quanta(theirs) < _quanta(mine) else plan
+            return draft
+        return other if _quanta(other.step()) < _quanta(draft.step()) else draft
 
-    def _choose(self, candidates: Sequence[tuple[ShardingPlan, PlanCost]]) -> ShardingPlan:
-        """The most balanced plan among those whose step time is within ``balance_tolerance``
-        of the fastest (ties: the faster, then the earlier)."""
-        fastest = min(_quanta(cost.max()) for _, cost in candidates)
+    def _choose(self, candidates: Sequence[tuple[Any, np.ndarray]]) -> Any:
+        """Of ``(plan, per-rank times)`` pairs, the most balanced plan (max/mean time) among
+        those whose step time is within ``balance_tolerance`` of the fastest (ties: the
+        faster, then the earlier)."""
+        def step(times: np.ndarray) -> int:
+            return _quanta(float(times.max()))
+
+        fastest = min(step(t) for _, t in candidates)
         limit = fastest * (1.0 + self.balance_tolerance)
-        near = [(plan, cost) for plan, cost in candidates if _quanta(cost.max()) <= limit]
-        return min(near, key=lambda pc: (pc[1].imbalance(), _quanta(pc[1].max())))[0]
+        near = [(plan, t) for plan, t in candidates if step(t) <= limit]
+        return min(near, key=lambda pt: (_imbalance(pt[1]), step(pt[1])))[0]
 
     def _greedy(
         self,
@@ -254,21 +311,31 @@ class ShardingPlanner:
         cons: Mapping[str, TableConstraints],
         stats: Mapping[str, IdDistribution],
         grid: frozenset[str],
-    ) -> ShardingPlan:
-        """One greedy pass; tables named in ``grid`` may also be grid-sharded."""
-        acc = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
-        chosen: dict[str, TableSharding] = {}
-        for i, spec in enumerate(self._order(specs)):
+        parent: _Draft | None = None,
+    ) -> _Draft:
+        """One greedy pass; tables named in ``grid`` may also be grid-sharded. With a
+        ``parent`` pass (whose grid set is ``grid`` less some tables) its choices are kept up to
+        the first table placed that only this pass may grid-shard."""
+        order = self._order(specs)
+        draft = _Draft(grid, [t.name for t in order], [], [],
+                       CostAccumulator(self.world_size, self.local_world_size, self.cost_model))
+        if parent is not None and parent.adds is not None:
+            start = min(i for i, name in enumerate(draft.order) if name in grid - parent.grid)
+            draft.choices, draft.adds = parent.choices[:start], parent.adds[:start]
+            for values in draft.adds:  # the same sums, in the same order, as the parent's
+                draft.acc.values += values
+        acc = draft.acc
+        for i in range(len(draft.choices), len(order)):
+            spec = order[i]
             self._report(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
                          f"{f', grid {sorted(grid)}' if grid else ''}: table {i + 1}/"
                          f"{len(specs)}")
             dist = stats.get(spec.name, UNIFORM)
-            chosen[spec.name] = self._place(spec, cons[spec.name], dist, acc, spec.name in grid)
-        return ShardingPlan(
-            world_size=self.world_size,
-            local_world_size=self.local_world_size,
-            tables=tuple(chosen[s.name] for s in specs),
-        )
+            sharding, blocks, add = self._place(spec, cons[spec.name], dist, acc,
+                                                spec.name in grid)
+            draft.choices.append((sharding, blocks))
+            draft.adds.append(add.values)
+        return draft
 
     def _report(self, where: str) -> None:
         """A progress line, once the plan has taken ``progress_after_s``, at most once a
@@ -281,33 +348,17 @@ class ShardingPlanner:
             self._clock = (start, now)
             self.progress(f"planning {self.world_size} ranks: {where} ({now - start:.0f} s)")
 
-    def _plan_cost(
-        self,
-        plan: ShardingPlan,
-        specs: Sequence[TableSpec],
-        stats: Mapping[str, IdDistribution],
-    ) -> PlanCost:
-        return evaluate(plan, specs, stats, self.cost_model, self.optimizer)
-
     def _bottlenecks(
-        self,
-        plan: ShardingPlan,
-        cost: PlanCost,
-        specs: Sequence[TableSpec],
-        stats: Mapping[str, IdDistribution],
-        skip: frozenset[str],
+        self, draft: _Draft, specs: Sequence[TableSpec], skip: frozenset[str]
     ) -> list[str]:
-        """Tables not in ``skip``, by the time each adds to the plan's slowest rank, most first."""
-        slowest = max(cost.ranks, key=lambda r: r.time_s).rank
-        by_name = {t.name: t for t in specs}
-
-        def share(ts: TableSharding) -> float:
-            one = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
-            one.add_table(by_name[ts.name], ts, stats.get(ts.name, UNIFORM), self.optimizer)
-            return one.time(slowest)
-
-        rest = [ts for ts in plan.tables if ts.name not in skip]
-        return [ts.name for ts in sorted(rest, key=share, reverse=True)]
+        """Tables not in ``skip``, by the time each adds to the plan's slowest rank, most first
+        (ties in table order)."""
+        slowest = int(np.argmax(draft.times()))
+        coef = draft.acc.coefficients
+        added = {name: float(coef @ values[:, slowest])
+                 for name, values in zip(draft.order, draft.adds or (), strict=True)}
+        rest = [t.name for t in specs if t.name not in skip]
+        return sorted(rest, key=lambda name: -added[name])
 
     def cost(
         self,
@@ -383,25 +434,26 @@ class ShardingPlanner:
         dist: IdDistribution,
         acc: CostAccumulator,
         grid: bool,
-    ) -> TableSharding:
+    ) -> tuple[str, Blocks, CostAccumulator]:
+        """The best placement of the table given ``acc`` (added to it): its sharding type,
+        its blocks and what it adds per rank."""
         best, best_score, failures = None, None, []
         base = acc.time_array()
         for sharding in self._allowed_types(c, grid):
             proposals = list(self._proposals(spec, sharding, c, dist, acc))
             if not proposals:
                 failures.append(self._why_not(spec, sharding, c, acc))
-            for ts in proposals:
+            for blocks in proposals:
                 add = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
-                add.add_table(spec, ts, dist, self.optimizer)
+                add.add_blocks(spec, sharding, blocks, dist, self.optimizer)
                 if (acc.memories() + add.memories() > self.budget_bytes).any():
                     failures.append(self._why_not(spec, sharding, c, acc))
                     continue
                 extra = add.time_array()
                 new = np.sort(base + extra)[::-1]
-                score = (tuple(np.round(new / TIME_QUANTUM).astype(np.int64).tolist()),
-                         float(extra.sum()))
-                if best_score is None or score < best_score:
-                    best, best_score, best_add = ts, score, add
+                score = (np.round(new / TIME_QUANTUM).astype(np.int64), float(extra.sum()))
+                if best_score is None or _better(score, best_score):
+                    best, best_score, best_add = (sharding, blocks), score, add
         if best is None:
             full = self._table_bytes(spec, spec.num_embeddings, spec.embedding_dim)
             reasons = "\n  ".join(dict.fromkeys(failures))
@@ -412,7 +464,7 @@ class ShardingPlanner:
                 f"  {reasons}"
             )
         acc.merge(best_add)
-        return best
+        return (*best, best_add)
 
     def _candidate_ranks(self, c: TableConstraints) -> list[int]:
         return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
@@ -424,12 +476,13 @@ class ShardingPlanner:
         c: TableConstraints,
         dist: IdDistribution,
         acc: CostAccumulator,
-    ) -> Iterator[TableSharding]:
+    ) -> Iterator[Blocks]:
         """The placements ``sharding`` offers for the table, given the load already in ``acc``."""
         ranks = self._candidate_ranks(c)
         lo, hi = c.min_shards or 1, c.max_shards or self.world_size
-        times, mem = acc.times(), acc.memories().tolist()
-        by_load = sorted(ranks, key=lambda r: (times[r], mem[r], r))
+        allowed = np.asarray(ranks, dtype=np.int64)
+        times, mem = acc.time_array()[allowed], acc.memories()[allowed]
+        by_load = allowed[np.lexsort((allowed, mem, times))].tolist()  # least loaded first
         if sharding == "data_parallel":
             cuts = self._replicas(spec, ranks)
         elif sharding == "table_wise":
@@ -440,30 +493,24 @@ class ShardingPlanner:
             cuts = self._grid(spec, ranks, lo, hi, dist, acc)
         else:
             cuts = self._row_blocks(spec, sharding, ranks, by_load, lo, hi, dist, acc)
-        for shards in cuts:
-            yield _table_sharding(spec, sharding, shards)
+        yield from cuts
 
-    def _replicas(self, spec: TableSpec, ranks: list[int]) -> Iterator[list[Shard]]:
+    def _replicas(self, spec: TableSpec, ranks: list[int]) -> Iterator[Blocks]:
         """Data-parallel: a full replica on every rank (never pinned to some ranks)."""
         E, D = spec.num_embeddings, spec.embedding_dim
         if len(ranks) == self.world_size:
-            yield [
-                Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)
-                for r in range(self.world_size)
-            ]
+            yield Blocks.make(np.arange(self.world_size), 0, E, 0, D)
 
     def _whole_tables(
         self, spec: TableSpec, lo: int, by_load: list[int], acc: CostAccumulator
-    ) -> Iterator[list[Shard]]:
+    ) -> Iterator[Blocks]:
         """Table-wise: the whole table on one of the ``TW_CANDIDATE_RANKS`` least-loaded ranks
         that have room."""
         E, D = spec.num_embeddings, spec.embedding_dim
         if lo <= 1:
-            need = self._table_bytes(spec, E, D)
-            mem = acc.memories().tolist()
-            fits = [r for r in by_load if mem[r] + need <= self.budget_bytes]
+            fits = self._with_room(by_load, acc, self._table_bytes(spec, E, D))
             for r in fits[:TW_CANDIDATE_RANKS]:
-                yield [Shard(rank=r, row_start=0, row_end=E, col_start=0, col_end=D)]
+                yield Blocks.make(r, 0, E, 0, D)
 
     def _column_slices(
         self,
@@ -472,20 +519,16 @@ class ShardingPlanner:
         num_ranks: int,
         by_load: list[int],
         acc: CostAccumulator,
-    ) -> Iterator[list[Shard]]:
+    ) -> Iterator[Blocks]:
         """Column-wise: for each allowed slice count k, k equal slices on the k least-loaded
         ranks that have room for one (in rank order)."""
         E, D = spec.num_embeddings, spec.embedding_dim
         for k in self._column_splits(D, c, num_ranks):
             w = D // k
-            need = self._table_bytes(spec, E, w)
-            mem = acc.memories().tolist()
-            fits = [r for r in by_load if mem[r] + need <= self.budget_bytes]
+            fits = self._with_room(by_load, acc, self._table_bytes(spec, E, w))
             if len(fits) >= k:
-                yield [
-                    Shard(rank=r, row_start=0, row_end=E, col_start=i * w, col_end=(i + 1) * w)
-                    for i, r in enumerate(sorted(fits[:k]))
-                ]
+                starts = np.arange(k) * w
+                yield Blocks.make(sorted(fits[:k]), 0, E, starts, starts + w)
 
     def _row_blocks(
         self,
@@ -497,18 +540,19 @@ class ShardingPlanner:
         hi: int,
         dist: IdDistribution,
         acc: CostAccumulator,
-    ) -> Iterator[list[Shard]]:
+    ) -> Iterator[Blocks]:
         """Row-wise and table-row-wise: the rows cut over each candidate group of ranks
         (``_row_groups``), a rank left without rows holding no shard."""
         D = spec.embedding_dim
         for group in self._row_groups(sharding, ranks, by_load, lo, hi):
             cuts = self._cut(spec, sharding, group, dist, acc)
             if cuts is not None:
-                yield [
-                    Shard(rank=r, row_start=a, row_end=b, col_start=0, col_end=D)
-                    for r, a, b in zip(group, cuts, cuts[1:], strict=False)
-                    if b > a
-                ]
+                yield _row_cut_blocks(group, cuts, 0, D)
+
+    def _with_room(self, by_load: list[int], acc: CostAccumulator, need: float) -> list[int]:
+        """The ranks of ``by_load`` (in its order) with ``need`` bytes of budget free."""
+        order = np.asarray(by_load, dtype=np.int64)
+        return order[acc.memories()[order] + need <= self.budget_bytes].tolist()
 
     def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
         """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
@@ -532,13 +576,15 @@ class ShardingPlanner:
         hi: int,
         dist: IdDistribution,
         acc: CostAccumulator,
-    ) -> Iterator[list[Shard]]:
+    ) -> Iterator[Blocks]:
         """Grid-shard placements: for each slice count n, slice i of D/n columns is cut by rows
         (balanced) over the allowed ranks of the i-th least-loaded host (at most hi/n each)."""
         D, H = spec.embedding_dim, self.local_world_size
         hosts: dict[int, list[int]] = {}
-        times, mem = acc.times(), acc.memories().tolist()
-        for r in sorted(ranks, key=lambda r: (times[r], mem[r], r)):
+        allowed = np.asarray(ranks, dtype=np.int64)
+        order_ = allowed[np.lexsort((allowed, acc.memories()[allowed], acc.time_array()[allowed]))]
+        times = acc.times()
+        for r in order_.tolist():
             hosts.setdefault(r // H, []).append(r)
         order = sorted(
             hosts, key=lambda h: (max(times[r] for r in hosts[h]), times[hosts[h][0]], h)
@@ -548,23 +594,17 @@ class ShardingPlanner:
             groups = [sorted(hosts[h][:per_host]) for h in order[:n]]
             if per_host < 1 or sum(len(g) for g in groups) < lo:
                 continue
-            work, shards = acc.copy(), []
+            work, parts = acc.copy(), []
             for i, group in enumerate(groups):
                 cols = (i * w, (i + 1) * w)
                 cuts = self._cut(spec, "grid_shard", group, dist, work, cols)
                 if cuts is None:
                     break
-                part = [
-                    Shard(rank=r, row_start=a, row_end=b, col_start=cols[0], col_end=cols[1])
-                    for r, a, b in zip(group, cuts, cuts[1:], strict=False)
-                    if b > a
-                ]
-                work.add_table(
-                    spec, _table_sharding(spec, "grid_shard", part), dist, self.optimizer
-                )
-                shards += part
+                part = _row_cut_blocks(group, cuts, *cols)
+                work.add_blocks(spec, "grid_shard", part, dist, self.optimizer)
+                parts.append(part)
             else:
-                yield shards
+                yield Blocks.join(parts)
 
     def _row_groups(
         self, sharding: str, ranks: list[int], by_load: list[int], lo: int, hi: int
@@ -583,11 +623,20 @@ class ShardingPlanner:
                 if k >= lo:
                     yield sorted(by_load[:k])
             return
-        H = self.local_world_size
-        for h in range(self.num_hosts):
-            group = sorted([r for r in by_load if r // H == h][:hi])
-            if len(group) >= max(lo, 1):
-                yield group
+        # each host's ``hi`` least loaded allowed ranks; the TWRW_CANDIDATE_HOSTS hosts whose
+        # such ranks are least loaded (the latest of them in the load order comes first)
+        order = np.asarray(by_load, dtype=np.int64)
+        host = order // self.local_world_size
+        idx = np.argsort(host, kind="stable")  # by host, each host's ranks in load order
+        hs = host[idx]
+        first = np.flatnonzero(np.r_[True, hs[1:] != hs[:-1]])
+        count = np.diff(np.r_[first, len(hs)])
+        taken = np.minimum(count, hi)
+        last = idx[first + taken - 1]  # load position of each host's last chosen rank
+        usable = np.flatnonzero(taken >= max(lo, 1))
+        best = usable[np.lexsort((hs[first[usable]], last[usable]))][:TWRW_CANDIDATE_HOSTS]
+        for h in best.tolist():
+            yield sorted(order[idx[first[h]:first[h] + taken[h]]].tolist())
 
     def _cut(
         self,
@@ -598,42 +647,49 @@ class ShardingPlanner:
         acc: CostAccumulator,
         cols: tuple[int, int] | None = None,
     ) -> list[int] | None:
-        """Row cuts of the table (or of its column slice ``cols``) over ``group``."""
+        """Row cuts of the table (or of its column slice ``cols``) over ``group``: the
+        skew-aware cut or equal blocks, whichever leaves the lower largest load on the group
+        (so never worse than equal blocks, table by table)."""
         E, D = spec.num_embeddings, spec.embedding_dim
         c0, c1 = cols or (0, D)
-        caps = self._row_caps(spec, group, acc, c1 - c0)
+        members = np.asarray(group, dtype=np.int64)
+        caps = self._row_caps(spec, members, acc, c1 - c0)
+        equal = self._equal_cut(spec, len(group), caps)
         if self.row_cuts == "equal":
-            return self._equal_cut(spec, group, acc, c1 - c0)
+            return equal
         # every rank's load before this table, plus the pooled slices it will receive
         probe = acc.copy()
-        whole = [Shard(rank=r, row_start=0, row_end=E, col_start=c0, col_end=c1) for r in group]
-        probe.add_table(spec, _table_sharding(spec, sharding, whole), UNIFORM, self.optimizer)
+        probe.add_blocks(spec, sharding, Blocks.make(members, 0, E, c0, c1), UNIFORM,
+                         self.optimizer)
         # probe gave each holder the full table's share (p=1); undo that linear part per rank
         k = len(group)
         t0 = acc.terms_time(acc.row_holder_terms(spec, 0.0, k, sharding, c1 - c0))
         t1 = acc.terms_time(acc.row_holder_terms(spec, 1.0, k, sharding, c1 - c0))
-        probe_times = probe.times()
-        base = [probe_times[r] - t1 for r in group]
+        base = probe.time_array()[members] - t1 + t0  # a holder's load with no lookups
+        slope = np.full(k, t1 - t0)
+        cuts = balanced_cuts(E, dist, base, slope, caps)
+        if cuts is None or equal is None:
+            return cuts if cuts is not None else equal
 
-        def load(j: int, share: float) -> float:
-            return base[j] + t0 + (t1 - t0) * share
+        def largest(c: list[int]) -> int:
+            ends = np.asarray(c, dtype=np.int64)
+            share = cdf_array(dist, E, ends[1:]) - cdf_array(dist, E, ends[:-1])
+            return _quanta(float((base + slope * share).max()))
 
-        return balanced_cuts(E, dist, load, caps)
+        return equal if largest(equal) < largest(cuts) else cuts
 
-    def _row_caps(self, spec: TableSpec, group: list[int], acc: CostAccumulator,
-                  cols: int) -> list[int]:
-        """Rows of ``cols`` columns each rank of ``group`` still has memory for."""
+    def _row_caps(self, spec: TableSpec, members: np.ndarray, acc: CostAccumulator,
+                  cols: int) -> np.ndarray:
+        """Rows of ``cols`` columns each rank of ``members`` still has memory for."""
         per_row = self._table_bytes(spec, 1, cols)
-        mem = acc.memories().tolist()
-        return [max(0, int((self.budget_bytes - mem[r]) // per_row)) for r in group]
+        free = self.budget_bytes - acc.memories()[members]
+        return np.maximum(0, free // per_row).astype(np.int64)
 
-    def _equal_cut(self, spec: TableSpec, group: list[int], acc: CostAccumulator,
-                   cols: int | None = None) -> list[int] | None:
-        """Equal row blocks over ``group`` (TorchRec's cut), or None where one does not fit."""
-        cuts = equal_cuts(spec.num_embeddings, len(group))
-        caps = self._row_caps(spec, group, acc, spec.embedding_dim if cols is None else cols)
-        ok = all(b - a <= cap for a, b, cap in zip(cuts, cuts[1:], caps, strict=False))
-        return cuts if ok else None
+    def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:
+        """Equal row blocks over ``k`` ranks (TorchRec's cut), or None where one does not fit
+        the ranks' ``caps`` (rows)."""
+        cuts = equal_cuts(spec.num_embeddings, k)
+        return cuts if (np.diff(cuts) <= caps).all() else None
 
     def _why_not(
         self, spec: TableSpec, sharding: str, c: TableConstraints, acc: CostAccumulator

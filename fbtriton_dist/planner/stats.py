@@ -15,17 +15,29 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from ._yaml import FieldError, check_choice, check_number
 
-__all__ = ["IdDistribution", "balanced_cuts", "equal_cuts", "generalized_harmonic"]
+__all__ = [
+    "IdDistribution",
+    "balanced_cuts",
+    "cdf_array",
+    "equal_cuts",
+    "generalized_harmonic",
+    "inverse_cdf_array",
+]
 
 DistributionKind = Literal["uniform", "zipf", "histogram"]
 DISTRIBUTION_KINDS: tuple[str, ...] = DistributionKind.__args__  # type: ignore[attr-defined]
 _EXACT_TERMS = 1024
+SEQUENTIAL_MEMBERS = 32
+"""Row cuts over at most this many members are exact bisections with one member at a time
+(hot rows land whole under the bound); beyond, one vectorised pass over all members."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -132,44 +144,213 @@ def generalized_harmonic(n: float, alpha: float) -> float:
 def equal_cuts(num_rows: int, num_blocks: int) -> list[int]:
     """TorchRec's equal blocks: ``ceil(E / k)`` rows each, the last one shorter (or empty)."""
     block = -(-num_rows // num_blocks)
-    return [min(num_rows, i * block) for i in range(num_blocks + 1)]
+    return np.minimum(num_rows, np.arange(num_blocks + 1, dtype=np.int64) * block).tolist()
+
+
+# -- the same functions over arrays (the planner cuts tables over thousands of ranks) ----------
+def harmonic_array(n: np.ndarray, alpha: float) -> np.ndarray:
+    """:func:`generalized_harmonic` of every element of ``n`` (the same formula)."""
+    n = np.asarray(n, dtype=np.float64)
+    exact = _exact_harmonic_array(alpha)
+    small = n <= _EXACT_TERMS
+    out = exact[np.clip(n, 0, _EXACT_TERMS).astype(np.int64)]
+    if not small.all():
+        big = np.maximum(n, float(_EXACT_TERMS))
+        K, a = float(_EXACT_TERMS), alpha
+        log_ratio = np.log(big / K)
+        if abs(1.0 - a) < 1e-12:
+            integral = log_ratio
+        else:
+            integral = K ** (1.0 - a) * np.expm1((1.0 - a) * log_ratio) / (1.0 - a)
+        f_n, f_K = big**-a, K**-a
+        df_n, df_K = -a * big ** (-a - 1.0), -a * K ** (-a - 1.0)
+        tail = exact[-1] + integral + (f_n - f_K) / 2.0 + (df_n - df_K) / 12.0
+        out = np.where(small, out, tail)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _exact_harmonic_array(alpha: float) -> np.ndarray:
+    out = np.asarray(_exact_harmonic(alpha))
+    out.flags.writeable = False
+    return out
+
+
+def _zipf_guess(alpha: float, num_rows: int, shares: np.ndarray) -> np.ndarray:
+    """A close real-valued guess of the row where the Zipf cdf reaches ``shares``: the exact
+    prefix below 1024 rows, Newton's method on the Euler-Maclaurin form beyond."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return _zipf_newton(alpha, num_rows, shares)
+
+
+def _zipf_newton(alpha: float, num_rows: int, shares: np.ndarray) -> np.ndarray:
+    exact = _exact_harmonic_array(alpha)
+    h = shares * generalized_harmonic(num_rows, alpha)
+    guess = np.searchsorted(exact, h, side="right").astype(np.float64) - 1.0
+    far = h > exact[-1]
+    if far.any():
+        K, a = float(_EXACT_TERMS), alpha
+        x = h[far] - exact[-1]
+        if abs(1.0 - a) < 1e-12:
+            r = K * np.exp(x)
+        else:
+            r = K * np.power(np.maximum(1.0 + (1.0 - a) * x / K ** (1.0 - a), 1e-300),
+                             1.0 / (1.0 - a))
+        r = np.clip(r, K, float(num_rows))
+        for _ in range(4):
+            r = np.clip(r - (harmonic_array(r, a) - h[far]) * r**a, K, float(num_rows))
+        guess[far] = r
+    return guess
+
+
+def cdf_array(dist: IdDistribution, num_rows: int, rows: np.ndarray) -> np.ndarray:
+    """:meth:`IdDistribution.cdf` of every element of ``rows`` (integer rows)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    if dist.kind == "zipf":
+        out = harmonic_array(np.clip(rows, 0, num_rows), dist.alpha) / generalized_harmonic(
+            num_rows, dist.alpha
+        )
+    elif dist.kind == "histogram":
+        prefix = np.asarray(_prefix_sums(dist.histogram))
+        counts = np.asarray(dist.histogram)
+        x = np.clip(rows, 0, num_rows) * len(counts) / num_rows
+        k = np.minimum(x.astype(np.int64), len(counts) - 1)
+        out = (prefix[k] + counts[k] * (x - k)) / prefix[-1]
+    else:
+        out = rows / num_rows
+    return np.where(rows <= 0, 0.0, np.where(rows >= num_rows, 1.0, out))
+
+
+def inverse_cdf_array(dist: IdDistribution, num_rows: int, shares: np.ndarray) -> np.ndarray:
+    """:meth:`IdDistribution.inverse_cdf` of every element of ``shares``: the largest row
+    ``r`` with ``cdf(r) <= share`` (int64; a bisection over all elements at once)."""
+    shares = np.asarray(shares, dtype=np.float64)
+    if dist.kind == "uniform":
+        guess = shares * num_rows
+    elif dist.kind == "zipf":
+        guess = _zipf_guess(dist.alpha, num_rows, shares)
+    else:
+        guess = None
+    if guess is None:
+        lo = np.zeros(shares.shape, dtype=np.int64)
+        hi = np.full(shares.shape, num_rows + 1, dtype=np.int64)
+    else:  # a narrow bracket around the guess, widened below where it does not hold
+        g = np.clip(np.floor(guess), 0, num_rows).astype(np.int64)
+        lo, hi = np.maximum(g - 2, 0), np.minimum(g + 3, num_rows + 1)
+        bad_hi = (hi <= num_rows) & (cdf_array(dist, num_rows, hi) <= shares)
+        hi = np.where(bad_hi, num_rows + 1, hi)
+    # invariant: cdf(lo) <= share (cdf(0) = 0) and cdf(hi) > share (hi = E + 1 stands for
+    # "beyond the table")
+    ok = cdf_array(dist, num_rows, lo) <= shares
+    lo = np.where(ok, lo, 0)
+    while True:
+        open_ = hi - lo > 1
+        if not open_.any():
+            break
+        mid = (lo + hi) // 2
+        below = cdf_array(dist, num_rows, mid) <= shares
+        lo = np.where(open_ & below, mid, lo)
+        hi = np.where(open_ & ~below, mid, hi)
+    return np.minimum(lo, num_rows)
+
+
+def water_level(base: np.ndarray, slope: np.ndarray, total: float = 1.0) -> float:
+    """The least bound ``lam >= max(base)`` with ``sum_j clip((lam - base_j) / slope_j, 0, 1)
+    >= total``: the level at which members whose load is ``base_j + slope_j * share`` can take
+    ``total`` of a table between them, none above ``lam`` (exact: the sum is piecewise linear
+    in ``lam``; its pieces are found by sorting the breakpoints)."""
+    a = np.asarray(base, dtype=np.float64)
+    b = np.maximum(np.asarray(slope, dtype=np.float64), 1e-300)
+    lo = float(a.max())
+
+    def taken(lam: float) -> float:
+        return float(np.clip((lam - a) / b, 0.0, 1.0).sum())
+
+    if taken(lo) >= total:
+        return lo
+    x = np.concatenate([a, a + b])
+    d = np.concatenate([1.0 / b, -1.0 / b])
+    order = np.argsort(x, kind="stable")
+    xs, rate = x[order], np.cumsum(d[order])  # rate: d(sum)/d(lam) just after xs[i]
+    f = np.concatenate([[0.0], np.cumsum(rate[:-1] * np.diff(xs))])  # the sum at xs[i]
+    i = int(np.searchsorted(f, total, side="left"))
+    if i >= len(xs):  # every member full: the table is 'total' > k shares
+        return float(xs[-1])
+    i = max(i, 1)
+    lam = float(xs[i - 1] + (total - f[i - 1]) / rate[i - 1]) if rate[i - 1] > 0 else float(xs[i])
+    return max(lo, min(lam, float(xs[i])))
 
 
 def balanced_cuts(
     num_rows: int,
     dist: IdDistribution,
-    load: Callable[[int, float], float],
+    base: Sequence[float],
+    slope: Sequence[float],
     row_caps: Sequence[int],
-    rel_tol: float = 1e-4,
+    rel_tol: float = 1e-6,
 ) -> list[int] | None:
     """Cut rows ``[0, E)`` into ``k = len(row_caps)`` contiguous blocks, block j to member j.
 
-    ``load(j, share)`` is member j's total cost when it gets ``share`` of the table's lookups
-    (non-decreasing in ``share``); block j may hold at most ``row_caps[j]`` rows (memory).
-    Minimises the largest load: bisect on the bound ``lam`` and, for a given bound, let each
-    member in turn take as many rows as the bound and its cap allow (taking more is never worse
-    for the members after it). Returns ``k + 1`` boundaries ``0 = c_0 <= ... <= c_k = E``
-    (a member may get an empty block), or None when the caps cannot hold E rows.
+    Member j's load is ``base[j] + slope[j] * share`` when its block gets ``share`` of the
+    table's lookups (the cost model is linear in the share); block j may hold at most
+    ``row_caps[j]`` rows (memory). Minimises the largest load: the bound ``lam`` is the water
+    level at which the members' shares sum to the whole table; member j's block ends at the
+    row where the cumulative share of members ``0..j`` is reached (so a block is within one
+    row's lookups of its share: a hot row too big for one share lands whole on the member
+    where the running sum passes it). A block longer than its cap is cut at the cap and the
+    members after it start from there; if the caps then leave rows over, ``lam`` is raised
+    by bisection. Returns ``k + 1`` boundaries ``0 = c_0 <= ... <= c_k = E`` (a member may get
+    an empty block), or None when the caps cannot hold E rows. Vectorised over the members.
     """
-    k = len(row_caps)
-    if sum(row_caps) < num_rows:
+    a = np.asarray(base, dtype=np.float64)
+    b = np.asarray(slope, dtype=np.float64)
+    caps = np.asarray(row_caps, dtype=np.int64)
+    if int(caps.sum()) < num_rows:
         return None
+    if len(a) <= SEQUENTIAL_MEMBERS:
+        return _sequential_cuts(num_rows, dist, a.tolist(), b.tolist(), caps.tolist())
+    lam = water_level(a, b)
+    cuts = _fill(num_rows, dist, a, b, caps, lam)
+    if cuts is not None:
+        return cuts
+    hi = float((a + np.maximum(b, 0.0)).max())
+    best = _fill(num_rows, dist, a, b, caps, hi)
+    if best is None:  # only the caps could make even the worst bound infeasible
+        return None
+    lo = lam
+    while hi - lo > rel_tol * max(hi, 1e-30):
+        mid = (lo + hi) / 2.0
+        cuts = _fill(num_rows, dist, a, b, caps, mid)
+        if cuts is None:
+            lo = mid
+        else:
+            hi, best = mid, cuts
+    return best
+
+
+def _sequential_cuts(num_rows: int, dist: IdDistribution, a: list[float], b: list[float],
+                     caps: list[int], rel_tol: float = 1e-4) -> list[int] | None:
+    """:func:`balanced_cuts` for a few members: bisect on the bound ``lam``; for a bound, each
+    member in turn takes as many rows as the bound and its cap allow (taking more is never
+    worse for the members after it), so no block's load is above the bound, hot rows
+    included."""
+    k = len(a)
 
     def fill(lam: float) -> list[int] | None:
         cuts, start, start_cdf = [0], 0, 0.0
         for j in range(k):
-            share = _max_share(load, j, lam)
-            if share is None:
+            if a[j] > lam:
                 return None
-            end = min(num_rows, start + row_caps[j])
+            share = 1.0 if b[j] <= 0 or a[j] + b[j] <= lam else (lam - a[j]) / b[j]
+            end = min(num_rows, start + caps[j])
             if share < 1.0:
                 end = min(end, dist.inverse_cdf(num_rows, start_cdf + share))
             cuts.append(end)
             start, start_cdf = end, dist.cdf(num_rows, end)
         return cuts if start >= num_rows else None
 
-    lo = max(load(j, 0.0) for j in range(k))
-    hi = max(load(j, 1.0) for j in range(k))
+    lo = max(a)
+    hi = max(x + max(y, 0.0) for x, y in zip(a, b, strict=True))
     best = fill(hi)
     if best is None:  # only the caps could make even the worst bound infeasible
         return None
@@ -183,11 +364,28 @@ def balanced_cuts(
     return best
 
 
-def _max_share(load: Callable[[int, float], float], j: int, lam: float) -> float | None:
-    """The largest share s in [0, 1] with load(j, s) <= lam; None if even s = 0 is over."""
-    base, full = load(j, 0.0), load(j, 1.0)
-    if base > lam:
+def _fill(num_rows: int, dist: IdDistribution, a: np.ndarray, b: np.ndarray, caps: np.ndarray,
+          lam: float) -> list[int] | None:
+    """Blocks for the bound ``lam`` (see :func:`balanced_cuts`), or None if rows are left."""
+    share = np.clip((lam - a) / np.maximum(b, 1e-300), 0.0, 1.0)
+    share[b <= 0] = np.where(lam >= a[b <= 0], 1.0, 0.0)
+    k, ends, j0, start, start_cdf = len(a), [], 0, 0, 0.0
+    while j0 < k:
+        target = start_cdf + np.cumsum(share[j0:])
+        end = inverse_cdf_array(dist, num_rows, target)
+        end[target >= 1.0 - 1e-12] = num_rows  # the sum of the shares reached the whole table
+        end = np.maximum.accumulate(np.maximum(end, start))
+        prev = np.concatenate([[start], end[:-1]])
+        over = end - prev > caps[j0:]
+        if not over.any():
+            ends.extend(end.tolist())
+            break
+        i = int(np.argmax(over))
+        ends.extend(end[:i].tolist())
+        start = int(prev[i] + caps[j0 + i])
+        ends.append(start)
+        start_cdf = dist.cdf(num_rows, start)
+        j0 += i + 1
+    if not ends or ends[-1] < num_rows:
         return None
-    if full <= lam:
-        return 1.0
-    return (lam - base) / (full - base)  # load is linear in the share (see cost.py)
+    return [0, *ends]
