@@ -10,7 +10,14 @@ from .memory import state_bytes
 from .plan import PlanValidationError, ShardingPlan
 from .planner import PlanError, ShardingPlanner
 from .shards import SHARDING_TYPES, Shard, ShardingType, TableSharding
-from .stats import IdDistribution, balanced_cuts, equal_cuts, generalized_harmonic
+from .stats import (
+    IdDistribution,
+    balanced_cuts,
+    cdf_array,
+    equal_cuts,
+    generalized_harmonic,
+    inverse_cdf_array,
+)
 from .tables import (
     OPTIMIZERS,
     TableConstraints,
@@ -41,7 +48,9 @@ __all__ = [
     "TableSharding",
     "TableSpec",
     "balanced_cuts",
+    "cdf_array",
     "equal_cuts",
+    "inverse_cdf_array",
     "evaluate",
     "generalized_harmonic",
     "load_tables",

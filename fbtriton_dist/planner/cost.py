@@ -151,7 +151,9 @@ class Blocks:
         n = rank.shape[0]
 
         def full(x):
-            return np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).copy()
+            if isinstance(x, np.ndarray) and x.shape == (n,):
+                return x.astype(np.int64, copy=False)
+            return np.full(n, x, dtype=np.int64)
 
         return Blocks(rank, full(row_start), full(row_end), full(col_start), full(col_end))
 
@@ -213,6 +215,7 @@ class CostAccumulator:
             1.0 / m.inter_host_bandwidth - 1.0 / m.intra_host_bandwidth
         )
         self._coef = coef
+        self._hosts = np.arange(world_size) // local_world_size  # [R] host of each rank
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -222,6 +225,7 @@ class CostAccumulator:
     def copy(self) -> CostAccumulator:
         other = CostAccumulator.__new__(CostAccumulator)
         other.R, other.H, other.model, other._coef = self.R, self.H, self.model, self._coef
+        other._hosts = self._hosts
         other.values = self.values.copy()
         return other
 
@@ -341,8 +345,7 @@ class CostAccumulator:
 
     def _other_host(self, rank: int) -> np.ndarray:
         """[R] 1.0 for the ranks on another host than ``rank``, else 0.0."""
-        hosts = np.arange(self.R) // self.H
-        return (hosts != rank // self.H).astype(float)
+        return (self._hosts != rank // self.H).astype(float)
 
     def _add_whole_rows(self, spec: TableSpec, rank: int, c: int) -> None:
         """A table-wise table or one column slice (``c`` columns, on ``rank``): its owner
@@ -409,7 +412,7 @@ class CostAccumulator:
         o, B, R, H = self.model.output_bytes, self.model.batch_size, self.R, self.H
         pooled = B * c * o
         held = np.zeros(R)
-        held[list(holders)] = 1.0
+        held[np.asarray(holders)] = 1.0
         if sharding == "table_row_wise":  # one holder of the host sends q its reduced slice
             # (a holder's own is counted as the in-host all-gather in row_holder_terms)
             rest = 1.0 - held
@@ -417,7 +420,7 @@ class CostAccumulator:
                      inter_host_bytes=pooled * rest * self._other_host(holders[0]))
             return
         per_host = np.bincount(np.asarray(holders) // H, minlength=R // H)
-        hosts = np.arange(R) // H
+        hosts = self._hosts
         others = len(holders) - held  # holders other than q
         far = len(holders) - per_host[hosts]  # holders on another host than q
         self.add(slice(None), output_dist_bytes=pooled * others,
@@ -432,7 +435,7 @@ class CostAccumulator:
         rows = self.model.batch_size * spec.ids_per_sample * c * self.model.output_bytes
         share = np.zeros(self.R)
         np.add.at(share, np.asarray(holders), p)
-        hosts = np.arange(self.R) // self.H
+        hosts = self._hosts
         per_host = np.bincount(hosts, weights=share, minlength=self.R // self.H)
         self.add(slice(None), output_dist_bytes=rows * (share.sum() - share),
                  inter_host_bytes=rows * (share.sum() - per_host[hosts]))

@@ -26,7 +26,15 @@ from typing import Any
 
 import yaml
 
-from ._yaml import ConfigError, FieldError, atomic_write_text, build, check_int, read_yaml
+from ._yaml import (
+    SAFE_DUMPER,
+    ConfigError,
+    FieldError,
+    atomic_write_text,
+    build,
+    check_int,
+    read_yaml,
+)
 from .memory import block_bytes, fmt_bytes, shard_equation
 from .shards import Shard, TableSharding
 from .tables import TableSpec
@@ -166,9 +174,21 @@ class ShardingPlan:
         }
 
     def to_yaml(self, header: str = "") -> str:
-        comment = "".join(f"# {line}\n" for line in header.splitlines())
-        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=100)
-        return comment + body
+        """The plan as YAML: what ``yaml.safe_dump(self.to_dict(), sort_keys=False,
+        default_flow_style=None)`` writes, line by line (PyYAML's representer takes seconds
+        for the 30,000 shards of a 4,096-rank plan; a test keeps the two equal)."""
+        lines = [f"# {line}" for line in header.splitlines()]
+        lines += [f"version: {PLAN_VERSION}", f"world_size: {self.world_size}",
+                  f"local_world_size: {self.local_world_size}"]
+        lines.append("tables:" if self.tables else "tables: []")
+        for t in self.tables:
+            lines += [f"- name: {_yaml_scalar(t.name)}", f"  sharding: {t.sharding}",
+                      f"  num_embeddings: {t.num_embeddings}",
+                      f"  embedding_dim: {t.embedding_dim}", "  shards:"]
+            for sh in t.shards:
+                lines += [f"  - rank: {sh.rank}", f"    rows: [{sh.row_start}, {sh.row_end}]",
+                          f"    cols: [{sh.col_start}, {sh.col_end}]"]
+        return "\n".join(lines) + "\n"
 
     def save_yaml(self, path: str | os.PathLike[str], header: str = "") -> None:
         """Write the plan atomically (temp file in the same folder, then ``os.replace``)."""
@@ -219,6 +239,12 @@ class ShardingPlan:
         """
         where = os.fspath(path)
         return cls.from_dict(read_yaml(where), where)
+
+
+def _yaml_scalar(value: str) -> str:
+    """``value`` as YAML writes it in a block mapping (quoted only where YAML needs it)."""
+    text = yaml.dump(value, Dumper=SAFE_DUMPER, width=100)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
 def memory_problems(

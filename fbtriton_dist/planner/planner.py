@@ -60,7 +60,8 @@ TWRW_CANDIDATE_HOSTS = 4
 """Table-row-wise tries this many hosts: those whose ranks are the least loaded."""
 
 
-def _row_cut_blocks(group: Sequence[int], cuts: Sequence[int], c0: int, c1: int) -> Blocks:
+def _row_cut_blocks(group: Sequence[int] | np.ndarray, cuts: Sequence[int], c0: int,
+                    c1: int) -> Blocks:
     """Row block j ``[cuts[j], cuts[j+1])`` on ``group[j]``, empty blocks left out."""
     starts, ends = np.asarray(cuts[:-1], dtype=np.int64), np.asarray(cuts[1:], dtype=np.int64)
     keep = ends > starts
@@ -469,6 +470,13 @@ class ShardingPlanner:
     def _candidate_ranks(self, c: TableConstraints) -> list[int]:
         return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
 
+    def _by_load(self, c: TableConstraints, acc: CostAccumulator) -> np.ndarray:
+        """The table's allowed ranks, least loaded first (time, then memory, then rank)."""
+        allowed = (np.asarray(c.ranks, dtype=np.int64) if c.ranks is not None
+                   else np.arange(self.world_size))
+        times, mem = acc.time_array()[allowed], acc.memories()[allowed]
+        return allowed[np.lexsort((allowed, mem, times))]
+
     def _proposals(
         self,
         spec: TableSpec,
@@ -478,31 +486,28 @@ class ShardingPlanner:
         acc: CostAccumulator,
     ) -> Iterator[Blocks]:
         """The placements ``sharding`` offers for the table, given the load already in ``acc``."""
-        ranks = self._candidate_ranks(c)
+        by_load = self._by_load(c, acc)
         lo, hi = c.min_shards or 1, c.max_shards or self.world_size
-        allowed = np.asarray(ranks, dtype=np.int64)
-        times, mem = acc.time_array()[allowed], acc.memories()[allowed]
-        by_load = allowed[np.lexsort((allowed, mem, times))].tolist()  # least loaded first
         if sharding == "data_parallel":
-            cuts = self._replicas(spec, ranks)
+            cuts = self._replicas(spec, len(by_load))
         elif sharding == "table_wise":
             cuts = self._whole_tables(spec, lo, by_load, acc)
         elif sharding == "column_wise":
-            cuts = self._column_slices(spec, c, len(ranks), by_load, acc)
+            cuts = self._column_slices(spec, c, len(by_load), by_load, acc)
         elif sharding == "grid_shard":
-            cuts = self._grid(spec, ranks, lo, hi, dist, acc)
+            cuts = self._grid(spec, by_load, lo, hi, dist, acc)
         else:
-            cuts = self._row_blocks(spec, sharding, ranks, by_load, lo, hi, dist, acc)
+            cuts = self._row_blocks(spec, sharding, by_load, lo, hi, dist, acc)
         yield from cuts
 
-    def _replicas(self, spec: TableSpec, ranks: list[int]) -> Iterator[Blocks]:
+    def _replicas(self, spec: TableSpec, num_ranks: int) -> Iterator[Blocks]:
         """Data-parallel: a full replica on every rank (never pinned to some ranks)."""
         E, D = spec.num_embeddings, spec.embedding_dim
-        if len(ranks) == self.world_size:
+        if num_ranks == self.world_size:
             yield Blocks.make(np.arange(self.world_size), 0, E, 0, D)
 
     def _whole_tables(
-        self, spec: TableSpec, lo: int, by_load: list[int], acc: CostAccumulator
+        self, spec: TableSpec, lo: int, by_load: np.ndarray, acc: CostAccumulator
     ) -> Iterator[Blocks]:
         """Table-wise: the whole table on one of the ``TW_CANDIDATE_RANKS`` least-loaded ranks
         that have room."""
@@ -517,7 +522,7 @@ class ShardingPlanner:
         spec: TableSpec,
         c: TableConstraints,
         num_ranks: int,
-        by_load: list[int],
+        by_load: np.ndarray,
         acc: CostAccumulator,
     ) -> Iterator[Blocks]:
         """Column-wise: for each allowed slice count k, k equal slices on the k least-loaded
@@ -528,14 +533,13 @@ class ShardingPlanner:
             fits = self._with_room(by_load, acc, self._table_bytes(spec, E, w))
             if len(fits) >= k:
                 starts = np.arange(k) * w
-                yield Blocks.make(sorted(fits[:k]), 0, E, starts, starts + w)
+                yield Blocks.make(np.sort(fits[:k]), 0, E, starts, starts + w)
 
     def _row_blocks(
         self,
         spec: TableSpec,
         sharding: str,
-        ranks: list[int],
-        by_load: list[int],
+        by_load: np.ndarray,
         lo: int,
         hi: int,
         dist: IdDistribution,
@@ -544,15 +548,16 @@ class ShardingPlanner:
         """Row-wise and table-row-wise: the rows cut over each candidate group of ranks
         (``_row_groups``), a rank left without rows holding no shard."""
         D = spec.embedding_dim
-        for group in self._row_groups(sharding, ranks, by_load, lo, hi):
+        # more members than rows leaves some without a block: never more than E
+        hi = min(hi, max(lo, spec.num_embeddings))
+        for group in self._row_groups(sharding, by_load, lo, hi):
             cuts = self._cut(spec, sharding, group, dist, acc)
             if cuts is not None:
                 yield _row_cut_blocks(group, cuts, 0, D)
 
-    def _with_room(self, by_load: list[int], acc: CostAccumulator, need: float) -> list[int]:
+    def _with_room(self, by_load: np.ndarray, acc: CostAccumulator, need: float) -> np.ndarray:
         """The ranks of ``by_load`` (in its order) with ``need`` bytes of budget free."""
-        order = np.asarray(by_load, dtype=np.int64)
-        return order[acc.memories()[order] + need <= self.budget_bytes].tolist()
+        return by_load[acc.memories()[by_load] + need <= self.budget_bytes]
 
     def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
         """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
@@ -571,7 +576,7 @@ class ShardingPlanner:
     def _grid(
         self,
         spec: TableSpec,
-        ranks: list[int],
+        by_load: np.ndarray,
         lo: int,
         hi: int,
         dist: IdDistribution,
@@ -581,10 +586,8 @@ class ShardingPlanner:
         (balanced) over the allowed ranks of the i-th least-loaded host (at most hi/n each)."""
         D, H = spec.embedding_dim, self.local_world_size
         hosts: dict[int, list[int]] = {}
-        allowed = np.asarray(ranks, dtype=np.int64)
-        order_ = allowed[np.lexsort((allowed, acc.memories()[allowed], acc.time_array()[allowed]))]
         times = acc.times()
-        for r in order_.tolist():
+        for r in by_load.tolist():
             hosts.setdefault(r // H, []).append(r)
         order = sorted(
             hosts, key=lambda h: (max(times[r] for r in hosts[h]), times[hosts[h][0]], h)
@@ -607,25 +610,26 @@ class ShardingPlanner:
                 yield Blocks.join(parts)
 
     def _row_groups(
-        self, sharding: str, ranks: list[int], by_load: list[int], lo: int, hi: int
-    ) -> Iterator[list[int]]:
+        self, sharding: str, by_load: np.ndarray, lo: int, hi: int
+    ) -> Iterator[np.ndarray]:
         """Rank groups a row-wise kind may use: the least loaded k allowed ranks for k = H, 2H,
         4H, ... up to all of them (at most ``hi``), or for table_row_wise each host's ranks."""
         if sharding == "row_wise":
             # all allowed ranks, or fewer (whole hosts' worth, doubling): fewer holders trade
             # lookup spreading for less output-dist traffic, which grows with the holders
-            sizes = {min(hi, len(ranks))}
+            n = len(by_load)
+            sizes = {min(hi, n)}
             k = self.local_world_size
-            while k < min(hi, len(ranks)):
+            while k < min(hi, n):
                 sizes.add(k)
                 k *= 2
             for k in sorted(sizes):
                 if k >= lo:
-                    yield sorted(by_load[:k])
+                    yield np.sort(by_load[:k])
             return
         # each host's ``hi`` least loaded allowed ranks; the TWRW_CANDIDATE_HOSTS hosts whose
         # such ranks are least loaded (the latest of them in the load order comes first)
-        order = np.asarray(by_load, dtype=np.int64)
+        order = by_load
         host = order // self.local_world_size
         idx = np.argsort(host, kind="stable")  # by host, each host's ranks in load order
         hs = host[idx]
@@ -636,13 +640,13 @@ class ShardingPlanner:
         usable = np.flatnonzero(taken >= max(lo, 1))
         best = usable[np.lexsort((hs[first[usable]], last[usable]))][:TWRW_CANDIDATE_HOSTS]
         for h in best.tolist():
-            yield sorted(order[idx[first[h]:first[h] + taken[h]]].tolist())
+            yield np.sort(order[idx[first[h]:first[h] + taken[h]]])
 
     def _cut(
         self,
         spec: TableSpec,
         sharding: str,
-        group: list[int],
+        group: np.ndarray | list[int],
         dist: IdDistribution,
         acc: CostAccumulator,
         cols: tuple[int, int] | None = None,

@@ -13,6 +13,7 @@ formula (integral + two correction terms) beyond, so E = 10 billion rows costs O
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from collections.abc import Sequence
@@ -77,9 +78,7 @@ class IdDistribution:
         if row >= num_rows:
             return 1.0
         if self.kind == "zipf":
-            return generalized_harmonic(row, self.alpha) / generalized_harmonic(
-                num_rows, self.alpha
-            )
+            return generalized_harmonic(row, self.alpha) / _harmonic_total(num_rows, self.alpha)
         if self.kind == "histogram":
             prefix = _prefix_sums(self.histogram)
             x = row * len(self.histogram) / num_rows
@@ -103,6 +102,13 @@ class IdDistribution:
                 r -= 1
             return r
         lo, hi = 0, num_rows  # cdf(lo) <= share < cdf(hi)
+        if self.kind == "zipf":  # a bracket around the Newton guess, where it holds
+            g = min(num_rows, max(0, math.floor(_zipf_guess_one(self.alpha, num_rows, share))))
+            a, b = max(0, g - 2), min(num_rows, g + 3)
+            if self.cdf(num_rows, a) <= share:
+                lo = a
+            if b < num_rows and self.cdf(num_rows, b) > share:
+                hi = b
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if self.cdf(num_rows, mid) <= share:
@@ -169,6 +175,31 @@ def harmonic_array(n: np.ndarray, alpha: float) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _harmonic_total(num_rows: int, alpha: float) -> float:
+    return generalized_harmonic(num_rows, alpha)
+
+
+def _zipf_guess_one(alpha: float, num_rows: int, share: float) -> float:
+    """:func:`_zipf_guess` of one share, in plain floats."""
+    exact = _exact_harmonic(alpha)
+    h = share * _harmonic_total(num_rows, alpha)
+    if h <= exact[-1]:
+        return float(bisect.bisect_right(exact, h) - 1)
+    K, a, x = float(_EXACT_TERMS), alpha, h - exact[-1]
+    try:
+        if abs(1.0 - a) < 1e-12:
+            r = K * math.exp(x)
+        else:
+            r = K * max(1.0 + (1.0 - a) * x / K ** (1.0 - a), 1e-300) ** (1.0 / (1.0 - a))
+    except OverflowError:
+        r = float(num_rows)
+    r = min(max(r, K), float(num_rows))
+    for _ in range(4):
+        r = min(max(r - (generalized_harmonic(r, a) - h) * r**a, K), float(num_rows))
+    return r
+
+
 @functools.lru_cache(maxsize=64)
 def _exact_harmonic_array(alpha: float) -> np.ndarray:
     out = np.asarray(_exact_harmonic(alpha))
@@ -185,7 +216,7 @@ def _zipf_guess(alpha: float, num_rows: int, shares: np.ndarray) -> np.ndarray:
 
 def _zipf_newton(alpha: float, num_rows: int, shares: np.ndarray) -> np.ndarray:
     exact = _exact_harmonic_array(alpha)
-    h = shares * generalized_harmonic(num_rows, alpha)
+    h = shares * _harmonic_total(num_rows, alpha)
     guess = np.searchsorted(exact, h, side="right").astype(np.float64) - 1.0
     far = h > exact[-1]
     if far.any():
@@ -207,9 +238,8 @@ def cdf_array(dist: IdDistribution, num_rows: int, rows: np.ndarray) -> np.ndarr
     """:meth:`IdDistribution.cdf` of every element of ``rows`` (integer rows)."""
     rows = np.asarray(rows, dtype=np.float64)
     if dist.kind == "zipf":
-        out = harmonic_array(np.clip(rows, 0, num_rows), dist.alpha) / generalized_harmonic(
-            num_rows, dist.alpha
-        )
+        out = harmonic_array(np.clip(rows, 0, num_rows), dist.alpha) / _harmonic_total(
+            num_rows, dist.alpha)
     elif dist.kind == "histogram":
         prefix = np.asarray(_prefix_sums(dist.histogram))
         counts = np.asarray(dist.histogram)
@@ -382,10 +412,22 @@ def _fill(num_rows: int, dist: IdDistribution, a: np.ndarray, b: np.ndarray, cap
             break
         i = int(np.argmax(over))
         ends.extend(end[:i].tolist())
-        start = int(prev[i] + caps[j0 + i])
-        ends.append(start)
+        j0 += i
+        # member j0 is cut at its cap; so are the members after it whose share, counted from
+        # the previous capped end, would still run past their own cap (one run at a time)
+        capped = np.minimum(int(prev[i]) + np.cumsum(caps[j0:]), num_rows)
+        starts = np.concatenate([[int(prev[i])], capped[:-1]])
+        free = inverse_cdf_array(dist, num_rows, cdf_array(dist, num_rows, starts) + share[j0:])
+        free = np.maximum(free, starts)
+        stop = np.flatnonzero(free <= capped)  # the first member of the run its cap holds
+        n = int(stop[0]) if stop.size else len(capped)
+        ends.extend(capped[:n].tolist())
+        if n < len(capped):
+            ends.append(int(free[n]))
+            n += 1
+        start = ends[-1]
         start_cdf = dist.cdf(num_rows, start)
-        j0 += i + 1
+        j0 += n
     if not ends or ends[-1] < num_rows:
         return None
     return [0, *ends]

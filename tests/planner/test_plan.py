@@ -203,3 +203,27 @@ def test_grid_shard_slices_each_on_one_host():
     overlap = [cols(0, 0, 100, 0, 6), cols(2, 0, 100, 4, 8)]
     msg = problems(plan(table(sharding="grid_shard", shards=overlap), R=4, H=2))
     assert "column slices overlap: cols 0..6 and cols 4..8" in msg
+
+
+def test_yaml_is_what_pyyaml_writes():
+    """The plan's hand-written YAML equals PyYAML's dump of its dict (names that need quotes
+    included), and reads back to the same plan."""
+    import yaml
+
+    plan = ShardingPlan(
+        world_size=4,
+        local_world_size=2,
+        tables=(
+            TableSharding(name="yes", sharding="row_wise", num_embeddings=10, embedding_dim=8,
+                          shards=(Shard(rank=0, row_start=0, row_end=3, col_start=0, col_end=8),
+                                  Shard(rank=3, row_start=3, row_end=10, col_start=0,
+                                        col_end=8))),
+            TableSharding(name="t: 1", sharding="table_wise", num_embeddings=5, embedding_dim=4,
+                          shards=(Shard(rank=1, row_start=0, row_end=5, col_start=0,
+                                        col_end=4),)),
+        ),
+    )
+    text = plan.to_yaml("a header\nsecond line")
+    body = yaml.safe_dump(plan.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+    assert text == "# a header\n# second line\n" + body
+    assert ShardingPlan.from_dict(yaml.safe_load(text), "x") == plan
