@@ -11,8 +11,8 @@ import importlib
 __version__ = "0.1.0"
 
 SUBMODULES = (
-    "bench", "cli", "graphs", "kernels", "knobs", "modules", "ops", "optim", "planner",
-    "reference", "sharding", "sparse", "train",
+    "bench", "cli", "graphs", "id_manager", "kernels", "knobs", "modules", "ops", "optim",
+    "planner", "reference", "sharding", "sparse", "train",
 )
 """What ``fbtriton_dist.<name>`` imports on first use."""
 
@@ -20,6 +20,11 @@ _NAMES = {
     "EmbeddingBagCollection": "fbtriton_dist.modules.ebc",
     "EmbeddingCollection": "fbtriton_dist.modules.ec",
     "TableBatchedEmbedding": "fbtriton_dist.modules.tbe",
+    "IdManagerConfig": "fbtriton_dist.id_manager",
+    "Admission": "fbtriton_dist.id_manager",
+    "ManagedCollisionCollection": "fbtriton_dist.modules.managed",
+    "ManagedCollisionEmbeddingBagCollection": "fbtriton_dist.modules.managed",
+    "ManagedCollisionEmbeddingCollection": "fbtriton_dist.modules.managed",
     "ShardedEmbeddingBagCollection": "fbtriton_dist.sharding",
     "ShardedEmbeddingCollection": "fbtriton_dist.sharding",
     "shard": "fbtriton_dist.sharding",

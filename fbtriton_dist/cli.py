@@ -1,4 +1,5 @@
-"""The ``fbtriton-dist`` command: one argparse subcommand per task (``plan``, ``train``).
+"""The ``fbtriton-dist`` command: one argparse subcommand per task (``plan``, ``train``,
+``report``).
 
 Exit status: 0 done, 1 the tables do not fit (the message says which table and by how much),
 2 bad input (a YAML error names the file, the key path and the valid choices).
@@ -65,6 +66,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", metavar="PLAN.yaml", help="write the plan here (atomically)")
     p.add_argument("--check", metavar="PLAN.yaml", help="evaluate this plan instead of planning")
+    p.add_argument("--png", metavar="FILE.png",
+                   help="draw per-rank memory, lookups and traffic as bars (needs matplotlib)")
     p.set_defaults(func=_run_plan)
 
 
@@ -130,7 +133,20 @@ def _run_plan(args: argparse.Namespace) -> int:
         )
         plan.save_yaml(args.out, header=header)
         print(f"wrote {args.out}")
+    if args.png:
+        _plan_png(args.png, cost, title, planner.budget_bytes)
     return 0
+
+
+def _plan_png(path: str, cost, title: str, budget_bytes: float) -> None:
+    from fbtriton_dist.planner.picture import PictureSkipped, draw_plan
+
+    try:
+        draw_plan(cost, path, title=title, budget_bytes=budget_bytes)
+    except PictureSkipped as e:
+        print(f"--png {path} skipped: {e}", file=sys.stderr)
+        return
+    print(f"wrote {path}")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -154,6 +170,45 @@ def _run_train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="print a run's summary and draw its loss/AUC curves and stage times as a PNG",
+        description=(
+            "Read RUN_DIR/metrics.jsonl of a training job, print its summary and draw the "
+            "loss and AUC curves and the per-stage time split (RUN_DIR/report.png, as the "
+            "job does at its end). Needs matplotlib for the picture."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (logging.run_dir)")
+    p.add_argument("--metrics", default="metrics.jsonl",
+                   help="the metrics file in RUN_DIR (logging.metrics; default metrics.jsonl)")
+    p.add_argument("--png", metavar="FILE.png", help="draw here (default RUN_DIR/report.png)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from fbtriton_dist.train.picture import PictureSkipped, draw_run, read_run
+
+    run = read_run(args.run_dir, args.metrics)
+    if run["summary"] is not None:
+        from fbtriton_dist.train.metrics import format_summary
+
+        summary = {k: v for k, v in run["summary"].items() if k not in ("kind", "step", "time")}
+        print(format_summary(summary))
+    else:
+        last = run["train"][-1]["step"] if run["train"] else 0
+        print(f"{run['path']}: no summary yet (the run has not finished; last train record at "
+              f"step {last})")
+    try:
+        path, _ = draw_run(args.run_dir, args.metrics, args.png)
+    except PictureSkipped as e:
+        print(f"picture skipped: {e}", file=sys.stderr)
+        return 0
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton"
@@ -161,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)
     _add_train(sub)
+    _add_report(sub)
     return parser
 
 

@@ -420,3 +420,22 @@ def padded_kjt(features: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
         lengths=features.lengths().clone(),
         weights=w.new_zeros(capacity) if w is not None else None,
     )
+
+
+def kjt_key_ranges(features: KeyedJaggedTensor) -> dict[str, tuple[int, int]]:
+    """Where each key's ids are in ``features.values()`` (host ints: one read of lengths)."""
+    at = features.offset_per_key()
+    return {k: (int(at[i]), int(at[i + 1])) for i, k in enumerate(features.keys())}
+
+
+def kjt_with_values(features: KeyedJaggedTensor, values: torch.Tensor) -> KeyedJaggedTensor:
+    """``features`` with other ``values`` of the same length: keys, lengths, weights, strides
+    (a variable batch per key too) and inverse indices kept."""
+    vbe = features.variable_stride_per_key()
+    return KeyedJaggedTensor(
+        keys=features.keys(), values=values, weights=features.weights_or_none(),
+        lengths=features.lengths(),
+        stride=None if vbe else features.stride(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank() if vbe else None,
+        inverse_indices=features.inverse_indices_or_none(),
+    )

@@ -4,6 +4,8 @@
 # (default runs/gpu-out); each part fits one 10-minute device call.
 #
 #   bash launch/gpu_check.sh kernels   # Triton kernels, ops, modules and CUDA graphs on GPU 0
+#   bash launch/gpu_check.sh train     # the job's GPU tests (tests/train -k gpu): the CUDA-graph
+#                                      # loop at world size one, pinned batches
 #   bash launch/gpu_check.sh dist [TESTS..]  # NCCL: the distributed tests (default: the lean
 #                                      # path, fixed shapes, comm, the sharded collection; one
 #                                      # GPU: the graphed pipeline at world size one)
@@ -53,6 +55,10 @@ case $part in
     timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
       tests/test_graphs.py 2>&1 | tail -40 | tee "$OUT/kernels.txt"
     ;;
+  train)
+    timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/train -k gpu \
+      2>&1 | tail -40 | tee "$OUT/train.txt"
+    ;;
   dist)
     if [ $# -gt 0 ]; then
       tests=("$@")
@@ -76,7 +82,7 @@ case $part in
       | tail -40 | tee "$OUT/bench.txt"
     ;;
   *)
-    echo "usage: $0 kernels|dist|bench" >&2
+    echo "usage: $0 kernels|train|dist|bench" >&2
     exit 2
     ;;
 esac

@@ -32,7 +32,10 @@ if { [ "$have" = "$want" ] || [ "$have" = "$pins dev=1" ]; } &&  # dev tools: a 
   exit 0
 fi
 rm -f "$stamp"
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-warn-conflicts: pip's check after each install would flag torchrec's fbgemm-gpu (we
+# install fbgemm-gpu-cpu without a GPU, on purpose) in red; the whole set is checked once, at
+# the end, with pip check (every other conflict is still shown there).
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q --no-warn-conflicts)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   gpu=1; fbgemm_pkg=fbgemm-gpu
@@ -57,11 +60,35 @@ fi
 # triton 3.6's interpreter (TRITON_INTERPRET=1, used by the CPU kernel tests) breaks on numpy 2.4.
 "${pip[@]}" "triton==$TRITON_VERSION" "numpy<2.3" pyyaml
 "${pip[@]}" --no-deps "$fbgemm_pkg==$FBGEMM_VERSION" "torchrec==$TORCHREC_VERSION"
-# torchrec's own runtime needs (what --no-deps skipped), minus fbgemm-gpu.
-"${pip[@]}" tensordict torchmetrics pyre-extensions iopath tqdm
+# torchrec's own runtime needs at its own pins (what --no-deps skipped: torchmetrics==1.0.3
+# for torchrec 1.8.0), minus fbgemm-gpu; iopath for torchrec.datasets; matplotlib for the
+# run's picture and `plan --png` (optional: without it they are skipped with one line).
+mapfile -t needs < <("$venv/bin/python" - <<'PY'
+from importlib.metadata import requires
+for r in requires("torchrec") or []:
+    name = r.split(";")[0].replace(" ", "").replace("(", "").replace(")", "")
+    if "extra==" not in r.replace(" ", "") and not name.lower().startswith(("fbgemm-gpu", "fbgemm_gpu")):
+        print(name)
+PY
+)
+if [ "${#needs[@]}" -eq 0 ]; then
+  echo "[install] error: could not read torchrec's requirements from its metadata" >&2
+  exit 1
+fi
+"${pip[@]}" "${needs[@]}" iopath tqdm matplotlib "numpy<2.3"
 "${pip[@]}" --no-deps -e "$root"
 if [ "${FBTD_DEV:-0}" = 1 ]; then
-  "${pip[@]}" pytest pytest-xdist pytest-timeout ruff matplotlib  # matplotlib: the bench --plot test
+  "${pip[@]}" pytest pytest-xdist pytest-timeout ruff
+fi
+# pip check, less the one conflict chosen above: torchrec names fbgemm-gpu, the CUDA build,
+# which a machine without a GPU has as fbgemm-gpu-cpu. Anything else is said, not hidden.
+conflicts=$("$venv/bin/python" -m pip check 2>&1 | grep -v "^No broken requirements" || true)
+if [ "$fbgemm_pkg" = fbgemm-gpu-cpu ]; then
+  conflicts=$(echo "$conflicts" | grep -v -i "^torchrec .*requires fbgemm-gpu, which is not installed" || true)
+fi
+if [ -n "$conflicts" ]; then
+  echo "[install] warning: pip check reports conflicts in $venv:" >&2
+  echo "$conflicts" >&2
 fi
 "$venv/bin/python" - <<'PY'
 import torch, triton, torchrec, fbgemm_gpu  # noqa: F401

@@ -47,13 +47,14 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-TORCH_FREE_LEAVES = {"optim", "knobs"}
+TORCH_FREE_LEAVES = {"optim", "knobs", "id_manager"}
 """Top-level modules every layer may read, the torch-free planner included."""
 ALLOWED: dict[str, set[str]] = {
     # top-level leaves
     "__init__": set(),  # the lazy table: importlib only
     "optim": set(),  # the optimizer registry
     "knobs": set(),  # the one module that reads FBTD_* environment variables
+    "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
     "graphs": set(),  # GraphedStep: serves every layer
     "sparse": set(),  # TorchRec's KJT / KeyedTensor <-> our jagged batch
     "cli": {"planner", "train", *TORCH_FREE_LEAVES},  # `fbtriton-dist plan | train`
@@ -75,6 +76,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "planner/": NO_TENSORS,  # pure Python: plans without a GPU or torch
     "optim.py": NO_TENSORS,  # the planner reads it
     "knobs.py": NO_TENSORS,  # the planner may read it
+    "id_manager.py": NO_TENSORS,  # the planner's table sets read it
     "train/config.py": NO_TENSORS,  # the CLI parses job arguments without torch
     "kernels/": ("torch.distributed",),  # kernels know no process groups
 }

@@ -177,6 +177,8 @@ def main(argv=None) -> None:
                    help="only sweep the input dist's bucketize: bags,block,warps;... "
                    "(FBTD_BUCKETIZE values), e.g. 32,32,4;8,16,1")
     p.add_argument("--out", default=None)
+    p.add_argument("--inference", action="store_true",
+                   help="time the fwd phase under no_grad (bench tbe's fwd; no backward plan)")
     p.add_argument("--host", action="store_true", help="also profile host time per step")
     p.add_argument("--launch", action="store_true", help="pipelined ms, fast launch off / on")
     args = p.parse_args(argv)
@@ -205,8 +207,9 @@ def main(argv=None) -> None:
             tbe.weights.uniform_(-0.1, 0.1)
         grad = torch.randn(B, sum(D for _, D in tables), device=device)
 
-        def fwd(tbe=tbe, indices=indices, offsets=offsets):
-            return tbe(indices, offsets)
+        def fwd(tbe=tbe, indices=indices, offsets=offsets, inference=args.inference):
+            with torch.set_grad_enabled(not inference):
+                return tbe(indices, offsets)
 
         def step(tbe=tbe, indices=indices, offsets=offsets, grad=grad):
             tbe(indices, offsets).backward(grad)

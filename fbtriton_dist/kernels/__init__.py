@@ -10,11 +10,13 @@ from fbtriton_dist.kernels.bucketize import (
     segment_copy,
     segment_plan,
 )
+from fbtriton_dist.kernels.id_remap import HashIndex
 from fbtriton_dist.kernels.tbe_backward import BackwardPlan, tbe_backward, tbe_backward_plan
 from fbtriton_dist.kernels.tbe_forward import tbe_forward, tbe_linearize
 
 __all__ = [
     "BackwardPlan",
+    "HashIndex",
     "bucketize",
     "bucketize_into",
     "segment_copy",

@@ -258,24 +258,34 @@ def linearize(
     return keys.to(key_dtype(num_rows)), bags.to(torch.int32)
 
 
-def backward_config(max_D: int, weight_bytes: int = 4) -> tuple[int, int, int, int, int, bool]:
-    """(RUNS, num_warps, IDS, CHUNK, maxnreg, PREFETCH) of the row kernel and the chunk kernel,
-    from sweeps on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``,
-    docs/results/tbe-h200-session12.md). The row update is bound by its chain of dependent
-    loads, so what counts is programs in flight: one run per one-warp program, its registers
-    capped at 64 so that 32 programs (the most an SM holds) fit; two runs per program took
-    ~126 registers (16 programs per SM) and measured 1.1-1.6x slower. PREFETCH (the next
-    run's record loaded during this one's update) for fp32 rows up to D=128 only: 9% off the
-    row kernel on S0/S1, but 5-15% slower with 16-bit rows or D=256.
+def backward_config(
+    max_D: int, weight_bytes: int = 4, code: int = OPT_NONE
+) -> tuple[int, int, int, int, int, bool]:
+    """(RUNS, num_warps, IDS, CHUNK, maxnreg, PREFETCH) of the row kernel and the chunk kernel
+    for optimizer kernel ``code`` (``optimizer_code``), from sweeps on an H200 (``python -m
+    fbtriton_dist.bench.tbe_sweep``, docs/results/tbe-h200-session12.md, -session13.md). The
+    row update is bound by its chain of dependent loads, so what counts is programs in flight:
+    one run per one-warp program, its registers capped at 64 so that 32 programs (the most an
+    SM holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured
+    1.1-1.6x slower. PREFETCH (the next run's record loaded during this one's update) for fp32
+    rows up to D=128 only: 9% off the row kernel on S0/S1, but 5-15% slower with 16-bit rows
+    or D=256. On Zipf ids the kernel's tail is the program with the most ids in runs of up to
+    CHUNK: fp32 rows up to D=128 read IDS ids of a run per step, SGD and plain gradients 4
+    with CHUNK 128 (the middle band of run lengths goes to the chunk kernel; S3's row kernel
+    343 -> 221 µs, S6 832 -> 737), stateful optimizers 2 with CHUNK 256 (rowwise Adagrad S6
+    864 -> 752; 4 with CHUNK 128 took 913); uniform ids (one id per run) do not notice.
     ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides the fields it gives
     (maxnreg 0: no cap)."""
     _, block_d = block_sizes(max_D)
     runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
+    prefetch = weight_bytes >= 4 and block_d <= 128
+    if prefetch:  # fp32 rows up to D=128
+        stateless = code in (OPT_NONE, optim.spec("sgd").kernel_code)
+        ids, chunk = (4, CHUNK // 2) if stateless else (2, CHUNK)
     given = knobs.tbe_backward_config() or []
     # the fields not given keep the heuristic's values (the cap follows num_warps)
     runs, num_warps, ids, chunk = (given + [runs, num_warps, ids, chunk][len(given):])[:4]
     maxnreg = given[4] if len(given) == 5 else (64 if num_warps == 1 else 0)
-    prefetch = weight_bytes >= 4 and block_d <= 128
     return runs, num_warps, ids, chunk, maxnreg, prefetch
 
 
@@ -486,7 +496,7 @@ def tbe_backward(
             step.add_(1)  # a plan made ahead (in the forward) did not count the step
     # gradient offsets are b * sum(D) + D_offsets[f]: multiples of what divides every D
     galign = min(row_align, max(1, 16 // grad_output.element_size()))
-    config = backward_config(max_D, weights.element_size())
+    config = backward_config(max_D, weights.element_size(), code)
     partial = _reduce_long_runs(grad_output, plan, config, block_d, galign)
     U = int(plan.num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial

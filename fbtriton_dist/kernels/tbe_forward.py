@@ -66,6 +66,7 @@ def _tbe_forward_kernel(
     LINEARIZE: tl.constexpr,  # write keys / bag ids for the backward
     ALIGN: tl.constexpr,  # every row starts at a multiple of ALIGN elements (vector loads)
     AHEAD: tl.constexpr,  # load the next step's ids before this step's rows
+    FULL: tl.constexpr,  # every feature's D is BLOCK_D: no column mask, rows cut by a shift
     BLOCK_L: tl.constexpr,  # ids gathered per step
     BLOCK_D: tl.constexpr,  # >= max D, power of two
 ):
@@ -75,7 +76,10 @@ def _tbe_forward_kernel(
     b = fb - f * B
     start = tl.load(offsets_ptr + fb).to(tl.int64)
     end = tl.load(offsets_ptr + fb + 1).to(tl.int64)
-    D = tl.multiple_of(tl.load(dims_ptr + f), ALIGN)  # so that d < D is constant per vector
+    if FULL:
+        D = BLOCK_D
+    else:
+        D = tl.multiple_of(tl.load(dims_ptr + f), ALIGN)  # so that d < D is constant per vector
     w_base = tl.load(w_offsets_ptr + f)
     col = tl.load(D_offsets_ptr + f)
     if CHECK:
@@ -106,14 +110,8 @@ def _tbe_forward_kernel(
             idx_next = tl.load(indices_ptr + pos + BLOCK_L, mask=pos + BLOCK_L < end, other=0)
         else:
             idx = tl.load(indices_ptr + pos, mask=l_mask, other=0).to(tl.int64)
-        if CHECK:
-            ok = (idx >= 0) & (idx < E)
-            bad = l_mask & ~ok
-            n_bad = tl.sum(bad.to(tl.int32), axis=0)
-            if n_bad > 0:
-                tl.atomic_add(err_ptr, n_bad.to(tl.int64))
-                tl.atomic_max(err_ptr + 1, N - tl.min(tl.where(bad, pos, N), axis=0))
-            l_mask = l_mask & ok
+        if CHECK:  # counted after the loop: the bag's ids minus the kept ones
+            l_mask = l_mask & (idx >= 0) & (idx < E)
         kept += l_mask.to(tl.int32)
         row = tl.multiple_of(w_base + idx * D, ALIGN)
         rows = tl.load(
@@ -153,6 +151,20 @@ def _tbe_forward_kernel(
                 p = p0 + d
                 tl.store(keys_ptr + p, sentinel.to(keys_ptr.dtype.element_ty), mask=p < head)
                 tl.store(bag_ids_ptr + p, 0, mask=p < head)
+    if CHECK:
+        # the ids dropped: a count per lane carried through the loop, not a reduction and a
+        # branch per step (an instruction-bound kernel on Zipf ids: ncu, S6); the first bad
+        # position is looked for only in a bag that has one
+        n_bad = (end - start) - tl.sum(kept, axis=0)
+        if n_bad > 0:
+            first = start * 0 + N
+            for l0 in range(start, end, BLOCK_L):
+                pos = l0 + tl.arange(0, BLOCK_L)
+                idx = tl.load(indices_ptr + pos, mask=pos < end, other=0).to(tl.int64)
+                bad = (pos < end) & ((idx < 0) | (idx >= E))
+                first = tl.minimum(first, tl.min(tl.where(bad, pos, N), axis=0))
+            tl.atomic_add(err_ptr, n_bad.to(tl.int64))
+            tl.atomic_max(err_ptr + 1, N - first)
     if POOLING != 2:
         n_kept = tl.sum(kept, axis=0).to(tl.float32)
         if POOLING == 1:
@@ -293,7 +305,7 @@ def block_sizes(max_D: int) -> tuple[int, int]:
 def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_L, BLOCK_D, num_warps, maxnreg, AHEAD) of the forward kernel. A heuristic keyed
     on shape, from sweeps on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``,
-    docs/results/tbe-h200-session12.md): one warp per bag (its sums stay inside the warp, and
+    docs/results/tbe-h200-session12.md, -session13.md): one warp per bag (its sums stay inside the warp, and
     32 bags fit on an SM) and 4 ids in flight per step up to D=256 (with rows loaded as 16-byte
     vectors, ``row_align``); a bigger tile spills registers. 16-bit rows up to D=128 take 8
     ids per step with the next step's ids loaded ahead (AHEAD: S2 0.118 -> 0.099 ms); on fp32
@@ -407,6 +419,8 @@ def tbe_forward(
         LINEARIZE=linearize,
         ALIGN=row_align,
         AHEAD=ahead,
+        # D_offsets sum the features' D: at T * max_D every one is max_D
+        FULL=total_D == T * max_D and max_D == block_d,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,

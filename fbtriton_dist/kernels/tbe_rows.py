@@ -134,6 +134,21 @@ def _short_runs_grad(
             if HAS_SCALE:
                 gr = gr * tl.load(scales_ptr + s + j, mask=jm, other=0.0)[:, None]
             acc += gr
+    elif RUNS == 1:
+        # IDS ids of the one run per step, an [IDS, BLOCK_D] tile summed over its ids
+        s1 = tl.sum(s, axis=0)
+        n1 = tl.sum(n_short, axis=0)
+        jj = tl.arange(0, IDS)
+        for j0 in range(1, n1, IDS):
+            j = j0 + jj
+            jm = j < n1
+            goff = tl.multiple_of(tl.load(goffs_ptr + s1 + j, mask=jm, other=0), GALIGN)
+            gr = tl.load(
+                grad_ptr + goff[:, None] + d[None, :], mask=jm[:, None] & dm, other=0.0
+            ).to(tl.float32)
+            if HAS_SCALE:
+                gr = gr * tl.load(scales_ptr + s1 + j, mask=jm, other=0.0)[:, None]
+            acc += tl.sum(gr, axis=0)[None, :]
     else:
         # IDS ids of every run per step: tile row t is id (t % IDS) of run (t // IDS)
         s_t = tl.reshape(tl.broadcast_to(s[:, None], [RUNS, IDS]), [RUNS * IDS])

@@ -3,7 +3,14 @@ drop-ins EmbeddingBagCollection and EmbeddingCollection."""
 
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TableBatchedEmbedding"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingCollection",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "TableBatchedEmbedding",
+]
 
 
 def __getattr__(name: str):
@@ -15,4 +22,8 @@ def __getattr__(name: str):
         from fbtriton_dist.modules.ec import EmbeddingCollection
 
         return EmbeddingCollection
+    if name.startswith("ManagedCollision"):
+        from fbtriton_dist.modules import managed
+
+        return getattr(managed, name)
     raise AttributeError(name)

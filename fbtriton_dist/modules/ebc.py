@@ -6,13 +6,14 @@ Each table's weight is a real ``nn.EmbeddingBag`` parameter, and a view into the
 one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serves the group.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
 import torch
 from torch import nn
 
 from fbtriton_dist.modules import ebc_op, portable
+from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import (
@@ -50,6 +51,9 @@ class EmbeddingBagCollection(TableGroups):
         is_weighted: whether the input KeyedJaggedTensor carries per-id weights.
         device: where the tables live; ``"meta"`` allocates nothing.
         backend, bounds_check: passed to each TableBatchedEmbedding.
+        managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids;
+            ``modules/managed.py``), whose raw int64 ids are remapped to slots before the
+            lookup (``id_managers``, a ``ManagedCollisionCollection``; its ``metrics()``).
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per (table, feature),
     in config order (``feature@table`` where tables share a feature name), ``[B, sum(D)]`` fp32
@@ -70,6 +74,7 @@ class EmbeddingBagCollection(TableGroups):
         *,
         backend: str = "auto",
         bounds_check: str = "error",
+        managed: Mapping | None = None,
     ) -> None:
         super().__init__()
         names = [t.name for t in tables]
@@ -174,6 +179,11 @@ class EmbeddingBagCollection(TableGroups):
         self._op_handle = ebc_op.register(self)
         self._portable_export = False  # ir.encapsulate_ir_modules sets it
         self.reset_parameters()
+        # after the weights' draws: its seed is drawn as a ManagedCollisionCollection's
+        self.id_managers = (
+            ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
+            if managed else None
+        )
 
     @staticmethod
     def _dtype(cfg) -> torch.dtype:
@@ -212,6 +222,8 @@ class EmbeddingBagCollection(TableGroups):
         fused optimizer states and steps to zero: after ``to_empty(device=...)`` this gives the
         weights a module built on that device with the same seed starts from."""
         self._reset_tables(_init_table)
+        if getattr(self, "id_managers", None) is not None:  # managed tables: empty maps
+            self.id_managers.reset()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """KeyedJaggedTensor (keys in any order) -> KeyedTensor, keys in config order.
@@ -244,6 +256,8 @@ class EmbeddingBagCollection(TableGroups):
 
     @torch.jit.unused
     def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self.id_managers is not None:
+            features = managed_forward(self, features)
         if ebc_op.traced(features):
             return ebc_op.forward(self, features)
         if features.variable_stride_per_key():

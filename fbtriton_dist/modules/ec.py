@@ -7,7 +7,7 @@ a view into the flat buffer of one TableBatchedEmbedding (``pooling="none"``) pe
 kernel launch looks up every table of a dtype.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from fbtriton_dist.modules import ebc_op, ec_op
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
+from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import JaggedTensor, KeyedJaggedTensor, kjt_sequences
@@ -31,6 +32,8 @@ class EmbeddingCollection(TableGroups):
         need_indices: each output JaggedTensor carries its feature's ids as ``weights()``
             (TorchRec's convention).
         backend, bounds_check: passed to each TableBatchedEmbedding.
+        managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids,
+            ``modules/managed.py``), as EmbeddingBagCollection's.
 
     ``forward(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]``: one key per (table,
     feature) in config order (``feature@table`` where tables share a feature name), values
@@ -51,6 +54,7 @@ class EmbeddingCollection(TableGroups):
         *,
         backend: str = "auto",
         bounds_check: str = "error",
+        managed: Mapping | None = None,
     ) -> None:
         super().__init__()
         names = [t.name for t in tables]
@@ -118,6 +122,10 @@ class EmbeddingCollection(TableGroups):
         ]
         self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
         self._op_handle = ebc_op.register(self)
+        self.id_managers = (
+            ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
+            if managed else None
+        )
 
     @staticmethod
     def _dtype(cfg) -> torch.dtype:
@@ -152,6 +160,8 @@ class EmbeddingCollection(TableGroups):
         """Each table's ``init_fn`` (TorchRec's EmbeddingConfig default: uniform in
         weight_init_min/max), and fused optimizer states and steps to zero."""
         self._reset_tables(lambda cfg, w: cfg.init_fn(w) if cfg.init_fn is not None else None)
+        if getattr(self, "id_managers", None) is not None:  # managed tables: empty maps
+            self.id_managers.reset()
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -163,6 +173,8 @@ class EmbeddingCollection(TableGroups):
 
         Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
         lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``)."""
+        if self.id_managers is not None:
+            features = managed_forward(self, features)
         if ebc_op.traced(features):
             return ec_op.forward(self, features)
         seqs = kjt_sequences(features, self._feature_order)

@@ -17,6 +17,10 @@ A table set file (``configs/tables/*.yaml``)::
         ranks: [0, 1, 2, 3]
         min_shards: 2
         max_shards: 4
+        id_manager:               # optional: a managed table (dynamic ids, id_manager.py):
+          capacity: 39884405      #   slots; num_embeddings must be capacity + 1
+          eviction: lru           #   lru | lfu | ttl (with ttl_steps) | none
+          admission: {min_count: 2}
 
 See docs/planner.md for every key.
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fbtriton_dist import optim
+from fbtriton_dist.id_manager import IdManagerConfig, IdManagerError, config_from_dict
 
 from ._yaml import (
     ConfigError,
@@ -165,6 +170,9 @@ class TableSet:
     """Per table name, its constraints (only tables that have some)."""
     stats: Mapping[str, IdDistribution] = field(default_factory=dict)
     """Per table name, its id distribution (only tables that have one)."""
+    id_managers: Mapping[str, IdManagerConfig] = field(default_factory=dict)
+    """Per table name, its id manager (only managed tables): the ``managed=`` argument of
+    the collections."""
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tables]
@@ -221,13 +229,13 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
     items = expect_list(where, "tables", top["tables"])
     if not items:
         raise ConfigError(where, "tables", "expected at least one table")
-    valid = (*_TABLE_KEYS, "id_distribution", *_CONSTRAINT_KEYS)
+    valid = (*_TABLE_KEYS, "id_distribution", *_CONSTRAINT_KEYS, "id_manager")
     for k in defaults:
         if k not in valid or k == "name":
             raise ConfigError(
                 where, f"defaults.{k}", f"unknown key, expected one of {choices_text(valid[1:])}"
             )
-    tables, constraints, stats = [], {}, {}
+    tables, constraints, stats, managers = [], {}, {}, {}
     for i, raw in enumerate(items):
         key = f"tables[{i}]"
         entry = {**defaults, **expect_mapping(where, key, raw)}
@@ -264,10 +272,33 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
                 f"{key}.id_distribution",
                 convert={"histogram": _floats},
             )
+        if entry.get("id_manager") is not None:
+            managers[spec.name] = _id_manager(entry["id_manager"], spec, where, key)
     try:
-        return TableSet(tables=tuple(tables), constraints=constraints, stats=stats)
+        return TableSet(tables=tuple(tables), constraints=constraints, stats=stats,
+                        id_managers=managers)
     except FieldError as e:
         raise ConfigError(where, e.field, e.message) from e
+
+
+def _id_manager(value: Any, spec: TableSpec, where: str, key: str) -> IdManagerConfig:
+    """A table's ``id_manager`` mapping; its rows must be the capacity and the default row."""
+    try:
+        cfg = config_from_dict(value)
+    except IdManagerError as e:
+        raise ConfigError(
+            where, f"{key}.id_manager" + ("" if e.key == "id_manager" else f".{e.key}"),
+            f"(table '{spec.name}') {e.message}",
+        ) from e
+    except TypeError as e:  # a mapping with keys of the wrong kind
+        raise ConfigError(where, f"{key}.id_manager", str(e)) from e
+    if spec.num_embeddings != cfg.num_embeddings:
+        raise ConfigError(
+            where, f"{key}.num_embeddings",
+            f"table '{spec.name}' is managed: expected capacity + 1 = {cfg.num_embeddings} "
+            f"({cfg.capacity} slots and the default row), got {spec.num_embeddings}",
+        )
+    return cfg
 
 
 def _floats(value: Any, key: str) -> tuple[float, ...]:

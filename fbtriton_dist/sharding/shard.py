@@ -64,6 +64,14 @@ def shard(
     the sharded collections talk to each other (``CommOptions``: bf16/fp16 values on the
     wire, id dedup; default exact). Returns the module (the sharded collection itself if
     ``module`` was one)."""
+    from fbtriton_dist.modules.managed import ManagedLookup
+
+    for name, m in module.named_modules():
+        if getattr(m, "id_managers", None) is not None or isinstance(m, ManagedLookup):
+            raise NotImplementedError(
+                f"{name or 'module'}: sharding managed tables (id_managers, dynamic ids) is not "
+                "supported yet (issue 27); shard a collection without managed tables"
+            )
     if _kind(module) is not None:
         return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
     found = [(name, child) for name, child in module.named_modules()

@@ -265,8 +265,8 @@ class DataConfig:
     criteo: CriteoConfig | None = None
     """Options of ``source: criteo`` (required with it)."""
     prefetch: int = 4
-    """Training batches made ahead by a background thread (a bounded queue of this many);
-    0: made in the training thread. The batches and their order do not change."""
+    """Training batches made ahead by a background thread (a bounded queue of this many;
+    pinned on CUDA); 0: made in the training thread. The batches and order do not change."""
 
     def __post_init__(self) -> None:
         check_choice("source", self.source, _choices(DataSource))
@@ -420,9 +420,9 @@ class TrainConfig:
     pipeline: Literal["auto", "plain", "overlap", "graph"] = "auto"
     """The step loop. ``plain``: batch after batch, in order (debugging); ``overlap``:
     ``TrainPipeline``, the next batch's input dist runs while this batch trains (sharded runs;
-    results equal plain); ``graph``: the whole step one CUDA graph (needs CUDA and
-    ``sharding.comm.fixed_shapes``); ``auto``: overlap when sharded (several ranks) and
-    ``nonfinite: error``, else plain."""
+    results equal plain); ``graph``: fixed shapes, the whole step one CUDA graph (CUDA, a
+    process group, a batch of one shape: ``train/modes.py``); ``auto``: graph where
+    it can run, else overlap when sharded and ``nonfinite: error``, else plain."""
     nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or dense gradient is not finite: ``error`` stops the job naming the
     step (found at the next log line or checkpoint, before anything is saved); ``skip``

@@ -59,6 +59,12 @@ class Batch:
     def batch_size(self) -> int:
         return self.labels.shape[0]
 
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory (CUDA): ``to(cuda, non_blocking=True)`` is
+        then an asynchronous copy."""
+        return Batch(dense=self.dense.pin_memory(), sparse=self.sparse.pin_memory(),
+                     labels=self.labels.pin_memory())
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
@@ -328,7 +334,8 @@ class CriteoSource:
     """Criteo TSV files, read in order; global line ``g`` of an epoch belongs to rank ``g % R``.
 
     One step consumes ``R * B`` lines; a last group shorter than that is dropped (every rank
-    runs the same number of steps). Resuming at ``samples`` skips that many lines.
+    runs the same number of steps). Resuming at ``samples`` skips that many lines. The files
+    are streamed: ``R * B`` lines in memory at a time, whatever their size.
     """
 
     def __init__(
@@ -350,14 +357,20 @@ class CriteoSource:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
 
     @staticmethod
-    def _lines(paths: Sequence[str]) -> Iterator[tuple[str, str]]:
+    def _lines(paths: Sequence[str], skip: int = 0) -> Iterator[tuple[str, str, int]]:
+        """``(line, path, line number)`` of the files in order, the first ``skip`` lines left
+        out: a stream, one buffered line at a time (never a whole file in memory); skipped
+        lines are read past without being parsed or kept."""
         for path in paths:
             with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f, start=1):
-                    yield line, f"{path}:{i}"
+                skipped = sum(1 for _ in itertools.islice(f, skip)) if skip else 0
+                skip -= skipped
+                for i, line in enumerate(f, start=skipped + 1):
+                    yield line, path, i
 
-    def _batch(self, lines: Sequence[tuple[str, str]]) -> Batch:
-        parsed = [parse_criteo_line(line, self.hash_sizes, where) for line, where in lines]
+    def _batch(self, lines: Sequence[tuple[str, str, int]]) -> Batch:
+        parsed = [parse_criteo_line(line, self.hash_sizes, f"{path}:{i}")
+                  for line, path, i in lines]
         B = len(parsed)
         labels = torch.tensor([p[0] for p in parsed], dtype=torch.float32)
         dense = torch.tensor([p[1] for p in parsed], dtype=torch.float32).reshape(B, CRITEO_DENSE)
@@ -375,7 +388,7 @@ class CriteoSource:
 
     def _batches(self, paths: Sequence[str], skip: int) -> Iterator[tuple[Batch, int]]:
         R, B = self.world_size, self.batch_size
-        lines = itertools.islice(self._lines(paths), skip, None)
+        lines = self._lines(paths, skip)
         consumed = skip
         while True:
             group = list(itertools.islice(lines, R * B))

@@ -63,10 +63,13 @@ from .config import (
     run_dir_problem,
 )
 from .data import DataPosition, make_source
+from .dense_optim import CapturableAdagrad
 from .env import Env
 from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
 from .models import TargetAttentionModel
+from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
+from .picture import PICTURE, picture_line
 
 __all__ = [
     "Built",
@@ -171,15 +174,21 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     return entry.from_kwargs(kwargs, "optimizer.embedding")
 
 
-def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter]):
+def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
+                     capturable: bool = False):
+    """The torch optimizer of ``optimizer.dense``; ``capturable``: its step count on the
+    device, so a CUDA graph can replay ``step()`` (``train.pipeline: graph``): Adam/AdamW
+    with ``capturable=True``, Adagrad as ``CapturableAdagrad`` (the same update)."""
     kw: dict[str, Any] = {"lr": c.lr, "weight_decay": c.weight_decay}
     if c.eps is not None and c.type != "sgd":
         kw["eps"] = c.eps
     if c.type == "sgd":
         return torch.optim.SGD(params, momentum=c.momentum, **kw)
     if c.type == "adagrad":
-        return torch.optim.Adagrad(params, **kw)
+        return (CapturableAdagrad if capturable else torch.optim.Adagrad)(params, **kw)
     cls = torch.optim.Adam if c.type == "adam" else torch.optim.AdamW
+    if capturable:
+        kw["capturable"] = True
     return cls(params, betas=c.betas, **kw)
 
 
@@ -303,23 +312,26 @@ class Built:
     embedding_fqns: list[str]
 
 
-def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
-    """Seed, build the model over our collections, shard it by ``plan`` (several ranks) and
-    make the dense optimizer: the same on every call with the same config, so a checkpoint
-    loads into it."""
+def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> Built:
+    """Seed, build the model over our collections, shard it by ``plan`` (with a process
+    group: several ranks, or one under torchrun) and make the dense optimizer: the same on
+    every call with the same config, so a checkpoint loads into it. ``mode`` (the resolved
+    ``train.pipeline``) ``graph``: fixed-shape input dists with ``modes.max_ids_bound`` id
+    slots and a capturable dense optimizer."""
     torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
     model = build_model(cfg, env.device, env.world_size)
     emb_fqns = [n for n, m in model.named_modules()
                 if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     # ---- the one multi-rank step: replace every embedding collection by its sharded twin ----
-    if env.world_size > 1:
+    if env.process_group is not None:
         import fbtriton_dist
         from fbtriton_dist.sharding import CommOptions
 
         c = cfg.sharding.comm
         wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
-        comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes,
-                           max_ids=c.max_ids)
+        graph = mode == "graph"
+        comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
+                           max_ids=max_ids_bound(cfg) if graph else c.max_ids)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
                                     optimizer=_embedding_optimizer(cfg.optimizer.embedding))
     dense_params = [
@@ -327,7 +339,7 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan) -> Built:
         for n, p in model.named_parameters()
         if not any(n.startswith(f"{f}.") for f in emb_fqns) and p.requires_grad
     ]
-    optimizer = _dense_optimizer(cfg.optimizer.dense, dense_params)
+    optimizer = _dense_optimizer(cfg.optimizer.dense, dense_params, capturable=mode == "graph")
     return Built(model, optimizer, dense_params, emb_fqns)
 
 
@@ -345,7 +357,7 @@ def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> N
         other = other_run(cfg)
         if other and overwrite:
             remove_run_files(cfg.run_dir, cfg.checkpoint_dir,
-                             [cfg.logging.metrics, "plan.yaml"])
+                             [cfg.logging.metrics, "plan.yaml", PICTURE])
         elif other and not resume:
             verdict[0] = run_dir_problem(cfg)
         removed = clean_stale(cfg.checkpoint_dir)
@@ -359,13 +371,19 @@ def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> N
 
 def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> dict[str, Any]:
     run_dir = cfg.run_dir
+    grouped = env.process_group is not None
+    mode = resolve_pipeline(cfg, env.device.type, grouped)
+    if cfg.train.pipeline == "auto" and env.device.type == "cuda" and mode != "graph":
+        why = "; ".join(graph_blockers(cfg, env.device.type, grouped)
+                        or ["auto does not pick the graph yet (train/modes.py AUTO_PICKS_GRAPH)"])
+        _log(env, f"train.pipeline: auto runs {mode}, not graph: {why}")
     _claim_run_dir(cfg, env, resume, overwrite)
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
     if env.rank == 0:
         plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
         _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
-    built = build(cfg, env, plan)
+    built = build(cfg, env, plan, mode)
     model, optimizer = built.model, built.optimizer
 
     source = make_source(
@@ -393,9 +411,12 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
                     f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
                     f"{step}: nothing left to train; give --steps above {step}"
                 )
-    trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns, source)
+    trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns,
+                      source, mode=mode)
     summary = trainer.fit(step, position)
     _log(env, format_summary(summary))
+    if env.rank == 0:  # never fails the run: a missing matplotlib is one line
+        _log(env, picture_line(run_dir, cfg.logging.metrics))
     return summary
 
 
@@ -405,7 +426,13 @@ def run(args: argparse.Namespace) -> int:
     # torchrec's KeyedTensor regroup calls torch.fx's is_fx_tracing(), which logs a deprecation
     # notice on every rank: not the user's business
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    with distributed(cfg.device) as env:
+    # torchrun with one process on CUDA: a process group of one, so the tables are sharded and
+    # the step can be one CUDA graph (train.pipeline: graph, or auto when nothing else stops it)
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    p = cfg.train.pipeline
+    one = cuda and (p == "graph" or (p == "auto" and AUTO_PICKS_GRAPH
+                                     and not graph_blockers(cfg, "cuda", True)))
+    with distributed(cfg.device, group_of_one=one) as env:
         train(cfg, env, resume=args.resume, overwrite=getattr(args, "overwrite", False))
     return 0
 

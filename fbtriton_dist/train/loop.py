@@ -22,15 +22,18 @@ from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
 from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
+from .modes import resolve_pipeline
 
 NO_BAD_STEP = 2**62
 """``Trainer._first_bad`` while every step so far was finite."""
 
 
-def ahead(items, depth: int):
+def ahead(items, depth: int, prepare=None):
     """``items`` made by a background thread up to ``depth`` ahead (0: here, as they are
-    asked for); the same items in the same order. An error of the producer is raised here;
-    leaving early (``close()``, a ``return`` in the consumer) stops the thread."""
+    asked for); the same items in the same order. ``prepare(item)``, run in that thread on
+    each item, gives what is handed out (the job pins batches into page-locked memory there on
+    CUDA, so their copies to the GPU are asynchronous). An error of the producer is raised
+    here; leaving early (``close()``, a ``return`` in the consumer) stops the thread."""
     if depth <= 0:
         yield from items
         return
@@ -41,6 +44,8 @@ def ahead(items, depth: int):
     def produce():
         try:
             for item in items:
+                if prepare is not None:
+                    item = prepare(item)
                 while not stop.is_set():
                     try:
                         out.put((item, None), timeout=0.1)
@@ -69,6 +74,13 @@ def ahead(items, depth: int):
             with contextlib.suppress(queue.Empty):
                 out.get_nowait()
             worker.join(timeout=0.05)
+
+
+def _pinned(item):
+    """``(batch, position)`` with the batch in page-locked memory (copied to the GPU with
+    ``non_blocking=True``: the copy overlaps the step before it)."""
+    batch, position = item
+    return batch.pin_memory(), position
 
 
 class NonFiniteError(RuntimeError):
@@ -150,8 +162,17 @@ def evaluate(model: nn.Module, batches: Sequence[Batch], env: Env) -> dict[str, 
     return {"loss": loss, "auc": auc(s, y), "samples": int(y.numel())}
 
 
+GRAPH_WARMUP = 3
+"""Eager steps of ``train.pipeline: graph`` before the capture."""
+
+
 class Trainer:
-    """Runs ``cfg.train`` on this rank from a step and data position; see :meth:`fit`."""
+    """Runs ``cfg.train`` on this rank from a step and data position; see :meth:`fit`.
+
+    ``mode``: the resolved ``train.pipeline`` the model was built for (``modes.py``); None:
+    resolved here. Stage times: the plain loop and ``overlap`` time each stage with the
+    stage timer; ``graph`` times the whole replayed step (``step``: CUDA events around each
+    replay, nothing recorded inside the capture)."""
 
     def __init__(
         self,
@@ -162,12 +183,17 @@ class Trainer:
         dense_params: Sequence[nn.Parameter],
         embedding_fqns: Sequence[str],
         source,
+        mode: str | None = None,
     ) -> None:
         self.cfg, self.env, self.model, self.optimizer = cfg, env, model, optimizer
         self.dense_params = list(dense_params)
         self.source = source
-        self.timer = StageTimer(env.device)
-        time_embeddings(model, embedding_fqns, self.timer)
+        self.mode = mode or self.loop_mode()
+        graph = self.mode == "graph"
+        # graph: the eager warm-up steps and the capture are not counted
+        self.timer = StageTimer(env.device, warmup_steps=GRAPH_WARMUP + 2 if graph else 1)
+        if not graph:  # a captured step has no stages to time: it is timed as a whole
+            time_embeddings(model, embedding_fqns, self.timer)
         self.throughput = Throughput(cfg.train.batch_size * env.world_size)
         self.step, self.position = 0, DataPosition()
         self.steps_run = 0
@@ -179,7 +205,10 @@ class Trainer:
         self._window_steps = 0
         self._first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=env.device)
         """The first step whose loss or dense gradient was not finite (train.nonfinite:
-        error); read at log lines and checkpoints, never per step."""
+        error); read at log lines and checkpoints, never per step; updated in place (a CUDA
+        graph replays the update)."""
+        self._step_t = torch.zeros((), dtype=torch.int64, device=env.device)
+        """The step being trained, counted on the device (a replayed graph counts too)."""
         self.skipped = 0  # steps dropped by train.nonfinite: skip
 
     # -- one step --------------------------------------------------------------------------
@@ -275,9 +304,11 @@ class Trainer:
     def _batches(self):
         """``(batch, position after it)`` until ``train.steps`` or ``train.epochs`` is reached."""
         t = self.cfg.train
+        pin = _pinned if self.env.device.type == "cuda" else None
         while t.steps is None or self.step < t.steps:
             seen = 0
-            for item in ahead(self.source.train_batches(self.position), self.cfg.data.prefetch):
+            made = self.source.train_batches(self.position)
+            for item in ahead(made, self.cfg.data.prefetch, prepare=pin):
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:
@@ -294,20 +325,13 @@ class Trainer:
 
     # -- the step loop: plain, or the pipeline -------------------------------------------------
     def loop_mode(self) -> str:
-        """``train.pipeline`` resolved: ``plain``, ``overlap`` or ``graph``."""
-        mode = self.cfg.train.pipeline
-        sharded = self.env.world_size > 1
-        if mode == "auto":
-            return "overlap" if sharded and self.cfg.train.nonfinite == "error" else "plain"
-        if mode == "graph" and (self.env.device.type != "cuda"
-                                or not self.cfg.sharding.comm.fixed_shapes):
-            raise ValueError("train.pipeline: graph captures the step in a CUDA graph: it needs "
-                             "CUDA and sharding.comm.fixed_shapes: true")
-        return mode if sharded else "plain"  # one process: no input dist to overlap
+        """``train.pipeline`` resolved: ``plain``, ``overlap`` or ``graph`` (``modes.py``)."""
+        return resolve_pipeline(self.cfg, self.env.device.type,
+                                self.env.process_group is not None)
 
     def _steps(self):
         """``(loss or None, data position after the step)`` per step trained."""
-        mode = self.loop_mode()
+        mode = self.mode
         if mode == "plain":
             for batch, position in self._batches():
                 yield self.train_step(batch), position
@@ -321,18 +345,27 @@ class Trainer:
                 yield batch
 
         batches, t = feed(), self.cfg.train
+        whole = mode == "graph"  # CUDA events around the replay: the step's time on the GPU
         while t.steps is None or self.step < t.steps:
+            if whole:
+                self.timer.start("step")
             try:
                 loss = pipe.progress(batches)
             except StopIteration:
+                self.timer.cancel("step")
+                if pipe.graph is not None:
+                    pipe.graph.poll()  # a bad id in the last replays: said now
                 return
+            if whole:
+                self.timer.stop("step")
             self.timer.step_done()
             yield loss, positions.popleft()
 
     def _pipeline(self, mode: str):
         """``TrainPipeline`` over this model: the step's forward and backward timed as the
-        plain loop's (not inside a CUDA graph), dense gradients averaged after backward, the
-        non-finite flag kept as ``train_step`` keeps it."""
+        plain loop's (``overlap``; ``graph`` is timed around each replay, see ``_steps``),
+        dense gradients averaged after backward, the non-finite flag kept as ``train_step``
+        keeps it (in place: a replay updates it)."""
         from fbtriton_dist.sharding import TrainPipeline
 
         graph, group = mode == "graph", self.env.process_group
@@ -357,15 +390,16 @@ class Trainer:
 
         return TrainPipeline(self.model, self.optimizer, self.env.device, loss_fn=loss_fn,
                              sparse=lambda b: b.sparse, after_backward=after_backward,
-                             own_group=True, cuda_graph=graph)
+                             own_group=True, cuda_graph=graph, warmup=GRAPH_WARMUP)
 
     def _note_finite(self, loss: torch.Tensor) -> None:
-        """Keep the first step whose loss or dense gradient is not finite (no host sync)."""
+        """Keep the first step whose loss or dense gradient is not finite (no host sync; in
+        place, with the step counted on the device, so a CUDA graph replays it)."""
         grads = [p.grad.sum() for p in self.dense_params if p.grad is not None]
         bad = ~torch.isfinite(loss + (torch.stack(grads).sum() if grads else 0.0))
-        step = torch.full_like(self._first_bad, self.step + 1)
-        self._first_bad = torch.where(bad & (self._first_bad == NO_BAD_STEP), step,
-                                      self._first_bad)
+        self._step_t.add_(1)
+        self._first_bad.copy_(torch.where(bad & (self._first_bad == NO_BAD_STEP),
+                                          self._step_t, self._first_bad))
 
     def fit(self, step: int = 0, position: DataPosition | None = None) -> dict[str, Any]:
         """Train from ``step`` / ``position`` to the end; return the summary."""
@@ -373,6 +407,7 @@ class Trainer:
 
         cfg, t = self.cfg, self.cfg.train
         self.step, self.position = step, position or DataPosition()
+        self._step_t.fill_(step)
         rank0 = self.env.rank == 0
         metrics = MetricsWriter(
             os.path.join(cfg.run_dir, cfg.logging.metrics) if rank0 else None,
@@ -440,6 +475,7 @@ class Trainer:
             "train_loss": self.last_loss,
             "eval_loss": self.last_eval.get("loss", math.nan),
             "eval_auc": self.last_eval.get("auc", math.nan),
+            "pipeline": self.mode,
             "ms_per_step": split_dense(self.timer.totals()),
             "skipped_steps": self.skipped,
             "checkpoint": self.last_checkpoint if self.last_checkpoint

@@ -14,8 +14,9 @@ import torch
 
 __all__ = ["STAGES", "MetricsWriter", "StageTimer", "Throughput", "auc", "format_summary"]
 
-STAGES = ("input_dist", "lookup", "output_dist", "dense", "backward")
-"""Named parts of a step; the unsharded job reports lookup, dense and backward."""
+STAGES = ("input_dist", "lookup", "output_dist", "dense", "backward", "step")
+"""Named parts of a step; the unsharded job reports lookup, dense and backward;
+``train.pipeline: graph`` only ``step``, the whole replayed step."""
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -46,7 +47,8 @@ class StageTimer:
 
     On CPU stages are ``time.perf_counter`` intervals (no synchronisation needed). On CUDA
     each stage records a pair of events and the window is resolved once in :meth:`take`, so
-    the step itself never synchronises.
+    the step itself never synchronises. Capture-safe: while the current CUDA stream is being
+    captured into a graph nothing is recorded (time a replayed graph from outside it).
     """
 
     def __init__(self, device: torch.device | str = "cpu", warmup_steps: int = 1) -> None:
@@ -66,10 +68,21 @@ class StageTimer:
             return event
         return time.perf_counter()
 
+    def _capturing(self) -> bool:
+        return self.cuda and torch.cuda.is_current_stream_capturing()
+
     def start(self, stage: str) -> None:
+        if self._capturing():  # an event with timing cannot be recorded into a graph
+            return
         self._open[stage] = self._now()
 
+    def cancel(self, stage: str) -> None:
+        """Forget a started stage (the step it timed did not happen)."""
+        self._open.pop(stage, None)
+
     def stop(self, stage: str) -> None:
+        if self._capturing():
+            return
         begin = self._open.pop(stage, None)
         if begin is None:
             return

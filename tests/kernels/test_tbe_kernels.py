@@ -153,21 +153,29 @@ def test_forward_config_loads_ids_ahead_for_16_bit_rows_only(monkeypatch):
 
 def test_backward_config_override_keeps_the_fields_it_does_not_give(monkeypatch):
     from fbtriton_dist.kernels.tbe_backward import CHUNK, backward_config
+    from fbtriton_dist.kernels.tbe_optim import optimizer_code
 
-    assert backward_config(128) == (1, 1, 1, CHUNK, 64, True)
+    monkeypatch.delenv("FBTD_TBE_BWD", raising=False)
+    sgd, rowwise = optimizer_code(optim.SGD(lr=0.1)), optimizer_code(optim.RowWiseAdagrad())
+    # fp32 rows up to D=128: ids of a run read 4 per step with the middle band of run lengths
+    # in the chunk kernel (SGD, plain gradients), 2 per step for stateful optimizers
+    assert backward_config(128) == backward_config(128, 4, sgd) == (1, 1, 4, CHUNK // 2, 64, True)
+    assert backward_config(128, 4, rowwise) == (1, 1, 2, CHUNK, 64, True)
+    assert backward_config(256, 4, sgd) == backward_config(128, 2, sgd) == (
+        1, 1, 1, CHUNK, 64, False)
     # the next run's record ahead only for fp32 rows up to D=128
     assert not backward_config(128, weight_bytes=2)[5] and not backward_config(256)[5]
-    for env, want in [("2,1", (2, 1, 1, CHUNK, 64)), ("1,1,4", (1, 1, 4, CHUNK, 64)),
-                      ("2,1,2,8", (2, 1, 2, 8, 64)), ("1,2", (1, 2, 1, CHUNK, 0)),
+    for env, want in [("2,1", (2, 1, 2, CHUNK, 64)), ("1,1,4", (1, 1, 4, CHUNK, 64)),
+                      ("2,1,2,8", (2, 1, 2, 8, 64)), ("1,2", (1, 2, 2, CHUNK, 0)),
                       ("1,1,1,4,0", (1, 1, 1, 4, 0))]:
         monkeypatch.setenv("FBTD_TBE_BWD", env)
-        assert backward_config(128) == (*want, True), env
+        assert backward_config(128, 4, rowwise) == (*want, True), env
     monkeypatch.setenv("FBTD_TBE_BWD", "1,1,1,1,1,1")
     with pytest.raises(ValueError, match="at most 5 fields"):
         backward_config(128)
 
 
-@pytest.mark.parametrize("config", ["2,1", "1,1,4", "2,1,2,8", "1,1,1,4,64"])
+@pytest.mark.parametrize("config", ["2,1", "1,1,4", "2,1,2,8", "1,1,1,4,64", "1,1,8,16"])
 @pytest.mark.parametrize("optimizer", ["rowwise", "adam"])
 def test_row_update_launch_configs_agree_with_the_reference(config, optimizer, monkeypatch):
     """``FBTD_TBE_BWD`` (runs per program, warps, ids per step, chunk size, register cap) only
@@ -241,3 +249,42 @@ def test_linearize_kernel_writes_what_the_training_forward_writes(check, pooling
                 assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
         if check:
             assert int(err[0]) > 0  # some ids were dropped (and both agree on which)
+
+
+
+@pytest.mark.parametrize("D", [8, 12])  # 8: every D is BLOCK_D (FULL, no column mask); 12 not
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_forward_counts_dropped_ids_like_the_reference(D, pooling):
+    """The forward counts the ids it drops after its loop (the bag's ids minus the kept ones)
+    and looks for the first bad position only in a bag that has one: the counts, the first
+    position and the output equal the reference's, with per-sample weights and empty bags."""
+    from fbtriton_dist import kernels
+    from fbtriton_dist.kernels.tbe_forward import POOL_MEAN, POOL_SUM
+
+    tables, ftm, B = [(9, D), (5, D)], [0, 1, 0], 6
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 11, (len(ftm) * B,), generator=g)
+    lengths[::4] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    ids = torch.randint(0, 5, (n,), generator=g)
+    ids[5::9] = 10**4
+    ids[7::13] = -1
+    psw = torch.randn(n, generator=g)
+    tbe = TableBatchedEmbedding(tables, ftm, backend="triton", device=DEVICE)
+    layout = tbe._layout()
+    got = []
+    for impl in (kernels, reference):
+        err = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+        out = impl.tbe_forward(
+            tbe.weights.detach(), layout.w_offsets, layout.dims, layout.D_offsets,
+            ids.to(DEVICE), offsets.to(DEVICE), psw.to(DEVICE),
+            pooling=POOL_MEAN if pooling == "mean" else POOL_SUM, max_D=layout.max_D,
+            total_D=layout.total_D, output_dtype=torch.float32, rows=layout.rows, err=err,
+            row_align=layout.row_align)
+        got.append((out.cpu(), err.cpu()))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-5, atol=1e-5)
+    assert int(got[0][1][0]) == int(got[1][1][0]) > 0
+    bad = torch.nonzero((ids < 0) | (ids >= torch.tensor([9, 5, 9]).repeat_interleave(B)
+                                     .repeat_interleave(lengths))).min()
+    assert int(got[0][1][1]) == n - int(bad)

@@ -219,6 +219,47 @@ def test_criteo_lines_are_sharded_by_rank_and_resumable(criteo_files):
     assert len(ranks[0].eval_batches(100)) == 18 // 2
 
 
+def test_criteo_reader_streams_a_file_as_it_is_written(tmp_path):
+    """The first batch comes while the file is still being written (a named pipe whose
+    writer waits for it): the reader never needs a whole file in memory."""
+    import os
+    import threading
+
+    fifo = tmp_path / "day_0.tsv"
+    os.mkfifo(fifo)
+    rng = random.Random(1)
+    first_seen, waited_out = threading.Event(), []
+
+    def write():
+        with open(fifo, "w") as f:
+            f.write("".join(criteo_line(rng) for _ in range(4)))
+            f.flush()
+            if not first_seen.wait(20):  # a reader that reads to the end would wait here
+                waited_out.append(True)
+            f.write("".join(criteo_line(rng) for _ in range(5)))
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    from fbtriton_dist.train.config import CriteoConfig
+
+    src = CriteoSource(CRITEO_FEATURES, CriteoConfig(train=(str(fifo),)), batch_size=4)
+    stream = src.train_batches(DataPosition())
+    _, pos = next(stream)
+    first_seen.set()
+    rest = list(stream)
+    writer.join(30)
+    assert not waited_out and pos.samples == 4
+    assert [p.samples for _, p in rest] == [8]  # the last line, a partial batch, is dropped
+
+
+def test_criteo_resume_skips_lines_across_files(criteo_files):
+    """A position past the first file's 23 lines resumes in the second at the exact line."""
+    whole = list(criteo_source(criteo_files, B=3).train_batches(DataPosition()))
+    resumed = list(criteo_source(criteo_files, B=3).train_batches(whole[7][1]))
+    assert whole[7][1].samples == 24 and len(resumed) == len(whole) - 8
+    assert all(same(a[0], b[0]) and a[1] == b[1] for a, b in zip(resumed, whole[8:], strict=True))
+
+
 def test_make_source_picks_the_configured_source(criteo_files, tmp_path):
     tables = [
         {"name": f"t{j}", "num_embeddings": 5, "embedding_dim": 4, "features": [f"c{j}"]}

@@ -176,6 +176,24 @@ def test_batches_made_ahead_by_a_thread_are_the_same_batches():
     assert threading.active_count() <= before
 
 
+def test_items_are_prepared_in_the_background_thread():
+    """``prepare`` (the job's pinning of batches on CUDA) runs in the data thread, on every
+    item, in order; without a thread (depth 0) nothing is prepared."""
+    import threading
+
+    from fbtriton_dist.train.loop import ahead
+
+    where = set()
+
+    def prepare(x):
+        where.add(threading.current_thread().name)
+        return -x
+
+    assert list(ahead(iter(range(20)), 3, prepare=prepare)) == [-x for x in range(20)]
+    assert where == {"fbtd-data"}
+    assert list(ahead(iter(range(3)), 0, prepare=prepare)) == [0, 1, 2]
+
+
 def test_a_job_with_data_made_ahead_trains_like_one_without(tmp_path):
     here = write_job(tmp_path, "here", **QUICK, data__prefetch=0)
     ahead_ = write_job(tmp_path, "ahead", **QUICK)

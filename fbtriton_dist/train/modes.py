@@ -1,0 +1,101 @@
+"""Which step loop a job runs (``train.pipeline``), decided before the model is built.
+
+``graph`` changes how the model is built (fixed-shape input dists with a capacity, a dense
+optimizer that can be captured), so the job resolves the mode first, from the config, the
+device and whether there is a process group:
+
+* ``plain``: batch after batch (always possible).
+* ``overlap``: ``TrainPipeline``, the next batch's input dist while this one trains (needs
+  sharded collections, i.e. a process group).
+* ``graph``: the whole step, with the next batch's input dist, one CUDA graph replay
+  (``TrainPipeline(cuda_graph=True)``): CUDA, a process group (several ranks, or
+  ``torchrun --nproc-per-node 1``), a batch of the same shape every step, a bound on the ids
+  of a batch (the job then builds a dense optimizer that can be captured: Adam/AdamW with
+  ``capturable=True``, Adagrad as ``dense_optim.CapturableAdagrad``).
+* ``auto``: ``overlap`` with a process group and ``nonfinite: error``, else ``plain``. It is
+  meant to pick ``graph`` when nothing in :func:`graph_blockers` stands in the way; that waits
+  on :data:`AUTO_PICKS_GRAPH` (the job's graph step has not yet passed on a GPU).
+
+Torch-free: only the config is read.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fbtriton_dist.planner import ConfigError
+
+from .config import CRITEO_SPARSE, JobConfig
+
+__all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "resolve_pipeline"]
+
+AUTO_PICKS_GRAPH = False
+"""Whether ``auto`` picks ``graph`` where it can run. Off: on an H200 (session 13) the job's
+graph step failed its GPU tests (the capture in ``sharding/pipeline.py``
+``_capture_overlapped`` was invalidated), so ``auto`` keeps the overlapped loop until
+``tests/train/test_gpu_pipeline.py`` passes there; ``train.pipeline: graph`` stays explicit."""
+
+
+def max_ids_bound(cfg: JobConfig) -> int | None:
+    """The most ids one rank's batch can hold (the fixed input dist's capacity): the
+    configured ``sharding.comm.max_ids``, else what the data source allows: Criteo one id per
+    categorical column and sample, ``random_rec`` at most ``ids_per_feature`` per bag,
+    synthetic Poisson bag lengths ``mean + 8 std`` (a batch above it: about 1e-15 per step).
+    None: no bound known."""
+    if cfg.sharding.comm.max_ids is not None:
+        return cfg.sharding.comm.max_ids
+    B, data = cfg.train.batch_size, cfg.data
+    if data.source == "criteo":
+        return B * CRITEO_SPARSE
+    factors = []
+    for t in cfg.tables.tables:
+        pf = t.pooling_factors or [1.0] * len(t.features)
+        factors += list(pf)
+    if data.source == "random_rec":
+        per_bag = data.random_rec.ids_per_feature
+        return B * sum(per_bag or max(1, round(L)) for L in factors)
+    mean = B * sum(factors)
+    return math.ceil(mean + 8 * math.sqrt(mean)) + 16
+
+
+def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]:
+    """Why the job cannot run ``train.pipeline: graph`` here (empty: it can)."""
+    why = []
+    if device_type != "cuda":
+        why.append(f"the device is {device_type}, a CUDA graph needs CUDA")
+    if not grouped:
+        why.append("one process without a process group has no sharded tables to capture "
+                   "(run it under torchrun, also with --nproc-per-node 1)")
+    if cfg.train.nonfinite != "error":
+        why.append("train.nonfinite: skip checks every step on the host")
+    if cfg.sharding.comm.dedup:
+        why.append("sharding.comm.dedup: true sizes messages per step")
+    if cfg.model.kind != "dlrm":
+        why.append(f"model.kind: {cfg.model.kind} (the sharded EmbeddingCollection has no "
+                   "fixed shapes)")
+    syn = cfg.data.synthetic
+    if cfg.data.source == "synthetic" and syn.candidates_per_user > 1 and syn.vbe:
+        why.append("data.synthetic.candidates_per_user > 1 with vbe: a batch size per feature")
+    if max_ids_bound(cfg) is None:
+        why.append("no bound on the ids of a batch: set sharding.comm.max_ids")
+    return why
+
+
+def resolve_pipeline(cfg: JobConfig, device_type: str, grouped: bool) -> str:
+    """``train.pipeline`` resolved to ``plain``, ``overlap`` or ``graph`` for a job on
+    ``device_type`` (``grouped``: the job has a process group, so its tables are sharded).
+    An explicit ``graph`` that cannot run here raises ConfigError naming every reason."""
+    mode = cfg.train.pipeline
+    if mode == "auto":
+        if not grouped or cfg.train.nonfinite != "error":
+            return "plain"
+        if AUTO_PICKS_GRAPH and not graph_blockers(cfg, device_type, grouped):
+            return "graph"
+        return "overlap"
+    if mode == "graph":
+        why = graph_blockers(cfg, device_type, grouped)
+        if why:
+            raise ConfigError("<job>", "train.pipeline", "graph captures the whole step in a "
+                              "CUDA graph; here it cannot: " + "; ".join(why))
+        return mode
+    return mode if grouped else "plain"  # one process: no input dist to overlap
