@@ -400,7 +400,7 @@ def _job_comm(rank, world, comm=None):
     data = {**TINY, "sharding": {"comm": comm or {"wire_dtype": "bf16", "dedup": True}}}
     cfg = job_from_dict(data)
     env = Env(rank=rank, world_size=world, local_world_size=world, device=device(),
-              process_group=None)
+              process_group=torch.distributed.group.WORLD)  # the job shards with a group
     plan, _ = make_plan(cfg, world, world)
     model = build(cfg, env, plan).model
     return [m.comm for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
