@@ -53,6 +53,13 @@ import torch
 # plan, joined by its backward): the innermost ``joined_at_exit`` scope collects it.
 _JOIN_SCOPES: list[list[tuple[torch.device, Any]]] = []
 
+CAPTURE_MODE = "thread_local"
+"""``torch.cuda.graph``'s ``capture_error_mode`` for every capture here and in
+``sharding/pipeline.py``: only the capturing thread is held to the capture's rules. With
+torch's default ("global") a CUDA call that is not capture-safe made by *any* thread invalidates
+the capture: the training job's data thread pinning the next batch (``cudaHostAlloc``) while
+the step is captured did that ("operation failed due to a previous error during capture")."""
+
 
 @contextlib.contextmanager
 def joined_at_exit() -> Iterator[None]:
@@ -197,7 +204,8 @@ class GraphedStep:
         inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.device(device), torch.cuda.graph(graph), joined_at_exit():
+            with (torch.cuda.device(device),
+                  torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE), joined_at_exit()):
                 output = self.fn(*inputs)
         except Exception as e:
             raise RuntimeError(

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fbtriton_dist.graphs import joined_at_exit
+from fbtriton_dist.graphs import CAPTURE_MODE, joined_at_exit
 from fbtriton_dist.sharding.collection import ShardedCollection
 from fbtriton_dist.sharding.input_dist import InputDistOut
 from fbtriton_dist.sparse import padded_kjt
@@ -321,7 +321,7 @@ class GraphedTrainStep:
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
-        with torch.cuda.graph(self.graph), joined_at_exit():
+        with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_MODE), joined_at_exit():
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):  # batch i + 1's input dist ...
@@ -346,7 +346,7 @@ class GraphedTrainStep:
         _copy_batch(self.static, batch, self.sparse)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), joined_at_exit():
+        with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_MODE), joined_at_exit():
             self.loss = self.step(self.static)
 
     def _watch_flags(self) -> None:

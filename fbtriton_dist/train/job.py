@@ -210,13 +210,18 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
         ebc = EmbeddingBagCollection(tables=pooled, device=where, backend=cfg.backend)
         apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
     if cfg.model.kind == "dlrm":
-        return DLRM(
+        model = DLRM(
             embedding_bag_collection=ebc,
             dense_in_features=cfg.data.num_dense,
             dense_arch_layer_sizes=list(cfg.model.dense_arch),
             over_arch_layer_sizes=list(cfg.model.over_arch),
             dense_device=device,
         )
+        # TorchRec builds the interaction's triu_indices buffer on the CPU whatever
+        # dense_device is: on CUDA each step then copied it from pageable memory (a host sync,
+        # and an error inside a CUDA graph capture)
+        model.inter_arch.to(device)
+        return model
     ec = EmbeddingCollection(tables=_sequence_configs(cfg), device=where, backend=cfg.backend)
     apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
     dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}

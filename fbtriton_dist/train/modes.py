@@ -12,9 +12,9 @@ device and whether there is a process group:
   ``torchrun --nproc-per-node 1``), a batch of the same shape every step, a bound on the ids
   of a batch (the job then builds a dense optimizer that can be captured: Adam/AdamW with
   ``capturable=True``, Adagrad as ``dense_optim.CapturableAdagrad``).
-* ``auto``: ``overlap`` with a process group and ``nonfinite: error``, else ``plain``. It is
-  meant to pick ``graph`` when nothing in :func:`graph_blockers` stands in the way; that waits
-  on :data:`AUTO_PICKS_GRAPH` (the job's graph step has not yet passed on a GPU).
+* ``auto``: ``graph`` where it can run (nothing in :func:`graph_blockers` stands in the way),
+  else ``overlap`` with a process group and ``nonfinite: error``, else ``plain``
+  (:data:`AUTO_PICKS_GRAPH` turns the first choice off).
 
 Torch-free: only the config is read.
 """
@@ -29,11 +29,11 @@ from .config import CRITEO_SPARSE, JobConfig
 
 __all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "resolve_pipeline"]
 
-AUTO_PICKS_GRAPH = False
-"""Whether ``auto`` picks ``graph`` where it can run. Off: on an H200 (session 13) the job's
-graph step failed its GPU tests (the capture in ``sharding/pipeline.py``
-``_capture_overlapped`` was invalidated), so ``auto`` keeps the overlapped loop until
-``tests/train/test_gpu_pipeline.py`` passes there; ``train.pipeline: graph`` stays explicit."""
+AUTO_PICKS_GRAPH = True
+"""Whether ``auto`` picks ``graph`` where it can run (CUDA, a process group, a constant batch
+size, a known id bound). It was off while the job's graph step failed on an H200 (session 13:
+the data thread pinning batches invalidated the capture; captures are now thread-local,
+``fbtriton_dist.graphs.CAPTURE_MODE``); ``tests/train/test_gpu_pipeline.py`` checks it there."""
 
 
 def max_ids_bound(cfg: JobConfig) -> int | None:

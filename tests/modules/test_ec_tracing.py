@@ -12,6 +12,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 from torchrec import KeyedJaggedTensor
 
 import fbtriton_dist
+from tests.modules.test_ebc_tracing import _FUSED_NEEDS_2_13
 from tests.modules.test_ec import _kjt, _tables
 
 
@@ -96,7 +97,7 @@ def test_traced_forward_and_gradients_match_torchrec(how):
             torch.testing.assert_close(mine[name].grad, p.grad, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["fx", "compile"])
+@pytest.mark.parametrize("how", ["fx", pytest.param("compile", marks=_FUSED_NEEDS_2_13)])
 def test_traced_fused_sgd_updates_like_torchrec(how):
     theirs, ours = _pair(fused="sgd")
     kjt = _kjt(hot=True)

@@ -59,9 +59,6 @@ def close(a, b, rel=1e-4):
     return abs(a - b) <= rel * max(1.0, abs(a))
 
 
-@pytest.mark.xfail(reason="H200, session 13: the job's graph step fails (capture invalidated in "
-                   "sharding/pipeline.py _capture_overlapped); auto does not pick it meanwhile",
-                   strict=False)
 def test_gpu_graph_pipeline_trains_like_the_plain_loop(tmp_path):
     one_rank(gpu_job(tmp_path, "plain", "plain"))
     one_rank(gpu_job(tmp_path, "graph", "graph"))
@@ -80,9 +77,6 @@ def test_gpu_graph_pipeline_trains_like_the_plain_loop(tmp_path):
     assert train[-1]["ms"]["step"] > 0
 
 
-@pytest.mark.xfail(reason="H200, session 13: the job's graph step fails (capture invalidated in "
-                   "sharding/pipeline.py _capture_overlapped); auto does not pick it meanwhile",
-                   strict=False)
 def test_gpu_auto_picks_the_graph_and_resumes_into_it(tmp_path):
     """As the shipped jobs: dense Adagrad (``CapturableAdagrad`` in the graph) and
     ``deterministic: true``."""

@@ -297,3 +297,18 @@ def test_random_rec_job(tmp_path):
     )
     assert main(["--config", str(path)]) == 0
     assert [r["step"] for r in records(tmp_path / "tiny", "train")] == [3]
+
+
+def test_build_model_puts_every_dense_tensor_on_the_device(tmp_path):
+    """TorchRec's DLRM leaves its interaction's ``triu_indices`` on the CPU whatever
+    ``dense_device`` says; on CUDA that buffer was copied from pageable memory every step and
+    broke the CUDA graph capture (H200, session 14). The meta device shows it on a CPU."""
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.job import build_model
+
+    cfg = load_job(write_job(tmp_path))
+    model = build_model(cfg, torch.device("meta"))
+    dense = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
+             if "embedding_bags" not in n}
+    assert "inter_arch.triu_indices" in dense
+    assert {n: t.device.type for n, t in dense.items() if t.device.type != "meta"} == {}

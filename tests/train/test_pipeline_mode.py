@@ -33,15 +33,15 @@ def cfg(pipeline="auto", dense="adagrad", **sections):
 @pytest.mark.parametrize("device, grouped, want", [
     ("cpu", True, "overlap"),     # as before: sharded on the CPU overlaps the input dist
     ("cpu", False, "plain"),      # one process: nothing to overlap
-    ("cuda", True, "overlap"),    # the graph waits on AUTO_PICKS_GRAPH (see modes.py)
+    ("cuda", True, "graph"),      # the whole step one CUDA graph
     ("cuda", False, "plain"),     # one process without torchrun: unsharded tables
 ], ids=["cpu-sharded", "cpu-one", "cuda-sharded", "cuda-one"])
 def test_auto_picks_the_graph_on_cuda_and_keeps_the_cpu_choices(device, grouped, want,
                                                                 monkeypatch):
     assert resolve_pipeline(cfg(), device, grouped) == want
-    monkeypatch.setattr(modes, "AUTO_PICKS_GRAPH", True)  # once the GPU tests pass
-    graph = "graph" if (device, grouped) == ("cuda", True) else want
-    assert resolve_pipeline(cfg(), device, grouped) == graph
+    monkeypatch.setattr(modes, "AUTO_PICKS_GRAPH", False)  # the switch: overlap, not graph
+    off = "overlap" if (device, grouped) == ("cuda", True) else want
+    assert resolve_pipeline(cfg(), device, grouped) == off
 
 
 @pytest.mark.parametrize("changes, reason", [
