@@ -25,8 +25,9 @@ step; the managers are configured by ``IdManagerConfig`` (capacity, lru / lfu / 
 ``capacity`` (TorchRec's: the last row too, ``zch_size - 1``). A plain torch optimizer's
 state (not a fused one) of an evicted row is not reset. A single training forward per step
 is assumed: every training-mode forward is one step of the managers' clocks; eval mode only
-looks up. Not yet: tracing / scripting / export of a managed collection, sharding
-(``shard()`` refuses them).
+looks up. Not yet: tracing / scripting / export of a managed collection; ``shard()`` takes
+our collections built with ``managed=`` (``sharding/managed.py``), not the TorchRec-style
+wrappers.
 """
 
 import hashlib
@@ -217,6 +218,21 @@ def _row_seed(seed: int, step: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def fresh_rows(cfg, n: int, D: int, seed: int, step: int) -> torch.Tensor:
+    """``[n, D]`` fp32 CPU rows for the ``n`` slots a manager of ``seed`` gave a new id at
+    ``step`` (in the order it gave them): the table's ``init_fn``, else uniform in
+    ``weight_init_min/max``, from a generator seeded by ``(seed, step)`` (the global RNG is
+    left as it was). The sharded managers (``sharding/managed.py``) draw theirs here too."""
+    rows = torch.empty(n, D, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_row_seed(seed, step))
+        if cfg.init_fn is not None:
+            cfg.init_fn(rows)
+        else:
+            rows.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+    return rows
+
+
 def reset_rows(collection, fresh: Mapping[str, tuple[torch.Tensor, int]],
                managers: Mapping[str, IdManager]) -> None:
     """Re-initialise each fresh slot's row (its table's ``init_fn``, else uniform in
@@ -229,13 +245,7 @@ def reset_rows(collection, fresh: Mapping[str, tuple[torch.Tensor, int]],
         t = index[name]
         cfg = collection._table_configs[t]
         (weight,) = collection._group_params([t])
-        rows = torch.empty(slots.numel(), weight.shape[1], dtype=torch.float32)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_row_seed(int(managers[name].seed), step))
-            if cfg.init_fn is not None:
-                cfg.init_fn(rows)
-            else:
-                rows.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+        rows = fresh_rows(cfg, slots.numel(), weight.shape[1], int(managers[name].seed), step)
         with torch.no_grad():
             weight[slots.to(weight.device)] = rows.to(weight.device, weight.dtype)
         for tbe, members in zip(collection._tbes, collection._groups.values(), strict=True):

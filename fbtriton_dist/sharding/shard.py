@@ -67,10 +67,11 @@ def shard(
     from fbtriton_dist.modules.managed import ManagedLookup
 
     for name, m in module.named_modules():
-        if getattr(m, "id_managers", None) is not None or isinstance(m, ManagedLookup):
+        if isinstance(m, ManagedLookup):
             raise NotImplementedError(
-                f"{name or 'module'}: sharding managed tables (id_managers, dynamic ids) is not "
-                "supported yet (issue 27); shard a collection without managed tables"
+                f"{name or 'module'}: sharding TorchRec-style ManagedCollision* wrappers is not "
+                "supported yet; build the collection with managed=... instead "
+                "(sharding/managed.py)"
             )
     if _kind(module) is not None:
         return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
@@ -137,8 +138,13 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
         "backend": backend,
         "comm": comm,
     }
+    ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+    if getattr(collection, "id_managers", None) is not None:  # managed tables (issue 27)
+        from fbtriton_dist.sharding import managed
+
+        ebc_cls = managed.ManagedShardedEmbeddingBagCollection
+        ec_cls = managed.ManagedShardedEmbeddingCollection
+        common["managed"] = collection.id_managers
     if ebc:
-        return ShardedEmbeddingBagCollection(configs, plan, is_weighted=collection.is_weighted(),
-                                             **common)
-    return ShardedEmbeddingCollection(configs, plan, need_indices=collection.need_indices(),
-                                      **common)
+        return ebc_cls(configs, plan, is_weighted=collection.is_weighted(), **common)
+    return ec_cls(configs, plan, need_indices=collection.need_indices(), **common)

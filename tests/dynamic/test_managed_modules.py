@@ -240,16 +240,13 @@ def test_torchrec_mch_modules_are_read():
                                                  eviction_interval=1)}, bag_tables())
 
 
-def test_shard_refuses_managed_tables():
+def test_shard_refuses_torchrec_style_managed_wrappers():
     from fbtriton_dist.planner import ShardingPlan
     from fbtriton_dist.sharding import shard
 
-    ebc = EmbeddingBagCollection(bag_tables(), managed=MANAGED)
-    with pytest.raises(NotImplementedError, match=r"module: sharding managed tables"):
-        shard(ebc, ShardingPlan.__new__(ShardingPlan))
     wrapper = torch.nn.Sequential(ManagedCollisionEmbeddingBagCollection(
         EmbeddingBagCollection(bag_tables()), ManagedCollisionCollection(MANAGED, bag_tables())))
-    with pytest.raises(NotImplementedError, match=r"0: sharding managed tables"):
+    with pytest.raises(NotImplementedError, match=r"0: sharding TorchRec-style ManagedCollision"):
         shard(wrapper, ShardingPlan.__new__(ShardingPlan))
 
 
