@@ -17,7 +17,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       source: synthetic              # synthetic | random_rec | criteo
       num_dense: 13
       synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5,
-                  candidates_per_user: 1, user_features: null, vbe: true}  # K > 1: VBE
+                  candidates_per_user: 1, user_features: null, vbe: true,  # K > 1: VBE
+                  drift: null}   # {new_ids_per_step, window, features}: drift_config.py
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
@@ -61,6 +62,8 @@ from fbtriton_dist.planner._yaml import (
     read_yaml,
 )
 from fbtriton_dist.planner.tables import table_set_from_dict
+
+from .drift_config import DriftConfig, check_drift, drift_section
 
 __all__ = [
     "CheckpointConfig",
@@ -209,6 +212,8 @@ class SyntheticConfig:
     vbe: bool = True
     """With ``candidates_per_user`` > 1: false sends the same samples as a fixed batch (each
     user bag copied for each of its candidates), to compare against VBE."""
+    drift: DriftConfig | None = None
+    """An open id space that drifts (raw int64 ids, new ones every step): ``drift_config.py``."""
 
     def __post_init__(self) -> None:
         check_number("zipf", self.zipf, 0.0)
@@ -567,6 +572,7 @@ class JobConfig:
                 f"data.synthetic.zipf_per_feature.{unknown[0]}",
                 f"not a feature of the tables, expected one of [{', '.join(features)}]",
             )
+        check_drift(self.data.synthetic, features)
         users = self.data.synthetic.user_features or ()
         unknown = [f for f in users if f not in features]
         if unknown:
@@ -646,7 +652,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
             {
                 "synthetic": _section(
                     SyntheticConfig, where,
-                    {"zipf_per_feature": _numbers_by_name, "user_features": _optional_strings}
+                    {"zipf_per_feature": _numbers_by_name, "user_features": _optional_strings,
+                     "drift": drift_section(where)}
                 ),
                 "random_rec": _section(RandomRecConfig, where),
                 "criteo": _section(

@@ -7,7 +7,10 @@
   every user feature.
 * :class:`RandomRecSource`: TorchRec's ``RandomRecDataset`` (uniform ids, random labels).
 * :class:`CriteoSource`: Criteo click-logs TSV lines (label, 13 integer, 26 hex categorical
-  columns; any column may be empty), line ``g`` of an epoch going to rank ``g % R``.
+  columns; any column may be empty), line ``g`` of an epoch going to rank ``g % R``; ids
+  ``int(hex, 16) % E``, or raw (no ``% E``) for a managed table's features (``id_manager``).
+* ``open_ids.DriftingSource`` (``data.synthetic.drift``): raw ids from an open id space that
+  drifts, new ids every step.
 
 Every source has ``train_batches(position)`` yielding ``(batch, position after it)`` until the
 epoch ends (synthetic ones never end) and ``eval_batches(n)``. A :class:`DataPosition` counts the
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -307,11 +310,21 @@ def _dense_value(text: str, i: int) -> float:
     return math.log1p(max(x, 0.0))
 
 
+def _raw_id(text: str, j: int) -> int:
+    """A categorical column's hex value as a raw int64 id: up to 64 bits, those of 2**63 and
+    above wrapped to negative ids (two's complement, as in the id's bits)."""
+    x = int(text, 16)
+    if x < 0 or x >= 1 << 64:
+        raise ValueError(f"categorical column C{j + 1}: {text!r} is not a 64-bit hex id")
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 def parse_criteo_line(
-    line: str, hash_sizes: Sequence[int], where: str = "<line>"
+    line: str, hash_sizes: Sequence[int | None], where: str = "<line>"
 ) -> tuple[float, list[float], list[int | None]]:
     """One Criteo TSV line -> (label, 13 dense values ``log(1 + max(x, 0))`` with empty = 0,
-    26 categorical ids ``int(hex, 16) % E_j`` with empty = None)."""
+    26 categorical ids ``int(hex, 16) % E_j`` with empty = None). ``E_j`` None: the raw
+    hashed id ``int(hex, 16)`` as an int64 (a managed table's, ``_raw_id``)."""
     cols = line.rstrip("\r\n").split("\t")
     n = 1 + CRITEO_DENSE + CRITEO_SPARSE
     if len(cols) != n:
@@ -320,8 +333,8 @@ def parse_criteo_line(
         label = float(cols[0] or 0)
         dense = [_dense_value(c, i) for i, c in enumerate(cols[1 : 1 + CRITEO_DENSE])]
         cats = [
-            int(c, 16) % E if c else None
-            for c, E in zip(cols[1 + CRITEO_DENSE :], hash_sizes, strict=True)
+            (_raw_id(c, j) if E is None else int(c, 16) % E) if c else None
+            for j, (c, E) in enumerate(zip(cols[1 + CRITEO_DENSE :], hash_sizes, strict=True))
         ]
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
@@ -347,11 +360,13 @@ class CriteoSource:
         rank: int = 0,
         world_size: int = 1,
         resolve=lambda p: p,
+        raw_features: Collection[str] = (),
     ) -> None:
         by_name = {f.name: f for f in features}
         columns = list(cfg.features) if cfg.features else [f.name for f in features]
         self.columns = columns
-        self.hash_sizes = [by_name[c].num_rows for c in columns]
+        # ``raw_features`` (a managed table's): the raw hashed id, no ``% E``
+        self.hash_sizes = [None if c in raw_features else by_name[c].num_rows for c in columns]
         self.train_paths = [resolve(p) for p in cfg.train]
         self.eval_paths = [resolve(p) for p in cfg.eval]
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -420,6 +435,16 @@ def make_source(
     """The source ``data.source`` names, for this rank."""
     features = feature_specs(tables, data)
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
+    # managed tables (id_manager) take raw ids of any value: no `% E` for their features
+    raw = {f for t in tables.tables if t.name in tables.id_managers for f in t.features}
+    if data.source == "synthetic" and data.synthetic.drift is not None:
+        from .open_ids import DriftingSource  # it builds on this module
+
+        return DriftingSource(
+            features, data.synthetic.drift, raw_features=raw, num_dense=data.num_dense,
+            tables={f: t.name for t in tables.tables for f in t.features}, seed=seed,
+            noise=data.synthetic.noise, **common,
+        )
     if data.source == "synthetic":
         syn = data.synthetic
         return SyntheticSource(
@@ -434,4 +459,4 @@ def make_source(
         )
     if data.criteo is None:  # JobConfig checks it; a direct caller may not have
         raise ValueError("data.criteo: required with data.source: criteo")
-    return CriteoSource(features, data.criteo, resolve=resolve, **common)
+    return CriteoSource(features, data.criteo, resolve=resolve, raw_features=raw, **common)

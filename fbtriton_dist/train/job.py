@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
@@ -35,6 +36,7 @@ from torchrec.optim import apply_optimizer_in_backward
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
+from fbtriton_dist.modules.managed import ManagedCollisionCollection
 from fbtriton_dist.planner import (
     ConfigError,
     CostModel,
@@ -43,6 +45,7 @@ from fbtriton_dist.planner import (
     PlanValidationError,
     ShardingPlan,
     ShardingPlanner,
+    TableConstraints,
 )
 from fbtriton_dist.planner.report import format_report
 
@@ -192,11 +195,31 @@ def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
     return cls(params, betas=c.betas, **kw)
 
 
+MANAGED_SHARDINGS = ("row_wise", "table_row_wise", "table_wise", "data_parallel")
+"""How a managed table (``id_manager:``) may be sharded (``sharding/managed.py``)."""
+
+
+def _collection(cls, configs, cfg: JobConfig, where: torch.device):
+    """Our ``cls`` (EmbeddingBagCollection / EmbeddingCollection) of ``configs`` on
+    ``where``, its managed tables (the table set's ``id_manager:``) with their id maps. On
+    the meta device (several ranks) the maps are made on the CPU: ``fbtriton_dist.shard``
+    reads their configs and seeds, and each owner then makes its own map of its slots (the
+    whole table's map is allocated once on every rank meanwhile)."""
+    names = {c.name for c in configs}
+    managed = {n: m for n, m in cfg.tables.id_managers.items() if n in names} or None
+    collection = cls(tables=configs, device=where, backend=cfg.backend, managed=managed)
+    if managed and where.type == "meta":
+        collection.id_managers = ManagedCollisionCollection(
+            managed, configs, device=torch.device("cpu"), backend=cfg.backend)
+    return collection
+
+
 def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn.Module:
     """The job's model (``model.kind``): DLRM over our EmbeddingBagCollection, or the
     target-attention model over an EmbeddingCollection of the sequence tables and an
     EmbeddingBagCollection of the others (``train/models.py``); the tables annotated with the
-    fused optimizer.
+    fused optimizer. Tables with an ``id_manager`` are managed (raw ids remapped to slots,
+    ``modules/managed.py``).
 
     With several ranks the tables are built on the meta device (nothing allocated):
     ``fbtriton_dist.shard`` initialises each rank's shards in place.
@@ -207,7 +230,7 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
     pooled = _table_configs(cfg)
     ebc = None
     if pooled:
-        ebc = EmbeddingBagCollection(tables=pooled, device=where, backend=cfg.backend)
+        ebc = _collection(EmbeddingBagCollection, pooled, cfg, where)
         apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
     if cfg.model.kind == "dlrm":
         model = DLRM(
@@ -222,7 +245,7 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
         # and an error inside a CUDA graph capture)
         model.inter_arch.to(device)
         return model
-    ec = EmbeddingCollection(tables=_sequence_configs(cfg), device=where, backend=cfg.backend)
+    ec = _collection(EmbeddingCollection, _sequence_configs(cfg), cfg, where)
     apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
     dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}
     return TargetAttentionModel(
@@ -245,6 +268,8 @@ def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[S
     if cfg.data.source == "synthetic" and cfg.data.synthetic.zipf > 0:
         zipf = IdDistribution(kind="zipf", alpha=cfg.data.synthetic.zipf)
         stats = {t.name: stats.get(t.name, zipf) for t in specs}
+    for name in cfg.tables.id_managers:  # slots are handed out by arrival, not by hotness
+        stats[name] = IdDistribution(kind="uniform")
     optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
     planner = ShardingPlanner(
         world_size=world_size,
@@ -264,11 +289,26 @@ def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[S
                 f"{world_size} rank(s); plan again or drop sharding.plan"
             )
     else:
-        plan = planner.plan(specs, cfg.tables.constraints, stats)
+        plan = planner.plan(specs, _constraints(cfg), stats)
     plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer)
     cost = planner.cost(plan, specs, stats)
     title = f"job {cfg.name}: {len(specs)} tables on {planner.describe()}"
     return plan, format_report(plan, specs, cost, stats, title=title)
+
+
+def _constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
+    """The table set's constraints, each managed table's shardings limited to
+    :data:`MANAGED_SHARDINGS` (one that allows only others is an error naming it)."""
+    out = dict(cfg.tables.constraints)
+    for name in cfg.tables.id_managers:
+        c = out.get(name, TableConstraints())
+        allowed = [s for s in (c.sharding or MANAGED_SHARDINGS) if s in MANAGED_SHARDINGS]
+        if not allowed:
+            raise ConfigError("<job>", f"tables.{name}.sharding", (
+                f"table '{name}' is managed (id_manager): expected some of "
+                f"[{', '.join(MANAGED_SHARDINGS)}], got {list(c.sharding or ())}"))
+        out[name] = dataclasses.replace(c, sharding=tuple(allowed))
+    return out
 
 
 def _log(env: Env, text: str) -> None:

@@ -21,7 +21,7 @@ from .checkpoint import save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
-from .metrics import STAGES, MetricsWriter, StageTimer, Throughput, auc
+from .metrics import STAGES, IdManagerMetrics, MetricsWriter, StageTimer, Throughput, auc
 from .modes import resolve_pipeline
 
 NO_BAD_STEP = 2**62
@@ -195,6 +195,8 @@ class Trainer:
         if not graph:  # a captured step has no stages to time: it is timed as a whole
             time_embeddings(model, embedding_fqns, self.timer)
         self.throughput = Throughput(cfg.train.batch_size * env.world_size)
+        self.id_metrics = IdManagerMetrics([model.get_submodule(f) for f in embedding_fqns])
+        """Managed tables' occupancy, hit rate, admissions and evictions per step."""
         self.step, self.position = 0, DataPosition()
         self.steps_run = 0
         self.last_loss = math.nan
@@ -272,9 +274,10 @@ class Trainer:
         self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
         sps = self.throughput.window()
         ms = split_dense(self.timer.take())
+        managed = {"id_managers": self.id_metrics.take()} if self.id_metrics else {}
         metrics.write(
             "train", self.step, loss=self.last_loss, samples_per_s=sps,
-            epoch=self.position.epoch, ms=ms,
+            epoch=self.position.epoch, ms=ms, **managed,
         )  # fmt: skip
         bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
         if getattr(self, "_plain_lines", False):
@@ -285,6 +288,8 @@ class Trainer:
         self._window_steps = 0
 
     def _evaluate(self, metrics: MetricsWriter, batches: Sequence[Batch]) -> None:
+        if getattr(self.source, "eval_follows_step", False):  # drifting data: evaluate on
+            batches = self.source.eval_batches_at(self.step, len(batches))  # what comes next
         self.last_eval = evaluate(self.model, batches, self.env)
         metrics.write("eval", self.step, **self.last_eval)
 
@@ -408,6 +413,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.step, self.position = step, position or DataPosition()
         self._step_t.fill_(step)
+        if self.id_metrics:
+            self.id_metrics.begin()
         rank0 = self.env.rank == 0
         metrics = MetricsWriter(
             os.path.join(cfg.run_dir, cfg.logging.metrics) if rank0 else None,
@@ -481,4 +488,5 @@ class Trainer:
             "checkpoint": self.last_checkpoint if self.last_checkpoint
             and os.path.isdir(self.last_checkpoint) else "-",
             "run_dir": self.cfg.run_dir,
+            **({"id_managers": self.id_metrics.run()} if self.id_metrics else {}),
         }

@@ -1,4 +1,5 @@
-"""Metrics of the training job: AUC, a per-step time split, a JSONL writer, the final summary."""
+"""Metrics of the training job: AUC, a per-step time split, managed tables' id maps, a JSONL
+writer, the final summary."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["STAGES", "MetricsWriter", "StageTimer", "Throughput", "auc", "format_summary"]
+__all__ = [
+    "STAGES",
+    "IdManagerMetrics",
+    "MetricsWriter",
+    "StageTimer",
+    "Throughput",
+    "auc",
+    "format_summary",
+]
 
 STAGES = ("input_dist", "lookup", "output_dist", "dense", "backward", "step")
 """Named parts of a step; the unsharded job reports lookup, dense and backward;
@@ -168,6 +177,76 @@ class Throughput:
         return self._rate(self._run)
 
 
+PER_STEP = ("lookups", "admitted", "evicted", "expired", "rejected", "overflow")
+"""The id managers' counts reported per step (``ops/id_remap.py`` ``STATS``)."""
+
+
+def _window(now: Mapping[str, float], then: Mapping[str, float] | None) -> dict[str, float]:
+    """One table's numbers between two reads of its ``metrics()`` (``then`` None: since the
+    table's first step)."""
+    then = then or {}
+    d = {k: now[f"total_{k}"] - then.get(f"total_{k}", 0) for k in (*PER_STEP, "hits",
+                                                                     "default_reads")}
+    steps = now["step"] - then.get("step", 0)
+    out = {"occupancy": round(now["occupancy"], 6),
+           "hit_rate": round(d["hits"] / d["lookups"], 6) if d["lookups"] else math.nan,
+           "default_rate": round(d["default_reads"] / d["lookups"], 6) if d["lookups"]
+           else math.nan}
+    out.update({f"{k}_per_step": round(d[k] / steps, 3) if steps else math.nan
+                for k in PER_STEP})
+    out["steps"] = int(steps)
+    return out
+
+
+class IdManagerMetrics:
+    """The managed tables (``id_manager``) of the job's embedding modules, over each logging
+    window: per table ``occupancy`` (occupied slots / capacity, now), ``hit_rate`` (ids that
+    had a slot / ids looked up), ``default_rate`` (ids read from the default row / ids),
+    ``<stat>_per_step`` (ids looked up, admitted, slots evicted, expired, ids rejected below
+    ``min_count``, overflowed) and the training ``steps`` it covers.
+
+    Read from the managers' cumulative ``totals`` and ``step`` (kept in checkpoints), so eval
+    lookups are not counted and a window after a resume starts at the checkpoint. A sharded
+    collection's ``metrics()`` is a collective: every rank calls :meth:`begin`, :meth:`take`
+    and :meth:`run` at the same steps."""
+
+    def __init__(self, modules: Sequence[Any]) -> None:
+        self.modules = [m for m in modules if getattr(m, "id_managers", None) is not None]
+        self._start: dict[str, dict[str, float]] = {}
+        self._first: dict[str, dict[str, float]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def _read(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for m in self.modules:
+            out.update(m.id_managers.metrics())
+        return out
+
+    def begin(self) -> None:
+        """Mark the run's start (and the first window's)."""
+        self._first = self._start = self._read()
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """Per table, the numbers since the last call (or :meth:`begin`)."""
+        now = self._read()
+        out = {name: _window(v, self._start.get(name)) for name, v in now.items()}
+        self._start = now
+        return out
+
+    def run(self) -> dict[str, dict[str, float]]:
+        """Per table, the numbers since :meth:`begin`, and its ``total_admitted`` /
+        ``total_evicted`` since its first step."""
+        now = self._read()
+        out = {}
+        for name, v in now.items():
+            out[name] = _window(v, self._first.get(name))
+            out[name].update(total_admitted=v["total_admitted"],
+                             total_evicted=v["total_evicted"])
+        return out
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (rank 0 only; others pass ``path=None``),
     and mirrors numbers to TensorBoard when ``tensorboard_dir`` is set and it is installed."""
@@ -221,6 +300,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-job summary, one ``key: value`` per line."""
     lines = ["training summary"]
     for k, v in summary.items():
+        if k == "id_managers":  # per managed table, its numbers
+            for table, m in v.items():
+                text = ", ".join(f"{s} {x:.4g}" if isinstance(x, float) else f"{s} {x}"
+                                 for s, x in m.items())
+                lines.append(f"  {k}.{table}: {text}")
+            continue
         if isinstance(v, Mapping):
             v = ", ".join(f"{s} {ms:.2f} ms" for s, ms in v.items()) or "-"
         elif isinstance(v, float):

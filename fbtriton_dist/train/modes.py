@@ -16,6 +16,11 @@ device and whether there is a process group:
   else ``overlap`` with a process group and ``nonfinite: error``, else ``plain``
   (:data:`AUTO_PICKS_GRAPH` turns the first choice off).
 
+Managed tables (``id_manager:``) run ``plain``: their remap is part of the input dist, and
+the next batch's remap ahead of this step's update would re-initialise a row this step still
+updates (a slot evicted for a new id), and put the next step's map into this step's
+checkpoint.
+
 Torch-free: only the config is read.
 """
 
@@ -58,9 +63,21 @@ def max_ids_bound(cfg: JobConfig) -> int | None:
     return math.ceil(mean + 8 * math.sqrt(mean)) + 16
 
 
+def _managed_blocker(cfg: JobConfig) -> str | None:
+    """Why a pipelined loop cannot run managed tables (None: none are managed)."""
+    names = list(cfg.tables.id_managers)
+    if not names:
+        return None
+    return (f"managed tables {names} (id_manager) remap ids in the input dist: the next "
+            "batch's remap must not run before this step's update")
+
+
 def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]:
     """Why the job cannot run ``train.pipeline: graph`` here (empty: it can)."""
     why = []
+    managed = _managed_blocker(cfg)
+    if managed:
+        why.append(managed)
     if device_type != "cuda":
         why.append(f"the device is {device_type}, a CUDA graph needs CUDA")
     if not grouped:
@@ -86,8 +103,12 @@ def resolve_pipeline(cfg: JobConfig, device_type: str, grouped: bool) -> str:
     ``device_type`` (``grouped``: the job has a process group, so its tables are sharded).
     An explicit ``graph`` that cannot run here raises ConfigError naming every reason."""
     mode = cfg.train.pipeline
+    managed = _managed_blocker(cfg)
+    if mode == "overlap" and managed and grouped:
+        raise ConfigError("<job>", "train.pipeline", f"overlap cannot run here: {managed}; "
+                          "use plain or auto")
     if mode == "auto":
-        if not grouped or cfg.train.nonfinite != "error":
+        if not grouped or cfg.train.nonfinite != "error" or managed:
             return "plain"
         if AUTO_PICKS_GRAPH and not graph_blockers(cfg, device_type, grouped):
             return "graph"
