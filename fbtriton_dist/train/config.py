@@ -18,6 +18,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       num_dense: 13
       synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5,
                   candidates_per_user: 1, user_features: null, vbe: true,  # K > 1: VBE
+                  device: auto,  # auto (the training device) | cpu
                   drift: null}   # {new_ids_per_step, window, features}: drift_config.py
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
@@ -212,10 +213,14 @@ class SyntheticConfig:
     vbe: bool = True
     """With ``candidates_per_user`` > 1: false sends the same samples as a fixed batch (each
     user bag copied for each of its candidates), to compare against VBE."""
+    device: str = "auto"
+    """Where batches are made: ``auto`` the training device (on a GPU the ids are drawn
+    there, by the data thread), ``cpu`` on the host (then copied)."""
     drift: DriftConfig | None = None
     """An open id space that drifts (raw int64 ids, new ones every step): ``drift_config.py``."""
 
     def __post_init__(self) -> None:
+        check_choice("device", self.device, ("auto", "cpu"))
         check_number("zipf", self.zipf, 0.0)
         check_number("noise", self.noise, 0.0)
         check_int("candidates_per_user", self.candidates_per_user, 1)

@@ -2,7 +2,8 @@
 
 * :class:`SyntheticSource`: Zipf ids, Poisson bag lengths around each feature's pooling factor,
   Gaussian dense features, and labels from a hidden function of dense and sparse inputs (so the
-  loss can go down). Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)``. With
+  loss can go down). Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)`` and the
+  kind of device it is made on (the training GPU by default: ``data.synthetic.device``). With
   ``candidates_per_user`` K > 1 its batches are VBE: each user's K candidates share one bag of
   every user feature.
 * :class:`RandomRecSource`: TorchRec's ``RandomRecDataset`` (uniform ids, random labels).
@@ -57,6 +58,9 @@ class Batch:
     """Ids of every feature, B bags each."""
     labels: torch.Tensor
     """[B] float32 click labels in {0, 1}."""
+    ready: torch.cuda.Event | None = None
+    """A batch made on a CUDA side stream: the event recorded after it was made (None: ready).
+    :meth:`to` makes the current stream wait for it."""
 
     @property
     def batch_size(self) -> int:
@@ -64,11 +68,24 @@ class Batch:
 
     def pin_memory(self) -> Batch:
         """The batch in page-locked host memory (CUDA): ``to(cuda, non_blocking=True)`` is
-        then an asynchronous copy."""
+        then an asynchronous copy. A batch already on the GPU is returned as it is."""
+        if self.labels.device.type != "cpu":
+            return self
         return Batch(dense=self.dense.pin_memory(), sparse=self.sparse.pin_memory(),
                      labels=self.labels.pin_memory())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on ``device``. A batch made on a side stream (``ready``) is first waited
+        for by the current stream, which the allocator is told uses its tensors."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.labels.device)
+            stream.wait_event(self.ready)
+            for t in (self.dense, self.labels):
+                t.record_stream(stream)
+            self.sparse.record_stream(stream)
+            inverse = self.sparse.inverse_indices_or_none()
+            if inverse is not None:
+                inverse[1].record_stream(stream)
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
             sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
@@ -123,18 +140,31 @@ def zipf_ids(E: int, n: int, alpha: float, generator: torch.Generator) -> torch.
     Inverse-CDF sampling of the continuous bounded power law on [1, E + 1), floored: O(n)
     whatever E is (no E-sized table), close to the discrete Zipf(alpha) the planner assumes.
     """
-    u = torch.rand(n, generator=generator, dtype=torch.float64)
-    top = float(E + 1)
-    if abs(alpha - 1.0) < 1e-9:
-        x = top**u
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
+    return power_law_rows(u, E, alpha)
+
+
+def power_law_rows(u: torch.Tensor, E, alpha) -> torch.Tensor:
+    """The ids of uniforms ``u`` under :func:`zipf_ids`'s law (alpha 0: uniform). ``E`` and
+    ``alpha`` are numbers, or tensors like ``u``: each id its own table size and exponent."""
+    top = (E + 1.0).double() if isinstance(E, torch.Tensor) else float(E + 1)
+    if not isinstance(alpha, torch.Tensor):
+        if abs(alpha - 1.0) < 1e-9:
+            x = top**u
+        else:
+            p = 1.0 - alpha
+            x = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
     else:
-        p = 1.0 - alpha
-        x = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
-    return (x.floor().long() - 1).clamp_(0, E - 1)
+        one = (alpha - 1.0).abs() < 1e-9
+        p = torch.where(one, 1.0, 1.0 - alpha)
+        x = torch.where(one, top**u, (1.0 + u * (top**p - 1.0)) ** (1.0 / p))
+    ids = (x.floor().long() - 1).clamp_(min=0)
+    return torch.minimum(ids, E - 1) if isinstance(E, torch.Tensor) else ids.clamp_(max=E - 1)
 
 
-def _row_score(ids: torch.Tensor, salt: int) -> torch.Tensor:
-    """A fixed pseudo-random score in [-1, 1) per (feature, row): the hidden embedding."""
+def _row_score(ids: torch.Tensor, salt: torch.Tensor | int) -> torch.Tensor:
+    """A fixed pseudo-random score in [-1, 1) per (feature ``salt``, row): the hidden
+    embedding."""
     h = ((ids % 2147483647) * 2654435761 + salt * 40503 + 12345) % 4294967296
     h = (h ^ (h >> 15)) * 2246822519 % 4294967296
     return h.double() / 2147483648.0 - 1.0
@@ -159,7 +189,10 @@ def expand_bags(lengths: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) ->
 
 
 class SyntheticSource:
-    """Synthetic batches, batch ``k`` of rank ``rank`` a pure function of ``(seed, rank, k)``.
+    """Synthetic batches, batch ``k`` of rank ``rank`` a pure function of ``(seed, rank, k)``
+    on a given kind of ``device`` (CPU and CUDA draw different random streams). On CUDA the
+    ids are made on the GPU, in the data thread, on a side stream: a CPU cannot draw the
+    hundreds of millions of Zipf ids per second a GPU trains on.
 
     Bag lengths are Poisson(L); ids Zipf over the table's rows. The label of a sample is
     ``1[dense . w / sqrt(n) + 2 * mean_f(mean of h_f(id) over the bag) + noise * N(0,1) > 0]``
@@ -186,8 +219,13 @@ class SyntheticSource:
         candidates_per_user: int = 1,
         user_features: Sequence[str] | None = None,
         vbe: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.features = list(features)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._stream: torch.cuda.Stream | None = None
         names = [f.name for f in self.features]
         if user_features is None:
             user_features = names[: len(names) // 2]
@@ -201,44 +239,71 @@ class SyntheticSource:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.noise = noise
         g = torch.Generator().manual_seed(_mix(seed, 0xD15E))
-        self._w = torch.randn(num_dense, generator=g, dtype=torch.float64)
+        self._w = torch.randn(num_dense, generator=g, dtype=torch.float64).to(self.device)
 
     def batch(self, k: int, split: int = 0) -> Batch:
-        """Batch ``k`` of this rank; ``split`` 0 trains, 1 evaluates (a disjoint stream)."""
-        g = torch.Generator().manual_seed(_mix(self.seed, split, self.rank, k))
-        B, T = self.batch_size, len(self.features)
-        dense = torch.randn(B, self.num_dense, generator=g, dtype=torch.float64)
+        """Batch ``k`` of this rank; ``split`` 0 trains, 1 evaluates (a disjoint stream).
+
+        On CUDA it is made on a side stream of its own (the data thread's work overlaps the
+        training step) and carries the event that marks it ready: :meth:`Batch.to` makes the
+        consumer's stream wait for it."""
+        if self.device.type != "cuda":
+            return self._make(k, split)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            batch = self._make(k, split)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return Batch(dense=batch.dense, sparse=batch.sparse, labels=batch.labels, ready=ready)
+
+    def _make(self, k: int, split: int) -> Batch:
+        """The batch, every feature at once: one draw of the bag lengths, of the ids and of
+        their scores (a few kernels whatever the number of features; one host sync)."""
+        dev = self.device
+        g = torch.Generator(device=dev).manual_seed(_mix(self.seed, split, self.rank, k))
+        B, T, K = self.batch_size, len(self.features), self.candidates_per_user
+        f64 = {"dtype": torch.float64, "device": dev}
+        dense = torch.randn(B, self.num_dense, generator=g, **f64)
         logit = dense @ self._w / math.sqrt(self.num_dense)
-        K = self.candidates_per_user
-        user_of = torch.arange(B) // K  # each sample's user (every sample its own when K == 1)
-        lengths, values, strides, rows = [], [], [], []
-        sparse_signal = torch.zeros(B, dtype=torch.float64)
-        for i, f in enumerate(self.features):
-            user_side = f.name in self.user_features
-            n = -(-B // K) if user_side else B  # bags of this feature
-            L = torch.poisson(torch.full((n,), float(f.pooling_factor)), generator=g).long()
-            ids = zipf_ids(f.num_rows, int(L.sum()), f.zipf, g)
-            bag = torch.repeat_interleave(torch.arange(n), L)
-            score = torch.zeros(n, dtype=torch.float64).index_add_(0, bag, _row_score(ids, i))
-            row = user_of if user_side else torch.arange(B)
-            sparse_signal += (score / L.clamp(min=1))[row]
-            if user_side and not self.vbe:  # every sample gets its own copy of its user's bag
-                ids = expand_bags(L, ids, row)
-                L, n, row = L[row], B, torch.arange(B)
-            lengths.append(L)
-            values.append(ids)
-            strides.append(n)
-            rows.append(row)
-        logit = logit + 2.0 * sparse_signal / max(T, 1)
-        logit = logit + self.noise * torch.randn(B, generator=g, dtype=torch.float64)
+        user_side = [f.name in self.user_features for f in self.features]
+        bags = [-(-B // K) if u else B for u in user_side]  # bags of each feature
+        rate = torch.tensor([f.pooling_factor for f in self.features], **f64)
+        bag_feature = torch.repeat_interleave(torch.arange(T, device=dev),
+                                              torch.tensor(bags, device=dev))
+        lengths = torch.poisson(rate[bag_feature], generator=g).long()
+        n = int(lengths.sum())  # the one host sync
+        id_feature = torch.repeat_interleave(bag_feature, lengths, output_size=n)
+        per_feature = lambda values, **kw: torch.tensor(values, **kw)[id_feature]  # noqa: E731
+        alphas = {f.zipf for f in self.features}
+        alpha = alphas.pop() if len(alphas) == 1 else per_feature(
+            [f.zipf for f in self.features], **f64)
+        u = torch.rand(n, generator=g, **f64)
+        ids = power_law_rows(u, per_feature([f.num_rows for f in self.features], device=dev),
+                             alpha)
+        score = _row_score(ids, id_feature)
+        ends = torch.cumsum(lengths, 0)
+        # each bag's mean hidden score: differences of one running sum (deterministic)
+        total = torch.cumsum(score, 0)
+        total = torch.cat([total.new_zeros(1), total])
+        mean = (total[ends] - total[ends - lengths]) / lengths.clamp(min=1)
+        # the bag of feature f that sample b reads: its user's (user features) or its own
+        first = torch.tensor([0, *itertools.accumulate(bags)][:T], device=dev)
+        sample = torch.arange(B, device=dev)
+        own = torch.where(torch.tensor(user_side, device=dev)[:, None],
+                          (sample // K)[None, :], sample[None, :])  # [T, B]
+        read = first[:, None] + own
+        logit = logit + 2.0 * mean[read].sum(0) / max(T, 1)
+        logit = logit + self.noise * torch.randn(B, generator=g, **f64)
         keys = [f.name for f in self.features]
         vbe = {}
         if self.user_features and self.vbe:
-            vbe = {"stride_per_key_per_rank": [[n] for n in strides],
-                   "inverse_indices": (keys, torch.stack(rows))}
-        kjt = KeyedJaggedTensor(
-            keys=keys, values=torch.cat(values), lengths=torch.cat(lengths), **vbe
-        )
+            vbe = {"stride_per_key_per_rank": [[b] for b in bags],
+                   "inverse_indices": (keys, own)}
+        elif self.user_features:  # every sample gets its own copy of its user's bags
+            ids = expand_bags(lengths, ids, read.reshape(-1))
+            lengths = lengths[read.reshape(-1)]
+        kjt = KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths, **vbe)
         return Batch(dense=dense.float(), sparse=kjt, labels=(logit > 0).float())
 
     def train_batches(self, position: DataPosition) -> Iterator[tuple[Batch, DataPosition]]:
@@ -431,8 +496,10 @@ def make_source(
     rank: int,
     world_size: int,
     resolve=lambda p: p,
+    device: torch.device | str = "cpu",
 ) -> SyntheticSource | RandomRecSource | CriteoSource:
-    """The source ``data.source`` names, for this rank."""
+    """The source ``data.source`` names, for this rank; ``device`` is the training device
+    (synthetic batches are made there unless ``data.synthetic.device: cpu``)."""
     features = feature_specs(tables, data)
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
     # managed tables (id_manager) take raw ids of any value: no `% E` for their features
@@ -450,7 +517,7 @@ def make_source(
         return SyntheticSource(
             features, num_dense=data.num_dense, seed=seed, noise=syn.noise,
             candidates_per_user=syn.candidates_per_user, user_features=syn.user_features,
-            vbe=syn.vbe,
+            vbe=syn.vbe, device=device if syn.device == "auto" else "cpu",
             **common,
         )
     if data.source == "random_rec":

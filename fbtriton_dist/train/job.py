@@ -439,6 +439,7 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
         rank=env.rank,
         world_size=env.world_size,
         resolve=cfg.path,
+        device=env.device,
     )
     step, position = 0, DataPosition()
     ckpt_dir = cfg.checkpoint_dir
