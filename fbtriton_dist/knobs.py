@@ -29,6 +29,12 @@ KNOBS: dict[str, tuple[str, str]] = {
     "FBTD_BUCKETIZE": (
         "bags,block,warps (powers of two): the bucketize kernels' launch config "
         "(kernels/bucketize.py)", "8,16,1"),
+    "FBTD_CPU_NATIVE": (
+        "0: the CPU backend runs its torch ops only (ops/cpu.py), without building or calling "
+        "its native C/OpenMP kernels (ops/cpu_native.py); read at every call", "1"),
+    "FBTD_CPU_NATIVE_CACHE": (
+        "directory where the native CPU kernels are compiled to (ops/cpu_native.py)",
+        "~/.cache/fbtriton_dist"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -44,6 +50,16 @@ FAST_LAUNCH: bool = _flag("FBTD_FAST_LAUNCH")
 """``FBTD_FAST_LAUNCH``, read at import."""
 TBE_AHEAD: bool = _flag("FBTD_TBE_AHEAD")
 """``FBTD_TBE_AHEAD``, read at import."""
+
+
+def cpu_native() -> bool:
+    """``FBTD_CPU_NATIVE``, read at every call (tests turn it off and on)."""
+    return _flag("FBTD_CPU_NATIVE")
+
+
+def cpu_native_cache() -> str | None:
+    """``FBTD_CPU_NATIVE_CACHE``, or None (unset: ``cpu_native.cache_dir``'s default)."""
+    return os.environ.get("FBTD_CPU_NATIVE_CACHE") or None
 
 
 def _ints(name: str, counts: tuple[int, ...], form: str) -> list[int] | None:

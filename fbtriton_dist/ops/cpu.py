@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fbtriton_dist import optim
+from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.cpu_bucketize import bucketize
 from fbtriton_dist.reference.bucketize import bucketize_into, segment_copy, segment_plan
 from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed, stochastic_round
@@ -186,6 +187,11 @@ def tbe_forward(
     """``reference.tbe_forward`` (pooled ``[B, total_D]``, or ``[N, max_D]`` rows without
     pooling); the ids are in range (checked by the caller), so the kernels' ``err`` /
     ``linearize`` / ``row_align`` are not used."""
+    out = cpu_native.forward(weights, w_offsets, dims, D_offsets, indices, offsets,
+                             per_sample_weights, pooling=pooling, max_D=max_D, total_D=total_D,
+                             rows=_kernel_hints.get("rows"))
+    if out is not None:
+        return out if output_dtype == torch.float32 else out.to(output_dtype)
     layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
     if pooling == POOL_NONE:
         return _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,
@@ -250,6 +256,14 @@ def tbe_backward(
             raise ValueError("step: expected the optimizer's [1] int64 step counter, got None")
         step.add_(1)
         t = int(step.item())
+    done = cpu_native.backward(
+        grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
+        per_sample_weights, pooling=pooling, max_D=max_D, optimizer=optimizer, t=t,
+        momentum1=momentum1, momentum2=momentum2, stochastic_rounding=stochastic_rounding,
+        seed=seed, rows=_kernel_hints.get("rows"),
+    )
+    if done is not None:
+        return None if done is True else done
     layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
     generator = torch.Generator(device=device).manual_seed(step_seed(seed, t))
     row_elems, row_dims, row_grads = [], [], []
@@ -371,6 +385,10 @@ def tbe_per_sample_weights_grad(
     row_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``reference.tbe_per_sample_weights_grad``: ``<grad of id i's bag, row_i>`` (/ length)."""
+    grad = cpu_native.per_sample_weights_grad(grad_output, weights, w_offsets, dims, D_offsets,
+                                              indices, offsets, pooling=pooling)
+    if grad is not None:
+        return grad
     layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
     grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
     for group in _groups(layout):

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from fbtriton_dist import graphs, knobs, optim, reference
+from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.backend import Backend, check_backend
 from fbtriton_dist.ops.backend import implementation as _impl
 
@@ -117,9 +118,12 @@ def check_inputs(
     per_sample_weights: torch.Tensor | None,
     layout: TBELayout,
     bounds_check: BoundsCheck,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate one batch (two device round trips at most). Returns the batch to look up: the
     same tensors, or, with ``bounds_check="warn"``, copies without the out-of-range ids.
+    ``native``: CPU tensors are first checked in one pass of the fast CPU path's native
+    kernel (``cpu_native.check``); only a batch it flags takes the checks that name the value.
     """
     check_shapes(indices, offsets, per_sample_weights, layout)
     if bounds_check == "ignore":
@@ -128,6 +132,10 @@ def check_inputs(
         raise ValueError(
             f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
         )
+    if native and cpu_native.check(
+        indices, offsets, layout.rows, per_sample_weights if bounds_check == "error" else None
+    ) == 0:
+        return indices, offsets, per_sample_weights
     return _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check)
 
 
@@ -445,6 +453,8 @@ class _TBELookup(torch.autograd.Function):
                                      check=ctx.ahead_check, here=True)
             common.update(plan=plan, num_rows=layout.num_rows)
         common.update(row_align=layout.row_align)
+        if backend == "cpu":  # the native kernels check each id against its table's rows
+            common.update(rows=layout.rows)
         result = impl.tbe_backward(
             grad_output,
             weights.detach(),
@@ -564,7 +574,7 @@ def tbe_lookup(
     err = None
     if backend != "triton" or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
-            indices, offsets, per_sample_weights, layout, bounds_check
+            indices, offsets, per_sample_weights, layout, bounds_check, native=backend == "cpu"
         )
     elif in_capture and bounds_check == "warn":
         err = monitor.replay_counts(weights.device)  # summed over replays, never zeroed

@@ -1,0 +1,373 @@
+"""The fast CPU path's native kernels (``csrc/tbe_cpu.c``, C with OpenMP), compiled at first
+use and called through ctypes; ``ops/cpu.py`` calls them where they apply and keeps its torch
+ops for the rest.
+
+The library is built once per source, compiler and flags (``cc -O3 -fopenmp -shared -fPIC``;
+``$CC`` picks the compiler) into the cache directory (``FBTD_CPU_NATIVE_CACHE``, default
+``~/.cache/fbtriton_dist``, else a per-user temporary directory), under a name that hashes
+them: a compile writes a temporary file and renames it into place (``os.replace``), so that
+processes (ranks) building it at once never load a half-written file. Without a compiler, or
+when every build fails, one warning names why and the torch ops run instead;
+``FBTD_CPU_NATIVE=0`` turns the kernels off (``knobs.cpu_native``). The kernels run on
+``torch.get_num_threads()`` threads and give the same bits for any count.
+
+Each wrapper returns None where the kernels do not apply (no library, a weights dtype other
+than fp32 / fp16 / bf16, a non-CPU tensor, keys too wide to sort), and the caller runs its
+torch ops. Every kernel checks the ids and bags it reads against the buffers' sizes (never out
+of bounds, whatever ``bounds_check`` let through) and raises on a bad batch.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fbtriton_dist import knobs, optim
+from fbtriton_dist.reference.tbe import POOL_NONE, step_seed
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "tbe_cpu.c"
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+FLAG_SETS = (
+    ("-fopenmp",),
+    ("-fopenmp", "-DTBE_NO_CLONES"),  # a compiler without target_clones
+    ("-DTBE_NO_CLONES",),  # without OpenMP: one thread
+)
+"""Tried in order until one builds."""
+
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+OPT_CODES = {"sgd": 1, "rowwise_adagrad": 2, "adam": 3, "adagrad": 4}
+"""The C side's optimizer codes (0: no optimizer, the summed gradients written out)."""
+BAD_FIRST, BAD_LAST, BAD_ORDER, BAD_ID, BAD_WEIGHT, NO_MEMORY, TOO_BIG = 1, 2, 4, 8, 16, 32, 64
+
+_P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    "tbe_check": (_I32, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _I32]),
+    "tbe_forward": (_I32, [_P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P, _I32, _P, _I64,
+                           _I64, _I32, _P, _I64, _I32]),
+    "tbe_plan": (_I64, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P,
+                        _P, _P, _P, _P, _P, _I32]),
+    "tbe_backward": (_I32, [_P, _I64, _I32, _P, _I32, _P, _P, _I64, _P, _I32, _P, _I32, _I64, _P,
+                            _P, _P, _P, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
+                            _P, _P, _P, _I64, _I32]),
+    "tbe_psw_grad": (_I32, [_P, _I64, _I32, _P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P,
+                            _I32, _I64, _I64, _P, _I32]),
+}
+
+_lock = threading.Lock()
+_state: dict = {}
+"""``lib``: the loaded library, or ``error``: why there is none (warned once)."""
+
+
+def reset() -> None:
+    """Forget the loaded library (or the failure): the next call builds or loads it again."""
+    with _lock:
+        _state.clear()
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded at the first call; None when ``FBTD_CPU_NATIVE=0`` or
+    when they cannot be built (warned once per process)."""
+    if not knobs.cpu_native():
+        return None
+    lib = _state.get("lib")
+    if lib is not None or "error" in _state:
+        return lib
+    with _lock:
+        if "lib" not in _state and "error" not in _state:
+            try:
+                _state["lib"] = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _state["error"] = str(e)
+                warnings.warn(
+                    f"the fast CPU path's native kernels are unavailable ({e}); the CPU backend "
+                    "runs its torch ops instead (set FBTD_CPU_NATIVE=0 to not try)",
+                    RuntimeWarning, stacklevel=3,
+                )
+    return _state.get("lib")
+
+
+def cache_dir() -> Path:
+    """``FBTD_CPU_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fbtriton_dist`` (``~/.cache``), else a
+    per-user directory under the system's temporary directory; created if missing."""
+    chosen = knobs.cpu_native_cache()
+    if chosen:
+        candidates = [Path(chosen)]
+    else:
+        home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        uid = os.getuid() if hasattr(os, "getuid") else os.getpid()
+        candidates = [Path(home) / "fbtriton_dist",
+                      Path(tempfile.gettempdir()) / f"fbtriton_dist-{uid}"]
+    for path in candidates:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError(f"no writable cache directory among {[str(p) for p in candidates]}")
+
+
+def _load() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or "cc"
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler: {cc!r} is not on PATH")
+    source = SOURCE.read_bytes()
+    where = cache_dir()
+    errors = []
+    for extra in FLAG_SETS:
+        flags = (*BASE_FLAGS, *extra)
+        key = hashlib.sha256(b"\0".join(
+            [source, compiler.encode(), platform.machine().encode(), *(f.encode() for f in flags)]
+        )).hexdigest()[:20]
+        so = where / f"tbe_cpu-{key}.so"
+        if not so.exists():
+            error = _compile(compiler, flags, so)
+            if error:
+                errors.append(f"{' '.join(flags)}: {error}")
+                continue
+        lib = ctypes.CDLL(str(so))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        return lib
+    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: " + "; ".join(errors))
+
+
+def _compile(compiler: str, flags: tuple[str, ...], so: Path) -> str | None:
+    """Build ``so`` (via a temporary file in its directory, renamed into place); returns the
+    compiler's complaint, or None."""
+    fd, tmp = tempfile.mkstemp(prefix=so.name + ".", suffix=".tmp", dir=so.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            return (done.stderr or done.stdout).strip()[-400:] or f"exit {done.returncode}"
+        os.replace(tmp, so)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _ids(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(contiguous int32 / int64 ids, 1 for int32)."""
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.to(torch.int64)
+    return t.contiguous(), int(t.dtype == torch.int32)
+
+
+def _long(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def _usable(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
+    """The library, if every tensor given is on the CPU (and the weights, the first, of a dtype
+    the kernels take); else None."""
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        return None
+    if tensors[0].dtype not in DTYPES or not tensors[0].is_contiguous():
+        return None
+    return library()
+
+
+def _raise(code: int, what: str) -> None:
+    bits = -code
+    if bits & NO_MEMORY:
+        raise MemoryError(f"{what}: out of memory in the native CPU kernels")
+    if bits & (BAD_ORDER | BAD_FIRST | BAD_LAST):
+        raise ValueError(f"{what}: expected offsets non-decreasing within [0, len(indices)] "
+                         "(the native CPU kernels read no bag outside them)")
+    if bits & BAD_ID:
+        raise IndexError(f"{what}: an id is out of range for its table (expected 0 <= id < E; "
+                         "bounds_check='ignore' does not check ids, the native CPU kernels "
+                         "refuse to read outside the tables)")
+    raise RuntimeError(f"{what}: native CPU kernel error {code}")
+
+
+def check(indices, offsets, rows, per_sample_weights) -> int | None:
+    """The BAD_* bits of one batch (0: offsets and ids well formed, weights finite when
+    given), or None without the library: one pass, before ``ops.tbe``'s slower check names
+    what is wrong."""
+    if indices.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    idx, idx32 = _ids(indices)
+    off, off32 = _ids(offsets)
+    T = rows.numel()
+    B = (off.numel() - 1) // T
+    psw = _fp32(per_sample_weights)
+    return lib.tbe_check(idx.data_ptr(), idx32, idx.numel(), off.data_ptr(), off32, T, B,
+                         _long(rows).data_ptr(), _ptr(psw), torch.get_num_threads())
+
+
+def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_weights, *,
+            pooling: int, max_D: int, total_D: int, rows=None) -> torch.Tensor | None:
+    """``cpu.tbe_forward`` in fp32 (pooled ``[B, total_D]``, unpooled ``[N, max_D]``), or
+    None where the kernels do not apply."""
+    lib = _usable(weights, indices, offsets)
+    if lib is None:
+        return None
+    idx, idx32 = _ids(indices)
+    off, off32 = _ids(offsets)
+    T = dims.numel()
+    B = (off.numel() - 1) // T
+    psw = _fp32(per_sample_weights)
+    if pooling == POOL_NONE:
+        out = torch.zeros((idx.numel(), max_D), dtype=torch.float32)
+    else:
+        out = torch.empty((B, total_D), dtype=torch.float32)
+    rows = _long(rows) if rows is not None else None
+    code = lib.tbe_forward(
+        weights.data_ptr(), DTYPES[weights.dtype], weights.numel(), _long(w_offsets).data_ptr(),
+        _long(dims).data_ptr(), _long(D_offsets).data_ptr(), _ptr(rows), idx.data_ptr(), idx32,
+        idx.numel(), off.data_ptr(), off32, _ptr(psw), T, B, pooling, out.data_ptr(),
+        out.shape[1], torch.get_num_threads(),
+    )
+    if code:
+        _raise(code, "TBE forward")
+    return out
+
+
+@dataclass
+class Plan:
+    """A batch's backward plan (``tbe_plan``): the keys sorted, their runs."""
+
+    sorted: torch.Tensor  # [M] int64: key << pos_bits | position, by key, stably
+    pos_bits: int
+    bag: torch.Tensor  # [N] int32: each id's bag
+    run_start: torch.Tensor  # [U + 1] int64
+    U: int
+
+
+def plan(lib, idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets, elem_limit,
+         row_limit) -> Plan | None:
+    N = idx.numel()
+    packed = torch.empty(N, dtype=torch.int64)
+    tmp = torch.empty(N, dtype=torch.int64)
+    bag = torch.empty(N, dtype=torch.int32)
+    run_start = torch.empty(N + 1, dtype=torch.int64)
+    pos_bits, which = ctypes.c_int(0), ctypes.c_int(0)
+    U = lib.tbe_plan(
+        idx.data_ptr(), idx32, N, off.data_ptr(), off32, T, B, _ptr(rows), w_offsets.data_ptr(),
+        dims.data_ptr(), row_offsets.data_ptr(), elem_limit, row_limit, packed.data_ptr(),
+        tmp.data_ptr(), bag.data_ptr(), run_start.data_ptr(), ctypes.byref(pos_bits),
+        ctypes.byref(which), torch.get_num_threads(),
+    )
+    if U == -TOO_BIG:
+        return None
+    if U < 0:
+        _raise(U, "TBE backward")
+    return Plan(tmp if which.value else packed, pos_bits.value, bag, run_start, U)
+
+
+def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
+             per_sample_weights, *, pooling: int, max_D: int, optimizer, t: int, momentum1,
+             momentum2, stochastic_rounding: bool, seed: int, rows=None):
+    """``cpu.tbe_backward`` after its step advance (``t`` the new step; 0 without optimizer):
+    with an optimizer, True once every touched row is updated in place; without,
+    ``(row_elems, row_dims, row_grads)``; None where the kernels do not apply (nothing done)."""
+    lib = _usable(weights, grad_output, indices, offsets, momentum1, momentum2)
+    if lib is None:
+        return None
+    spec = optim.spec_of(optimizer) if optimizer is not None else None
+    states = [s for s in (momentum1, momentum2) if s is not None]
+    if spec is not None and (len(states) < len(spec.states)
+                             or any(s.dtype != torch.float32 or not s.is_contiguous()
+                                    for s in states)):
+        return None
+    idx, idx32 = _ids(indices)
+    off, off32 = _ids(offsets)
+    T = dims.numel()
+    B = (off.numel() - 1) // T
+    w_offsets, dims, row_offsets = _long(w_offsets), _long(dims), _long(row_offsets)
+    elem_limit, row_limit = weights.numel(), -1
+    for state, buffer in zip(spec.states if spec else (), states, strict=False):
+        if state.per_row:
+            row_limit = buffer.numel()
+        else:
+            elem_limit = min(elem_limit, buffer.numel())
+    rows = _long(rows) if rows is not None else None
+    p = plan(lib, idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets, elem_limit,
+             row_limit)
+    if p is None:
+        return None
+    grad = grad_output.to(torch.float32).contiguous()
+    psw = _fp32(per_sample_weights)
+    hyper = (ctypes.c_double * 7)(*_hyper(optimizer), float(t))
+    row_grads = row_elems = row_dims = None
+    if optimizer is None:
+        row_grads = torch.empty((p.U, max_D), dtype=torch.float32)
+        row_elems = torch.empty(p.U, dtype=torch.int64)
+        row_dims = torch.empty(p.U, dtype=torch.int64)
+    m1 = states[0] if states else None
+    m2 = states[1] if len(states) > 1 else None
+    code = lib.tbe_backward(
+        grad.data_ptr(), grad.shape[1] if grad.dim() == 2 else 0, pooling, p.sorted.data_ptr(),
+        p.pos_bits, p.bag.data_ptr(), p.run_start.data_ptr(), p.U, idx.data_ptr(), idx32,
+        off.data_ptr(), off32, B, w_offsets.data_ptr(), dims.data_ptr(),
+        _long(D_offsets).data_ptr(), row_offsets.data_ptr(), _ptr(psw), weights.data_ptr(),
+        DTYPES[weights.dtype], _ptr(m1), _ptr(m2), OPT_CODES[spec.name] if spec else 0, hyper,
+        int(stochastic_rounding and weights.dtype != torch.float32),
+        step_seed(seed, t) if optimizer is not None else 0, _ptr(row_grads), _ptr(row_elems),
+        _ptr(row_dims), max_D, torch.get_num_threads(),
+    )
+    if code:
+        _raise(code, "TBE backward")
+    return True if optimizer is not None else (row_elems, row_dims, row_grads)
+
+
+def _hyper(optimizer) -> list[float]:
+    """lr, eps, beta1, beta2, weight_decay, decoupled (the C side's order)."""
+    if optimizer is None:
+        return [0.0] * 6
+    b1, b2 = getattr(optimizer, "betas", (0.0, 0.0))
+    return [float(optimizer.lr), float(getattr(optimizer, "eps", 0.0)), float(b1), float(b2),
+            float(getattr(optimizer, "weight_decay", 0.0)),
+            float(getattr(optimizer, "weight_decay_mode", "l2") == "decoupled")]
+
+
+def per_sample_weights_grad(grad_output, weights, w_offsets, dims, D_offsets, indices, offsets,
+                            *, pooling: int, rows=None) -> torch.Tensor | None:
+    """``cpu.tbe_per_sample_weights_grad`` ([N] fp32), or None where the kernels do not
+    apply."""
+    lib = _usable(weights, grad_output, indices, offsets)
+    if lib is None:
+        return None
+    idx, idx32 = _ids(indices)
+    off, off32 = _ids(offsets)
+    T = dims.numel()
+    B = (off.numel() - 1) // T
+    grad = grad_output.to(torch.float32).contiguous()
+    out = torch.zeros(idx.numel(), dtype=torch.float32)
+    rows = _long(rows) if rows is not None else None
+    lib.tbe_psw_grad(
+        grad.data_ptr(), grad.shape[1], pooling, weights.data_ptr(), DTYPES[weights.dtype],
+        weights.numel(), _long(w_offsets).data_ptr(), _long(dims).data_ptr(),
+        _long(D_offsets).data_ptr(), _ptr(rows), idx.data_ptr(), idx32, idx.numel(),
+        off.data_ptr(), off32, T, B, out.data_ptr(), torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,399 @@
+"""The fast CPU path's native kernels (``ops/cpu_native.py``, ``ops/csrc/tbe_cpu.c``): against
+the reference and FBGEMM's CPU TBE over awkward shapes (mixed D, D=1, empty bags, one-row
+tables, hot ids, int32/int64 ids, per-sample weights and their gradient, MEAN, unpooled rows,
+every optimizer, fp16/bf16 rows), the same bits for any thread count, the one-pass batch
+check, refusing out-of-range ids that nothing checked, the compiled library's cache, and the
+torch-ops fallback without a compiler or with ``FBTD_CPU_NATIVE=0``.
+
+``used`` records which calls the kernels took (a wrapper returns None where they do not
+apply and ``ops/cpu.py`` runs its torch ops): every comparison asserts the path it means."""
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from fbtriton_dist import TableBatchedEmbedding, optim
+from fbtriton_dist.ops import cpu_native
+from tests.helpers import make_batch, upstream_grad
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None,
+    reason="no C compiler: the native kernels cannot be built (the fallback is tested in "
+    "tests/ops/test_tbe_cpu.py's cases, which then run the torch ops)",
+)
+
+TABLES = {
+    # tables (E, D), feature_table_map, B, max_L
+    "mixed": ([(40, 3), (1, 8), (25, 1), (60, 16)], [0, 1, 2, 3, 0, 3], 7, 6),
+    "one-row": ([(1, 5)], [0], 1, 4),
+    "wide": ([(300, 64), (90, 12)], [0, 1, 0], 33, 24),
+}
+OPTIMIZERS = {
+    "none": None,
+    "sgd": optim.SGD(lr=0.1),
+    "rowwise": optim.RowWiseAdagrad(lr=0.1, eps=1e-6),
+    "rowwise-l2": optim.RowWiseAdagrad(lr=0.1, weight_decay=0.02),
+    "rowwise-decoupled": optim.RowWiseAdagrad(lr=0.1, weight_decay=0.02,
+                                              weight_decay_mode="decoupled"),
+    "adagrad": optim.Adagrad(lr=0.1, eps=1e-6),
+    "adam": optim.Adam(lr=0.05, weight_decay=0.01),
+}
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+CASES = [
+    # (tables, optimizer, pooling, weights dtype, id dtype, weighted, hot)
+    ("mixed", "none", "sum", torch.float32, torch.int64, True, True),
+    ("mixed", "sgd", "mean", torch.float32, torch.int32, False, True),
+    ("mixed", "rowwise", "sum", torch.float32, torch.int64, True, True),
+    ("mixed", "rowwise-l2", "mean", torch.float32, torch.int32, True, False),
+    ("mixed", "rowwise-decoupled", "sum", torch.float32, torch.int64, False, True),
+    ("mixed", "adagrad", "mean", torch.float32, torch.int64, True, True),
+    ("mixed", "adam", "sum", torch.float32, torch.int32, True, True),
+    ("mixed", "rowwise", "none", torch.float32, torch.int64, True, True),
+    ("mixed", "adam", "none", torch.float32, torch.int32, False, False),
+    ("mixed", "rowwise", "sum", torch.float16, torch.int64, True, True),
+    ("mixed", "sgd", "mean", torch.bfloat16, torch.int32, True, False),
+    ("one-row", "rowwise", "mean", torch.float32, torch.int32, True, True),
+    ("one-row", "none", "none", torch.float32, torch.int64, False, False),
+    ("wide", "rowwise", "sum", torch.float32, torch.int64, False, True),
+    ("wide", "adam", "mean", torch.float32, torch.int64, True, False),
+    ("wide", "none", "mean", torch.float16, torch.int32, True, True),
+]
+
+
+def _case_id(case):
+    name, opt, pooling, wdt, idt, weighted, hot = case
+    return "-".join([name, opt, pooling, str(wdt)[6:], str(idt)[6:]]
+                    + (["weighted"] if weighted else []) + (["hot"] if hot else []))
+
+
+@pytest.fixture
+def used(monkeypatch):
+    """Counter of (wrapper, did the kernels run it) over the test."""
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "1")
+    seen = collections.Counter()
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            seen[name, result is not None] += 1
+            return result
+
+        return wrapped
+
+    for name in ("forward", "backward", "per_sample_weights_grad"):
+        monkeypatch.setattr(cpu_native, name, spy(name, getattr(cpu_native, name)))
+    return seen
+
+
+def _module(name, opt, pooling, wdt, backend, **kw):
+    tables, ftm, _, _ = TABLES[name]
+    torch.manual_seed(5)
+    return TableBatchedEmbedding(tables, ftm, pooling=pooling, optimizer=opt, weights_dtype=wdt,
+                                 backend=backend, stochastic_rounding=False, **kw)
+
+
+def _batches(name, idt, weighted, hot, n=3, seed=4):
+    tables, ftm, B, max_L = TABLES[name]
+    g = torch.Generator().manual_seed(seed)
+    return [make_batch(tables, ftm, B, max_L, index_dtype=idt, weighted=weighted, hot=hot,
+                       generator=g) for _ in range(n)]
+
+
+def _train(module, batches):
+    """Outputs, per-sample weight gradients and (without a fused optimizer) weight gradients
+    of each step; plain gradients are applied by SGD."""
+    sgd = None if module.optimizer is not None else torch.optim.SGD(module.parameters(), lr=0.1)
+    seen = []
+    for step, (indices, offsets, psw) in enumerate(batches):
+        psw = psw.clone().requires_grad_() if psw is not None else None
+        out = module(indices, offsets, psw)
+        out.backward(upstream_grad(out, step))
+        seen.append(out.detach().float())
+        if psw is not None:
+            seen.append(psw.grad)
+        if sgd is not None:
+            seen.append(module.weights.grad.detach().float().clone())
+            sgd.step()
+            sgd.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference(case, used):
+    """3 steps: outputs, per-sample weight and plain gradients, rows, states, step count."""
+    name, opt_name, pooling, wdt, idt, weighted, hot = case
+    opt = OPTIMIZERS[opt_name]
+    ref = _module(name, opt, pooling, wdt, "reference")
+    fast = _module(name, opt, pooling, wdt, "cpu")
+    fast.load_state_dict(ref.state_dict())
+    batches = _batches(name, idt, weighted, hot)
+    expected, got = _train(ref, batches), _train(fast, batches)
+    atol, rtol = TOL[wdt]
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+    torch.testing.assert_close(fast.weights.float(), ref.weights.float(), atol=atol, rtol=rtol)
+    for a, b in ((ref.momentum1, fast.momentum1), (ref.momentum2, fast.momentum2)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert fast.step == ref.step
+    assert used["forward", True] == 3 and used["forward", False] == 0
+    assert used["backward", True] == 3 and used["backward", False] == 0
+    assert used["per_sample_weights_grad", True] == (3 if weighted else 0)
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "rowwise-l2", "none"])
+def test_the_same_bits_for_any_thread_count(opt_name, used):
+    """Outputs, gradients, rows and states do not depend on the number of threads."""
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            m = _module("wide", OPTIMIZERS[opt_name], "mean", torch.float32, "cpu")
+            seen = _train(m, _batches("wide", torch.int64, True, True))
+            runs.append((seen, m.weights.detach().clone(), m.momentum1.clone(),
+                         m.momentum2.clone()))
+    finally:
+        torch.set_num_threads(before)
+    for seen, *tensors in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][0], seen, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1:], tensors, strict=True))
+    assert used["backward", True] == 9
+
+
+def test_stochastic_rounding_is_seeded_and_within_one_ulp(used):
+    """bf16 rows rounded stochastically: the same seed gives the same bits, within one ulp of
+    the reference's unrounded update; another seed rounds some rows the other way."""
+    mods = {}
+    for key, backend, sr, seed in (("ref", "reference", False, 5), ("a", "cpu", True, 5),
+                                   ("b", "cpu", True, 5), ("c", "cpu", True, 6)):
+        mods[key] = TableBatchedEmbedding([(300, 64)], optimizer=optim.RowWiseAdagrad(lr=0.1),
+                                          weights_dtype=torch.bfloat16, backend=backend,
+                                          stochastic_rounding=sr, seed=seed)
+    for m in list(mods.values())[1:]:
+        m.load_state_dict(mods["ref"].state_dict())
+    indices, offsets, _ = make_batch([(300, 64)], [0], 16, 8, generator=torch.Generator())
+    for m in mods.values():
+        out = m(indices, offsets)
+        out.backward(upstream_grad(out, 0))
+    assert torch.equal(mods["a"].weights, mods["b"].weights)
+    assert not torch.equal(mods["a"].weights, mods["c"].weights)
+    ref = mods["ref"].weights.float()
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp(min=1e-3)
+    assert ((mods["a"].weights.float() - ref).abs() <= ulp * 1.01).all()
+    assert used["backward", True] == 3
+
+
+# ---------------------------------------------------------------- against FBGEMM's CPU TBE
+
+def _fbgemm(tables, ftm, opt, pooling):
+    tbe = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation,
+        PoolingMode,
+    )
+
+    spec = optim.spec_of(opt)
+    return tbe.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(E, D, EmbeddingLocation.HOST, tbe.ComputeDevice.CPU) for E, D in tables],
+        feature_table_map=ftm,
+        optimizer=getattr(EmbOptimType, spec.fbgemm),
+        learning_rate=opt.lr,
+        pooling_mode={"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}[pooling],
+        weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32,
+        stochastic_rounding=False,
+        **({"eps": opt.eps} if "eps" in spec.hyper else {}),
+    )
+
+
+@pytest.mark.parametrize(
+    "opt_name,pooling,idt,weighted",
+    [("sgd", "sum", torch.int64, True), ("rowwise", "sum", torch.int32, True),
+     ("rowwise", "mean", torch.int64, False), ("adagrad", "sum", torch.int64, False)],
+)
+def test_matches_fbgemm_cpu(opt_name, pooling, idt, weighted, used):
+    """FBGEMM's CPU TBE on the same rows (D % 4 == 0, as it needs; a one-row table; empty
+    bags; hot ids; features of a table adjacent): outputs, rows and states over 3 steps."""
+    tables, ftm, B, max_L = [(500, 64), (1, 8), (70, 12), (200, 4)], [0, 0, 1, 2, 3], 24, 16
+    opt = OPTIMIZERS[opt_name]
+    theirs = _fbgemm(tables, ftm, opt, pooling)
+    ours = TableBatchedEmbedding(tables, ftm, pooling=pooling, optimizer=opt, backend="cpu",
+                                 stochastic_rounding=False)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        a.copy_(b)
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        indices, offsets, psw = make_batch(tables, ftm, B, max_L, index_dtype=idt,
+                                           weighted=weighted, hot=True, generator=g)
+        out_ours, out_theirs = ours(indices, offsets, psw), theirs(indices, offsets, psw)
+        torch.testing.assert_close(out_ours, out_theirs, atol=1e-5, rtol=1e-5)
+        grad = upstream_grad(out_ours, step)
+        out_ours.backward(grad)
+        out_theirs.backward(grad)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    if opt_name != "sgd":  # FBGEMM lists no states for SGD
+        for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(),
+                        strict=True):
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(y.reshape(x.shape), x, atol=1e-5, rtol=1e-4)
+    assert used["forward", True] == 3 and used["backward", True] == 3
+
+
+# ---------------------------------------------------------------- bad batches
+
+
+def test_check_names_what_is_wrong():
+    """``check``'s bits: well formed, offsets[0] != 0, offsets[-1] != N, decreasing, an id out
+    of its feature's rows (int32 and int64), a non-finite weight."""
+    rows = torch.tensor([4, 2])
+    ids, offs = torch.tensor([3, 0, 1, 1]), torch.tensor([0, 2, 2, 3, 4])  # T=2, B=2
+    psw = torch.ones(4)
+    assert cpu_native.check(ids, offs, rows, psw) == 0
+    assert cpu_native.check(ids.int(), offs.int(), rows, None) == 0
+    assert cpu_native.check(ids, torch.tensor([1, 2, 2, 3, 4]), rows, None) == cpu_native.BAD_FIRST
+    assert cpu_native.check(ids, torch.tensor([0, 2, 2, 3, 3]), rows, None) == cpu_native.BAD_LAST
+    bits = cpu_native.check(ids, torch.tensor([0, 3, 2, 3, 4]), rows, None)
+    assert bits == cpu_native.BAD_ORDER
+    for bad in (torch.tensor([3, 0, 2, 1]), torch.tensor([3, 0, 1, -1]), torch.tensor([4, 0, 1, 1])):
+        assert cpu_native.check(bad, offs, rows, None) == cpu_native.BAD_ID
+        assert cpu_native.check(bad.int(), offs.int(), rows, None) == cpu_native.BAD_ID
+    assert cpu_native.check(ids, offs, rows, torch.tensor([1.0, float("nan"), 1, 1])) == (
+        cpu_native.BAD_WEIGHT)
+
+
+@pytest.mark.parametrize("bad_id", [7, -1, 2**40])
+def test_unchecked_bad_ids_are_refused_not_read(bad_id, used):
+    """``bounds_check="ignore"`` lets a bad id through: the kernels raise instead of reading or
+    writing outside the tables (forward, and a backward of a batch looked up elsewhere)."""
+    m = TableBatchedEmbedding([(5, 4), (3, 8)], optimizer=optim.SGD(lr=0.1), backend="cpu",
+                              bounds_check="ignore")
+    indices, offsets = torch.tensor([1, bad_id, 2]), torch.tensor([0, 2, 2, 3, 3])  # B=2
+    with pytest.raises(IndexError, match="out of range"):
+        m(indices, offsets)
+    layout = m._layout()
+    before = m.weights.detach().clone()
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_native.backward(torch.ones(2, 12), m.weights.detach(), layout.w_offsets, layout.dims,
+                            layout.row_offsets, layout.D_offsets, indices, offsets, None,
+                            pooling=0, max_D=8, optimizer=m.optimizer, t=1, momentum1=None,
+                            momentum2=None, stochastic_rounding=False, seed=0,
+                            rows=layout.rows)
+    if bad_id != 7:  # beyond the buffers: refused even without the tables' row counts
+        with pytest.raises(IndexError, match="out of range"):
+            cpu_native.backward(torch.ones(2, 12), m.weights.detach(), layout.w_offsets,
+                                layout.dims, layout.row_offsets, layout.D_offsets, indices,
+                                offsets, None, pooling=0, max_D=8, optimizer=m.optimizer, t=1,
+                                momentum1=None, momentum2=None, stochastic_rounding=False,
+                                seed=0)
+    assert torch.equal(m.weights, before)
+    with pytest.raises(ValueError, match="offsets"):
+        m(torch.tensor([1, 2, 0]), torch.tensor([0, 2, 9, 3, 3]))
+
+
+def test_checked_batches_still_name_the_bad_id():
+    """With the one-pass check in front, ``"error"`` still names the id, its feature and the
+    bound, and ``"warn"`` drops it (the kernels then see only good ids)."""
+    m = TableBatchedEmbedding([(5, 4)], backend="cpu", bounds_check="error")
+    with pytest.raises(IndexError, match=r"id 9 at indices\[1\].*expected 0 <= id < 5"):
+        m(torch.tensor([1, 9]), torch.tensor([0, 1, 2]))
+    w = TableBatchedEmbedding([(5, 4)], backend="cpu", bounds_check="warn")
+    w.load_state_dict(m.state_dict())
+    with pytest.warns(UserWarning, match="dropping 1 out-of-range"):
+        out = w(torch.tensor([1, 9]), torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(out, torch.stack([m.weights.view(5, 4)[1], torch.zeros(4)]))
+
+
+# ---------------------------------------------------------------- build, cache and fallback
+
+
+def test_build_is_cached_under_a_hash_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "1")
+    monkeypatch.setenv("FBTD_CPU_NATIVE_CACHE", str(tmp_path))
+    cpu_native.reset()
+    try:
+        assert cpu_native.library() is not None
+        built = sorted(p.name for p in tmp_path.iterdir())
+        assert len(built) == 1 and built[0].startswith("tbe_cpu-") and built[0].endswith(".so")
+        cpu_native.reset()
+        monkeypatch.setattr(cpu_native, "_compile", lambda *a: pytest.fail("rebuilt"))
+        assert cpu_native.library() is not None  # loaded from the cache
+    finally:
+        cpu_native.reset()
+
+
+def test_processes_building_at_once_all_load_it(tmp_path):
+    """Two processes build into one empty cache directory at the same time: both load a whole
+    library (each compiles to its own temporary file, renamed into place)."""
+    code = ("import torch\nfrom fbtriton_dist.ops import cpu_native\n"
+            "lib = cpu_native.library()\nassert lib is not None\n"
+            "out = cpu_native.forward(torch.ones(8), torch.tensor([0]), torch.tensor([2]), "
+            "torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([0, 2]), None, pooling=0, "
+            "max_D=2, total_D=2)\nassert out.tolist() == [[2.0, 2.0]], out\n")
+    env = dict(os.environ, FBTD_CPU_NATIVE="1", FBTD_CPU_NATIVE_CACHE=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+
+
+def _torch_path_matches_reference(used):
+    ref = _module("mixed", OPTIMIZERS["rowwise"], "sum", torch.float32, "reference")
+    fast = _module("mixed", OPTIMIZERS["rowwise"], "sum", torch.float32, "cpu")
+    fast.load_state_dict(ref.state_dict())
+    batches = _batches("mixed", torch.int64, True, True, n=2)
+    for a, b in zip(_train(ref, batches), _train(fast, batches), strict=True):
+        torch.testing.assert_close(b, a)
+    torch.testing.assert_close(fast.weights, ref.weights)
+    torch.testing.assert_close(fast.momentum1, ref.momentum1)
+    assert used["forward", True] == 0 and used["forward", False] == 2
+    assert used["backward", True] == 0 and used["backward", False] == 2
+
+
+def test_without_a_compiler_it_warns_once_and_runs_the_torch_ops(tmp_path, monkeypatch, used):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FBTD_CPU_NATIVE_CACHE", str(tmp_path))
+    cpu_native.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="native kernels are unavailable.*no C compiler"):
+            assert cpu_native.library() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process
+            assert cpu_native.library() is None
+            _torch_path_matches_reference(used)
+    finally:
+        cpu_native.reset()
+
+
+def test_a_failing_build_falls_back(tmp_path, monkeypatch, used):
+    """A compiler that fails every flag set: one warning with its complaint, the torch ops."""
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: no way' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("FBTD_CPU_NATIVE_CACHE", str(tmp_path))
+    cpu_native.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not build.*no way"):
+            assert cpu_native.library() is None
+        _torch_path_matches_reference(used)
+        assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+    finally:
+        cpu_native.reset()
+
+
+def test_the_knob_turns_the_kernels_off(monkeypatch, used):
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_native.library() is None
+        _torch_path_matches_reference(used)
