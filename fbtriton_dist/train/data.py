@@ -11,7 +11,7 @@
   columns; any column may be empty), line ``g`` of an epoch going to rank ``g % R``; ids
   ``int(hex, 16) % E``, or raw (no ``% E``) for a managed table's features (``id_manager``).
 * ``open_ids.DriftingSource`` (``data.synthetic.drift``): raw ids from an open id space that
-  drifts, new ids every step.
+  drifts, new ids every step (``sources.make_source`` picks it: it builds on this module).
 
 Every source has ``train_batches(position)`` yielding ``(batch, position after it)`` until the
 epoch ends (synthetic ones never end) and ``eval_batches(n)``. A :class:`DataPosition` counts the
@@ -43,6 +43,7 @@ __all__ = [
     "expand_bags",
     "feature_specs",
     "make_source",
+    "managed_features",
     "parse_criteo_line",
     "zipf_ids",
 ]
@@ -487,6 +488,11 @@ class CriteoSource:
         return [b for b, _ in itertools.islice(self._batches(self.eval_paths, 0), n)]
 
 
+def managed_features(tables: TableSet) -> set[str]:
+    """The features of managed tables (``id_manager``): they take raw ids of any value."""
+    return {f for t in tables.tables if t.name in tables.id_managers for f in t.features}
+
+
 def make_source(
     tables: TableSet,
     data: DataConfig,
@@ -502,16 +508,7 @@ def make_source(
     (synthetic batches are made there unless ``data.synthetic.device: cpu``)."""
     features = feature_specs(tables, data)
     common = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
-    # managed tables (id_manager) take raw ids of any value: no `% E` for their features
-    raw = {f for t in tables.tables if t.name in tables.id_managers for f in t.features}
-    if data.source == "synthetic" and data.synthetic.drift is not None:
-        from .open_ids import DriftingSource  # it builds on this module
-
-        return DriftingSource(
-            features, data.synthetic.drift, raw_features=raw, num_dense=data.num_dense,
-            tables={f: t.name for t in tables.tables for f in t.features}, seed=seed,
-            noise=data.synthetic.noise, **common,
-        )
+    raw = managed_features(tables)  # their ids raw, no `% E`
     if data.source == "synthetic":
         syn = data.synthetic
         return SyntheticSource(

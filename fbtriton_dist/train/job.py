@@ -65,7 +65,7 @@ from .config import (
     other_run,
     run_dir_problem,
 )
-from .data import DataPosition, make_source
+from .data import DataPosition
 from .dense_optim import CapturableAdagrad
 from .env import Env
 from .loop import NonFiniteError, Trainer
@@ -73,6 +73,7 @@ from .metrics import format_summary
 from .models import TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
+from .sources import make_source
 
 __all__ = [
     "Built",

@@ -34,7 +34,8 @@ import math
 from collections.abc import Collection, Iterator, Sequence
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from fbtriton_dist.sparse import KeyedJaggedTensor
 
 from .data import Batch, DataPosition, FeatureSpec, zipf_ids
 from .drift_config import DriftConfig

@@ -15,10 +15,11 @@ from fbtriton_dist.ops.id_remap import STATS, IdTable, id_remap
 from fbtriton_dist.planner import ConfigError
 from fbtriton_dist.train import checkpoint as ckpt
 from fbtriton_dist.train.config import load_job
-from fbtriton_dist.train.data import DataPosition, make_source
+from fbtriton_dist.train.data import DataPosition
 from fbtriton_dist.train.job import _constraints, _dense_optimizer, build_model, main
 from fbtriton_dist.train.metrics import format_summary
 from fbtriton_dist.train.modes import graph_blockers, resolve_pipeline
+from fbtriton_dist.train.sources import make_source
 from tests.train.test_job import losses, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

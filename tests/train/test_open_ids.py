@@ -7,9 +7,10 @@ import torch
 
 from fbtriton_dist.planner.tables import table_set_from_dict
 from fbtriton_dist.train.config import DataConfig, SyntheticConfig
-from fbtriton_dist.train.data import DataPosition, make_source
+from fbtriton_dist.train.data import DataPosition
 from fbtriton_dist.train.drift_config import DriftConfig
 from fbtriton_dist.train.open_ids import DriftingSource, mix64, raw_id
+from fbtriton_dist.train.sources import make_source
 
 TABLES = table_set_from_dict({"tables": [
     {"name": "t_user", "num_embeddings": 101, "embedding_dim": 4, "features": ["user"],
