@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap} [args]``.
+"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate} [args]``.
 
 Each subcommand is the module ``fbtriton_dist.bench.<name>`` with a ``main(argv)``; ``dist``
 runs under torchrun (``torchrun --nproc-per-node 2 -m fbtriton_dist.bench dist ...``).
@@ -9,18 +9,20 @@ import sys
 
 COMMANDS = {
     "tbe": "tbe", "dist": "dist", "vbe": "vbe", "planner": "planner_vs_torchrec",
-    "id_remap": "id_remap",
+    "id_remap": "id_remap", "simulate": "simulate", "managed": "managed_job",
 }
 
 
 USAGE = (
-    "usage: python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap} [args]  (each takes "
-    "--help)\n"
+    "usage: python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate} [args]  "
+    "(each takes --help)\n"
     "  tbe      our TBE against FBGEMM's, TorchRec's and torch's, one process\n"
     "  dist     a sharded training step against TorchRec's DMP (under torchrun)\n"
     "  vbe      variable batch per feature against fixed batches\n"
     "  planner  our planner against TorchRec's EmbeddingShardingPlanner\n"
-    "  id_remap managed tables' id remap against TorchRec's MCH module (CPU)"
+    "  id_remap managed tables' id remap against TorchRec's MCH module (CPU)\n"
+    "  simulate a plan's per-rank lookups and traffic, simulated, next to the planner's estimate\n"
+    "  managed  managed tables against `% E` hashing on drifting data: collisions, AUC (CPU)"
 )
 
 
