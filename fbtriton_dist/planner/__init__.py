@@ -5,7 +5,7 @@ TorchRec ``EmbeddingBagConfig`` objects are accepted by duck typing. See docs/pl
 """
 
 from ._yaml import ConfigError, FieldError
-from .cost import CostModel, PlanCost, RankCost, evaluate
+from .cost import CostModel, PlanCost, RankCost, evaluate, header_bytes
 from .memory import state_bytes
 from .plan import PlanValidationError, ShardingPlan
 from .planner import PlanError, ShardingPlanner
@@ -53,6 +53,7 @@ __all__ = [
     "inverse_cdf_array",
     "evaluate",
     "generalized_harmonic",
+    "header_bytes",
     "load_tables",
     "state_bytes",
     "table_set_from_dict",

@@ -49,9 +49,14 @@ from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
 from .tables import TableSpec
 
-__all__ = ["Blocks", "CostModel", "PlanCost", "RankCost", "evaluate"]
+__all__ = ["Blocks", "CostModel", "PlanCost", "RankCost", "evaluate", "header_bytes"]
 
 UNIFORM = IdDistribution()
+INT32_ROWS = 2**31
+"""Ids of a shard with at least this many rows travel as int64 (else int32)."""
+REPLICA_GRAD_BYTES = 4
+"""Bytes per gradient value of a data-parallel table's all-gather (fp32 whatever the wire
+dtype of the pooled values: every replica takes the same exact update)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -60,8 +65,9 @@ class CostModel:
 
     batch_size: int = 512
     """B, samples per rank per step."""
-    index_bytes: int = 8
-    """i, bytes per id sent by input dist (int64)."""
+    index_bytes: int | None = None
+    """i, bytes per id sent by input dist; None: as the input dist sends them, 4 (int32) for
+    a shard of fewer than 2**31 rows, else 8 (int64)."""
     length_bytes: int = 4
     """l, bytes per bag length sent by input dist (int32)."""
     output_bytes: int = 4
@@ -78,10 +84,21 @@ class CostModel:
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
         for name in ("index_bytes", "length_bytes", "output_bytes"):
-            check_int(name, getattr(self, name), 1)
+            if getattr(self, name) is not None or name != "index_bytes":
+                check_int(name, getattr(self, name), 1)
         for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             check_number(name, getattr(self, name), 0.0, strict=True)
         check_number("backward_factor", self.backward_factor, 0.0)
+
+
+    def id_bytes(self, rows):
+        """i for ids of a shard of ``rows`` rows (a number or an array): ``index_bytes``, or
+        the input dist's id dtype (int32 below 2**31 rows, else int64)."""
+        if self.index_bytes is not None:
+            return self.index_bytes if np.ndim(rows) == 0 else np.full(np.shape(rows),
+                                                                      self.index_bytes)
+        return np.where(np.asarray(rows) >= INT32_ROWS, 8, 4) if np.ndim(rows) else (
+            8 if rows >= INT32_ROWS else 4)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -324,23 +341,36 @@ class CostAccumulator:
                 p = cdf_array(dist, E, blocks.row_end[idx]) - cdf_array(
                     dist, E, blocks.row_start[idx])
                 # the terms are linear in the lookup share p: every holder in one addition
-                self.add(holders, **self.row_holder_terms(spec, p, len(holders), kind, b - a))
+                self.add(holders, **self.row_holder_terms(
+                    spec, p, len(holders), kind, b - a, rows[idx]))
                 if spec.pooling == "none":
                     self._add_sequence_rows(spec, holders, p, b - a)
                 else:
                     self._add_pooled_slices(spec, holders, b - a, kind)
 
+    def _pooled(self, spec: TableSpec) -> float:
+        """Values per sample and column a rank gets back per shard: one pooled row per
+        feature, or (a sequence table) one row per id."""
+        return spec.ids_per_sample if spec.pooling == "none" else float(len(spec.features))
+
     def _add_replicas(self, spec: TableSpec) -> None:
-        m, R = self.model, self.R
+        """A data-parallel table: every rank gets every rank's ids (the input dist sends them
+        to each replica, as to a table-wise owner), looks up the global batch in its replica,
+        keeps its own rows and all-gathers the gradients of every rank's rows (fp32), so every
+        replica applies the same update."""
+        m, R, B = self.model, self.R, self.model.batch_size
         L, D, s = spec.ids_per_sample, spec.embedding_dim, spec.dtype_bytes
-        grad_sync = 2.0 * (R - 1) / R * spec.num_embeddings * D * s
-        lookups = m.batch_size * L
+        lookups = R * B * L
+        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings)
+                             + len(spec.features) * m.length_bytes)
+        grads = (R - 1) * B * self._pooled(spec) * D * REPLICA_GRAD_BYTES
         self.add(
             slice(None),
             lookups=lookups,
             lookup_bytes=lookups * D * s,
-            output_dist_bytes=grad_sync,
-            inter_host_bytes=grad_sync * self._from_all(),
+            input_dist_bytes=inp,
+            output_dist_bytes=grads,
+            inter_host_bytes=(inp + grads) * self._from_all(),
         )
 
     def _other_host(self, rank: int) -> np.ndarray:
@@ -353,8 +383,8 @@ class CostAccumulator:
         m, R, B = self.model, self.R, self.model.batch_size
         L, F = spec.ids_per_sample, len(spec.features)
         lookups = R * B * L
-        inp = (R - 1) * B * (L * m.index_bytes + F * m.length_bytes)
-        per_sample = L if spec.pooling == "none" else 1.0  # rows per sample on the wire
+        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings) + F * m.length_bytes)
+        per_sample = self._pooled(spec)  # values per sample and column on the wire
         grads = (R - 1) * B * per_sample * c * m.output_bytes
         self.add(
             rank,
@@ -371,32 +401,29 @@ class CostAccumulator:
                  inter_host_bytes=pooled * self._other_host(rank))
 
     def row_holder_terms(
-        self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None
+        self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None,
+        rows: float | np.ndarray | None = None,
     ) -> dict[str, float]:
-        """Terms of a rank holding a row block with lookup share ``p``, one of ``k`` holders,
-        ``cols`` columns wide (default: all D; a grid-shard slice is narrower). ``p`` may be
-        an array (one per holder): the terms come out as arrays."""
+        """The terms of a rank holding a row block with lookup share ``p`` (one of ``k``
+        holders, ``cols`` columns wide, default all D; ``rows`` rows, for the id dtype, default
+        E/k) that
+        come with its ids: lookups, ids and lengths in, and for a sequence table the rows of
+        the other ranks' ids back. Linear in ``p``, which may be an array (one per holder;
+        the terms come out as arrays). A pooled table's output dist does not depend on the ids
+        (``_add_pooled_slices``)."""
         m, R, B = self.model, self.R, self.model.batch_size
         L, F, o = spec.ids_per_sample, len(spec.features), m.output_bytes
         D = spec.embedding_dim if cols is None else cols
         lookups = R * B * L * p
-        inp = (R - 1) * B * (L * p * m.index_bytes + F * m.length_bytes)
-        if spec.pooling == "none":  # the rows of the other ranks' ids here come back
-            out = (R - 1) * B * L * p * D * o
-            inter = (inp + out) * self._from_all()
-        elif sharding in ("table_row_wise", "grid_shard"):
-            intra = 2.0 * (k - 1) * R * B / k * D * o  # reduce-scatter + all-gather in the host
-            back = R * B / k * D * o  # gradients of this holder's sample slice, from all ranks
-            out, inter = intra + back, (inp + back) * self._from_all()
-        else:
-            out = (R - 1) * B * D * o  # gradients of all other ranks' samples
-            inter = (inp + out) * self._from_all()
+        rows = spec.num_embeddings / k if rows is None else rows
+        inp = (R - 1) * B * (L * p * m.id_bytes(rows) + F * m.length_bytes)
+        out = (R - 1) * B * L * p * D * o if spec.pooling == "none" else 0.0 * p
         return {
             "lookups": lookups,
             "lookup_bytes": lookups * D * spec.dtype_bytes,
             "input_dist_bytes": inp,
             "output_dist_bytes": out,
-            "inter_host_bytes": inter,
+            "inter_host_bytes": (inp + out) * self._from_all(),
         }
 
     def add_row_holder(
@@ -407,25 +434,38 @@ class CostAccumulator:
     def _add_pooled_slices(
         self, spec: TableSpec, holders: Sequence[int], c: int, sharding: str
     ) -> None:
-        """Forward pooled values every rank receives for its B samples of a row-sharded
-        table (one column slice, held by ``holders``)."""
-        o, B, R, H = self.model.output_bytes, self.model.batch_size, self.R, self.H
-        pooled = B * c * o
+        """Output dist of one column slice (``c`` columns) of a pooled row-sharded table held
+        by ``holders``, forward and backward, for every rank; ``u`` = B·F·c·o, one rank's
+        pooled slice. Row-wise: every rank gets ``u`` from each holder but itself, a holder the
+        gradients of all R-1 other ranks' samples. Table-row-wise: holder h is responsible for
+        its own samples and for the ranks d outside the holders with ``holders[d % k] == h``
+        (``ShardLayout.responsible``), n_h ranks in all; inside the host it gets the other
+        k-1 holders' partials of those n_h ranks (reduce-scatter) and, backward, their gradients
+        of the rest (all-gather: R - n_h), and from across, the gradients of its n_h - 1 other
+        ranks; a rank outside the holders gets ``u`` from the one responsible for it."""
+        m, B, R, H = self.model, self.model.batch_size, self.R, self.H
+        u = B * len(spec.features) * c * m.output_bytes
+        holders = np.asarray(holders, dtype=np.int64)
         held = np.zeros(R)
-        held[np.asarray(holders)] = 1.0
-        if sharding == "table_row_wise":  # one holder of the host sends q its reduced slice
-            # (a holder's own is counted as the in-host all-gather in row_holder_terms)
-            rest = 1.0 - held
-            self.add(slice(None), output_dist_bytes=pooled * rest,
-                     inter_host_bytes=pooled * rest * self._other_host(holders[0]))
-            return
-        per_host = np.bincount(np.asarray(holders) // H, minlength=R // H)
+        held[holders] = 1.0
         hosts = self._hosts
-        others = len(holders) - held  # holders other than q
-        far = len(holders) - per_host[hosts]  # holders on another host than q
-        self.add(slice(None), output_dist_bytes=pooled * others,
-                 inter_host_bytes=pooled * far)
-
+        if sharding != "table_row_wise":
+            per_host = np.bincount(holders // H, minlength=R // H)
+            k = len(holders)
+            self.add(slice(None), output_dist_bytes=u * (k - held),  # forward, but its own
+                     inter_host_bytes=u * (k - per_host[hosts]))
+            self.add(holders, output_dist_bytes=(R - 1) * u, inter_host_bytes=(R - H) * u)
+            return
+        unique = np.unique(holders)
+        k, ranks = len(unique), np.arange(R)
+        resp = np.where(held > 0, ranks, unique[ranks % k])  # who sends each rank its sum
+        far = (hosts[resp] != hosts).astype(float)
+        n = np.bincount(resp, minlength=R)[unique].astype(float)
+        back_far = np.bincount(resp, weights=far, minlength=R)[unique]
+        self.add(unique, output_dist_bytes=((k - 1) * n + (R - n) + (n - 1)) * u,
+                 inter_host_bytes=back_far * u)
+        rest = 1.0 - held
+        self.add(slice(None), output_dist_bytes=u * rest, inter_host_bytes=u * rest * far)
 
     def _add_sequence_rows(
         self, spec: TableSpec, holders: Sequence[int], p: np.ndarray, c: int
@@ -453,4 +493,26 @@ def evaluate(
     by_name = {t.name: t for t in tables}
     for ts in plan.tables:
         acc.add_table(by_name[ts.name], ts, (stats or {}).get(ts.name, UNIFORM), optimizer)
+    header = header_bytes(plan, tables)
+    acc.add(slice(None), input_dist_bytes=header, inter_host_bytes=header * acc._from_all())
     return acc.result()
+
+
+def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:
+    """Bytes of the input dist's header all-to-all every rank receives per step: from each
+    other rank a fixed row of 2·n + 3 int64 (ids and bags per shard-feature, batch size,
+    failure and VBE flags), n the most shard-features (a table's features x its shards) any
+    rank holds; one per collection (pooled tables, sequence tables). The same on every rank,
+    so the planner's search leaves it out; :func:`evaluate` adds it."""
+    R = plan.world_size
+    features = {t.name: len(t.features) for t in tables}
+    sequence = {t.name for t in tables if t.pooling == "none"}
+    total = 0.0
+    for seq in (False, True):
+        per_rank = np.zeros(R)
+        for ts in plan.tables:
+            if (ts.name in sequence) == seq:
+                np.add.at(per_rank, [sh.rank for sh in ts.shards], features[ts.name])
+        if per_rank.any():
+            total += (R - 1) * 8 * (2 * per_rank.max() + 3)
+    return total

@@ -13,10 +13,13 @@ from fbtriton_dist.planner import (
     TableSpec,
     evaluate,
     generalized_harmonic,
+    header_bytes,
     state_bytes,
 )
 
 B = 4
+HDR = 8 * (2 * 1 + 3)
+"""The header row one rank sends another: 2 int64 per shard-feature (one here) + 3."""
 
 
 def one_table(sharding, shards, R=2, H=2, E=1000, D=16, dtype="fp16", L=(2.0,), optimizer=None,
@@ -68,8 +71,9 @@ def test_row_wise_by_hand(optimizer, state):
     # uniform ids: rank 0 owns a quarter of the lookups of R*B*L = 2*4*2 = 16 ids
     assert r0.lookups == pytest.approx(4.0) and r1.lookups == pytest.approx(12.0)
     assert r0.lookup_bytes == pytest.approx(4.0 * 16 * 2)
-    # ids (R-1)*B*L*p*8 B + lengths (R-1)*B*F*4 B
-    assert r0.input_dist_bytes == pytest.approx(1 * 4 * 2 * 0.25 * 8 + 1 * 4 * 1 * 4)
+    # ids (R-1)*B*L*p*4 B (int32: fewer than 2**31 rows) + lengths (R-1)*B*F*4 B + header
+    assert header_bytes(plan, [spec]) == HDR
+    assert r0.input_dist_bytes == pytest.approx(1 * 4 * 2 * 0.25 * 4 + 1 * 4 * 1 * 4 + HDR)
     # pooled slice from the other holder B*D*4 + gradients (R-1)*B*D*4
     assert r0.output_dist_bytes == pytest.approx(4 * 16 * 4 + 1 * 4 * 16 * 4)
     assert r0.inter_host_bytes == 0.0
@@ -85,12 +89,13 @@ def test_table_wise_across_hosts_by_hand():
     owner, other = cost.ranks[1], cost.ranks[2]
     assert owner.memory_bytes == 1000 * 16 * 4 + 2 * 1000 * 16 * 4
     assert owner.lookups == 4 * B * 2
-    assert owner.input_dist_bytes == 3 * B * (2 * 8 + 1 * 4)
+    assert owner.input_dist_bytes == 3 * B * (2 * 4 + 1 * 4) + 3 * HDR
     assert owner.output_dist_bytes == 3 * B * 16 * 4
     # 2 of the 3 other ranks are on the other host
     assert owner.inter_host_bytes == pytest.approx((owner.comm_bytes) * 2 / 3)
-    assert other.output_dist_bytes == B * 16 * 4 == other.inter_host_bytes
-    assert cost.ranks[0].inter_host_bytes == 0.0  # same host as the owner
+    # the headers of the 2 ranks of the other host cross too
+    assert other.output_dist_bytes == B * 16 * 4 == other.inter_host_bytes - 2 * HDR
+    assert cost.ranks[0].inter_host_bytes == 2 * HDR  # same host as the owner
     assert cost.imbalance("lookups") == pytest.approx(4.0)
 
 
@@ -107,12 +112,13 @@ def test_sequence_tables_send_a_row_per_id_by_hand():
     # gradients of the other rank's ids its quarter holds
     assert r0.output_dist_bytes == pytest.approx(B * 3 * 0.75 * 16 * 4 + B * 3 * 0.25 * 16 * 4)
     assert r1.output_dist_bytes == pytest.approx(B * 3 * 0.25 * 16 * 4 + B * 3 * 0.75 * 16 * 4)
-    assert r0.input_dist_bytes == pytest.approx(B * (3 * 0.25 * 8 + 4))  # as a pooled table
+    assert r0.input_dist_bytes == pytest.approx(B * (3 * 0.25 * 4 + 4) + HDR)  # as pooled
     tw = [Shard(rank=1, row_start=0, row_end=1000, col_start=0, col_end=16)]
     spec, plan = one_table("table_wise", tw, R=4, H=2, L=(3.0,), pooling="none")
     cost = evaluate(plan, [spec], model=CostModel(batch_size=B))
     assert cost.ranks[1].output_dist_bytes == 3 * B * 3 * 16 * 4  # every other rank's rows
-    assert cost.ranks[2].output_dist_bytes == B * 3 * 16 * 4 == cost.ranks[2].inter_host_bytes
+    assert cost.ranks[2].output_dist_bytes == B * 3 * 16 * 4
+    assert cost.ranks[2].inter_host_bytes == B * 3 * 16 * 4 + 2 * HDR
 
 
 def test_to_table_specs_reads_an_embedding_config_as_a_sequence_table():
@@ -128,11 +134,38 @@ def test_to_table_specs_reads_an_embedding_config_as_a_sequence_table():
 
 
 def test_data_parallel_by_hand():
+    """Every replica gets every rank's ids and looks up the global batch; backward all-gathers
+    the gradients of every rank's pooled rows (fp32, though the weights are fp16)."""
     shards = [Shard(rank=r, row_start=0, row_end=10, col_start=0, col_end=16) for r in range(2)]
     spec, plan = one_table("data_parallel", shards, E=10)
     r0 = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks[0]
-    assert r0.lookups == B * 2
-    assert r0.output_dist_bytes == pytest.approx(2 * 1 / 2 * 10 * 16 * 2)
+    assert r0.lookups == 2 * B * 2 and r0.lookup_bytes == 2 * B * 2 * 16 * 2
+    assert r0.input_dist_bytes == pytest.approx(1 * B * (2 * 4 + 1 * 4) + HDR)
+    assert r0.output_dist_bytes == pytest.approx(1 * B * 1 * 16 * 4)
+
+
+def test_index_bytes_follow_the_shard_rows():
+    """Ids travel as int32 to shards below 2**31 rows, int64 above; ``index_bytes`` fixes it."""
+    big = 3 * 2**30
+    cut = [Shard(rank=0, row_start=0, row_end=2**30, col_start=0, col_end=16),
+           Shard(rank=1, row_start=2**30, row_end=big, col_start=0, col_end=16)]
+    spec, plan = one_table("row_wise", cut, E=big)
+    r0, r1 = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks
+    lengths = 1 * B * 1 * 4 + HDR
+    assert r0.input_dist_bytes == pytest.approx(B * 2 * (1 / 3) * 4 + lengths)
+    assert r1.input_dist_bytes == pytest.approx(B * 2 * (2 / 3) * 8 + lengths)
+    fixed = evaluate(plan, [spec], model=CostModel(batch_size=B, index_bytes=8)).ranks[0]
+    assert fixed.input_dist_bytes == pytest.approx(B * 2 * (1 / 3) * 8 + lengths)
+
+
+def test_pooled_output_counts_every_feature():
+    """Two features of one table: two pooled rows per sample each way."""
+    cut = [Shard(rank=0, row_start=0, row_end=1000, col_start=0, col_end=16)]
+    spec, plan = one_table("table_wise", cut, R=2, H=2, L=(1.0, 3.0))
+    owner, other = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks
+    assert owner.output_dist_bytes == 1 * B * 2 * 16 * 4
+    assert other.output_dist_bytes == B * 2 * 16 * 4
+    assert header_bytes(plan, [spec]) == 8 * (2 * 2 + 3)
 
 
 def test_zipf_cdf_matches_exact_sum():
@@ -167,10 +200,12 @@ def test_grid_shard_by_hand():
     assert r0.lookups == pytest.approx(8.0) and r0.lookup_bytes == pytest.approx(8 * 8 * 2)
     # every slice gathers every id once: the table's lookups counted once per slice
     assert sum(r.lookups for r in cost.ranks) == pytest.approx(2 * 4 * B * 2)
-    inp = 3 * B * (2 * 0.25 * 8 + 1 * 4)
+    inp = 3 * B * (2 * 0.25 * 4 + 1 * 4) + 3 * HDR
     assert r0.input_dist_bytes == pytest.approx(inp)
-    # in-host reduce-scatter + all-gather 2(k-1)R*B/k*c*o, gradients of its sample slice
-    # R*B/k*c*o, and the pooled 8 columns of the other slice from host 1
-    back = 4 * B / 2 * 8 * 4
-    assert r0.output_dist_bytes == pytest.approx(2 * 1 * 4 * B / 2 * 8 * 4 + back + B * 8 * 4)
-    assert r0.inter_host_bytes == pytest.approx((inp + back) * 2 / 3 + B * 8 * 4)
+    # rank 0 is responsible for its own samples and rank 2's (2 % 2 = 0: n = 2): it gets the
+    # other holder's partials of them ((k-1) n u), backward the gradients of the other
+    # holder's ranks ((R - n) u, the in-host all-gather) and rank 2's gradients ((n-1) u,
+    # across hosts), and the pooled 8 columns of the other slice from rank 2 (0 % 2 = 0)
+    u = B * 1 * 8 * 4
+    assert r0.output_dist_bytes == pytest.approx((1 * 2 + 2 + 1) * u + u)
+    assert r0.inter_host_bytes == pytest.approx(inp * 2 / 3 + u + u)

@@ -1,0 +1,139 @@
+"""The cost model's per-rank estimate against the simulation (``bench.simulate``: ids drawn from
+each table's distribution, the real bucketize, the input dist's message layout and the output
+dist's own byte counts), for every sharding type the planner emits, pooled and sequence tables.
+
+Every rank of every plan below must agree within ``TOLERANCE`` on lookups, input-dist,
+output-dist and inter-host bytes; ``test_a_wrong_cost_model_is_caught`` shows that the check
+catches a cost model that is off (ids counted as int64, the old data-parallel terms).
+"""
+
+import dataclasses
+
+import pytest
+
+from fbtriton_dist.planner import (
+    SHARDING_TYPES,
+    CostModel,
+    IdDistribution,
+    ShardingPlanner,
+    TableConstraints,
+    TableSpec,
+    evaluate,
+)
+
+simulate = pytest.importorskip("fbtriton_dist.bench.simulate")
+
+TOLERANCE = 0.10
+B = 256
+R, H = 8, 4  # two hosts: table-row-wise and grid-shard need them
+TABLES = (
+    # two features, one with a fractional pooling factor (bags of 7 or 8 ids)
+    TableSpec(name="ads", num_embeddings=200_000, embedding_dim=64, features=("ad", "ad_hist"),
+              pooling_factors=(1.0, 7.5), dtype="fp16"),
+    TableSpec(name="user", num_embeddings=50_000, embedding_dim=64, features=("user",),
+              pooling_factors=(3.0,)),
+    TableSpec(name="item", num_embeddings=10_000, embedding_dim=128, features=("item",),
+              pooling_factors=(4.5,), pooling="mean"),
+    TableSpec(name="tiny", num_embeddings=7, embedding_dim=64, features=("country",)),
+)
+STATS = {
+    "ads": IdDistribution(kind="zipf", alpha=1.1),
+    "user": IdDistribution(kind="zipf", alpha=0.8),
+    "item": IdDistribution(kind="histogram", histogram=(8.0, 4.0, 2.0, 1.0, 1.0, 0.5, 0.5, 3.0)),
+}
+
+
+def plan_for(tables, sharding=None, world_size=R, local_world_size=H, model=None):
+    cons = None
+    if sharding is not None:
+        cons = {t.name: TableConstraints(sharding=(sharding,)) for t in tables}
+    planner = ShardingPlanner(world_size=world_size, local_world_size=local_world_size,
+                              cost_model=model or CostModel(batch_size=B))
+    plan = planner.plan(tables, cons, {t.name: STATS[t.name] for t in tables if t.name in STATS})
+    if sharding is not None:
+        assert {t.sharding for t in plan.tables} == {sharding}
+    return plan
+
+
+def check(plan, tables, model=None, **kw):
+    """(worst |error| per term, the comparison text); asserts nothing."""
+    model = model or CostModel(batch_size=B)
+    cost = evaluate(plan, tables, STATS, model)
+    sim = simulate.simulate(plan, tables, STATS, batch_size=B, estimate=cost, **kw)
+    return simulate.max_errors(sim, cost), simulate.format_comparison(sim, cost, model)
+
+
+@pytest.mark.parametrize("sharding", SHARDING_TYPES)
+def test_estimate_agrees_with_simulation(sharding):
+    plan = plan_for(TABLES, sharding)
+    worst, text = check(plan, TABLES)
+    assert max(worst.values()) < TOLERANCE, text
+
+
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise", "table_row_wise",
+                                      "data_parallel"])
+def test_sequence_tables_agree_with_simulation(sharding):
+    seq = tuple(dataclasses.replace(t, pooling="none") for t in TABLES if t.name != "item")
+    plan = plan_for(seq, sharding)
+    worst, text = check(plan, seq)
+    assert max(worst.values()) < TOLERANCE, text
+
+
+def test_planned_mix_of_pooled_and_sequence_tables_agrees():
+    """The planner's own choice, pooled and sequence tables together (two collections, two
+    headers)."""
+    mixed = (*TABLES, TableSpec(name="clicks", num_embeddings=30_000, embedding_dim=64,
+                                features=("clicks",), pooling_factors=(6.0,), pooling="none"))
+    plan = plan_for(mixed)
+    worst, text = check(plan, mixed)
+    assert max(worst.values()) < TOLERANCE, text
+
+
+def test_sampled_ranks_and_sources_agree_at_64_ranks():
+    """Past 16 ranks a sample of ranks is simulated; with --sim-sources 16 of 64 batches
+    drawn, what comes from each class of ranks is scaled from the sampled ones."""
+    plan = plan_for(TABLES, world_size=64, local_world_size=8)
+    cost = evaluate(plan, TABLES, STATS, CostModel(batch_size=B))
+    sim = simulate.simulate(plan, TABLES, STATS, batch_size=B, estimate=cost, sources=16)
+    slowest = max(range(64), key=lambda r: cost.ranks[r].time_s)
+    assert slowest in [r.rank for r in sim.ranks] and 9 <= len(sim.ranks) <= 10
+    assert len(sim.sources) < 64
+    worst = simulate.max_errors(sim, cost)
+    assert max(worst.values()) < TOLERANCE, simulate.format_comparison(sim, cost)
+
+
+def test_a_wrong_cost_model_is_caught():
+    """The check is not vacuous: ids counted as int64 (the input dist sends int32 to shards
+    below 2**31 rows) put the row-wise input-dist estimate over the tolerance."""
+    plan = plan_for(TABLES, "row_wise")
+    wrong = CostModel(batch_size=B, index_bytes=8)
+    worst, _ = check(plan, TABLES, wrong)
+    assert worst["input_dist_bytes"] > TOLERANCE
+    assert worst["lookups"] < TOLERANCE  # the lookups did not change
+
+
+def test_old_data_parallel_terms_are_caught(monkeypatch):
+    """The cost model before the simulation: a replica looked up only its own batch and
+    received no ids. The simulation says every replica gets and looks up the global batch."""
+    from fbtriton_dist.planner import cost as cost_module
+
+    plan = plan_for(TABLES, "data_parallel")
+
+    def old(self, spec):
+        L, D = spec.ids_per_sample, spec.embedding_dim
+        self.add(slice(None), lookups=self.model.batch_size * L,
+                 lookup_bytes=self.model.batch_size * L * D * spec.dtype_bytes)
+
+    monkeypatch.setattr(cost_module.CostAccumulator, "_add_replicas", old)
+    worst, _ = check(plan, TABLES)
+    assert worst["lookups"] > TOLERANCE and worst["input_dist_bytes"] > TOLERANCE
+
+
+def test_simulation_is_deterministic_and_seeded():
+    plan = plan_for(TABLES, "row_wise")
+    a = simulate.simulate(plan, TABLES, STATS, batch_size=B, ranks=[1])
+    b = simulate.simulate(plan, TABLES, STATS, batch_size=B, ranks=[1])
+    c = simulate.simulate(plan, TABLES, STATS, batch_size=B, ranks=[1], seed=1)
+    assert a.ranks[0].lookups == b.ranks[0].lookups != c.ranks[0].lookups
+    with pytest.raises(ValueError, match="expected 0 <= rank < 8"):
+        simulate.simulate(plan, TABLES, STATS, batch_size=B, ranks=[8])
