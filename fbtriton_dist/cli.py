@@ -8,6 +8,7 @@ Exit status: 0 done, 1 the tables do not fit (the message says which table and b
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -68,7 +69,25 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check", metavar="PLAN.yaml", help="evaluate this plan instead of planning")
     p.add_argument("--png", metavar="FILE.png",
                    help="draw per-rank memory, lookups and traffic as bars (needs matplotlib)")
+    p.add_argument("--simulate", action="store_true",
+                   help="draw ids from each table's distribution, run the real bucketize and "
+                        "count every rank's lookups and traffic; print them next to the "
+                        "estimate (needs torch; python -m fbtriton_dist.bench simulate)")
+    add_simulate_arguments(p)
     p.set_defaults(func=_run_plan)
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    """The simulation's options (``plan --simulate`` and ``bench simulate``)."""
+    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
+                        "and the slowest by the estimate)")
+    p.add_argument("--sim-sources", type=_positive_int, default=None, metavar="N",
+                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
+                        "spread ranks and the simulated ones)")
+    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
+    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
+                   help="what runs the bucketize (default: the reference)")
 
 
 def _table_set(path: str):
@@ -135,6 +154,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if args.png:
         _plan_png(args.png, cost, title, planner.budget_bytes)
+    if args.simulate:
+        # torch and sharding/: loaded only when asked, the plan command stays torch-free
+        simulate = importlib.import_module("fbtriton_dist.bench.simulate")
+        print(simulate.run(plan, specs, stats, cost, planner.cost_model, args))
     return 0
 
 

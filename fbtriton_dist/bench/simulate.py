@@ -39,6 +39,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from fbtriton_dist.cli import add_simulate_arguments
 from fbtriton_dist.ops import bucketize as bucketize_ops
 from fbtriton_dist.planner import (
     CostModel,
@@ -432,22 +433,10 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulation's own options (``fbtriton-dist plan --simulate`` takes them too)."""
-    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
-                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
-                        "and the slowest by the estimate)")
-    p.add_argument("--sim-sources", type=int, default=None, metavar="N",
-                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
-                        "spread ranks and the simulated ones)")
-    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
-    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
-                   help="what runs the bucketize (default: the reference)")
-
-
 def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
         model: CostModel, args: argparse.Namespace) -> str:
-    """Simulate ``plan`` with the options of ``add_arguments`` and format the comparison."""
+    """Simulate ``plan`` with the options of ``cli.add_simulate_arguments`` and format the
+    comparison."""
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
                    estimate=cost)
@@ -464,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--zipf", type=float, default=None, metavar="ALPHA",
                    help="Zipf exponent of every table without its own id_distribution")
     p.add_argument("--plan", metavar="PLAN.yaml", help="simulate this plan instead of planning")
-    add_arguments(p)
+    add_simulate_arguments(p)
     args = p.parse_args(argv)
     table_set = load_tables(args.tables)
     stats = dict(table_set.stats)

@@ -65,3 +65,25 @@ def test_usage_errors(capsys):
     assert "--world-size" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_plan_simulate_prints_estimate_and_simulation(tmp_path, capsys):
+    pytest.importorskip("torch")
+    tables = tmp_path / "t.yaml"
+    tables.write_text(
+        "tables:\n"
+        "- {name: a, num_embeddings: 5000, embedding_dim: 64, features: [a], pooling_factors: 3,"
+        " id_distribution: {kind: zipf, alpha: 1.1}}\n"
+        "- {name: b, num_embeddings: 40, embedding_dim: 32, features: [b, c]}\n"
+    )
+    rc = main(["plan", str(tables), "--world-size", "4", "--local-world-size", "2",
+               "--batch-size", "64", "--simulate", "--sim-ranks", "0", "3"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "step estimate" in text  # the plan first
+    assert "simulated 2 of 4 ranks from every rank's batch; B=64, seed 0" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["3"])]
+    assert len(rows[-2:]) == 2 and "max |error|:" in text
+    errors = [float(c.rstrip("%")) for c in text.split("max |error|: ")[1].split("\n")[0]
+              .replace(",", " ").split() if c.endswith("%")]
+    assert len(errors) == 4 and max(errors) < 10.0
