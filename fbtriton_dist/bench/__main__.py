@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate} [args]``.
+"""Benchmarks: ``python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate,managed}
+[args]``.
 
 Each subcommand is the module ``fbtriton_dist.bench.<name>`` with a ``main(argv)``; ``dist``
 runs under torchrun (``torchrun --nproc-per-node 2 -m fbtriton_dist.bench dist ...``).
@@ -14,8 +15,8 @@ COMMANDS = {
 
 
 USAGE = (
-    "usage: python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate} [args]  "
-    "(each takes --help)\n"
+    "usage: python -m fbtriton_dist.bench {tbe,dist,vbe,planner,id_remap,simulate,managed} "
+    "[args]  (each takes --help)\n"
     "  tbe      our TBE against FBGEMM's, TorchRec's and torch's, one process\n"
     "  dist     a sharded training step against TorchRec's DMP (under torchrun)\n"
     "  vbe      variable batch per feature against fixed batches\n"
