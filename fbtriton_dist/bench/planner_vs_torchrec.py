@@ -1,12 +1,17 @@
 """Our planner vs TorchRec's ``EmbeddingShardingPlanner`` on the same tables and topology.
 
-Both plans are scored with *our* cost model (fbtriton_dist.planner.cost) and printed side by
-side: the imbalance (max/mean over ranks) of the estimated per-rank step time, of memory and
-of lookups, plus the slowest rank's time. TorchRec plans on CPU with a CUDA topology; no GPU is
-needed. Usage::
+Both plans (and ours with equal row blocks) are scored with *our* cost model
+(fbtriton_dist.planner.cost) and printed side by side: the time each planner took, the
+imbalance (max/mean over ranks) of the estimated per-rank step time, of memory and of
+lookups, the slowest rank's time, and, with ``--simulate``, the same plans scored by the
+simulation (``bench.simulate``: ids drawn from each table's distribution, the real bucketize,
+the collectives' byte counts; the slowest simulated rank's time by the cost model's
+coefficients, and the largest estimate-vs-simulation error over the simulated ranks and
+terms). TorchRec plans on CPU with a CUDA topology; no GPU is needed. Usage::
 
     python -m fbtriton_dist.bench.planner_vs_torchrec [--tables configs/tables/criteo_terabyte.yaml]
         [--world-sizes 2 8 64] [--local-world-size 8] [--hbm-gb 80] [--batch-size 512] [--zipf A]
+        [--simulate]
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import contextlib
 import io
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fbtriton_dist.planner import (
     IdDistribution,
@@ -45,11 +51,27 @@ _TORCHREC_TYPES = {
 
 
 @dataclass(frozen=True)
+class Scored:
+    """One plan's scores beyond the cost model's: its simulated step time (the slowest
+    simulated rank, cost-model coefficients) and the largest |estimate error| there."""
+
+    seconds: float
+    """CPU seconds the planner took."""
+    sim_step_s: float | None = None
+    sim_error: float | None = None
+
+
+@dataclass(frozen=True)
 class Comparison:
     world_size: int
     ours: PlanCost
     torchrec: PlanCost
     equal_rows: PlanCost
+    scores: dict[str, Scored] = field(default_factory=dict)
+    """By planner name (``NAMES``)."""
+
+
+NAMES = ("fbtriton_dist", "fbtriton (equal rows)", "torchrec")
 
 
 def torchrec_plan(
@@ -143,6 +165,7 @@ def compare(
     hbm_bytes: int = 80 * 1024**3,
     batch_size: int = 512,
     stats: Mapping[str, IdDistribution] | None = None,
+    simulate: bool = False,
 ) -> Comparison:
     from fbtriton_dist.planner import CostModel
 
@@ -158,34 +181,49 @@ def compare(
         cost_model=model,
         row_cuts="equal",
     )
-    tr = torchrec_plan(tables, world_size, H, hbm_bytes, batch_size)
-    tr.validate(tables)
-    mine = ours.plan(tables, stats=stats)
-    mine.validate(tables, budget_bytes=ours.budget_bytes)
-    return Comparison(
-        world_size=world_size,
-        ours=ours.cost(mine, tables, stats),
-        torchrec=ours.cost(tr, tables, stats),
-        equal_rows=ours.cost(equal.plan(tables, stats=stats), tables, stats),
-    )
+    import torchrec.distributed.planner  # noqa: F401, PLC0415 (its import is not planning time)
+
+    plans, seconds = {}, {}  # CPU seconds: this machine is shared, wall time is noisy
+    for name, make in ((NAMES[2], lambda: torchrec_plan(tables, world_size, H, hbm_bytes,
+                                                        batch_size)),
+                       (NAMES[0], lambda: ours.plan(tables, stats=stats)),
+                       (NAMES[1], lambda: equal.plan(tables, stats=stats))):
+        start = time.process_time()
+        plans[name] = make()
+        seconds[name] = time.process_time() - start
+    plans[NAMES[2]].validate(tables)
+    plans[NAMES[0]].validate(tables, budget_bytes=ours.budget_bytes)
+    costs = {name: ours.cost(plan, tables, stats) for name, plan in plans.items()}
+    scores = {name: Scored(seconds[name]) for name in NAMES}
+    if simulate:
+        from fbtriton_dist.bench import simulate as sim  # noqa: PLC0415 (torch)
+
+        for name, plan in plans.items():
+            run = sim.simulate(plan, tables, stats, batch_size=batch_size, estimate=costs[name])
+            scores[name] = Scored(seconds[name], run.step_time(model),
+                                  max(sim.max_errors(run, costs[name]).values()))
+    return Comparison(world_size=world_size, ours=costs[NAMES[0]], torchrec=costs[NAMES[2]],
+                      equal_rows=costs[NAMES[1]], scores=scores)
 
 
 def format_rows(results: Sequence[Comparison]) -> str:
+    simulated = any(s.sim_step_s is not None for c in results for s in c.scores.values())
     lines = [
-        f"{'R':>4}  {'planner':<21} {'time max/mean':>13} {'slowest ms':>10} "
+        f"{'R':>4}  {'planner':<21} {'CPU s':>7} {'time max/mean':>13} {'slowest ms':>10} "
         f"{'memory max/mean':>15} {'lookups max/mean':>16}"
+        + (f" {'sim slowest ms':>14} {'sim max |err|':>13}" if simulated else "")
     ]
     for c in results:
-        for name, cost in (
-            ("fbtriton_dist", c.ours),
-            ("fbtriton (equal rows)", c.equal_rows),
-            ("torchrec", c.torchrec),
-        ):
-            lines.append(
-                f"{c.world_size:>4}  {name:<21} {cost.imbalance():>13.3f} "
+        for name, cost in zip(NAMES, (c.ours, c.equal_rows, c.torchrec), strict=True):
+            score = c.scores.get(name, Scored(float("nan")))
+            line = (
+                f"{c.world_size:>4}  {name:<21} {score.seconds:>7.1f} {cost.imbalance():>13.3f} "
                 f"{cost.max() * 1e3:>10.3f} "
                 f"{cost.imbalance('memory_bytes'):>15.3f} {cost.imbalance('lookups'):>16.3f}"
             )
+            if simulated and score.sim_step_s is not None:
+                line += f" {score.sim_step_s * 1e3:>14.3f} {100 * score.sim_error:>12.1f}%"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -197,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--hbm-gb", type=float, default=80.0)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent for every table")
+    p.add_argument("--simulate", action="store_true",
+                   help="score the plans by the simulation too (bench.simulate)")
     args = p.parse_args(argv)
     table_set = load_tables(args.tables)
     stats = dict(table_set.stats)
@@ -210,12 +250,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             hbm_bytes=int(args.hbm_gb * 1024**3),
             batch_size=args.batch_size,
             stats=stats,
+            simulate=args.simulate,
         )
         for R in args.world_sizes
     ]
     print(
         f"tables: {args.tables}; batch {args.batch_size}/rank; HBM {args.hbm_gb:g} GiB; "
-        "scored with our cost model"
+        "scored with our cost model" + (" and by the simulation" if args.simulate else "")
     )
     print(format_rows(results))
 

@@ -57,3 +57,21 @@ def test_zipf_64_ranks_balanced_where_equal_rows_are_not(bench):
     assert c.equal_rows.imbalance() > 1.15
     assert c.ours.imbalance() <= 1.15
     assert c.ours.max() <= c.equal_rows.max()
+
+
+def test_both_plans_scored_by_the_simulation(bench):
+    """A plan our planner did not make (TorchRec's: its own cuts and types) is estimated as
+    well as ours: both within 10% of the simulation on every simulated rank and term."""
+    from fbtriton_dist.bench import planner_vs_torchrec
+
+    tables = load_tables(CRITEO).tables
+    stats = {t.name: IdDistribution(kind="zipf", alpha=1.1) for t in tables}
+    c = planner_vs_torchrec.compare(tables, 8, local_world_size=4, stats=stats, simulate=True)
+    print("\n" + planner_vs_torchrec.format_rows([c]))
+    for name in planner_vs_torchrec.NAMES:
+        score = c.scores[name]
+        assert score.sim_error < 0.10, name
+        assert score.seconds > 0
+    # the simulated step of the slowest estimated rank is its estimate, within the tolerance
+    assert c.scores["torchrec"].sim_step_s == pytest.approx(c.torchrec.max(), rel=0.10)
+    assert c.scores["fbtriton_dist"].sim_step_s <= c.scores["torchrec"].sim_step_s * 1.0001
