@@ -2,8 +2,12 @@
 before the lookup, zero collisions while the live ids fit, admission and eviction.
 
 * ``IdManager``: one table's id map as buffers (``keys``, ``counts``, ``last_seen``,
-  ``sketch``, ``step``, ``seed``, cumulative ``totals``: all in ``state_dict()``), its remap
-  (``ops/id_remap.py``; the spec: ``reference/id_remap.py``) and its metrics.
+  ``sketch``, ``step``, ``seed``, cumulative ``totals``: all in ``state_dict()``, with
+  ``config``, the manager's config as ``CONFIG_FIELDS``: a load checks it and names the table
+  and the key that differ), its remap (``ops/id_remap.py``; the spec:
+  ``reference/id_remap.py``) and its metrics. A map saved by several owners (a sharded
+  collection) loads into it through ``sharding.managed_state.ManagedLoadPlanner``, which hands
+  it a ``SavedOwners`` (``load_saved_owners`` says what it becomes).
 * ``ManagedCollisionCollection``: the managers of a collection's managed tables (TorchRec's
   name); ``remap(features, update)`` returns the KeyedJaggedTensor with every managed feature's
   ids replaced by slots, and the slots that got a new id.
@@ -32,16 +36,124 @@ wrappers.
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from fbtriton_dist.id_manager import IdManagerConfig, managed_configs
+from fbtriton_dist.id_manager import POLICY_CODE, IdManagerConfig, managed_configs
 from fbtriton_dist.modules import ebc_op
 from fbtriton_dist.ops.id_remap import STATS, IdTable, id_remap
 from fbtriton_dist.sparse import KeyedJaggedTensor, kjt_key_ranges, kjt_with_values
 
 _BUFFERS = ("keys", "counts", "last_seen", "sketch")
+CONFIG_FIELDS = ("capacity", "eviction", "ttl_steps", "admission.min_count",
+                 "admission.sketch_width", "admission.sketch_depth")
+"""The ``config`` entry of a map's state dict: these keys of its ``IdManagerConfig``, int64
+(``eviction`` as its code, ``ttl_steps`` 0 when unset)."""
+PER_OWNER = ("sketch", "step", "seed", "totals")
+"""The buffers that each owner of a sharded map keeps for itself (the others are per slot)."""
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def config_tensor(config: IdManagerConfig) -> torch.Tensor:
+    """``[len(CONFIG_FIELDS)]`` int64 CPU: what a checkpoint records of a map's config."""
+    a = config.admission
+    return torch.tensor([config.capacity, POLICY_CODE[config.eviction], config.ttl_steps or 0,
+                         a.min_count, a.sketch_width, a.sketch_depth], dtype=torch.int64)
+
+
+def check_config(table: str, config: IdManagerConfig, saved: torch.Tensor, key: str) -> None:
+    """Raise a ValueError naming the table, the config key and the state-dict key when the
+    checkpoint's ``config`` entry ``saved`` differs from ``config``."""
+    mine, theirs = config_tensor(config).tolist(), saved.reshape(-1).tolist()
+    if len(theirs) != len(mine):
+        raise ValueError(f"table '{table}' id_manager: expected {len(mine)} config values "
+                         f"({', '.join(CONFIG_FIELDS)}) under '{key}', got {len(theirs)}")
+    names = {v: k for k, v in POLICY_CODE.items()}
+    for name, a, b in zip(CONFIG_FIELDS, theirs, mine, strict=True):
+        if a != b:
+            a, b = (names.get(a, a), names.get(b, b)) if name == "eviction" else (a, b)
+            raise ValueError(f"table '{table}' id_manager.{name}: the checkpoint's is {a!r}, "
+                             f"this module's {b!r} (state-dict key '{key}')")
+
+
+def owner_seed(seed: int, owner: int, owners: int) -> int:
+    """The seed owner ``owner`` of ``owners`` of a table of seed ``seed`` draws its fresh rows
+    from (one owner: ``seed``); ``sharding/managed.py``."""
+    if owners == 1:
+        return seed
+    return (seed + _GOLDEN * (owner + 1)) % (1 << 62)
+
+
+def table_seed(seed_of_owner_0: int, owners: int) -> int:
+    """The table's seed back from its first owner's (``owner_seed`` inverted)."""
+    return seed_of_owner_0 if owners == 1 else (seed_of_owner_0 - _GOLDEN) % (1 << 62)
+
+
+def fold_sketch(blocks: Sequence[torch.Tensor], depth: int, width: int) -> torch.Tensor:
+    """``[depth, width]``: the sum of admission sketches ``[depth, w]`` of other widths, each
+    folded (``w > width``: counters ``b mod width`` summed) or repeated (``w < width``) to
+    ``width``. A counter is ``h & (w - 1)`` of the id's hash (powers of two), so every id's
+    counters are still never below its count: at worst an id is admitted early."""
+    out = torch.zeros(depth, width, dtype=torch.int64)
+    for b in blocks:
+        if b.numel() == 0 or width == 0:
+            continue
+        b = b.to("cpu", torch.int64)
+        w = b.shape[1]
+        out += b.reshape(depth, w // width, width).sum(1) if w >= width else b.repeat(1, width // w)
+    return out
+
+
+@dataclass
+class SavedOwners:
+    """A managed table's map as saved by other owners than the loading module's (staged by
+    ``sharding.managed_state.ManagedLoadPlanner`` in place of the per-owner entries of the
+    state dict; the per-slot ``keys``, ``counts``, ``last_seen`` and the rows load by row as
+    always). The tensors are filled by the DCP load."""
+
+    table: str
+    owners: list[tuple[int, int]]
+    """``(first row, slots)`` of every saved owner, in row order."""
+    step: torch.Tensor
+    """``[owners]`` (``[]`` from an unsharded save): every owner's clock (one value)."""
+    seed: torch.Tensor
+    """``[owners]`` / ``[]``: each owner's seed (``owner_seed`` of the table's)."""
+    totals: torch.Tensor
+    """``[owners, len(STATS)]`` / ``[len(STATS)]``: each owner's cumulative stats."""
+    sketch: dict[int, torch.Tensor] = field(default_factory=dict)
+    """saved owner -> its ``[depth, w]`` sketch, for the saved owners whose hash range meets
+    the loading rank's (all of them for a single owner)."""
+
+    def last_step(self) -> int:
+        return int(self.step.max()) if self.step.numel() else 0
+
+    def table_seed(self) -> int:
+        return table_seed(int(self.seed.reshape(-1)[0]), len(self.owners))
+
+    def total(self) -> torch.Tensor:
+        return self.totals.reshape(-1, len(STATS)).sum(0)
+
+
+def load_saved_owners(saved: SavedOwners, config: IdManagerConfig) -> dict[str, torch.Tensor]:
+    """The per-owner buffers of a single owner of all ``config.capacity`` slots (an unsharded
+    map, a table-wise or data-parallel shard) loading ``saved``: ``step`` (the saved clock),
+    ``seed`` (the table's), ``totals`` (the owners' summed), ``sketch`` (``fold_sketch`` of
+    the owners'). Its slots are the table's rows, so each entry stays at its saved row."""
+    depth = config.admission.sketch_depth if config.sketch_width else 0
+    return {"step": torch.tensor(saved.last_step()), "seed": torch.tensor(saved.table_seed()),
+            "totals": saved.total(),
+            "sketch": fold_sketch(list(saved.sketch.values()), depth, config.sketch_width)}
+
+
+def saved_owners_of(state_dict: Mapping, prefix: str) -> SavedOwners | None:
+    """The ``SavedOwners`` staged under one of ``prefix``'s per-owner keys, if any."""
+    for k in ("owners", *PER_OWNER):
+        value = state_dict.get(prefix + k)
+        if isinstance(value, SavedOwners):
+            return value
+    return None
 
 
 class IdManager(nn.Module):
@@ -86,8 +198,20 @@ class IdManager(nn.Module):
             t.stats = self.last
             t.reindex()
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "config"] = config_tensor(self.config)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        key = prefix + "config"
+        if key in state_dict:  # absent: a state dict from before it was recorded
+            check_config(self.name, self.config, state_dict.pop(key), key)
+        saved = saved_owners_of(state_dict, prefix)
+        if saved is not None:  # saved by other owners: ``load_saved_owners``
+            state_dict.pop(prefix + "owners", None)
+            state_dict.update({prefix + k: v for k, v in
+                               load_saved_owners(saved, self.config).items()})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._table.reindex()  # loaded in place: the index is stale
         self._step = None
 

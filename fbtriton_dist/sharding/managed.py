@@ -35,10 +35,13 @@ State dict (``id_managers._managed_collision_modules.<table>.<buffer>``, the uns
 names): ``keys``, ``counts``, ``last_seen`` are ShardedTensors of ``[C]`` (owner ``i``'s
 slots at rows ``[r0, r0 + c_i)``: a slot's entry sits at its row, as unsharded); ``sketch``
 one of ``[depth, sum of the owners' widths]``; ``step``, ``seed`` ``[owners]``; ``totals``
-``[owners, len(STATS)]``. Their local shards are the live buffers, so
-``torch.distributed.checkpoint`` saves and loads them in place. A data-parallel table's are
-the plain replicated tensors. Loading needs the same owners (plan rows and world size);
-re-inserting ids into new owners (resharding) is not done yet.
+``[owners, len(STATS)]``; ``owners`` ``[owners, 2]`` (each owner's first row and slots) and
+``config`` (the table's ``IdManagerConfig``, ``modules/managed.py`` ``CONFIG_FIELDS``) plain
+tensors. Their local shards are the live buffers, so ``torch.distributed.checkpoint`` saves
+and loads them in place. A data-parallel table's are the plain replicated tensors of the
+unsharded module. A load checks ``config`` (an error names the table and the key). Loading
+onto other owners (another world size or plan, an unsharded module's map, or into one)
+re-inserts every id at the owner of its hash: ``sharding/managed_state.py``.
 """
 
 from collections.abc import Mapping
@@ -48,37 +51,20 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.id_manager import IdManagerConfig
-from fbtriton_dist.modules.managed import IdManager, fresh_rows
+from fbtriton_dist.modules.managed import IdManager, config_tensor, fresh_rows, owner_seed
 from fbtriton_dist.ops.id_remap import STATS
+from fbtriton_dist.sharding.managed_hash import HASH_BITS, hash_bounds, id_hash
+from fbtriton_dist.sharding.managed_state import load_maps
 from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sparse import kjt_key_ranges, kjt_with_values
 
-HASH_BITS = 62
-_MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 ROW_SHARDINGS = ("row_wise", "table_row_wise", "table_wise")
 
 
-def id_hash(ids: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int64 raw ids -> their hashes in ``[0, 2**62)`` (the module docstring's h)."""
-    h = ids * _MULT
-    return (h ^ (h >> 31)) & ((1 << HASH_BITS) - 1)
-
-
-def hash_bounds(capacities: list[int]) -> list[int]:
-    """The first hash of owners 1.. (owner i holds a share ``c_i / sum(c)`` of the space)."""
-    total, at, out = sum(capacities), 0, []
-    for c in capacities[:-1]:
-        at += c
-        out.append((at << HASH_BITS) // total)
-    return out
-
-
-def owner_seed(seed: int, owner: int, owners: int) -> int:
-    """The seed owner ``owner`` of ``owners`` draws its fresh rows from (one owner: ``seed``)."""
-    if owners == 1:
-        return seed
-    return (seed + 0x9E3779B97F4A7C15 * (owner + 1)) % (1 << 62)
+__all__ = ["HASH_BITS", "ROW_SHARDINGS", "ManagedShardedEmbeddingBagCollection",
+           "ManagedShardedEmbeddingCollection", "ShardedIdManagers", "hash_bounds", "id_hash",
+           "owner_seed"]
 
 
 class _Table:
@@ -170,7 +156,6 @@ class ShardedIdManagers(nn.Module):
             m.seed.fill_(seed)
             managers[cfg.name] = m
         self._managed_collision_modules = nn.ModuleDict(managers)
-        self._register_load_state_dict_pre_hook(self._local_pieces, with_module=False)
 
     def managers(self) -> dict[str, IdManager]:
         return dict(self._managed_collision_modules.items())
@@ -293,6 +278,9 @@ class ShardedIdManagers(nn.Module):
             for k, (size, offsets, local) in self._pieces(info, m).items():
                 out[p + k] = _sharded_tensor(self.group, self.local_world, self.device_type, size,
                                              offsets, local)
+            out[p + "owners"] = torch.tensor([[r0, c] for _, r0, c in info.owners],
+                                             dtype=torch.int64)
+            out[p + "config"] = config_tensor(info.config)
         return out
 
     def _pieces(self, info: _Table, m: IdManager | None) -> dict:
@@ -316,46 +304,6 @@ class ShardedIdManagers(nn.Module):
                          [(r, (i, 0), (1, len(STATS))) for i, (r, _, _) in enumerate(info.owners)],
                          m.totals.view(1, -1) if m is not None else None)
         return out
-
-    def _local_pieces(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                      unexpected_keys, error_msgs) -> None:
-        """Load pre-hook: each ShardedTensor entry -> this rank's local piece (the live buffer
-        after an in-place DCP load); tables this rank owns nothing of: dropped."""
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        managers = self.managers()
-        for info in self.tables:
-            p = f"{prefix}_managed_collision_modules.{info.name}."
-            if info.replicated:
-                continue
-            m = managers.get(info.name)
-            for k, (size, metas, _) in self._pieces(info, m).items():
-                value = state_dict.get(p + k)
-                if value is None:
-                    continue
-                if m is None:
-                    del state_dict[p + k]
-                    continue
-                mine = next(off for r, off, _ in metas if r == self.rank)
-                if isinstance(value, ShardedTensor):
-                    piece = next((s.tensor for s in value.local_shards()
-                                  if list(s.metadata.shard_offsets) == list(mine)), None)
-                    if piece is None or tuple(value.size()) != size:
-                        error_msgs.append(
-                            f"{p + k}: its shards do not match this rank's id manager (a "
-                            "managed table's map reloads only onto the same owners: same plan "
-                            "rows and world size; resharding it is not supported yet)")
-                        del state_dict[p + k]
-                        continue
-                    state_dict[p + k] = piece.reshape(getattr(m, k).shape)
-                elif len(info.owners) == 1:  # table-wise: an unsharded module's map as it is
-                    state_dict[p + k] = value.reshape(getattr(m, k).shape)
-                else:
-                    error_msgs.append(
-                        f"{p + k}: expected a ShardedTensor of this plan's owners, got a "
-                        f"{tuple(value.shape)} tensor (an unsharded map must be re-inserted by "
-                        "owner: not supported yet)")
-                    del state_dict[p + k]
 
     def metrics(self) -> dict[str, dict[str, float]]:
         """Per managed table, over all its owners (a collective: one all-reduce): the
@@ -447,6 +395,12 @@ class _Managed:
         out = super().state_dict(destination=destination, prefix=prefix)
         out.update(self.id_managers.sharded_state(f"{prefix}id_managers."))
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """The weights, then the maps (``managed_state.load_maps``: this rank's pieces, the
+        config checked, ids re-inserted by owner when saved by other owners: a collective)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        load_maps(self, state_dict, f"{prefix}id_managers.")
 
 
 class ManagedShardedEmbeddingBagCollection(_Managed, ShardedEmbeddingBagCollection):
