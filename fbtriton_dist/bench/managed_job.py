@@ -1,7 +1,8 @@
 """Managed tables against the hashing trick (``raw % E``) on drifting data at the same
 memory: collisions and AUC of the job configs/jobs/managed.yaml.
 
-    python -m fbtriton_dist.bench managed [--steps 300] [--scale 1.0] [--seed 0] [--out F]
+    python -m fbtriton_dist.bench managed [--steps 300] [--scale 1.0] [--seed 0]
+                                          [--dense-weight 1.0] [--out rows.json]
     python -m fbtriton_dist.bench managed --tiny          # CI: a few small steps
 
 The job: DLRM over four tables, the drifting source (``data.synthetic.drift``: raw int64 ids,
@@ -17,7 +18,9 @@ only what a table does with them differs:
   ``t_query`` TTL);
 - ``managed_lru`` / ``managed_lfu``: every managed table that policy (admission as the job's).
 
-``--scale`` multiplies the managed tables' capacities (and so every variant's rows). Each row:
+``--scale`` multiplies the managed tables' capacities (and so every variant's rows);
+``--dense-weight 0`` makes the labels depend on the ids alone (the dense features' part of the
+hidden logit dominates otherwise, and with it the AUC). Each row:
 variant, eval AUC and loss on the held-out batches of the windows right after training (the
 job's last evaluation), the last train loss, the seconds it trained, and per drifting table:
 its rows, the distinct ids of those eval batches, how many of them share a row with another
@@ -52,12 +55,15 @@ JOB = os.path.join(ROOT, "configs", "jobs", "managed.yaml")
 VARIANTS = ("hash_rows", "hash_bytes", "managed", "managed_lru", "managed_lfu")
 
 
-def base_job(steps: int, scale: float, tiny: bool, seed: int = 0) -> dict:
+def base_job(steps: int, scale: float, tiny: bool, seed: int = 0,
+             dense_weight: float = 1.0) -> dict:
     """configs/jobs/managed.yaml as a mapping, ``steps`` long, capacities times ``scale``,
-    seeded by ``seed`` (weights and data)."""
+    seeded by ``seed`` (weights and data), the dense part of the labels' logit scaled by
+    ``dense_weight`` (``data.synthetic.drift.dense_weight``)."""
     with open(JOB, encoding="utf-8") as f:
         data = yaml.safe_load(f)
     data["seed"] = seed
+    data["data"]["synthetic"]["drift"]["dense_weight"] = dense_weight
     for t in data["tables"]:
         m = t.get("id_manager")
         if m is not None:
@@ -157,7 +163,7 @@ def collisions(model, managed_cfg, cfg, steps: int) -> dict[str, dict[str, int]]
 
 
 def run(args) -> list[dict]:
-    base = base_job(args.steps, args.scale, args.tiny, args.seed)
+    base = base_job(args.steps, args.scale, args.tiny, args.seed, args.dense_weight)
     rows_out = []
     managed_cfg = None
     hash_rows: dict[str, int] = {}
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the managed tables' capacities (every variant's rows)")
     p.add_argument("--seed", type=int, default=0, help="the job's seed (weights and data)")
+    p.add_argument("--dense-weight", type=float, default=1.0,
+                   help="the dense features' share of the labels' logit (0: ids alone)")
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="CI: small tables, a few steps")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
@@ -210,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     rows = run(args)
     print(f"# configs/jobs/managed.yaml steps={args.steps} scale={args.scale} seed={args.seed} "
-          f"tiny={args.tiny} threads={torch.get_num_threads()} torch {torch.__version__}")
+          f"dense_weight={args.dense_weight} tiny={args.tiny} "
+          f"threads={torch.get_num_threads()} torch {torch.__version__}")
     print("# per drifting table: rows / distinct eval ids / ids sharing a row with another "
           "(collided) / ids on the default row; hit: slot hit rate over the run")
     names = list(rows[0]["tables"]) if rows else []

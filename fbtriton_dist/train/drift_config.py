@@ -4,7 +4,7 @@
       source: synthetic
       synthetic:
         noise: 0.3
-        drift: {new_ids_per_step: 40, window: 4000, features: null}
+        drift: {new_ids_per_step: 40, window: 4000, features: null, dense_weight: 1.0}
 
 With ``drift`` the synthetic source is ``train/open_ids.py``'s ``DriftingSource``: every
 drifting feature's ids are raw int64 values (a 64-bit mix of a position in an endless id
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fbtriton_dist.planner._yaml import FieldError, build, check_int, check_name
+from fbtriton_dist.planner._yaml import FieldError, build, check_int, check_name, check_number
 
 __all__ = ["DriftConfig", "check_drift", "drift_section"]
 
@@ -41,10 +41,14 @@ class DriftConfig:
     features: tuple[str, ...] | None = None
     """The features that draw from the open id space; None: every feature. The others draw
     Zipf ids in ``[0, E)`` as without drift."""
+    dense_weight: float = 1.0
+    """Scale of the dense features' part of the hidden logit the labels come from; 0: the
+    labels depend on the ids alone (what the embeddings learn decides the AUC)."""
 
     def __post_init__(self) -> None:
         check_int("new_ids_per_step", self.new_ids_per_step, 0)
         check_int("window", self.window, 1)
+        check_number("dense_weight", self.dense_weight, 0.0)
         if self.features is not None:
             if not isinstance(self.features, tuple) or not self.features:
                 raise FieldError("features", f"expected a non-empty list of feature names or "

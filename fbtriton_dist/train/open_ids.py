@@ -16,9 +16,10 @@ the popularity curve stays put. A table's features share its id stream (``item``
 A feature whose table is managed (``id_manager:``) gets the raw ids; any other gets them
 folded into its rows, ``raw % E`` (the hashing trick, collisions and all). Features not in
 ``drift.features`` draw stationary Zipf ids in ``[0, E)``. Labels: as ``SyntheticSource``'s,
-``1[dense . w / sqrt(n) + 2 * mean_f(mean over the bag of h_f(id)) + noise * N(0, 1) > 0]``
-with a fixed pseudo-random score ``h_f(id)`` in ``[-1, 1)`` per raw id: a model that keeps
-one row per live id can learn it, a hashed table only the average of the ids sharing a row.
+``1[a * dense . w / sqrt(n) + 2 * mean_f(mean over the bag of h_f(id)) + noise * N(0, 1) > 0]``
+(``a = drift.dense_weight``) with a fixed pseudo-random score ``h_f(id)`` in ``[-1, 1)`` per
+raw id: a model that keeps one row per live id can learn it, a hashed table only the average
+of the ids sharing a row.
 
 Batch ``k`` of rank ``r`` is a pure function of ``(seed, r, k)``, so a resumed job draws
 what an uninterrupted one would. Evaluation follows the drift: ``eval_batches_at(step, n)``
@@ -159,7 +160,7 @@ class DriftingSource:
         g = torch.Generator().manual_seed(_mix(self.seed, split, self.rank, k))
         B, T = self.batch_size, len(self.features)
         dense = torch.randn(B, self.num_dense, generator=g, dtype=torch.float64)
-        logit = dense @ self._w / math.sqrt(self.num_dense)
+        logit = self.drift.dense_weight * (dense @ self._w) / math.sqrt(self.num_dense)
         lengths, values = [], []
         signal = torch.zeros(B, dtype=torch.float64)
         for i, f in enumerate(self.features):

@@ -243,6 +243,8 @@ def test_job_config_errors_name_the_drift_key(tmp_path):
         ("data.synthetic.drift.features=[user, nope]",
          "data.synthetic.drift.features[1]: 'nope' is not a feature of the tables"),
         ("data.synthetic.drift.speed=3", "data.synthetic.drift.speed: unknown key"),
+        ("data.synthetic.drift.dense_weight=-1",
+         "data.synthetic.drift.dense_weight: expected a number >= 0.0, got -1"),
         ("data.synthetic.candidates_per_user=4",
          "data.synthetic.drift: does not combine with candidates_per_user > 1"),
     ]:

@@ -122,3 +122,9 @@ def test_labels_follow_the_raw_ids():
     score = torch.zeros(B, dtype=torch.float64).index_add_(0, bags, id_score(user.values(), 0))
     assert auc(score, b.labels) > 0.53
     assert abs(auc(score, b.labels[torch.randperm(B)]) - 0.5) < 0.02
+    # dense_weight 0: the labels come from the ids alone, the user's score counts for more
+    drift = DriftConfig(new_ids_per_step=0, window=200, features=("user",), dense_weight=0.0)
+    data = DataConfig(num_dense=3, synthetic=SyntheticConfig(zipf=1.1, drift=drift))
+    ids_only = make_source(TABLES, data, batch_size=B, seed=5, rank=0, world_size=2).batch(0)
+    assert torch.equal(ids_only.sparse.values(), b.sparse.values())  # the same samples' ids
+    assert auc(score, ids_only.labels) > auc(score, b.labels) + 0.05
