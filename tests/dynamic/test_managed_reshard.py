@@ -37,7 +37,7 @@ from tests.sharding.test_sharded_ebc import _row_cuts
 K, M = 3, 3  # steps before the save, after the load
 SPLITS = {1: [8], 2: [3, 5], 3: [3, 3, 2]}
 B = 8
-EV_SEEDS = {"lru": 1234, "lfu": 4321}
+EV_SEEDS = {"lru": 1234, "lfu": 4321, "ttl": 555}
 TOL = 2e-5
 
 
@@ -74,14 +74,17 @@ def _ev_configs():
     return [EmbeddingBagConfig(name="lru", num_embeddings=11, embedding_dim=4,
                                feature_names=["e_lru", "e_lru2"]),
             EmbeddingBagConfig(name="lfu", num_embeddings=13, embedding_dim=3,
-                               feature_names=["e_lfu"])]
+                               feature_names=["e_lfu", "e_lfu2"]),
+            EmbeddingBagConfig(name="ttl", num_embeddings=13, embedding_dim=2,
+                               feature_names=["e_ttl"])]
 
 
 def _ev_managed():
     from fbtriton_dist.id_manager import Admission, IdManagerConfig
 
     return {"lru": IdManagerConfig(capacity=10, eviction="lru"),
-            "lfu": IdManagerConfig(capacity=12, eviction="lfu", admission=Admission(min_count=2))}
+            "lfu": IdManagerConfig(capacity=12, eviction="lfu", admission=Admission(min_count=2)),
+            "ttl": IdManagerConfig(capacity=12, eviction="ttl", ttl_steps=3)}
 
 
 def _ev_weights():
@@ -111,7 +114,7 @@ def _plan(configs, kinds, R):
 
 FIT_KINDS = {"rw": "row_wise", "adm": "row_wise", "tw": "table_wise", "dp": "data_parallel",
              "plain": "row_wise"}
-EV_KINDS = {"lru": "row_wise", "lfu": "row_wise"}
+EV_KINDS = {"lru": "row_wise", "lfu": "row_wise", "ttl": "row_wise"}
 
 
 def _unsharded(which, managed=None, seeds=True):
@@ -148,9 +151,9 @@ def _sharded(which, R, group, managed=None, plan=None, seeds=True):
 # -- the id stream ---------------------------------------------------------------------------
 def _batch(which, step):
     """The global batch: per feature (lengths [B], raw ids); ids drift (fit: a window of 8
-    moving by 2 per step; ev: 14 moving by 3), large and some negative."""
+    moving by 2 per step; ev: 20 moving by 3), large and some negative."""
     g = torch.Generator().manual_seed(1000 * (which == "ev") + step)
-    window, shift = (8, 2) if which == "fit" else (14, 3)
+    window, shift = (8, 2) if which == "fit" else (20, 3)
     out = {}
     for t, c in enumerate(_fit_configs() if which == "fit" else _ev_configs()):
         for f in c.feature_names:
@@ -376,6 +379,7 @@ class _Owner:
         stats = torch.zeros(len(spec.STATS), dtype=torch.int64)
         out = spec.id_remap(ids, self.keys, self.counts, self.last_seen, self.sketch, stats,
                             step=step, policy=POLICY_CODE[self.cfg.eviction],
+                            ttl_steps=self.cfg.ttl_steps or 0,
                             min_count=self.cfg.admission.min_count)
         self.evicted += int(stats[spec.STATS.index("evicted")])
         self.lookups += ids.numel()
