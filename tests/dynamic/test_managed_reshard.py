@@ -555,8 +555,9 @@ def _none_checkpoint(path):
     ebc = _unsharded("ev", {"lru": IdManagerConfig(capacity=10, eviction="none")})
     from torchrec import KeyedJaggedTensor
 
-    ebc(KeyedJaggedTensor(keys=["e_lru", "e_lru2", "e_lfu"], values=torch.tensor(ids),
-                          lengths=torch.tensor([10, 0, 0])))
+    features = [f for c in _ev_configs() for f in c.feature_names]
+    ebc(KeyedJaggedTensor(keys=features, values=torch.tensor(ids),
+                          lengths=torch.tensor([10] + [0] * (len(features) - 1))))
     dcp.save({"ev": ebc.state_dict()}, checkpoint_id=path, no_dist=True)
 
 
