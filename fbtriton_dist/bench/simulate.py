@@ -118,6 +118,9 @@ class Simulation:
     seed: int
     backend: str
     seconds: float
+    """Wall seconds the simulation took."""
+    cpu_seconds: float
+    """CPU seconds of this process (the machine may be shared)."""
 
     def step_time(self, model: CostModel) -> float:
         """The slowest simulated rank's time by the cost model's coefficients (of a sample at
@@ -342,7 +345,7 @@ def simulate(
 ) -> Simulation:
     """One step of ``plan`` simulated for ``ranks`` (default ``sample_ranks``), from the
     batches of every rank or a sample of ``sources`` ranks (see the module docstring)."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     R = plan.world_size
     ranks = sorted(set(ranks)) if ranks is not None else sample_ranks(R, estimate)
     bad = [r for r in ranks if not 0 <= r < R]
@@ -361,7 +364,8 @@ def simulate(
         torch.set_num_threads(threads)
     return Simulation(ranks=tuple(out[r] for r in ranks), sources=tuple(src), world_size=R,
                       local_world_size=plan.local_world_size, batch_size=batch_size, seed=seed,
-                      backend=backend, seconds=time.perf_counter() - start)
+                      backend=backend, seconds=time.perf_counter() - start,
+                      cpu_seconds=time.process_time() - cpu)
 
 
 def error(estimate: float, simulated: float) -> float:
@@ -407,7 +411,8 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
            else f"{n_src} of {sim.world_size} ranks' batches, scaled to all")
     lines = [
         f"simulated {len(sim.ranks)} of {sim.world_size} ranks from {how}; B={sim.batch_size}, "
-        f"seed {sim.seed}, bucketize backend {sim.backend}, {sim.seconds:.1f} s",
+        f"seed {sim.seed}, bucketize backend {sim.backend}, {sim.seconds:.1f} s "
+        f"({sim.cpu_seconds:.1f} s CPU)",
         "rank " + "".join(f"{_HEAD[k] + ' est':>18}{'sim':>14}{'err':>8}" for k in TERMS)]
     for rank, terms in rows:
         cells = []
@@ -465,15 +470,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = CostModel(batch_size=args.batch_size)
     planner = ShardingPlanner(world_size=R, local_world_size=H,
                               hbm_bytes_per_rank=args.hbm_gb * 1024**3, cost_model=model)
-    start = time.perf_counter()
+    start = time.process_time()
     if args.plan:
         plan = ShardingPlan.load_yaml(args.plan)
     else:
         plan = planner.plan(table_set.tables, table_set.constraints, stats)
-    planned = time.perf_counter() - start
+    planned = time.process_time() - start
     cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer)
     print(f"{args.plan or args.tables}: {len(table_set.tables)} tables on {planner.describe()}; "
-          f"{'loaded' if args.plan else 'planned'} in {planned:.1f} s")
+          f"{'loaded' if args.plan else 'planned'} in {planned:.1f} s CPU")
     print(run(plan, table_set.tables, stats, cost, model, args))
 
 

@@ -91,14 +91,15 @@ class CostModel:
         check_number("backward_factor", self.backward_factor, 0.0)
 
 
-    def id_bytes(self, rows):
+    def id_bytes(self, rows, wide=False):
         """i for ids of a shard of ``rows`` rows (a number or an array): ``index_bytes``, or
-        the input dist's id dtype (int32 below 2**31 rows, else int64)."""
+        the input dist's id dtype, int32 unless the shard or another one on the same rank
+        (``wide``) has 2**31 rows or more (the dtype is per destination rank)."""
         if self.index_bytes is not None:
             return self.index_bytes if np.ndim(rows) == 0 else np.full(np.shape(rows),
                                                                       self.index_bytes)
-        return np.where(np.asarray(rows) >= INT32_ROWS, 8, 4) if np.ndim(rows) else (
-            8 if rows >= INT32_ROWS else 4)
+        big = (np.asarray(rows) >= INT32_ROWS) | np.asarray(wide)
+        return np.where(big, 8, 4) if np.ndim(big) else (8 if big else 4)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -233,6 +234,10 @@ class CostAccumulator:
         )
         self._coef = coef
         self._hosts = np.arange(world_size) // local_world_size  # [R] host of each rank
+        self.wide = np.zeros(world_size, dtype=bool)
+        """[R] ranks known to hold a shard of 2**31 rows or more (their ids are all int64);
+        ``evaluate`` sets it from the plan, the planner's search leaves it (each shard's own
+        rows decide there)."""
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -242,7 +247,7 @@ class CostAccumulator:
     def copy(self) -> CostAccumulator:
         other = CostAccumulator.__new__(CostAccumulator)
         other.R, other.H, other.model, other._coef = self.R, self.H, self.model, self._coef
-        other._hosts = self._hosts
+        other._hosts, other.wide = self._hosts, self.wide
         other.values = self.values.copy()
         return other
 
@@ -342,7 +347,7 @@ class CostAccumulator:
                     dist, E, blocks.row_start[idx])
                 # the terms are linear in the lookup share p: every holder in one addition
                 self.add(holders, **self.row_holder_terms(
-                    spec, p, len(holders), kind, b - a, rows[idx]))
+                    spec, p, len(holders), kind, b - a, rows[idx], holders))
                 if spec.pooling == "none":
                     self._add_sequence_rows(spec, holders, p, b - a)
                 else:
@@ -361,7 +366,7 @@ class CostAccumulator:
         m, R, B = self.model, self.R, self.model.batch_size
         L, D, s = spec.ids_per_sample, spec.embedding_dim, spec.dtype_bytes
         lookups = R * B * L
-        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings)
+        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings, self.wide)
                              + len(spec.features) * m.length_bytes)
         grads = (R - 1) * B * self._pooled(spec) * D * REPLICA_GRAD_BYTES
         self.add(
@@ -383,7 +388,8 @@ class CostAccumulator:
         m, R, B = self.model, self.R, self.model.batch_size
         L, F = spec.ids_per_sample, len(spec.features)
         lookups = R * B * L
-        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings) + F * m.length_bytes)
+        inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings, self.wide[rank])
+                             + F * m.length_bytes)
         per_sample = self._pooled(spec)  # values per sample and column on the wire
         grads = (R - 1) * B * per_sample * c * m.output_bytes
         self.add(
@@ -402,11 +408,11 @@ class CostAccumulator:
 
     def row_holder_terms(
         self, spec: TableSpec, p: float, k: int, sharding: str, cols: int | None = None,
-        rows: float | np.ndarray | None = None,
+        rows: float | np.ndarray | None = None, ranks: np.ndarray | None = None,
     ) -> dict[str, float]:
         """The terms of a rank holding a row block with lookup share ``p`` (one of ``k``
-        holders, ``cols`` columns wide, default all D; ``rows`` rows, for the id dtype, default
-        E/k) that
+        holders, ``cols`` columns wide, default all D; ``rows`` rows and on ``ranks``, for the
+        id dtype, default E/k rows) that
         come with its ids: lookups, ids and lengths in, and for a sequence table the rows of
         the other ranks' ids back. Linear in ``p``, which may be an array (one per holder;
         the terms come out as arrays). A pooled table's output dist does not depend on the ids
@@ -416,7 +422,8 @@ class CostAccumulator:
         D = spec.embedding_dim if cols is None else cols
         lookups = R * B * L * p
         rows = spec.num_embeddings / k if rows is None else rows
-        inp = (R - 1) * B * (L * p * m.id_bytes(rows) + F * m.length_bytes)
+        wide = False if ranks is None else self.wide[ranks]
+        inp = (R - 1) * B * (L * p * m.id_bytes(rows, wide) + F * m.length_bytes)
         out = (R - 1) * B * L * p * D * o if spec.pooling == "none" else 0.0 * p
         return {
             "lookups": lookups,
@@ -490,6 +497,8 @@ def evaluate(
 ) -> PlanCost:
     """The per-rank cost of ``plan`` for ``tables`` (any plan: ours, loaded, TorchRec's)."""
     acc = CostAccumulator(plan.world_size, plan.local_world_size, model or CostModel())
+    acc.wide[[sh.rank for ts in plan.tables for sh in ts.shards
+              if sh.num_rows >= INT32_ROWS]] = True
     by_name = {t.name: t for t in tables}
     for ts in plan.tables:
         acc.add_table(by_name[ts.name], ts, (stats or {}).get(ts.name, UNIFORM), optimizer)

@@ -137,3 +137,37 @@ def test_simulation_is_deterministic_and_seeded():
     assert a.ranks[0].lookups == b.ranks[0].lookups != c.ranks[0].lookups
     with pytest.raises(ValueError, match="expected 0 <= rank < 8"):
         simulate.simulate(plan, TABLES, STATS, batch_size=B, ranks=[8])
+
+
+def test_int64_ids_to_a_rank_with_a_huge_shard():
+    """The input dist sends int64 ids to a rank that holds a shard of 2**31 rows or more, for
+    all its shards: rank 1's small table-wise table too."""
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+
+    E = 3 * 2**30
+    tables = (TableSpec(name="huge", num_embeddings=E, embedding_dim=32, features=("h",),
+                        pooling_factors=(4.0,), dtype="fp16"),
+              TableSpec(name="small", num_embeddings=1000, embedding_dim=32, features=("s",),
+                        pooling_factors=(8.0,)),
+              TableSpec(name="other", num_embeddings=1000, embedding_dim=32, features=("o",),
+                        pooling_factors=(8.0,)))
+
+    def whole(name, rank):
+        return TableSharding(name=name, sharding="table_wise", num_embeddings=1000,
+                             embedding_dim=32, shards=(Shard(rank=rank, row_start=0,
+                                                             row_end=1000, col_start=0,
+                                                             col_end=32),))
+
+    huge = TableSharding(name="huge", sharding="row_wise", num_embeddings=E, embedding_dim=32,
+                         shards=(Shard(rank=0, row_start=0, row_end=2**30, col_start=0,
+                                       col_end=32),
+                                 Shard(rank=1, row_start=2**30, row_end=E, col_start=0,
+                                       col_end=32)))
+    plan = ShardingPlan(world_size=2, local_world_size=2,
+                        tables=(huge, whole("small", 1), whole("other", 0)))
+    r0, r1 = evaluate(plan, tables, {}, CostModel(batch_size=B)).ranks
+    hdr = 8 * (2 * 2 + 3)
+    assert r0.input_dist_bytes == pytest.approx(B * (4 / 3 * 4 + 4 + 8 * 4 + 4) + hdr)
+    assert r1.input_dist_bytes == pytest.approx(B * (8 / 3 * 8 + 4 + 8 * 8 + 4) + hdr)
+    worst, text = check(plan, tables)
+    assert max(worst.values()) < TOLERANCE, text
