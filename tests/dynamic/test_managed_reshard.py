@@ -12,8 +12,9 @@ Every resumed run trains ``M`` more steps on the same id stream.
   output and, at the end, each live id's row, optimizer state, ``counts`` and ``last_seen``
   must match. Tables: row-wise LRU over two features, row-wise LFU with admission, table-wise
   TTL (on the last rank, so it moves), data-parallel, and a plain table.
-* ``ev``: small row-wise tables that evict before the save and after the load, random fresh
-  rows, rowwise Adagrad. The reference is written here from the documented rules,
+* ``ev``: small row-wise tables (LRU, LFU with admission, TTL) that evict before the save and
+  after the load, random fresh rows, rowwise Adagrad; the stream is chosen so that loads drop
+  ids where LFU's order differs from LRU's and TTL's ``(last_seen, row)`` from row order. The reference is written here from the documented rules,
   independently of the library: owners simulated on the spec (``reference/id_remap.py``) over
   a plain collection, the checkpoint re-inserted by the rule of ``managed_state.py``'s
   docstring (the owner of each id's hash keeps what fits, the policy's eviction order drops
@@ -84,7 +85,7 @@ def _ev_managed():
 
     return {"lru": IdManagerConfig(capacity=10, eviction="lru"),
             "lfu": IdManagerConfig(capacity=12, eviction="lfu", admission=Admission(min_count=2)),
-            "ttl": IdManagerConfig(capacity=12, eviction="ttl", ttl_steps=3)}
+            "ttl": IdManagerConfig(capacity=12, eviction="ttl", ttl_steps=4)}
 
 
 def _ev_weights():
@@ -152,7 +153,7 @@ def _sharded(which, R, group, managed=None, plan=None, seeds=True):
 def _batch(which, step):
     """The global batch: per feature (lengths [B], raw ids); ids drift (fit: a window of 8
     moving by 2 per step; ev: 20 moving by 3), large and some negative."""
-    g = torch.Generator().manual_seed(1000 * (which == "ev") + step)
+    g = torch.Generator().manual_seed(1001 * (which == "ev") + step)
     window, shift = (8, 2) if which == "fit" else (20, 3)
     out = {}
     for t, c in enumerate(_fit_configs() if which == "fit" else _ev_configs()):
