@@ -14,15 +14,16 @@ bytes) plus the header all-to-all's fixed row. The output dist's bytes per colle
 with; reduce-scatter and all-gather inside the host, forward and backward, the data-parallel
 gradient all-gather); a sequence table's rows per id come from the same id counts.
 
-Large R: the destinations are a sample (8 ranks spread over 0..R-1 plus the rank with the
-largest estimated time, ``sample_ranks``), and the sources too (``--sources``, 32 spread ranks
-plus the destinations): every source's batch is drawn from the same distributions, so what a
-destination gets from the ranks of a class (its host, other hosts) is the sampled sources'
-mean times the class size. Below 65 ranks every rank is a source. Usage::
+Large R: past 16 ranks the destinations are a sample (8 ranks spread over 0..R-1 plus the
+rank with the largest estimated time, ``sample_ranks``), past 64 the sources too
+(``--sim-sources``, 32 spread ranks plus the destinations): every source's batch is drawn from
+the same distributions, so what a destination gets from the ranks of a class (its host, other
+hosts) is the sampled sources' mean times the class size. Not simulated: dedup, VBE, weighted
+features (``CommOptions`` defaults: fp32 pooled values, no dedup). Usage::
 
     python -m fbtriton_dist.bench simulate TABLES.yaml --world-size R [--local-world-size H]
-        [--zipf A] [--batch-size B] [--plan PLAN.yaml] [--ranks 0 5 ...] [--sources N]
-        [--seed S] [--backend reference|cpu]
+        [--zipf A] [--batch-size B] [--plan PLAN.yaml] [--sim-ranks 0 5 ...]
+        [--sim-sources N] [--sim-seed S] [--sim-backend reference|cpu]
 
 ``fbtriton-dist plan TABLES.yaml --world-size R --simulate`` prints the same after the plan.
 """
@@ -473,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.process_time()
     if args.plan:
         plan = ShardingPlan.load_yaml(args.plan)
+        plan.validate(table_set.tables)
+        if (plan.world_size, plan.local_world_size) != (R, H):
+            raise SystemExit(f"{args.plan}: plan is for world_size={plan.world_size}, "
+                             f"local_world_size={plan.local_world_size}; got {R}, {H}")
     else:
         plan = planner.plan(table_set.tables, table_set.constraints, stats)
     planned = time.process_time() - start
