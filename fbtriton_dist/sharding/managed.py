@@ -148,8 +148,10 @@ class ShardedIdManagers(nn.Module):
                 if int(src.step) and len(info.owners) > 1:
                     raise NotImplementedError(
                         f"table '{cfg.name}': sharding a managed table whose map is in use "
-                        f"(step {int(src.step)}) row-wise needs its ids re-inserted by owner: "
-                        "not supported yet; shard it before training"
+                        f"(step {int(src.step)}) row-wise needs its ids re-inserted by owner; "
+                        "shard it before training, or save it with torch.distributed.checkpoint "
+                        "and load that into the sharded module with planner="
+                        "ManagedLoadPlanner() (sharding/managed_state.py)"
                     )
             if int(src.step) and (info.replicated or len(info.owners) == 1):
                 m.load_state_dict(src.state_dict())  # one owner / replicas: the same map
