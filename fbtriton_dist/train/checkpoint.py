@@ -21,7 +21,9 @@ that step drops a ShardedTensor with no shard on this rank (a table-wise table o
 rank). On load the dropped key then looks missing, DCP falls back to its pre-2.4 key format, and
 the load fails on the dense optimizer's ``param_groups`` ("Missing key in checkpoint
 state_dict: dense_optim.param_groups"). Both planners are therefore built with
-``flatten_sharded_tensors=False``.
+``flatten_sharded_tensors=False``. The load planner is ``sharding/managed_state.py``'s
+``ManagedLoadPlanner`` (the default one otherwise): a managed table's id map saved by other
+owners (another world size) is re-inserted at the owner of each id's hash on load.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+
+from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
 
 __all__ = [
     "checkpoint_steps",
@@ -321,7 +325,7 @@ def load_checkpoint(
             state,
             checkpoint_id=path,
             process_group=process_group,
-            planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
+            planner=ManagedLoadPlanner(flatten_sharded_tensors=False),  # maps: any owners
             no_dist=process_group is None,
         )
     model.load_state_dict(state["model"])

@@ -257,3 +257,25 @@ def test_job_config_errors_name_the_drift_key(tmp_path):
                                           r"\[new_ids_per_step\]"):
         load_job(path)
     assert load_job(path, ["data.synthetic.drift=null"]).data.synthetic.drift is None
+
+
+def test_managed_job_saved_on_two_ranks_resumes_on_three(tmp_path):
+    """The job's resume loads the maps saved by 2 owners into 3 (sharding/managed_state.py):
+    the first resumed step finds the ids the checkpoint held (its hit rate is the
+    uninterrupted run's side of the way from an empty map's)."""
+    from tests.train.test_multirank import ok, torchrun
+
+    kw = {"logging": {"log_every": 1}, "train": {"steps": 8, "eval_every": 4}}
+    full = managed_job(tmp_path, "full", **kw)
+    half = managed_job(tmp_path, "half", checkpoint={"every": 4}, **kw)
+    args = ["fbtriton_dist.train", "--config"]
+    ok(torchrun(2, *args, str(full)))
+    ok(torchrun(2, *args, str(half), "--steps", "4"))
+    ok(torchrun(3, *args, str(half), "--resume"))
+    assert sorted(losses(tmp_path / "half")) == list(range(1, 9))
+    ids = {r["step"]: r["id_managers"] for r in records(tmp_path / "half", "train")}
+    full_ids = {r["step"]: r["id_managers"] for r in records(tmp_path / "full", "train")}
+    for name in MANAGED:
+        empty, want, got = (full_ids[1][name]["hit_rate"], full_ids[5][name]["hit_rate"],
+                            ids[5][name]["hit_rate"])
+        assert want > empty and got > (empty + want) / 2, (name, empty, want, got)
