@@ -2,6 +2,7 @@
 
     python -m fbtriton_dist.bench tbe --out tbe.json            # S0..S6, every provider (GPU)
     python -m fbtriton_dist.bench tbe --device cpu              # C0, C1: the fast CPU path
+    python -m fbtriton_dist.bench tbe --device cpu --zipf 0,1.1 # each with uniform, Zipf ids
     python -m fbtriton_dist.bench tbe --tiny --device cpu       # CI: tiny shapes, CPU providers
     python -m fbtriton_dist.bench tbe --plot tbe.json --png tbe.png   # chart, no GPU needed
 
@@ -309,6 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pooling", choices=["sum", "none"], default="sum",
                    help="none: sequence lookups, one output row per id (FBGEMM's NONE, torch's "
                    "F.embedding)")
+    p.add_argument("--zipf", default=None,
+                   help="comma list of Zipf exponents (0: uniform ids): each shape runs once per "
+                   "exponent, named e.g. C0@zipf1.1 (default: each shape's own ids)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 with --tiny on CPU)")
@@ -316,6 +320,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="JSON", help="only plot this JSON (no GPU)")
     p.add_argument("--png", default=None, help="where --plot writes (default JSON's name .png)")
     return p.parse_args(argv)
+
+
+def _exponents(raw: str) -> list[float]:
+    try:
+        values = [float(x) for x in raw.split(",")]
+    except ValueError:
+        values = [-1.0]
+    if not values or any(v < 0 for v in values):
+        raise SystemExit(f"--zipf: expected a comma list of exponents >= 0, got {raw!r}")
+    return values
+
+
+def _with_ids(shape: Shape, zipf: float) -> Shape:
+    """``shape`` with Zipf(``zipf``) ids (0: uniform), named for them."""
+    name = f"{shape.name}@{f'zipf{zipf:g}' if zipf else 'uniform'}"
+    return dataclasses.replace(shape, name=name, zipf=zipf or None)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -336,6 +356,8 @@ def _run(args: argparse.Namespace) -> dict:
     if args.tiny:
         shapes = [s.tiny() for s in shapes]
     shapes = [dataclasses.replace(s, pooling=args.pooling) for s in shapes]
+    if args.zipf:
+        shapes = [_with_ids(s, z) for s in shapes for z in _exponents(args.zipf)]
     providers = _select(args.providers, DEFAULT_PROVIDERS[device.type], PROVIDERS, "providers")
     phases = _select(args.phases, list(PHASES), PHASES, "phases")
     cpu = device.type == "cpu"
@@ -371,6 +393,11 @@ def _run(args: argparse.Namespace) -> dict:
         "correctness": {},
         "check": {},
     }
+    if cpu:  # what provider ours runs on the CPU
+        from fbtriton_dist.ops import cpu_native  # noqa: PLC0415
+
+        report["cpu_path"] = cpu_native.describe()
+        print(f"CPU path: {report['cpu_path']}", flush=True)
     t_run = time.perf_counter()
     report.update(copy_bandwidth(device))
     copy_gbs = report["copy_gbs"]

@@ -26,15 +26,16 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fbtriton_dist import knobs, optim
-from fbtriton_dist.reference.tbe import POOL_NONE, step_seed
+from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "tbe_cpu.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "tbe_cpu.c", CSRC / "tbe_cpu_backward.c")
+HEADERS = (CSRC / "tbe_cpu.h",)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
 FLAG_SETS = (
     ("-fopenmp",),
@@ -49,15 +50,18 @@ OPT_CODES = {"sgd": 1, "rowwise_adagrad": 2, "adam": 3, "adagrad": 4}
 BAD_FIRST, BAD_LAST, BAD_ORDER, BAD_ID, BAD_WEIGHT, NO_MEMORY, TOO_BIG = 1, 2, 4, 8, 16, 32, 64
 
 _P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_PLAN = [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I32, _I64, _P, _P,
+         _P, _P, _P, _P, _P, _P]
+"""The plan's arguments (the C side's PLAN_ARGS)."""
 _SIGNATURES = {
     "tbe_check": (_I32, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _I32]),
     "tbe_forward": (_I32, [_P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P, _I32, _P, _I64,
                            _I64, _I32, _P, _I64, _I32]),
-    "tbe_plan": (_I64, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P,
-                        _P, _P, _P, _P, _P, _I32]),
-    "tbe_backward": (_I32, [_P, _I64, _I32, _P, _I32, _P, _P, _I64, _P, _I32, _P, _I32, _I64, _P,
-                            _P, _P, _P, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
-                            _P, _P, _P, _I64, _I32]),
+    "tbe_plan": (_I64, [*_PLAN, _P, _P, _I32]),
+    "tbe_backward_fused": (_I32, [*_PLAN, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
+                                  _I64, _I32]),
+    "tbe_backward": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _P, _P,
+                            _I32, _P, _I32, ctypes.c_uint64, _P, _P, _P, _I64, _I32]),
     "tbe_psw_grad": (_I32, [_P, _I64, _I32, _P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P,
                             _I32, _I64, _I64, _P, _I32]),
 }
@@ -95,6 +99,14 @@ def library() -> ctypes.CDLL | None:
     return _state.get("lib")
 
 
+def describe() -> str:
+    """What the CPU backend runs: the library's path, or why the torch ops run instead."""
+    lib = library()
+    if lib is not None:
+        return f"native kernels {lib._name}"
+    return "torch ops (" + (_state.get("error") or "FBTD_CPU_NATIVE=0") + ")"
+
+
 def cache_dir() -> Path:
     """``FBTD_CPU_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fbtriton_dist`` (``~/.cache``), else a
     per-user directory under the system's temporary directory; created if missing."""
@@ -121,7 +133,7 @@ def _load() -> ctypes.CDLL:
     compiler = shutil.which(cc)
     if compiler is None:
         raise RuntimeError(f"no C compiler: {cc!r} is not on PATH")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     where = cache_dir()
     errors = []
     for extra in FLAG_SETS:
@@ -140,7 +152,8 @@ def _load() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         return lib
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: " + "; ".join(errors))
+    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in SOURCES)}: "
+                       + "; ".join(errors))
 
 
 def _compile(compiler: str, flags: tuple[str, ...], so: Path) -> str | None:
@@ -149,8 +162,8 @@ def _compile(compiler: str, flags: tuple[str, ...], so: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(prefix=so.name + ".", suffix=".tmp", dir=so.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES)],
+                              capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             return (done.stderr or done.stdout).strip()[-400:] or f"exit {done.returncode}"
         os.replace(tmp, so)
@@ -252,44 +265,27 @@ def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_we
     return out
 
 
-@dataclass
-class Plan:
-    """A batch's backward plan (``tbe_plan``): the keys sorted, their runs."""
-
-    sorted: torch.Tensor  # [M] int64: key << pos_bits | position, by key, stably
-    pos_bits: int
-    bag: torch.Tensor  # [N] int32: each id's bag
-    run_start: torch.Tensor  # [U + 1] int64
-    U: int
-
-
-def plan(lib, idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets, elem_limit,
-         row_limit) -> Plan | None:
+def _plan_args(idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets, D_offsets,
+               elem_limit, row_limit, pooling, stride, psw) -> tuple[list, dict]:
+    """The C side's PLAN_ARGS, with the buffers they fill (by name)."""
     N = idx.numel()
-    packed = torch.empty(N, dtype=torch.int64)
-    tmp = torch.empty(N, dtype=torch.int64)
-    bag = torch.empty(N, dtype=torch.int32)
-    run_start = torch.empty(N + 1, dtype=torch.int64)
-    pos_bits, which = ctypes.c_int(0), ctypes.c_int(0)
-    U = lib.tbe_plan(
-        idx.data_ptr(), idx32, N, off.data_ptr(), off32, T, B, _ptr(rows), w_offsets.data_ptr(),
-        dims.data_ptr(), row_offsets.data_ptr(), elem_limit, row_limit, packed.data_ptr(),
-        tmp.data_ptr(), bag.data_ptr(), run_start.data_ptr(), ctypes.byref(pos_bits),
-        ctypes.byref(which), torch.get_num_threads(),
-    )
-    if U == -TOO_BIG:
-        return None
-    if U < 0:
-        _raise(U, "TBE backward")
-    return Plan(tmp if which.value else packed, pos_bits.value, bag, run_start, U)
+    bufs = dict(packed=torch.empty(N, dtype=torch.int64), tmp=torch.empty(N, dtype=torch.int64),
+                feat=torch.empty(N, dtype=torch.int32), gofs=torch.empty(N, dtype=torch.int64),
+                scale=torch.empty(N) if psw is not None or pooling == POOL_MEAN else None,
+                runs=torch.empty(N + torch.get_num_threads() + 1, dtype=torch.int64))
+    args = [idx.data_ptr(), idx32, N, off.data_ptr(), off32, T, B, _ptr(rows),
+            w_offsets.data_ptr(), dims.data_ptr(), row_offsets.data_ptr(), elem_limit, row_limit,
+            pooling, stride, D_offsets.data_ptr(), _ptr(psw), *map(_ptr, bufs.values())]
+    return args, bufs
 
 
 def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
              per_sample_weights, *, pooling: int, max_D: int, optimizer, t: int, momentum1,
              momentum2, stochastic_rounding: bool, seed: int, rows=None):
     """``cpu.tbe_backward`` after its step advance (``t`` the new step; 0 without optimizer):
-    with an optimizer, True once every touched row is updated in place; without,
-    ``(row_elems, row_dims, row_grads)``; None where the kernels do not apply (nothing done)."""
+    with an optimizer, True once every touched row is updated in place (``tbe_backward_fused``,
+    one call); without, ``(row_elems, row_dims, row_grads)`` (``tbe_plan``, then
+    ``tbe_backward``); None where the kernels do not apply (nothing done)."""
     lib = _usable(weights, grad_output, indices, offsets, momentum1, momentum2)
     if lib is None:
         return None
@@ -310,34 +306,47 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
             row_limit = buffer.numel()
         else:
             elem_limit = min(elem_limit, buffer.numel())
-    rows = _long(rows) if rows is not None else None
-    p = plan(lib, idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets, elem_limit,
-             row_limit)
-    if p is None:
-        return None
     grad = grad_output.to(torch.float32).contiguous()
-    psw = _fp32(per_sample_weights)
-    hyper = (ctypes.c_double * 7)(*_hyper(optimizer), float(t))
-    row_grads = row_elems = row_dims = None
-    if optimizer is None:
-        row_grads = torch.empty((p.U, max_D), dtype=torch.float32)
-        row_elems = torch.empty(p.U, dtype=torch.int64)
-        row_dims = torch.empty(p.U, dtype=torch.int64)
-    m1 = states[0] if states else None
-    m2 = states[1] if len(states) > 1 else None
+    args, bufs = _plan_args(idx, idx32, off, off32, T, B,
+                            _long(rows) if rows is not None else None, w_offsets, dims,
+                            row_offsets, _long(D_offsets), elem_limit, row_limit, pooling,
+                            grad.shape[1] if grad.dim() == 2 else 0, _fp32(per_sample_weights))
+    threads = torch.get_num_threads()
+    if optimizer is not None:
+        m1 = states[0] if states else None
+        m2 = states[1] if len(states) > 1 else None
+        hyper = (ctypes.c_double * 7)(*_hyper(optimizer), float(t))
+        code = lib.tbe_backward_fused(
+            *args, grad.data_ptr(), weights.data_ptr(), DTYPES[weights.dtype], _ptr(m1),
+            _ptr(m2), OPT_CODES[spec.name], hyper,
+            int(stochastic_rounding and weights.dtype != torch.float32), step_seed(seed, t),
+            max_D, threads,
+        )
+        if code == -TOO_BIG:
+            return None
+        if code:
+            _raise(code, "TBE backward")
+        return True
+    run_start = torch.empty(idx.numel() + 1, dtype=torch.int64)
+    pos_bits = ctypes.c_int(0)
+    U = lib.tbe_plan(*args, run_start.data_ptr(), ctypes.byref(pos_bits), threads)
+    if U == -TOO_BIG:
+        return None
+    if U < 0:
+        _raise(U, "TBE backward")
+    row_grads = torch.empty((U, max_D), dtype=torch.float32)
+    row_elems = torch.empty(U, dtype=torch.int64)
+    row_dims = torch.empty(U, dtype=torch.int64)
     code = lib.tbe_backward(
-        grad.data_ptr(), grad.shape[1] if grad.dim() == 2 else 0, pooling, p.sorted.data_ptr(),
-        p.pos_bits, p.bag.data_ptr(), p.run_start.data_ptr(), p.U, idx.data_ptr(), idx32,
-        off.data_ptr(), off32, B, w_offsets.data_ptr(), dims.data_ptr(),
-        _long(D_offsets).data_ptr(), row_offsets.data_ptr(), _ptr(psw), weights.data_ptr(),
-        DTYPES[weights.dtype], _ptr(m1), _ptr(m2), OPT_CODES[spec.name] if spec else 0, hyper,
-        int(stochastic_rounding and weights.dtype != torch.float32),
-        step_seed(seed, t) if optimizer is not None else 0, _ptr(row_grads), _ptr(row_elems),
-        _ptr(row_dims), max_D, torch.get_num_threads(),
+        grad.data_ptr(), bufs["packed"].data_ptr(), pos_bits.value, bufs["feat"].data_ptr(),
+        bufs["gofs"].data_ptr(), _ptr(bufs["scale"]), run_start.data_ptr(), U,
+        w_offsets.data_ptr(), dims.data_ptr(), row_offsets.data_ptr(), weights.data_ptr(),
+        DTYPES[weights.dtype], None, None, 0, (ctypes.c_double * 7)(*_hyper(None), 0.0), 0, 0,
+        row_grads.data_ptr(), row_elems.data_ptr(), row_dims.data_ptr(), max_D, threads,
     )
     if code:
         _raise(code, "TBE backward")
-    return True if optimizer is not None else (row_elems, row_dims, row_grads)
+    return row_elems, row_dims, row_grads
 
 
 def _hyper(optimizer) -> list[float]:

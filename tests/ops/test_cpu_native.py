@@ -33,6 +33,8 @@ TABLES = {
     "mixed": ([(40, 3), (1, 8), (25, 1), (60, 16)], [0, 1, 2, 3, 0, 3], 7, 6),
     "one-row": ([(1, 5)], [0], 1, 4),
     "wide": ([(300, 64), (90, 12)], [0, 1, 0], 33, 24),
+    # keys wider than the plan's 2^11 buckets: hot buckets sorted by their low bits
+    "many-rows": ([(60000, 4), (3000, 8)], [0, 1, 0], 32, 30),
 }
 OPTIMIZERS = {
     "none": None,
@@ -63,6 +65,9 @@ CASES = [
     ("wide", "rowwise", "sum", torch.float32, torch.int64, False, True),
     ("wide", "adam", "mean", torch.float32, torch.int64, True, False),
     ("wide", "none", "mean", torch.float16, torch.int32, True, True),
+    ("many-rows", "rowwise", "sum", torch.float32, torch.int64, True, True),
+    ("many-rows", "none", "mean", torch.float32, torch.int32, False, True),
+    ("many-rows", "adam", "sum", torch.bfloat16, torch.int64, False, False),
 ]
 
 
@@ -146,16 +151,17 @@ def test_matches_reference(case, used):
     assert used["per_sample_weights_grad", True] == (3 if weighted else 0)
 
 
-@pytest.mark.parametrize("opt_name", ["adam", "rowwise-l2", "none"])
-def test_the_same_bits_for_any_thread_count(opt_name, used):
+@pytest.mark.parametrize("name,opt_name", [("wide", "adam"), ("wide", "rowwise-l2"),
+                                           ("wide", "none"), ("many-rows", "rowwise")])
+def test_the_same_bits_for_any_thread_count(name, opt_name, used):
     """Outputs, gradients, rows and states do not depend on the number of threads."""
     before = torch.get_num_threads()
     runs = []
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            m = _module("wide", OPTIMIZERS[opt_name], "mean", torch.float32, "cpu")
-            seen = _train(m, _batches("wide", torch.int64, True, True))
+            m = _module(name, OPTIMIZERS[opt_name], "mean", torch.float32, "cpu")
+            seen = _train(m, _batches(name, torch.int64, True, True))
             runs.append((seen, m.weights.detach().clone(), m.momentum1.clone(),
                          m.momentum2.clone()))
     finally:

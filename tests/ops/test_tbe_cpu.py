@@ -1,7 +1,8 @@
-"""The fast CPU path (``backend="cpu"``, what ``"auto"`` runs on CPU tensors) against the
-reference over the TBE module's cases, and what it promises beyond them: determinism,
-stochastic rounding within one ulp, plain and sparse gradients, groups of tables that share
-no view, and ``"auto"`` picking it."""
+"""The fast CPU path (``backend="cpu"``, what ``"auto"`` runs on CPU tensors), on its native
+kernels and on its torch ops (``path``), against the reference over the TBE module's cases, and
+what it promises beyond them: determinism, stochastic rounding within one ulp, plain and sparse
+gradients, groups of tables that share no view, and ``"auto"`` picking it. The native kernels'
+own cases are in test_cpu_native.py."""
 
 import pytest
 import torch
@@ -36,8 +37,16 @@ def _batches(name, idt=torch.int64, weighted=False, hot=False, n=3, seed=3):
     ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch):
+    """The CPU backend's native kernels (ops/cpu_native.py, where a compiler builds them) or its
+    torch ops (FBTD_CPU_NATIVE=0, what runs without one)."""
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_cpu_path_matches_reference(case):
+def test_cpu_path_matches_reference(case, path):
     """3 steps: outputs, plain gradients, weights, optimizer states and the step counter."""
     name, opt_name, pooling, wdt, idt, weighted, hot = case
     tables, ftm, _, _ = TABLE_SETS[name]
@@ -63,7 +72,7 @@ def test_auto_is_the_cpu_path_on_cpu_tensors():
 
 
 @pytest.mark.parametrize("opt_name", ["adagrad", "adam", "none"])
-def test_deterministic(opt_name):
+def test_deterministic(opt_name, path):
     """Two modules, same seed and batches: bitwise the same outputs, weights and states."""
     tables, ftm, _, _ = TABLE_SETS["T8"]
     batches = _batches("T8", weighted=True, hot=True)
@@ -78,7 +87,7 @@ def test_deterministic(opt_name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_stochastic_rounding_is_within_one_ulp_and_seeded(dtype):
+def test_stochastic_rounding_is_within_one_ulp_and_seeded(dtype, path):
     """Rounded rows lie within one ulp of the reference's unrounded update (its nearest
     rounding), and the same seed rounds the same way."""
     tables, ftm, _, _ = TABLE_SETS["mixed-shared"]
@@ -100,7 +109,7 @@ def test_stochastic_rounding_is_within_one_ulp_and_seeded(dtype):
     assert ((mods["a"].weights.float() - mods["ref"].weights.float()).abs() <= ulp * 1.01).all()
 
 
-def test_tables_that_share_no_view_and_padding_after_the_bags():
+def test_tables_that_share_no_view_and_padding_after_the_bags(path):
     """A table whose first element is not a multiple of its D gets its own view (a second
     group of the same D); ids after the last bag (padding) are ignored."""
     # elements 0, 12, 52, 68: tables 1 and 2 (D=8) each get their own view, 0 and 3 share one
@@ -132,7 +141,9 @@ def test_tables_that_share_no_view_and_padding_after_the_bags():
 
 
 def test_chunks_cover_every_row_once(monkeypatch):
-    """Updates in chunks of a few rows (many chunks) equal one update of every row."""
+    """The torch ops' updates in chunks of a few rows (many chunks) equal one update of every
+    row."""
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "0")
     tables, ftm, _, _ = TABLE_SETS["B24-L40"]
     batches = _batches("B24-L40", weighted=True, hot=True, n=2)
     whole = _build(tables, ftm, OPTIMIZERS["adam"], "sum", torch.float32, "cpu")

@@ -1,0 +1,510 @@
+/* The backward: each unique row of a batch gets its gradient (the sum over its ids, in batch
+ * order, of the id's gradient row times its scale) and one fused optimizer step in place.
+ *
+ *   tbe_backward_fused  plan and update in one parallel region: the ids' keys (a table's first
+ *                       row + id) are cut into 2^11 buckets by their top bits (one stable
+ *                       counting pass over all ids), each thread takes a contiguous range of
+ *                       buckets holding about 1 / nt of the ids, sorts each of its buckets by
+ *                       the remaining bits in cache and updates the rows of its runs: no thread
+ *                       touches another's rows, three barriers in all;
+ *   tbe_plan            the same plan, its runs numbered for the whole batch (the caller then
+ *                       sizes the gradients), and tbe_backward on it: the summed gradients
+ *                       written out, or the update.
+ *
+ * A sorted id is packed as key << pos_bits | position, so that sorting the values sorts by key
+ * and, within a key, by position (batch order). */
+#include "tbe_cpu.h"
+
+#define BUCKET_BITS 11
+
+typedef struct {
+    const void *indices, *offsets; /* [N], [T*B+1] */
+    int idx32, off32;
+    int64_t N, T, B;
+    int64_t *E;                /* [T] ids feature f may name (feature_rows) */
+    const int64_t *row_offsets, *D_offsets; /* [T] each */
+    int pooling;
+    int64_t stride;            /* of the gradient rows */
+    const float *psw;          /* [N] or NULL */
+    uint64_t *packed, *tmp;    /* [N] each: the sorted ids land in packed[0 : M] */
+    int32_t *feat;             /* [N] feature of each id */
+    int64_t *gofs;             /* [N] first element of its gradient row */
+    float *scale;              /* [N] its per-sample weight (/ bag length under MEAN), or NULL */
+    int64_t *runs;             /* [N + nthreads + 1] thread t's run starts from bstart + t */
+    int pos_bits, low_bits;    /* a key's bucket is key >> low_bits */
+    int64_t first, M, nb;      /* the bags' first id, their ids, buckets */
+    int64_t *hist, *bstart, *tcut, *nruns; /* [nt * nb], [nb + 1], [nt + 1], [nt + 1] */
+    int *bad;                  /* [nt] */
+} plan_args;
+
+static int plan_setup(plan_args *p, const void *indices, int idx32, int64_t N,
+                      const void *offsets, int off32, int64_t T, int64_t B, const int64_t *rows,
+                      const int64_t *w_offsets, const int64_t *dims, const int64_t *row_offsets,
+                      int64_t elem_limit, int64_t row_limit, int pooling, int64_t stride,
+                      const int64_t *D_offsets, const float *psw, uint64_t *packed,
+                      uint64_t *tmp, int32_t *feat, int64_t *gofs, float *scale, int64_t *runs,
+                      int nthreads) {
+    const int64_t first = at(offsets, off32, 0), last = at(offsets, off32, T * B);
+    *p = (plan_args){indices, offsets, idx32, off32, N, T, B, NULL, row_offsets, D_offsets,
+                     pooling, stride, psw, packed, tmp, feat, gofs, scale, runs, 0, 0,
+                     first, last - first, 0, NULL, NULL, NULL, NULL, NULL};
+    if (first < 0 || last < first || last > N || T >= ((int64_t)1 << 31)) return BAD_ORDER;
+    p->E = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
+    if (!p->E) return NO_MEMORY;
+    feature_rows(T, rows, w_offsets, dims, row_offsets, elem_limit, row_limit, p->E);
+    int64_t max_key = 1;
+    for (int64_t f = 0; f < T; ++f)
+        if (row_offsets[f] + p->E[f] > max_key) max_key = row_offsets[f] + p->E[f];
+    int key_bits = 1;
+    p->pos_bits = 1;
+    while ((N >> p->pos_bits) > 0) ++p->pos_bits;
+    while (key_bits < 63 && ((max_key - 1) >> key_bits) > 0) ++key_bits;
+    if (p->pos_bits + key_bits > 64) return TOO_BIG;
+    p->low_bits = key_bits > BUCKET_BITS ? key_bits - BUCKET_BITS : 0;
+    p->nb = (int64_t)1 << (key_bits - p->low_bits);
+    p->hist = malloc(sizeof(int64_t) * (nthreads * p->nb + p->nb + 1 + 2 * (nthreads + 1)));
+    p->bad = malloc(sizeof(int) * nthreads);
+    if (!p->hist || !p->bad) return NO_MEMORY;
+    p->bstart = p->hist + nthreads * p->nb;
+    p->tcut = p->bstart + p->nb + 1;
+    p->nruns = p->tcut + nthreads + 1;
+    return 0;
+}
+
+static void plan_free(plan_args *p) {
+    free(p->E);
+    free(p->hist);
+    free(p->bad);
+}
+
+/* Stable sort of n packed values by their key's low `bits` (the bucket fixes the rest), from
+ * src to dst (src is scratch): insertion for a few, else 8-bit counting passes. */
+static void sort_bucket(uint64_t *src, uint64_t *dst, int64_t n, int pos_bits, int bits) {
+    if (n <= 32 || bits == 0) {
+        memcpy(dst, src, sizeof(uint64_t) * n);
+        for (int64_t i = 1; i < n && bits; ++i) { /* values compare as (key, position) */
+            const uint64_t v = dst[i];
+            int64_t j = i;
+            for (; j > 0 && dst[j - 1] > v; --j) dst[j] = dst[j - 1];
+            dst[j] = v;
+        }
+        return;
+    }
+    int64_t count[256];
+    uint64_t *a = src, *b = dst;
+    for (int shift = pos_bits; shift < pos_bits + bits; shift += 8) {
+        memset(count, 0, sizeof count);
+        for (int64_t i = 0; i < n; ++i) count[(a[i] >> shift) & 255]++;
+        for (int64_t d = 0, sum = 0; d < 256; ++d) {
+            const int64_t c = count[d];
+            count[d] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; ++i) b[count[(a[i] >> shift) & 255]++] = a[i];
+        uint64_t *swap = a;
+        a = b;
+        b = swap;
+    }
+    if (a != dst) memcpy(dst, a, sizeof(uint64_t) * n);
+}
+
+/* The plan, by every thread of a parallel region: returns 0, or the BAD_* bits of the batch
+ * (the same on every thread). On 0, thread tid's runs start at p->runs + p->bstart[p->tcut[tid]]
+ * + tid (p->nruns[tid] of them, then the end of its last one). */
+static int plan_region(plan_args *p, int tid, int nt) {
+    /* 1. keys, features, gradient rows and scales of this thread's bags; bucket counts */
+    int64_t *h = p->hist + tid * p->nb;
+    memset(h, 0, sizeof(int64_t) * p->nb);
+    const int64_t B = p->B, k0 = p->T * B * tid / nt, k1 = p->T * B * (tid + 1) / nt;
+    int64_t f = B ? k0 / B : 0, b = k0 - f * B;
+    int bad = 0;
+    for (int64_t k = k0; k < k1; ++k, ++b) {
+        if (b == B) b = 0, ++f;
+        const int64_t s = at(p->offsets, p->off32, k), e = at(p->offsets, p->off32, k + 1);
+        if (s < p->first || e < s || e > p->first + p->M) {
+            bad |= BAD_ORDER;
+            continue;
+        }
+        const int64_t rows_f = p->E[f], kb = p->row_offsets[f];
+        const int64_t go = b * p->stride + (p->pooling == POOL_NONE ? 0 : p->D_offsets[f]);
+        const float len = (float)(e - s);
+        for (int64_t i = s; i < e; ++i) {
+            int64_t id = at(p->indices, p->idx32, i);
+            if ((uint64_t)id >= (uint64_t)rows_f) {
+                bad |= BAD_ID;
+                id = 0; /* keeps the key in range; the plan is refused anyway */
+            }
+            p->packed[i - p->first] = ((uint64_t)(kb + id) << p->pos_bits) | (uint64_t)i;
+            h[(uint64_t)(kb + id) >> p->low_bits]++;
+            p->feat[i] = (int32_t)f;
+            p->gofs[i] = p->pooling == POOL_NONE ? i * p->stride : go;
+            if (p->scale) {
+                const float w = p->psw ? p->psw[i] : 1.0f;
+                p->scale[i] = p->pooling == POOL_MEAN ? w / len : w;
+            }
+        }
+    }
+    p->bad[tid] = bad;
+#pragma omp barrier
+    for (int t = 0; t < nt; ++t) bad |= p->bad[t];
+    if (bad) return bad;
+    /* 2. where each (bucket, thread) goes; each thread's buckets: about M / nt ids */
+#pragma omp single
+    {
+        int64_t sum = 0;
+        for (int64_t d = 0; d < p->nb; ++d) {
+            p->bstart[d] = sum;
+            for (int t = 0; t < nt; ++t) {
+                const int64_t c = p->hist[t * p->nb + d];
+                p->hist[t * p->nb + d] = sum;
+                sum += c;
+            }
+        }
+        p->bstart[p->nb] = sum;
+        for (int t = 0, d = 0; t <= nt; ++t) {
+            while (d < p->nb && p->bstart[d] < p->M * t / nt) ++d;
+            p->tcut[t] = t == nt ? p->nb : d;
+        }
+    } /* implied barrier */
+    /* 3. this thread's ids (those of its bags, in order) to their buckets, stably */
+    const int64_t j0 = at(p->offsets, p->off32, k0) - p->first;
+    const int64_t j1 = at(p->offsets, p->off32, k1) - p->first;
+    for (int64_t j = j0; j < j1; ++j) {
+        const uint64_t v = p->packed[j];
+        p->tmp[h[(v >> p->pos_bits) >> p->low_bits]++] = v;
+    }
+#pragma omp barrier
+    /* 4. this thread's buckets sorted into packed, and their runs */
+    const int64_t c0 = p->bstart[p->tcut[tid]], c1 = p->bstart[p->tcut[tid + 1]];
+    int64_t *runs = p->runs + c0 + tid, nr = 0;
+    for (int64_t d = p->tcut[tid]; d < p->tcut[tid + 1]; ++d) {
+        const int64_t s = p->bstart[d], e = p->bstart[d + 1];
+        sort_bucket(p->tmp + s, p->packed + s, e - s, p->pos_bits, p->low_bits);
+        for (int64_t j = s; j < e; ++j)
+            if (j == s || (p->packed[j] >> p->pos_bits) != (p->packed[j - 1] >> p->pos_bits))
+                runs[nr++] = j;
+    }
+    runs[nr] = c1;
+    p->nruns[tid] = nr;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- backward */
+
+typedef struct {
+    const float *grad;        /* the gradient rows (gofs) */
+    const uint64_t *sorted;   /* [M] the plan's packed keys */
+    uint64_t pmask;           /* position bits of a packed key */
+    int pos_bits;
+    const int32_t *feat;      /* [N] feature of each id */
+    const int64_t *gofs;      /* [N] its gradient row */
+    const float *scale;       /* [N] its scale, or NULL (all 1) */
+    const int64_t *w_offsets, *dims, *row_offsets; /* [T] each */
+    void *weights;            /* updated in place */
+    int dtype;
+    float *m1, *m2;           /* optimizer states (NULL where it has none) */
+    int opt, decoupled;
+    float lr, eps, b1, b2, wd, bc1, bc2; /* bc1, bc2: 1 - beta^t (Adam) */
+    int sr;                   /* stochastic rounding of fp16 / bf16 rows */
+    uint64_t seed;
+    float *row_grads;         /* OPT_NONE: [U, max_D] summed gradients, else NULL */
+    int64_t *row_elems, *row_dims; /* OPT_NONE: [U] first element and D of each row */
+    int64_t max_D;
+} bwd_args;
+
+/* g[d0 : d0 + 8 NV] = sum over the sorted ids s..e of scale * gradient row; `first`: the
+ * run's first pass, which prefetches the gradient rows PREFETCH_IDS ids ahead (to j_end). */
+#define DEFINE_GRAD(NV)                                                                          \
+    INLINE void grad_##NV(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float *g,  \
+                                 int64_t D, int64_t j_end, int first) {                          \
+        v8f acc[NV];                                                                             \
+        for (int v = 0; v < NV; ++v) acc[v] = (v8f){0};                                          \
+        for (int64_t j = s; j < e; ++j) {                                                        \
+            if (first && j + PREFETCH_IDS < j_end)                                               \
+                prefetch_bytes(a->grad + a->gofs[a->sorted[j + PREFETCH_IDS] & a->pmask], D * 4, \
+                               0);                                                               \
+            const int64_t p = (int64_t)(a->sorted[j] & a->pmask);                                \
+            const float *go = a->grad + a->gofs[p];                                              \
+            const float sc = a->scale ? a->scale[p] : 1.0f;                                      \
+            for (int v = 0; v < NV; ++v) acc[v] += sc * load8(go, F32, d0 + 8 * v);              \
+        }                                                                                        \
+        memcpy(g + d0, acc, sizeof acc);                                                         \
+    }
+DEFINE_GRAD(8)
+DEFINE_GRAD(4)
+DEFINE_GRAD(2)
+DEFINE_GRAD(1)
+
+INLINE void grad_tail(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float *g,
+                             int64_t D, int64_t j_end, int first) {
+    float acc[8] = {0};
+    for (int64_t j = s; j < e; ++j) {
+        if (first && j + PREFETCH_IDS < j_end)
+            prefetch_bytes(a->grad + a->gofs[a->sorted[j + PREFETCH_IDS] & a->pmask], D * 4, 0);
+        const int64_t p = (int64_t)(a->sorted[j] & a->pmask);
+        const float *go = a->grad + a->gofs[p];
+        const float sc = a->scale ? a->scale[p] : 1.0f;
+        for (int64_t d = d0; d < D; ++d) acc[d - d0] += sc * go[d];
+    }
+    memcpy(g + d0, acc, sizeof(float) * (D - d0));
+}
+
+/* g[0:D] = the gradient of the row of sorted ids s..e (in batch order) */
+INLINE void sum_grad(const bwd_args *a, int64_t s, int64_t e, int64_t D, float *g,
+                            int64_t j_end) {
+    int first = 1;
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64, first = 0) grad_8(a, s, e, d0, g, D, j_end, first);
+    if (D - d0 >= 32) grad_4(a, s, e, d0, g, D, j_end, first), d0 += 32, first = 0;
+    if (D - d0 >= 16) grad_2(a, s, e, d0, g, D, j_end, first), d0 += 16, first = 0;
+    if (D - d0 >= 8) grad_1(a, s, e, d0, g, D, j_end, first), d0 += 8, first = 0;
+    if (D > d0) grad_tail(a, s, e, d0, g, D, j_end, first);
+}
+
+INLINE float sum_squares(const float *restrict x, const float *restrict w, float l2,
+                                int64_t D) {
+    float lane[LANES] = {0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        for (int j = 0; j < LANES; ++j) {
+            const float v = x[d + j] + l2 * w[d + j];
+            lane[j] += v * v;
+        }
+    }
+    for (int j = 0; d < D; ++d, ++j) {
+        const float v = x[d] + l2 * w[d];
+        lane[j] += v * v;
+    }
+    float s = 0.0f;
+    for (int j = 0; j < LANES; ++j) s += lane[j];
+    return s;
+}
+
+/* One optimizer step of row w [D] (fp32) with gradient g; states in place. */
+INLINE void update_row(const bwd_args *a, float *restrict w, const float *restrict g,
+                              int64_t D, int64_t elem, int64_t state_row) {
+    switch (a->opt) {
+    case OPT_SGD:
+        for (int64_t d = 0; d < D; ++d) w[d] = w[d] - a->lr * g[d];
+        break;
+    case OPT_ADAGRAD: {
+        float *restrict m = a->m1 + elem;
+        for (int64_t d = 0; d < D; ++d) {
+            m[d] = m[d] + g[d] * g[d];
+            w[d] = w[d] - a->lr * g[d] / (sqrtf(m[d]) + a->eps);
+        }
+        break;
+    }
+    case OPT_ROWWISE_ADAGRAD: {
+        float *m = a->m1 + state_row;
+        const float l2 = a->decoupled ? 0.0f : a->wd;
+        const float mv = *m + sum_squares(g, w, l2, D) / (float)D;
+        *m = mv;
+        const float mult = a->lr / (sqrtf(mv) + a->eps);
+        const float corr = a->decoupled ? (float)(1.0 - (double)a->lr * a->wd) : 1.0f - mult * a->wd;
+        for (int64_t d = 0; d < D; ++d) w[d] = corr * w[d] - mult * g[d];
+        break;
+    }
+    case OPT_ADAM: {
+        float *restrict m = a->m1 + elem, *restrict v = a->m2 + elem;
+        for (int64_t d = 0; d < D; ++d) {
+            m[d] = a->b1 * m[d] + (1.0f - a->b1) * g[d];
+            v[d] = a->b2 * v[d] + (1.0f - a->b2) * g[d] * g[d];
+            const float step = (m[d] / a->bc1) / (sqrtf(v[d] / a->bc2) + a->eps);
+            w[d] = w[d] - a->lr * (step + a->wd * w[d]);
+        }
+        break;
+    }
+    }
+}
+
+/* Runs starts[0 .. n] (run r is sorted ids starts[r] .. starts[r + 1]): sum each row's
+ * gradient in g, then update the row, or write g out as row row_base + r (OPT_NONE). */
+TBE_TARGETS
+static void bwd_runs(const bwd_args *a, const int64_t *starts, int64_t n, int64_t row_base,
+                     float *restrict g, float *restrict wbuf) {
+    const int64_t esize = a->dtype == F32 ? 4 : 2;
+    char *w8 = a->weights;
+    const int64_t j_end = starts[n];
+    for (int64_t r = 0; r < n; ++r) {
+        if (r + PREFETCH_RUNS < n) { /* the row (and state) of a run ahead */
+            const uint64_t q = a->sorted[starts[r + PREFETCH_RUNS]];
+            const int64_t fq = a->feat[q & a->pmask];
+            const int64_t idq = (int64_t)(q >> a->pos_bits) - a->row_offsets[fq];
+            const int64_t Dq = a->dims[fq], eq = a->w_offsets[fq] + idq * Dq;
+            if (a->opt != OPT_NONE) prefetch_bytes(w8 + eq * esize, Dq * esize, 1);
+            if (a->opt == OPT_ROWWISE_ADAGRAD)
+                __builtin_prefetch(a->m1 + (q >> a->pos_bits), 1, 3);
+            else if (a->opt == OPT_ADAGRAD || a->opt == OPT_ADAM)
+                prefetch_bytes(a->m1 + eq, Dq * 4, 1);
+            if (a->opt == OPT_ADAM) prefetch_bytes(a->m2 + eq, Dq * 4, 1);
+        }
+        const int64_t s = starts[r], e = starts[r + 1];
+        const uint64_t q = a->sorted[s];
+        const int64_t f = a->feat[q & a->pmask], key = (int64_t)(q >> a->pos_bits);
+        const int64_t D = a->dims[f], elem = a->w_offsets[f] + (key - a->row_offsets[f]) * D;
+        sum_grad(a, s, e, D, g, j_end);
+        if (a->opt == OPT_NONE) {
+            float *out = a->row_grads + (row_base + r) * a->max_D;
+            memcpy(out, g, sizeof(float) * D);
+            memset(out + D, 0, sizeof(float) * (a->max_D - D));
+            a->row_elems[row_base + r] = elem;
+            a->row_dims[row_base + r] = D;
+            continue;
+        }
+        if (a->dtype == F32) {
+            update_row(a, (float *)w8 + elem, g, D, elem, key);
+            continue;
+        }
+        uint16_t *h = (uint16_t *)w8 + elem;
+        for (int64_t d = 0; d < D; ++d) wbuf[d] = half_to_f32(h[d], a->dtype);
+        update_row(a, wbuf, g, D, elem, key);
+        if (a->sr) {
+            for (int64_t d = 0; d < D; ++d)
+                h[d] = f32_to_half_stochastic(wbuf[d], a->dtype, a->seed, elem + d);
+        } else {
+            for (int64_t d = 0; d < D; ++d) h[d] = f32_to_half(wbuf[d], a->dtype);
+        }
+    }
+}
+
+static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, int pos_bits,
+                      const int32_t *feat, const int64_t *gofs, const float *scale,
+                      const int64_t *w_offsets, const int64_t *dims, const int64_t *row_offsets,
+                      void *weights, int dtype, float *m1, float *m2, int opt,
+                      const double *hyper, int sr, uint64_t sr_seed, int64_t max_D) {
+    *a = (bwd_args){grad, sorted, ((uint64_t)1 << pos_bits) - 1, pos_bits, feat, gofs, scale,
+                    w_offsets, dims, row_offsets, weights, dtype, m1, m2, opt, (int)hyper[5],
+                    (float)hyper[0], (float)hyper[1], (float)hyper[2], (float)hyper[3],
+                    (float)hyper[4], 1.0f, 1.0f, sr, sr_seed, NULL, NULL, NULL, max_D};
+    if (opt == OPT_ADAM) {
+        a->bc1 = (float)(1.0 - pow(hyper[2], hyper[6]));
+        a->bc2 = (float)(1.0 - pow(hyper[3], hyper[6]));
+    }
+}
+
+/* The plan's arguments, as tbe_backward_fused and tbe_plan take them: the batch, the rows'
+ * bounds (rows: [T] E or NULL; elem_limit: elements of the weights and per-element states;
+ * row_limit: rows of a per-row state or -1), the gradient rows' layout, and the buffers
+ * packed, tmp, feat, gofs [N], scale [N] (given when psw is or under MEAN), runs [N + nt + 1]. */
+#define PLAN_ARGS                                                                               \
+    const void *indices, int idx32, int64_t N, const void *offsets, int off32, int64_t T,       \
+        int64_t B, const int64_t *rows, const int64_t *w_offsets, const int64_t *dims,          \
+        const int64_t *row_offsets, int64_t elem_limit, int64_t row_limit, int pooling,         \
+        int64_t stride, const int64_t *D_offsets, const float *psw, uint64_t *packed,           \
+        uint64_t *tmp, int32_t *feat, int64_t *gofs, float *scale, int64_t *runs
+#define PLAN_SETUP(p, nthreads)                                                                 \
+    plan_setup(p, indices, idx32, N, offsets, off32, T, B, rows, w_offsets, dims, row_offsets,  \
+               elem_limit, row_limit, pooling, stride, D_offsets, psw, packed, tmp, feat, gofs, \
+               scale, runs, nthreads)
+
+/* Plan and update in one region: every row an id of the batch names gets one optimizer step
+ * in place with its gradient (grad: the gradient rows, fp32). hyper: lr, eps, beta1, beta2,
+ * weight_decay, decoupled (0/1), t (>= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded
+ * sr_seed. Returns 0, or minus BAD_* (nothing updated), NO_MEMORY or TOO_BIG. */
+int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
+                       float *m2, int opt, const double *hyper, int sr, uint64_t sr_seed,
+                       int64_t max_D, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    plan_args p;
+    int err = PLAN_SETUP(&p, nthreads);
+    const int64_t width = (max_D > 0 ? max_D : 1) + 8;
+    float *scratch = err ? NULL : malloc(sizeof(float) * 2 * width * nthreads);
+    if (!err && !scratch) err = NO_MEMORY;
+    if (err) {
+        plan_free(&p);
+        return -err;
+    }
+    bwd_args a;
+    bwd_setup(&a, grad, packed, p.pos_bits, feat, gofs, scale, w_offsets, dims, row_offsets,
+              weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
+#pragma omp parallel num_threads(nthreads) reduction(| : err)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        err = plan_region(&p, tid, nt);
+        if (!err) /* this thread's rows only: no barrier before the updates */
+            bwd_runs(&a, p.runs + p.bstart[p.tcut[tid]] + tid, p.nruns[tid], 0,
+                     scratch + 2 * width * tid, scratch + (2 * tid + 1) * width);
+    }
+    free(scratch);
+    plan_free(&p);
+    return -err;
+}
+
+/* The plan alone, its runs numbered for the batch: sorted ids in packed[0 : M], run_start[r]
+ * the first of run r, run_start[U] = M (the rows for tbe_backward). Returns U, or minus BAD_*,
+ * NO_MEMORY or TOO_BIG. */
+int64_t tbe_plan(PLAN_ARGS, int64_t *run_start, int *pos_bits, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    plan_args p;
+    int err = PLAN_SETUP(&p, nthreads);
+    int64_t U = 0;
+    if (!err) {
+#pragma omp parallel num_threads(nthreads) reduction(| : err)
+        {
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            err = plan_region(&p, tid, nt);
+            if (!err) {
+#pragma omp barrier
+#pragma omp single
+                {
+                    int64_t sum = 0;
+                    for (int t = 0; t < nt; ++t) {
+                        const int64_t c = p.nruns[t];
+                        p.nruns[t] = sum;
+                        sum += c;
+                    }
+                    U = sum;
+                }
+                const int64_t *mine = p.runs + p.bstart[p.tcut[tid]] + tid;
+                const int64_t n = tid + 1 < nt ? p.nruns[tid + 1] - p.nruns[tid] : U - p.nruns[tid];
+                memcpy(run_start + p.nruns[tid], mine, sizeof(int64_t) * n);
+            }
+        }
+        run_start[U] = p.M;
+        *pos_bits = p.pos_bits;
+    }
+    plan_free(&p);
+    return err ? -err : U;
+}
+
+/* Every unique row of a tbe_plan gets its gradient and, with an optimizer, one step in place
+ * (tbe_backward_fused's); with OPT_NONE, row_grads [U, max_D] / row_elems / row_dims [U] get
+ * the gradients, their first elements and D. Returns 0, or -NO_MEMORY (nothing done). */
+int tbe_backward(const float *grad, const uint64_t *sorted, int pos_bits, const int32_t *feat,
+                 const int64_t *gofs, const float *scale, const int64_t *run_start, int64_t U,
+                 const int64_t *w_offsets, const int64_t *dims, const int64_t *row_offsets,
+                 void *weights, int dtype, float *m1, float *m2, int opt, const double *hyper,
+                 int sr, uint64_t sr_seed, float *row_grads, int64_t *row_elems,
+                 int64_t *row_dims, int64_t max_D, int nthreads) {
+    if (U == 0) return 0;
+    bwd_args a;
+    bwd_setup(&a, grad, sorted, pos_bits, feat, gofs, scale, w_offsets, dims, row_offsets,
+              weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
+    a.row_grads = row_grads, a.row_elems = row_elems, a.row_dims = row_dims;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t width = (max_D > 0 ? max_D : 1) + 8;
+    float *scratch = malloc(sizeof(float) * 2 * width * nthreads);
+    if (!scratch) return -NO_MEMORY;
+    const int64_t M = run_start[U];
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* a contiguous block of runs with about M / nt ids each: the first run at or after
+         * the thread's share of ids (a binary search; every thread finds the same cuts) */
+        int64_t cut[2];
+        for (int side = 0; side < 2; ++side) {
+            const int64_t want = M * (tid + side) / nt;
+            int64_t lo = 0, hi = U;
+            while (lo < hi) {
+                const int64_t mid = lo + (hi - lo) / 2;
+                if (run_start[mid] < want) lo = mid + 1; else hi = mid;
+            }
+            cut[side] = tid + side == nt ? U : lo;
+        }
+        bwd_runs(&a, run_start + cut[0], cut[1] - cut[0], cut[0], scratch + 2 * width * tid,
+                 scratch + (2 * tid + 1) * width);
+    }
+    free(scratch);
+    return 0;
+}
