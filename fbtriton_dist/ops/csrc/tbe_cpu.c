@@ -1,13 +1,13 @@
-/* The fast CPU path's native kernels (fbtriton_dist/ops/cpu_native.py compiles this file on
- * first use and calls it through ctypes on tensors' data pointers).
+/* The fast CPU path's native kernels (fbtriton_dist/ops/cpu_native.py compiles this file with
+ * tbe_cpu_backward.c on first use and calls them through ctypes on tensors' data pointers).
  *
- *   tbe_check     one pass over a batch: are the offsets and ids well formed? (a bit mask)
- *   tbe_forward   pooled (SUM / MEAN) or unpooled rows, per-sample weights, mixed D
- *   tbe_plan      the backward's plan: each id's key (its table's first row + id) sorted
- *                 stably (a parallel LSD radix sort), and the start of each unique key's run
- *   tbe_backward  each unique row's gradient summed over its ids, then one fused optimizer
- *                 step on the row in place (or the summed gradients written out)
- *   tbe_psw_grad  the per-sample weights' gradient
+ *   tbe_check           one pass over a batch: are the offsets and ids well formed? (bits)
+ *   tbe_forward         pooled (SUM / MEAN) or unpooled rows, per-sample weights, mixed D
+ *   tbe_psw_grad        the per-sample weights' gradient
+ *   tbe_backward_fused  (tbe_cpu_backward.c) each unique row's gradient summed over its ids,
+ *                       then one fused optimizer step on the row in place
+ *   tbe_plan, tbe_backward  (tbe_cpu_backward.c) the same in two calls, the summed gradients
+ *                       written out (no optimizer)
  *
  * Layout (FBGEMM's TBE; T features, B bags per feature, N ids, D a feature's dim):
  *   weights   [sum E_t * D_t] fp32 / fp16 / bf16, feature f's table from element w_offsets[f];
@@ -86,13 +86,14 @@ typedef struct {
 } fwd_args;
 
 /* o[d0 : d0 + 8 NV] = sum over ids s..e of p_i * row_i[d0 : ...] of table `tab` (rows of D
- * elements of dtype DT, ids < E); `first`: the bag's first pass, which prefetches the rows
- * PREFETCH_IDS ids ahead (up to id pf_end). Returns BAD_ID if an id was skipped. One function
- * per (NV, DT): constants both, the accumulators stay in registers. */
-#define DEFINE_POOL(NV, DT, ES)                                                                  \
-    INLINE int pool_##NV##_##DT(const fwd_args *a, const char *tab, int64_t D, uint64_t E,       \
-                                int64_t s, int64_t e, int64_t d0, float *o, int64_t pf_end,      \
-                                int first) {                                                     \
+ * elements of dtype DT, ids < E; p_i = psw[i] when W, else 1); `first`: the bag's first pass,
+ * which prefetches the rows PREFETCH_IDS ids ahead (up to id pf_end). Returns BAD_ID if an id
+ * was skipped. One function per (NV, DT, W): constants all, the accumulators stay in
+ * registers and an unweighted id costs loads and adds only. */
+#define DEFINE_POOL(NV, DT, ES, W)                                                               \
+    INLINE int pool_##NV##_##DT##_##W(const fwd_args *a, const char *tab, int64_t D, uint64_t E, \
+                                      int64_t s, int64_t e, int64_t d0, float *o,                \
+                                      int64_t pf_end, int first) {                               \
         v8f acc[NV];                                                                             \
         for (int v = 0; v < NV; ++v) acc[v] = (v8f){0};                                          \
         int bad = 0;                                                                             \
@@ -106,18 +107,26 @@ typedef struct {
                 bad = BAD_ID;                                                                    \
                 continue;                                                                        \
             }                                                                                    \
-            const float p = a->psw ? a->psw[i] : 1.0f;                                           \
             const char *row = tab + id * D * ES;                                                 \
-            for (int v = 0; v < NV; ++v) acc[v] += p * load8(row, DT, d0 + 8 * v);               \
+            if (W) {                                                                             \
+                const float p = a->psw[i];                                                       \
+                for (int v = 0; v < NV; ++v) acc[v] += p * load8(row, DT, d0 + 8 * v);           \
+            } else {                                                                             \
+                for (int v = 0; v < NV; ++v) acc[v] += load8(row, DT, d0 + 8 * v);               \
+            }                                                                                    \
         }                                                                                        \
         memcpy(o + d0, acc, sizeof acc);                                                         \
         return bad;                                                                              \
     }
-#define DEFINE_POOLS(DT, ES) \
-    DEFINE_POOL(8, DT, ES) DEFINE_POOL(4, DT, ES) DEFINE_POOL(2, DT, ES) DEFINE_POOL(1, DT, ES)
-DEFINE_POOLS(F32, 4)
-DEFINE_POOLS(F16, 2)
-DEFINE_POOLS(BF16, 2)
+#define DEFINE_POOLS(DT, ES, W)                                                                  \
+    DEFINE_POOL(8, DT, ES, W) DEFINE_POOL(4, DT, ES, W) DEFINE_POOL(2, DT, ES, W)                \
+    DEFINE_POOL(1, DT, ES, W)
+DEFINE_POOLS(F32, 4, 0)
+DEFINE_POOLS(F32, 4, 1)
+DEFINE_POOLS(F16, 2, 0)
+DEFINE_POOLS(F16, 2, 1)
+DEFINE_POOLS(BF16, 2, 0)
+DEFINE_POOLS(BF16, 2, 1)
 
 /* the last D - d0 < 8 columns */
 INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, int64_t s,
@@ -144,13 +153,16 @@ INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, 
 }
 
 /* o[0:D] = the pooled rows of ids s..e of feature f (64 columns per pass over the ids) */
-#define POOL_BAG(DT)                                                                             \
+#define POOL_BAG(DT, W)                                                                          \
     do {                                                                                         \
         for (; d0 + 64 <= D; d0 += 64, first = 0)                                                \
-            bad |= pool_8_##DT(a, tab, D, E, s, e, d0, o, pf_end, first);                        \
-        if (D - d0 >= 32) bad |= pool_4_##DT(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 32, first = 0; \
-        if (D - d0 >= 16) bad |= pool_2_##DT(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 16, first = 0; \
-        if (D - d0 >= 8) bad |= pool_1_##DT(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 8, first = 0;   \
+            bad |= pool_8_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first);                  \
+        if (D - d0 >= 32)                                                                        \
+            bad |= pool_4_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 32, first = 0; \
+        if (D - d0 >= 16)                                                                        \
+            bad |= pool_2_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 16, first = 0; \
+        if (D - d0 >= 8)                                                                         \
+            bad |= pool_1_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 8, first = 0;  \
     } while (0)
 
 INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
@@ -160,9 +172,12 @@ INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o
     const char *tab = (const char *)a->weights + a->w_offsets[f] * (a->dtype == F32 ? 4 : 2);
     int bad = 0, first = 1;
     int64_t d0 = 0;
-    if (a->dtype == F32) POOL_BAG(F32);
-    else if (a->dtype == F16) POOL_BAG(F16);
-    else POOL_BAG(BF16);
+    if (a->dtype == F32 && !a->psw) POOL_BAG(F32, 0);
+    else if (a->dtype == F32) POOL_BAG(F32, 1);
+    else if (a->dtype == F16 && !a->psw) POOL_BAG(F16, 0);
+    else if (a->dtype == F16) POOL_BAG(F16, 1);
+    else if (!a->psw) POOL_BAG(BF16, 0);
+    else POOL_BAG(BF16, 1);
     if (D > d0) bad |= pool_tail(a, tab, D, E, s, e, d0, o, pf_end, first);
     return bad;
 }

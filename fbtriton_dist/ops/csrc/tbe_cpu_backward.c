@@ -212,11 +212,12 @@ typedef struct {
     int64_t max_D;
 } bwd_args;
 
-/* g[d0 : d0 + 8 NV] = sum over the sorted ids s..e of scale * gradient row; `first`: the
- * run's first pass, which prefetches the gradient rows PREFETCH_IDS ids ahead (to j_end). */
-#define DEFINE_GRAD(NV)                                                                          \
-    INLINE void grad_##NV(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float *g,  \
-                                 int64_t D, int64_t j_end, int first) {                          \
+/* g[d0 : d0 + 8 NV] = sum over the sorted ids s..e of scale * gradient row (scale 1 unless
+ * S); `first`: the run's first pass, which prefetches the gradient rows PREFETCH_IDS ids
+ * ahead (to j_end). */
+#define DEFINE_GRAD(NV, S)                                                                       \
+    INLINE void grad_##NV##_##S(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float *g,   \
+                                int64_t D, int64_t j_end, int first) {                           \
         v8f acc[NV];                                                                             \
         for (int v = 0; v < NV; ++v) acc[v] = (v8f){0};                                          \
         for (int64_t j = s; j < e; ++j) {                                                        \
@@ -225,15 +226,23 @@ typedef struct {
                                0);                                                               \
             const int64_t p = (int64_t)(a->sorted[j] & a->pmask);                                \
             const float *go = a->grad + a->gofs[p];                                              \
-            const float sc = a->scale ? a->scale[p] : 1.0f;                                      \
-            for (int v = 0; v < NV; ++v) acc[v] += sc * load8(go, F32, d0 + 8 * v);              \
+            if (S) {                                                                             \
+                const float sc = a->scale[p];                                                    \
+                for (int v = 0; v < NV; ++v) acc[v] += sc * load8(go, F32, d0 + 8 * v);          \
+            } else {                                                                             \
+                for (int v = 0; v < NV; ++v) acc[v] += load8(go, F32, d0 + 8 * v);              \
+            }                                                                                    \
         }                                                                                        \
         memcpy(g + d0, acc, sizeof acc);                                                         \
     }
-DEFINE_GRAD(8)
-DEFINE_GRAD(4)
-DEFINE_GRAD(2)
-DEFINE_GRAD(1)
+DEFINE_GRAD(8, 0)
+DEFINE_GRAD(4, 0)
+DEFINE_GRAD(2, 0)
+DEFINE_GRAD(1, 0)
+DEFINE_GRAD(8, 1)
+DEFINE_GRAD(4, 1)
+DEFINE_GRAD(2, 1)
+DEFINE_GRAD(1, 1)
 
 INLINE void grad_tail(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float *g,
                              int64_t D, int64_t j_end, int first) {
@@ -250,14 +259,20 @@ INLINE void grad_tail(const bwd_args *a, int64_t s, int64_t e, int64_t d0, float
 }
 
 /* g[0:D] = the gradient of the row of sorted ids s..e (in batch order) */
+#define SUM_GRAD(S)                                                                              \
+    do {                                                                                         \
+        for (; d0 + 64 <= D; d0 += 64, first = 0) grad_8_##S(a, s, e, d0, g, D, j_end, first);  \
+        if (D - d0 >= 32) grad_4_##S(a, s, e, d0, g, D, j_end, first), d0 += 32, first = 0;      \
+        if (D - d0 >= 16) grad_2_##S(a, s, e, d0, g, D, j_end, first), d0 += 16, first = 0;      \
+        if (D - d0 >= 8) grad_1_##S(a, s, e, d0, g, D, j_end, first), d0 += 8, first = 0;        \
+    } while (0)
+
 INLINE void sum_grad(const bwd_args *a, int64_t s, int64_t e, int64_t D, float *g,
-                            int64_t j_end) {
+                     int64_t j_end) {
     int first = 1;
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64, first = 0) grad_8(a, s, e, d0, g, D, j_end, first);
-    if (D - d0 >= 32) grad_4(a, s, e, d0, g, D, j_end, first), d0 += 32, first = 0;
-    if (D - d0 >= 16) grad_2(a, s, e, d0, g, D, j_end, first), d0 += 16, first = 0;
-    if (D - d0 >= 8) grad_1(a, s, e, d0, g, D, j_end, first), d0 += 8, first = 0;
+    if (a->scale) SUM_GRAD(1);
+    else SUM_GRAD(0);
     if (D > d0) grad_tail(a, s, e, d0, g, D, j_end, first);
 }
 
