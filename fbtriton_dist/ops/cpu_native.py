@@ -184,15 +184,22 @@ def _ids(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(contiguous int32 / int64 ids, 1 for int32)."""
     if t.dtype not in (torch.int32, torch.int64):
         t = t.to(torch.int64)
-    return t.contiguous(), int(t.dtype == torch.int32)
+    return (t if t.is_contiguous() else t.contiguous()), int(t.dtype == torch.int32)
+
+
+def _as(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` contiguous in ``dtype`` (itself when it is: these run at every call)."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
 
 
 def _long(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int64).contiguous()
+    return _as(t, torch.int64)
 
 
 def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
+    return _as(t, torch.float32)
 
 
 def _usable(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
@@ -306,7 +313,7 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
             row_limit = buffer.numel()
         else:
             elem_limit = min(elem_limit, buffer.numel())
-    grad = grad_output.to(torch.float32).contiguous()
+    grad = _fp32(grad_output)
     args, bufs = _plan_args(idx, idx32, off, off32, T, B,
                             _long(rows) if rows is not None else None, w_offsets, dims,
                             row_offsets, _long(D_offsets), elem_limit, row_limit, pooling,
@@ -370,7 +377,7 @@ def per_sample_weights_grad(grad_output, weights, w_offsets, dims, D_offsets, in
     off, off32 = _ids(offsets)
     T = dims.numel()
     B = (off.numel() - 1) // T
-    grad = grad_output.to(torch.float32).contiguous()
+    grad = _fp32(grad_output)
     out = torch.zeros(idx.numel(), dtype=torch.float32)
     rows = _long(rows) if rows is not None else None
     lib.tbe_psw_grad(

@@ -86,47 +86,53 @@ typedef struct {
 } fwd_args;
 
 /* o[d0 : d0 + 8 NV] = sum over ids s..e of p_i * row_i[d0 : ...] of table `tab` (rows of D
- * elements of dtype DT, ids < E; p_i = psw[i] when W, else 1); `first`: the bag's first pass,
- * which prefetches the rows PREFETCH_IDS ids ahead (up to id pf_end). Returns BAD_ID if an id
- * was skipped. One function per (NV, DT, W): constants all, the accumulators stay in
- * registers and an unweighted id costs loads and adds only. */
-#define DEFINE_POOL(NV, DT, ES, W)                                                               \
-    INLINE int pool_##NV##_##DT##_##W(const fwd_args *a, const char *tab, int64_t D, uint64_t E, \
-                                      int64_t s, int64_t e, int64_t d0, float *o,                \
-                                      int64_t pf_end, int first) {                               \
+ * elements of dtype DT, ids < E read by ID(i); p_i = psw[i] when W is 1, 1 when W is 0, either
+ * when W is 2); `first`: the bag's first pass, which prefetches the rows PREFETCH_IDS ids
+ * ahead (up to id pf_end). Returns BAD_ID if an id was skipped. Constants all: the
+ * accumulators stay in registers, and an fp32 id of int64 or int32 ids, weighted or not,
+ * costs little beyond its loads (fp16 / bf16 rows take one function for every case). */
+#define ID64(i) ((const int64_t *)a->indices)[i]
+#define ID32(i) (int64_t)((const int32_t *)a->indices)[i]
+#define IDANY(i) at(a->indices, a->idx32, i)
+#define DEFINE_POOL(NV, DT, ES, W, ID)                                                           \
+    INLINE int pool_##NV##_##DT##_##W##_##ID(const fwd_args *a, const char *tab, int64_t D,      \
+                                             uint64_t E, int64_t s, int64_t e, int64_t d0,       \
+                                             float *o, int64_t pf_end, int first) {              \
+        const int64_t bytes = D * ES;                                                            \
+        const char *col = tab + d0 * ES;                                                         \
         v8f acc[NV];                                                                             \
         for (int v = 0; v < NV; ++v) acc[v] = (v8f){0};                                          \
         int bad = 0;                                                                             \
         for (int64_t i = s; i < e; ++i) {                                                        \
             if (first && i + PREFETCH_IDS < pf_end) {                                            \
-                const int64_t q = at(a->indices, a->idx32, i + PREFETCH_IDS);                    \
-                if ((uint64_t)q < E) prefetch_bytes(tab + q * D * ES, D * ES, 0);                \
+                const uint64_t q = (uint64_t)ID(i + PREFETCH_IDS);                               \
+                if (q < E) prefetch_bytes(tab + q * bytes, bytes, 0);                            \
             }                                                                                    \
-            const int64_t id = at(a->indices, a->idx32, i);                                      \
-            if ((uint64_t)id >= E) {                                                             \
+            const uint64_t id = (uint64_t)ID(i);                                                 \
+            if (id >= E) {                                                                       \
                 bad = BAD_ID;                                                                    \
                 continue;                                                                        \
             }                                                                                    \
-            const char *row = tab + id * D * ES;                                                 \
-            if (W) {                                                                             \
-                const float p = a->psw[i];                                                       \
-                for (int v = 0; v < NV; ++v) acc[v] += p * load8(row, DT, d0 + 8 * v);           \
+            const char *row = col + id * bytes;                                                  \
+            if (W == 0) {                                                                        \
+                for (int v = 0; v < NV; ++v) acc[v] += load8(row, DT, 8 * v);                    \
             } else {                                                                             \
-                for (int v = 0; v < NV; ++v) acc[v] += load8(row, DT, d0 + 8 * v);               \
+                const float p = W == 1 || a->psw ? a->psw[i] : 1.0f;                             \
+                for (int v = 0; v < NV; ++v) acc[v] += p * load8(row, DT, 8 * v);                \
             }                                                                                    \
         }                                                                                        \
         memcpy(o + d0, acc, sizeof acc);                                                         \
         return bad;                                                                              \
     }
-#define DEFINE_POOLS(DT, ES, W)                                                                  \
-    DEFINE_POOL(8, DT, ES, W) DEFINE_POOL(4, DT, ES, W) DEFINE_POOL(2, DT, ES, W)                \
-    DEFINE_POOL(1, DT, ES, W)
-DEFINE_POOLS(F32, 4, 0)
-DEFINE_POOLS(F32, 4, 1)
-DEFINE_POOLS(F16, 2, 0)
-DEFINE_POOLS(F16, 2, 1)
-DEFINE_POOLS(BF16, 2, 0)
-DEFINE_POOLS(BF16, 2, 1)
+#define DEFINE_POOLS(DT, ES, W, ID)                                                              \
+    DEFINE_POOL(8, DT, ES, W, ID) DEFINE_POOL(4, DT, ES, W, ID) DEFINE_POOL(2, DT, ES, W, ID)    \
+    DEFINE_POOL(1, DT, ES, W, ID)
+DEFINE_POOLS(F32, 4, 0, ID64)
+DEFINE_POOLS(F32, 4, 1, ID64)
+DEFINE_POOLS(F32, 4, 0, ID32)
+DEFINE_POOLS(F32, 4, 1, ID32)
+DEFINE_POOLS(F16, 2, 2, IDANY)
+DEFINE_POOLS(BF16, 2, 2, IDANY)
 
 /* the last D - d0 < 8 columns */
 INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, int64_t s,
@@ -153,16 +159,19 @@ INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, 
 }
 
 /* o[0:D] = the pooled rows of ids s..e of feature f (64 columns per pass over the ids) */
-#define POOL_BAG(DT, W)                                                                          \
+#define POOL_PASSES(DT, W, ID)                                                                   \
     do {                                                                                         \
         for (; d0 + 64 <= D; d0 += 64, first = 0)                                                \
-            bad |= pool_8_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first);                  \
+            bad |= pool_8_##DT##_##W##_##ID(a, tab, D, E, s, e, d0, o, pf_end, first);           \
         if (D - d0 >= 32)                                                                        \
-            bad |= pool_4_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 32, first = 0; \
+            bad |= pool_4_##DT##_##W##_##ID(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+                d0 += 32, first = 0;                                                             \
         if (D - d0 >= 16)                                                                        \
-            bad |= pool_2_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 16, first = 0; \
+            bad |= pool_2_##DT##_##W##_##ID(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+                d0 += 16, first = 0;                                                             \
         if (D - d0 >= 8)                                                                         \
-            bad |= pool_1_##DT##_##W(a, tab, D, E, s, e, d0, o, pf_end, first), d0 += 8, first = 0;  \
+            bad |= pool_1_##DT##_##W##_##ID(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+                d0 += 8, first = 0;                                                              \
     } while (0)
 
 INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
@@ -172,12 +181,12 @@ INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o
     const char *tab = (const char *)a->weights + a->w_offsets[f] * (a->dtype == F32 ? 4 : 2);
     int bad = 0, first = 1;
     int64_t d0 = 0;
-    if (a->dtype == F32 && !a->psw) POOL_BAG(F32, 0);
-    else if (a->dtype == F32) POOL_BAG(F32, 1);
-    else if (a->dtype == F16 && !a->psw) POOL_BAG(F16, 0);
-    else if (a->dtype == F16) POOL_BAG(F16, 1);
-    else if (!a->psw) POOL_BAG(BF16, 0);
-    else POOL_BAG(BF16, 1);
+    if (a->dtype == F32 && !a->psw && !a->idx32) POOL_PASSES(F32, 0, ID64);
+    else if (a->dtype == F32 && !a->idx32) POOL_PASSES(F32, 1, ID64);
+    else if (a->dtype == F32 && !a->psw) POOL_PASSES(F32, 0, ID32);
+    else if (a->dtype == F32) POOL_PASSES(F32, 1, ID32);
+    else if (a->dtype == F16) POOL_PASSES(F16, 2, IDANY);
+    else POOL_PASSES(BF16, 2, IDANY);
     if (D > d0) bad |= pool_tail(a, tab, D, E, s, e, d0, o, pf_end, first);
     return bad;
 }
@@ -228,7 +237,10 @@ int tbe_forward(const void *weights, int dtype, int64_t numel, const int64_t *w_
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
                   off32, N, T, B, psw, pooling, out, stride};
-    const int64_t chunk = 16; /* samples per task: a task reads chunk * T bags */
+    /* a task per thread: feature f's bags of a task are one run of ids, prefetched as one
+     * stream (small tasks restart the prefetching at every feature of every task) */
+    if (nthreads < 1) nthreads = 1;
+    const int64_t chunk = B > 16 * nthreads ? (B + nthreads - 1) / nthreads : 16;
     const int64_t tasks = (B + chunk - 1) / chunk;
     int bad = 0;
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(dynamic, 1) \

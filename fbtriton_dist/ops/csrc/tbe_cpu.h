@@ -30,7 +30,7 @@ enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADA
 enum { BAD_FIRST = 1, BAD_LAST = 2, BAD_ORDER = 4, BAD_ID = 8, BAD_WEIGHT = 16, NO_MEMORY = 32,
        TOO_BIG = 64 };
 
-#define PREFETCH_IDS 8  /* ids ahead whose rows are prefetched */
+#define PREFETCH_IDS 12 /* ids ahead whose rows are prefetched */
 #define PREFETCH_RUNS 16 /* runs ahead whose rows (and states) are prefetched */
 #define LANES 8         /* fixed lanes of the reductions over D */
 
