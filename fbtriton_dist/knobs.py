@@ -31,7 +31,7 @@ KNOBS: dict[str, tuple[str, str]] = {
         "(kernels/bucketize.py)", "8,16,1"),
     "FBTD_CPU_NATIVE": (
         "0: the CPU backend runs its torch ops only (ops/cpu.py), without building or calling "
-        "its native C/OpenMP kernels (ops/cpu_native.py); read at every call", "1"),
+        "its native C kernels (ops/cpu_native.py); read at every call", "1"),
     "FBTD_CPU_NATIVE_CACHE": (
         "directory where the native CPU kernels are compiled to (ops/cpu_native.py)",
         "~/.cache/fbtriton_dist"),

@@ -1,7 +1,7 @@
 """The fast CPU path: what ``backend="auto"`` runs on CPU tensors (the embedded default, CI, CPU
 clusters).
 
-Each op first tries the native C/OpenMP kernels (``ops/cpu_native.py``, compiled at first use:
+Each op first tries the native C kernels (``ops/cpu_native.py``, compiled at first use:
 forward, per-sample weight gradient, and the backward with every fused optimizer updating the
 rows in place, one pass each); where they do not apply (no compiler, ``FBTD_CPU_NATIVE=0``,
 weights not fp32/fp16/bf16) the vectorised torch ops below run, with the same results within

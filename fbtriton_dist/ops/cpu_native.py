@@ -1,15 +1,18 @@
-"""The fast CPU path's native kernels (``csrc/tbe_cpu.c``, C with OpenMP), compiled at first
+"""The fast CPU path's native kernels (``csrc/``: C, on a pool of pthreads), compiled at first
 use and called through ctypes; ``ops/cpu.py`` calls them where they apply and keeps its torch
 ops for the rest.
 
-The library is built once per source, compiler and flags (``cc -O3 -fopenmp -shared -fPIC``;
+The library is built once per source, compiler and flags (``cc -O3 -pthread -shared -fPIC``;
 ``$CC`` picks the compiler) into the cache directory (``FBTD_CPU_NATIVE_CACHE``, default
 ``~/.cache/fbtriton_dist``, else a per-user temporary directory), under a name that hashes
 them: a compile writes a temporary file and renames it into place (``os.replace``), so that
 processes (ranks) building it at once never load a half-written file. Without a compiler, or
 when every build fails, one warning names why and the torch ops run instead;
 ``FBTD_CPU_NATIVE=0`` turns the kernels off (``knobs.cpu_native``). The kernels run on
-``torch.get_num_threads()`` threads and give the same bits for any count.
+``torch.get_num_threads()`` threads and give the same bits for any count. Their threads claim
+tasks from a counter rather than meeting at barriers (``csrc/tbe_pool.c``): on a machine whose
+cores other processes keep busy, a thread the OS holds back leaves its tasks to the others
+instead of stalling them (OpenMP's fork-join teams, torch's included, wait for it).
 
 Each wrapper returns None where the kernels do not apply (no library, a weights dtype other
 than fp32 / fp16 / bf16, a non-CPU tensor, keys too wide to sort), and the caller runs its
@@ -34,13 +37,12 @@ from fbtriton_dist import knobs, optim
 from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "tbe_cpu.c", CSRC / "tbe_cpu_backward.c")
+SOURCES = (CSRC / "tbe_cpu.c", CSRC / "tbe_cpu_backward.c", CSRC / "tbe_pool.c")
 HEADERS = (CSRC / "tbe_cpu.h",)
-BASE_FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 FLAG_SETS = (
-    ("-fopenmp",),
-    ("-fopenmp", "-DTBE_NO_CLONES"),  # a compiler without target_clones
-    ("-DTBE_NO_CLONES",),  # without OpenMP: one thread
+    (),
+    ("-DTBE_NO_CLONES",),  # a compiler without target_clones (or not GCC)
 )
 """Tried in order until one builds."""
 
@@ -279,7 +281,7 @@ def _plan_args(idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets,
     bufs = dict(packed=torch.empty(N, dtype=torch.int64), tmp=torch.empty(N, dtype=torch.int64),
                 feat=torch.empty(N, dtype=torch.int32), gofs=torch.empty(N, dtype=torch.int64),
                 scale=torch.empty(N) if psw is not None or pooling == POOL_MEAN else None,
-                runs=torch.empty(N + torch.get_num_threads() + 1, dtype=torch.int64))
+                runs=torch.empty(N + 4 * torch.get_num_threads() + 2, dtype=torch.int64))
     args = [idx.data_ptr(), idx32, N, off.data_ptr(), off32, T, B, _ptr(rows),
             w_offsets.data_ptr(), dims.data_ptr(), row_offsets.data_ptr(), elem_limit, row_limit,
             pooling, stride, D_offsets.data_ptr(), _ptr(psw), *map(_ptr, bufs.values())]

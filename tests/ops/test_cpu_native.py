@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -251,6 +252,35 @@ def test_matches_fbgemm_cpu(opt_name, pooling, idt, weighted, used):
             for x, y in zip(a, b, strict=True):
                 torch.testing.assert_close(y.reshape(x.shape), x, atol=1e-5, rtol=1e-4)
     assert used["forward", True] == 3 and used["backward", True] == 3
+
+
+def test_a_forked_child_runs_the_kernels():
+    """The kernels' threads do not survive fork: a child of a process that used them starts
+    its own, and gets the parent's result (it does not hang on the parent's pool)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = TableBatchedEmbedding([(300, 64)], backend="cpu")
+        indices, offsets, _ = make_batch([(300, 64)], [0], 64, 8, generator=torch.Generator())
+        with torch.no_grad():
+            expected = m(indices, offsets)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 if it computes the same, without the parent's pool
+            try:
+                with torch.no_grad():
+                    os._exit(0 if torch.equal(m(indices, offsets), expected) else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the native kernels")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- bad batches

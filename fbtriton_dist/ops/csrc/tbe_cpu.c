@@ -30,6 +30,42 @@
 
 /* ---------------------------------------------------------------- check */
 
+typedef struct {
+    const void *indices, *offsets;
+    int idx32, off32;
+    int64_t N, T, B, tasks;
+    const int64_t *rows;
+    const float *psw;
+    _Atomic int bad;
+} check_args;
+
+static void check_task(void *ctx, int64_t task, int executor) {
+    (void)executor;
+    check_args *a = ctx;
+    const int64_t B = a->B, k0 = a->T * B * task / a->tasks, k1 = a->T * B * (task + 1) / a->tasks;
+    int64_t f = k0 / B, b = k0 - f * B;
+    int bad = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+        const int64_t s = at(a->offsets, a->off32, k), e = at(a->offsets, a->off32, k + 1);
+        const uint64_t E = (uint64_t)a->rows[f];
+        if (++b == B) b = 0, ++f;
+        if (e < s) bad |= BAD_ORDER;
+        if (s < 0 || e < s || e > a->N) continue;
+        if (a->idx32) {
+            const int32_t *ids = a->indices;
+            for (int64_t i = s; i < e; ++i) bad |= (uint64_t)(int64_t)ids[i] >= E ? BAD_ID : 0;
+        } else {
+            const int64_t *ids = a->indices;
+            for (int64_t i = s; i < e; ++i) bad |= (uint64_t)ids[i] >= E ? BAD_ID : 0;
+        }
+    }
+    if (a->psw) {
+        const int64_t i0 = a->N * task / a->tasks, i1 = a->N * (task + 1) / a->tasks;
+        for (int64_t i = i0; i < i1; ++i) bad |= isfinite(a->psw[i]) ? 0 : BAD_WEIGHT;
+    }
+    if (bad) atomic_fetch_or(&a->bad, bad);
+}
+
 /* One pass over the batch; returns 0 or the BAD_* bits: offsets[0] != 0, offsets[T*B] != N,
  * a decreasing offset, an id outside [0, rows[f]) (bags read only where well formed), a
  * non-finite per-sample weight (psw given). */
@@ -39,31 +75,10 @@ int tbe_check(const void *indices, int idx32, int64_t N, const void *offsets, in
     if (at(offsets, off32, 0) != 0) bad |= BAD_FIRST;
     if (at(offsets, off32, T * B) != N) bad |= BAD_LAST;
     if (B == 0) return bad;
-#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(| : bad)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t k0 = T * B * tid / nt, k1 = T * B * (tid + 1) / nt;
-        int64_t f = k0 / B, b = k0 - f * B;
-        for (int64_t k = k0; k < k1; ++k) {
-            const int64_t s = at(offsets, off32, k), e = at(offsets, off32, k + 1);
-            const uint64_t E = (uint64_t)rows[f];
-            if (++b == B) b = 0, ++f;
-            if (e < s) bad |= BAD_ORDER;
-            if (s < 0 || e < s || e > N) continue;
-            if (idx32) {
-                const int32_t *ids = indices;
-                for (int64_t i = s; i < e; ++i) bad |= (uint64_t)(int64_t)ids[i] >= E ? BAD_ID : 0;
-            } else {
-                const int64_t *ids = indices;
-                for (int64_t i = s; i < e; ++i) bad |= (uint64_t)ids[i] >= E ? BAD_ID : 0;
-            }
-        }
-        if (psw) {
-            const int64_t i0 = N * tid / nt, i1 = N * (tid + 1) / nt;
-            for (int64_t i = i0; i < i1; ++i) bad |= isfinite(psw[i]) ? 0 : BAD_WEIGHT;
-        }
-    }
-    return bad;
+    check_args a = {indices, offsets, idx32, off32, N, T, B, tbe_tasks(N + T * B, nthreads, 4096),
+                    rows, psw, 0};
+    tbe_parallel(check_task, &a, a.tasks, nthreads);
+    return bad | atomic_load(&a.bad);
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -222,6 +237,21 @@ static int fwd_samples(const fwd_args *a, int64_t b0, int64_t b1) {
     return bad;
 }
 
+typedef struct {
+    const fwd_args *a;
+    int64_t tasks;
+    const float *grad; /* tbe_psw_grad's */
+    _Atomic int bad;
+} fwd_task_args;
+
+static void fwd_task(void *ctx, int64_t task, int executor) {
+    (void)executor;
+    fwd_task_args *t = ctx;
+    const int64_t B = t->a->B;
+    const int bad = fwd_samples(t->a, B * task / t->tasks, B * (task + 1) / t->tasks);
+    if (bad) atomic_fetch_or(&t->bad, bad);
+}
+
 /* Pooled: out[b, D_offsets[f] : + dims[f]] = the sum (mean) of bag f*B+b's rows times their
  * per-sample weights (an empty bag: zeros). Unpooled: out[i, :dims[f]] = row of id i (times
  * its weight), for the ids of the bags (the rest of out is left as given). rows: [T] E of each
@@ -237,20 +267,13 @@ int tbe_forward(const void *weights, int dtype, int64_t numel, const int64_t *w_
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
                   off32, N, T, B, psw, pooling, out, stride};
-    /* a task per thread: feature f's bags of a task are one run of ids, prefetched as one
-     * stream (small tasks restart the prefetching at every feature of every task) */
-    if (nthreads < 1) nthreads = 1;
-    const int64_t chunk = B > 16 * nthreads ? (B + nthreads - 1) / nthreads : 16;
-    const int64_t tasks = (B + chunk - 1) / chunk;
-    int bad = 0;
-#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(dynamic, 1) \
-    reduction(| : bad)
-    for (int64_t j = 0; j < tasks; ++j) {
-        const int64_t b0 = j * chunk, b1 = b0 + chunk < B ? b0 + chunk : B;
-        bad |= fwd_samples(&a, b0, b1);
-    }
+    /* a few tasks per thread, of whole samples: feature f's bags of a task are one run of
+     * ids, prefetched as one stream */
+    const int64_t tasks = tbe_tasks(B, nthreads, 16);
+    fwd_task_args t = {&a, tasks, NULL, 0};
+    tbe_parallel(fwd_task, &t, tasks, nthreads);
     free(E);
-    return -bad;
+    return -atomic_load(&t.bad);
 }
 
 /* ---------------------------------------------------------------- per-sample weights */
@@ -290,6 +313,13 @@ static void psw_grad_samples(const fwd_args *a, const float *grad, int64_t b0, i
     }
 }
 
+static void psw_grad_task(void *ctx, int64_t task, int executor) {
+    (void)executor;
+    fwd_task_args *t = ctx;
+    const int64_t B = t->a->B;
+    psw_grad_samples(t->a, t->grad, B * task / t->tasks, B * (task + 1) / t->tasks, t->a->out);
+}
+
 /* out[i] = <gradient row of id i's bag (unpooled: of id i), row of id i> (/ the bag's length
  * under MEAN), for the ids of the bags (the rest of out is left as given). Returns 0. */
 int tbe_psw_grad(const float *grad, int64_t stride, int pooling, const void *weights, int dtype,
@@ -302,10 +332,10 @@ int tbe_psw_grad(const float *grad, int64_t stride, int pooling, const void *wei
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
                   off32, N, T, B, NULL, pooling, NULL, stride};
-    const int64_t chunk = 16, tasks = (B + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(dynamic, 1)
-    for (int64_t j = 0; j < tasks; ++j)
-        psw_grad_samples(&a, grad, j * chunk, j * chunk + chunk < B ? j * chunk + chunk : B, out);
+    a.out = out;
+    const int64_t tasks = tbe_tasks(B, nthreads, 16);
+    fwd_task_args t = {&a, tasks, grad, 0};
+    tbe_parallel(psw_grad_task, &t, tasks, nthreads);
     free(E);
     return 0;
 }

@@ -1,18 +1,28 @@
-/* What both native CPU kernel files share (tbe_cpu.c: check, forward, per-sample weights;
- * tbe_cpu_backward.c: plan, backward): the codes, id and offset loads, the rows' bounds,
- * prefetching, fp16 / bf16 conversions and the 8-float vectors. See tbe_cpu.c for the layout. */
+/* What the native CPU kernel files share (tbe_cpu.c: check, forward, per-sample weights;
+ * tbe_cpu_backward.c: plan, backward; tbe_pool.c: threads): the codes, id and offset loads,
+ * the rows' bounds, prefetching, fp16 / bf16 conversions, the 8-float vectors and the pool.
+ * See tbe_cpu.c for the layout. */
 #ifndef TBE_CPU_H
 #define TBE_CPU_H
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static int omp_get_thread_num(void) { return 0; }
-static int omp_get_num_threads(void) { return 1; }
-#endif
+#include <stdatomic.h>
+
+/* tbe_pool.c: fn(ctx, task, executor) for tasks 0 .. ntasks - 1 on up to nthreads threads
+ * (executor: 0 .. nthreads - 1, the running thread, for its scratch memory only) */
+typedef void (*tbe_task)(void *ctx, int64_t task, int executor);
+void tbe_parallel(tbe_task fn, void *ctx, int64_t ntasks, int nthreads);
+
+/* tasks for n items of work on nthreads threads: a few per thread, so that a thread the OS
+ * holds back leaves its share to the others (at most one task per `grain` items) */
+static inline int64_t tbe_tasks(int64_t n, int nthreads, int64_t grain) {
+    int64_t t = 4 * (int64_t)(nthreads > 1 ? nthreads : 1);
+    if (nthreads <= 1) t = 1;
+    if (t > n / (grain > 0 ? grain : 1)) t = n / (grain > 0 ? grain : 1);
+    return t > 0 ? t : 1;
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TBE_NO_CLONES)
 #define TBE_TARGETS __attribute__((target_clones("arch=x86-64-v3", "default")))

@@ -1,21 +1,21 @@
 /* The backward: each unique row of a batch gets its gradient (the sum over its ids, in batch
  * order, of the id's gradient row times its scale) and one fused optimizer step in place.
  *
- *   tbe_backward_fused  plan and update in one parallel region: the ids' keys (a table's first
- *                       row + id) are cut into 2^11 buckets by their top bits (one stable
- *                       counting pass over all ids), each thread takes a contiguous range of
- *                       buckets holding about 1 / nt of the ids, sorts each of its buckets by
- *                       the remaining bits in cache and updates the rows of its runs: no thread
- *                       touches another's rows, three barriers in all;
- *   tbe_plan            the same plan, its runs numbered for the whole batch (the caller then
- *                       sizes the gradients), and tbe_backward on it: the summed gradients
- *                       written out, or the update.
+ * The plan cuts the ids' keys (a table's first row + id) into 2^11 buckets by their top bits:
+ * (1) each task of bags writes its ids' keys and counts them per bucket, (2) the counts are
+ * summed in (bucket, task) order, (3) each task moves its ids to their buckets, keeping their
+ * order, (4) each task of buckets (about an equal share of the ids) sorts its buckets by the
+ * remaining bits in cache and, in tbe_backward_fused, sums and updates the rows of their runs
+ * at once: no two tasks touch one row. tbe_plan stops after (4), its runs numbered for the
+ * whole batch (the caller then sizes the gradients), and tbe_backward takes it from there.
  *
  * A sorted id is packed as key << pos_bits | position, so that sorting the values sorts by key
  * and, within a key, by position (batch order). */
 #include "tbe_cpu.h"
 
 #define BUCKET_BITS 11
+
+typedef struct bwd_args bwd_args;
 
 typedef struct {
     const void *indices, *offsets; /* [N], [T*B+1] */
@@ -30,12 +30,19 @@ typedef struct {
     int32_t *feat;             /* [N] feature of each id */
     int64_t *gofs;             /* [N] first element of its gradient row */
     float *scale;              /* [N] its per-sample weight (/ bag length under MEAN), or NULL */
-    int64_t *runs;             /* [N + nthreads + 1] thread t's run starts from bstart + t */
+    int64_t *runs;             /* [N + tasks + 1]: task t's run starts from bstart[tcut[t]] + t */
     int pos_bits, low_bits;    /* a key's bucket is key >> low_bits */
     int64_t first, M, nb;      /* the bags' first id, their ids, buckets */
-    int64_t *hist, *bstart, *tcut, *nruns; /* [nt * nb], [nb + 1], [nt + 1], [nt + 1] */
-    int *bad;                  /* [nt] */
+    int64_t tasks;
+    int64_t *hist, *bstart, *tcut, *nruns; /* [tasks * nb], [nb + 1], [tasks + 1] each */
+    _Atomic int bad;
+    const bwd_args *update;    /* (4) also sums and updates the runs' rows (or NULL) */
+    float *scratch;            /* 2 * width floats per executor */
+    int64_t width;
 } plan_args;
+
+static void bwd_runs(const bwd_args *a, const int64_t *starts, int64_t n, int64_t row_base,
+                     float *restrict g, float *restrict wbuf);
 
 static int plan_setup(plan_args *p, const void *indices, int idx32, int64_t N,
                       const void *offsets, int off32, int64_t T, int64_t B, const int64_t *rows,
@@ -45,9 +52,12 @@ static int plan_setup(plan_args *p, const void *indices, int idx32, int64_t N,
                       uint64_t *tmp, int32_t *feat, int64_t *gofs, float *scale, int64_t *runs,
                       int nthreads) {
     const int64_t first = at(offsets, off32, 0), last = at(offsets, off32, T * B);
-    *p = (plan_args){indices, offsets, idx32, off32, N, T, B, NULL, row_offsets, D_offsets,
-                     pooling, stride, psw, packed, tmp, feat, gofs, scale, runs, 0, 0,
-                     first, last - first, 0, NULL, NULL, NULL, NULL, NULL};
+    memset(p, 0, sizeof *p);
+    *p = (plan_args){.indices = indices, .offsets = offsets, .idx32 = idx32, .off32 = off32,
+                     .N = N, .T = T, .B = B, .row_offsets = row_offsets, .D_offsets = D_offsets,
+                     .pooling = pooling, .stride = stride, .psw = psw, .packed = packed,
+                     .tmp = tmp, .feat = feat, .gofs = gofs, .scale = scale, .runs = runs,
+                     .first = first, .M = last - first};
     if (first < 0 || last < first || last > N || T >= ((int64_t)1 << 31)) return BAD_ORDER;
     p->E = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
     if (!p->E) return NO_MEMORY;
@@ -62,19 +72,19 @@ static int plan_setup(plan_args *p, const void *indices, int idx32, int64_t N,
     if (p->pos_bits + key_bits > 64) return TOO_BIG;
     p->low_bits = key_bits > BUCKET_BITS ? key_bits - BUCKET_BITS : 0;
     p->nb = (int64_t)1 << (key_bits - p->low_bits);
-    p->hist = malloc(sizeof(int64_t) * (nthreads * p->nb + p->nb + 1 + 2 * (nthreads + 1)));
-    p->bad = malloc(sizeof(int) * nthreads);
-    if (!p->hist || !p->bad) return NO_MEMORY;
-    p->bstart = p->hist + nthreads * p->nb;
+    p->tasks = tbe_tasks(p->M + T * B, nthreads, 1024);
+    p->hist = malloc(sizeof(int64_t) * (p->tasks * p->nb + p->nb + 1 + 2 * (p->tasks + 1)));
+    if (!p->hist) return NO_MEMORY;
+    p->bstart = p->hist + p->tasks * p->nb;
     p->tcut = p->bstart + p->nb + 1;
-    p->nruns = p->tcut + nthreads + 1;
+    p->nruns = p->tcut + p->tasks + 1;
     return 0;
 }
 
 static void plan_free(plan_args *p) {
     free(p->E);
     free(p->hist);
-    free(p->bad);
+    free(p->scratch);
 }
 
 /* Stable sort of n packed values by their key's low `bits` (the bucket fixes the rest), from
@@ -108,14 +118,13 @@ static void sort_bucket(uint64_t *src, uint64_t *dst, int64_t n, int pos_bits, i
     if (a != dst) memcpy(dst, a, sizeof(uint64_t) * n);
 }
 
-/* The plan, by every thread of a parallel region: returns 0, or the BAD_* bits of the batch
- * (the same on every thread). On 0, thread tid's runs start at p->runs + p->bstart[p->tcut[tid]]
- * + tid (p->nruns[tid] of them, then the end of its last one). */
-static int plan_region(plan_args *p, int tid, int nt) {
-    /* 1. keys, features, gradient rows and scales of this thread's bags; bucket counts */
-    int64_t *h = p->hist + tid * p->nb;
+/* (1) task's bags: keys, features, gradient rows, scales; its bucket counts */
+static void plan_keys(void *ctx, int64_t task, int executor) {
+    (void)executor;
+    plan_args *p = ctx;
+    int64_t *h = p->hist + task * p->nb;
     memset(h, 0, sizeof(int64_t) * p->nb);
-    const int64_t B = p->B, k0 = p->T * B * tid / nt, k1 = p->T * B * (tid + 1) / nt;
+    const int64_t B = p->B, k0 = p->T * B * task / p->tasks, k1 = p->T * B * (task + 1) / p->tasks;
     int64_t f = B ? k0 / B : 0, b = k0 - f * B;
     int bad = 0;
     for (int64_t k = k0; k < k1; ++k, ++b) {
@@ -144,40 +153,29 @@ static int plan_region(plan_args *p, int tid, int nt) {
             }
         }
     }
-    p->bad[tid] = bad;
-#pragma omp barrier
-    for (int t = 0; t < nt; ++t) bad |= p->bad[t];
-    if (bad) return bad;
-    /* 2. where each (bucket, thread) goes; each thread's buckets: about M / nt ids */
-#pragma omp single
-    {
-        int64_t sum = 0;
-        for (int64_t d = 0; d < p->nb; ++d) {
-            p->bstart[d] = sum;
-            for (int t = 0; t < nt; ++t) {
-                const int64_t c = p->hist[t * p->nb + d];
-                p->hist[t * p->nb + d] = sum;
-                sum += c;
-            }
-        }
-        p->bstart[p->nb] = sum;
-        for (int t = 0, d = 0; t <= nt; ++t) {
-            while (d < p->nb && p->bstart[d] < p->M * t / nt) ++d;
-            p->tcut[t] = t == nt ? p->nb : d;
-        }
-    } /* implied barrier */
-    /* 3. this thread's ids (those of its bags, in order) to their buckets, stably */
+    if (bad) atomic_fetch_or(&p->bad, bad);
+}
+
+/* (3) task's ids (those of its bags, in order) to their buckets */
+static void plan_scatter(void *ctx, int64_t task, int executor) {
+    (void)executor;
+    plan_args *p = ctx;
+    int64_t *h = p->hist + task * p->nb;
+    const int64_t k0 = p->T * p->B * task / p->tasks, k1 = p->T * p->B * (task + 1) / p->tasks;
     const int64_t j0 = at(p->offsets, p->off32, k0) - p->first;
     const int64_t j1 = at(p->offsets, p->off32, k1) - p->first;
     for (int64_t j = j0; j < j1; ++j) {
         const uint64_t v = p->packed[j];
         p->tmp[h[(v >> p->pos_bits) >> p->low_bits]++] = v;
     }
-#pragma omp barrier
-    /* 4. this thread's buckets sorted into packed, and their runs */
-    const int64_t c0 = p->bstart[p->tcut[tid]], c1 = p->bstart[p->tcut[tid + 1]];
-    int64_t *runs = p->runs + c0 + tid, nr = 0;
-    for (int64_t d = p->tcut[tid]; d < p->tcut[tid + 1]; ++d) {
+}
+
+/* (4) task's buckets sorted into packed, their runs found (and summed and updated) */
+static void plan_sort(void *ctx, int64_t task, int executor) {
+    plan_args *p = ctx;
+    const int64_t c0 = p->bstart[p->tcut[task]], c1 = p->bstart[p->tcut[task + 1]];
+    int64_t *runs = p->runs + c0 + task, nr = 0;
+    for (int64_t d = p->tcut[task]; d < p->tcut[task + 1]; ++d) {
         const int64_t s = p->bstart[d], e = p->bstart[d + 1];
         sort_bucket(p->tmp + s, p->packed + s, e - s, p->pos_bits, p->low_bits);
         for (int64_t j = s; j < e; ++j)
@@ -185,13 +183,39 @@ static int plan_region(plan_args *p, int tid, int nt) {
                 runs[nr++] = j;
     }
     runs[nr] = c1;
-    p->nruns[tid] = nr;
+    p->nruns[task] = nr;
+    if (p->update)
+        bwd_runs(p->update, runs, nr, 0, p->scratch + 2 * p->width * executor,
+                 p->scratch + (2 * executor + 1) * p->width);
+}
+
+/* (1) .. (4); returns 0 or the batch's BAD_* bits */
+static int plan_run(plan_args *p, int nthreads) {
+    tbe_parallel(plan_keys, p, p->tasks, nthreads);
+    const int bad = atomic_load(&p->bad);
+    if (bad) return bad;
+    int64_t sum = 0; /* (2) */
+    for (int64_t d = 0; d < p->nb; ++d) {
+        p->bstart[d] = sum;
+        for (int64_t t = 0; t < p->tasks; ++t) {
+            const int64_t c = p->hist[t * p->nb + d];
+            p->hist[t * p->nb + d] = sum;
+            sum += c;
+        }
+    }
+    p->bstart[p->nb] = sum;
+    for (int64_t t = 0, d = 0; t <= p->tasks; ++t) { /* tasks of buckets: ~M / tasks ids each */
+        while (d < p->nb && p->bstart[d] < p->M * t / p->tasks) ++d;
+        p->tcut[t] = t == p->tasks ? p->nb : d;
+    }
+    tbe_parallel(plan_scatter, p, p->tasks, nthreads);
+    tbe_parallel(plan_sort, p, p->tasks, nthreads);
     return 0;
 }
 
 /* ---------------------------------------------------------------- backward */
 
-typedef struct {
+struct bwd_args {
     const float *grad;        /* the gradient rows (gofs) */
     const uint64_t *sorted;   /* [M] the plan's packed keys */
     uint64_t pmask;           /* position bits of a packed key */
@@ -210,7 +234,7 @@ typedef struct {
     float *row_grads;         /* OPT_NONE: [U, max_D] summed gradients, else NULL */
     int64_t *row_elems, *row_dims; /* OPT_NONE: [U] first element and D of each row */
     int64_t max_D;
-} bwd_args;
+};
 
 /* g[d0 : d0 + 8 NV] = sum over the sorted ids s..e of scale * gradient row (scale 1 unless
  * S); `first`: the run's first pass, which prefetches the gradient rows PREFETCH_IDS ids
@@ -413,35 +437,25 @@ static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, in
                elem_limit, row_limit, pooling, stride, D_offsets, psw, packed, tmp, feat, gofs, \
                scale, runs, nthreads)
 
-/* Plan and update in one region: every row an id of the batch names gets one optimizer step
- * in place with its gradient (grad: the gradient rows, fp32). hyper: lr, eps, beta1, beta2,
- * weight_decay, decoupled (0/1), t (>= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded
- * sr_seed. Returns 0, or minus BAD_* (nothing updated), NO_MEMORY or TOO_BIG. */
+/* Plan and update: every row an id of the batch names gets one optimizer step in place with
+ * its gradient (grad: the gradient rows, fp32). hyper: lr, eps, beta1, beta2, weight_decay,
+ * decoupled (0/1), t (>= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded sr_seed.
+ * Returns 0, or minus BAD_* (nothing updated), NO_MEMORY or TOO_BIG. */
 int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
                        float *m2, int opt, const double *hyper, int sr, uint64_t sr_seed,
                        int64_t max_D, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     plan_args p;
     int err = PLAN_SETUP(&p, nthreads);
-    const int64_t width = (max_D > 0 ? max_D : 1) + 8;
-    float *scratch = err ? NULL : malloc(sizeof(float) * 2 * width * nthreads);
-    if (!err && !scratch) err = NO_MEMORY;
-    if (err) {
-        plan_free(&p);
-        return -err;
-    }
     bwd_args a;
-    bwd_setup(&a, grad, packed, p.pos_bits, feat, gofs, scale, w_offsets, dims, row_offsets,
-              weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
-#pragma omp parallel num_threads(nthreads) reduction(| : err)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        err = plan_region(&p, tid, nt);
-        if (!err) /* this thread's rows only: no barrier before the updates */
-            bwd_runs(&a, p.runs + p.bstart[p.tcut[tid]] + tid, p.nruns[tid], 0,
-                     scratch + 2 * width * tid, scratch + (2 * tid + 1) * width);
+    if (!err) {
+        bwd_setup(&a, grad, packed, p.pos_bits, feat, gofs, scale, w_offsets, dims, row_offsets,
+                  weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
+        p.update = &a;
+        p.width = (max_D > 0 ? max_D : 1) + 8;
+        p.scratch = malloc(sizeof(float) * 2 * p.width * nthreads);
+        err = p.scratch ? plan_run(&p, nthreads) : NO_MEMORY;
     }
-    free(scratch);
     plan_free(&p);
     return -err;
 }
@@ -454,33 +468,43 @@ int64_t tbe_plan(PLAN_ARGS, int64_t *run_start, int *pos_bits, int nthreads) {
     plan_args p;
     int err = PLAN_SETUP(&p, nthreads);
     int64_t U = 0;
+    if (!err) err = plan_run(&p, nthreads);
     if (!err) {
-#pragma omp parallel num_threads(nthreads) reduction(| : err)
-        {
-            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            err = plan_region(&p, tid, nt);
-            if (!err) {
-#pragma omp barrier
-#pragma omp single
-                {
-                    int64_t sum = 0;
-                    for (int t = 0; t < nt; ++t) {
-                        const int64_t c = p.nruns[t];
-                        p.nruns[t] = sum;
-                        sum += c;
-                    }
-                    U = sum;
-                }
-                const int64_t *mine = p.runs + p.bstart[p.tcut[tid]] + tid;
-                const int64_t n = tid + 1 < nt ? p.nruns[tid + 1] - p.nruns[tid] : U - p.nruns[tid];
-                memcpy(run_start + p.nruns[tid], mine, sizeof(int64_t) * n);
-            }
+        for (int64_t t = 0; t < p.tasks; ++t) {
+            memcpy(run_start + U, p.runs + p.bstart[p.tcut[t]] + t, sizeof(int64_t) * p.nruns[t]);
+            U += p.nruns[t];
         }
         run_start[U] = p.M;
         *pos_bits = p.pos_bits;
     }
     plan_free(&p);
     return err ? -err : U;
+}
+
+typedef struct {
+    const bwd_args *a;
+    const int64_t *run_start;
+    int64_t U, tasks, width;
+    float *scratch;
+} runs_args;
+
+/* a contiguous block of runs with about 1 / tasks of the ids: from the first run at or after
+ * the task's share of ids (a binary search) */
+static void runs_task(void *ctx, int64_t task, int executor) {
+    runs_args *r = ctx;
+    const int64_t M = r->run_start[r->U];
+    int64_t cut[2];
+    for (int side = 0; side < 2; ++side) {
+        const int64_t want = M * (task + side) / r->tasks;
+        int64_t lo = 0, hi = r->U;
+        while (lo < hi) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if (r->run_start[mid] < want) lo = mid + 1; else hi = mid;
+        }
+        cut[side] = task + side == r->tasks ? r->U : lo;
+    }
+    bwd_runs(r->a, r->run_start + cut[0], cut[1] - cut[0], cut[0],
+             r->scratch + 2 * r->width * executor, r->scratch + (2 * executor + 1) * r->width);
 }
 
 /* Every unique row of a tbe_plan gets its gradient and, with an optimizer, one step in place
@@ -498,28 +522,11 @@ int tbe_backward(const float *grad, const uint64_t *sorted, int pos_bits, const 
               weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
     a.row_grads = row_grads, a.row_elems = row_elems, a.row_dims = row_dims;
     if (nthreads < 1) nthreads = 1;
-    const int64_t width = (max_D > 0 ? max_D : 1) + 8;
-    float *scratch = malloc(sizeof(float) * 2 * width * nthreads);
-    if (!scratch) return -NO_MEMORY;
-    const int64_t M = run_start[U];
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        /* a contiguous block of runs with about M / nt ids each: the first run at or after
-         * the thread's share of ids (a binary search; every thread finds the same cuts) */
-        int64_t cut[2];
-        for (int side = 0; side < 2; ++side) {
-            const int64_t want = M * (tid + side) / nt;
-            int64_t lo = 0, hi = U;
-            while (lo < hi) {
-                const int64_t mid = lo + (hi - lo) / 2;
-                if (run_start[mid] < want) lo = mid + 1; else hi = mid;
-            }
-            cut[side] = tid + side == nt ? U : lo;
-        }
-        bwd_runs(&a, run_start + cut[0], cut[1] - cut[0], cut[0], scratch + 2 * width * tid,
-                 scratch + (2 * tid + 1) * width);
-    }
-    free(scratch);
+    runs_args r = {&a, run_start, U, tbe_tasks(run_start[U], nthreads, 1024),
+                   (max_D > 0 ? max_D : 1) + 8, NULL};
+    r.scratch = malloc(sizeof(float) * 2 * r.width * nthreads);
+    if (!r.scratch) return -NO_MEMORY;
+    tbe_parallel(runs_task, &r, r.tasks, nthreads);
+    free(r.scratch);
     return 0;
 }

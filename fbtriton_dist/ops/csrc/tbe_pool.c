@@ -1,0 +1,113 @@
+/* The native CPU kernels' threads: tbe_parallel(fn, ctx, ntasks, nthreads) runs fn(ctx, task,
+ * executor) for every task, on the calling thread and up to nthreads - 1 pool threads.
+ *
+ * Tasks are claimed one at a time from a shared counter, and the caller returns once every
+ * task is done: it never waits for a pool thread that has not claimed one. On a machine whose
+ * cores are busy with other processes a fork-join team (OpenMP's) waits at every barrier
+ * until each of its threads has been scheduled, which can take an OS time slice; here a late
+ * thread finds no task left and goes back to sleep. `executor` (0 for the caller) names the
+ * thread, for its scratch memory only: results never depend on who ran a task.
+ *
+ * One job at a time (a lock); the pool threads start at the first job that needs them, and
+ * again in a forked child (threads do not survive fork). */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "tbe_cpu.h"
+
+#define MAX_POOL 255
+#define SPINS 4000 /* polls of the job counter before a pool thread sleeps */
+
+static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;     /* the job's description */
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static int started;  /* pool threads running (in process `owner`) */
+static pid_t owner;
+static _Atomic uint64_t generation; /* jobs published so far */
+static _Atomic uint64_t claim;      /* generation << 32 | the next task */
+static _Atomic int64_t done;        /* tasks of this generation finished */
+static tbe_task job_fn;
+static void *job_ctx;
+static int64_t job_tasks;
+static int job_threads;
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void run_tasks(uint64_t gen, tbe_task fn, void *ctx, int64_t n, int executor) {
+    const uint64_t tag = (gen & 0xffffffffu) << 32;
+    for (;;) {
+        uint64_t c = atomic_load(&claim);
+        if ((c & ~(uint64_t)0xffffffffu) != tag || (int64_t)(c & 0xffffffffu) >= n) return;
+        if (!atomic_compare_exchange_weak(&claim, &c, c + 1)) continue;
+        fn(ctx, (int64_t)(c & 0xffffffffu), executor);
+        atomic_fetch_add(&done, 1);
+    }
+}
+
+static void *pool_thread(void *arg) {
+    const int executor = (int)(intptr_t)arg;
+    uint64_t seen = atomic_load(&generation);
+    for (;;) {
+        for (int i = 0; i < SPINS && atomic_load(&generation) == seen; ++i) cpu_relax();
+        pthread_mutex_lock(&lock);
+        while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &lock);
+        seen = atomic_load(&generation);
+        const tbe_task fn = job_fn;
+        void *ctx = job_ctx;
+        const int64_t n = job_tasks;
+        const int threads = job_threads;
+        pthread_mutex_unlock(&lock);
+        if (executor < threads) run_tasks(seen, fn, ctx, n, executor);
+    }
+    return NULL;
+}
+
+/* at least `want` pool threads (fewer if the system refuses); returns how many run */
+static int ensure_pool(int want) {
+    if (owner != getpid()) { /* first use, or a forked child: its threads are gone */
+        started = 0;
+        owner = getpid();
+        pthread_mutex_init(&lock, NULL);
+        pthread_cond_init(&wake, NULL);
+    }
+    if (want > MAX_POOL) want = MAX_POOL;
+    while (started < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int err = pthread_create(&t, &attr, pool_thread, (void *)(intptr_t)(started + 1));
+        pthread_attr_destroy(&attr);
+        if (err) break;
+        ++started;
+    }
+    return started;
+}
+
+void tbe_parallel(tbe_task fn, void *ctx, int64_t ntasks, int nthreads) {
+    if (nthreads > ntasks) nthreads = (int)ntasks;
+    if (nthreads <= 1 || ntasks >= ((int64_t)1 << 31)) {
+        for (int64_t t = 0; t < ntasks; ++t) fn(ctx, t, 0);
+        return;
+    }
+    pthread_mutex_lock(&run_lock);
+    const int pool = ensure_pool(nthreads - 1);
+    pthread_mutex_lock(&lock);
+    job_fn = fn, job_ctx = ctx, job_tasks = ntasks, job_threads = pool + 1 < nthreads ? pool + 1 : nthreads;
+    const uint64_t gen = atomic_load(&generation) + 1;
+    atomic_store(&done, 0);
+    atomic_store(&claim, (gen & 0xffffffffu) << 32);
+    atomic_store(&generation, gen);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+    run_tasks(gen, fn, ctx, ntasks, 0);
+    while (atomic_load(&done) < ntasks) sched_yield(); /* only tasks someone claimed are left */
+    pthread_mutex_unlock(&run_lock);
+}
