@@ -135,6 +135,12 @@ def _load() -> ctypes.CDLL:
     compiler = shutil.which(cc)
     if compiler is None:
         raise RuntimeError(f"no C compiler: {cc!r} is not on PATH")
+    missing = [p.name for p in (*SOURCES, *HEADERS) if not p.is_file()]
+    if missing:
+        raise RuntimeError(
+            f"expected the C sources {', '.join(missing)} in {CSRC}, got none: the package was "
+            "installed without its data files (pyproject.toml's [tool.setuptools.package-data])"
+        )
     source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     where = cache_dir()
     errors = []

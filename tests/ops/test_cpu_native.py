@@ -427,6 +427,23 @@ def test_a_failing_build_falls_back(tmp_path, monkeypatch, used):
         cpu_native.reset()
 
 
+def test_sources_not_installed_warn_naming_them(tmp_path, monkeypatch, used):
+    """An install without the package data (csrc/*.c, *.h): a warning that says so, the torch
+    ops."""
+    monkeypatch.setattr(cpu_native, "CSRC", tmp_path)
+    monkeypatch.setattr(cpu_native, "SOURCES", tuple(tmp_path / p.name for p in cpu_native.SOURCES))
+    monkeypatch.setattr(cpu_native, "HEADERS", tuple(tmp_path / p.name for p in cpu_native.HEADERS))
+    monkeypatch.setenv("FBTD_CPU_NATIVE_CACHE", str(tmp_path))
+    cpu_native.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="tbe_cpu.c.*installed without its data files"):
+            assert cpu_native.library() is None
+        assert "installed without its data files" in cpu_native.describe()
+        _torch_path_matches_reference(used)
+    finally:
+        cpu_native.reset()
+
+
 def test_the_knob_turns_the_kernels_off(monkeypatch, used):
     monkeypatch.setenv("FBTD_CPU_NATIVE", "0")
     with warnings.catch_warnings():
