@@ -54,6 +54,8 @@ __all__ = ["Blocks", "CostModel", "PlanCost", "RankCost", "evaluate", "header_by
 UNIFORM = IdDistribution()
 INT32_ROWS = 2**31
 """Ids of a shard with at least this many rows travel as int64 (else int32)."""
+TIME_QUANTUM = 1e-8
+"""Per-rank times closer than this (seconds) count as equal when the planner compares them."""
 REPLICA_GRAD_BYTES = 4
 """Bytes per gradient value of a data-parallel table's all-gather (fp32 whatever the wire
 dtype of the pooled values: every replica takes the same exact update)."""

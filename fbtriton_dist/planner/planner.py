@@ -35,7 +35,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ._yaml import check_choice, check_int, check_number
-from .cost import UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
+from .balance import balance_memory
+from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
 from .plan import ShardingPlan
 from .shards import SHARDING_TYPES, TableSharding
@@ -47,8 +48,6 @@ __all__ = ["PlanError", "ShardingPlanner"]
 RowCuts = Literal["balanced", "equal"]
 MIN_COLUMN_SLICE = 32
 """Column-wise slices are at least this wide (narrower slices waste the TBE kernel's lanes)."""
-TIME_QUANTUM = 1e-8
-"""Per-rank times closer than this (seconds) count as equal when comparing proposals."""
 MAX_GRID_TABLES = 4
 """Grid-shard at most this many bottleneck tables in one plan."""
 GRID_BRANCHES = 2
@@ -145,6 +144,12 @@ class ShardingPlanner:
             measured on Criteo at 64 ranks, Zipf(1.1): 0.501 ms / 1.063 instead of 0.500 ms /
             1.115, while 0.03 would already trade 3 % of step time for balance (0.515 ms /
             1.059). 0 keeps the fastest plan.
+        balance_memory: after the time-balanced plan is found, lower the largest rank's
+            memory (``balance.balance_memory``: re-place the tables of the fullest ranks under
+            a lower memory cap) while the step time stays within ``memory_tolerance``.
+        memory_tolerance: the memory pass may raise the step time (the slowest rank's) to at
+            most ``1 + memory_tolerance`` times the time-balanced plan's (and never above the
+            plan with equal row blocks); 0 only takes moves that keep the step time.
         progress: called with a line of text (which pass, how many tables placed, seconds so
             far) about once a second once a plan has taken ``progress_after_s``; None: quiet.
     """
@@ -160,6 +165,8 @@ class ShardingPlanner:
         optimizer: str = "rowwise_adagrad",
         row_cuts: RowCuts = "balanced",
         balance_tolerance: float = 0.01,
+        balance_memory: bool = True,
+        memory_tolerance: float = 0.01,
         progress: Callable[[str], None] | None = None,
         progress_after_s: float = 2.0,
     ) -> None:
@@ -178,6 +185,9 @@ class ShardingPlanner:
         check_choice("optimizer", optimizer, OPTIMIZERS)
         check_choice("row_cuts", row_cuts, ("balanced", "equal"))
         check_number("balance_tolerance", balance_tolerance, 0.0)
+        if not isinstance(balance_memory, bool):
+            raise ValueError(f"balance_memory: expected a bool, got {balance_memory!r}")
+        check_number("memory_tolerance", memory_tolerance, 0.0)
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.hbm_bytes_per_rank = hbm_bytes_per_rank
@@ -186,6 +196,8 @@ class ShardingPlanner:
         self.optimizer = optimizer
         self.row_cuts = row_cuts
         self.balance_tolerance = balance_tolerance
+        self.balance_memory, self.memory_tolerance = balance_memory, memory_tolerance
+        self._cap_bytes: float | None = None  # the memory pass's cap while it re-places
         self.progress, self.progress_after_s = progress, progress_after_s
         self._clock = (0.0, 0.0)  # (start of the plan, last progress line)
 
@@ -193,6 +205,11 @@ class ShardingPlanner:
     def budget_bytes(self) -> float:
         """Embedding memory per rank: ``hbm_bytes_per_rank x (1 - reserved_fraction)``."""
         return self.hbm_bytes_per_rank * (1.0 - self.reserved_fraction)
+
+    @property
+    def _room_bytes(self) -> float:
+        """What the search lets a rank hold: the budget, or the memory pass's lower cap."""
+        return self.budget_bytes if self._cap_bytes is None else self._cap_bytes
 
     @property
     def num_hosts(self) -> int:
@@ -284,15 +301,21 @@ class ShardingPlanner:
         """``draft``, or the plan made with equal row blocks if that one's step time is lower
         (skew-aware cuts balance each table as it is placed; greedily, that can leave a plan
         slower than equal blocks, e.g. Criteo at 8 ranks). Only with ``row_cuts="balanced"``."""
-        if self.row_cuts != "balanced":
+        limit = draft.step() * (1.0 + self.memory_tolerance)
+        if self.row_cuts == "balanced":
+            equal = copy.copy(self)  # the same clock: its progress lines continue ours
+            equal.row_cuts = "equal"
+            try:
+                other = equal._plan(specs, cons, stats)  # memory-balanced too
+            except PlanError:  # equal blocks do not fit where balanced cuts do
+                other = None
+            if other is not None:
+                if _quanta(other.step()) < _quanta(draft.step()):
+                    return other
+                limit = min(limit, other.step())  # stays no slower than equal row blocks
+        if not self.balance_memory:
             return draft
-        equal = copy.copy(self)  # the same clock: its progress lines continue ours
-        equal.row_cuts = "equal"
-        try:
-            other = equal._plan(specs, cons, stats)
-        except PlanError:  # equal blocks do not fit where balanced cuts do
-            return draft
-        return other if _quanta(other.step()) < _quanta(draft.step()) else draft
+        return balance_memory(self, draft, specs, cons, stats, limit)
 
     def _choose(self, candidates: Sequence[tuple[Any, np.ndarray]]) -> Any:
         """Of ``(plan, per-rank times)`` pairs, the most balanced plan (max/mean time) among
@@ -443,12 +466,13 @@ class ShardingPlanner:
         for sharding in self._allowed_types(c, grid):
             proposals = list(self._proposals(spec, sharding, c, dist, acc))
             if not proposals:
-                failures.append(self._why_not(spec, sharding, c, acc))
+                failures.append(sharding)
             for blocks in proposals:
                 add = CostAccumulator(self.world_size, self.local_world_size, self.cost_model)
                 add.add_blocks(spec, sharding, blocks, dist, self.optimizer)
-                if (acc.memories() + add.memories() > self.budget_bytes).any():
-                    failures.append(self._why_not(spec, sharding, c, acc))
+                touched = add.memories()
+                if ((acc.memories() + touched > self._room_bytes) & (touched > 0)).any():
+                    failures.append(sharding)
                     continue
                 extra = add.time_array()
                 new = np.sort(base + extra)[::-1]
@@ -457,7 +481,8 @@ class ShardingPlanner:
                     best, best_score, best_add = (sharding, blocks), score, add
         if best is None:
             full = self._table_bytes(spec, spec.num_embeddings, spec.embedding_dim)
-            reasons = "\n  ".join(dict.fromkeys(failures))
+            reasons = "\n  ".join(dict.fromkeys(
+                self._why_not(spec, s, c, acc) for s in dict.fromkeys(failures)))
             raise PlanError(
                 f"table '{spec.name}' ({spec.num_embeddings} rows x {spec.embedding_dim} x "
                 f"{spec.dtype_bytes} B + state = {fmt_bytes(full)}) does not fit in a budget of "
@@ -466,6 +491,20 @@ class ShardingPlanner:
             )
         acc.merge(best_add)
         return (*best, best_add)
+
+    def _place_under(
+        self, spec: TableSpec, c: TableConstraints, dist: IdDistribution, acc: CostAccumulator,
+        cap: float,
+    ) -> tuple[str, Blocks, CostAccumulator] | None:
+        """:meth:`_place` with every rank it touches held to ``cap`` bytes instead of the
+        budget, any type (grid_shard too) allowed; None where nothing fits (the memory pass)."""
+        self._cap_bytes = cap
+        try:
+            return self._place(spec, c, dist, acc, True)
+        except PlanError:
+            return None
+        finally:
+            self._cap_bytes = None
 
     def _candidate_ranks(self, c: TableConstraints) -> list[int]:
         return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
@@ -557,7 +596,7 @@ class ShardingPlanner:
 
     def _with_room(self, by_load: np.ndarray, acc: CostAccumulator, need: float) -> np.ndarray:
         """The ranks of ``by_load`` (in its order) with ``need`` bytes of budget free."""
-        return by_load[acc.memories()[by_load] + need <= self.budget_bytes]
+        return by_load[acc.memories()[by_load] + need <= self._room_bytes]
 
     def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
         """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
@@ -686,7 +725,7 @@ class ShardingPlanner:
                   cols: int) -> np.ndarray:
         """Rows of ``cols`` columns each rank of ``members`` still has memory for."""
         per_row = self._table_bytes(spec, 1, cols)
-        free = self.budget_bytes - acc.memories()[members]
+        free = self._room_bytes - acc.memories()[members]
         return np.maximum(0, free // per_row).astype(np.int64)
 
     def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:
@@ -702,7 +741,7 @@ class ShardingPlanner:
         E, D = spec.num_embeddings, spec.embedding_dim
         ranks = self._candidate_ranks(c)
         mem = acc.memories().tolist()
-        free = {r: max(0.0, self.budget_bytes - mem[r]) for r in ranks}
+        free = {r: max(0.0, self._room_bytes - mem[r]) for r in ranks}
         most = max(free, key=lambda r: free[r])
         full = self._table_bytes(spec, E, D)
         if sharding == "data_parallel":
