@@ -348,15 +348,19 @@ def _tbe_row_update_kernel(
 _ROWS = Launcher(_tbe_row_update_kernel)
 
 
-def resident_programs(device: torch.device, num_warps: int) -> int:
+def resident_programs(device: torch.device, num_warps: int, maxnreg: int = 0) -> int:
     """Programs of ``num_warps`` warps that the device keeps resident at once (a persistent
-    grid): 32 per SM on NVIDIA GPUs since Volta (64 warps, at most 32 blocks); a few on CPU
-    (the interpreter), so that its loops run more than once."""
+    grid): per SM at most 32 blocks and 64 warps on NVIDIA GPUs since Volta, and, with the
+    registers capped at ``maxnreg`` per thread, as many warps as the 64K registers hold (a
+    grid of more would run its last programs after the first ones, a second wave); a few on
+    CPU (the interpreter), so that its loops run more than once."""
     if device.type != "cuda":
         return 3
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * min(
-        32, 64 // num_warps
-    )
+    per_sm = min(32, 64 // num_warps)
+    if maxnreg:
+        per_sm = min(per_sm, 65536 // (maxnreg * 32 * num_warps))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index) * max(1, per_sm)
 
 
 @functools.cache
@@ -393,7 +397,7 @@ def update_rows(
     scales = plan.scales
     mantissa, min_exp = half_format(weights.dtype)
     _ROWS(
-        (min(triton.cdiv(plan.N, runs), resident_programs(device, num_warps)),),
+        (min(triton.cdiv(plan.N, runs), resident_programs(device, num_warps, maxnreg)),),
         grad_output,
         weights,
         plan.goffs,

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from fbtriton_dist import graphs, knobs, optim, reference
-from fbtriton_dist.ops import cpu_native
+from fbtriton_dist.ops import cpu_native, tbe_ahead
 from fbtriton_dist.ops.backend import Backend, check_backend
 from fbtriton_dist.ops.backend import implementation as _impl
 
@@ -266,77 +266,6 @@ def _feature_name(layout: TBELayout, f: int) -> str:
 
 _NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
 
-# The backward's first half (linearize the ids into row keys, sort them, number their runs)
-# reads only the batch, not the gradient: on CUDA it runs on a side stream that starts with
-# the forward, beside it and the rest of the model, its loss and the output dist, and the
-# forward kernel then writes no keys. FBTD_TBE_AHEAD=0 (``knobs.TBE_AHEAD``) keeps it in the
-# forward/backward (to measure the difference); ``tbe_lookup(plan_ahead=...)`` decides per call.
-_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _plan_ahead(impl, layout: TBELayout, pooling: int, indices, offsets, per_sample_weights,
-                check: bool, here: bool = False):
-    """Linearize + ``tbe_backward_plan`` of a training batch on a side stream, forked from the
-    current stream before the forward is queued: (plan, its done event, the event after which
-    the side stream no longer reads the batch). On the CPU (``plan_ahead=True``) it is
-    made here, in order, and the events are None; so with ``here`` (a retained graph's
-    second backward, whose plan the first one freed)."""
-
-    def make():
-        keys, bag_ids, counts = impl.tbe_linearize(
-            indices, offsets, layout.rows, layout.row_offsets, num_rows=layout.num_rows,
-            pooling=pooling, check=check,
-        )
-        # the runs kernel reads the weights later: a copy, so that the side stream reads
-        # nothing of the batch once the forward is done (a captured step refills its static
-        # batch buffers after the forward, and only then waits for the side stream)
-        psw = per_sample_weights.clone() if per_sample_weights is not None else None
-        consumed = torch.cuda.Event() if device.type == "cuda" else None
-        if consumed is not None:
-            consumed.record()
-        plan = impl.tbe_backward_plan(
-            indices,
-            offsets,
-            psw,
-            layout.D_offsets,
-            layout.row_offsets,
-            w_offsets=layout.w_offsets,
-            dims=layout.dims,
-            pooling=pooling,
-            grad_stride=layout.max_D if pooling == reference.POOL_NONE else layout.total_D,
-            num_rows=layout.num_rows,
-            keys=keys,
-            bag_ids=bag_ids,
-            counts=counts,
-        )
-        return plan, consumed
-
-    device = indices.device
-    if device.type != "cuda" or here:
-        return make()[0], None, None
-    main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        plan, consumed = make()
-        done = torch.cuda.Event()
-        done.record(side)
-    return plan, done, consumed
-
-
-def _use_plan(plan, done, device) -> None:
-    """The current stream waits for the plan and keeps its memory from being reused (it was
-    allocated on the side stream) until the kernels queued here have read it."""
-    if done is None:
-        return
-    stream = torch.cuda.current_stream(device)
-    stream.wait_event(done)
-    for t in {t.untyped_storage().data_ptr(): t for t in plan.tensors()}.values():
-        t.record_stream(stream)
-
-
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
 
@@ -366,11 +295,10 @@ class _TBELookup(torch.autograd.Function):
         impl = _impl(backend)
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
-        if linearize and plan_ahead and backend == "triton":
-            plan, done, consumed = _plan_ahead(impl, layout, pooling, indices, offsets,
-                                               per_sample_weights, check=err is not None)
-            ctx.plan, ctx.ahead_check = (plan, done), err is not None
+        ahead = linearize and plan_ahead and backend == "triton"
+        if ahead:
             linearize = False  # the side stream writes the keys
+            fork = tbe_ahead.fork(weights.device)  # the side stream starts here
         result = impl.tbe_forward(
             weights,
             layout.w_offsets,
@@ -393,6 +321,11 @@ class _TBELookup(torch.autograd.Function):
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
+        if ahead:  # queued after the forward (tbe_ahead's comment says why)
+            plan, done, consumed = tbe_ahead.plan_ahead(
+                impl, layout, pooling, indices, offsets, per_sample_weights,
+                check=err is not None, fork=fork)
+            ctx.plan, ctx.ahead_check = (plan, done), err is not None
         if ctx.plan is not None and ctx.plan[1] is not None:
             main = torch.cuda.current_stream(weights.device)
             main.wait_event(consumed)  # the side stream no longer reads the batch
@@ -446,11 +379,12 @@ class _TBELookup(torch.autograd.Function):
         if ctx.plan is not None:  # sorted on the side stream since the forward
             plan, done = ctx.plan
             ctx.plan = None  # freed after this backward, not kept with the graph
-            _use_plan(plan, done, weights.device)
+            tbe_ahead.use_plan(plan, done, weights.device)
             common.update(plan=plan, num_rows=layout.num_rows)
         elif ctx.ahead_check is not None:  # a retained graph's next backward: plan again
-            plan, _, _ = _plan_ahead(impl, layout, pooling, indices, offsets, per_sample_weights,
-                                     check=ctx.ahead_check, here=True)
+            plan, _, _ = tbe_ahead.plan_ahead(impl, layout, pooling, indices, offsets,
+                                              per_sample_weights, check=ctx.ahead_check,
+                                              here=True)
             common.update(plan=plan, num_rows=layout.num_rows)
         common.update(row_align=layout.row_align)
         if backend == "cpu":  # the native kernels check each id against its table's rows

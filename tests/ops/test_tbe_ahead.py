@@ -1,4 +1,4 @@
-"""The backward's sort made ahead (``ops.tbe._plan_ahead``): on CUDA, on a side stream right
+"""The backward's sort made ahead (``ops.tbe_ahead.plan_ahead``): on CUDA, on a side stream right
 after the forward; on the CPU here, in order (``plan_ahead=True``). Either way the results must be
 bit-identical to the backward that sorts by itself: outputs, gradients, updated rows, optimizer
 state and the step counter, over several steps."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fbtriton_dist import TableBatchedEmbedding, optim
-from fbtriton_dist.ops import tbe as ops_tbe
+from fbtriton_dist.ops import tbe_ahead
 from tests.conftest import DEVICE, HAS_CUDA, TRITON_OK, requires_cuda
 
 pytestmark = pytest.mark.skipif(not TRITON_OK, reason="Triton needs CUDA or TRITON_INTERPRET=1")
@@ -68,10 +68,10 @@ def _train(optimizer: str, pooling: str, weighted: bool, batches, bounds: str = 
 def test_plan_made_ahead_equals_the_backward_sorting_itself(optimizer, pooling, weighted,
                                                             monkeypatch):
     batches = _batches(3, torch.int32 if weighted else torch.int64, pad=5)
-    results, real = [], ops_tbe._plan_ahead
+    results, real = [], tbe_ahead.plan_ahead
     for on in (False, True):
         seen = []
-        monkeypatch.setattr(ops_tbe, "_plan_ahead", lambda *a, seen=seen, **k: seen.append(1) or real(*a, **k))
+        monkeypatch.setattr(tbe_ahead, "plan_ahead", lambda *a, seen=seen, **k: seen.append(1) or real(*a, **k))
         results.append(_train(optimizer, pooling, weighted, batches, ahead=on))
         assert len(seen) == (3 if on else 0)
     (outs0, state0, step0), (outs1, state1, step1) = results
