@@ -65,6 +65,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default="balanced",
         help="skew-aware row cuts (default) or TorchRec-style equal row blocks",
     )
+    p.add_argument(
+        "--memory-tolerance",
+        type=float,
+        default=0.01,
+        metavar="T",
+        help="the memory pass may raise the step time by this share to even out memory "
+             "(default 0.01; 0: only moves that keep the step time)",
+    )
     p.add_argument("--out", metavar="PLAN.yaml", help="write the plan here (atomically)")
     p.add_argument("--check", metavar="PLAN.yaml", help="evaluate this plan instead of planning")
     p.add_argument("--png", metavar="FILE.png",
@@ -88,6 +96,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
     p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
                    help="what runs the bucketize (default: the reference)")
+    p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
+                   help="Zipf ids as the estimate assumes (planner, default) or as a training "
+                        "job's synthetic data draws them (job: train.data.power_law_rows)")
 
 
 def _table_set(path: str):
@@ -130,6 +141,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         cost_model=CostModel(batch_size=args.batch_size),
         optimizer=args.optimizer,
         row_cuts=args.row_cuts,
+        memory_tolerance=args.memory_tolerance,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     if args.check:

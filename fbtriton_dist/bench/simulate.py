@@ -57,6 +57,7 @@ from fbtriton_dist.planner.cost import CostAccumulator
 from fbtriton_dist.sharding.input_dist import InputDist, message
 from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sharding.output_dist import OutputDist
+from fbtriton_dist.train.data import power_law_rows
 
 __all__ = ["RankTraffic", "Simulation", "compare", "format_comparison", "sample_ranks",
            "simulate"]
@@ -67,6 +68,11 @@ ALL_SOURCES_UP_TO = 64
 DEFAULT_SOURCES = 32
 ALL_RANKS_UP_TO = 16
 """At most this many ranks: every rank is simulated (else ``sample_ranks``)."""
+ID_LAWS = ("planner", "job")
+"""``--sim-ids``: Zipf ids by the planner's discrete Zipf (``stats.inverse_cdf_array``, what
+the estimate assumes) or as a training job's synthetic data draws them
+(``train.data.power_law_rows``: the continuous bounded power law on [1, E+1), floored, which
+gives the hottest rows less: Zipf(1.1), 40M rows: row 0 8.1 % of lookups, not 11.3 %)."""
 TERMS = ("lookups", "input_dist_bytes", "output_dist_bytes", "inter_host_bytes")
 """What is compared, per rank (``RankCost`` field names)."""
 _DTYPE = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
@@ -118,6 +124,8 @@ class Simulation:
     batch_size: int
     seed: int
     backend: str
+    ids: str
+    """How Zipf ids were drawn: ``planner`` (the estimate's discrete Zipf) or ``job``."""
     seconds: float
     """Wall seconds the simulation took."""
     cpu_seconds: float
@@ -192,16 +200,23 @@ class _Collection:
         return cls(layout, specs, dists, L, sequence)
 
 
-def _draw(coll: _Collection, features: Sequence[int], B: int, rng: np.random.Generator):
+def _draw(coll: _Collection, features: Sequence[int], B: int, rng: np.random.Generator,
+          ids: str = "planner"):
     """One rank's bags of ``features`` (layout feature indices): (values, offsets [K*B+1]),
-    feature-major as a KJT's."""
+    feature-major as a KJT's. ``ids="job"`` draws a Zipf table's ids as a training job's
+    synthetic data does (``train.data.power_law_rows``, the floored continuous power law)
+    instead of by the planner's discrete Zipf."""
     values, lengths = [], []
     for f in features:
         L = coll.L[f]
         base, frac = math.floor(L), L - math.floor(L)
         n = np.full(B, base, dtype=np.int64) + (rng.random(B) < frac)
         u = rng.random(int(n.sum()))
-        values.append(inverse_cdf_array(coll.dists[f], coll.specs[f].num_embeddings, u))
+        dist, E = coll.dists[f], coll.specs[f].num_embeddings
+        if ids == "job" and dist.kind == "zipf":
+            values.append(power_law_rows(torch.from_numpy(u), E, dist.alpha).numpy())
+        else:
+            values.append(inverse_cdf_array(dist, E, u))
         lengths.append(n)
     offsets = np.zeros(len(features) * B + 1, dtype=np.int64)
     if features:
@@ -227,7 +242,8 @@ def _bucketized_counts(values: torch.Tensor, offsets: torch.Tensor,
 
 
 def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Sequence[int],
-                         B: int, seed: int, backend: str, out: dict[int, RankTraffic]) -> None:
+                         B: int, seed: int, backend: str, out: dict[int, RankTraffic],
+                         ids: str = "planner") -> None:
     """Add what every rank of ``ranks`` gets from ``coll`` in one step to ``out``."""
     lay, R = coll.layout, coll.layout.world_size
     H = lay.local_world_size
@@ -249,7 +265,7 @@ def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Seque
         features = sorted({sf.feature for _, sf in cut})
         key = {f: i for i, f in enumerate(features)}
         rng = np.random.default_rng([seed, s, int(coll.sequence)])
-        values, offsets = _draw(coll, features, B, rng)
+        values, offsets = _draw(coll, features, B, rng, ids)
         counts = _bucketized_counts(values, offsets, [(key[sf.feature], sf.row_start,
                                                         sf.row_end) for _, sf in cut], B, backend)
         at = 0
@@ -343,9 +359,14 @@ def simulate(
     seed: int = 0,
     backend: str = "reference",
     estimate: PlanCost | None = None,
+    ids: str = "planner",
 ) -> Simulation:
     """One step of ``plan`` simulated for ``ranks`` (default ``sample_ranks``), from the
-    batches of every rank or a sample of ``sources`` ranks (see the module docstring)."""
+    batches of every rank or a sample of ``sources`` ranks (see the module docstring);
+    ``ids``: ``planner`` (the distribution the estimate assumes) or ``job`` (Zipf tables drawn
+    as a training job's synthetic data, ``train.data.power_law_rows``)."""
+    if ids not in ID_LAWS:
+        raise ValueError(f"ids: expected one of {list(ID_LAWS)}, got {ids!r}")
     start, cpu = time.perf_counter(), time.process_time()
     R = plan.world_size
     ranks = sorted(set(ranks)) if ranks is not None else sample_ranks(R, estimate)
@@ -360,12 +381,12 @@ def simulate(
         for sequence in (False, True):
             coll = _Collection.of(plan, tables, stats or {}, sequence)
             if coll is not None:
-                _simulate_collection(coll, ranks, src, batch_size, seed, backend, out)
+                _simulate_collection(coll, ranks, src, batch_size, seed, backend, out, ids)
     finally:
         torch.set_num_threads(threads)
     return Simulation(ranks=tuple(out[r] for r in ranks), sources=tuple(src), world_size=R,
                       local_world_size=plan.local_world_size, batch_size=batch_size, seed=seed,
-                      backend=backend, seconds=time.perf_counter() - start,
+                      backend=backend, ids=ids, seconds=time.perf_counter() - start,
                       cpu_seconds=time.process_time() - cpu)
 
 
@@ -412,7 +433,7 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
            else f"{n_src} of {sim.world_size} ranks' batches, scaled to all")
     lines = [
         f"simulated {len(sim.ranks)} of {sim.world_size} ranks from {how}; B={sim.batch_size}, "
-        f"seed {sim.seed}, bucketize backend {sim.backend}, {sim.seconds:.1f} s "
+        f"seed {sim.seed}, ids {sim.ids}, bucketize backend {sim.backend}, {sim.seconds:.1f} s "
         f"({sim.cpu_seconds:.1f} s CPU)",
         "rank " + "".join(f"{_HEAD[k] + ' est':>18}{'sim':>14}{'err':>8}" for k in TERMS)]
     for rank, terms in rows:
@@ -445,7 +466,7 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
     comparison."""
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
-                   estimate=cost)
+                   estimate=cost, ids=getattr(args, "sim_ids", "planner"))
     return format_comparison(sim, cost, model)
 
 

@@ -12,7 +12,10 @@ estimated time) stays at or below ``limit``, which the planner sets to ``1 +
 memory_tolerance`` times the time-balanced plan's step (and never above the plan with equal
 row blocks). A cap that cannot be reached is undone and a cap halfway to the last reached
 one (in log scale) is tried, so the caps converge on the lowest reachable one in a dozen
-steps.
+steps. Last, the slowest rank's tables are re-placed under the memory reached while that
+lowers the step time: a cap reached by a slower placement, then lower caps undone, would
+otherwise keep step time the final memory does not need (Criteo at 64 ranks, Zipf(1.1),
+tolerance 0.2: 0.643 -> 0.590 ms at the same max/mean memory 1.97).
 
 Cost: a cap re-places only the tables on ranks above it, each as one greedy step does
 (numpy over the ranks), so the pass costs a few greedy steps per cap; per-table memory is
@@ -45,6 +48,9 @@ TABLES_PER_RANK = 3
 """A rank above the cap tries its this-many largest tables (by memory on it), largest first."""
 SWAP_TRIES = 4
 """Shard trades checked exactly per shard of the rank above the cap."""
+TIGHTEN_MOVES = 8
+"""After the caps: at most this many re-placements that lower the step time at the memory
+reached."""
 ONE_HOST = ("table_row_wise", "grid_shard")
 """Their shards (a grid's column slice's) stay on one host: traded only inside it."""
 
@@ -77,9 +83,10 @@ def balance_memory(
     adds = [table_add(i, *choice).values for i, choice in enumerate(choices)]
     per_table = np.stack([v[0] + v[1] for v in adds])  # [T, R] memory of each table
 
-    def replace(i: int, cap: float) -> bool:
+    def replace(i: int, cap: float, most_q: int | None = None) -> bool:
         """Re-place table ``i`` under ``cap``; False (and nothing changed) if no proposal
-        fits or the step time would pass ``limit``."""
+        fits or the step time would pass ``limit`` (``most_q`` quanta if given)."""
+        most_q = limit_q if most_q is None else most_q
         spec = by_name[order[i]]
         acc.values -= adds[i]
         placed = planner._place_under(spec, cons[spec.name], stats.get(spec.name, UNIFORM),
@@ -88,7 +95,7 @@ def balance_memory(
             acc.values += adds[i]
             return False
         sharding, blocks, add = placed
-        if round(float(acc.time_array().max()) / TIME_QUANTUM) > limit_q:
+        if round(float(acc.time_array().max()) / TIME_QUANTUM) > most_q:
             acc.values += adds[i] - add.values
             return False
         choices[i], adds[i] = (sharding, blocks), add.values
@@ -180,6 +187,7 @@ def balance_memory(
                 return False
         return False
 
+    start_q = round(float(acc.time_array().max()) / TIME_QUANTUM)
     mean = float(acc.memories().mean())
     ratio, reached = FIRST_RATIO, float(acc.memories().max())
     for step in range(MAX_CAPS):
@@ -195,6 +203,22 @@ def balance_memory(
         else:
             acc.values, choices[:], adds[:], per_table[:] = saved[0], saved[1], saved[2], saved[3]
             ratio = math.sqrt(ratio)
+    # the caps on the way may have spent step time that the last one does not need (a cap
+    # reached by a slower placement, then lower caps undone): re-place the slowest rank's
+    # tables under the memory reached while that lowers the step time
+    cap = float(acc.memories().max())
+    for _ in range(TIGHTEN_MOVES):
+        times = acc.time_array()
+        r = int(np.argmax(times))
+        step_q = round(float(times[r]) / TIME_QUANTUM)
+        if step_q <= start_q:
+            break
+        on_r = np.array([float(coef @ a[:, r]) for a in adds])
+        tables = [int(i) for i in np.argsort(-on_r, kind="stable")[:TABLES_PER_RANK]
+                  if on_r[i] > 0]
+        planner._report("memory pass: lowering the step time at the memory reached")
+        if not any(replace(i, cap, step_q - 1) for i in tables):
+            break
     out = copy.copy(draft)
     out.choices, out.adds, out.acc = choices, None, acc
     return out

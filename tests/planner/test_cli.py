@@ -87,3 +87,19 @@ def test_plan_simulate_prints_estimate_and_simulation(tmp_path, capsys):
     errors = [float(c.rstrip("%")) for c in text.split("max |error|: ")[1].split("\n")[0]
               .replace(",", " ").split() if c.endswith("%")]
     assert len(errors) == 4 and max(errors) < 10.0
+
+
+def test_memory_tolerance(capsys):
+    """``--memory-tolerance`` reaches the memory pass: Criteo at 16 ranks, 4 per host, evens
+    out memory at 3 % (max/mean 1.81 at the default 1 %); a negative value is refused."""
+    args = ["plan", CRITEO, "--world-size", "16", "--local-world-size", "4", "--zipf", "1.1"]
+
+    def memory_imbalance(extra):
+        assert main(args + extra) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        return float(last.split("memory ")[1].split(",")[0])
+
+    assert memory_imbalance([]) > 1.7
+    assert memory_imbalance(["--memory-tolerance", "0.03"]) < 1.4
+    assert main(args + ["--memory-tolerance", "-1"]) == 2
+    assert "memory_tolerance: expected a number >= 0.0, got -1.0" in capsys.readouterr().err

@@ -30,7 +30,9 @@ DISTS = [
 def test_arrays_match_the_scalar_functions(dist, E):
     rng = np.random.default_rng(E)
     rows = np.unique(np.concatenate([[0, 1, E - 1, E], rng.integers(0, E + 1, 50)]))
-    assert np.array_equal(cdf_array(dist, E, rows), [dist.cdf(E, int(r)) for r in rows])
+    # the same formula; numpy's vectorised pow/expm1 and libm's may differ in the last bit
+    np.testing.assert_allclose(cdf_array(dist, E, rows), [dist.cdf(E, int(r)) for r in rows],
+                               rtol=0, atol=1e-15)
     shares = np.concatenate([[0.0, 1e-15, 0.5, 1 - 1e-12, 1.0], rng.random(50)])
     got = inverse_cdf_array(dist, E, shares)
     assert got.tolist() == [dist.inverse_cdf(E, float(s)) for s in shares]
