@@ -305,6 +305,37 @@ def test_check_names_what_is_wrong():
         cpu_native.BAD_WEIGHT)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_check_finds_one_bad_spot_in_a_large_batch(threads):
+    """Over many tasks (each a range of bags, a feature's run of well-formed bags checked as one
+    run of ids): one bad id or one decreasing offset anywhere, in either id width, is found;
+    a good batch passes."""
+    T, B, L = 3, 700, 5
+    rows = torch.tensor([50, 7, 300])
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 2 * L, (T * B,), generator=g)
+    offs = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    feature = torch.arange(T).repeat_interleave(B).repeat_interleave(lengths)
+    ids = (torch.rand(int(offs[-1]), generator=g) * rows[feature]).long()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for wide in (torch.int64, torch.int32):
+            assert cpu_native.check(ids.to(wide), offs.to(wide), rows, None) == 0
+            for i in (0, len(ids) // 3, len(ids) - 1):
+                bad = ids.clone()
+                bad[i] = rows[feature[i]]
+                assert cpu_native.check(bad.to(wide), offs.to(wide), rows, None) == (
+                    cpu_native.BAD_ID)
+            for k in (5, B + 1, 2 * B + 3):  # a decreasing offset within a feature
+                bad_offs = offs.clone()
+                bad_offs[k] = bad_offs[k + 1] + 1
+                assert cpu_native.check(ids.to(wide), bad_offs.to(wide), rows, None) == (
+                    cpu_native.BAD_ORDER)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("bad_id", [7, -1, 2**40])
 def test_unchecked_bad_ids_are_refused_not_read(bad_id, used):
     """``bounds_check="ignore"`` lets a bad id through: the kernels raise instead of reading or
