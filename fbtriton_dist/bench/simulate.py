@@ -23,7 +23,7 @@ features (``CommOptions`` defaults: fp32 pooled values, no dedup). Usage::
 
     python -m fbtriton_dist.bench simulate TABLES.yaml --world-size R [--local-world-size H]
         [--zipf A] [--batch-size B] [--plan PLAN.yaml] [--sim-ranks 0 5 ...]
-        [--sim-sources N] [--sim-seed S] [--sim-backend reference|cpu]
+        [--sim-sources N] [--sim-seed S] [--sim-backend reference|cpu] [--sim-ids planner|job]
 
 ``fbtriton-dist plan TABLES.yaml --world-size R --simulate`` prints the same after the plan.
 """
