@@ -59,8 +59,8 @@ from fbtriton_dist.sharding.layout import ShardLayout
 from fbtriton_dist.sharding.output_dist import OutputDist
 from fbtriton_dist.train.data import power_law_rows
 
-__all__ = ["RankTraffic", "Simulation", "compare", "format_comparison", "sample_ranks",
-           "simulate"]
+__all__ = ["RankTraffic", "Simulation", "compare", "compare_collectives", "format_comparison",
+           "max_collective_errors", "sample_ranks", "simulate"]
 
 UNIFORM = IdDistribution()
 ALL_SOURCES_UP_TO = 64
@@ -416,6 +416,28 @@ def max_errors(sim: Simulation, cost: PlanCost) -> dict[str, float]:
     return {k: max(abs(terms[k][2]) for _, terms in rows) for k in TERMS}
 
 
+def compare_collectives(sim: Simulation, cost: PlanCost) -> list[tuple[int, dict[str, tuple[
+        float, float, float]]]]:
+    """Per simulated rank, ``{collective: (estimate, simulated, error)}`` for every
+    collective either side has (``cost`` from ``evaluate(..., collectives=True)``)."""
+    names = sorted(set(cost.collectives) | {k for r in sim.ranks for k in r.collectives})
+    rows = []
+    for r in sim.ranks:
+        pairs = {}
+        for n in names:
+            est = float(cost.collectives[n][r.rank]) if n in cost.collectives else 0.0
+            got = r.collectives.get(n, 0.0)
+            pairs[n] = (est, got, error(est, got))
+        rows.append((r.rank, pairs))
+    return rows
+
+
+def max_collective_errors(sim: Simulation, cost: PlanCost) -> dict[str, float]:
+    """The largest |error| of each collective's bytes over the simulated ranks."""
+    rows = compare_collectives(sim, cost)
+    return {n: max(abs(pairs[n][2]) for _, pairs in rows) for n in (rows[0][1] if rows else {})}
+
+
 _HEAD = {"lookups": "lookups", "input_dist_bytes": "in-dist MB",
          "output_dist_bytes": "out-dist MB", "inter_host_bytes": "inter-host MB"}
 
@@ -451,12 +473,26 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
         est_step = max(cost.ranks[r.rank].time_s for r in sim.ranks)
         lines.append(f"step time of the simulated ranks (cost model's coefficients): estimate "
                      f"{est_step * 1e3:.3f} ms, simulated {sim.step_time(model) * 1e3:.3f} ms")
-    names = sorted({k for r in sim.ranks for k in r.collectives})
-    lines.append("simulated MB received per collective")
-    lines.append("rank " + "".join(f"{n:>{max(len(n), 9) + 2}}" for n in names))
-    for r in sim.ranks:
-        lines.append(f"{r.rank:<5}" + "".join(
-            f"{r.collectives.get(n, 0.0) * 1e-6:>{max(len(n), 9) + 2},.3f}" for n in names))
+    if not cost.collectives:  # no per-collective estimate: the simulation's bytes alone
+        names = sorted({k for r in sim.ranks for k in r.collectives})
+        lines.append("simulated MB received per collective")
+        lines.append("rank " + "".join(f"{n:>{max(len(n), 9) + 2}}" for n in names))
+        for r in sim.ranks:
+            lines.append(f"{r.rank:<5}" + "".join(
+                f"{r.collectives.get(n, 0.0) * 1e-6:>{max(len(n), 9) + 2},.3f}" for n in names))
+        return "\n".join(lines)
+    rows = compare_collectives(sim, cost)
+    names = list(rows[0][1]) if rows else []
+    width = {n: max(len(n), 15) + 2 for n in names}
+    lines.append("MB received per collective, estimate / simulated")
+    lines.append("rank " + "".join(f"{n:>{width[n]}}" for n in names))
+    for rank, pairs in rows:
+        lines.append(f"{rank:<5}" + "".join(
+            f"{f'{pairs[n][0] * 1e-6:,.3f} / {pairs[n][1] * 1e-6:,.3f}':>{width[n]}}"
+            for n in names))
+    worst = max_collective_errors(sim, cost)
+    lines.append("max |error| per collective: " + ", ".join(
+        f"{n} {_pct(v)[1:]}" for n, v in worst.items()))
     return "\n".join(lines)
 
 
@@ -467,6 +503,8 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
                    estimate=cost, ids=getattr(args, "sim_ids", "planner"))
+    if not cost.collectives:  # the same estimate, its comm split per collective
+        cost = evaluate(plan, tables, stats, model, collectives=True)
     return format_comparison(sim, cost, model)
 
 
@@ -502,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         plan = planner.plan(table_set.tables, table_set.constraints, stats)
     planned = time.process_time() - start
-    cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer)
+    cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer, collectives=True)
     print(f"{args.plan or args.tables}: {len(table_set.tables)} tables on {planner.describe()}; "
           f"{'loaded' if args.plan else 'planned'} in {planned:.1f} s CPU")
     print(run(plan, table_set.tables, stats, cost, model, args))

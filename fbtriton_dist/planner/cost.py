@@ -31,6 +31,11 @@ the table's :class:`IdDistribution`). Every term below is per rank, per step.
   + intra-host bytes/intra_host_bandwidth + inter_host_bytes/inter_host_bandwidth
 
 Comm counts bytes *received*: links are full duplex and a step waits for the last arrival.
+``evaluate(..., collectives=True)`` also files every comm byte under the collective that
+carries it (``PlanCost.collectives``: the input dist's ids and header; the output dist's
+forward all-to-all, backward, in-host reduce-scatter and all-gather; the data-parallel
+gradient all-gather; a sequence table's rows both ways), which the simulation checks one by
+one.
 The imbalance of a term is max/mean over ranks. Each holder's terms are linear in p, which
 is what makes the skew-aware row cuts (stats.balanced_cuts) exact bisections.
 """
@@ -38,7 +43,8 @@ is what makes the skew-aware row cuts (stats.balanced_cuts) exact bisections.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -142,6 +148,12 @@ class PlanCost:
 
     ranks: tuple[RankCost, ...]
     """Indexed by rank."""
+    collectives: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Bytes each rank receives per collective (``input_dist.data``, ``input_dist.header``,
+    ``output_dist.forward`` / ``backward`` / ``host_reduce_scatter`` / ``host_all_gather``,
+    ``data_parallel.grad_all_gather``, ``sequence_dist.forward`` / ``backward``; the names of
+    ``sharding``'s collectives), indexed by rank: the two comm terms split; only from
+    ``evaluate(..., collectives=True)``."""
 
     def imbalance(self, term: str = "time_s") -> float:
         """max / mean of ``term`` over ranks (1.0 is perfect; 1.0 when every value is 0)."""
@@ -240,6 +252,9 @@ class CostAccumulator:
         """[R] ranks known to hold a shard of 2**31 rows or more (their ids are all int64);
         ``evaluate`` sets it from the plan, the planner's search leaves it (each shard's own
         rows decide there)."""
+        self.ledger: dict[str, np.ndarray] | None = None
+        """``{collective: [R] bytes received}`` when set to a dict (``evaluate(...,
+        collectives=True)``): every comm term added is also filed under its collective."""
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -251,16 +266,40 @@ class CostAccumulator:
         other.R, other.H, other.model, other._coef = self.R, self.H, self.model, self._coef
         other._hosts, other.wide = self._hosts, self.wide
         other.values = self.values.copy()
+        other.ledger = None if self.ledger is None else {
+            k: v.copy() for k, v in self.ledger.items()}
         return other
 
-    def add(self, rank, **terms) -> None:
+    def add(self, rank, out_via: str | Mapping[str, Any] | None = None,
+            in_via: str = "input_dist.data", **terms) -> None:
         """Add ``terms`` to ``rank``: an int, a slice, or an index array (then each term is a
-        number or an array of its length; repeated ranks add up)."""
+        number or an array of its length; repeated ranks add up). ``out_via`` / ``in_via``:
+        the collective that carries the ``output_dist_bytes`` / ``input_dist_bytes``, or
+        ``{collective: its part}`` (kept only with a ``ledger``)."""
         for name, value in terms.items():
             if isinstance(rank, np.ndarray):
                 np.add.at(self.values[self._ROW[name]], rank, value)
             else:
                 self.values[self._ROW[name], rank] += value
+        if self.ledger is not None:
+            self._file(rank, terms.get("input_dist_bytes"), in_via)
+            if isinstance(out_via, Mapping):
+                for via, part in out_via.items():
+                    self._file(rank, part, via)
+            else:
+                self._file(rank, terms.get("output_dist_bytes"), out_via)
+
+    def _file(self, rank, value, via: str | None) -> None:
+        """Add ``value`` (bytes received on ``rank``) to the ledger under ``via``."""
+        if value is None or not np.any(value):
+            return
+        if via is None:
+            raise ValueError("output_dist_bytes added without its collective (out_via)")
+        row = self.ledger.setdefault(via, np.zeros(self.R))
+        if isinstance(rank, np.ndarray):
+            np.add.at(row, rank, value)
+        else:
+            row[rank] += value
 
     def merge(self, other: CostAccumulator) -> None:
         self.values += other.values
@@ -348,7 +387,7 @@ class CostAccumulator:
                 p = cdf_array(dist, E, blocks.row_end[idx]) - cdf_array(
                     dist, E, blocks.row_start[idx])
                 # the terms are linear in the lookup share p: every holder in one addition
-                self.add(holders, **self.row_holder_terms(
+                self.add(holders, out_via="sequence_dist.backward", **self.row_holder_terms(
                     spec, p, len(holders), kind, b - a, rows[idx], holders))
                 if spec.pooling == "none":
                     self._add_sequence_rows(spec, holders, p, b - a)
@@ -373,6 +412,7 @@ class CostAccumulator:
         grads = (R - 1) * B * self._pooled(spec) * D * REPLICA_GRAD_BYTES
         self.add(
             slice(None),
+            out_via="data_parallel.grad_all_gather",
             lookups=lookups,
             lookup_bytes=lookups * D * s,
             input_dist_bytes=inp,
@@ -394,8 +434,10 @@ class CostAccumulator:
                              + F * m.length_bytes)
         per_sample = self._pooled(spec)  # values per sample and column on the wire
         grads = (R - 1) * B * per_sample * c * m.output_bytes
+        dist = "sequence_dist" if spec.pooling == "none" else "output_dist"
         self.add(
             rank,
+            out_via=f"{dist}.backward",
             lookups=lookups,
             lookup_bytes=lookups * c * spec.dtype_bytes,
             input_dist_bytes=inp,
@@ -405,7 +447,7 @@ class CostAccumulator:
         pooled = B * per_sample * c * m.output_bytes
         others = np.ones(R)
         others[rank] = 0.0  # every other rank receives its samples' pooled slice
-        self.add(slice(None), output_dist_bytes=pooled * others,
+        self.add(slice(None), out_via=f"{dist}.forward", output_dist_bytes=pooled * others,
                  inter_host_bytes=pooled * self._other_host(rank))
 
     def row_holder_terms(
@@ -438,7 +480,8 @@ class CostAccumulator:
     def add_row_holder(
         self, spec: TableSpec, rank: int, p: float, k: int, sharding: str, cols: int
     ) -> None:
-        self.add(rank, **self.row_holder_terms(spec, p, k, sharding, cols))
+        self.add(rank, out_via="sequence_dist.backward",
+                 **self.row_holder_terms(spec, p, k, sharding, cols))
 
     def _add_pooled_slices(
         self, spec: TableSpec, holders: Sequence[int], c: int, sharding: str
@@ -461,9 +504,10 @@ class CostAccumulator:
         if sharding != "table_row_wise":
             per_host = np.bincount(holders // H, minlength=R // H)
             k = len(holders)
-            self.add(slice(None), output_dist_bytes=u * (k - held),  # forward, but its own
-                     inter_host_bytes=u * (k - per_host[hosts]))
-            self.add(holders, output_dist_bytes=(R - 1) * u, inter_host_bytes=(R - H) * u)
+            self.add(slice(None), out_via="output_dist.forward",  # from each holder but itself
+                     output_dist_bytes=u * (k - held), inter_host_bytes=u * (k - per_host[hosts]))
+            self.add(holders, out_via="output_dist.backward", output_dist_bytes=(R - 1) * u,
+                     inter_host_bytes=(R - H) * u)
             return
         unique = np.unique(holders)
         k, ranks = len(unique), np.arange(R)
@@ -471,10 +515,14 @@ class CostAccumulator:
         far = (hosts[resp] != hosts).astype(float)
         n = np.bincount(resp, minlength=R)[unique].astype(float)
         back_far = np.bincount(resp, weights=far, minlength=R)[unique]
-        self.add(unique, output_dist_bytes=((k - 1) * n + (R - n) + (n - 1)) * u,
+        self.add(unique, out_via={"output_dist.host_reduce_scatter": (k - 1) * n * u,
+                                  "output_dist.host_all_gather": (R - n) * u,
+                                  "output_dist.backward": (n - 1) * u},
+                 output_dist_bytes=((k - 1) * n + (R - n) + (n - 1)) * u,
                  inter_host_bytes=back_far * u)
         rest = 1.0 - held
-        self.add(slice(None), output_dist_bytes=u * rest, inter_host_bytes=u * rest * far)
+        self.add(slice(None), out_via="output_dist.forward", output_dist_bytes=u * rest,
+                 inter_host_bytes=u * rest * far)
 
     def _add_sequence_rows(
         self, spec: TableSpec, holders: Sequence[int], p: np.ndarray, c: int
@@ -486,7 +534,8 @@ class CostAccumulator:
         np.add.at(share, np.asarray(holders), p)
         hosts = self._hosts
         per_host = np.bincount(hosts, weights=share, minlength=self.R // self.H)
-        self.add(slice(None), output_dist_bytes=rows * (share.sum() - share),
+        self.add(slice(None), out_via="sequence_dist.forward",
+                 output_dist_bytes=rows * (share.sum() - share),
                  inter_host_bytes=rows * (share.sum() - per_host[hosts]))
 
 
@@ -496,17 +545,26 @@ def evaluate(
     stats: Mapping[str, IdDistribution] | None = None,
     model: CostModel | None = None,
     optimizer: str = "rowwise_adagrad",
+    collectives: bool = False,
 ) -> PlanCost:
-    """The per-rank cost of ``plan`` for ``tables`` (any plan: ours, loaded, TorchRec's)."""
+    """The per-rank cost of ``plan`` for ``tables`` (any plan: ours, loaded, TorchRec's);
+    ``collectives``: also split the comm terms per collective (``PlanCost.collectives``)."""
     acc = CostAccumulator(plan.world_size, plan.local_world_size, model or CostModel())
+    if collectives:
+        acc.ledger = {}
     acc.wide[[sh.rank for ts in plan.tables for sh in ts.shards
               if sh.num_rows >= INT32_ROWS]] = True
     by_name = {t.name: t for t in tables}
     for ts in plan.tables:
         acc.add_table(by_name[ts.name], ts, (stats or {}).get(ts.name, UNIFORM), optimizer)
     header = header_bytes(plan, tables)
-    acc.add(slice(None), input_dist_bytes=header, inter_host_bytes=header * acc._from_all())
-    return acc.result()
+    acc.add(slice(None), in_via="input_dist.header", input_dist_bytes=header,
+            inter_host_bytes=header * acc._from_all())
+    cost = acc.result()
+    if acc.ledger is None:
+        return cost
+    return PlanCost(ranks=cost.ranks,
+                    collectives={k: tuple(v.tolist()) for k, v in sorted(acc.ledger.items())})
 
 
 def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:

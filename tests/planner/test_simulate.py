@@ -3,7 +3,7 @@ each table's distribution, the real bucketize, the input dist's message layout a
 dist's own byte counts), for every sharding type the planner emits, pooled and sequence tables.
 
 Every rank of every plan below must agree within ``TOLERANCE`` on lookups, input-dist,
-output-dist and inter-host bytes; ``test_a_wrong_cost_model_is_caught`` shows that the check
+output-dist and inter-host bytes, and on the bytes of each collective; ``test_a_wrong_cost_model_is_caught`` shows that the check
 catches a cost model that is off (ids counted as int64, the old data-parallel terms).
 """
 
@@ -56,11 +56,12 @@ def plan_for(tables, sharding=None, world_size=R, local_world_size=H, model=None
 
 
 def check(plan, tables, model=None, **kw):
-    """(worst |error| per term, the comparison text); asserts nothing."""
+    """(worst |error| per term and per collective, the comparison text); asserts nothing."""
     model = model or CostModel(batch_size=B)
-    cost = evaluate(plan, tables, STATS, model)
+    cost = evaluate(plan, tables, STATS, model, collectives=True)
     sim = simulate.simulate(plan, tables, STATS, batch_size=B, estimate=cost, **kw)
-    return simulate.max_errors(sim, cost), simulate.format_comparison(sim, cost, model)
+    worst = {**simulate.max_errors(sim, cost), **simulate.max_collective_errors(sim, cost)}
+    return worst, simulate.format_comparison(sim, cost, model)
 
 
 @pytest.mark.parametrize("sharding", SHARDING_TYPES)
@@ -189,3 +190,24 @@ def test_the_job_id_law_is_told_apart():
     assert worst_job["output_dist_bytes"] < 1e-9  # pooled slices do not depend on the ids
     with pytest.raises(ValueError, match=r"ids: expected one of \['planner', 'job'\], got 'x'"):
         check(plan, ads, ids="x")
+
+
+def test_the_collectives_split_the_comm_terms():
+    """``evaluate(..., collectives=True)`` files every comm byte under one collective: per
+    rank they sum to input-dist + output-dist, and leave the terms as they were; every
+    collective the simulation sees has an estimate (a pooled and a sequence table, all
+    types)."""
+    seq = TableSpec(name="clicks", num_embeddings=30_000, embedding_dim=64,
+                    features=("clicks",), pooling_factors=(6.0,), pooling="none")
+    mixed = (*TABLES, seq)
+    plan = plan_for(mixed)
+    plain = evaluate(plan, mixed, STATS, CostModel(batch_size=B))
+    split = evaluate(plan, mixed, STATS, CostModel(batch_size=B), collectives=True)
+    assert split.ranks == plain.ranks and not plain.collectives
+    for r in split.ranks:
+        total = sum(v[r.rank] for v in split.collectives.values())
+        assert total == pytest.approx(r.input_dist_bytes + r.output_dist_bytes, rel=1e-12)
+    sim = simulate.simulate(plan, mixed, STATS, batch_size=B, estimate=split)
+    seen = {k for r in sim.ranks for k, v in r.collectives.items() if v}
+    assert seen <= set(split.collectives), seen - set(split.collectives)
+    assert {"input_dist.header", "input_dist.data", "sequence_dist.forward"} <= seen
