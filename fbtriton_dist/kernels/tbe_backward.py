@@ -35,6 +35,12 @@ from fbtriton_dist.kernels.tbe_optim import OPT_NONE, optimizer_code
 from fbtriton_dist.kernels.tbe_rows import update_rows
 
 CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by block
+# The row and chunk kernels' narrowest tile: one warp's 32 lanes each own a 16-byte vector of
+# an fp32 row at 128 columns; narrower tiles leave lanes repeating others' work, and measured
+# slower (H200, 32 tables of 1M rows, B=2048, L=20, fp32 D=64: the row kernel 446 -> 278 µs
+# with SGD, 516 -> 394 rowwise Adagrad; D=32 374 -> 251, 508 -> 368; fp16 D=64 654 -> 586,
+# 756 -> 675: docs/results/tbe-h200-session18.md).
+ROW_TILE = 128
 RUNS_WARPS = 16  # warps of the runs kernel: 1024 sorted positions per program (H200, S1:
 # 4 warps 42 µs with 146 registers, 16 warps 29.5 µs with 40; S6 220 -> 157 µs)
 
@@ -265,7 +271,7 @@ def backward_config(
 ) -> tuple[int, int, int, int, int, bool]:
     """(RUNS, num_warps, IDS, CHUNK, maxnreg, PREFETCH) of the row kernel and the chunk kernel
     for optimizer kernel ``code`` (``optimizer_code``), from sweeps on an H200 (``python -m
-    fbtriton_dist.bench.tbe_sweep``, docs/results/tbe-h200-session12.md, -session13.md). The
+    fbtriton_dist.bench.tbe_sweep``, docs/results/tbe-h200-session12.md, -13.md, -18.md). The
     row update is bound by its chain of dependent loads, so what counts is programs in flight:
     one run per one-warp program, its registers capped at 64 so that 32 programs (the most an
     SM holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured
@@ -278,7 +284,7 @@ def backward_config(
     864 -> 752; 4 with CHUNK 128 took 913); uniform ids (one id per run) do not notice.
     ``FBTD_TBE_BWD=runs,num_warps[,ids[,chunk[,maxnreg]]]`` overrides the fields it gives
     (maxnreg 0: no cap)."""
-    _, block_d = block_sizes(max_D)
+    block_d = row_tile(max_D)
     runs, num_warps, ids, chunk = 1, (1 if block_d <= 256 else 2), 1, CHUNK
     prefetch = weight_bytes >= 4 and block_d <= 128
     if prefetch:  # fp32 rows up to D=128
@@ -289,6 +295,11 @@ def backward_config(
     runs, num_warps, ids, chunk = (given + [runs, num_warps, ids, chunk][len(given):])[:4]
     maxnreg = given[4] if len(given) == 5 else (64 if num_warps == 1 else 0)
     return runs, num_warps, ids, chunk, maxnreg, prefetch
+
+
+def row_tile(max_D: int) -> int:
+    """BLOCK_D of the row and chunk kernels: the forward's tile, at least ``ROW_TILE``."""
+    return max(block_sizes(max_D)[1], ROW_TILE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,7 +467,7 @@ def tbe_backward(
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     code = optimizer_code(optimizer)
-    _, block_d = block_sizes(max_D)
+    block_d = row_tile(max_D)
     N = indices.numel()
     if code and (step is None or step.shape != (1,) or step.dtype != torch.int64):
         raise ValueError(
