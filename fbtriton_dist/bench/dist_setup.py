@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding, load_tables
-from fbtriton_dist.train.data import Batch
+from fbtriton_dist.train.data import Batch, power_law_rows
 
 GB = 1e9
 BIG_PRIME = 2147483647  # 2**31 - 1: coprime with every E below it, so k -> k*P mod E is a bijection
@@ -172,20 +172,10 @@ def torchrec_module_plan(ebc: nn.Module, plan: ShardingPlan, sharder, device_typ
 
 # -- data -------------------------------------------------------------------------------------
 def zipf_rows(E: int, n: int, alpha: float, g: torch.Generator, device, scatter: bool):
-    """``n`` ids in [0, E): Zipf(alpha) ranks (inverse CDF of the bounded power law, as
-    ``fbtriton_dist.train.data.zipf_ids``), rank k -> row ``k * P mod E`` when ``scatter``."""
+    """``n`` ids in [0, E): Zipf(alpha) ranks (``fbtriton_dist.train.data.power_law_rows``,
+    the planner's law), rank k -> row ``k * P mod E`` when ``scatter``."""
     u = torch.rand(n, generator=g, device=device, dtype=torch.float64)
-    top = float(E + 1)
-    if alpha <= 0:
-        k = (u * E).long()
-    elif abs(alpha - 1.0) < 1e-9:
-        k = top**u
-    else:
-        p = 1.0 - alpha
-        k = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
-    if k.is_floating_point():
-        k = k.floor().long() - 1
-    k = k.clamp_(0, E - 1)
+    k = power_law_rows(u, E, max(alpha, 0.0))
     return (k * BIG_PRIME) % E if scatter else k
 
 

@@ -71,8 +71,8 @@ ALL_RANKS_UP_TO = 16
 ID_LAWS = ("planner", "job")
 """``--sim-ids``: Zipf ids by the planner's discrete Zipf (``stats.inverse_cdf_array``, what
 the estimate assumes) or as a training job's synthetic data draws them
-(``train.data.power_law_rows``: the continuous bounded power law on [1, E+1), floored, which
-gives the hottest rows less: Zipf(1.1), 40M rows: row 0 8.1 % of lookups, not 11.3 %)."""
+(``train.data.power_law_rows``: the same law, exact on the first 1,024 rows and within a row
+or so beyond; a check that the job's data is what the plan was made for)."""
 TERMS = ("lookups", "input_dist_bytes", "output_dist_bytes", "inter_host_bytes")
 """What is compared, per rank (``RankCost`` field names)."""
 _DTYPE = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
@@ -204,8 +204,8 @@ def _draw(coll: _Collection, features: Sequence[int], B: int, rng: np.random.Gen
           ids: str = "planner"):
     """One rank's bags of ``features`` (layout feature indices): (values, offsets [K*B+1]),
     feature-major as a KJT's. ``ids="job"`` draws a Zipf table's ids as a training job's
-    synthetic data does (``train.data.power_law_rows``, the floored continuous power law)
-    instead of by the planner's discrete Zipf."""
+    synthetic data does (``train.data.power_law_rows``) instead of by the planner's
+    ``inverse_cdf_array``."""
     values, lengths = [], []
     for f in features:
         L = coll.L[f]

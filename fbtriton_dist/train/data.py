@@ -30,6 +30,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from fbtriton_dist.planner import TableSet
+from fbtriton_dist.planner.stats import generalized_harmonic
 
 from .config import CRITEO_DENSE, CRITEO_SPARSE, CriteoConfig, DataConfig, RandomRecConfig
 
@@ -136,31 +137,56 @@ def feature_specs(tables: TableSet, data: DataConfig) -> list[FeatureSpec]:
 
 
 def zipf_ids(E: int, n: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """``n`` ids in [0, E), row 0 hottest, ``P(id >= k) ~ (k + 1) ** (1 - alpha)``.
-
-    Inverse-CDF sampling of the continuous bounded power law on [1, E + 1), floored: O(n)
-    whatever E is (no E-sized table), close to the discrete Zipf(alpha) the planner assumes.
-    """
+    """``n`` ids in [0, E), row 0 hottest: Zipf(alpha), ``P(id = r) ~ (r + 1) ** -alpha``, the
+    law the planner assumes (``planner.stats``; see :func:`power_law_rows`)."""
     u = torch.rand(n, generator=generator, dtype=torch.float64, device=generator.device)
     return power_law_rows(u, E, alpha)
 
 
-def power_law_rows(u: torch.Tensor, E, alpha) -> torch.Tensor:
-    """The ids of uniforms ``u`` under :func:`zipf_ids`'s law (alpha 0: uniform). ``E`` and
-    ``alpha`` are numbers, or tensors like ``u``: each id its own table size and exponent."""
-    top = (E + 1.0).double() if isinstance(E, torch.Tensor) else float(E + 1)
-    if not isinstance(alpha, torch.Tensor):
-        if abs(alpha - 1.0) < 1e-9:
-            x = top**u
-        else:
-            p = 1.0 - alpha
-            x = (1.0 + u * (top**p - 1.0)) ** (1.0 / p)
-    else:
-        one = (alpha - 1.0).abs() < 1e-9
-        p = torch.where(one, 1.0, 1.0 - alpha)
-        x = torch.where(one, top**u, (1.0 + u * (top**p - 1.0)) ** (1.0 / p))
-    ids = (x.floor().long() - 1).clamp_(min=0)
-    return torch.minimum(ids, E - 1) if isinstance(E, torch.Tensor) else ids.clamp_(max=E - 1)
+PREFIX_ROWS = 1024
+"""Rows whose ids :func:`zipf_rows` finds exactly (the planner sums as many terms exactly)."""
+
+
+def zipf_rows(u: torch.Tensor, feature: torch.Tensor | None, num_rows: Sequence[int],
+              alphas: Sequence[float]) -> torch.Tensor:
+    """The ids of uniforms ``u`` (float64), id i of feature ``feature[i]`` (None: all of
+    feature 0) over ``num_rows[f]`` rows, Zipf(``alphas[f]``) (0: uniform): ``P(id = r) =
+    (r + 1) ** -alpha / H(E)``, the planner's discrete law (``planner.stats``). Exact on the
+    first ``PREFIX_ROWS`` rows, where most ids go (a search of the summed terms); beyond, the
+    row where the Euler-Maclaurin sum the planner uses reaches ``u * H(E)``, from the
+    integral's closed-form inverse (its end corrections make it half a row high, taken off),
+    floored: within a row of the planner's. A few elementwise kernels whatever the number of
+    features (their constants gathered per id)."""
+    dev, K = u.device, float(PREFIX_ROWS)
+    levels = sorted(set(alphas))
+    top = 1.0 + max(generalized_harmonic(K, a) for a in levels)  # per level, apart
+    terms = torch.arange(1, PREFIX_ROWS + 1, dtype=torch.float64)
+    heads = torch.cat([torch.cat([terms.new_zeros(1), torch.cumsum(terms**-a, 0)]) + j * top
+                       for j, a in enumerate(levels)]).to(dev)
+    consts = []  # per feature: H(E), E, p = 1 - alpha, K ** p, the tail's x offset, level
+    for E, a in zip(num_rows, alphas, strict=True):
+        p = 1.0 - a if abs(1.0 - a) > 1e-9 else 1e-9
+        head_total = generalized_harmonic(K, a)
+        consts.append((generalized_harmonic(E, a), float(E), p, K**p,
+                       K**-a / 2.0 - a * K ** (-a - 1.0) / 12.0 - head_total, levels.index(a)))
+    columns = torch.tensor(consts, dtype=torch.float64, device=dev).T.contiguous()
+    total, E, p, Kp, offset, level = (col[feature] if feature is not None else col[0]
+                                      for col in columns)
+    h = u * total  # id r: H(r) <= h < H(r + 1)
+    if len(levels) == 1:
+        head = torch.searchsorted(heads, h, right=True) - 1  # PREFIX_ROWS: beyond the terms
+    else:  # each level's terms shifted apart by ``top``
+        head = torch.searchsorted(heads, h + level * top, right=True) - (
+            level.long() * (PREFIX_ROWS + 1) + 1)
+    x = h + offset  # the integral from K to the row
+    r = K * torch.exp(torch.log1p((p * x / Kp).clamp(min=-1.0 + 1e-16)) / p) - 0.5
+    tail = torch.minimum(r.clamp(min=K), E - 1.0).floor().long()
+    return torch.where(head >= PREFIX_ROWS, tail, head).clamp_(min=0)
+
+
+def power_law_rows(u: torch.Tensor, E: int, alpha: float) -> torch.Tensor:
+    """:func:`zipf_rows` of one table: ``E`` rows, Zipf(``alpha``) (0: uniform)."""
+    return zipf_rows(u, None, [E], [alpha])
 
 
 def _row_score(ids: torch.Tensor, salt: torch.Tensor | int) -> torch.Tensor:
@@ -275,13 +301,9 @@ class SyntheticSource:
         lengths = torch.poisson(rate[bag_feature], generator=g).long()
         n = int(lengths.sum())  # the one host sync
         id_feature = torch.repeat_interleave(bag_feature, lengths, output_size=n)
-        per_feature = lambda values, **kw: torch.tensor(values, **kw)[id_feature]  # noqa: E731
-        alphas = {f.zipf for f in self.features}
-        alpha = alphas.pop() if len(alphas) == 1 else per_feature(
-            [f.zipf for f in self.features], **f64)
         u = torch.rand(n, generator=g, **f64)
-        ids = power_law_rows(u, per_feature([f.num_rows for f in self.features], device=dev),
-                             alpha)
+        ids = zipf_rows(u, id_feature, [f.num_rows for f in self.features],
+                        [f.zipf for f in self.features])
         score = _row_score(ids, id_feature)
         ends = torch.cumsum(lengths, 0)
         # each bag's mean hidden score: differences of one running sum (deterministic)

@@ -174,20 +174,20 @@ def test_int64_ids_to_a_rank_with_a_huge_shard():
     assert max(worst.values()) < TOLERANCE, text
 
 
-def test_the_job_id_law_is_told_apart():
-    """``ids="job"`` draws Zipf ids as a training job's synthetic data does (the floored
-    continuous power law of ``train.data.power_law_rows``), which gives the hottest rows less
-    than the discrete Zipf the estimate assumes (Zipf(1.1), 10M rows: row 0 gets 8.4 % of the
-    lookups, not 11.6 %): on a skew-aware row-wise plan the check sees it (~20 % on the hot
-    block's rank), while the planner's own law agrees."""
+def test_the_job_ids_agree_with_the_estimate():
+    """``ids="job"`` draws Zipf ids as a training job's synthetic data does
+    (``train.data.power_law_rows``): on a skew-aware row-wise plan, whose hot block's rank
+    sees any difference in the hottest rows' share (the floored continuous power law the job
+    drew before gave it ~20 % fewer lookups there), it agrees with the estimate as the
+    planner's own law does."""
     ads = (TableSpec(name="ads", num_embeddings=10_000_000, embedding_dim=64, features=("ad",),
                      pooling_factors=(4.0,)),)
     plan = plan_for(ads, "row_wise")
+    assert len({s.rank for s in plan.tables[0].shards}) > 1  # row cuts to be off by
     worst, text = check(plan, ads)
     assert max(worst.values()) < TOLERANCE, text
     worst_job, text_job = check(plan, ads, ids="job")
-    assert worst_job["lookups"] > TOLERANCE, text_job
-    assert worst_job["output_dist_bytes"] < 1e-9  # pooled slices do not depend on the ids
+    assert max(worst_job.values()) < TOLERANCE, text_job
     with pytest.raises(ValueError, match=r"ids: expected one of \['planner', 'job'\], got 'x'"):
         check(plan, ads, ids="x")
 

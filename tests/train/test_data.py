@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from fbtriton_dist.planner import IdDistribution
+from fbtriton_dist.planner.stats import inverse_cdf_array
 from fbtriton_dist.train.config import job_from_dict
 from fbtriton_dist.train.data import (
     CriteoSource,
@@ -17,7 +19,9 @@ from fbtriton_dist.train.data import (
     feature_specs,
     make_source,
     parse_criteo_line,
+    power_law_rows,
     zipf_ids,
+    zipf_rows,
 )
 
 FEATURES = [
@@ -74,6 +78,25 @@ def test_zipf_ids_are_skewed_and_in_range():
     uniform = zipf_ids(10, 20_000, 0.0, g)
     assert torch.bincount(uniform, minlength=10).min() > 1500
     assert zipf_ids(1, 5, 1.0, g).tolist() == [0] * 5
+
+
+@pytest.mark.parametrize(("E", "alpha"), [(40_000_000, 1.1), (8_000_000, 1.05), (5000, 1.0),
+                                          (1000, 1.2), (3, 0.8), (10**9, 0.9)])
+def test_zipf_ids_are_the_planners_law(E, alpha):
+    """The same uniforms give the planner's ids (``stats.inverse_cdf_array``, what its
+    estimate assumes): every id on the first 1,024 rows exactly, and within a row beyond;
+    features drawn together (each id its own E and alpha) give what each alone gives."""
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = power_law_rows(u, E, alpha).numpy()
+    want = inverse_cdf_array(IdDistribution(kind="zipf", alpha=alpha), E, u.numpy())
+    head = want < 1024
+    assert (ours[head] == want[head]).all()
+    assert abs(ours - want).max() <= 1
+    assert ours.min() >= 0 and ours.max() < E
+    feature = torch.tensor([1] * u.numel() + [0] * u.numel())
+    both = zipf_rows(torch.cat([u, u]), feature, [7, E], [0.0, alpha])
+    assert torch.equal(both[: u.numel()], torch.from_numpy(ours))
+    assert torch.equal(both[u.numel():], (u * 7).long())
 
 
 def test_bag_lengths_follow_the_pooling_factor():
