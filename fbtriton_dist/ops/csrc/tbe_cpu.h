@@ -26,8 +26,12 @@ static inline int64_t tbe_tasks(int64_t n, int nthreads, int64_t grain) {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TBE_NO_CLONES)
 #define TBE_TARGETS __attribute__((target_clones("arch=x86-64-v3", "default")))
+/* also AVX-512, for the forward's common case only (a third clone of every kernel made the
+ * library's build 2x slower) */
+#define TBE_TARGETS_WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TBE_TARGETS
+#define TBE_TARGETS_WIDE
 #endif
 /* every helper is inlined into the cloned workers, so that it is built for their target */
 #define INLINE static inline __attribute__((always_inline))
@@ -153,6 +157,7 @@ INLINE uint16_t f32_to_half_stochastic(float x, int dtype, uint64_t seed, int64_
  * extensions: AVX registers in the x86-64-v3 clone, pairs of SSE ones in the baseline), so
  * that a bag's ids are loads only and many rows are in flight at once. */
 typedef float v8f __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64))); /* fp32 rows: one cache line */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
