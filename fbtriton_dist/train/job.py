@@ -379,7 +379,8 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
         comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
                            max_ids=max_ids_bound(cfg) if graph else c.max_ids)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
-                                    optimizer=_embedding_optimizer(cfg.optimizer.embedding))
+                                    optimizer=_embedding_optimizer(cfg.optimizer.embedding),
+                                    backend=cfg.backend)
     dense_params = [
         p
         for n, p in model.named_parameters()

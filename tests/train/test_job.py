@@ -312,3 +312,30 @@ def test_build_model_puts_every_dense_tensor_on_the_device(tmp_path):
              if "embedding_bags" not in n}
     assert "inter_arch.triu_indices" in dense
     assert {n: t.device.type for n, t in dense.items() if t.device.type != "meta"} == {}
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_the_sharded_job_runs_the_configured_backend(tmp_path, backend):
+    """``backend:`` reaches the sharded collections too (``fbtriton_dist.shard``), not only a
+    single process's: a one-rank gloo group, every TBE of the sharded model on it."""
+    import torch.distributed as dist
+
+    from fbtriton_dist.sharding.collection import ShardedCollection
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.env import Env
+    from fbtriton_dist.train.job import build, make_plan
+
+    cfg = load_job(write_job(tmp_path, backend=backend))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        env = Env(rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                  process_group=dist.group.WORLD)
+        plan, _ = make_plan(cfg, 1, 1)
+        built = build(cfg, env, plan)
+        sharded = [m for m in built.model.modules() if isinstance(m, ShardedCollection)]
+        tbes = [t for m in sharded for t in m.tbes]
+        assert sharded and {m.backend for m in sharded} == {backend}
+        assert tbes and {t.backend for t in tbes} == {backend}
+    finally:
+        dist.destroy_process_group()
