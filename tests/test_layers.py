@@ -24,7 +24,7 @@ the layers of its row; every top-level module or folder needs a row.
 
 Cycles: one graph of module -> module edges over every file, *with* function-local and
 TYPE_CHECKING imports. A lazy or type-only import still means the two modules need each other
-(both circles issue 18 found were hidden that way: ``plan.py`` imported ``cost`` inside a method
+(both circles the layering refactor found were hidden that way: ``plan.py`` imported ``cost`` inside a method
 and ``TableSpec`` under TYPE_CHECKING; ``loop.py`` imported ``job.Env`` under TYPE_CHECKING), and
 it is one edit away from an ImportError at start-up. Two kinds of import are not edges:
 the imports inside a package ``__init__``'s module-level ``__getattr__`` (a lazy re-export

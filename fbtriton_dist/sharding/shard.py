@@ -139,7 +139,7 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
         "comm": comm,
     }
     ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
-    if getattr(collection, "id_managers", None) is not None:  # managed tables (issue 27)
+    if getattr(collection, "id_managers", None) is not None:  # managed tables
         from fbtriton_dist.sharding import managed
 
         ebc_cls = managed.ManagedShardedEmbeddingBagCollection

@@ -1,4 +1,4 @@
-"""The job never loses a run (issue 22, items 3-5), each case failing on the code before it:
+"""The job never loses a run, each case failing on the code before it:
 
 * a new run into a folder holding another run is refused (exit 2, naming it) unless
   ``--resume`` or ``--overwrite``; retention never deletes the checkpoint just written; the
