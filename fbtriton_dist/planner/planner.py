@@ -401,10 +401,22 @@ class ShardingPlanner:
                 f"constraints['{spec.name}'].ranks: expected ranks < world_size="
                 f"{self.world_size}, got {bad}"
             )
-        if not self._allowed_types(c):
+        types = self._allowed_types(c)
+        if not types:
             raise ValueError(
                 f"constraints['{spec.name}'].sharding: {list(c.sharding or ())} leaves no usable "
                 f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more)"
+            )
+        D, n = spec.embedding_dim, len(self._candidate_ranks(c))  # no cut of D at all: bad input
+        cuts = {"column_wise": self._column_splits(D, c, n),
+                "grid_shard": self._grid_splits(D, self.num_hosts)}
+        if all(t in cuts and not cuts[t] for t in types):
+            lo, hi = max(2, c.min_shards or 1), min(c.max_shards or n, n)
+            raise ValueError(
+                f"constraints['{spec.name}']: {types} cannot cut D={D}: column_wise needs a slice "
+                f"count in [{lo}, {hi}] (min_shards .. max_shards and the {n} allowed rank(s)) "
+                f"dividing D into slices of >= {MIN_COLUMN_SLICE} columns (or exactly min_shards)"
+                + (f"; grid_shard one in [2, {self.num_hosts}]" if "grid_shard" in types else "")
             )
 
     def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:

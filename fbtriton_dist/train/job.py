@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import gc
 import logging
@@ -39,15 +38,10 @@ from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.modules.managed import ManagedCollisionCollection
 from fbtriton_dist.planner import (
     ConfigError,
-    CostModel,
-    IdDistribution,
     PlanError,
     PlanValidationError,
     ShardingPlan,
-    ShardingPlanner,
-    TableConstraints,
 )
-from fbtriton_dist.planner.report import format_report
 
 from .checkpoint import (
     clean_stale,
@@ -73,6 +67,8 @@ from .metrics import format_summary
 from .models import TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
+from .planning import GiB, make_plan  # noqa: F401 (GiB: tests use it)
+from .planning import job_constraints as _constraints  # noqa: F401 (tests use it)
 from .sources import make_source
 
 __all__ = [
@@ -87,7 +83,6 @@ __all__ = [
     "train",
 ]
 
-GiB = 1024**3
 
 
 @contextlib.contextmanager
@@ -196,10 +191,6 @@ def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
     return cls(params, betas=c.betas, **kw)
 
 
-MANAGED_SHARDINGS = ("row_wise", "table_row_wise", "table_wise", "data_parallel")
-"""How a managed table (``id_manager:``) may be sharded (``sharding/managed.py``)."""
-
-
 def _collection(cls, configs, cfg: JobConfig, where: torch.device):
     """Our ``cls`` (EmbeddingBagCollection / EmbeddingCollection) of ``configs`` on
     ``where``, its managed tables (the table set's ``id_manager:``) with their id maps. On
@@ -256,60 +247,6 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
         pooled_dim=sum(c.embedding_dim * len(c.feature_names) for c in pooled),
         target_dim=dims[cfg.model.target], dense_device=device,
     )
-
-
-def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:
-    """The plan (planned, or read from ``sharding.plan`` and checked) and its printed report."""
-    s = cfg.sharding
-    H = s.local_world_size or local_world_size
-    if world_size % H:
-        H = world_size
-    specs = cfg.tables.tables
-    stats = dict(cfg.tables.stats)
-    if cfg.data.source == "synthetic" and cfg.data.synthetic.zipf > 0:
-        zipf = IdDistribution(kind="zipf", alpha=cfg.data.synthetic.zipf)
-        stats = {t.name: stats.get(t.name, zipf) for t in specs}
-    for name in cfg.tables.id_managers:  # slots are handed out by arrival, not by hotness
-        stats[name] = IdDistribution(kind="uniform")
-    optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
-    planner = ShardingPlanner(
-        world_size=world_size,
-        local_world_size=H,
-        hbm_bytes_per_rank=s.hbm_gb * GiB,
-        reserved_fraction=s.reserved,
-        cost_model=CostModel(batch_size=cfg.train.batch_size),
-        optimizer=optimizer,
-        row_cuts=s.row_cuts,
-    )
-    if s.plan is not None:
-        path = cfg.path(s.plan)
-        plan = ShardingPlan.load_yaml(path)
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"{path}: plan is for world_size={plan.world_size}, this job runs on "
-                f"{world_size} rank(s); plan again or drop sharding.plan"
-            )
-    else:
-        plan = planner.plan(specs, _constraints(cfg), stats)
-    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer)
-    cost = planner.cost(plan, specs, stats)
-    title = f"job {cfg.name}: {len(specs)} tables on {planner.describe()}"
-    return plan, format_report(plan, specs, cost, stats, title=title)
-
-
-def _constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
-    """The table set's constraints, each managed table's shardings limited to
-    :data:`MANAGED_SHARDINGS` (one that allows only others is an error naming it)."""
-    out = dict(cfg.tables.constraints)
-    for name in cfg.tables.id_managers:
-        c = out.get(name, TableConstraints())
-        allowed = [s for s in (c.sharding or MANAGED_SHARDINGS) if s in MANAGED_SHARDINGS]
-        if not allowed:
-            raise ConfigError("<job>", f"tables.{name}.sharding", (
-                f"table '{name}' is managed (id_manager): expected some of "
-                f"[{', '.join(MANAGED_SHARDINGS)}], got {list(c.sharding or ())}"))
-        out[name] = dataclasses.replace(c, sharding=tuple(allowed))
-    return out
 
 
 def _log(env: Env, text: str) -> None:
