@@ -83,3 +83,12 @@ def test_impossible_column_wise_constraint_is_bad_input(tmp_path, capsys, constr
     err = capsys.readouterr().err
     assert "does not fit" not in err
     assert "error: constraints['a']: ['column_wise'] cannot cut D=" in err and why in err
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_non_finite_number_in_a_job_file_is_bad_input(tmp_path, capsys, value):
+    """YAML's .nan passed every bound check (it compares false) and .inf every lower one."""
+    job = _job(tmp_path)
+    job.write_text(job.read_text().replace("hbm_gb: 0.002", f"hbm_gb: {value}"))
+    assert main(["plan", str(job), "--world-size", "4"]) == 2
+    assert "sharding.hbm_gb: expected a finite number > 0" in capsys.readouterr().err
