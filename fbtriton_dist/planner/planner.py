@@ -412,12 +412,13 @@ class ShardingPlanner:
                 "grid_shard": self._grid_splits(D, self.num_hosts)}
         if all(t in cuts and not cuts[t] for t in types):
             lo, hi = max(2, c.min_shards or 1), min(c.max_shards or n, n)
-            raise ValueError(
-                f"constraints['{spec.name}']: {types} cannot cut D={D}: column_wise needs a slice "
-                f"count in [{lo}, {hi}] (min_shards .. max_shards and the {n} allowed rank(s)) "
-                f"dividing D into slices of >= {MIN_COLUMN_SLICE} columns (or exactly min_shards)"
-                + (f"; grid_shard one in [2, {self.num_hosts}]" if "grid_shard" in types else "")
-            )
+            why = {"column_wise": f"column_wise needs a slice count in [{lo}, {hi}] (min_shards .. "
+                   f"max_shards, {n} allowed rank(s)) dividing D into slices of >= "
+                   f"{MIN_COLUMN_SLICE} columns (or exactly min_shards)",
+                   "grid_shard": f"grid_shard one in [2, {self.num_hosts} hosts] of >= "
+                   f"{MIN_COLUMN_SLICE} columns"}
+            raise ValueError(f"constraints['{spec.name}']: {types} cannot cut D={D}: "
+                             + "; ".join(why[t] for t in types))
 
     def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:
         return block_bytes(spec, rows, cols, self.optimizer)

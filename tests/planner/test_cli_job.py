@@ -92,3 +92,12 @@ def test_a_non_finite_number_in_a_job_file_is_bad_input(tmp_path, capsys, value)
     job.write_text(job.read_text().replace("hbm_gb: 0.002", f"hbm_gb: {value}"))
     assert main(["plan", str(job), "--world-size", "4"]) == 2
     assert "sharding.hbm_gb: expected a finite number > 0" in capsys.readouterr().err
+
+
+def test_impossible_grid_constraint_is_bad_input(tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text("tables:\n- {name: a, num_embeddings: 1000, embedding_dim: 40, features: [f],"
+                    " sharding: [grid_shard]}\n")
+    assert main(["plan", str(path), "--world-size", "16", "--local-world-size", "8"]) == 2
+    assert "['grid_shard'] cannot cut D=40: grid_shard one in [2, 2 hosts]" in (
+        capsys.readouterr().err)
