@@ -18,14 +18,8 @@ __all__ = ["build_parser", "main"]
 GiB = 1024**3
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from fbtriton_dist.planner.arguments import add_simulate_arguments, positive_int
     from fbtriton_dist.planner.tables import OPTIMIZERS
 
     p = sub.add_parser(
@@ -39,9 +33,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("tables", metavar="TABLES.yaml",
                    help="table set (see docs/planner.md), or a job file (its tables)")
-    p.add_argument("--world-size", type=_positive_int, required=True, help="R, number of ranks")
+    p.add_argument("--world-size", type=positive_int, required=True, help="R, number of ranks")
     p.add_argument(
-        "--local-world-size", type=_positive_int, default=None, help="ranks per host (default 8)"
+        "--local-world-size", type=positive_int, default=None, help="ranks per host (default 8)"
     )
     p.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per rank in GiB (default 80)")
     p.add_argument(
@@ -50,7 +44,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=0.1,
         help="share of HBM kept for the dense model and buffers (default 0.1)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=512, help="B per rank (default 512)")
+    p.add_argument("--batch-size", type=positive_int, default=512, help="B per rank (default 512)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad")
     p.add_argument(
         "--zipf",
@@ -83,22 +77,6 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "estimate (needs torch; python -m fbtriton_dist.bench simulate)")
     add_simulate_arguments(p)
     p.set_defaults(func=_run_plan)
-
-
-def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulation's options (``plan --simulate`` and ``bench simulate``)."""
-    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
-                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
-                        "and the slowest by the estimate)")
-    p.add_argument("--sim-sources", type=_positive_int, default=None, metavar="N",
-                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
-                        "spread ranks and the simulated ones)")
-    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
-    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
-                   help="what runs the bucketize (default: the reference)")
-    p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
-                   help="Zipf ids as the estimate assumes (planner, default) or as a training "
-                        "job's synthetic data draws them (job: train.data.power_law_rows)")
 
 
 def _table_set(path: str):
