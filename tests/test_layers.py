@@ -62,6 +62,7 @@ ALLOWED: dict[str, set[str]] = {
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
     "graphs": set(),  # GraphedStep: serves every layer
+    "host_flags": set(),  # device flags read on the host late (deferred input checks)
     "sparse": set(),  # TorchRec's KJT / KeyedTensor <-> our jagged batch
     # `fbtriton-dist plan | train`; an entry point, not the library: it may hand `plan
     # --simulate` to bench (lazily), bench never imports it (the shared options are planner's)
@@ -69,13 +70,15 @@ ALLOWED: dict[str, set[str]] = {
     # DESIGN.md's table, top to bottom
     "kernels": {*TORCH_FREE_LEAVES},  # optim: the kernels' per-optimizer update codes
     "reference": {"optim"},
-    "ops": {"kernels", "reference", "graphs", *TORCH_FREE_LEAVES},
-    "modules": {"ops", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "ops": {"kernels", "reference", "graphs", "host_flags", *TORCH_FREE_LEAVES},
+    "modules": {"ops", "sparse", "graphs", "host_flags", *TORCH_FREE_LEAVES},
     "planner": {*TORCH_FREE_LEAVES},
     # sharding must not contain kernel code or pick a backend: no kernels, no reference
-    "sharding": {"ops", "modules", "planner", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "sharding": {"ops", "modules", "planner", "sparse", "graphs", "host_flags",
+                 *TORCH_FREE_LEAVES},
     # train must not reach into kernels
-    "train": {"sharding", "modules", "ops", "planner", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "train": {"sharding", "modules", "ops", "planner", "sparse", "graphs", "host_flags",
+              *TORCH_FREE_LEAVES},
 }
 ALLOWED["bench"] = set(ALLOWED) - {"cli"}  # anything below the command line
 ENTRY_POINTS = {"cli", "bench"}
