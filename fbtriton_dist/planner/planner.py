@@ -340,7 +340,7 @@ class ShardingPlanner:
         acc = draft.acc
         for i in range(len(draft.choices), len(order)):
             spec = order[i]
-            self._report(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
+            self.note_progress(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
                          f"{f', grid {sorted(grid)}' if grid else ''}: table {i + 1}/"
                          f"{len(specs)}")
             dist = stats.get(spec.name, UNIFORM)
@@ -350,7 +350,7 @@ class ShardingPlanner:
             draft.adds.append(add.values)
         return draft
 
-    def _report(self, where: str) -> None:
+    def note_progress(self, where: str) -> None:
         """A progress line, once the plan has taken ``progress_after_s``, at most once a
         second."""
         if self.progress is None:
@@ -484,12 +484,13 @@ class ShardingPlanner:
         acc.merge(best_add)
         return (*best, best_add)
 
-    def _place_under(
+    def place_under(
         self, spec: TableSpec, c: TableConstraints, dist: IdDistribution, acc: CostAccumulator,
         cap: float,
     ) -> tuple[str, Blocks, CostAccumulator] | None:
         """:meth:`_place` with every rank it touches held to ``cap`` bytes instead of the
-        budget, any type (grid_shard too) allowed; None where nothing fits (the memory pass)."""
+        budget, any type (grid_shard too) allowed; None where nothing fits (for the memory
+        pass, ``balance.balance_memory``)."""
         self._cap_bytes = cap
         try:
             return self._place(spec, c, dist, acc, True)
