@@ -83,12 +83,7 @@ class TableGroups(nn.Module):
         """The fused optimizer asked for by ``apply_optimizer_in_backward`` on this group's
         parameters (all or none of them, with one optimizer), or None."""
         params = self._group_params(members)
-        specs = [
-            (p._optimizer_classes[0], p._optimizer_kwargs[0])
-            if getattr(p, "_optimizer_classes", None)
-            else None
-            for p in params
-        ]
+        specs = [optim.in_backward_annotation(p) for p in params]
         if all(s is None for s in specs):
             return None
         names = [self._table_configs[t].name for t in members]
