@@ -19,13 +19,6 @@ __all__ = ["build_parser", "main"]
 GiB = 1024**3
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _bounded(low: float, high: float | None, *, strict: bool = False,
              strict_high: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number >= ``low`` (> with ``strict``), <= ``high`` (< with
@@ -57,6 +50,7 @@ JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from fbtriton_dist.planner.arguments import add_simulate_arguments, positive_int
     from fbtriton_dist.planner.tables import OPTIMIZERS
 
     p = sub.add_parser(
@@ -72,9 +66,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="table set (see docs/planner.md), or a job file: then the plan the job "
                         "makes (its sharding, batch size, optimizer and id settings; the "
                         "options below override those keys)")
-    p.add_argument("--world-size", type=_positive_int, required=True, help="R, number of ranks")
+    p.add_argument("--world-size", type=positive_int, required=True, help="R, number of ranks")
     p.add_argument(
-        "--local-world-size", type=_positive_int, default=None, help="ranks per host (default 8)"
+        "--local-world-size", type=positive_int, default=None, help="ranks per host (default 8)"
     )
     p.add_argument("--hbm-gb", type=_bounded(0, None, strict=True), default=None,
                    help="HBM per rank in GiB (default 80)")
@@ -84,7 +78,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="share of HBM kept for the dense model and buffers, in [0, 1) (default 0.1)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="B per rank (default 512)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="fused optimizer of tables that name none (default rowwise_adagrad)")
@@ -119,22 +113,6 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "estimate (needs torch; python -m fbtriton_dist.bench simulate)")
     add_simulate_arguments(p)
     p.set_defaults(func=_run_plan)
-
-
-def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulation's options (``plan --simulate`` and ``bench simulate``)."""
-    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
-                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
-                        "and the slowest by the estimate)")
-    p.add_argument("--sim-sources", type=_positive_int, default=None, metavar="N",
-                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
-                        "spread ranks and the simulated ones)")
-    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
-    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
-                   help="what runs the bucketize (default: the reference)")
-    p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
-                   help="Zipf ids as the estimate assumes (planner, default) or as a training "
-                        "job's synthetic data draws them (job: train.data.power_law_rows)")
 
 
 def _job_file(path: str) -> bool:
