@@ -42,7 +42,7 @@ from .balance import balance_memory
 from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
 from .plan import ShardingPlan
-from .proposals import Proposer, RowCuts
+from .proposals import MIN_COLUMN_SLICE, Proposer, RowCuts
 from .shards import SHARDING_TYPES, TableSharding
 from .stats import IdDistribution
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
@@ -396,9 +396,10 @@ class ShardingPlanner:
                 f"constraints['{spec.name}'].sharding: {list(c.sharding or ())} leaves no usable "
                 f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more)"
             )
-        D, n = spec.embedding_dim, len(self._candidate_ranks(c))  # no cut of D at all: bad input
-        cuts = {"column_wise": self._column_splits(D, c, n),
-                "grid_shard": self._grid_splits(D, self.num_hosts)}
+        proposer = self._proposer()
+        D, n = spec.embedding_dim, len(proposer.candidate_ranks(c))  # no cut of D: bad input
+        cuts = {"column_wise": proposer.column_splits(D, c, n),
+                "grid_shard": proposer.grid_splits(D, self.num_hosts)}
         if all(t in cuts and not cuts[t] for t in types):
             lo, hi = max(2, c.min_shards or 1), min(c.max_shards or n, n)
             why = {"column_wise": f"column_wise needs a slice count in [{lo}, {hi}] (min_shards .. "
@@ -453,6 +454,12 @@ class ShardingPlanner:
         key = {t.name: max(m / tm, w / tw) for t, m, w in zip(specs, mem, work, strict=True)}
         return sorted(specs, key=lambda t: -key[t.name])
 
+    def _proposer(self) -> Proposer:
+        """The placements this planner may try, under its current room per rank."""
+        return Proposer(world_size=self.world_size, local_world_size=self.local_world_size,
+                        optimizer=self.optimizer, row_cuts=self.row_cuts,
+                        room_bytes=self._room_bytes)
+
     def _place(
         self,
         spec: TableSpec,
@@ -465,9 +472,7 @@ class ShardingPlanner:
         its blocks and what it adds per rank."""
         best, best_score, failures = None, None, []
         base = acc.time_array()
-        proposer = Proposer(world_size=self.world_size, local_world_size=self.local_world_size,
-                            optimizer=self.optimizer, row_cuts=self.row_cuts,
-                            room_bytes=self._room_bytes)
+        proposer = self._proposer()
         for sharding in self._allowed_types(c, grid):
             proposals = list(proposer.proposals(spec, sharding, c, dist, acc))
             if not proposals:

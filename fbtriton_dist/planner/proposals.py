@@ -68,7 +68,7 @@ class Proposer:
         """Bytes of ``rows`` x ``cols`` of the table, optimizer state included."""
         return block_bytes(spec, rows, cols, self.optimizer)
 
-    def _candidate_ranks(self, c: TableConstraints) -> list[int]:
+    def candidate_ranks(self, c: TableConstraints) -> list[int]:
         return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
 
     def _by_load(self, c: TableConstraints, acc: CostAccumulator) -> np.ndarray:
@@ -129,7 +129,7 @@ class Proposer:
         """Column-wise: for each allowed slice count k, k equal slices on the k least-loaded
         ranks that have room for one (in rank order)."""
         E, D = spec.num_embeddings, spec.embedding_dim
-        for k in self._column_splits(D, c, num_ranks):
+        for k in self.column_splits(D, c, num_ranks):
             w = D // k
             fits = self._with_room(by_load, acc, self.table_bytes(spec, E, w))
             if len(fits) >= k:
@@ -160,7 +160,7 @@ class Proposer:
         """The ranks of ``by_load`` (in its order) with ``need`` bytes of budget free."""
         return by_load[acc.memories()[by_load] + need <= self.room_bytes]
 
-    def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
+    def column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
         """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
         (narrower only when the table's ``min_shards`` asks for it), within the constraints."""
         lo, hi = max(2, c.min_shards or 1), min(c.max_shards or num_ranks, num_ranks)
@@ -170,7 +170,7 @@ class Proposer:
             if D % k == 0 and (D // k >= MIN_COLUMN_SLICE or k == c.min_shards)
         ]
 
-    def _grid_splits(self, D: int, num_hosts: int) -> list[int]:
+    def grid_splits(self, D: int, num_hosts: int) -> list[int]:
         """Column slice counts n in 2..hosts that cut D into equal slices >= MIN_COLUMN_SLICE."""
         return [n for n in range(2, num_hosts + 1) if D % n == 0 and D // n >= MIN_COLUMN_SLICE]
 
@@ -193,7 +193,7 @@ class Proposer:
         order = sorted(
             hosts, key=lambda h: (max(times[r] for r in hosts[h]), times[hosts[h][0]], h)
         )
-        for n in self._grid_splits(D, len(order)):
+        for n in self.grid_splits(D, len(order)):
             per_host, w = min(H, hi // n), D // n
             groups = [sorted(hosts[h][:per_host]) for h in order[:n]]
             if per_host < 1 or sum(len(g) for g in groups) < lo:
@@ -301,7 +301,7 @@ class Proposer:
     ) -> str:
         """One line: why ``sharding`` cannot hold this table, with the numbers."""
         E, D = spec.num_embeddings, spec.embedding_dim
-        ranks = self._candidate_ranks(c)
+        ranks = self.candidate_ranks(c)
         mem = acc.memories().tolist()
         free = {r: max(0.0, self.room_bytes - mem[r]) for r in ranks}
         most = max(free, key=lambda r: free[r])
@@ -318,7 +318,7 @@ class Proposer:
                 f"most free is {fmt_bytes(free[most])} (rank {most})"
             )
         if sharding == "column_wise":
-            splits = self._column_splits(D, c, len(ranks))
+            splits = self.column_splits(D, c, len(ranks))
             if not splits:
                 return (
                     f"column_wise: no slice count in [{max(2, c.min_shards or 1)}, "
@@ -337,7 +337,7 @@ class Proposer:
             sum(v for r, v in free.items() if r // H == h) for h in range(self.num_hosts)
         )
         if sharding == "grid_shard":
-            splits = self._grid_splits(D, self.num_hosts)
+            splits = self.grid_splits(D, self.num_hosts)
             if not splits:
                 return (
                     f"grid_shard: no slice count in [2, {self.num_hosts} hosts] cuts D={D} into "
