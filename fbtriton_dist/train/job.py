@@ -336,7 +336,10 @@ def train(cfg: JobConfig, env: Env, resume: bool = False,
           overwrite: bool = False) -> dict[str, Any]:
     """Run the job on this rank; return the summary (the same on every rank). ``resume``:
     from the newest usable checkpoint; ``overwrite``: a run folder holding another run is
-    emptied of it first (else refused)."""
+    emptied of it first (else refused); both together are refused (``RunDirError``)."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite together: --resume continues the run in "
+                          f"{cfg.run_dir}, --overwrite deletes it; give one of them")
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -487,7 +490,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m fbtriton_dist.train", description="Train a DLRM job from a YAML file."
+        prog="python -m fbtriton_dist.train", description="Train a DLRM job from a YAML file.",
+        allow_abbrev=False,  # `--o` must not become --overwrite (it deletes a run)
     )
     add_arguments(p)
     args = finish_arguments(p, *p.parse_known_args(argv))
