@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torchrec
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.optim import apply_optimizer_in_backward
@@ -52,6 +53,7 @@ from fbtriton_dist.planner.report import format_report
 from .checkpoint import (
     clean_stale,
     load_checkpoint,
+    read_meta,
     remove_run_files,
     usable_checkpoint,
 )
@@ -73,6 +75,7 @@ from .metrics import format_summary
 from .models import TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
+from .resume import identity_problem
 from .sources import make_source
 
 __all__ = [
@@ -317,19 +320,68 @@ def _log(env: Env, text: str) -> None:
         print(text, flush=True)
 
 
-def _resume_point(ckpt_dir: str, env: Env) -> str | None:
+def _resume_point(cfg: JobConfig, env: Env) -> str | None:
     """The newest checkpoint that checks out against what its save recorded (rank 0 looks,
-    every rank gets the answer); each one skipped is named with what is wrong with it."""
-    choice: list[str | None] = [None]
+    every rank gets the answer); each one skipped is named with what is wrong with it. None:
+    nothing to resume in a folder that holds no run (a first run with ``--resume``). A run
+    folder that holds a run (metrics, or checkpoints) but no usable checkpoint is an error
+    (``RunDirError``): restarting at step 0 would append a second run to its metrics."""
+    ckpt_dir = cfg.checkpoint_dir
+    choice: list[str | None] = [None, None]
     if env.rank == 0:
         path, skipped = usable_checkpoint(ckpt_dir)
         for bad, why in skipped:
             print(f"warning: --resume: skipping checkpoint {bad}: {why}", file=sys.stderr,
                   flush=True)
         choice[0] = path
+        metrics = os.path.join(cfg.run_dir, cfg.logging.metrics)
+        has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+        if path is None and (skipped or has_metrics):
+            found = "; ".join(f"{os.path.basename(b)}: {w}" for b, w in skipped)
+            what = (f"every checkpoint is damaged ({found})" if skipped
+                    else f"{cfg.logging.metrics} holds a run but no checkpoint was saved")
+            choice[1] = (
+                f"--resume: no usable checkpoint in {ckpt_dir}: {what}. Nothing was changed. "
+                "Repair or move the damaged checkpoints aside and --resume again, or pass "
+                f"--overwrite (instead of --resume) to start over at step 0 in {cfg.run_dir} "
+                "(deletes its metrics and checkpoints)")
     if env.process_group is not None:
         dist.broadcast_object_list(choice, src=0, group=env.process_group)
+    if choice[1] is not None:
+        raise RunDirError(choice[1])
     return choice[0]
+
+
+def _resume(cfg: JobConfig, env: Env, built: Built) -> tuple[int, DataPosition]:
+    """``--resume``: load the newest usable checkpoint into ``built`` (step 0 in a new run
+    folder); a checkpoint of another job, table set or optimizer, or one whose state cannot
+    be loaded into this job's plan, is a ``RunDirError`` naming what it holds."""
+    path = _resume_point(cfg, env)
+    if path is None:
+        _log(env, f"--resume: no complete checkpoint in {cfg.checkpoint_dir} (a new run), "
+                  "starting at step 0")
+        return 0, DataPosition()
+    problem = identity_problem(path, read_meta(path).get("job"), cfg)
+    if problem is not None:
+        raise RunDirError(problem)
+    try:
+        state = load_checkpoint(path, built.model, built.optimizer,
+                                process_group=env.process_group)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "Error:" in ln] or [str(e)]
+        raise RunDirError(
+            f"--resume: checkpoint {path} cannot be loaded into this job's model and plan "
+            f"({lines[-1][:300]}); nothing was changed in {cfg.run_dir}: resume with the job "
+            "file (tables, optimizers) it was saved with, or start a new run") from e
+    step = int(state["step"])
+    position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
+    _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
+    if cfg.train.steps is not None and cfg.train.steps <= step:
+        raise RunDirError(
+            f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
+            f"{step}: nothing left to train; give --steps above {step}"
+        )
+    return step, position
 
 
 def train(cfg: JobConfig, env: Env, resume: bool = False,
@@ -430,9 +482,6 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
     _claim_run_dir(cfg, env, resume, overwrite)
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
-    if env.rank == 0:
-        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
-        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
     built = build(cfg, env, plan, mode)
     model, optimizer = built.model, built.optimizer
 
@@ -446,22 +495,10 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
         resolve=cfg.path,
         device=env.device,
     )
-    step, position = 0, DataPosition()
-    ckpt_dir = cfg.checkpoint_dir
-    if resume:
-        path = _resume_point(ckpt_dir, env)
-        if path is None:
-            _log(env, f"--resume: no complete checkpoint in {ckpt_dir}, starting at step 0")
-        else:
-            state = load_checkpoint(path, model, optimizer, process_group=env.process_group)
-            step = int(state["step"])
-            position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
-            _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
-            if cfg.train.steps is not None and cfg.train.steps <= step:
-                raise RunDirError(
-                    f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
-                    f"{step}: nothing left to train; give --steps above {step}"
-                )
+    step, position = _resume(cfg, env, built) if resume else (0, DataPosition())
+    if env.rank == 0:  # only now: a resume that failed leaves the run's plan.yaml as it was
+        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
+        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
     trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns,
                       source, mode=mode)
     summary = trainer.fit(step, position)
