@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import save_checkpoint
+from .checkpoint import latest_checkpoint, nonfinite_weights, save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
 from .metrics import STAGES, IdManagerMetrics, MetricsWriter, StageTimer, Throughput, auc
 from .modes import resolve_pipeline
+from .resume import job_identity
 
 NO_BAD_STEP = 2**62
 """``Trainer._first_bad`` while every step so far was finite."""
@@ -205,6 +206,7 @@ class Trainer:
         self._saved_at: int | None = None
         self._window_loss = torch.zeros((), device=env.device)
         self._window_steps = 0
+        self._window_skipped = 0  # steps of the window dropped by train.nonfinite: skip
         self._first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=env.device)
         """The first step whose loss or dense gradient was not finite (train.nonfinite:
         error); read at log lines and checkpoints, never per step; updated in place (a CUDA
@@ -270,22 +272,33 @@ class Trainer:
             )
 
     # -- around the steps ------------------------------------------------------------------
+    def _window_mean(self) -> float:
+        """The window's mean loss over its trained steps; nan when ``train.nonfinite: skip``
+        dropped every one of them (never 0: no step was trained)."""
+        if not self._window_steps:
+            return math.nan
+        return self._window_loss.item() / self._window_steps
+
     def _log(self, metrics: MetricsWriter, bar) -> None:
-        self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
+        self.last_loss = self._window_mean()
         sps = self.throughput.window()
         ms = split_dense(self.timer.take())
         managed = {"id_managers": self.id_metrics.take()} if self.id_metrics else {}
+        skipped = ({"skipped": self._window_skipped} if self.cfg.train.nonfinite == "skip"
+                   else {})
         metrics.write(
             "train", self.step, loss=self.last_loss, samples_per_s=sps,
-            epoch=self.position.epoch, ms=ms, **managed,
+            epoch=self.position.epoch, ms=ms, **skipped, **managed,
         )  # fmt: skip
         bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
         if getattr(self, "_plain_lines", False):
             total = f"/{self.cfg.train.steps}" if self.cfg.train.steps else ""
-            print(f"{self.cfg.name}: step {self.step}{total}, loss {self.last_loss:.4f}, "
-                  f"{sps:,.0f} samples/s", flush=True)
+            dropped = (f" ({self._window_skipped} step(s) skipped: not finite)"
+                       if self._window_skipped else "")
+            print(f"{self.cfg.name}: step {self.step}{total}, loss {self.last_loss:.4f}"
+                  f"{dropped}, {sps:,.0f} samples/s", flush=True)
         self._window_loss.zero_()
-        self._window_steps = 0
+        self._window_steps = self._window_skipped = 0
 
     def _evaluate(self, metrics: MetricsWriter, batches: Sequence[Batch]) -> None:
         if getattr(self.source, "eval_follows_step", False):  # drifting data: evaluate on
@@ -294,6 +307,14 @@ class Trainer:
         metrics.write("eval", self.step, **self.last_eval)
 
     def _checkpoint(self) -> None:
+        bad = nonfinite_weights(self.model, self.env.process_group)
+        if bad:  # never a checkpoint of nan/inf weights: the last good one stays
+            kept = latest_checkpoint(self.cfg.checkpoint_dir) or "none"
+            raise NonFiniteError(
+                f"step {self.step}: {', '.join(bad)}: weights not finite (nan/inf); the "
+                f"checkpoint of step {self.step} was not written, the last good checkpoint "
+                f"is kept: {kept} (lower the learning rates, or look for nan/inf in the "
+                "inputs)")
         state = {"step": self.step, **self.position.to_dict(), "world_size": self.env.world_size}
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint_dir,
@@ -303,6 +324,7 @@ class Trainer:
             state,
             keep=self.cfg.checkpoint.keep,
             process_group=self.env.process_group,
+            about=job_identity(self.cfg),
         )
         self._saved_at = self.step
 
@@ -438,13 +460,15 @@ class Trainer:
                 if loss is not None:
                     self._window_loss += loss
                     self._window_steps += 1
+                else:
+                    self._window_skipped += 1
                 self.step, self.position = self.step + 1, next_position
                 self.steps_run += 1
                 bar.update(1)
                 log_now = self.step % cfg.logging.log_every == 0 or self.step == t.steps
                 if log_now:  # read the loss (a device sync) before the step's end is marked
                     self._check_finite()
-                    self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
+                    self.last_loss = self._window_mean()
                 self.throughput.step()
                 if log_now:
                     self._log(metrics, bar)
@@ -456,7 +480,7 @@ class Trainer:
                     self._checkpoint()
                 self.throughput.restart_clock()
             self._check_finite()
-            if self._window_steps:
+            if self._window_steps or self._window_skipped:
                 self._log(metrics, bar)
             evaluated_last_step = t.eval_every and self.step % t.eval_every == 0 and self.last_eval
             if eval_batches and not evaluated_last_step:
