@@ -11,6 +11,7 @@ error (exit 2) instead of a traceback; each case failed on the code before it:
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def test_nan_and_inf_in_numeric_fields_are_refused_naming_file_and_key(tmp_path,
 
 @pytest.mark.parametrize("bad", ["-5f", "0x5f", " 5f", "5_f", "+5f", "12345678901234567"])
 def test_a_malformed_criteo_id_is_refused_naming_file_and_line(bad):
-    with pytest.raises(ValueError, match=rf"day_0.tsv:7: categorical column C1: '{bad}'"):
+    with pytest.raises(ValueError, match=re.escape(f"day_0.tsv:7: categorical column C1: '{bad}'")):
         parse_criteo_line(_criteo_line(cat=bad), [100] * 26, "day_0.tsv:7")
     assert parse_criteo_line(_criteo_line(cat="0000005F"), [100] * 26)[2][0] == 0x5F % 100
 
@@ -301,3 +302,17 @@ def test_a_sharded_overlap_step_measures_its_dense_part(tmp_path):
     assert ms["dense"] > 0.0, ms
     for record in records(tmp_path / "tiny", "train"):
         assert record["ms"]["dense"] > 0.0, record
+
+
+# -- a clear error where a traceback was ------------------------------------------------------
+def test_a_missing_or_binary_criteo_file_is_a_clear_error(tmp_path, capsys):
+    lines = [_criteo_line(label=str(i % 2)) for i in range(8)]
+    path = _criteo_job(tmp_path, lines, lines)
+    (tmp_path / "day_1.tsv").unlink()
+    assert main(["--config", str(path)]) == 2
+    assert f"data.criteo.eval[0]: {tmp_path / 'day_1.tsv'}: not found" in capsys.readouterr().err
+    (tmp_path / "day_1.tsv").write_text("".join(lines))
+    (tmp_path / "day_0.tsv").write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)  # gzip
+    assert main(["--config", str(path), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'day_0.tsv'}:1: not text" in err and "Traceback" not in err
