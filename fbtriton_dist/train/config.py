@@ -668,6 +668,9 @@ def load_job(
     """Read a job YAML file (``yaml.safe_load``) with ``key.path=value`` overrides applied."""
     where = os.fspath(path)
     data = read_yaml(where)
+    if data is None:  # else "expected a mapping, got NoneType"
+        raise ConfigError(where, "", "the job file is empty; a job needs at least `tables:` "
+                          "(docs/training.md, configs/jobs/quickstart.yaml)")
     if steps is not None:
         overrides = [*overrides, f"train.steps={steps}"]
     if overrides:

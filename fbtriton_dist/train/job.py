@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -445,8 +446,67 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
     return Built(model, optimizer, dense_params, emb_fqns)
 
 
+def available_host_bytes() -> int | None:
+    """This host's available memory (``MemAvailable`` of /proc/meminfo), None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_cpu_job(cfg: JobConfig, env: Env, plan: ShardingPlan) -> None:
+    """On the CPU, before anything is allocated: Triton's kernels need its interpreter
+    (a config error, exit 2), and this host's ranks' table shards with their optimizer state
+    must fit in its available memory (``PlanError``: "does not fit", exit 1; the planner
+    checked only ``sharding.hbm_gb``)."""
+    if env.device.type != "cpu":
+        return
+    from fbtriton_dist.ops.backend import check_backend
+    from fbtriton_dist.planner.memory import block_bytes, fmt_bytes
+
+    if cfg.backend == "triton":
+        try:
+            check_backend("triton", env.device)
+        except RuntimeError as e:
+            raise ConfigError(f"job {cfg.name}", "backend", str(e)) from e
+    host = env.rank // max(env.local_world_size, 1)
+    mine = range(host * env.local_world_size, (host + 1) * env.local_world_size)
+    specs = {t.name: t for t in cfg.tables.tables}
+    optimizer = cfg.optimizer.embedding.type
+    need = sum(block_bytes(specs[t.name], s.row_end - s.row_start, s.col_end - s.col_start,
+                           optimizer)
+               for t in plan.tables for s in t.shards if s.rank in mine)
+    free = available_host_bytes()
+    if free is not None and need > free:
+        raise PlanError(
+            f"the tables do not fit in this host's memory: {fmt_bytes(need)} ({need:,} bytes) "
+            f"of table weights and {optimizer} state on {len(mine)} CPU process(es), "
+            f"{fmt_bytes(free)} ({free:,} bytes) of RAM available; shard them over more hosts, "
+            "or use smaller tables")
+
+
 class RunDirError(ValueError):
     """The run folder holds another run (exit status 2, as a config error)."""
+
+
+def _unwritable(cfg: JobConfig) -> str | None:
+    """Why the run folder (or the checkpoint folder) cannot be made or written, or None."""
+    for key, folder in (("logging.run_dir", cfg.run_dir),
+                        ("checkpoint.dir", cfg.checkpoint_dir)):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            what = ("is a file, not a folder" if os.path.isfile(folder)
+                    else f"cannot be written: {e.strerror or e}")
+            return (f"{key}: {folder} {what}; give a writable folder "
+                    f"({key}=... on the command line)")
+    return None
 
 
 def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> None:
@@ -455,7 +515,8 @@ def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> N
     looks; every rank gets its verdict. Stale ``.tmp-*`` folders of interrupted saves go."""
     verdict: list[str | None] = [None]
     if env.rank == 0:
-        os.makedirs(cfg.run_dir, exist_ok=True)
+        verdict[0] = _unwritable(cfg)
+    if env.rank == 0 and verdict[0] is None:
         other = other_run(cfg)
         if other and overwrite:
             remove_run_files(cfg.run_dir, cfg.checkpoint_dir,
@@ -482,6 +543,7 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
     _claim_run_dir(cfg, env, resume, overwrite)
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
+    _check_cpu_job(cfg, env, plan)
     built = build(cfg, env, plan, mode)
     model, optimizer = built.model, built.optimizer
 

@@ -316,3 +316,47 @@ def test_a_missing_or_binary_criteo_file_is_a_clear_error(tmp_path, capsys):
     assert main(["--config", str(path), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'day_0.tsv'}:1: not text" in err and "Traceback" not in err
+
+
+def test_an_empty_job_file_says_so(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("")
+    assert main(["--config", str(tmp_path / "empty.yaml")]) == 2
+    assert f"{tmp_path / 'empty.yaml'}: the job file is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 8, b"\x00\x01 not json \x02\n" * 4])
+def test_report_of_a_binary_metrics_file_is_a_clear_error(tmp_path, capsys, content):
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'metrics.jsonl'}" in err and "not a metrics file" in err
+
+
+def test_a_run_folder_that_is_a_file_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "tiny").write_text("not a folder")
+    path = write_job(tmp_path, **QUICK)
+    assert main(["--config", str(path)]) == 2
+    assert f"logging.run_dir: {tmp_path / 'tiny'} is a file, not a folder" in (
+        capsys.readouterr().err)
+
+
+def test_triton_on_the_cpu_without_its_interpreter_is_a_config_error(tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = write_job(tmp_path, **QUICK, backend="triton", device="cpu")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "job tiny: backend: backend='triton' on CPU tensors" in err and "TRITON_INTERPRET" in err
+
+
+def test_tables_larger_than_the_hosts_memory_do_not_fit_with_the_numbers(tmp_path, monkeypatch,
+                                                                        capsys):
+    from fbtriton_dist.train import job
+
+    monkeypatch.setattr(job, "available_host_bytes", lambda: 4096)
+    path = write_job(tmp_path, **QUICK, device="cpu")
+    assert main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    need = 300 * 8 * 4 + 300 * 4 + 40 * 8 * 4 + 40 * 4  # weights + rowwise state
+    assert "do not fit in this host's memory" in err
+    assert f"({need:,} bytes)" in err and "(4,096 bytes) of RAM available" in err
