@@ -77,6 +77,27 @@ def ahead(items, depth: int, prepare=None):
             worker.join(timeout=0.05)
 
 
+def check_lengths(batch: Batch, step: int) -> None:
+    """Refuse a batch (on the host) holding a negative KJT length, naming the feature and the
+    length: the lookup would otherwise fail on the offsets made from it ("offsets: expected
+    non-decreasing values"), which the user never gave. Batches made on the GPU (the
+    synthetic source's own) are not checked: that would synchronise every step."""
+    lengths = batch.sparse.lengths()
+    if lengths.device.type != "cpu" or not lengths.numel() or int(lengths.min()) >= 0:
+        return
+    first = int((lengths < 0).nonzero()[0, 0])
+    start = 0
+    for key, stride in zip(batch.sparse.keys(), batch.sparse.stride_per_key(), strict=True):
+        if first < start + stride:
+            raise ValueError(
+                f"data: the batch of step {step + 1}: feature {key!r}: lengths[{first - start}] "
+                f"= {int(lengths[first])} (bag {first - start} of {stride}) is negative; "
+                "a KJT length is the number of ids in a bag, 0 or more")
+        start += stride
+    raise ValueError(f"data: the batch of step {step + 1}: lengths[{first}] = "
+                     f"{int(lengths[first])} is negative")
+
+
 def _pinned(item):
     """``(batch, position)`` with the batch in page-locked memory (copied to the GPU with
     ``non_blocking=True``: the copy overlaps the step before it)."""
@@ -351,6 +372,7 @@ class Trainer:
             seen = 0
             made = self.source.train_batches(self.position)
             for item in ahead(made, self.cfg.data.prefetch, prepare=pin):
+                check_lengths(item[0], self.step)
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:

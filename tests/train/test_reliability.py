@@ -20,7 +20,7 @@ import yaml
 from fbtriton_dist import cli
 from fbtriton_dist.train import checkpoint as ckpt
 from fbtriton_dist.train.config import load_job
-from fbtriton_dist.train.data import parse_criteo_line
+from fbtriton_dist.train.data import SyntheticSource, parse_criteo_line
 from fbtriton_dist.train.job import main
 from tests.train.test_job import records, write_job
 
@@ -360,3 +360,20 @@ def test_tables_larger_than_the_hosts_memory_do_not_fit_with_the_numbers(tmp_pat
     need = 300 * 8 * 4 + 300 * 4 + 40 * 8 * 4 + 40 * 4  # weights + rowwise state
     assert "do not fit in this host's memory" in err
     assert f"({need:,} bytes)" in err and "(4,096 bytes) of RAM available" in err
+
+
+def test_a_negative_kjt_length_names_the_feature_and_the_length(tmp_path, monkeypatch, capsys):
+    real = SyntheticSource.batch
+
+    def batch(self, k, split=0):
+        b = real(self, k, split)
+        if split == 0 and k == 2:
+            b.sparse.lengths()[64 + 5] = -1  # feature a2 (the second key), bag 5
+        return b
+
+    monkeypatch.setattr(SyntheticSource, "batch", batch)
+    path = write_job(tmp_path, **QUICK, device="cpu")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "step 3: feature 'a2': lengths[5] = -1 (bag 5 of 64) is negative" in err
+    assert "offsets" not in err
