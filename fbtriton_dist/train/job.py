@@ -601,13 +601,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except (PlanError, PlanValidationError) as e:
-        if rank == 0:
-            print(f"train: {e}", file=sys.stderr)
-        return 1
+        return _fail(1, f"train: {e}", agreed=True)
     except (ConfigError, RunDirError, NonFiniteError) as e:
-        if rank == 0:
-            print(f"train: error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, NonFiniteError) else 2
+        return _fail(3 if isinstance(e, NonFiniteError) else 2, f"train: error: {e}",
+                     agreed=True)
     except ValueError as e:
-        print(f"train: error{tag}: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"train: error{tag}: {e}", agreed=False)
+
+
+STATUS_FILE = "FBTD_STATUS_FILE"
+"""Environment: a file where the job's exit status and error line are appended (``STATUS
+<tab> LINE``), for ``launch/multinode.sh``: torchrun itself exits 1 whatever its workers'
+status, after 40+ lines of its own; the script ends with the line and exits with the status."""
+
+
+def _fail(status: int, line: str, agreed: bool) -> int:
+    """Say the error (``agreed``: one every rank met alike, said by rank 0 only) and hand it
+    to whoever launched the ranks: ``$FBTD_STATUS_FILE`` (by each host's first rank for an
+    agreed error) and torchrun's error file (its "Root Cause" then shows the line, not "To
+    enable traceback see ...")."""
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if not agreed or rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    if agreed and local != 0:
+        return status
+    with contextlib.suppress(OSError):
+        if os.environ.get(STATUS_FILE):
+            with open(os.environ[STATUS_FILE], "a", encoding="utf-8") as f:
+                f.write(f"{status}\t{' '.join(line.split())}\n")
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            import json
+            import time
+
+            text = f"{line} (exit status {status})"
+            data = {"message": {"message": text, "extraInfo": {
+                "py_callstack": text, "timestamp": str(int(time.time()))}}}
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as f:
+                json.dump(data, f)
+    return status

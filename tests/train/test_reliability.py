@@ -12,6 +12,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -377,3 +379,31 @@ def test_a_negative_kjt_length_names_the_feature_and_the_length(tmp_path, monkey
     err = capsys.readouterr().err
     assert "step 3: feature 'a2': lengths[5] = -1 (bag 5 of 64) is negative" in err
     assert "offsets" not in err
+
+
+def test_an_error_under_torchrun_ends_the_output_and_gives_the_documented_status(tmp_path):
+    """2 gloo ranks under launch/multinode.sh, an error found after its pre-check (every
+    checkpoint damaged): torchrun exits 1 after 40+ lines of its own; the script's last lines
+    name the error and it exits 2; torchrun's "Root Cause" names it too."""
+    import signal
+
+    path, run = _trained(tmp_path, device="cpu")
+    for step in ckpt.checkpoint_steps(str(run / "checkpoints")):
+        (run / "checkpoints" / f"step_{step:08d}" / "meta.json").unlink()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "FBTD_VENV": os.path.dirname(os.path.dirname(sys.executable)),
+           "NPROC_PER_NODE": "2", "FBTD_PG_TIMEOUT_S": "60",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(["bash", os.path.join(root, "launch", "multinode.sh"), str(path),
+                             "--resume"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"multinode.sh did not finish in 180 s: {proc.communicate()[1][-3000:]}")
+    last = err.strip().splitlines()[-2:]
+    assert proc.returncode == 2, err[-3000:]
+    assert last[0].startswith("[multinode] train: error: --resume: no usable checkpoint"), last
+    assert last[1].startswith("[multinode] exit status 2 (torchrun's own: 1"), last
+    assert "traceback : train: error: --resume: no usable checkpoint" in err
