@@ -408,8 +408,8 @@ alone also took ``-5f``, ``0x5f``, ``5_f`` and surrounding blanks."""
 def _hex_id(text: str, j: int) -> int:
     """A categorical column's hex value; anything but 1-16 hex digits is refused by name."""
     if not _HEX_ID.fullmatch(text):
-        raise ValueError(f"categorical column C{j + 1}: {text!r} is not a hex id (Criteo's "
-                         "categorical values are 8 hex digits, up to 16 here)")
+        raise ValueError(f"categorical column C{j + 1}: {text!r} is not a 64-bit hex id "
+                         "(1-16 hex digits, no sign or prefix; Criteo's are 8)")
     return int(text, 16)
 
 

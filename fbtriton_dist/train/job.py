@@ -495,8 +495,10 @@ class RunDirError(ValueError):
 
 def _unwritable(cfg: JobConfig) -> str | None:
     """Why the run folder (or the checkpoint folder) cannot be made or written, or None."""
-    for key, folder in (("logging.run_dir", cfg.run_dir),
-                        ("checkpoint.dir", cfg.checkpoint_dir)):
+    folders = [("logging.run_dir", cfg.run_dir)]
+    if cfg.checkpoint.enabled:
+        folders.append(("checkpoint.dir", cfg.checkpoint_dir))
+    for key, folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
             with tempfile.TemporaryFile(dir=folder):
