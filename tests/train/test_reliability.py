@@ -407,3 +407,18 @@ def test_an_error_under_torchrun_ends_the_output_and_gives_the_documented_status
     assert last[0].startswith("[multinode] train: error: --resume: no usable checkpoint"), last
     assert last[1].startswith("[multinode] exit status 2 (torchrun's own: 1"), last
     assert "traceback : train: error: --resume: no usable checkpoint" in err
+
+
+def test_a_run_folder_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """A read-only folder (simulated: these tests may run as root, who writes anywhere)."""
+    import errno
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    path = write_job(tmp_path, **QUICK)
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"logging.run_dir: {tmp_path / 'tiny'} cannot be written: Read-only file system" in err
