@@ -49,7 +49,7 @@ def make_batch(sampler: ZipfIds, T: int, B: int, L: int, generator: torch.Genera
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--tables", type=int, default=8)

@@ -55,6 +55,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "plan",
+        allow_abbrev=False,
         help="shard a table set over ranks and print per-rank memory, lookups, comm, imbalance",
         description=(
             "Plan how the tables of TABLES.yaml are sharded over --world-size ranks, print the "
@@ -234,6 +235,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train a DLRM job from a YAML file (torchrun for several ranks)",
         description=(
             "Train the job described by JOB.yaml (configs/jobs/, docs/training.md): in this "
@@ -253,6 +255,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
+        allow_abbrev=False,
         help="print a run's summary and draw its loss/AUC curves and stage times as a PNG",
         description=(
             "Read RUN_DIR/metrics.jsonl of a training job, print its summary and draw the "
@@ -291,7 +294,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton"
+        prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton",
+        allow_abbrev=False,  # `train --o` must not become --overwrite (it deletes a run)
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)

@@ -75,6 +75,7 @@ TINY = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m fbtriton_dist.bench dist",
         description="Sharded training step: ours vs TorchRec DMP (run under torchrun).",
     )

@@ -509,7 +509,7 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("tables", metavar="TABLES.yaml")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--local-world-size", type=int, default=None, help="default min(R, 8)")

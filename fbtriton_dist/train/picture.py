@@ -43,17 +43,31 @@ def read_run(run_dir: str, metrics: str = "metrics.jsonl") -> dict[str, Any]:
                          "(logging.run_dir, default runs/<name>)")
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     summary = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            kind = record.get("kind")
-            if kind == "summary":
-                summary = record
-            elif kind in by_kind:
-                by_kind[kind][int(record.get("step", 0))] = record
+    lines = records = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                lines += 1
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                records += 1
+                kind = record.get("kind")
+                if kind == "summary":
+                    summary = record
+                elif kind in by_kind:
+                    by_kind[kind][int(record.get("step", 0))] = record
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: line {lines + 1}: not a metrics file (binary, not text: "
+                         f"{e.reason}); expected the JSON lines a job writes") from e
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from e
+    if lines and not records:
+        raise ValueError(f"{path}: not a metrics file: none of its {lines} line(s) is a JSON "
+                         "record of a job")
     return {"train": [by_kind["train"][s] for s in sorted(by_kind["train"])],
             "eval": [by_kind["eval"][s] for s in sorted(by_kind["eval"])],
             "summary": summary, "path": path}
