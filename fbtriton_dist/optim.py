@@ -338,6 +338,28 @@ HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
 
 
+NATIVE_HYPER_FIELDS = (*HYPER_FIELDS[:5], "decoupled", "step")
+"""What the native CPU backward reads from its ``double`` hyper-parameter array
+(``ops/csrc/tbe_cpu.h``'s ``HYPER_*`` slots, checked against this by a test): the fields in
+this order; ``decoupled`` is 1.0 for ``weight_decay_mode="decoupled"``, ``step`` the step t."""
+
+NO_OPTIMIZER_CODE = 0
+"""The kernels' code for no optimizer (the summed row gradients are returned)."""
+
+KERNEL_CODES: dict[str, int] = {entry.name: entry.kernel_code for entry in REGISTRY.values()}
+"""Every optimizer's kernel code, by name: the one table the Triton and native CPU kernels'
+codes come from (``NO_OPTIMIZER_CODE`` aside)."""
+
+
+def native_hyper_parameters(optimizer: Optimizer | None, step: int) -> list[float]:
+    """``optimizer``'s values of ``NATIVE_HYPER_FIELDS`` at step ``step`` (zeros and the step
+    without an optimizer)."""
+    if optimizer is None:
+        return [0.0] * (len(NATIVE_HYPER_FIELDS) - 1) + [float(step)]
+    decoupled = getattr(optimizer, "weight_decay_mode", "l2") == "decoupled"
+    return [*hyper_parameters(optimizer)[:5], float(decoupled), float(step)]
+
+
 def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
     """``optimizer``'s values of ``HYPER_FIELDS`` (0 where its entry's ``hyper`` has none).
     ``log_beta`` is the natural log of the beta (-inf for 0): Adam's bias corrections

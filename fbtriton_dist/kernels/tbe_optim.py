@@ -15,7 +15,7 @@ import triton.language as tl
 from fbtriton_dist import optim
 from fbtriton_dist.kernels.tbe_forward import cast_rne, cast_rtz
 
-OPT_NONE = 0  # no optimizer: the row gradients are returned
+OPT_NONE = optim.NO_OPTIMIZER_CODE  # no optimizer: the row gradients are returned
 # the optimizers' kernel codes (optim.REGISTRY), constexpr globals for the jit functions
 _SGD = tl.constexpr(optim.spec("sgd").kernel_code)
 _ADAGRAD = tl.constexpr(optim.spec("adagrad").kernel_code)

@@ -31,8 +31,11 @@ import torch.nn.functional as F
 from fbtriton_dist import optim
 from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.cpu_bucketize import bucketize
+from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.reference.bucketize import bucketize_into, segment_copy, segment_plan
-from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed, stochastic_round
+from fbtriton_dist.reference.tbe import step_seed, stochastic_round
+
+POOL_MEAN, POOL_NONE = PoolingMode.MEAN, PoolingMode.NONE
 
 __all__ = [
     "bucketize",
@@ -478,3 +481,6 @@ _NEEDS_ROWS = {
     "adam": lambda opt: opt.weight_decay != 0,
 }
 """Does the step read the rows (weight decay)?"""
+
+STEP_OPTIMIZERS: tuple[str, ...] = tuple(_STEPS)
+"""The optimizers the torch ops step (the CPU backend's capabilities read it)."""
