@@ -2,8 +2,8 @@
 
 The integer values are what the kernels take (as constexprs), what the reference and the fast
 CPU path compare against, and what the native CPU kernels' ``POOL_*`` enum in
-``ops/csrc/tbe_cpu.h`` must equal (``tests/test_pooling.py`` parses the header). Modules and
-YAML name them in lower case (``"sum"``, ``"mean"``, ``"none"``).
+``ops/csrc/tbe_cpu.h`` must equal (``tests/ops/test_native_tables.py`` parses the header).
+Modules and YAML name them in lower case (``"sum"``, ``"mean"``, ``"none"``).
 
 This module imports nothing but the standard library: the planner, the job config and the
 kernels may all read it.
