@@ -198,6 +198,7 @@ class TableBatchedEmbedding(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._set_layout_buffers(self.weights.device)
+        backends.check_supported(self.backend, device=self.weights.device)  # a new device
         return self
 
     def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:

@@ -24,6 +24,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,7 +39,9 @@ from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.reference.tbe import step_seed
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "tbe_cpu.c", CSRC / "tbe_cpu_backward.c", CSRC / "tbe_pool.c")
+BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
+"""The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
+SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
 HEADERS = (CSRC / "tbe_cpu.h",)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 FLAG_SETS = (
@@ -48,12 +51,26 @@ FLAG_SETS = (
 """Tried in order until one builds."""
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-NATIVE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam", "adagrad")
-"""The optimizers of ``optim.REGISTRY`` that the C side implements (an ``OPT_<NAME>`` of
-``csrc/tbe_cpu.h`` each, with the registry's kernel code: a test parses the header). The CPU
-backend's capabilities list only these: a registry optimizer missing here is refused when a
-module is built, not at its first backward."""
-OPT_CODES = {name: optim.KERNEL_CODES[name] for name in NATIVE_OPTIMIZERS}
+
+
+def _header_optimizers() -> tuple[str, ...]:
+    """The ``OPT_<NAME>`` codes of ``csrc/tbe_cpu_backward.c`` but ``OPT_NONE``, as registry
+    names (none where the source is missing: the kernels cannot be built then)."""
+    try:
+        text = re.sub(r"/\*.*?\*/", "", BACKWARD_SOURCE.read_text(), flags=re.S)  # no comments
+    except OSError:
+        return ()
+    return tuple(n.lower() for n in re.findall(r"\bOPT_([A-Z][A-Z0-9_]*)\s*=", text)
+                 if n != "NONE")
+
+
+NATIVE_OPTIMIZERS = _header_optimizers()
+"""The optimizers of ``optim.REGISTRY`` that the C side implements: an ``OPT_<NAME>`` of
+``csrc/tbe_cpu_backward.c`` each (read from there; a test checks each code against the
+registry's). The CPU backend's capabilities list only these (while the source is there): a
+registry optimizer the C code lacks is refused when a module is built, not at its first
+backward."""
+OPT_CODES = {n: optim.KERNEL_CODES[n] for n in NATIVE_OPTIMIZERS if n in optim.KERNEL_CODES}
 """The C side's optimizer codes (``optim.NO_OPTIMIZER_CODE``: none, the summed gradients
 written out)."""
 BAD_FIRST, BAD_LAST, BAD_ORDER, BAD_ID, BAD_WEIGHT, NO_MEMORY, TOO_BIG = 1, 2, 4, 8, 16, 32, 64

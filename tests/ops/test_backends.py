@@ -179,3 +179,18 @@ def test_a_registry_optimizer_a_backend_lacks_fails_at_construction(backend, lio
                                          r"'lion' \(supported: \['sgd'"):
         TableBatchedEmbedding(TABLES, FTM, backend=backend, optimizer=lion,
                               device=device_for(backend))
+
+
+def test_devices_are_checked_where_the_module_lives(monkeypatch):
+    """A backend for CUDA tensors only: a module may be built on a staging device (cpu, meta)
+    and moved; building or moving it onto a device the backend lacks is refused."""
+    caps = Capabilities(devices=("cuda",))
+    monkeypatch.setitem(backends.MODULES, "gpu_only", "unused")
+    monkeypatch.setitem(backends._LOADED, "gpu_only", Backend("gpu_only", caps, "unused"))
+    TableBatchedEmbedding(TABLES, backend="gpu_only", device="meta")
+    tbe = TableBatchedEmbedding(TABLES, backend="gpu_only")  # cpu: staged, not refused
+    with pytest.raises(ValueError, match=r"backend='gpu_only' does not support device 'xpu' "
+                                         r"\(supported: \['cuda'\]\)"):
+        backends.check_supported("gpu_only", device="xpu")
+    with pytest.raises(RuntimeError, match="backend='gpu_only' runs on \\['cuda'\\] tensors"):
+        tbe(torch.tensor([0]), torch.tensor([0, 1, 1]))  # the lookup checks the device

@@ -1,7 +1,8 @@
-"""The native CPU kernels' codes (``ops/csrc/tbe_cpu.h``'s enums) against the Python tables
-they must equal: pooling (``pooling.PoolingMode``), optimizers (``optim.KERNEL_CODES``, the
-names in ``cpu_native.NATIVE_OPTIMIZERS``) and the hyper-parameter slots
-(``optim.NATIVE_HYPER_FIELDS``); and no bare codes where a name exists."""
+"""The native CPU kernels' codes (the enums of ``ops/csrc/tbe_cpu.h`` and
+``tbe_cpu_backward.c``) against the Python tables they must equal: pooling
+(``pooling.PoolingMode``), optimizers (``optim.KERNEL_CODES``, the names in
+``cpu_native.NATIVE_OPTIMIZERS``) and the hyper-parameter slots (``optim.NATIVE_HYPER_FIELDS``);
+and no bare codes where a name exists."""
 
 import pathlib
 import re
@@ -12,6 +13,7 @@ from fbtriton_dist.pooling import PoolingMode
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "fbtriton_dist"
 HEADER = PKG / "ops" / "csrc" / "tbe_cpu.h"
+BACKWARD = PKG / "ops" / "csrc" / "tbe_cpu_backward.c"
 
 
 def header_enums(text: str) -> dict[str, int]:
@@ -40,7 +42,8 @@ def test_pooling_codes_match_pooling_mode():
 
 
 def test_optimizer_codes_come_from_the_registry():
-    opts = with_prefix(header_enums(HEADER.read_text()), "OPT_")
+    assert not with_prefix(header_enums(HEADER.read_text()), "OPT_")  # one place only
+    opts = with_prefix(header_enums(BACKWARD.read_text()), "OPT_")
     assert opts.pop("NONE") == optim.NO_OPTIMIZER_CODE
     # every OPT_<NAME> of the C side is a registry optimizer with the registry's code, and
     # exactly those are the ones the CPU backend says the native kernels implement
@@ -51,7 +54,7 @@ def test_optimizer_codes_come_from_the_registry():
 
 
 def test_hyper_slots_match_native_hyper_fields():
-    slots = with_prefix(header_enums(HEADER.read_text()), "HYPER_")
+    slots = with_prefix(header_enums(BACKWARD.read_text()), "HYPER_")
     count = slots.pop("COUNT")
     assert count == len(optim.NATIVE_HYPER_FIELDS)
     assert sorted(slots, key=slots.get) == [f.upper() for f in optim.NATIVE_HYPER_FIELDS]

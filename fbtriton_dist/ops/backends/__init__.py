@@ -34,6 +34,7 @@ __all__ = [
     "choices",
     "get",
     "names",
+    "pick",
     "resolve",
 ]
 
@@ -87,15 +88,23 @@ def _device_type(device) -> str:
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
-def resolve(backend: str, device) -> str:
-    """The backend that runs ops on tensors of ``device``: ``backend``, or for ``"auto"`` the
-    one ``AUTO`` names for the device type. Raises where it cannot run there
-    (``Backend.check_device``)."""
+def pick(backend: str, device) -> str:
+    """``backend``, or for ``"auto"`` the one ``AUTO`` names for ``device``'s type."""
     check_choice(backend)
-    kind = _device_type(device)
-    name = backend if backend != "auto" else AUTO.get(kind, AUTO_DEFAULT)
+    return backend if backend != "auto" else AUTO.get(_device_type(device), AUTO_DEFAULT)
+
+
+def resolve(backend: str, device) -> str:
+    """The backend that runs ops on tensors of ``device`` (``pick``). Raises where it cannot
+    run there (``Backend.check_device``)."""
+    name = pick(backend, device)
     get(name).check_device(device)
     return name
+
+
+STAGING = ("cpu", "meta")
+"""Device types a module is often built on and then moved from: ``check_supported`` does not
+refuse them (the move checks the new device)."""
 
 
 def check_supported(
@@ -107,13 +116,17 @@ def check_supported(
     dtypes=(),
     where: str = "TableBatchedEmbedding",
 ) -> str:
-    """Resolve ``backend`` for ``device`` and refuse (``ValueError`` naming the backend and what
+    """Pick ``backend`` for ``device`` and refuse (``ValueError`` naming the backend and what
     it supports) a pooling (``PoolingMode`` or its name), optimizer (a registry name), weight
-    or output dtype (torch dtypes or their names) or device it lacks. Returns the resolved
-    name. Called when a module is built, so that nothing fails at the first backward."""
-    name = resolve(backend, device)
+    or output dtype (torch dtypes or their names) or device (but a ``STAGING`` one) it lacks.
+    Returns the backend's name. Called when a module is built or moved, so that nothing fails
+    at the first backward. What only the lookup can tell (Triton's interpreter on CPU) is
+    ``Backend.check_device``'s, at the lookup."""
+    name = pick(backend, device)
+    kind = _device_type(device)
     problems = capabilities(name).problems(
-        device=_device_type(device), pooling=pooling, optimizer=optimizer, dtypes=dtypes
+        device=None if kind in STAGING else kind, pooling=pooling, optimizer=optimizer,
+        dtypes=dtypes,
     )
     if problems:
         chosen = f"backend={name!r}" + (f" (from {backend!r})" if backend != name else "")

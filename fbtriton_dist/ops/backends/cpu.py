@@ -28,9 +28,11 @@ BACKEND = CPUBackend(
     "cpu",
     Capabilities(
         devices=("cpu", "cuda"),
+        # without the header the native kernels never run: the torch steps decide
         optimizers=tuple(
             name for name in optim.NAMES
-            if name in cpu_native.NATIVE_OPTIMIZERS and name in cpu.STEP_OPTIMIZERS
+            if name in (cpu_native.NATIVE_OPTIMIZERS or cpu.STEP_OPTIMIZERS)
+            and name in cpu.STEP_OPTIMIZERS
         ),
         native_input_check=True,
     ),

@@ -1,13 +1,14 @@
 """The Triton backend: the kernels of ``fbtriton_dist.kernels`` (the product, on CUDA; on CPU
 tensors only in Triton's interpreter, ``TRITON_INTERPRET=1`` set before triton is imported).
+
+Loading this module (the first ``backends.get("triton")``) imports triton.
 """
 
 import os
 
+from fbtriton_dist import optim
+from fbtriton_dist.kernels.tbe_optim import OPTIMIZERS
 from fbtriton_dist.ops.backends.base import Backend, Capabilities
-
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-"""The optimizers with an update helper in ``kernels/tbe_optim.py`` (a test checks it)."""
 
 
 class TritonBackend(Backend):
@@ -68,7 +69,7 @@ BACKEND = TritonBackend(
     "triton",
     Capabilities(
         devices=("cuda", "cpu"),  # cpu: in Triton's interpreter only (check_device)
-        optimizers=OPTIMIZERS,
+        optimizers=tuple(name for name in optim.NAMES if name in OPTIMIZERS),
         capturable=True,
         bounds_check_in_kernel=True,
         plan_ahead=True,

@@ -37,16 +37,9 @@ static inline int64_t tbe_tasks(int64_t n, int nthreads, int64_t grain) {
 #define INLINE static inline __attribute__((always_inline))
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-/* The codes below are fbtriton_dist's Python tables (tests/ops/test_native_tables.py parses
- * this header and checks them): POOL_* are pooling.PoolingMode, OPT_* the kernel codes of
- * optim.REGISTRY (an OPT_<NAME> per optimizer the native kernels implement, listed in
- * ops/cpu_native.py's NATIVE_OPTIMIZERS), HYPER_* the slots of optim.NATIVE_HYPER_FIELDS. */
 enum { F32 = 0, F16 = 1, BF16 = 2 };
+/* fbtriton_dist.pooling.PoolingMode (tests/ops/test_native_tables.py parses and checks it) */
 enum { POOL_SUM = 0, POOL_MEAN = 1, POOL_NONE = 2 };
-enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADAGRAD = 4 };
-/* the backward's hyper-parameters: double hyper[HYPER_COUNT], one slot each */
-enum { HYPER_LR = 0, HYPER_EPS = 1, HYPER_BETA1 = 2, HYPER_BETA2 = 3, HYPER_WEIGHT_DECAY = 4,
-       HYPER_DECOUPLED = 5, HYPER_STEP = 6, HYPER_COUNT = 7 };
 /* tbe_check's bits; the other kernels return minus one of them */
 enum { BAD_FIRST = 1, BAD_LAST = 2, BAD_ORDER = 4, BAD_ID = 8, BAD_WEIGHT = 16, NO_MEMORY = 32,
        TOO_BIG = 64 };
