@@ -63,8 +63,9 @@ class Capabilities:
 
 
 class Backend:
-    """One backend: its name, capabilities and one method per op. The defaults call the
-    function of the same name in ``module()`` (same signature as ``reference``'s twin)."""
+    """One backend: its name, capabilities and one method per op. The defaults call ``twin``:
+    the function of the same name in ``module()`` (same signature as ``reference``'s twin),
+    or the reference's where the module has none (the spec runs on any device)."""
 
     def __init__(self, name: str, capabilities: Capabilities, module: str) -> None:
         self.name = name
@@ -78,6 +79,13 @@ class Backend:
         """The module holding this backend's twin of every op (imported when asked for)."""
         return importlib.import_module(self._module_name)
 
+    def twin(self, op: str):
+        """This backend's function for ``op``: its module's, else the reference's."""
+        fn = getattr(self.module(), op, None)
+        if fn is None:
+            fn = getattr(importlib.import_module("fbtriton_dist.reference"), op)
+        return fn
+
     def check_device(self, device) -> None:
         """Refuse (``RuntimeError``) tensors of ``device`` that it cannot run on."""
         kind = getattr(device, "type", None) or str(device).split(":")[0]
@@ -89,16 +97,14 @@ class Backend:
 
     # -- the TBE lookup (ops/tbe.py)
     def tbe_forward(self, *args, **kwargs):
-        return self.module().tbe_forward(*args, **kwargs)
+        return self.twin("tbe_forward")(*args, **kwargs)
 
     def tbe_backward(self, *args, rows=None, **kwargs):
         """``rows`` [T]: each feature's table rows, for backends that check ids there."""
-        return self.module().tbe_backward(*args, **kwargs)
+        return self.twin("tbe_backward")(*args, **kwargs)
 
     def tbe_per_sample_weights_grad(self, *args, **kwargs):
-        from fbtriton_dist import reference  # noqa: PLC0415 (torch only when asked for)
-
-        return reference.tbe_per_sample_weights_grad(*args, **kwargs)
+        return self.twin("tbe_per_sample_weights_grad")(*args, **kwargs)
 
     def tbe_linearize(self, *args, **kwargs):
         raise NotImplementedError(f"backend={self.name!r} makes no backward plan ahead")
@@ -108,7 +114,7 @@ class Backend:
 
     # -- the input dist's ops (ops/bucketize.py)
     def bucketize(self, *args, **kwargs):
-        return self.module().bucketize(*args, **kwargs)
+        return self.twin("bucketize")(*args, **kwargs)
 
     def bucketize_grid(self, sf_key: list[int], device):
         """A launch grid for these shard-features, built once per key order; None: none."""
@@ -126,15 +132,15 @@ class Backend:
         used = min(int(offsets[-1]), values.numel())
         values = values[:used]
         weights = weights[:used] if weights is not None else None
-        return self.module().bucketize_into(
+        return self.twin("bucketize_into")(
             values, offsets.clamp(max=used), weights, sf_key, lo, hi, B, *outs
         )
 
     def segment_plan(self, counts, group_first, group_base):
-        return self.module().segment_plan(counts, group_first, group_base)
+        return self.twin("segment_plan")(counts, group_first, group_base)
 
     def segment_copy(self, *args):
-        return self.module().segment_copy(*args)
+        return self.twin("segment_copy")(*args)
 
     # -- managed tables (ops/id_remap.py)
     def id_index(self, keys, last_seen):

@@ -1,6 +1,7 @@
 """The fast CPU backend (``ops/cpu.py``): native C kernels compiled at first use
 (``ops/cpu_native.py``, ``ops/csrc/``), vectorised torch ops where they do not apply. Its
-torch ops run on any device (host-synchronous on CUDA).
+torch ops run on any device (host-synchronous on CUDA); the ops ``ops/cpu.py`` does not have
+(the fixed-shape placement of the input dist) are the reference's (``Backend.twin``).
 
 Its optimizers are those both paths implement: the C side's (``cpu_native.NATIVE_OPTIMIZERS``)
 that also have a torch step (``ops/cpu.py``'s ``_STEPS``), so that a registry optimizer the C
@@ -13,22 +14,16 @@ from fbtriton_dist.ops.backends.base import Backend, Capabilities
 
 
 class CPUBackend(Backend):
-    def module(self):
-        return cpu
-
     def tbe_backward(self, *args, rows=None, **kwargs):
         """The native kernels check each id against its table's ``rows``."""
         return cpu.tbe_backward(*args, rows=rows, **kwargs)
-
-    def tbe_per_sample_weights_grad(self, *args, **kwargs):
-        return cpu.tbe_per_sample_weights_grad(*args, **kwargs)
 
 
 BACKEND = CPUBackend(
     "cpu",
     Capabilities(
         devices=("cpu", "cuda"),
-        # without the header the native kernels never run: the torch steps decide
+        # without the C source the native kernels never run: the torch steps decide
         optimizers=tuple(
             name for name in optim.NAMES
             if name in (cpu_native.NATIVE_OPTIMIZERS or cpu.STEP_OPTIMIZERS)
