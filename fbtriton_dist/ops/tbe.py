@@ -1,9 +1,9 @@
-"""TBE lookup op: validate a batch, then run forward/backward on Triton, the fast CPU path or
-the reference.
+"""TBE lookup op: validate a batch, then run forward/backward on a backend of the registry
+(``ops/backends/``: Triton, the fast CPU path, the reference), asking its capabilities.
 
 Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B+1]
 (feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``, or without
-pooling (``pooling=2``, sequence embeddings) ``[N, max_D]``: id i's row in row i's first
+pooling (``pooling=PoolingMode.NONE``, sequence embeddings) ``[N, max_D]``: id i's row in row i's first
 D_f columns, zeros after them (and in padding rows).
 """
 
