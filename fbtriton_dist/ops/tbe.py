@@ -3,8 +3,8 @@
 
 Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B+1]
 (feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``, or without
-pooling (``pooling=PoolingMode.NONE``, sequence embeddings) ``[N, max_D]``: id i's row in row i's first
-D_f columns, zeros after them (and in padding rows).
+pooling (``pooling=PoolingMode.NONE``, sequence embeddings) ``[N, max_D]``: id i's row in row
+i's first D_f columns, zeros after them (and in padding rows).
 """
 
 import collections
