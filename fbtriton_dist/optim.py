@@ -1,27 +1,39 @@
 """Fused optimizers of TableBatchedEmbedding: one registry entry each, applied inside backward.
 
-Adding a fused optimizer touches these five files, and no other:
+Adding a fused optimizer touches these files, and no other (each backend lists the
+optimizers its code implements in its capabilities, ``ops/backends/``, read from that code; a
+backend without it refuses it when a module is built, naming what it supports):
 
 1. ``fbtriton_dist/optim.py`` (this file): its config dataclass (added to ``Optimizer``) and
    one ``OptimizerSpec`` in ``REGISTRY``: the name (YAML, planner), the FBGEMM name, the
    states, the hyper-parameters the kernels read, the torch / TorchRec classes that map to
-   it, the kernel code. The planner (choices, state bytes), the job config (choices, keys),
-   the modules (state tensors and their per-table views), the sharded module's state dict
-   and the torch-class mapping all read it.
-2. ``fbtriton_dist/kernels/tbe_optim.py``: its kernel code as a constexpr global, a
-   ``@triton.jit`` ``_<name>_update`` helper and its branch in ``optimizer_update`` (the
-   row-update kernel of ``kernels/tbe_backward.py`` calls that, by the constexpr code).
-3. ``fbtriton_dist/reference/tbe.py``: its twin ``_<name>_update``, listed in ``UPDATES``.
-4. ``fbtriton_dist/ops/cpu.py``: its vectorised step for the fast CPU path, ``_<name>_step`` in
-   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``).
+   it, the kernel code (``KERNEL_CODES``, the one code table). The planner (choices, state
+   bytes), the job config (choices, keys), the modules (state tensors and their per-table
+   views), the sharded module's state dict and the torch-class mapping all read it.
+2. ``fbtriton_dist/reference/tbe.py``: its twin ``_<name>_update``, listed in ``UPDATES`` (the
+   reference backend; the spec every other backend is tested against).
+3. Triton: ``fbtriton_dist/kernels/tbe_optim.py``: its kernel code as a constexpr global, its
+   name in ``OPTIMIZERS``, a ``@triton.jit`` ``_<name>_update`` helper and its branch in
+   ``optimizer_update`` (the row-update kernel of ``kernels/tbe_backward.py`` calls that, by
+   the constexpr code).
+4. The fast CPU path: ``fbtriton_dist/ops/cpu.py``, its vectorised step ``_<name>_step`` in
+   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``); ``ops/csrc/tbe_cpu_backward.c``,
+   its ``OPT_<NAME>`` (= its kernel code) and its ``case`` in the row update (and its states'
+   prefetch). ``ops/cpu_native.py`` reads the ``OPT_*`` names from that file.
 5. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
    (Triton vs the reference over three steps). ``tests/test_optim.py`` checks every registry
    entry without being edited (torch-class round trip, kernel code, planner and job choices,
-   state bytes against the module's state tensors, a reference step for each entry).
+   state bytes against the module's state tensors, a reference step for each entry);
+   ``tests/ops/test_native_tables.py`` the C codes; ``tests/ops/test_backends.py`` runs it on
+   every backend that lists it against the reference.
+
+Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the fast
+CPU path 4 (1, 2, ``ops/cpu.py``, ``tbe_cpu_backward.c``).
 
 Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``) and
 hyper-parameters among ``lr``, ``eps``, ``betas``, ``weight_decay``. A new hyper-parameter is
-also a new slot in ``HYPER_FIELDS`` and in ``tbe_optim.load_hyper`` and, to be set from a job's
+also a new slot in ``HYPER_FIELDS`` and in ``tbe_optim.load_hyper`` (native CPU:
+``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
 YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig``; a new compile-time variant
 (like rowwise Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel.
 
@@ -344,6 +356,28 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
 HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2")
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
+
+
+NATIVE_HYPER_FIELDS = (*HYPER_FIELDS[:5], "decoupled", "step")
+"""What the native CPU backward reads from its ``double`` hyper-parameter array
+(``ops/csrc/tbe_cpu.h``'s ``HYPER_*`` slots, checked against this by a test): the fields in
+this order; ``decoupled`` is 1.0 for ``weight_decay_mode="decoupled"``, ``step`` the step t."""
+
+NO_OPTIMIZER_CODE = 0
+"""The kernels' code for no optimizer (the summed row gradients are returned)."""
+
+KERNEL_CODES: dict[str, int] = {entry.name: entry.kernel_code for entry in REGISTRY.values()}
+"""Every optimizer's kernel code, by name: the one table the Triton and native CPU kernels'
+codes come from (``NO_OPTIMIZER_CODE`` aside)."""
+
+
+def native_hyper_parameters(optimizer: Optimizer | None, step: int) -> list[float]:
+    """``optimizer``'s values of ``NATIVE_HYPER_FIELDS`` at step ``step`` (zeros and the step
+    without an optimizer)."""
+    if optimizer is None:
+        return [0.0] * (len(NATIVE_HYPER_FIELDS) - 1) + [float(step)]
+    decoupled = getattr(optimizer, "weight_decay_mode", "l2") == "decoupled"
+    return [*hyper_parameters(optimizer)[:5], float(decoupled), float(step)]
 
 
 def hyper_parameters(optimizer: Optimizer | None) -> list[float]:

@@ -53,12 +53,13 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-TORCH_FREE_LEAVES = {"optim", "knobs", "id_manager"}
+TORCH_FREE_LEAVES = {"optim", "pooling", "knobs", "id_manager"}
 """Top-level modules every layer may read, the torch-free planner included."""
 ALLOWED: dict[str, set[str]] = {
     # top-level leaves
     "__init__": set(),  # the lazy table: importlib only
     "optim": set(),  # the optimizer registry
+    "pooling": set(),  # PoolingMode: kernels, reference, ops and modules read it
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
     "graphs": set(),  # GraphedStep: serves every layer
@@ -69,7 +70,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"planner", "train", "bench", *TORCH_FREE_LEAVES},
     # DESIGN.md's table, top to bottom
     "kernels": {*TORCH_FREE_LEAVES},  # optim: the kernels' per-optimizer update codes
-    "reference": {"optim"},
+    "reference": {"optim", "pooling"},
     "ops": {"kernels", "reference", "graphs", "host_flags", *TORCH_FREE_LEAVES},
     "modules": {"ops", "sparse", "graphs", "host_flags", *TORCH_FREE_LEAVES},
     "planner": {*TORCH_FREE_LEAVES},
@@ -88,6 +89,7 @@ NO_TENSORS = ("torch", "triton", "torchrec", "fbgemm_gpu")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "planner/": NO_TENSORS,  # pure Python: plans without a GPU or torch
     "optim.py": NO_TENSORS,  # the planner reads it
+    "pooling.py": NO_TENSORS,  # a leaf every layer reads
     "knobs.py": NO_TENSORS,  # the planner may read it
     "id_manager.py": NO_TENSORS,  # the planner's table sets read it
     "train/config.py": NO_TENSORS,  # the CLI parses job arguments without torch

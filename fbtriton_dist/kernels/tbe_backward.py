@@ -33,6 +33,7 @@ from fbtriton_dist.kernels.launch import Launcher
 from fbtriton_dist.kernels.tbe_forward import block_sizes, key_dtype
 from fbtriton_dist.kernels.tbe_optim import OPT_NONE, optimizer_code
 from fbtriton_dist.kernels.tbe_rows import update_rows
+from fbtriton_dist.pooling import PoolingMode
 
 CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by block
 # The row and chunk kernels' narrowest tile: one warp's 32 lanes each own a 16-byte vector of
@@ -363,8 +364,8 @@ def tbe_backward_plan(
         keys, bag_ids = linearize(indices, offsets, row_offsets, B, sentinel)
     keys, perm = torch.sort(keys, stable=True)
     changes = torch.empty(max(N - 1, 0), dtype=torch.int32, device=device)  # the runs kernel's
-    has_scale = per_sample_weights is not None or pooling == 1
-    if pooling == 1 and counts is None:
+    has_scale = per_sample_weights is not None or pooling == PoolingMode.MEAN
+    if pooling == PoolingMode.MEAN and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
     workspace = torch.empty(6 * N + 2, dtype=torch.int64, device=device)  # one allocation
     goffs, run_keys, run_elems, run_dims, run_goffs = workspace[: 5 * N].view(5, N)
@@ -406,8 +407,8 @@ def tbe_backward_plan(
             grad_stride,
             sentinel,
             HAS_PSW=per_sample_weights is not None,
-            MEAN=pooling == 1,
-            SEQUENCE=pooling == 2,
+            MEAN=pooling == PoolingMode.MEAN,
+            SEQUENCE=pooling == PoolingMode.NONE,
             COUNT_STEP=step is not None,
             BLOCK=1024,
             num_warps=RUNS_WARPS,

@@ -12,10 +12,13 @@ import triton.language as tl
 
 from fbtriton_dist import knobs
 from fbtriton_dist.kernels.launch import Launcher
+from fbtriton_dist.pooling import PoolingMode
 
-POOL_SUM = 0
-POOL_MEAN = 1
-POOL_NONE = 2  # one output row per id (sequence embeddings), ``[N, max_D]``
+POOL_SUM, POOL_MEAN = PoolingMode.SUM, PoolingMode.MEAN
+POOL_NONE = PoolingMode.NONE  # one output row per id (sequence embeddings), ``[N, max_D]``
+# the same, constexpr globals for the jit functions
+_MEAN = tl.constexpr(int(PoolingMode.MEAN))
+_NONE = tl.constexpr(int(PoolingMode.NONE))
 
 
 @triton.jit
@@ -122,7 +125,7 @@ def _tbe_forward_kernel(
         if HAS_PSW:
             psw = tl.load(psw_ptr + pos, mask=l_mask, other=0.0).to(tl.float32)
             rows = rows * psw[:, None]
-        if POOLING == 2:  # each id's row to its own output row (a dropped id's stays zero)
+        if POOLING == _NONE:  # each id's row to its own output row (a dropped id's stays zero)
             at = pos[:, None] * out_stride + d[None, :]
             tl.store(out_ptr + at, cast_rne(rows, out_ptr.dtype.element_ty),
                      mask=(pos < end)[:, None] & d_mask[None, :])
@@ -165,9 +168,9 @@ def _tbe_forward_kernel(
                 first = tl.minimum(first, tl.min(tl.where(bad, pos, N), axis=0))
             tl.atomic_add(err_ptr, n_bad.to(tl.int64))
             tl.atomic_max(err_ptr + 1, N - first)
-    if POOLING != 2:
+    if POOLING != _NONE:
         n_kept = tl.sum(kept, axis=0).to(tl.float32)
-        if POOLING == 1:
+        if POOLING == _MEAN:
             acc = acc / tl.maximum(n_kept, 1.0)
             if LINEARIZE:
                 tl.store(counts_ptr + fb, n_kept)

@@ -4,8 +4,8 @@ optimizer of ``optim.REGISTRY`` (``_<name>_update``), picked by its constexpr ke
 the new rows (``store_rows``). ``kernels/tbe_backward.py``'s ``_tbe_row_update_kernel`` loads
 the rows (and a per-row state) before its gradient loop, then calls these.
 
-Adding an optimizer here: its kernel code as a constexpr global, its ``_<name>_update`` and
-its branch in ``optimizer_update`` (see ``fbtriton_dist/optim.py``).
+Adding an optimizer here: its kernel code as a constexpr global, its name in ``OPTIMIZERS``,
+its ``_<name>_update`` and its branch in ``optimizer_update`` (see ``fbtriton_dist/optim.py``).
 """
 
 import torch
@@ -15,12 +15,14 @@ import triton.language as tl
 from fbtriton_dist import optim
 from fbtriton_dist.kernels.tbe_forward import cast_rne, cast_rtz
 
-OPT_NONE = 0  # no optimizer: the row gradients are returned
+OPT_NONE = optim.NO_OPTIMIZER_CODE  # no optimizer: the row gradients are returned
 # the optimizers' kernel codes (optim.REGISTRY), constexpr globals for the jit functions
 _SGD = tl.constexpr(optim.spec("sgd").kernel_code)
 _ADAGRAD = tl.constexpr(optim.spec("adagrad").kernel_code)
 _ROWWISE_ADAGRAD = tl.constexpr(optim.spec("rowwise_adagrad").kernel_code)
 _ADAM = tl.constexpr(optim.spec("adam").kernel_code)
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+"""The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
 
 def optimizer_code(optimizer: optim.Optimizer | None) -> int:

@@ -16,6 +16,7 @@ from fbtriton_dist.modules import ebc_op, portable
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.sparse import (
     JaggedBatch,
     KeyedJaggedTensor,
@@ -26,7 +27,8 @@ from fbtriton_dist.sparse import (
 )
 
 DATA_TYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
-POOLINGS = {"SUM": "sum", "MEAN": "mean"}
+POOLINGS = {m.name: m.label for m in (PoolingMode.SUM, PoolingMode.MEAN)}
+"""TorchRec's pooled ``PoolingType`` names -> the TBE's ``pooling`` (``PoolingMode`` labels)."""
 
 
 def embedding_names(tables: Sequence) -> list[str]:

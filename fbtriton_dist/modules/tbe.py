@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.ops import backend as backends
-from fbtriton_dist.ops import vbe
+from fbtriton_dist.ops import backends, vbe
 from fbtriton_dist.ops.tbe import (
     BoundsCheck,
     BoundsMonitor,
@@ -22,8 +21,8 @@ from fbtriton_dist.ops.tbe import (
     tbe_lookup_backward,
 )
 from fbtriton_dist.ops.vbe import VBELayout
+from fbtriton_dist.pooling import LABELS, PoolingMode
 
-POOLING = {"sum": 0, "mean": 1, "none": 2}
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -48,7 +47,10 @@ class TableBatchedEmbedding(nn.Module):
             raise (``"error"``), are dropped with a warning
             (``"warn"``), or are not checked (``"ignore"``: the caller promises valid ids).
         backend: ``"auto"`` (Triton for CUDA weights, the fast CPU path ``"cpu"`` for CPU
-            weights), ``"triton"``, ``"cpu"`` or ``"reference"`` (the slow spec).
+            weights) or a name of ``ops.backends.names()``: ``"triton"``, ``"cpu"``,
+            ``"reference"`` (the slow spec). A pooling, optimizer, dtype or device the
+            backend (resolved for the weights' device) does not support raises ``ValueError``
+            here, naming the backend and what it supports.
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
         feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
@@ -78,7 +80,7 @@ class TableBatchedEmbedding(nn.Module):
         output_dtype: torch.dtype = torch.float32,
         bounds_check: BoundsCheck = "error",
         device: torch.device | str | None = None,
-        backend: Literal["auto", "triton", "cpu", "reference"] = "auto",
+        backend: str = "auto",
         stochastic_rounding: bool = True,
         sparse: bool = False,
         table_names: Sequence[str] | None = None,
@@ -101,14 +103,20 @@ class TableBatchedEmbedding(nn.Module):
             raise ValueError(
                 f"feature_table_map: expected table ids in [0, {len(tables)}), got {ftm}"
             )
-        if pooling not in POOLING:
-            raise ValueError(f"pooling: expected one of {list(POOLING)}, got {pooling!r}")
+        if pooling not in LABELS:
+            raise ValueError(f"pooling: expected one of {list(LABELS)}, got {pooling!r}")
         if weights_dtype not in WEIGHT_DTYPES or output_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weights_dtype/output_dtype: expected one of {WEIGHT_DTYPES}, got "
                 f"{weights_dtype}/{output_dtype}"
             )
         backends.check_choice(backend)
+        backends.check_supported(
+            backend,
+            device=weights.device if weights is not None else torch.empty(0, device=device).device,
+            pooling=pooling,
+            dtypes=(weights_dtype, output_dtype),
+        )
         if bounds_check not in ("error", "warn", "ignore"):
             raise ValueError(
                 f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
@@ -190,12 +198,16 @@ class TableBatchedEmbedding(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self._set_layout_buffers(self.weights.device)
+        backends.check_supported(self.backend, device=self.weights.device)  # a new device
         return self
 
     def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:
         """Switch the fused optimizer (None: plain gradients). State is kept when the kind of
         optimizer stays (only hyper-parameters change), else allocated anew at zero."""
         states = optim.spec_of(optimizer).states if optimizer is not None else ()
+        if optimizer is not None:
+            backends.check_supported(self.backend, device=self.weights.device,
+                                     optimizer=optim.spec_of(optimizer).name)
         same_kind = type(optimizer) is type(self.optimizer)
         self.optimizer = optimizer
         # a fused module's weights are updated in backward, not by torch optimizers
@@ -301,7 +313,7 @@ class TableBatchedEmbedding(nn.Module):
                 align //= 2
         return align
 
-    def resolved_backend(self) -> backends.Backend:
+    def resolved_backend(self) -> str:
         """What runs the lookups: ``backend`` with ``"auto"`` resolved for the weights' device."""
         return backends.resolve(self.backend, self.weights.device)
 
@@ -361,7 +373,7 @@ class TableBatchedEmbedding(nn.Module):
             offsets,
             per_sample_weights,
             layout=self._layout(),
-            pooling=POOLING[self.pooling],
+            pooling=int(PoolingMode.of(self.pooling)),
             output_dtype=self.output_dtype,
             backend=backend,
             bounds_check=self.bounds_check,
@@ -407,7 +419,7 @@ class TableBatchedEmbedding(nn.Module):
             offsets,
             per_sample_weights,
             layout=self._layout(),
-            pooling=POOLING[self.pooling],
+            pooling=int(PoolingMode.of(self.pooling)),
             backend=self.resolved_backend(),
             bounds_check=self.bounds_check,
             fused=self._fused(),

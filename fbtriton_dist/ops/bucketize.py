@@ -1,8 +1,8 @@
 """Input-dist ops: cut each bag's ids by the shard that owns their row, and place what the
-other ranks sent into the lookup batch. Each op runs the Triton kernel or its reference twin
-(``ops.backend``); the differences between the two (the kernels' launch grid, their in-kernel
-check, the reference's need for values without padding) end here, so the input dist in
-``sharding/`` only says which backend.
+other ranks sent into the lookup batch. Each op runs its backend's method (``ops/backends/``:
+the Triton kernels, the fast CPU path or the reference twin); the differences between them (the
+kernels' launch grid, their in-kernel check, the reference's need for values without padding)
+end there, so the input dist in ``sharding/`` only says which backend.
 
 Shapes: K KJT keys (bags feature-major, ``offsets`` [K*B+1]), S shard-features (a feature's
 rows on one shard), each pointing at its key (``sf_key`` [S]) with its row range
@@ -18,17 +18,17 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from fbtriton_dist.ops.backend import Backend, implementation
+from fbtriton_dist.ops import backends
+
+Backend = str
+"""A resolved backend's name (``backends.names()``)."""
 
 
 def bucketize_grid(sf_key: list[int], device: torch.device, backend: Backend):
-    """The Triton bucketize's launch grid for these shard-features (on ``device``), built
-    once per key order so that no step reads it from the device; None for the reference."""
-    if backend != "triton":
-        return None
-    from fbtriton_dist.kernels.bucketize import by_feature  # noqa: PLC0415 (triton)
-
-    return by_feature(sf_key).to(device)
+    """The backend's bucketize launch grid for these shard-features (on ``device``; Triton's),
+    built once per key order so that no step reads it from the device; None where it has
+    none."""
+    return backends.get(backend).bucketize_grid(sf_key, device)
 
 
 def grid_cover(grid, cover_per_key: list[int], device: torch.device):
@@ -77,7 +77,7 @@ def bucketize(
 
 def _bucketize(values, offsets, weights, sf_key, lo, hi, B, backend, capacity, grid):
     clamped = offsets.clamp(max=values.numel())
-    return implementation(backend).bucketize(
+    return backends.get(backend).bucketize(
         values, clamped, weights, sf_key, lo, hi, B, capacity=capacity, table=grid
     )
 
@@ -144,20 +144,9 @@ def bucketize_into(
     The reference wants no values after the last bag: it cuts them off (a host read)."""
     outs = (send.view(id_dtype), send.view(torch.float32) if weights is not None else None,
             send.view(torch.int32), *places)
-    if backend == "triton":
-        if check is None:
-            offsets = offsets.clamp(max=values.numel())
-        return implementation(backend).bucketize_into(
-            values, offsets, weights, sf_key, lo, hi, B, *outs, table=grid, check=check,
-            capacity=capacity,
-        )
-    if check is not None:
-        raise ValueError("bucketize_into: the in-kernel check is the Triton kernels' own")
-    used = min(int(offsets[-1]), values.numel())
-    values = values[:used]
-    weights = weights[:used] if weights is not None else None
-    return implementation(backend).bucketize_into(
-        values, offsets.clamp(max=used), weights, sf_key, lo, hi, B, *outs
+    return backends.get(backend).bucketize_into(
+        values, offsets, weights, sf_key, lo, hi, B, *outs, grid=grid, check=check,
+        capacity=capacity,
     )
 
 
@@ -168,12 +157,7 @@ def segment_plan(
     segment i from source r): ``(ends [R, n], dst_start [R, n])``
     (``reference.bucketize.segment_plan``). The kernel holds the whole table in one
     program; bigger tables take the reference's torch ops (no host sync either way)."""
-    if backend == "triton":
-        from fbtriton_dist.kernels.bucketize import plan_fits  # noqa: PLC0415 (triton)
-
-        if not plan_fits(*counts.shape):
-            backend = "reference"
-    return implementation(backend).segment_plan(counts, group_first, group_base)
+    return backends.get(backend).segment_plan(counts, group_first, group_base)
 
 
 def segment_copy(
@@ -191,6 +175,6 @@ def segment_copy(
 ) -> None:
     """Copy every source's segments to their places in ``out`` (and weights to ``out_w``),
     with the plan of ``segment_plan`` (``reference.bucketize.segment_copy``; no host sync)."""
-    implementation(backend).segment_copy(
+    backends.get(backend).segment_copy(
         src, src_w, src_base, src_w_base, ends, dst_start, out, out_w, capacity
     )

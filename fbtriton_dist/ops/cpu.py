@@ -21,7 +21,8 @@ become keys into that view, so that
   added to fp32 rows with one ``index_add_`` (each row once).
 
 The input dist's bucketize pairs every id with its key's shard-features at once
-(``ops/cpu_bucketize.py``); its other ops (the fixed-shape placement) are the reference's.
+(``ops/cpu_bucketize.py``); its other ops (the fixed-shape placement) are the reference's
+(the CPU backend object, ``ops/backends/cpu.py``, takes them from there).
 Ids are checked before they get here (``ops.tbe.check_inputs``).
 """
 
@@ -31,14 +32,13 @@ import torch.nn.functional as F
 from fbtriton_dist import optim
 from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.cpu_bucketize import bucketize
-from fbtriton_dist.reference.bucketize import bucketize_into, segment_copy, segment_plan
-from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed, stochastic_round
+from fbtriton_dist.pooling import PoolingMode
+from fbtriton_dist.reference.tbe import step_seed, stochastic_round
+
+POOL_MEAN, POOL_NONE = PoolingMode.MEAN, PoolingMode.NONE
 
 __all__ = [
     "bucketize",
-    "bucketize_into",
-    "segment_copy",
-    "segment_plan",
     "tbe_backward",
     "tbe_forward",
     "tbe_per_sample_weights_grad",
@@ -478,3 +478,6 @@ _NEEDS_ROWS = {
     "adam": lambda opt: opt.weight_decay != 0,
 }
 """Does the step read the rows (weight decay)?"""
+
+STEP_OPTIMIZERS: tuple[str, ...] = tuple(_STEPS)
+"""The optimizers the torch ops step (the CPU backend's capabilities read it)."""

@@ -24,6 +24,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -34,10 +35,13 @@ from pathlib import Path
 import torch
 
 from fbtriton_dist import knobs, optim
-from fbtriton_dist.reference.tbe import POOL_MEAN, POOL_NONE, step_seed
+from fbtriton_dist.pooling import PoolingMode
+from fbtriton_dist.reference.tbe import step_seed
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "tbe_cpu.c", CSRC / "tbe_cpu_backward.c", CSRC / "tbe_pool.c")
+BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
+"""The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
+SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
 HEADERS = (CSRC / "tbe_cpu.h",)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 FLAG_SETS = (
@@ -47,8 +51,28 @@ FLAG_SETS = (
 """Tried in order until one builds."""
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-OPT_CODES = {"sgd": 1, "rowwise_adagrad": 2, "adam": 3, "adagrad": 4}
-"""The C side's optimizer codes (0: no optimizer, the summed gradients written out)."""
+
+
+def _header_optimizers() -> tuple[str, ...]:
+    """The ``OPT_<NAME>`` codes of ``csrc/tbe_cpu_backward.c`` but ``OPT_NONE``, as registry
+    names (none where the source is missing: the kernels cannot be built then)."""
+    try:
+        text = re.sub(r"/\*.*?\*/", "", BACKWARD_SOURCE.read_text(), flags=re.S)  # no comments
+    except OSError:
+        return ()
+    return tuple(n.lower() for n in re.findall(r"\bOPT_([A-Z][A-Z0-9_]*)\s*=", text)
+                 if n != "NONE")
+
+
+NATIVE_OPTIMIZERS = _header_optimizers()
+"""The optimizers of ``optim.REGISTRY`` that the C side implements: an ``OPT_<NAME>`` of
+``csrc/tbe_cpu_backward.c`` each (read from there; a test checks each code against the
+registry's). The CPU backend's capabilities list only these (while the source is there): a
+registry optimizer the C code lacks is refused when a module is built, not at its first
+backward."""
+OPT_CODES = {n: optim.KERNEL_CODES[n] for n in NATIVE_OPTIMIZERS if n in optim.KERNEL_CODES}
+"""The C side's optimizer codes (``optim.NO_OPTIMIZER_CODE``: none, the summed gradients
+written out)."""
 BAD_FIRST, BAD_LAST, BAD_ORDER, BAD_ID, BAD_WEIGHT, NO_MEMORY, TOO_BIG = 1, 2, 4, 8, 16, 32, 64
 
 _P, _I64, _I32, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
@@ -264,7 +288,7 @@ def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_we
     T = dims.numel()
     B = (off.numel() - 1) // T
     psw = _fp32(per_sample_weights)
-    if pooling == POOL_NONE:
+    if pooling == PoolingMode.NONE:
         out = torch.zeros((idx.numel(), max_D), dtype=torch.float32)
     else:
         out = torch.empty((B, total_D), dtype=torch.float32)
@@ -286,7 +310,7 @@ def _plan_args(idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets,
     N = idx.numel()
     bufs = dict(packed=torch.empty(N, dtype=torch.int64), tmp=torch.empty(N, dtype=torch.int64),
                 feat=torch.empty(N, dtype=torch.int32), gofs=torch.empty(N, dtype=torch.int64),
-                scale=torch.empty(N) if psw is not None or pooling == POOL_MEAN else None,
+                scale=torch.empty(N) if psw is not None or pooling == PoolingMode.MEAN else None,
                 runs=torch.empty(N + 4 * torch.get_num_threads() + 2, dtype=torch.int64))
     args = [idx.data_ptr(), idx32, N, off.data_ptr(), off32, T, B, _ptr(rows),
             w_offsets.data_ptr(), dims.data_ptr(), row_offsets.data_ptr(), elem_limit, row_limit,
@@ -305,6 +329,8 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     if lib is None:
         return None
     spec = optim.spec_of(optimizer) if optimizer is not None else None
+    if spec is not None and spec.name not in OPT_CODES:
+        return None  # the torch ops' step (the backend's capabilities refuse it earlier)
     states = [s for s in (momentum1, momentum2) if s is not None]
     if spec is not None and (len(states) < len(spec.states)
                              or any(s.dtype != torch.float32 or not s.is_contiguous()
@@ -330,7 +356,7 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     if optimizer is not None:
         m1 = states[0] if states else None
         m2 = states[1] if len(states) > 1 else None
-        hyper = (ctypes.c_double * 7)(*_hyper(optimizer), float(t))
+        hyper = _hyper(optimizer, t)
         code = lib.tbe_backward_fused(
             *args, grad.data_ptr(), weights.data_ptr(), DTYPES[weights.dtype], _ptr(m1),
             _ptr(m2), OPT_CODES[spec.name], hyper,
@@ -356,7 +382,7 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
         grad.data_ptr(), bufs["packed"].data_ptr(), pos_bits.value, bufs["feat"].data_ptr(),
         bufs["gofs"].data_ptr(), _ptr(bufs["scale"]), run_start.data_ptr(), U,
         w_offsets.data_ptr(), dims.data_ptr(), row_offsets.data_ptr(), weights.data_ptr(),
-        DTYPES[weights.dtype], None, None, 0, (ctypes.c_double * 7)(*_hyper(None), 0.0), 0, 0,
+        DTYPES[weights.dtype], None, None, optim.NO_OPTIMIZER_CODE, _hyper(None, 0), 0, 0,
         row_grads.data_ptr(), row_elems.data_ptr(), row_dims.data_ptr(), max_D, threads,
     )
     if code:
@@ -364,14 +390,10 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     return row_elems, row_dims, row_grads
 
 
-def _hyper(optimizer) -> list[float]:
-    """lr, eps, beta1, beta2, weight_decay, decoupled (the C side's order)."""
-    if optimizer is None:
-        return [0.0] * 6
-    b1, b2 = getattr(optimizer, "betas", (0.0, 0.0))
-    return [float(optimizer.lr), float(getattr(optimizer, "eps", 0.0)), float(b1), float(b2),
-            float(getattr(optimizer, "weight_decay", 0.0)),
-            float(getattr(optimizer, "weight_decay_mode", "l2") == "decoupled")]
+def _hyper(optimizer, t: int) -> ctypes.Array:
+    """The C side's ``double hyper[HYPER_COUNT]``: ``optim.NATIVE_HYPER_FIELDS``."""
+    values = optim.native_hyper_parameters(optimizer, t)
+    return (ctypes.c_double * len(values))(*values)
 
 
 def per_sample_weights_grad(grad_output, weights, w_offsets, dims, D_offsets, indices, offsets,

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fbtriton_dist.id_manager import POLICY_CODE, IdManagerConfig
-from fbtriton_dist.ops import backend as backends
-from fbtriton_dist.ops.cpu_id_remap import SortedIndex
+from fbtriton_dist.ops import backends
 from fbtriton_dist.reference import id_remap as spec
 
 STATS = spec.STATS
@@ -63,12 +62,8 @@ class IdTable:
 
     def index(self, backend: str):
         if self._index_of != backend or self._index is None:
-            if backend == "triton":
-                from fbtriton_dist.kernels.id_remap import HashIndex  # noqa: PLC0415
-
-                self._index = HashIndex(self.keys, self.last_seen)
-            else:
-                self._index = SortedIndex(self.keys, self.last_seen)
+            # the backend's index (Triton: a hash table; CPU: sorted keys); None: the spec
+            self._index = backends.get(backend).id_index(self.keys, self.last_seen)
             self._index_of = backend
         return self._index
 
@@ -97,12 +92,13 @@ def id_remap(
     kwargs = {"step": int(step), "policy": POLICY_CODE[cfg.eviction],
               "ttl_steps": cfg.ttl_steps or 0, "min_count": cfg.admission.min_count,
               "update": update}
-    if resolved == "reference":
+    index = table.index(resolved)
+    if index is None:  # the backend runs the spec itself (the reference)
         out = spec.id_remap(ids, table.keys, table.counts, table.last_seen, table.sketch,
                             table.stats, table=table.name, **kwargs)
         table.reindex()
         return out
-    return _remap(table, table.index(resolved), ids, **kwargs)
+    return _remap(table, index, ids, **kwargs)
 
 
 def _remap(table: IdTable, index, ids: torch.Tensor, *, step: int, policy: int, ttl_steps: int,

@@ -1,10 +1,10 @@
-"""TBE lookup op: validate a batch, then run forward/backward on Triton, the fast CPU path or
-the reference.
+"""TBE lookup op: validate a batch, then run forward/backward on a backend of the registry
+(``ops/backends/``: Triton, the fast CPU path, the reference), asking its capabilities.
 
 Shapes: T features, B bags per feature, N ids. ``indices`` [N], ``offsets`` [T*B+1]
 (feature-major), ``per_sample_weights`` [N] or None; output ``[B, sum(D)]``, or without
-pooling (``pooling=2``, sequence embeddings) ``[N, max_D]``: id i's row in row i's first
-D_f columns, zeros after them (and in padding rows).
+pooling (``pooling=PoolingMode.NONE``, sequence embeddings) ``[N, max_D]``: id i's row in row
+i's first D_f columns, zeros after them (and in padding rows).
 """
 
 import collections
@@ -16,11 +16,12 @@ from typing import Literal
 
 import torch
 
-from fbtriton_dist import graphs, knobs, optim, reference
+from fbtriton_dist import graphs, knobs, optim
 from fbtriton_dist.host_flags import HostFlags
-from fbtriton_dist.ops import cpu_native, tbe_ahead
-from fbtriton_dist.ops.backend import Backend, check_backend
-from fbtriton_dist.ops.backend import implementation as _impl
+from fbtriton_dist.ops import backends, cpu_native, tbe_ahead
+
+Backend = str
+"""A resolved backend's name (``backends.names()``); ``backends.get`` gives its object."""
 
 BoundsCheck = Literal["error", "warn", "ignore"]
 
@@ -94,10 +95,12 @@ def check_capturable(
 ) -> None:
     """Refuse, naming the option, what a CUDA graph capture cannot record: work that reads
     device values on the host."""
-    if backend != "triton" or layout.num_rows is None:
+    if not backends.capabilities(backend).capturable or layout.num_rows is None:
+        able = [n for n in backends.names() if backends.capabilities(n).capturable]
         raise RuntimeError(
             f"TBE lookup under CUDA graph capture: backend={backend!r} validates and reduces on "
-            "the host (device-to-host reads), which a graph cannot record; use backend='triton'"
+            "the host (device-to-host reads), which a graph cannot record; use backend="
+            + " or ".join(repr(n) for n in able)
         )
     if bounds_check == "error":
         raise RuntimeError(
@@ -293,10 +296,10 @@ class _TBELookup(torch.autograd.Function):
         ctx.weights = weights
         ctx.args = (layout, pooling, backend, fused, sparse, table_offsets)
         ctx.num_targets = len(grad_targets)
-        impl = _impl(backend)
+        impl = backends.get(backend)
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
-        ahead = linearize and plan_ahead and backend == "triton"
+        ahead = linearize and plan_ahead and impl.capabilities.plan_ahead
         if ahead:
             linearize = False  # the side stream writes the keys
             fork = tbe_ahead.fork(weights.device)  # the side stream starts here
@@ -364,7 +367,7 @@ class _TBELookup(torch.autograd.Function):
                 offsets,
                 pooling=pooling,
             ).to(per_sample_weights.dtype)
-        impl = _impl(backend)
+        impl = backends.get(backend)
         common = dict(
             pooling=pooling,
             max_D=layout.max_D,
@@ -387,9 +390,8 @@ class _TBELookup(torch.autograd.Function):
                                               per_sample_weights, check=ctx.ahead_check,
                                               here=True)
             common.update(plan=plan, num_rows=layout.num_rows)
-        common.update(row_align=layout.row_align)
-        if backend == "cpu":  # the native kernels check each id against its table's rows
-            common.update(rows=layout.rows)
+        # rows: for backends whose kernels check each id against its table's rows
+        common.update(row_align=layout.row_align, rows=layout.rows)
         result = impl.tbe_backward(
             grad_output,
             weights.detach(),
@@ -419,11 +421,9 @@ class _TBELookup(torch.autograd.Function):
 
 
 def _psw_grad_of(backend: Backend):
-    """Who computes the per-sample weights' gradient: the fast CPU path's own, else the
-    reference (host reads; never under a CUDA graph capture)."""
-    return _impl(backend).tbe_per_sample_weights_grad if backend == "cpu" else (
-        reference.tbe_per_sample_weights_grad
-    )
+    """Who computes the per-sample weights' gradient: the backend's (the reference's unless it
+    has its own; host reads, never under a CUDA graph capture)."""
+    return backends.get(backend).tbe_per_sample_weights_grad
 
 
 def _rows_to_grad(result, weights: torch.Tensor, sparse: bool) -> torch.Tensor:
@@ -485,7 +485,7 @@ def tbe_lookup(
     stream beside the forward (Triton backend). None: on CUDA unless ``FBTD_TBE_AHEAD=0``;
     True on the CPU makes it in the forward, in order (no stream there).
     """
-    check_backend(backend, weights.device)
+    backends.get(backend).check_device(weights.device)
     check_shapes(indices, offsets, per_sample_weights, layout)
     if bounds_check not in ("error", "warn", "ignore"):
         raise ValueError(
@@ -507,9 +507,11 @@ def tbe_lookup(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
     )
     err = None
-    if backend != "triton" or layout.num_rows is None:
+    caps = backends.capabilities(backend)
+    if not caps.bounds_check_in_kernel or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
-            indices, offsets, per_sample_weights, layout, bounds_check, native=backend == "cpu"
+            indices, offsets, per_sample_weights, layout, bounds_check,
+            native=caps.native_input_check,
         )
     elif in_capture and bounds_check == "warn":
         err = monitor.replay_counts(weights.device)  # summed over replays, never zeroed

@@ -16,7 +16,7 @@ forward's tail).
 
 import torch
 
-from fbtriton_dist import reference
+from fbtriton_dist.pooling import PoolingMode
 
 _SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 SIDE_PRIORITY = -1  # the side stream's priority (CUDA: lower is higher; -1 the highest)
@@ -62,7 +62,7 @@ def plan_ahead(impl, layout, pooling: int, indices, offsets, per_sample_weights,
             w_offsets=layout.w_offsets,
             dims=layout.dims,
             pooling=pooling,
-            grad_stride=layout.max_D if pooling == reference.POOL_NONE else layout.total_D,
+            grad_stride=layout.max_D if pooling == PoolingMode.NONE else layout.total_D,
             num_rows=layout.num_rows,
             keys=keys,
             bag_ids=bag_ids,

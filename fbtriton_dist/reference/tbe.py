@@ -3,9 +3,11 @@
 import torch
 
 from fbtriton_dist import optim
+from fbtriton_dist.pooling import PoolingMode
 
-POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
-"""The ``pooling`` codes: sum or mean per bag, or none (one row per id)."""
+POOL_SUM, POOL_MEAN, POOL_NONE = PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE
+"""The ``pooling`` codes (``fbtriton_dist.pooling.PoolingMode``): sum or mean per bag, or none
+(one row per id)."""
 
 
 def _bags(offsets: torch.Tensor, N: int) -> torch.Tensor:
@@ -74,14 +76,14 @@ def tbe_forward(
             continue
         pooled = torch.zeros((B, D), dtype=torch.float32, device=weights.device)
         pooled.index_add_(0, bags[sel] - f * B, rows)
-        if pooling == 1:
+        if pooling == POOL_MEAN:
             pooled = pooled / lengths[f * B : (f + 1) * B].clamp(min=1)[:, None]
         out[:, col : col + D] = pooled
     out = out.to(output_dtype)
     if not linearize:
         return out
     keys = torch.where(keep, row_offsets[bags // max(B, 1)] + indices.to(torch.int64), num_rows)
-    counts = lengths if pooling == 1 else None
+    counts = lengths if pooling == POOL_MEAN else None
     return out, keys, bags.to(torch.int32), counts
 
 
@@ -174,7 +176,7 @@ def tbe_backward(
     scale = torch.ones(N, dtype=torch.float32, device=device)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.to(torch.float32)
-    if pooling == 1:
+    if pooling == POOL_MEAN:
         lengths = (offsets[1:] - offsets[:-1]).to(torch.float32) if counts is None else counts
         scale = scale / lengths[bags]
 
@@ -244,7 +246,7 @@ def tbe_per_sample_weights_grad(
         else:
             g = grad_output[bags[sel] - f * B, col : col + D]
         grad[sel] = (rows.to(torch.float32) * g.to(torch.float32)).sum(dim=1)
-    if pooling == 1:
+    if pooling == POOL_MEAN:
         lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
         grad = grad / lengths[bags]
     return grad

@@ -6,7 +6,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     seed: 0
     deterministic: true              # torch.use_deterministic_algorithms, exact resume
     device: auto                     # auto | cpu | cuda
-    backend: auto                    # TBE backend: auto | cpu | reference | triton
+    backend: auto                    # TBE backend: auto | triton | cpu | reference (ops.backends)
     tables: ../tables/small.yaml     # a table-set file (relative to this file), or a list of
                                      # table entries in the table-set schema (docs/planner.md)
     model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
@@ -52,6 +52,7 @@ from typing import Any, Literal
 import yaml
 
 from fbtriton_dist import optim
+from fbtriton_dist.ops import backends
 from fbtriton_dist.planner import ConfigError, FieldError, TableSet, load_tables
 from fbtriton_dist.planner._yaml import (
     build,
@@ -458,8 +459,8 @@ class JobConfig:
     """``torch.use_deterministic_algorithms(True)``: a resumed run repeats the same losses."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: cuda (LOCAL_RANK's GPU) when available, else cpu."""
-    backend: Literal["auto", "cpu", "reference", "triton"] = "auto"
-    """TBE backend."""
+    backend: str = "auto"
+    """TBE backend: ``auto`` or a name of the registry (``ops.backends.names()``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The DLRM around the tables."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -514,7 +515,7 @@ class JobConfig:
         check_int("seed", self.seed, 0)
         _check_bool("deterministic", self.deterministic)
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("backend", self.backend, ("auto", "cpu", "reference", "triton"))
+        check_choice("backend", self.backend, backends.choices())
         self._check_model()
         features = [f for t in self.tables.tables for f in t.features]
         unknown = [f for f in self.data.synthetic.zipf_per_feature if f not in features]

@@ -38,8 +38,8 @@ static inline int64_t tbe_tasks(int64_t n, int nthreads, int64_t grain) {
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 enum { F32 = 0, F16 = 1, BF16 = 2 };
+/* fbtriton_dist.pooling.PoolingMode (tests/ops/test_native_tables.py parses and checks it) */
 enum { POOL_SUM = 0, POOL_MEAN = 1, POOL_NONE = 2 };
-enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADAGRAD = 4 };
 /* tbe_check's bits; the other kernels return minus one of them */
 enum { BAD_FIRST = 1, BAD_LAST = 2, BAD_ORDER = 4, BAD_ID = 8, BAD_WEIGHT = 16, NO_MEMORY = 32,
        TOO_BIG = 64 };

@@ -13,6 +13,15 @@
  * and, within a key, by position (batch order). */
 #include "tbe_cpu.h"
 
+/* The optimizers' codes and the hyper-parameters' slots are fbtriton_dist's Python tables
+ * (tests/ops/test_native_tables.py parses this file and checks them): OPT_* the kernel codes
+ * of optim.REGISTRY, one OPT_<NAME> per optimizer implemented here (ops/cpu_native.py reads the
+ * list from this file), HYPER_* the slots of optim.NATIVE_HYPER_FIELDS (double
+ * hyper[HYPER_COUNT]). */
+enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADAGRAD = 4 };
+enum { HYPER_LR = 0, HYPER_EPS = 1, HYPER_BETA1 = 2, HYPER_BETA2 = 3, HYPER_WEIGHT_DECAY = 4,
+       HYPER_DECOUPLED = 5, HYPER_STEP = 6, HYPER_COUNT = 7 };
+
 #define BUCKET_BITS 11
 
 typedef struct bwd_args bwd_args;
@@ -413,12 +422,14 @@ static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, in
                       void *weights, int dtype, float *m1, float *m2, int opt,
                       const double *hyper, int sr, uint64_t sr_seed, int64_t max_D) {
     *a = (bwd_args){grad, sorted, ((uint64_t)1 << pos_bits) - 1, pos_bits, feat, gofs, scale,
-                    w_offsets, dims, row_offsets, weights, dtype, m1, m2, opt, (int)hyper[5],
-                    (float)hyper[0], (float)hyper[1], (float)hyper[2], (float)hyper[3],
-                    (float)hyper[4], 1.0f, 1.0f, sr, sr_seed, NULL, NULL, NULL, max_D};
+                    w_offsets, dims, row_offsets, weights, dtype, m1, m2, opt,
+                    (int)hyper[HYPER_DECOUPLED], (float)hyper[HYPER_LR], (float)hyper[HYPER_EPS],
+                    (float)hyper[HYPER_BETA1], (float)hyper[HYPER_BETA2],
+                    (float)hyper[HYPER_WEIGHT_DECAY], 1.0f, 1.0f, sr, sr_seed, NULL, NULL, NULL,
+                    max_D};
     if (opt == OPT_ADAM) {
-        a->bc1 = (float)(1.0 - pow(hyper[2], hyper[6]));
-        a->bc2 = (float)(1.0 - pow(hyper[3], hyper[6]));
+        a->bc1 = (float)(1.0 - pow(hyper[HYPER_BETA1], hyper[HYPER_STEP]));
+        a->bc2 = (float)(1.0 - pow(hyper[HYPER_BETA2], hyper[HYPER_STEP]));
     }
 }
 
@@ -438,8 +449,8 @@ static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, in
                scale, runs, nthreads)
 
 /* Plan and update: every row an id of the batch names gets one optimizer step in place with
- * its gradient (grad: the gradient rows, fp32). hyper: lr, eps, beta1, beta2, weight_decay,
- * decoupled (0/1), t (>= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded sr_seed.
+ * its gradient (grad: the gradient rows, fp32). hyper: HYPER_COUNT values (HYPER_* above:
+ * lr, eps, beta1, beta2, weight_decay, decoupled 0/1, t >= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded sr_seed.
  * Returns 0, or minus BAD_* (nothing updated), NO_MEMORY or TOO_BIG. */
 int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
                        float *m2, int opt, const double *hyper, int sr, uint64_t sr_seed,
