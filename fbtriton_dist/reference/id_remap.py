@@ -11,7 +11,8 @@ State of a table of ``C`` slots (the default row is row ``C``):
 
 One training step (``update=True``) remaps the batch ``ids [N]`` in this order:
 
-1. ``ttl``: every slot with ``last_seen <= step - ttl_steps`` is freed (expired).
+1. ``ttl``: every slot with ``last_seen < step - ttl_steps`` is freed (expired): its id was
+   not seen in the last ``ttl_steps`` steps ``[step - ttl_steps, step)``.
 2. The batch's distinct ids, in order of first occurrence; each one's occurrences ``n``.
 3. Hits (ids with a slot): ``counts += n``, ``last_seen = step``.
 4. Misses: with ``min_count > 1``, first every miss adds ``n`` to its counter in each sketch
@@ -86,7 +87,7 @@ def id_remap(
     out["lookups"] = ids.numel()
     if update and policy == TTL:
         for s in range(C):
-            if 0 <= last_seen[s] <= step - ttl_steps:
+            if 0 <= last_seen[s] < step - ttl_steps:
                 last_seen[s], counts[s] = -1, 0
                 out["expired"] += 1
     n: dict[int, int] = {}  # distinct ids in first-occurrence order (dicts keep it)

@@ -57,16 +57,57 @@ def test_ttl_expiry_and_overflow():
     t = IdTable(IdManagerConfig(capacity=2, eviction="ttl", ttl_steps=2), "t")
     assert remap(t, [1, 2], 0) == ([0, 1], [0, 1])
     assert remap(t, [1], 1) == ([0], [])
-    assert remap(t, [3], 2) == ([1], [1])  # id 2 (seen at 0) expired at step 2
+    # id 2 (seen at 0) was seen in the last 2 steps (0, 1): kept; a full ttl table evicts
+    # nothing live: 3 reads the default row
+    assert remap(t, [3], 2) == ([2], [])
+    assert stats(t)["expired"] == 0 and stats(t)["overflow"] == 1
+    assert remap(t, [3], 3) == ([1], [1])  # id 2 (seen at 0) expired at step 3
     assert stats(t)["expired"] == 1 and stats(t)["evicted"] == 0
-    assert remap(t, [4], 3) == ([0], [0])  # id 1 (seen at 1) expired
-    # id 3 (seen at 2) expires at 4; 4 (seen at 3) does not: 6 overflows to the default row
-    assert remap(t, [5, 6], 4) == ([1, 2], [1])
-    assert stats(t)["overflow"] == 1 and stats(t)["default_reads"] == 1
-    # id 4 (seen at 3) expires at 5: 7 takes its slot; a ttl table evicts nothing live: 8
-    # reads the default row
-    assert remap(t, [5, 7, 8], 5) == ([1, 0, 2], [0])
+    assert remap(t, [4], 4) == ([0], [0])  # id 1 (seen at 1) expired at 4
+    # id 3 (seen at 3) and 4 (seen at 4) are live: both overflow to the default row
+    assert remap(t, [5, 6], 5) == ([2, 2], [])
+    assert stats(t)["overflow"] == 2 and stats(t)["default_reads"] == 2
+    # id 3 (seen at 3) expires at 6: 5 takes its slot; 4 (seen at 4) does not: 7 overflows
+    assert remap(t, [5, 7], 6) == ([1, 2], [1])
     assert stats(t)["expired"] == 1 and stats(t)["overflow"] == 1
+
+
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ttl_one_never_frees_an_id_fed_every_step(backend):
+    t = IdTable(IdManagerConfig(capacity=3, eviction="ttl", ttl_steps=1), "t")
+    assert remap(t, [5, 6], 0, backend) == ([0, 1], [0, 1])
+    for step in range(1, 8):
+        # 5 and 6 every step; 7 every other step (freed at the start of each step after a gap)
+        ids = [5, 6, 7] if step % 2 else [5, 6]
+        slots, fresh = remap(t, ids, step, backend)
+        assert slots[:2] == [0, 1], step
+        assert fresh == ([2] if step % 2 else []), step
+        assert stats(t)["expired"] == (1 if step % 2 and step > 1 else 0), step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ttl", [1, 2, 3, 5])
+def test_ttl_keeps_an_id_through_step_s_plus_ttl(backend, ttl):
+    """The rule: an id last seen at step ``s`` is kept through step ``s + ttl`` (it was seen
+    in the last ``ttl`` steps) and freed at the start of step ``s + ttl + 1``."""
+    s = 2
+    for gap, kept in ((ttl, True), (ttl + 1, False)):
+        t = IdTable(IdManagerConfig(capacity=4, eviction="ttl", ttl_steps=ttl), "t")
+        for step in range(s + gap):  # 9 every step, 7 at step s only
+            remap(t, [9, 7] if step == s else [9], step, backend)
+        slot7 = int((t.keys == 7).nonzero()[0, 0])
+        slots, fresh = remap(t, [9, 7], s + gap, backend)
+        assert slots[0] == 0 and t.last_seen[0] == s + gap  # 9: fed every step, never freed
+        if kept:
+            assert (slots[1], fresh) == (slot7, []), (ttl, gap)
+            assert stats(t)["expired"] == 0
+        else:  # freed at the start of the step, then 7 is a new id with a fresh slot
+            assert (slots[1], fresh) == (slot7, [slot7]), (ttl, gap)
+            assert stats(t)["expired"] == 1 and stats(t)["admitted"] == 1
 
 
 def test_admission_min_count():
