@@ -7,6 +7,7 @@ import torch
 
 from fbtriton_dist.id_manager import Admission, IdManagerConfig
 from fbtriton_dist.ops.id_remap import STATS, IdTable, id_remap
+from fbtriton_dist.reference.id_remap import sketch_buckets
 from tests.conftest import TRITON_OK
 
 I64_MAX = 2**63 - 1
@@ -118,6 +119,44 @@ def test_admission_min_count():
     assert remap(t, [7], 1) == ([4], [])  # seen twice
     assert remap(t, [7, 9], 2) == ([1, 4], [1])  # the third time
     assert t.sketch.sum().item() == (1 + 3 + 1 + 1 + 1) * cfg.admission.sketch_depth
+
+
+@pytest.mark.parametrize("width", [16, 1024, 1 << 20])
+def test_sketch_rows_mix_every_bit_of_an_id(width):
+    """Ids that differ only in their high bits (equal modulo 2**32, 2**42, 2**47, 2**62, or in
+    the sign bit) get other counters: before, any two ids equal modulo 2**42 shared every one
+    at width 1024."""
+    base = torch.tensor([5, -7, 123_456_789, 0, 2**41 + 3], dtype=torch.int64)
+    for k in (32, 42, 47, 55, 62, 63):
+        other = base + (1 << k) if k < 63 else base ^ torch.tensor(-(2**63))
+        a, b = sketch_buckets(base, 4, width), sketch_buckets(other, 4, width)
+        assert (a != b).any(0).all(), k  # every pair differs in some row
+    # 256 ids equal modulo 2**42 spread over each row's counters as random ids would
+    ids = 5 + torch.arange(1, 257, dtype=torch.int64) * 2**42
+    buckets = sketch_buckets(ids, 4, 1024)
+    assert all(row.unique().numel() > 180 for row in buckets)  # 256 would be 1 before
+    assert all(len(set(buckets[:, j].tolist())) > 1 for j in range(8))  # rows independent
+
+
+def test_sketch_counter_at_a_smaller_width_is_the_folded_one():
+    """``fold_sketch`` (checkpoints onto other owners) relies on it."""
+    ids = torch.randint(-(2**63), I64_MAX, (1000,), generator=torch.Generator().manual_seed(0))
+    wide = sketch_buckets(ids, 3, 1 << 16)
+    for w in (1, 16, 1024):
+        assert torch.equal(sketch_buckets(ids, 3, w), wide % w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_admission_counts_high_bit_ids_apart(backend):
+    cfg = IdManagerConfig(capacity=4, eviction="lru", admission=Admission(min_count=2))
+    assert cfg.sketch_width == 1024
+    t = IdTable(cfg, "t")
+    x, y = 5, 5 + 2**47
+    assert remap(t, [x], 0, backend) == ([4], [])
+    assert remap(t, [y], 1, backend) == ([4], [])  # y's first time, not x's second
+    assert stats(t)["rejected"] == 1
+    assert remap(t, [-x, y ^ -(2**63)], 2, backend) == ([4, 4], [])
+    assert remap(t, [x, y], 3, backend) == ([0, 1], [0, 1])  # both seen twice
 
 
 def test_eval_only_looks_up():
