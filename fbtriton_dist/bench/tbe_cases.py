@@ -661,7 +661,9 @@ def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str]
         if p in OURS_MODULES:
             configs.setdefault(OURS_MODULES[p], []).append(p)
     half = shape.dtype != torch.float32
-    tol_w = 2e-3 if half else 1e-5  # half rows: both round their updates (one ulp)
+    # half rows: each side rounds its updates (stochastically, by default) to one ulp, so the
+    # weights, and the forwards after a step, differ by about that much
+    tol_w, tol_after = (2e-3, 4e-3) if half else (1e-5, 1e-4)
     result: dict = {"checked": [], "rows_touched": 0}
     limits: dict[str, tuple[float, str]] = {}
     for (backend, bounds), names in configs.items():
@@ -675,7 +677,8 @@ def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str]
             for key, value in got.items():
                 result[f"{label}.{phase}.{key}"] = value
                 if key.startswith("step"):
-                    limits[f"{label}.{phase}.{key}"] = (1e-4, f"{what}: forward of {key[:5]}")
+                    tol = 1e-4 if key.startswith("step0") else tol_after
+                    limits[f"{label}.{phase}.{key}"] = (tol, f"{what}: forward of {key[:5]}")
             if phase != "fwd":
                 limits[f"{label}.{phase}.weights_max_abs_err"] = (
                     tol_w, f"{what}: weights after 3 fused steps")

@@ -98,17 +98,20 @@ def _spy_native(monkeypatch, bug=None):
     return ran
 
 
-@pytest.mark.parametrize("phases", ["fwd", "fwd_bwd_rowwise_adagrad", "fwd,fwd_bwd_sgd"])
-def test_check_runs_the_native_kernels_on_the_timed_phases(monkeypatch, tmp_path, phases):
+@pytest.mark.parametrize("shape, phases", [
+    ("S0", "fwd"), ("S0", "fwd_bwd_rowwise_adagrad"), ("S0", "fwd,fwd_bwd_sgd"),
+    ("S2", "fwd_bwd_rowwise_adagrad"),  # fp16 rows
+])
+def test_check_runs_the_native_kernels_on_the_timed_phases(monkeypatch, tmp_path, shape, phases):
     """On the CPU, ``--check`` checks the providers it times as they are timed: ``ours`` and
     ``ours_checked`` on the native kernels, on exactly the phases timed (the forward: one
     call; a fused step: 3 forwards and backwards); timing left out here."""
     ran = _spy_native(monkeypatch)
     monkeypatch.setattr(tbe, "run_shape", lambda *a: [])
     out = tmp_path / "tbe.json"
-    tbe.main(["--tiny", "--device", "cpu", "--check", "--shapes", "S0", "--providers",
+    tbe.main(["--tiny", "--device", "cpu", "--check", "--shapes", shape, "--providers",
               "ours,reference,ours_checked", "--phases", phases, *FAST, "--out", str(out)])
-    check = json.loads(out.read_text())["check"]["S0"]
+    check = json.loads(out.read_text())["check"][shape]
     want = phases.split(",")
     assert check["ok"], check
     assert [(c["providers"], c["bounds_check"], c["phase"]) for c in check["checked"]] == [
