@@ -15,26 +15,41 @@ import torch
 from fbtriton_dist import TableBatchedEmbedding, optim
 
 
-def zipf_ids(E: int, n: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """n ids in [0, E) with P(id = k) proportional to 1 / (k + 1)^alpha (row 0 hottest)."""
-    probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** alpha
-    return torch.multinomial(probs / probs.sum(), n, replacement=True, generator=generator)
+class ZipfIds:
+    """Ids of several tables, each Zipf: P(id = k) proportional to 1 / (k + 1)^alpha (row 0
+    hottest). The cumulative distributions are built once; a batch is then one ``torch.rand``
+    and one ``searchsorted`` over all its ids (table t's cdf is shifted by t, so one sorted
+    array serves every table)."""
+
+    def __init__(self, rows: list[int], alpha: float) -> None:
+        cdfs = []
+        for t, E in enumerate(rows):
+            weights = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** alpha
+            cdf = weights.cumsum(0)
+            cdfs.append(cdf / cdf[-1] + t)
+        self.cdf = torch.cat(cdfs)
+        self.rows = torch.tensor(rows)
+        self.start = self.rows.cumsum(0) - self.rows  # table t's first row in self.cdf
+
+    def __call__(self, counts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """``counts[t]`` ids of table t, table after table (int64, each in [0, E_t))."""
+        table = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        u = torch.rand(table.numel(), dtype=torch.float64, generator=generator) + table
+        pos = torch.searchsorted(self.cdf, u, right=True)
+        return torch.minimum(pos - self.start[table], self.rows[table] - 1)
 
 
-def make_batch(tables, B, L, alpha, generator):
+def make_batch(sampler: ZipfIds, T: int, B: int, L: int, generator: torch.Generator):
     """Feature-major (indices, offsets) for one feature per table, bag lengths 0..2L."""
-    lengths = torch.randint(0, 2 * L + 1, (len(tables) * B,), generator=generator)
-    ids = [
-        zipf_ids(E, int(lengths[t * B : (t + 1) * B].sum()), alpha, generator)
-        for t, (E, _) in enumerate(tables)
-    ]
-    offsets = torch.zeros(len(tables) * B + 1, dtype=torch.int64)
+    lengths = torch.randint(0, 2 * L + 1, (T * B,), generator=generator)
+    indices = sampler(lengths.view(T, B).sum(1), generator)
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
-    return torch.cat(ids), offsets
+    return indices, offsets
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--tables", type=int, default=8)
@@ -49,6 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     tables = [(args.rows, args.dim)] * args.tables
+    sampler = ZipfIds([E for E, _ in tables], args.zipf)
     device = torch.device(args.device)
     tbe = TableBatchedEmbedding(tables, optimizer=optim.RowWiseAdagrad(lr=args.lr), device=device)
     truth = TableBatchedEmbedding(tables, device=device)  # the hidden model behind the labels
@@ -63,7 +79,8 @@ def main() -> None:
     )
     ids_seen, t0, losses = 0, None, []
     for step in range(args.steps):
-        indices, offsets = make_batch(tables, args.batch_size, args.pooling_factor, args.zipf, gen)
+        indices, offsets = make_batch(sampler, len(tables), args.batch_size,
+                                      args.pooling_factor, gen)
         indices, offsets = indices.to(device), offsets.to(device)
         with torch.no_grad():
             labels = (truth(indices, offsets) @ w_true > 0).float()

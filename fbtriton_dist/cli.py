@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,18 +19,43 @@ __all__ = ["build_parser", "main"]
 GiB = 1024**3
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _bounded(low: float, high: float | None, *, strict: bool = False,
+             strict_high: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``low`` (> with ``strict``), <= ``high`` (< with
+    ``strict_high``); anything else is a usage error (exit 2) naming the flag and the bound."""
+
+    def number(text: str) -> float:
+        value = float(text)
+        lo = f"> {low:g}" if strict else f">= {low:g}"
+        bound = lo if high is None else f"{lo} and {'<' if strict_high else '<='} {high:g}"
+        ok = math.isfinite(value) and (value > low if strict else value >= low)
+        if ok and high is not None:
+            ok = value < high if strict_high else value <= high
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected a finite number {bound}, got {text}")
+        return value
+
+    return number
+
+
+PLAN_DEFAULTS = {"hbm_gb": 80.0, "reserved": 0.1, "batch_size": 512,
+                 "optimizer": "rowwise_adagrad", "row_cuts": "balanced", "memory_tolerance": 0.01}
+"""``plan``'s defaults for a table-set file (a job file brings its own)."""
+
+JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
+            "batch_size": "train.batch_size", "optimizer": "optimizer.embedding.type",
+            "row_cuts": "sharding.row_cuts", "local_world_size": "sharding.local_world_size",
+            "zipf": "data.synthetic.zipf"}
+"""``plan``'s options given with a job file: the job key each one overrides."""
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from fbtriton_dist.planner.arguments import add_simulate_arguments, positive_int
     from fbtriton_dist.planner.tables import OPTIMIZERS
 
     p = sub.add_parser(
         "plan",
+        allow_abbrev=False,
         help="shard a table set over ranks and print per-rank memory, lookups, comm, imbalance",
         description=(
             "Plan how the tables of TABLES.yaml are sharded over --world-size ranks, print the "
@@ -38,23 +64,28 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("tables", metavar="TABLES.yaml",
-                   help="table set (see docs/planner.md), or a job file (its tables)")
-    p.add_argument("--world-size", type=_positive_int, required=True, help="R, number of ranks")
+                   help="table set (see docs/planner.md), or a job file: then the plan the job "
+                        "makes (its sharding, batch size, optimizer and id settings; the "
+                        "options below override those keys)")
+    p.add_argument("--world-size", type=positive_int, required=True, help="R, number of ranks")
     p.add_argument(
-        "--local-world-size", type=_positive_int, default=None, help="ranks per host (default 8)"
+        "--local-world-size", type=positive_int, default=None, help="ranks per host (default 8)"
     )
-    p.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per rank in GiB (default 80)")
+    p.add_argument("--hbm-gb", type=_bounded(0, None, strict=True), default=None,
+                   help="HBM per rank in GiB (default 80)")
     p.add_argument(
         "--reserved",
-        type=float,
-        default=0.1,
-        help="share of HBM kept for the dense model and buffers (default 0.1)",
+        type=_bounded(0, 1, strict_high=True),
+        default=None,
+        help="share of HBM kept for the dense model and buffers, in [0, 1) (default 0.1)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=512, help="B per rank (default 512)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="rowwise_adagrad")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="B per rank (default 512)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="fused optimizer of tables that name none (default rowwise_adagrad)")
     p.add_argument(
         "--zipf",
-        type=float,
+        type=_bounded(0, None),
         default=None,
         metavar="ALPHA",
         help="Zipf exponent of the ids of every table without its own id_distribution",
@@ -62,13 +93,13 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--row-cuts",
         choices=("balanced", "equal"),
-        default="balanced",
+        default=None,
         help="skew-aware row cuts (default) or TorchRec-style equal row blocks",
     )
     p.add_argument(
         "--memory-tolerance",
-        type=float,
-        default=0.01,
+        type=_bounded(0, None),
+        default=None,
         metavar="T",
         help="the memory pass may raise the step time by this share to even out memory "
              "(default 0.01; 0: only moves that keep the step time)",
@@ -85,46 +116,30 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_plan)
 
 
-def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    """The simulation's options (``plan --simulate`` and ``bench simulate``)."""
-    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
-                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
-                        "and the slowest by the estimate)")
-    p.add_argument("--sim-sources", type=_positive_int, default=None, metavar="N",
-                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
-                        "spread ranks and the simulated ones)")
-    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
-    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
-                   help="what runs the bucketize (default: the reference)")
-    p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
-                   help="Zipf ids as the estimate assumes (planner, default) or as a training "
-                        "job's synthetic data draws them (job: train.data.power_law_rows)")
-
-
-def _table_set(path: str):
-    """The table set of a table-set file or of a job file (its ``tables``, overrides of the
-    job's own file applied), so that the plan a job wrote can be ``--check``ed."""
-    from fbtriton_dist.planner import load_tables
+def _job_file(path: str) -> bool:
+    """Whether ``path`` is a job file (anything but ``defaults`` and ``tables`` at the top)."""
     from fbtriton_dist.planner._yaml import read_yaml
 
     data = read_yaml(path)
-    if isinstance(data, dict) and set(data) - {"defaults", "tables"}:
-        from fbtriton_dist.train.config import load_job  # torch-free
-
-        return load_job(path).tables
-    return load_tables(path)
+    return isinstance(data, dict) and bool(set(data) - {"defaults", "tables"})
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    if _job_file(args.tables):
+        return _run_plan_job(args)
     from fbtriton_dist.planner import (
         CostModel,
         IdDistribution,
         ShardingPlan,
         ShardingPlanner,
+        load_tables,
     )
     from fbtriton_dist.planner.report import format_report
 
-    table_set = _table_set(args.tables)
+    for key, value in PLAN_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    table_set = load_tables(args.tables)
     specs = table_set.tables
     stats = dict(table_set.stats)
     if args.zipf is not None:
@@ -142,7 +157,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         row_cuts=args.row_cuts,
         memory_tolerance=args.memory_tolerance,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=_progress,
     )
     if args.check:
         plan = ShardingPlan.load_yaml(args.check)
@@ -156,7 +171,37 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=args.optimizer)
     cost = planner.cost(plan, specs, stats)
     title = f"{args.check or args.tables}: {len(specs)} tables on {planner.describe()}"
-    print(format_report(plan, specs, cost, stats, title=title))
+    report = format_report(plan, specs, cost, stats, title=title)
+    return _plan_outputs(args, plan, planner, specs, stats, cost, report)
+
+
+def _run_plan_job(args: argparse.Namespace) -> int:
+    """``plan JOB.yaml``: the plan the job makes on ``--world-size`` ranks (the job's own
+    planning function, ``train/planning.py``), options overriding the job's keys."""
+    from fbtriton_dist.train.config import load_job  # torch-free
+    from fbtriton_dist.train.planning import plan_job
+
+    if args.memory_tolerance is not None:
+        raise ValueError("--memory-tolerance: a job plans with the planner's default "
+                         "(the job file has no such key); drop it to see the job's plan")
+    overrides = [f"{JOB_KEYS[k]}={getattr(args, k)}" for k in JOB_KEYS
+                 if getattr(args, k) is not None]
+    cfg = load_job(args.tables, overrides)
+    if args.zipf is not None and cfg.data.source != "synthetic":
+        raise ValueError(f"--zipf: the job's ids come from data.source={cfg.data.source}, "
+                         f"not synthetic Zipf; give its tables an id_distribution instead")
+    p = plan_job(cfg, args.world_size, min(args.world_size, 8), plan_path=args.check,
+                 progress=_progress)
+    return _plan_outputs(args, p.plan, p.planner, p.specs, p.stats, p.cost, p.report)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _plan_outputs(args, plan, planner, specs, stats, cost, report: str) -> int:
+    """Print the report; write ``--out``, draw ``--png``, run ``--simulate``."""
+    print(report)
     if args.out:
         header = (
             f"fbtriton_dist sharding plan for {args.tables}\n{planner.describe()}\n"
@@ -165,6 +210,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan.save_yaml(args.out, header=header)
         print(f"wrote {args.out}")
     if args.png:
+        title = report.splitlines()[0] if report else args.tables
         _plan_png(args.png, cost, title, planner.budget_bytes)
     if args.simulate:
         # torch and sharding/: loaded only when asked, the plan command stays torch-free
@@ -189,6 +235,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train",
+        allow_abbrev=False,
         help="train a DLRM job from a YAML file (torchrun for several ranks)",
         description=(
             "Train the job described by JOB.yaml (configs/jobs/, docs/training.md): in this "
@@ -208,6 +255,7 @@ def _run_train(args: argparse.Namespace) -> int:
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
+        allow_abbrev=False,
         help="print a run's summary and draw its loss/AUC curves and stage times as a PNG",
         description=(
             "Read RUN_DIR/metrics.jsonl of a training job, print its summary and draw the "
@@ -246,7 +294,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton"
+        prog="fbtriton-dist", description="fbtriton_dist: sharded embedding bags on Triton",
+        allow_abbrev=False,  # `train --o` must not become --overwrite (it deletes a run)
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)

@@ -315,6 +315,14 @@ def from_torch(cls: type, kwargs: Mapping[str, Any], where: str) -> Optimizer:
     )
 
 
+def in_backward_annotation(param: Any) -> tuple[type, dict[str, Any]] | None:
+    """``(optimizer class, kwargs)`` that ``apply_optimizer_in_backward`` (TorchRec's, or
+    torch's) left on ``param`` (its first), or None. The one place that reads those private
+    attributes. Read at every call: an annotation may come after a module's first forward."""
+    classes = getattr(param, "_optimizer_classes", None)
+    return (classes[0], param._optimizer_kwargs[0]) if classes else None
+
+
 def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     """``(class, kwargs)`` for ``apply_optimizer_in_backward`` that ``from_torch`` maps back
     to ``optimizer`` (for a TorchRec-shaped model that reads the annotation). Raises where a

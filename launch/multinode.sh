@@ -58,8 +58,21 @@ echo "[multinode] node $node_rank/$nnodes, $nproc processes ($backend), $where"
 # run folder holding another run) is said once, exit 2, as one process says it
 "$venv/bin/python" -m fbtriton_dist.train.precheck --config "$job" "$@" || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun exits 1 whatever its workers' status, after 40+ lines of its own: the workers
+# append "STATUS<tab>LINE" of an error here, and this script ends with that line and status
+status_file=$(mktemp "${TMPDIR:-/tmp}/fbtd-status.XXXXXX")
+trap 'rm -f "$status_file"' EXIT
+export FBTD_STATUS_FILE=$status_file
 # no cd: relative paths of the arguments, and runs/, are the caller's folder's
-exec "$venv/bin/torchrun" "${rdzv[@]}" \
+rc=0
+"$venv/bin/torchrun" "${rdzv[@]}" \
   --nproc-per-node "$nproc" \
   --max-restarts 0 \
-  -m fbtriton_dist.train --config "$job" "$@"
+  -m fbtriton_dist.train --config "$job" "$@" || rc=$?
+if [[ $rc -ne 0 && -s $status_file ]]; then
+  IFS=$'\t' read -r status line < "$status_file"
+  echo "[multinode] $line" >&2
+  echo "[multinode] exit status $status (torchrun's own: $rc; docs/training.md)" >&2
+  exit "$status"
+fi
+exit "$rc"

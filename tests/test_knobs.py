@@ -1,5 +1,5 @@
 """Every ``FBTD_*`` environment variable the package reads is read in ``knobs.py`` and listed
-in the contributor guide (issue 18: one place for the knobs)."""
+in the contributor guide (one place for the knobs)."""
 
 import ast
 import pathlib

@@ -15,7 +15,13 @@ of the package to the module it loads (the package's name is the folder's name):
   ``from fbtriton_dist import shard`` (the root loads its subpackages lazily, so the attribute
   is the import).
 * imports inside functions and under ``if TYPE_CHECKING:`` count like any other (``ast.walk``
-  sees them). ``importlib.import_module`` calls are not imports here.
+  sees them).
+* string imports: ``importlib.import_module("fbtriton_dist.x.y")`` (or ``import_module`` imported
+  from importlib, or ``__import__("...")``) -> ``fbtriton_dist.x.y``; a relative name
+  (``import_module(".y", __package__)``) counted from the importing file's package; an f-string
+  with a constant head (``f"fbtriton_dist.kernels.{name}"``) -> the package the head names
+  (``fbtriton_dist.kernels``). A name computed at run time (``import_module(_NAMES[name])``)
+  cannot be resolved and is not an edge.
 
 A module's layer is its first name below the package (``kernels``, ``planner``, ``optim``, ...;
 the package's own ``__init__`` is ``__init__``). ``ALLOWED`` is DESIGN.md's table, layer by
@@ -24,7 +30,7 @@ the layers of its row; every top-level module or folder needs a row.
 
 Cycles: one graph of module -> module edges over every file, *with* function-local and
 TYPE_CHECKING imports. A lazy or type-only import still means the two modules need each other
-(both circles issue 18 found were hidden that way: ``plan.py`` imported ``cost`` inside a method
+(both circles the layering refactor found were hidden that way: ``plan.py`` imported ``cost`` inside a method
 and ``TableSpec`` under TYPE_CHECKING; ``loop.py`` imported ``job.Env`` under TYPE_CHECKING), and
 it is one edit away from an ImportError at start-up. Two kinds of import are not edges:
 the imports inside a package ``__init__``'s module-level ``__getattr__`` (a lazy re-export
@@ -56,20 +62,27 @@ ALLOWED: dict[str, set[str]] = {
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
     "graphs": set(),  # GraphedStep: serves every layer
+    "host_flags": set(),  # device flags read on the host late (deferred input checks)
     "sparse": set(),  # TorchRec's KJT / KeyedTensor <-> our jagged batch
-    "cli": {"planner", "train", *TORCH_FREE_LEAVES},  # `fbtriton-dist plan | train`
+    # `fbtriton-dist plan | train`; an entry point, not the library: it may hand `plan
+    # --simulate` to bench (lazily), bench never imports it (the shared options are planner's)
+    "cli": {"planner", "train", "bench", *TORCH_FREE_LEAVES},
     # DESIGN.md's table, top to bottom
     "kernels": {*TORCH_FREE_LEAVES},  # optim: the kernels' per-optimizer update codes
     "reference": {"optim"},
-    "ops": {"kernels", "reference", "graphs", *TORCH_FREE_LEAVES},
-    "modules": {"ops", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "ops": {"kernels", "reference", "graphs", "host_flags", *TORCH_FREE_LEAVES},
+    "modules": {"ops", "sparse", "graphs", "host_flags", *TORCH_FREE_LEAVES},
     "planner": {*TORCH_FREE_LEAVES},
     # sharding must not contain kernel code or pick a backend: no kernels, no reference
-    "sharding": {"ops", "modules", "planner", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "sharding": {"ops", "modules", "planner", "sparse", "graphs", "host_flags",
+                 *TORCH_FREE_LEAVES},
     # train must not reach into kernels
-    "train": {"sharding", "modules", "ops", "planner", "sparse", "graphs", *TORCH_FREE_LEAVES},
+    "train": {"sharding", "modules", "ops", "planner", "sparse", "graphs", "host_flags",
+              *TORCH_FREE_LEAVES},
 }
-ALLOWED["bench"] = set(ALLOWED)  # anything; and no row lists bench: the library never imports it
+ALLOWED["bench"] = set(ALLOWED) - {"cli"}  # anything below the command line
+ENTRY_POINTS = {"cli", "bench"}
+"""Layers that are not the library: only they may import bench."""
 
 NO_TENSORS = ("torch", "triton", "torchrec", "fbgemm_gpu")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -211,7 +224,35 @@ def _file_imports(
             target = resolve(pkg, node.attr) if node.value.id in roots else pkg
             if target != pkg:
                 add(target, node, True)
+        elif isinstance(node, ast.Call):
+            target = _string_import(node, source, is_init)
+            if target is not None and target != pkg:
+                add(target, node, is_ours(target))
     return out
+
+
+def _string_import(call: ast.Call, source: str, is_init: bool) -> str | None:
+    """The module ``importlib.import_module("...")`` / ``__import__("...")`` loads (relative
+    names counted from ``source``'s package; an f-string: the package its constant head names),
+    or None for any other call or a name only known at run time."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in ("import_module", "__import__") or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        text = arg.value
+    elif (isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant)
+          and "." in str(arg.values[0].value)):
+        text = str(arg.values[0].value).rsplit(".", 1)[0]  # f"pkg.kernels.{x}" -> pkg.kernels
+    else:
+        return None
+    level = len(text) - len(text.lstrip("."))
+    if level:
+        parts = source.split(".") if is_init else source.split(".")[:-1]
+        parts = parts[: len(parts) - (level - 1)]
+        text = ".".join([*parts, *([text[level:]] if text[level:] else [])])
+    return text or None
 
 
 def layer_of(module: str) -> str:
@@ -341,6 +382,11 @@ def test_imports_point_down(imports, layer):
     assert problems == []
 
 
+def test_the_library_never_imports_bench():
+    assert [layer for layer, row in ALLOWED.items()
+            if "bench" in row and layer not in ENTRY_POINTS] == []
+
+
 def test_no_import_cycles(imports):
     assert import_cycles(imports) == []
 
@@ -424,6 +470,24 @@ def test_checker_reports_a_cycle_hidden_in_a_function(tmp_path):
     )
 
 
+def test_checker_reports_a_cycle_through_import_module(tmp_path):
+    # the string import is the only edge back: an `import` statement would be seen anyway
+    checks = 'import importlib\ndef f():\n    return importlib.import_module("fake.ops.lookup")\n'
+    imports = _planted(tmp_path, {"ops/checks.py": checks})
+    (cycle,) = import_cycles(imports)
+    assert cycle == (
+        "fake.ops.checks -> fake.ops.lookup (ops/checks.py:3); "
+        "fake.ops.lookup -> fake.ops.checks (ops/lookup.py:4)"
+    )
+
+
+def test_checker_reports_a_cycle_through_dunder_import_across_layers(tmp_path):
+    tbe = "import torch\ndef f():\n    return __import__('fake.sharding.run')\n"
+    imports = _planted(tmp_path, {"kernels/tbe.py": tbe})
+    assert set(layer_violations(imports, FAKE_ALLOWED)) == {("kernels/tbe.py", "fake.sharding.run")}
+    assert len(import_cycles(imports)) == 1
+
+
 def test_checker_reports_a_type_checking_cycle_across_packages(tmp_path):
     tbe = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fake import run\n"
     imports = _planted(tmp_path, {"kernels/tbe.py": tbe})
@@ -461,6 +525,17 @@ def test_checker_reports_forbidden_and_torchrec_imports(tmp_path):
         ("sharding/x.py", "def f():\n    from fake.kernels import tbe", "fake.kernels.tbe"),
         ("sharding/x.py", "import fake\nfake.run()", "fake.sharding.run"),
         ("sharding/x.py", "import fake as f\nf.kernels", "fake.kernels"),
+        ("sharding/x.py", "import importlib\nimportlib.import_module('fake.kernels.tbe')",
+         "fake.kernels.tbe"),
+        ("sharding/x.py", "from importlib import import_module\nimport_module('fake.ops')",
+         "fake.ops"),
+        ("sharding/x.py", "__import__('fake.kernels.tbe')", "fake.kernels.tbe"),
+        ("sharding/x.py", "import importlib\nimportlib.import_module('.run', __package__)",
+         "fake.sharding.run"),
+        ("sharding/x.py", "import importlib\nimportlib.import_module('..kernels.tbe', 'x')",
+         "fake.kernels.tbe"),
+        ("sharding/x.py", "import importlib\nn = 'tbe'\nimportlib.import_module(f'fake.kernels.{n}')",
+         "fake.kernels"),
     ],
 )
 def test_checker_resolves_every_import_form(tmp_path, file, code, target):

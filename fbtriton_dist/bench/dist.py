@@ -5,7 +5,7 @@
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny --vbe 8
     python -m fbtriton_dist.bench dist --plot dist.json --png dist.png            # no torchrun
 
-Issue 9's setup by default: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
+The default setup: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
 per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
 ``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone), ``dlrm`` and ``ec`` (the
 tables as an EmbeddingCollection, a row per id; ``--models ec``); providers
@@ -75,6 +75,7 @@ TINY = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m fbtriton_dist.bench dist",
         description="Sharded training step: ours vs TorchRec DMP (run under torchrun).",
     )

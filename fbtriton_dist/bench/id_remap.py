@@ -120,7 +120,8 @@ def run(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fbtriton_dist.bench id_remap",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--rows", type=int, default=100_001)
     p.add_argument("--batch", type=int, default=65_536)
     p.add_argument("--steps", type=int, default=30)

@@ -197,7 +197,8 @@ def run(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fbtriton_dist.bench managed",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply the managed tables' capacities (every variant's rows)")

@@ -228,7 +228,7 @@ def format_rows(results: Sequence[Comparison]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", default=DEFAULT_TABLES)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8, 64])
     p.add_argument("--local-world-size", type=int, default=8)

@@ -40,7 +40,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from fbtriton_dist.cli import add_simulate_arguments
 from fbtriton_dist.ops import bucketize as bucketize_ops
 from fbtriton_dist.planner import (
     CostModel,
@@ -53,6 +52,7 @@ from fbtriton_dist.planner import (
     inverse_cdf_array,
     load_tables,
 )
+from fbtriton_dist.planner.arguments import add_simulate_arguments
 from fbtriton_dist.planner.cost import CostAccumulator
 from fbtriton_dist.sharding.input_dist import InputDist, message
 from fbtriton_dist.sharding.layout import ShardLayout
@@ -498,8 +498,8 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
 
 def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
         model: CostModel, args: argparse.Namespace) -> str:
-    """Simulate ``plan`` with the options of ``cli.add_simulate_arguments`` and format the
-    comparison."""
+    """Simulate ``plan`` with the options of ``planner.arguments.add_simulate_arguments`` and
+    format the comparison."""
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
                    estimate=cost, ids=getattr(args, "sim_ids", "planner"))
@@ -509,7 +509,7 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("tables", metavar="TABLES.yaml")
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--local-world-size", type=int, default=None, help="default min(R, 8)")

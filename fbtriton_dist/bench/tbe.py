@@ -277,6 +277,7 @@ def _select(names: str | None, default: list[str], valid, what: str) -> list[str
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m fbtriton_dist.bench tbe", description=__doc__.split("\n")[0]
     )
     p.add_argument(

@@ -164,7 +164,7 @@ def bucketize_sweep(configs: list[str], device, B: int = 8192, L: int = 20, rows
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="S1,S2,S4,S5")
     p.add_argument("--fwd", default="8,4;16,4;32,4;16,2;32,8;64,4")
     # FBTD_TBE_BWD values: runs,num_warps[,ids[,chunk[,maxnreg]]] (fields not given: default)

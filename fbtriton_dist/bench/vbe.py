@@ -146,6 +146,7 @@ def _measure(rows: list, name, tbe, timer, fixed, vbe, inverse, dims) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fbtriton_dist.bench vbe", description=__doc__,
+                                allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="T=2, B=16, K=4, L=3, E=100, D=8 (CI)")

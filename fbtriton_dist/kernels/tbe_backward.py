@@ -39,7 +39,7 @@ CHUNK = 256  # sorted ids per block; a run longer than this is reduced block by 
 # an fp32 row at 128 columns; narrower tiles leave lanes repeating others' work, and measured
 # slower (H200, 32 tables of 1M rows, B=2048, L=20, fp32 D=64: the row kernel 446 -> 278 µs
 # with SGD, 516 -> 394 rowwise Adagrad; D=32 374 -> 251, 508 -> 368; fp16 D=64 654 -> 586,
-# 756 -> 675: docs/results/tbe-h200-session18.md).
+# 756 -> 675: docs/results/tbe-h200-2026-12-04.md).
 ROW_TILE = 128
 RUNS_WARPS = 16  # warps of the runs kernel: 1024 sorted positions per program (H200, S1:
 # 4 warps 42 µs with 146 registers, 16 warps 29.5 µs with 40; S6 220 -> 157 µs)
@@ -271,7 +271,8 @@ def backward_config(
 ) -> tuple[int, int, int, int, int, bool]:
     """(RUNS, num_warps, IDS, CHUNK, maxnreg, PREFETCH) of the row kernel and the chunk kernel
     for optimizer kernel ``code`` (``optimizer_code``), from sweeps on an H200 (``python -m
-    fbtriton_dist.bench.tbe_sweep``, docs/results/tbe-h200-session12.md, -13.md, -18.md). The
+    fbtriton_dist.bench.tbe_sweep``; docs/results/tbe-h200-record-prefetch-2026-12-02.md,
+    tbe-h200-bounds-count-2026-12-02.md, tbe-h200-2026-12-04.md). The
     row update is bound by its chain of dependent loads, so what counts is programs in flight:
     one run per one-warp program, its registers capped at 64 so that 32 programs (the most an
     SM holds) fit; two runs per program took ~126 registers (16 programs per SM) and measured

@@ -305,7 +305,8 @@ def block_sizes(max_D: int) -> tuple[int, int]:
 def forward_config(max_D: int, weight_bytes: int) -> tuple[int, int, int, int, bool]:
     """(BLOCK_L, BLOCK_D, num_warps, maxnreg, AHEAD) of the forward kernel. A heuristic keyed
     on shape, from sweeps on an H200 (``python -m fbtriton_dist.bench.tbe_sweep``,
-    docs/results/tbe-h200-session12.md, -session13.md): one warp per bag (its sums stay inside the warp, and
+    docs/results/tbe-h200-record-prefetch-2026-12-02.md, tbe-h200-bounds-count-2026-12-02.md):
+    one warp per bag (its sums stay inside the warp, and
     32 bags fit on an SM) and 4 ids in flight per step up to D=256 (with rows loaded as 16-byte
     vectors, ``row_align``); a bigger tile spills registers. 16-bit rows up to D=128 take 8
     ids per step with the next step's ids loaded ahead (AHEAD: S2 0.118 -> 0.099 ms); on fp32

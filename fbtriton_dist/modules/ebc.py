@@ -213,6 +213,11 @@ class EmbeddingBagCollection(TableGroups):
     def device(self) -> torch.device:
         return self._device
 
+    def set_portable_export(self, enabled: bool = True) -> None:
+        """``torch.export`` records the lookup as the portable op that ``ir.deserialize``
+        rebuilds (``ir.encapsulate_ir_modules`` turns it on)."""
+        self._portable_export = bool(enabled)
+
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
@@ -308,7 +313,7 @@ class EmbeddingBagCollection(TableGroups):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             self._bind(tbe, params)
-            fused = self._sync_optimizer(tbe, members)
+            fused = self.sync_optimizer(tbe, members)
             if fused is not None:
                 refuse_data_parallel("EmbeddingBagCollection")
             T = tbe.num_features
@@ -352,7 +357,7 @@ class EmbeddingBagCollection(TableGroups):
         for (tbe, _, fused, indices, offsets, psw, (a, b)), members in zip(
             self._group_batches(batch), groups, strict=True
         ):
-            width = tbe._layout().total_D
+            width = tbe.total_dim
             g = grad[:, col : col + width].contiguous()
             col += width
             if update and fused is None:

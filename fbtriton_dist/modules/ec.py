@@ -198,7 +198,7 @@ class EmbeddingCollection(TableGroups):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             self._bind(tbe, params)
-            fused = self._sync_optimizer(tbe, members)
+            fused = self.sync_optimizer(tbe, members)
             if fused is not None:
                 refuse_data_parallel("EmbeddingCollection")
             mine = ids[f0 : f0 + tbe.num_features]

@@ -89,7 +89,7 @@ def encapsulate_ir_modules(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]
     for fqn, module in model.named_modules():
         if isinstance(module, EmbeddingBagCollection):
             module.register_buffer("ir_metadata", serialize(module), persistent=False)
-            module._portable_export = True
+            module.set_portable_export()
             fqns.append(fqn)
     return model, tuple(fqns)
 

@@ -186,6 +186,11 @@ class IdManager(nn.Module):
             self.last_seen.fill_(-1)
             with torch.random.fork_rng(devices=[]):
                 self.seed.fill_(int(torch.randint(2**62, (), device="cpu")))
+        self.reindex()
+
+    def reindex(self) -> None:
+        """The map's buffers were rewritten in place (a reset, a load): rebuild the remap's
+        index from them and read the step from the device again at the next remap."""
         self._table.reindex()
         self._step = None
 
@@ -212,8 +217,7 @@ class IdManager(nn.Module):
             state_dict.update({prefix + k: v for k, v in
                                load_saved_owners(saved, self.config).items()})
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._table.reindex()  # loaded in place: the index is stale
-        self._step = None
+        self.reindex()  # loaded in place: the index is stale
 
     def remap(self, ids: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(slots, fresh, step)``; ``update``: a training step (the clock advances)."""
@@ -362,18 +366,19 @@ def reset_rows(collection, fresh: Mapping[str, tuple[torch.Tensor, int]],
     """Re-initialise each fresh slot's row (its table's ``init_fn``, else uniform in
     ``weight_init_min/max``) and its fused optimizer state (zero), in the collection (our
     EmbeddingBagCollection or EmbeddingCollection) before the lookup reads them."""
-    index = {cfg.name: t for t, cfg in enumerate(collection._table_configs)}
+    configs = collection.table_configs()
+    index = {cfg.name: t for t, cfg in enumerate(configs)}
     for name, (slots, step) in fresh.items():
         if slots.numel() == 0:
             continue
         t = index[name]
-        cfg = collection._table_configs[t]
-        (weight,) = collection._group_params([t])
+        cfg = configs[t]
+        (weight,) = collection.group_params([t])
         rows = fresh_rows(cfg, slots.numel(), weight.shape[1], int(managers[name].seed), step)
         with torch.no_grad():
             weight[slots.to(weight.device)] = rows.to(weight.device, weight.dtype)
-        for tbe, members in zip(collection._tbes, collection._groups.values(), strict=True):
-            if t in members and collection._sync_optimizer(tbe, members) is not None:
+        for tbe, members in collection.tbe_groups():
+            if t in members and collection.sync_optimizer(tbe, members) is not None:
                 for state in tbe.split_optimizer_states()[members.index(t)]:
                     state[slots.to(state.device)] = 0
 
@@ -406,7 +411,7 @@ class ManagedLookup(nn.Module):
                 "embedding collection: expected one built without managed=..., got one that "
                 "manages its ids already"
             )
-        known = {c.name: c for c in collection._table_configs}
+        known = {c.name: c for c in collection.table_configs()}
         for name, manager in managed_collision_collection.managers().items():
             if name not in known:
                 raise ValueError(

@@ -28,9 +28,21 @@ class TableGroups(nn.Module):
     _groups: dict
     _tbes: list[TableBatchedEmbedding]
 
-    def _group_params(self, members: Sequence[int]) -> list[nn.Parameter]:
+    def table_configs(self) -> list:
+        """The table configs, in config order (a table's index here is its ``members`` id)."""
+        return self._table_configs
+
+    def group_params(self, members: Sequence[int]) -> list[nn.Parameter]:
+        """The per-table parameters (``weight``) of the tables ``members`` (config indices)."""
         tables = getattr(self, self._tables_attr)
         return [tables[self._table_configs[t].name].weight for t in members]
+
+    _group_params = group_params  # the name modules/ebc_op.py and ec_op.py still use
+
+    def tbe_groups(self) -> list[tuple[TableBatchedEmbedding, list[int]]]:
+        """``(tbe, members)`` per group: its TableBatchedEmbedding and the config indices of
+        its tables."""
+        return list(zip(self._tbes, self._groups.values(), strict=True))
 
     def _bind(self, tbe: TableBatchedEmbedding, params: list[nn.Parameter]) -> None:
         """Make sure the TBE reads the parameters' current storage: after ``.to()``, a
@@ -59,7 +71,7 @@ class TableGroups(nn.Module):
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             params = self._group_params(members)
             tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
-            if tbe._step.is_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
+            if tbe.on_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
                 tbe.to_empty(device=params[0].device)
             else:
                 tbe.to(params[0].device)
@@ -71,12 +83,7 @@ class TableGroups(nn.Module):
         """The fused optimizer asked for by ``apply_optimizer_in_backward`` on this group's
         parameters (all or none of them, with one optimizer), or None."""
         params = self._group_params(members)
-        specs = [
-            (p._optimizer_classes[0], p._optimizer_kwargs[0])
-            if getattr(p, "_optimizer_classes", None)
-            else None
-            for p in params
-        ]
+        specs = [optim.in_backward_annotation(p) for p in params]
         if all(s is None for s in specs):
             return None
         names = [self._table_configs[t].name for t in members]
@@ -90,7 +97,7 @@ class TableGroups(nn.Module):
 
     _group_what = "dtype and pooling"
 
-    def _sync_optimizer(self, tbe: TableBatchedEmbedding, members: Sequence[int]):
+    def sync_optimizer(self, tbe: TableBatchedEmbedding, members: Sequence[int]):
         """Give the group's TBE the fused optimizer its parameters are annotated with."""
         fused = self._fused_optimizer(members)
         if fused != tbe.optimizer:
@@ -104,7 +111,7 @@ class TableGroups(nn.Module):
         ``step``. Views of the live state: torch.distributed.checkpoint loads in place."""
         out = {"step": torch.tensor(max((tbe.step for tbe in self._tbes), default=0))}
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            if self._sync_optimizer(tbe, members) is None:
+            if self.sync_optimizer(tbe, members) is None:
                 continue
             for t, states in zip(members, tbe.split_optimizer_states(), strict=True):
                 for i, state in enumerate(states):

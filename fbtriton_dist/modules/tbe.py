@@ -221,6 +221,17 @@ class TableBatchedEmbedding(nn.Module):
         return len(self.feature_table_map)
 
     @property
+    def total_dim(self) -> int:
+        """sum(D) over the features: the width of the pooled output ``[B, sum(D)]``."""
+        return sum(self.tables[t][1] for t in self.feature_table_map)
+
+    @property
+    def on_meta(self) -> bool:
+        """Its own buffers (step counter, layout, optimizer state) are on the meta device
+        (built there; ``to_empty`` gives them memory)."""
+        return self._step.is_meta
+
+    @property
     def step(self) -> int:
         """Fused optimizer updates taken (Adam's t, the rounding seed's clock). Kept on the
         device, where the backward advances it without a host sync: reading it here syncs

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from fbtriton_dist import graphs, knobs, optim, reference
+from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.ops import cpu_native, tbe_ahead
 from fbtriton_dist.ops.backend import Backend, check_backend
 from fbtriton_dist.ops.backend import implementation as _impl
@@ -655,7 +656,7 @@ class BoundsMonitor:
     DEPTH = 8
 
     def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
+        self._free: list[HostFlags] = []
         self._pending: collections.deque = collections.deque()
         self._replay: dict[torch.device, torch.Tensor] = {}
         self._replay_seen: dict[torch.device, list[int]] = {}
@@ -677,13 +678,8 @@ class BoundsMonitor:
 
     def watch(self, err: torch.Tensor, batch) -> None:
         self._drain(wait=len(self._pending) >= self.DEPTH)
-        host = (
-            self._free.pop() if self._free else torch.empty(3, dtype=torch.int64, pin_memory=True)
-        )
-        host.copy_(err, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, host, batch))
+        copy = self._free.pop() if self._free else HostFlags(3, err.device)
+        self._pending.append((copy.start(err), batch))
 
     def poll(self, wait: bool = True) -> None:
         """Warn about (or raise for) the watched batches; ``wait``: also those still running,
@@ -712,14 +708,12 @@ class BoundsMonitor:
 
     def _drain(self, wait: bool, everything: bool = False) -> None:
         while self._pending:
-            event, host, batch = self._pending[0]
-            if not event.query():
-                if not wait:
-                    return
-                event.synchronize()
+            copy, batch = self._pending[0]
+            flags = copy.poll(wait)
+            if flags is None:
+                return
             self._pending.popleft()
-            flags = host.tolist()
-            self._free.append(host)
+            self._free.append(copy)
             if any(flags):
                 _report_bad_input(batch, flags)
             if not everything:

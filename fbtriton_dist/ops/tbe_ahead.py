@@ -9,7 +9,7 @@ The side stream forks (``fork``) before the forward is queued, its kernels are q
 forward's, and it has the higher priority: the forward's grid (one program per bag) is then
 already in flight, and the sort's short kernels take each SM slot a finished bag frees instead
 of waiting behind the whole grid. Queued before the forward, they ran while the host was still
-queueing it and hardly overlapped (docs/results/tbe-h200-session18.md: 0-2.5% of GPU-busy time
+queueing it and hardly overlapped (docs/results/tbe-h200-2026-12-04.md: 0-2.5% of GPU-busy time
 either way; the eager step is host-bound, and a CUDA graph's side branch fills only the
 forward's tail).
 """

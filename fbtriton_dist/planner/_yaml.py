@@ -12,6 +12,7 @@ Loaders call :func:`build` which turns the first into the second.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -63,6 +64,9 @@ def check_int(field: str, value: Any, minimum: int | None = None) -> None:
 def check_number(field: str, value: Any, minimum: float = 0.0, strict: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FieldError(field, f"expected a number, got {value!r}")
+    if not math.isfinite(value):  # .nan compares false with everything, .inf is no size
+        bound = ">" if strict else ">="
+        raise FieldError(field, f"expected a finite number {bound} {minimum}, got {value}")
     if value < minimum or (strict and value == minimum):
         bound = ">" if strict else ">="
         raise FieldError(field, f"expected a number {bound} {minimum}, got {value}")

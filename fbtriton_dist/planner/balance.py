@@ -89,7 +89,7 @@ def balance_memory(
         most_q = limit_q if most_q is None else most_q
         spec = by_name[order[i]]
         acc.values -= adds[i]
-        placed = planner._place_under(spec, cons[spec.name], stats.get(spec.name, UNIFORM),
+        placed = planner.place_under(spec, cons[spec.name], stats.get(spec.name, UNIFORM),
                                       acc, cap)
         if placed is None:
             acc.values += adds[i]
@@ -194,7 +194,7 @@ def balance_memory(
         cap = max(mean, reached * ratio)
         if cap >= reached * LAST_RATIO:
             break
-        planner._report(f"memory pass: cap {cap / 2**30:.2f} GiB (step {step + 1})")
+        planner.note_progress(f"memory pass: cap {cap / 2**30:.2f} GiB (step {step + 1})")
         saved = acc.values.copy(), list(choices), list(adds), per_table.copy()
         if drain(cap):
             reached = float(acc.memories().max())
@@ -216,7 +216,7 @@ def balance_memory(
         on_r = np.array([float(coef @ a[:, r]) for a in adds])
         tables = [int(i) for i in np.argsort(-on_r, kind="stable")[:TABLES_PER_RANK]
                   if on_r[i] > 0]
-        planner._report("memory pass: lowering the step time at the memory reached")
+        planner.note_progress("memory pass: lowering the step time at the memory reached")
         if not any(replace(i, cap, step_q - 1) for i in tables):
             break
     out = copy.copy(draft)

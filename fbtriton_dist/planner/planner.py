@@ -21,6 +21,9 @@ This is for a table whose lookups outweigh what one host can absorb (at 64 ranks
 averages 0.45 ms a rank). Each slice receives all the table's ids and sends its own pooled
 slice, so it is offered only to bottleneck tables: offered to every table, the greedy spread
 small tables over whole hosts and the mean rank time at 64 ranks rose from 0.45 to 0.65 ms.
+
+The placements each sharding type proposes for a table (and why a type has none) are
+``proposals.py``'s :class:`~.proposals.Proposer`; this file searches over them.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -39,32 +42,18 @@ from .balance import balance_memory
 from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
 from .plan import ShardingPlan
+from .proposals import MIN_COLUMN_SLICE, Proposer, RowCuts
 from .shards import SHARDING_TYPES, TableSharding
-from .stats import IdDistribution, balanced_cuts, cdf_array, equal_cuts
+from .stats import IdDistribution
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
 
 __all__ = ["PlanError", "ShardingPlanner"]
 
-RowCuts = Literal["balanced", "equal"]
-MIN_COLUMN_SLICE = 32
-"""Column-wise slices are at least this wide (narrower slices waste the TBE kernel's lanes)."""
 MAX_GRID_TABLES = 4
 """Grid-shard at most this many bottleneck tables in one plan."""
 GRID_BRANCHES = 2
 """The bottleneck search tries the largest this-many contributors to a plan's slowest rank
 (so at most 2 + 4 + 8 + 16 = 30 re-plans with ``MAX_GRID_TABLES`` = 4)."""
-TW_CANDIDATE_RANKS = 4
-"""Table-wise tries this many of the least-loaded ranks that have room."""
-TWRW_CANDIDATE_HOSTS = 4
-"""Table-row-wise tries this many hosts: those whose ranks are the least loaded."""
-
-
-def _row_cut_blocks(group: Sequence[int] | np.ndarray, cuts: Sequence[int], c0: int,
-                    c1: int) -> Blocks:
-    """Row block j ``[cuts[j], cuts[j+1])`` on ``group[j]``, empty blocks left out."""
-    starts, ends = np.asarray(cuts[:-1], dtype=np.int64), np.asarray(cuts[1:], dtype=np.int64)
-    keep = ends > starts
-    return Blocks.make(np.asarray(group, dtype=np.int64)[keep], starts[keep], ends[keep], c0, c1)
 
 
 def _better(a: tuple[np.ndarray, float], b: tuple[np.ndarray, float]) -> bool:
@@ -352,7 +341,7 @@ class ShardingPlanner:
         acc = draft.acc
         for i in range(len(draft.choices), len(order)):
             spec = order[i]
-            self._report(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
+            self.note_progress(f"{'equal row blocks' if self.row_cuts == 'equal' else 'skew-aware'}"
                          f"{f', grid {sorted(grid)}' if grid else ''}: table {i + 1}/"
                          f"{len(specs)}")
             dist = stats.get(spec.name, UNIFORM)
@@ -362,7 +351,7 @@ class ShardingPlanner:
             draft.adds.append(add.values)
         return draft
 
-    def _report(self, where: str) -> None:
+    def note_progress(self, where: str) -> None:
         """A progress line, once the plan has taken ``progress_after_s``, at most once a
         second."""
         if self.progress is None:
@@ -402,11 +391,25 @@ class ShardingPlanner:
                 f"constraints['{spec.name}'].ranks: expected ranks < world_size="
                 f"{self.world_size}, got {bad}"
             )
-        if not self._allowed_types(c):
+        types = self._allowed_types(c)
+        if not types:
             raise ValueError(
                 f"constraints['{spec.name}'].sharding: {list(c.sharding or ())} leaves no usable "
                 f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more)"
             )
+        proposer = self._proposer()
+        D, n = spec.embedding_dim, len(proposer.candidate_ranks(c))  # no cut of D: bad input
+        cuts = {"column_wise": proposer.column_splits(D, c, n),
+                "grid_shard": proposer.grid_splits(D, self.num_hosts)}
+        if all(t in cuts and not cuts[t] for t in types):
+            lo, hi = max(2, c.min_shards or 1), min(c.max_shards or n, n)
+            why = {"column_wise": f"column_wise needs a slice count in [{lo}, {hi}] (min_shards .. "
+                   f"max_shards, {n} allowed rank(s)) dividing D into slices of >= "
+                   f"{MIN_COLUMN_SLICE} columns (or exactly min_shards)",
+                   "grid_shard": f"grid_shard one in [2, {self.num_hosts} hosts] of >= "
+                   f"{MIN_COLUMN_SLICE} columns"}
+            raise ValueError(f"constraints['{spec.name}']: {types} cannot cut D={D}: "
+                             + "; ".join(why[t] for t in types))
 
     def _table_bytes(self, spec: TableSpec, rows: int, cols: int) -> int:
         return block_bytes(spec, rows, cols, self.optimizer)
@@ -452,6 +455,12 @@ class ShardingPlanner:
         key = {t.name: max(m / tm, w / tw) for t, m, w in zip(specs, mem, work, strict=True)}
         return sorted(specs, key=lambda t: -key[t.name])
 
+    def _proposer(self) -> Proposer:
+        """The placements this planner may try, under its current room per rank."""
+        return Proposer(world_size=self.world_size, local_world_size=self.local_world_size,
+                        optimizer=self.optimizer, row_cuts=self.row_cuts,
+                        room_bytes=self._room_bytes)
+
     def _place(
         self,
         spec: TableSpec,
@@ -464,8 +473,9 @@ class ShardingPlanner:
         its blocks and what it adds per rank."""
         best, best_score, failures = None, None, []
         base = acc.time_array()
+        proposer = self._proposer()
         for sharding in self._allowed_types(c, grid):
-            proposals = list(self._proposals(spec, sharding, c, dist, acc))
+            proposals = list(proposer.proposals(spec, sharding, c, dist, acc))
             if not proposals:
                 failures.append(sharding)
             for blocks in proposals:
@@ -483,7 +493,7 @@ class ShardingPlanner:
         if best is None:
             full = self._table_bytes(spec, spec.num_embeddings, spec.embedding_dim)
             reasons = "\n  ".join(dict.fromkeys(
-                self._why_not(spec, s, c, acc) for s in dict.fromkeys(failures)))
+                proposer.why_not(spec, s, c, acc) for s in dict.fromkeys(failures)))
             raise PlanError(
                 f"table '{spec.name}' ({spec.num_embeddings} rows x {spec.embedding_dim} x "
                 f"{spec.dtype_bytes} B + state = {fmt_bytes(full)}) does not fit in a budget of "
@@ -493,12 +503,13 @@ class ShardingPlanner:
         acc.merge(best_add)
         return (*best, best_add)
 
-    def _place_under(
+    def place_under(
         self, spec: TableSpec, c: TableConstraints, dist: IdDistribution, acc: CostAccumulator,
         cap: float,
     ) -> tuple[str, Blocks, CostAccumulator] | None:
         """:meth:`_place` with every rank it touches held to ``cap`` bytes instead of the
-        budget, any type (grid_shard too) allowed; None where nothing fits (the memory pass)."""
+        budget, any type (grid_shard too) allowed; None where nothing fits (for the memory
+        pass, ``balance.balance_memory``)."""
         self._cap_bytes = cap
         try:
             return self._place(spec, c, dist, acc, True)
@@ -506,299 +517,3 @@ class ShardingPlanner:
             return None
         finally:
             self._cap_bytes = None
-
-    def _candidate_ranks(self, c: TableConstraints) -> list[int]:
-        return list(c.ranks) if c.ranks is not None else list(range(self.world_size))
-
-    def _by_load(self, c: TableConstraints, acc: CostAccumulator) -> np.ndarray:
-        """The table's allowed ranks, least loaded first (time, then memory, then rank)."""
-        allowed = (np.asarray(c.ranks, dtype=np.int64) if c.ranks is not None
-                   else np.arange(self.world_size))
-        times, mem = acc.time_array()[allowed], acc.memories()[allowed]
-        return allowed[np.lexsort((allowed, mem, times))]
-
-    def _proposals(
-        self,
-        spec: TableSpec,
-        sharding: str,
-        c: TableConstraints,
-        dist: IdDistribution,
-        acc: CostAccumulator,
-    ) -> Iterator[Blocks]:
-        """The placements ``sharding`` offers for the table, given the load already in ``acc``."""
-        by_load = self._by_load(c, acc)
-        lo, hi = c.min_shards or 1, c.max_shards or self.world_size
-        if sharding == "data_parallel":
-            cuts = self._replicas(spec, len(by_load))
-        elif sharding == "table_wise":
-            cuts = self._whole_tables(spec, lo, by_load, acc)
-        elif sharding == "column_wise":
-            cuts = self._column_slices(spec, c, len(by_load), by_load, acc)
-        elif sharding == "grid_shard":
-            cuts = self._grid(spec, by_load, lo, hi, dist, acc)
-        else:
-            cuts = self._row_blocks(spec, sharding, by_load, lo, hi, dist, acc)
-        yield from cuts
-
-    def _replicas(self, spec: TableSpec, num_ranks: int) -> Iterator[Blocks]:
-        """Data-parallel: a full replica on every rank (never pinned to some ranks)."""
-        E, D = spec.num_embeddings, spec.embedding_dim
-        if num_ranks == self.world_size:
-            yield Blocks.make(np.arange(self.world_size), 0, E, 0, D)
-
-    def _whole_tables(
-        self, spec: TableSpec, lo: int, by_load: np.ndarray, acc: CostAccumulator
-    ) -> Iterator[Blocks]:
-        """Table-wise: the whole table on one of the ``TW_CANDIDATE_RANKS`` least-loaded ranks
-        that have room."""
-        E, D = spec.num_embeddings, spec.embedding_dim
-        if lo <= 1:
-            fits = self._with_room(by_load, acc, self._table_bytes(spec, E, D))
-            for r in fits[:TW_CANDIDATE_RANKS]:
-                yield Blocks.make(r, 0, E, 0, D)
-
-    def _column_slices(
-        self,
-        spec: TableSpec,
-        c: TableConstraints,
-        num_ranks: int,
-        by_load: np.ndarray,
-        acc: CostAccumulator,
-    ) -> Iterator[Blocks]:
-        """Column-wise: for each allowed slice count k, k equal slices on the k least-loaded
-        ranks that have room for one (in rank order)."""
-        E, D = spec.num_embeddings, spec.embedding_dim
-        for k in self._column_splits(D, c, num_ranks):
-            w = D // k
-            fits = self._with_room(by_load, acc, self._table_bytes(spec, E, w))
-            if len(fits) >= k:
-                starts = np.arange(k) * w
-                yield Blocks.make(np.sort(fits[:k]), 0, E, starts, starts + w)
-
-    def _row_blocks(
-        self,
-        spec: TableSpec,
-        sharding: str,
-        by_load: np.ndarray,
-        lo: int,
-        hi: int,
-        dist: IdDistribution,
-        acc: CostAccumulator,
-    ) -> Iterator[Blocks]:
-        """Row-wise and table-row-wise: the rows cut over each candidate group of ranks
-        (``_row_groups``), a rank left without rows holding no shard."""
-        D = spec.embedding_dim
-        # more members than rows leaves some without a block: never more than E
-        hi = min(hi, max(lo, spec.num_embeddings))
-        for group in self._row_groups(sharding, by_load, lo, hi):
-            cuts = self._cut(spec, sharding, group, dist, acc)
-            if cuts is not None:
-                yield _row_cut_blocks(group, cuts, 0, D)
-
-    def _with_room(self, by_load: np.ndarray, acc: CostAccumulator, need: float) -> np.ndarray:
-        """The ranks of ``by_load`` (in its order) with ``need`` bytes of budget free."""
-        return by_load[acc.memories()[by_load] + need <= self._room_bytes]
-
-    def _column_splits(self, D: int, c: TableConstraints, num_ranks: int) -> list[int]:
-        """Slice counts k >= 2 that cut D into equal slices of >= MIN_COLUMN_SLICE columns
-        (narrower only when the table's ``min_shards`` asks for it), within the constraints."""
-        lo, hi = max(2, c.min_shards or 1), min(c.max_shards or num_ranks, num_ranks)
-        return [
-            k
-            for k in range(lo, hi + 1)
-            if D % k == 0 and (D // k >= MIN_COLUMN_SLICE or k == c.min_shards)
-        ]
-
-    def _grid_splits(self, D: int, num_hosts: int) -> list[int]:
-        """Column slice counts n in 2..hosts that cut D into equal slices >= MIN_COLUMN_SLICE."""
-        return [n for n in range(2, num_hosts + 1) if D % n == 0 and D // n >= MIN_COLUMN_SLICE]
-
-    def _grid(
-        self,
-        spec: TableSpec,
-        by_load: np.ndarray,
-        lo: int,
-        hi: int,
-        dist: IdDistribution,
-        acc: CostAccumulator,
-    ) -> Iterator[Blocks]:
-        """Grid-shard placements: for each slice count n, slice i of D/n columns is cut by rows
-        (balanced) over the allowed ranks of the i-th least-loaded host (at most hi/n each)."""
-        D, H = spec.embedding_dim, self.local_world_size
-        hosts: dict[int, list[int]] = {}
-        times = acc.times()
-        for r in by_load.tolist():
-            hosts.setdefault(r // H, []).append(r)
-        order = sorted(
-            hosts, key=lambda h: (max(times[r] for r in hosts[h]), times[hosts[h][0]], h)
-        )
-        for n in self._grid_splits(D, len(order)):
-            per_host, w = min(H, hi // n), D // n
-            groups = [sorted(hosts[h][:per_host]) for h in order[:n]]
-            if per_host < 1 or sum(len(g) for g in groups) < lo:
-                continue
-            work, parts = acc.copy(), []
-            for i, group in enumerate(groups):
-                cols = (i * w, (i + 1) * w)
-                cuts = self._cut(spec, "grid_shard", group, dist, work, cols)
-                if cuts is None:
-                    break
-                part = _row_cut_blocks(group, cuts, *cols)
-                work.add_blocks(spec, "grid_shard", part, dist, self.optimizer)
-                parts.append(part)
-            else:
-                yield Blocks.join(parts)
-
-    def _row_groups(
-        self, sharding: str, by_load: np.ndarray, lo: int, hi: int
-    ) -> Iterator[np.ndarray]:
-        """Rank groups a row-wise kind may use: the least loaded k allowed ranks for k = H, 2H,
-        4H, ... up to all of them (at most ``hi``), or for table_row_wise each host's ranks."""
-        if sharding == "row_wise":
-            # all allowed ranks, or fewer (whole hosts' worth, doubling): fewer holders trade
-            # lookup spreading for less output-dist traffic, which grows with the holders
-            n = len(by_load)
-            sizes = {min(hi, n)}
-            k = self.local_world_size
-            while k < min(hi, n):
-                sizes.add(k)
-                k *= 2
-            for k in sorted(sizes):
-                if k >= lo:
-                    yield np.sort(by_load[:k])
-            return
-        # each host's ``hi`` least loaded allowed ranks; the TWRW_CANDIDATE_HOSTS hosts whose
-        # such ranks are least loaded (the latest of them in the load order comes first)
-        order = by_load
-        host = order // self.local_world_size
-        idx = np.argsort(host, kind="stable")  # by host, each host's ranks in load order
-        hs = host[idx]
-        first = np.flatnonzero(np.r_[True, hs[1:] != hs[:-1]])
-        count = np.diff(np.r_[first, len(hs)])
-        taken = np.minimum(count, hi)
-        last = idx[first + taken - 1]  # load position of each host's last chosen rank
-        usable = np.flatnonzero(taken >= max(lo, 1))
-        best = usable[np.lexsort((hs[first[usable]], last[usable]))][:TWRW_CANDIDATE_HOSTS]
-        for h in best.tolist():
-            yield np.sort(order[idx[first[h]:first[h] + taken[h]]])
-
-    def _cut(
-        self,
-        spec: TableSpec,
-        sharding: str,
-        group: np.ndarray | list[int],
-        dist: IdDistribution,
-        acc: CostAccumulator,
-        cols: tuple[int, int] | None = None,
-    ) -> list[int] | None:
-        """Row cuts of the table (or of its column slice ``cols``) over ``group``: the
-        skew-aware cut or equal blocks, whichever leaves the lower largest load on the group
-        (so never worse than equal blocks, table by table)."""
-        E, D = spec.num_embeddings, spec.embedding_dim
-        c0, c1 = cols or (0, D)
-        members = np.asarray(group, dtype=np.int64)
-        caps = self._row_caps(spec, members, acc, c1 - c0)
-        equal = self._equal_cut(spec, len(group), caps)
-        if self.row_cuts == "equal":
-            return equal
-        # every rank's load before this table, plus the pooled slices it will receive
-        probe = acc.copy()
-        probe.add_blocks(spec, sharding, Blocks.make(members, 0, E, c0, c1), UNIFORM,
-                         self.optimizer)
-        # probe gave each holder the full table's share (p=1); undo that linear part per rank
-        k = len(group)
-        t0 = acc.terms_time(acc.row_holder_terms(spec, 0.0, k, sharding, c1 - c0))
-        t1 = acc.terms_time(acc.row_holder_terms(spec, 1.0, k, sharding, c1 - c0))
-        base = probe.time_array()[members] - t1 + t0  # a holder's load with no lookups
-        slope = np.full(k, t1 - t0)
-        cuts = balanced_cuts(E, dist, base, slope, caps)
-        if cuts is None or equal is None:
-            return cuts if cuts is not None else equal
-
-        def largest(c: list[int]) -> int:
-            ends = np.asarray(c, dtype=np.int64)
-            share = cdf_array(dist, E, ends[1:]) - cdf_array(dist, E, ends[:-1])
-            return _quanta(float((base + slope * share).max()))
-
-        return equal if largest(equal) < largest(cuts) else cuts
-
-    def _row_caps(self, spec: TableSpec, members: np.ndarray, acc: CostAccumulator,
-                  cols: int) -> np.ndarray:
-        """Rows of ``cols`` columns each rank of ``members`` still has memory for."""
-        per_row = self._table_bytes(spec, 1, cols)
-        free = self._room_bytes - acc.memories()[members]
-        return np.maximum(0, free // per_row).astype(np.int64)
-
-    def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:
-        """Equal row blocks over ``k`` ranks (TorchRec's cut), or None where one does not fit
-        the ranks' ``caps`` (rows)."""
-        cuts = equal_cuts(spec.num_embeddings, k)
-        return cuts if (np.diff(cuts) <= caps).all() else None
-
-    def _why_not(
-        self, spec: TableSpec, sharding: str, c: TableConstraints, acc: CostAccumulator
-    ) -> str:
-        """One line: why ``sharding`` cannot hold this table, with the numbers."""
-        E, D = spec.num_embeddings, spec.embedding_dim
-        ranks = self._candidate_ranks(c)
-        mem = acc.memories().tolist()
-        free = {r: max(0.0, self._room_bytes - mem[r]) for r in ranks}
-        most = max(free, key=lambda r: free[r])
-        full = self._table_bytes(spec, E, D)
-        if sharding == "data_parallel":
-            return (
-                f"data_parallel: needs {fmt_bytes(full)} on every rank, "
-                f"least free is {fmt_bytes(min(free.values()))}"
-                + ("" if len(ranks) == self.world_size else " (and it cannot be pinned to ranks)")
-            )
-        if sharding == "table_wise":
-            return (
-                f"table_wise: needs {fmt_bytes(full)} on one rank, "
-                f"most free is {fmt_bytes(free[most])} (rank {most})"
-            )
-        if sharding == "column_wise":
-            splits = self._column_splits(D, c, len(ranks))
-            if not splits:
-                return (
-                    f"column_wise: no slice count in [{max(2, c.min_shards or 1)}, "
-                    f"{min(c.max_shards or len(ranks), len(ranks))}] cuts D={D} into equal "
-                    f"slices of >= {MIN_COLUMN_SLICE} columns"
-                )
-            k = max(splits)
-            slice_bytes = self._table_bytes(spec, E, max(1, D // k))
-            return (
-                f"column_wise: {k} slices of {E} rows x {D // k} cols need "
-                f"{fmt_bytes(slice_bytes)} each, most free is {fmt_bytes(free[most])} (rank {most})"
-            )
-        per_row = self._table_bytes(spec, 1, D)
-        H = self.local_world_size
-        host_free = max(
-            sum(v for r, v in free.items() if r // H == h) for h in range(self.num_hosts)
-        )
-        if sharding == "grid_shard":
-            splits = self._grid_splits(D, self.num_hosts)
-            if not splits:
-                return (
-                    f"grid_shard: no slice count in [2, {self.num_hosts} hosts] cuts D={D} into "
-                    f"equal slices of >= {MIN_COLUMN_SLICE} columns"
-                )
-            n = max(splits)
-            slice_bytes = self._table_bytes(spec, E, D // n)
-            return (
-                f"grid_shard: {n} slices of {E} rows x {D // n} cols need {fmt_bytes(slice_bytes)} "
-                f"each on one host, most free on a host is {fmt_bytes(host_free)}"
-            )
-        if sharding == "table_row_wise":
-            return (
-                f"table_row_wise: needs {E} rows x {fmt_bytes(per_row)}/row = {fmt_bytes(full)} on "
-                f"one host, most free on a host is {fmt_bytes(host_free)}; short by "
-                f"{fmt_bytes(full - host_free)}"
-            )
-        total_free = sum(free.values())
-        short = f"; short by {fmt_bytes(full - total_free)}" if full > total_free else ""
-        return (
-            f"row_wise: needs {E} rows x {fmt_bytes(per_row)}/row (= {D} x {spec.dtype_bytes} B "
-            f"+ state) = {fmt_bytes(full)} over {len(ranks)} rank(s) with "
-            f"{fmt_bytes(total_free)} free{short}"
-            + ("" if self.row_cuts == "balanced" else " (equal row blocks)")
-        )

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.ops import bucketize as ops
 from fbtriton_dist.sharding.input_dist import (
     InputDist,
@@ -261,20 +262,15 @@ class FixedInputDist(InputDist):
             return
         while len(self._pending) >= self.DEPTH:
             self._drain_one(wait=True)
-        host = torch.empty(flags.numel(), dtype=torch.int64, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((event, host, features))
+        self._pending.append((HostFlags(flags.numel(), flags.device).start(flags), features))
 
     def _drain_one(self, wait: bool) -> bool:
-        event, host, features = self._pending[0]
-        if not event.query():
-            if not wait:
-                return False
-            event.synchronize()
+        copy, features = self._pending[0]
+        flags = copy.poll(wait)
+        if flags is None:
+            return False
         self._pending.popleft()
-        self._raise_if(host.tolist(), [features, *[p[2] for p in self._pending]])
+        self._raise_if(flags, [features, *[p[1] for p in self._pending]])
         return True
 
     def poll(self, wait: bool = True) -> None:

@@ -277,7 +277,7 @@ class ShardedIdManagers(nn.Module):
             if info.replicated:
                 out.update({p + k: v for k, v in m.state_dict().items()})
                 continue
-            for k, (size, offsets, local) in self._pieces(info, m).items():
+            for k, (size, offsets, local) in self.pieces(info, m).items():
                 out[p + k] = _sharded_tensor(self.group, self.local_world, self.device_type, size,
                                              offsets, local)
             out[p + "owners"] = torch.tensor([[r0, c] for _, r0, c in info.owners],
@@ -285,7 +285,7 @@ class ShardedIdManagers(nn.Module):
             out[p + "config"] = config_tensor(info.config)
         return out
 
-    def _pieces(self, info: _Table, m: IdManager | None) -> dict:
+    def pieces(self, info: _Table, m: IdManager | None) -> dict:
         """buffer -> (global size, [(rank, offsets, sizes)] of every owner, local tensor)."""
         n_owners = len(info.owners)
         widths = [_local_config(info.config, c).sketch_width for _, _, c in info.owners]

@@ -298,7 +298,7 @@ def _local_pieces(ids, info, m, state_dict: dict, p: str) -> None:
     a table-wise table also takes an unsharded module's plain map as it is."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    for k, (size, metas, _) in ids._pieces(info, m).items():
+    for k, (size, metas, _) in ids.pieces(info, m).items():
         value = state_dict.get(p + k)
         if value is None:
             continue
@@ -401,8 +401,7 @@ def reinsert(collection, info, m, saved: SavedOwners) -> None:
     m.sketch.copy_(fold_sketch(list(saved.sketch.values()), m.sketch.shape[0],
                                m.sketch.shape[1]))
     m.last.zero_()
-    m._table.reindex()
-    m._step = None
+    m.reindex()
 
 
 def _kept(entries: torch.Tensor, capacity: int, eviction: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""How a ShardedEmbeddingBagCollection talks to other ranks (the issue-9 switches).
+"""How a ShardedEmbeddingBagCollection talks to other ranks: wire dtype, dedup, fixed shapes.
 
 Defaults are the plain, exact path; every switch keeps results equal to it (``wire_dtype``
 within a stated error bound).

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist.graphs import CAPTURE_MODE, joined_at_exit
+from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.sharding.collection import ShardedCollection
 from fbtriton_dist.sharding.input_dist import InputDistOut
 from fbtriton_dist.sparse import padded_kjt
@@ -225,7 +226,7 @@ class GraphedTrainStep:
         self.static = None
         self.loss = None
         self.recent: list = []
-        self._flags = None  # (event, pinned host flags) of the last replay
+        self._flags = None  # HostFlags: the last replay's input flags, on the host
 
     def __call__(self, batch) -> torch.Tensor:
         self._check_flags(wait=False)
@@ -354,23 +355,16 @@ class GraphedTrainStep:
             return
         flags = torch.stack([m.input_failed for m in self.sharded])
         if self._flags is None:
-            self._flags = (torch.cuda.Event(), torch.empty(flags.numel(), dtype=torch.int64,
-                                                           pin_memory=True))
-        event, host = self._flags
-        host.copy_(flags, non_blocking=True)
-        event.record()
+            self._flags = HostFlags(flags.numel(), flags.device)
+        self._flags.start(flags)
 
     def _check_flags(self, wait: bool) -> None:
         if self._flags is None:
             return
-        event, host = self._flags
-        if not event.query():
-            if not wait:
-                return
-            event.synchronize()
-        if not any(host.tolist()):
+        flags = self._flags.poll(wait)
+        if flags is None or not any(flags):
             return
-        host.zero_()
+        self._flags.clear()
         for m in self.sharded:
             if not int(m.input_failed):
                 continue

@@ -33,9 +33,9 @@ def _kind(module: nn.Module) -> str | None:
 
 def _optimizer_of(module: nn.Module, name: str) -> optim.Optimizer | None:
     specs = {
-        (p._optimizer_classes[0], tuple(sorted(p._optimizer_kwargs[0].items())))
-        for p in module.parameters()
-        if getattr(p, "_optimizer_classes", None)
+        (a[0], tuple(sorted(a[1].items())))
+        for a in map(optim.in_backward_annotation, module.parameters())
+        if a is not None
     }
     if len(specs) > 1:
         raise ValueError(f"{name}: one fused optimizer for all sharded tables, got {specs}")
@@ -139,7 +139,7 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
         "comm": comm,
     }
     ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
-    if getattr(collection, "id_managers", None) is not None:  # managed tables (issue 27)
+    if getattr(collection, "id_managers", None) is not None:  # managed tables
         from fbtriton_dist.sharding import managed
 
         ebc_cls = managed.ManagedShardedEmbeddingBagCollection

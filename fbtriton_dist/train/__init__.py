@@ -1,4 +1,4 @@
-"""The training job (issue 7): job YAML (``config``), data sources (``data``), metrics,
+"""The training job: job YAML (``config``), data sources (``data``), metrics,
 checkpoints, the loop (``loop``) and the entry point ``python -m fbtriton_dist.train``
 (``job.main``). See docs/training.md.
 

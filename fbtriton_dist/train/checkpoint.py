@@ -58,6 +58,8 @@ __all__ = [
     "fused_optimizer_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
+    "nonfinite_weights",
+    "read_meta",
     "remove_run_files",
     "save_checkpoint",
     "usable_checkpoint",
@@ -137,8 +139,11 @@ def save_checkpoint(
     *,
     keep: int = 2,
     process_group: dist.ProcessGroup | None = None,
+    about: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save into ``directory/step_<step>`` atomically; keep the newest ``keep``; return it."""
+    """Save into ``directory/step_<step>`` atomically; keep the newest ``keep``; return it.
+    ``about``: what the checkpoint holds (the job, its tables, its optimizers: ``job_identity``),
+    kept in ``meta.json`` under ``job`` so that a resume into another job says what differs."""
     rank = _rank(process_group)
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = os.path.join(directory, f".tmp-step_{step:08d}")
@@ -167,6 +172,8 @@ def save_checkpoint(
     if rank == 0:
         try:
             meta = {"step": step, **train_state, "files": _manifest(tmp)}
+            if about is not None:
+                meta["job"] = dict(about)
             with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -189,6 +196,40 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(process_group)
     return final
+
+
+def _local_tensors(value: Any) -> list[torch.Tensor]:
+    """This rank's part of a state-dict value (a ShardedTensor's shards, a DTensor's local
+    tensor, a tensor), floating-point only."""
+    if hasattr(value, "local_shards"):
+        parts = [s.tensor for s in value.local_shards()]
+    elif hasattr(value, "to_local"):
+        parts = [value.to_local()]
+    else:
+        parts = [value]
+    return [t for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.device.type != "meta"]
+
+
+def table_of(key: str) -> str:
+    """The table (``...embedding_bags.<t>.weight``) or dense parameter a state-dict key is."""
+    parts = key.split(".")
+    for marker in ("embedding_bags", "embeddings"):
+        if marker in parts[:-1] and parts[-1] == "weight":
+            return f"table {parts[parts.index(marker) + 1]}"
+    return f"dense parameter {key}"
+
+
+def nonfinite_weights(model: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+    """The tables and dense parameters holding a nan or inf on some rank (every rank gets
+    the same list; empty: all finite). ``not isfinite``, so inf counts as well as nan."""
+    bad = sorted({table_of(k) for k, v in model.state_dict().items()
+                  if any(not bool(torch.isfinite(t).all()) for t in _local_tensors(v))})
+    if group is not None:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, bad, group=group)
+        bad = sorted({name for names in gathered for name in names})
+    return bad
 
 
 def _save_error(e: OSError, tmp: str, directory: str) -> OSError:
@@ -301,6 +342,12 @@ def _complete_checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def read_meta(path: str) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint folder ``path``."""
+    with open(os.path.join(path, META), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def latest_checkpoint(directory: str) -> str | None:
     """The newest complete checkpoint folder under ``directory``, or None."""
     found = _complete_checkpoints(directory)
@@ -318,7 +365,8 @@ def load_checkpoint(
     ``optimizer``; return the saved train state (``step``, ``epoch``, ``samples``, ...)."""
     with open(os.path.join(path, META), encoding="utf-8") as f:
         meta = json.load(f)
-    train = {k: v for k, v in meta.items() if k not in ("step", "files")}  # files: the manifest
+    # files: the manifest; job: what the checkpoint holds (neither is in DCP's state)
+    train = {k: v for k, v in meta.items() if k not in ("step", "files", "job")}
     state = _state(model, optimizer, train | {"step": 0})
     with _quiet_dcp(process_group):
         dcp.load(

@@ -668,6 +668,9 @@ def load_job(
     """Read a job YAML file (``yaml.safe_load``) with ``key.path=value`` overrides applied."""
     where = os.fspath(path)
     data = read_yaml(where)
+    if data is None:  # else "expected a mapping, got NoneType"
+        raise ConfigError(where, "", "the job file is empty; a job needs at least `tables:` "
+                          "(docs/training.md, configs/jobs/quickstart.yaml)")
     if steps is not None:
         overrides = [*overrides, f"train.steps={steps}"]
     if overrides:
@@ -707,7 +710,7 @@ def precheck(argv: Sequence[str] | None = None) -> int:
     once, before torchrun starts its workers (``launch/multinode.sh``): a config error, or a
     new run into a folder holding another run, is printed once with exit status 2, as one
     process prints it. 0: go ahead. Never imports torch."""
-    p = argparse.ArgumentParser(prog="python -m fbtriton_dist.train")
+    p = argparse.ArgumentParser(prog="python -m fbtriton_dist.train", allow_abbrev=False)
     add_arguments(p)
     args = finish_arguments(p, *p.parse_known_args(argv))
     try:
@@ -746,9 +749,15 @@ def finish_arguments(
     parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]
 ) -> argparse.Namespace:
     """Fold ``KEY.PATH=VALUE`` words that ``parse_known_args`` left over (overrides written
-    after an option, e.g. ``--steps 5 train.batch_size=64``) into ``args.overrides``."""
+    after an option, e.g. ``--steps 5 train.batch_size=64``) into ``args.overrides``; refuse
+    ``--resume`` with ``--overwrite`` (exit 2). The parser must be built with
+    ``allow_abbrev=False``: an abbreviation such as ``--o`` is then an unknown word here, never
+    ``--overwrite``."""
     bad = [e for e in extra if e.startswith("-") or "=" not in e]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.resume and args.overwrite:  # one would delete the run the other continues
+        parser.error("--resume and --overwrite together: --resume continues the run in the "
+                     "run folder, --overwrite deletes it; give one of them")
     args.overrides = [*args.overrides, *extra]
     return args

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import re
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -398,12 +400,23 @@ def _dense_value(text: str, i: int) -> float:
     return math.log1p(max(x, 0.0))
 
 
+_HEX_ID = re.compile(r"[0-9a-fA-F]{1,16}")
+"""A categorical value: hex digits only (Criteo's are 8), at most 64 bits; ``int(x, 16)``
+alone also took ``-5f``, ``0x5f``, ``5_f`` and surrounding blanks."""
+
+
+def _hex_id(text: str, j: int) -> int:
+    """A categorical column's hex value; anything but 1-16 hex digits is refused by name."""
+    if not _HEX_ID.fullmatch(text):
+        raise ValueError(f"categorical column C{j + 1}: {text!r} is not a 64-bit hex id "
+                         "(1-16 hex digits, no sign or prefix; Criteo's are 8)")
+    return int(text, 16)
+
+
 def _raw_id(text: str, j: int) -> int:
     """A categorical column's hex value as a raw int64 id: up to 64 bits, those of 2**63 and
     above wrapped to negative ids (two's complement, as in the id's bits)."""
-    x = int(text, 16)
-    if x < 0 or x >= 1 << 64:
-        raise ValueError(f"categorical column C{j + 1}: {text!r} is not a 64-bit hex id")
+    x = _hex_id(text, j)
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
@@ -421,7 +434,7 @@ def parse_criteo_line(
         label = float(cols[0] or 0)
         dense = [_dense_value(c, i) for i, c in enumerate(cols[1 : 1 + CRITEO_DENSE])]
         cats = [
-            (_raw_id(c, j) if E is None else int(c, 16) % E) if c else None
+            (_raw_id(c, j) if E is None else _hex_id(c, j) % E) if c else None
             for j, (c, E) in enumerate(zip(cols[1 + CRITEO_DENSE :], hash_sizes, strict=True))
         ]
     except ValueError as e:
@@ -458,6 +471,16 @@ class CriteoSource:
         self.train_paths = [resolve(p) for p in cfg.train]
         self.eval_paths = [resolve(p) for p in cfg.eval]
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        for key, paths in (("train", self.train_paths), ("eval", self.eval_paths)):
+            for i, path in enumerate(paths):
+                if not os.path.exists(path) or os.path.isdir(path):  # a pipe is fine
+                    what = "is a folder" if os.path.isdir(path) else "not found"
+                    raise ValueError(f"data.criteo.{key}[{i}]: {path}: {what} (relative paths "
+                                     "are from the job file's folder)")
+                if key == "eval" and os.path.isfile(path) and os.path.getsize(path) == 0:
+                    raise ValueError(f"data.criteo.eval[{i}]: {path} is empty: no full batch "
+                                     "to evaluate on (eval_auc would be nan); give a file with "
+                                     "lines, or no data.criteo.eval")
 
     @staticmethod
     def _lines(paths: Sequence[str], skip: int = 0) -> Iterator[tuple[str, str, int]]:
@@ -465,11 +488,18 @@ class CriteoSource:
         out: a stream, one buffered line at a time (never a whole file in memory); skipped
         lines are read past without being parsed or kept."""
         for path in paths:
-            with open(path, encoding="utf-8") as f:
-                skipped = sum(1 for _ in itertools.islice(f, skip)) if skip else 0
-                skip -= skipped
-                for i, line in enumerate(f, start=skipped + 1):
-                    yield line, path, i
+            i = 0
+            try:
+                with open(path, encoding="utf-8") as f:
+                    skipped = sum(1 for _ in itertools.islice(f, skip)) if skip else 0
+                    skip -= skipped
+                    i = skipped
+                    for i, line in enumerate(f, start=skipped + 1):
+                        yield line, path, i
+            except UnicodeDecodeError as e:
+                byte = e.object[e.start]
+                raise ValueError(f"{path}:{i + 1}: not text ({e.reason}, byte 0x{byte:02x}): "
+                                 "expected a Criteo TSV file (uncompressed)") from e
 
     def _batch(self, lines: Sequence[tuple[str, str, int]]) -> Batch:
         parsed = [parse_criteo_line(line, self.hash_sizes, f"{path}:{i}")
@@ -507,7 +537,13 @@ class CriteoSource:
     def eval_batches(self, n: int) -> list[Batch]:
         if not self.eval_paths:
             return []
-        return [b for b, _ in itertools.islice(self._batches(self.eval_paths, 0), n)]
+        out = [b for b, _ in itertools.islice(self._batches(self.eval_paths, 0), n)]
+        if n and not out:  # else no evaluation at all, and eval_auc: nan without a word
+            need = self.world_size * self.batch_size
+            raise ValueError(f"data.criteo.eval: {', '.join(self.eval_paths)} gave no full batch "
+                             f"of {need} lines ({self.world_size} rank(s) x {self.batch_size}) "
+                             "to evaluate on; give more lines, or no data.criteo.eval")
+        return out
 
 
 def managed_features(tables: TableSet) -> set[str]:

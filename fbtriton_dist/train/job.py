@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import gc
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torchrec
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.optim import apply_optimizer_in_backward
@@ -39,19 +40,15 @@ from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.modules.managed import ManagedCollisionCollection
 from fbtriton_dist.planner import (
     ConfigError,
-    CostModel,
-    IdDistribution,
     PlanError,
     PlanValidationError,
     ShardingPlan,
-    ShardingPlanner,
-    TableConstraints,
 )
-from fbtriton_dist.planner.report import format_report
 
 from .checkpoint import (
     clean_stale,
     load_checkpoint,
+    read_meta,
     remove_run_files,
     usable_checkpoint,
 )
@@ -73,6 +70,9 @@ from .metrics import format_summary
 from .models import TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
+from .planning import GiB, make_plan  # noqa: F401 (GiB: tests use it)
+from .planning import job_constraints as _constraints  # noqa: F401 (tests use it)
+from .resume import identity_problem
 from .sources import make_source
 
 __all__ = [
@@ -87,7 +87,6 @@ __all__ = [
     "train",
 ]
 
-GiB = 1024**3
 
 
 @contextlib.contextmanager
@@ -196,10 +195,6 @@ def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
     return cls(params, betas=c.betas, **kw)
 
 
-MANAGED_SHARDINGS = ("row_wise", "table_row_wise", "table_wise", "data_parallel")
-"""How a managed table (``id_manager:``) may be sharded (``sharding/managed.py``)."""
-
-
 def _collection(cls, configs, cfg: JobConfig, where: torch.device):
     """Our ``cls`` (EmbeddingBagCollection / EmbeddingCollection) of ``configs`` on
     ``where``, its managed tables (the table set's ``id_manager:``) with their id maps. On
@@ -258,85 +253,83 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
     )
 
 
-def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:
-    """The plan (planned, or read from ``sharding.plan`` and checked) and its printed report."""
-    s = cfg.sharding
-    H = s.local_world_size or local_world_size
-    if world_size % H:
-        H = world_size
-    specs = cfg.tables.tables
-    stats = dict(cfg.tables.stats)
-    if cfg.data.source == "synthetic" and cfg.data.synthetic.zipf > 0:
-        zipf = IdDistribution(kind="zipf", alpha=cfg.data.synthetic.zipf)
-        stats = {t.name: stats.get(t.name, zipf) for t in specs}
-    for name in cfg.tables.id_managers:  # slots are handed out by arrival, not by hotness
-        stats[name] = IdDistribution(kind="uniform")
-    optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
-    planner = ShardingPlanner(
-        world_size=world_size,
-        local_world_size=H,
-        hbm_bytes_per_rank=s.hbm_gb * GiB,
-        reserved_fraction=s.reserved,
-        cost_model=CostModel(batch_size=cfg.train.batch_size),
-        optimizer=optimizer,
-        row_cuts=s.row_cuts,
-    )
-    if s.plan is not None:
-        path = cfg.path(s.plan)
-        plan = ShardingPlan.load_yaml(path)
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"{path}: plan is for world_size={plan.world_size}, this job runs on "
-                f"{world_size} rank(s); plan again or drop sharding.plan"
-            )
-    else:
-        plan = planner.plan(specs, _constraints(cfg), stats)
-    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer)
-    cost = planner.cost(plan, specs, stats)
-    title = f"job {cfg.name}: {len(specs)} tables on {planner.describe()}"
-    return plan, format_report(plan, specs, cost, stats, title=title)
-
-
-def _constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
-    """The table set's constraints, each managed table's shardings limited to
-    :data:`MANAGED_SHARDINGS` (one that allows only others is an error naming it)."""
-    out = dict(cfg.tables.constraints)
-    for name in cfg.tables.id_managers:
-        c = out.get(name, TableConstraints())
-        allowed = [s for s in (c.sharding or MANAGED_SHARDINGS) if s in MANAGED_SHARDINGS]
-        if not allowed:
-            raise ConfigError("<job>", f"tables.{name}.sharding", (
-                f"table '{name}' is managed (id_manager): expected some of "
-                f"[{', '.join(MANAGED_SHARDINGS)}], got {list(c.sharding or ())}"))
-        out[name] = dataclasses.replace(c, sharding=tuple(allowed))
-    return out
-
-
 def _log(env: Env, text: str) -> None:
     if env.rank == 0:
         print(text, flush=True)
 
 
-def _resume_point(ckpt_dir: str, env: Env) -> str | None:
+def _resume_point(cfg: JobConfig, env: Env) -> str | None:
     """The newest checkpoint that checks out against what its save recorded (rank 0 looks,
-    every rank gets the answer); each one skipped is named with what is wrong with it."""
-    choice: list[str | None] = [None]
+    every rank gets the answer); each one skipped is named with what is wrong with it. None:
+    nothing to resume in a folder that holds no run (a first run with ``--resume``). A run
+    folder that holds a run (metrics, or checkpoints) but no usable checkpoint is an error
+    (``RunDirError``): restarting at step 0 would append a second run to its metrics."""
+    ckpt_dir = cfg.checkpoint_dir
+    choice: list[str | None] = [None, None]
     if env.rank == 0:
         path, skipped = usable_checkpoint(ckpt_dir)
         for bad, why in skipped:
             print(f"warning: --resume: skipping checkpoint {bad}: {why}", file=sys.stderr,
                   flush=True)
         choice[0] = path
+        metrics = os.path.join(cfg.run_dir, cfg.logging.metrics)
+        has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+        if path is None and (skipped or has_metrics):
+            found = "; ".join(f"{os.path.basename(b)}: {w}" for b, w in skipped)
+            what = (f"every checkpoint is damaged ({found})" if skipped
+                    else f"{cfg.logging.metrics} holds a run but no checkpoint was saved")
+            choice[1] = (
+                f"--resume: no usable checkpoint in {ckpt_dir}: {what}. Nothing was changed. "
+                "Repair or move the damaged checkpoints aside and --resume again, or pass "
+                f"--overwrite (instead of --resume) to start over at step 0 in {cfg.run_dir} "
+                "(deletes its metrics and checkpoints)")
     if env.process_group is not None:
         dist.broadcast_object_list(choice, src=0, group=env.process_group)
+    if choice[1] is not None:
+        raise RunDirError(choice[1])
     return choice[0]
+
+
+def _resume(cfg: JobConfig, env: Env, built: Built) -> tuple[int, DataPosition]:
+    """``--resume``: load the newest usable checkpoint into ``built`` (step 0 in a new run
+    folder); a checkpoint of another job, table set or optimizer, or one whose state cannot
+    be loaded into this job's plan, is a ``RunDirError`` naming what it holds."""
+    path = _resume_point(cfg, env)
+    if path is None:
+        _log(env, f"--resume: no complete checkpoint in {cfg.checkpoint_dir} (a new run), "
+                  "starting at step 0")
+        return 0, DataPosition()
+    problem = identity_problem(path, read_meta(path).get("job"), cfg)
+    if problem is not None:
+        raise RunDirError(problem)
+    try:
+        state = load_checkpoint(path, built.model, built.optimizer,
+                                process_group=env.process_group)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "Error:" in ln] or [str(e)]
+        raise RunDirError(
+            f"--resume: checkpoint {path} cannot be loaded into this job's model and plan "
+            f"({lines[-1][:300]}); nothing was changed in {cfg.run_dir}: resume with the job "
+            "file (tables, optimizers) it was saved with, or start a new run") from e
+    step = int(state["step"])
+    position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
+    _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
+    if cfg.train.steps is not None and cfg.train.steps <= step:
+        raise RunDirError(
+            f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
+            f"{step}: nothing left to train; give --steps above {step}"
+        )
+    return step, position
 
 
 def train(cfg: JobConfig, env: Env, resume: bool = False,
           overwrite: bool = False) -> dict[str, Any]:
     """Run the job on this rank; return the summary (the same on every rank). ``resume``:
     from the newest usable checkpoint; ``overwrite``: a run folder holding another run is
-    emptied of it first (else refused)."""
+    emptied of it first (else refused); both together are refused (``RunDirError``)."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite together: --resume continues the run in "
+                          f"{cfg.run_dir}, --overwrite deletes it; give one of them")
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -390,8 +383,69 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
     return Built(model, optimizer, dense_params, emb_fqns)
 
 
+def available_host_bytes() -> int | None:
+    """This host's available memory (``MemAvailable`` of /proc/meminfo), None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_cpu_job(cfg: JobConfig, env: Env, plan: ShardingPlan) -> None:
+    """On the CPU, before anything is allocated: Triton's kernels need its interpreter
+    (a config error, exit 2), and this host's ranks' table shards with their optimizer state
+    must fit in its available memory (``PlanError``: "does not fit", exit 1; the planner
+    checked only ``sharding.hbm_gb``)."""
+    if env.device.type != "cpu":
+        return
+    from fbtriton_dist.ops.backend import check_backend
+    from fbtriton_dist.planner.memory import block_bytes, fmt_bytes
+
+    if cfg.backend == "triton":
+        try:
+            check_backend("triton", env.device)
+        except RuntimeError as e:
+            raise ConfigError(f"job {cfg.name}", "backend", str(e)) from e
+    host = env.rank // max(env.local_world_size, 1)
+    mine = range(host * env.local_world_size, (host + 1) * env.local_world_size)
+    specs = {t.name: t for t in cfg.tables.tables}
+    optimizer = cfg.optimizer.embedding.type
+    need = sum(block_bytes(specs[t.name], s.row_end - s.row_start, s.col_end - s.col_start,
+                           optimizer)
+               for t in plan.tables for s in t.shards if s.rank in mine)
+    free = available_host_bytes()
+    if free is not None and need > free:
+        raise PlanError(
+            f"the tables do not fit in this host's memory: {fmt_bytes(need)} ({need:,} bytes) "
+            f"of table weights and {optimizer} state on {len(mine)} CPU process(es), "
+            f"{fmt_bytes(free)} ({free:,} bytes) of RAM available; shard them over more hosts, "
+            "or use smaller tables")
+
+
 class RunDirError(ValueError):
     """The run folder holds another run (exit status 2, as a config error)."""
+
+
+def _unwritable(cfg: JobConfig) -> str | None:
+    """Why the run folder (or the checkpoint folder) cannot be made or written, or None."""
+    folders = [("logging.run_dir", cfg.run_dir)]
+    if cfg.checkpoint.enabled:
+        folders.append(("checkpoint.dir", cfg.checkpoint_dir))
+    for key, folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            what = ("is a file, not a folder" if os.path.isfile(folder)
+                    else f"cannot be written: {e.strerror or e}")
+            return (f"{key}: {folder} {what}; give a writable folder "
+                    f"({key}=... on the command line)")
+    return None
 
 
 def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> None:
@@ -400,7 +454,8 @@ def _claim_run_dir(cfg: JobConfig, env: Env, resume: bool, overwrite: bool) -> N
     looks; every rank gets its verdict. Stale ``.tmp-*`` folders of interrupted saves go."""
     verdict: list[str | None] = [None]
     if env.rank == 0:
-        os.makedirs(cfg.run_dir, exist_ok=True)
+        verdict[0] = _unwritable(cfg)
+    if env.rank == 0 and verdict[0] is None:
         other = other_run(cfg)
         if other and overwrite:
             remove_run_files(cfg.run_dir, cfg.checkpoint_dir,
@@ -427,9 +482,7 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
     _claim_run_dir(cfg, env, resume, overwrite)
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
-    if env.rank == 0:
-        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
-        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
+    _check_cpu_job(cfg, env, plan)
     built = build(cfg, env, plan, mode)
     model, optimizer = built.model, built.optimizer
 
@@ -443,22 +496,10 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
         resolve=cfg.path,
         device=env.device,
     )
-    step, position = 0, DataPosition()
-    ckpt_dir = cfg.checkpoint_dir
-    if resume:
-        path = _resume_point(ckpt_dir, env)
-        if path is None:
-            _log(env, f"--resume: no complete checkpoint in {ckpt_dir}, starting at step 0")
-        else:
-            state = load_checkpoint(path, model, optimizer, process_group=env.process_group)
-            step = int(state["step"])
-            position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
-            _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
-            if cfg.train.steps is not None and cfg.train.steps <= step:
-                raise RunDirError(
-                    f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
-                    f"{step}: nothing left to train; give --steps above {step}"
-                )
+    step, position = _resume(cfg, env, built) if resume else (0, DataPosition())
+    if env.rank == 0:  # only now: a resume that failed leaves the run's plan.yaml as it was
+        plan.save_yaml(os.path.join(run_dir, "plan.yaml"), header=f"plan of job {cfg.name}")
+        _log(env, f"plan saved to {os.path.join(run_dir, 'plan.yaml')}")
     trainer = Trainer(cfg, env, model, optimizer, built.dense_params, built.embedding_fqns,
                       source, mode=mode)
     summary = trainer.fit(step, position)
@@ -487,7 +528,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m fbtriton_dist.train", description="Train a DLRM job from a YAML file."
+        prog="python -m fbtriton_dist.train", description="Train a DLRM job from a YAML file.",
+        allow_abbrev=False,  # `--o` must not become --overwrite (it deletes a run)
     )
     add_arguments(p)
     args = finish_arguments(p, *p.parse_known_args(argv))
@@ -498,13 +540,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except (PlanError, PlanValidationError) as e:
-        if rank == 0:
-            print(f"train: {e}", file=sys.stderr)
-        return 1
+        return _fail(1, f"train: {e}", agreed=True)
     except (ConfigError, RunDirError, NonFiniteError) as e:
-        if rank == 0:
-            print(f"train: error: {e}", file=sys.stderr)
-        return 3 if isinstance(e, NonFiniteError) else 2
+        return _fail(3 if isinstance(e, NonFiniteError) else 2, f"train: error: {e}",
+                     agreed=True)
     except ValueError as e:
-        print(f"train: error{tag}: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"train: error{tag}: {e}", agreed=False)
+
+
+STATUS_FILE = "FBTD_STATUS_FILE"
+"""Environment: a file where the job's exit status and error line are appended (``STATUS
+<tab> LINE``), for ``launch/multinode.sh``: torchrun itself exits 1 whatever its workers'
+status, after 40+ lines of its own; the script ends with the line and exits with the status."""
+
+
+def _fail(status: int, line: str, agreed: bool) -> int:
+    """Say the error (``agreed``: one every rank met alike, said by rank 0 only) and hand it
+    to whoever launched the ranks: ``$FBTD_STATUS_FILE`` (by each host's first rank for an
+    agreed error) and torchrun's error file (its "Root Cause" then shows the line, not "To
+    enable traceback see ...")."""
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if not agreed or rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    if agreed and local != 0:
+        return status
+    with contextlib.suppress(OSError):
+        if os.environ.get(STATUS_FILE):
+            with open(os.environ[STATUS_FILE], "a", encoding="utf-8") as f:
+                f.write(f"{status}\t{' '.join(line.split())}\n")
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            import json
+            import time
+
+            text = f"{line} (exit status {status})"
+            data = {"message": {"message": text, "extraInfo": {
+                "py_callstack": text, "timestamp": str(int(time.time()))}}}
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w", encoding="utf-8") as f:
+                json.dump(data, f)
+    return status

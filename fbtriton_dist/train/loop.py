@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import save_checkpoint
+from .checkpoint import latest_checkpoint, nonfinite_weights, save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
 from .metrics import STAGES, IdManagerMetrics, MetricsWriter, StageTimer, Throughput, auc
 from .modes import resolve_pipeline
+from .resume import job_identity
 
 NO_BAD_STEP = 2**62
 """``Trainer._first_bad`` while every step so far was finite."""
@@ -74,6 +75,27 @@ def ahead(items, depth: int, prepare=None):
             with contextlib.suppress(queue.Empty):
                 out.get_nowait()
             worker.join(timeout=0.05)
+
+
+def check_lengths(batch: Batch, step: int) -> None:
+    """Refuse a batch (on the host) holding a negative KJT length, naming the feature and the
+    length: the lookup would otherwise fail on the offsets made from it ("offsets: expected
+    non-decreasing values"), which the user never gave. Batches made on the GPU (the
+    synthetic source's own) are not checked: that would synchronise every step."""
+    lengths = batch.sparse.lengths()
+    if lengths.device.type != "cpu" or not lengths.numel() or int(lengths.min()) >= 0:
+        return
+    first = int((lengths < 0).nonzero()[0, 0])
+    start = 0
+    for key, stride in zip(batch.sparse.keys(), batch.sparse.stride_per_key(), strict=True):
+        if first < start + stride:
+            raise ValueError(
+                f"data: the batch of step {step + 1}: feature {key!r}: lengths[{first - start}] "
+                f"= {int(lengths[first])} (bag {first - start} of {stride}) is negative; "
+                "a KJT length is the number of ids in a bag, 0 or more")
+        start += stride
+    raise ValueError(f"data: the batch of step {step + 1}: lengths[{first}] = "
+                     f"{int(lengths[first])} is negative")
 
 
 def _pinned(item):
@@ -130,11 +152,24 @@ def time_embeddings(model: nn.Module, fqns: Sequence[str], timer: StageTimer) ->
         m.register_forward_hook(lambda *_: timer.stop("lookup"))
 
 
+def time_dense(model: nn.Module, fqns: Sequence[str], timer: StageTimer) -> None:
+    """Time the model's dense parts as ``dense`` directly: each top-level child that holds no
+    embedding module (DLRM's dense_arch, inter_arch, over_arch). The pipeline needs this: its
+    embedding stages do not all run inside the forward, so ``forward`` minus them (the plain
+    loop's ``dense``) came out negative and was shown as 0."""
+    for name, child in model.named_children():
+        if any(f == name or f.startswith(f"{name}.") for f in fqns):
+            continue
+        child.register_forward_pre_hook(lambda *_: timer.start("dense"))
+        child.register_forward_hook(lambda *_: timer.stop("dense"))
+
+
 def split_dense(ms: dict[str, float]) -> dict[str, float]:
-    """``forward`` covers the whole forward: report its non-embedding part as ``dense``."""
+    """``forward`` covers the whole forward: report its non-embedding part as ``dense``
+    (unless ``dense`` was timed directly, ``time_dense``)."""
     out = dict(ms)
     forward = out.pop("forward", None)
-    if forward is not None:
+    if forward is not None and "dense" not in out:
         emb = sum(out.get(s, 0.0) for s in ("input_dist", "lookup", "output_dist"))
         out["dense"] = max(forward - emb, 0.0)
     return {s: round(out[s], 3) for s in STAGES if s in out}
@@ -194,6 +229,8 @@ class Trainer:
         self.timer = StageTimer(env.device, warmup_steps=GRAPH_WARMUP + 2 if graph else 1)
         if not graph:  # a captured step has no stages to time: it is timed as a whole
             time_embeddings(model, embedding_fqns, self.timer)
+        if self.mode == "overlap":
+            time_dense(model, embedding_fqns, self.timer)
         self.throughput = Throughput(cfg.train.batch_size * env.world_size)
         self.id_metrics = IdManagerMetrics([model.get_submodule(f) for f in embedding_fqns])
         """Managed tables' occupancy, hit rate, admissions and evictions per step."""
@@ -205,6 +242,7 @@ class Trainer:
         self._saved_at: int | None = None
         self._window_loss = torch.zeros((), device=env.device)
         self._window_steps = 0
+        self._window_skipped = 0  # steps of the window dropped by train.nonfinite: skip
         self._first_bad = torch.full((), NO_BAD_STEP, dtype=torch.int64, device=env.device)
         """The first step whose loss or dense gradient was not finite (train.nonfinite:
         error); read at log lines and checkpoints, never per step; updated in place (a CUDA
@@ -270,22 +308,33 @@ class Trainer:
             )
 
     # -- around the steps ------------------------------------------------------------------
+    def _window_mean(self) -> float:
+        """The window's mean loss over its trained steps; nan when ``train.nonfinite: skip``
+        dropped every one of them (never 0: no step was trained)."""
+        if not self._window_steps:
+            return math.nan
+        return self._window_loss.item() / self._window_steps
+
     def _log(self, metrics: MetricsWriter, bar) -> None:
-        self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
+        self.last_loss = self._window_mean()
         sps = self.throughput.window()
         ms = split_dense(self.timer.take())
         managed = {"id_managers": self.id_metrics.take()} if self.id_metrics else {}
+        skipped = ({"skipped": self._window_skipped} if self.cfg.train.nonfinite == "skip"
+                   else {})
         metrics.write(
             "train", self.step, loss=self.last_loss, samples_per_s=sps,
-            epoch=self.position.epoch, ms=ms, **managed,
+            epoch=self.position.epoch, ms=ms, **skipped, **managed,
         )  # fmt: skip
         bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
         if getattr(self, "_plain_lines", False):
             total = f"/{self.cfg.train.steps}" if self.cfg.train.steps else ""
-            print(f"{self.cfg.name}: step {self.step}{total}, loss {self.last_loss:.4f}, "
-                  f"{sps:,.0f} samples/s", flush=True)
+            dropped = (f" ({self._window_skipped} step(s) skipped: not finite)"
+                       if self._window_skipped else "")
+            print(f"{self.cfg.name}: step {self.step}{total}, loss {self.last_loss:.4f}"
+                  f"{dropped}, {sps:,.0f} samples/s", flush=True)
         self._window_loss.zero_()
-        self._window_steps = 0
+        self._window_steps = self._window_skipped = 0
 
     def _evaluate(self, metrics: MetricsWriter, batches: Sequence[Batch]) -> None:
         if getattr(self.source, "eval_follows_step", False):  # drifting data: evaluate on
@@ -294,6 +343,14 @@ class Trainer:
         metrics.write("eval", self.step, **self.last_eval)
 
     def _checkpoint(self) -> None:
+        bad = nonfinite_weights(self.model, self.env.process_group)
+        if bad:  # never a checkpoint of nan/inf weights: the last good one stays
+            kept = latest_checkpoint(self.cfg.checkpoint_dir) or "none"
+            raise NonFiniteError(
+                f"step {self.step}: {', '.join(bad)}: weights not finite (nan/inf); the "
+                f"checkpoint of step {self.step} was not written, the last good checkpoint "
+                f"is kept: {kept} (lower the learning rates, or look for nan/inf in the "
+                "inputs)")
         state = {"step": self.step, **self.position.to_dict(), "world_size": self.env.world_size}
         self.last_checkpoint = save_checkpoint(
             self.cfg.checkpoint_dir,
@@ -303,6 +360,7 @@ class Trainer:
             state,
             keep=self.cfg.checkpoint.keep,
             process_group=self.env.process_group,
+            about=job_identity(self.cfg),
         )
         self._saved_at = self.step
 
@@ -314,6 +372,7 @@ class Trainer:
             seen = 0
             made = self.source.train_batches(self.position)
             for item in ahead(made, self.cfg.data.prefetch, prepare=pin):
+                check_lengths(item[0], self.step)
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:
@@ -438,13 +497,15 @@ class Trainer:
                 if loss is not None:
                     self._window_loss += loss
                     self._window_steps += 1
+                else:
+                    self._window_skipped += 1
                 self.step, self.position = self.step + 1, next_position
                 self.steps_run += 1
                 bar.update(1)
                 log_now = self.step % cfg.logging.log_every == 0 or self.step == t.steps
                 if log_now:  # read the loss (a device sync) before the step's end is marked
                     self._check_finite()
-                    self.last_loss = self._window_loss.item() / max(self._window_steps, 1)
+                    self.last_loss = self._window_mean()
                 self.throughput.step()
                 if log_now:
                     self._log(metrics, bar)
@@ -456,7 +517,7 @@ class Trainer:
                     self._checkpoint()
                 self.throughput.restart_clock()
             self._check_finite()
-            if self._window_steps:
+            if self._window_steps or self._window_skipped:
                 self._log(metrics, bar)
             evaluated_last_step = t.eval_every and self.step % t.eval_every == 0 and self.last_eval
             if eval_batches and not evaluated_last_step:

@@ -36,7 +36,7 @@ __all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "resolve_pipel
 
 AUTO_PICKS_GRAPH = True
 """Whether ``auto`` picks ``graph`` where it can run (CUDA, a process group, a constant batch
-size, a known id bound). It was off while the job's graph step failed on an H200 (session 13:
+size, a known id bound). It was off while the job's graph step failed on an H200 (2026-12-02:
 the data thread pinning batches invalidated the capture; captures are now thread-local,
 ``fbtriton_dist.graphs.CAPTURE_MODE``); ``tests/train/test_gpu_pipeline.py`` checks it there."""
 

@@ -1,5 +1,7 @@
 """The picture of a run: loss and AUC curves and the per-stage time split, from its
-``metrics.jsonl``. The job draws ``<run_dir>/report.png`` at the end (rank 0);
+``metrics.jsonl``, and with managed tables (``id_manager``) a second row: each table's
+occupancy, hit rate and default-row rate, and its admitted / evicted / expired / rejected ids
+per step. The job draws ``<run_dir>/report.png`` at the end (rank 0);
 ``fbtriton-dist report RUN_DIR`` prints the summary and draws it again.
 
 matplotlib is optional (``pip install matplotlib``; ``launch/install.sh`` installs it): without
@@ -17,10 +19,18 @@ from typing import Any
 
 from fbtriton_dist.planner.picture import PictureSkipped, figure_class, save_figure
 
-__all__ = ["PICTURE", "PictureSkipped", "draw_run", "picture_line", "read_run", "stage_split"]
+__all__ = ["AUC_MIN_SPAN", "PICTURE", "PictureSkipped", "auc_limits", "draw_run",
+           "managed_series", "picture_line", "read_run", "stage_split"]
 
 PICTURE = "report.png"
 """The picture's name in the run folder."""
+
+AUC_MIN_SPAN = 0.05
+"""The AUC axis spans at least this much, so that 0.003 of noise does not look like a trend."""
+
+MANAGED_RATES = ("occupancy", "hit_rate", "default_rate")
+MANAGED_COUNTS = ("admitted_per_step", "evicted_per_step", "expired_per_step",
+                  "rejected_per_step")
 
 
 def read_run(run_dir: str, metrics: str = "metrics.jsonl") -> dict[str, Any]:
@@ -33,17 +43,31 @@ def read_run(run_dir: str, metrics: str = "metrics.jsonl") -> dict[str, Any]:
                          "(logging.run_dir, default runs/<name>)")
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
     summary = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            kind = record.get("kind")
-            if kind == "summary":
-                summary = record
-            elif kind in by_kind:
-                by_kind[kind][int(record.get("step", 0))] = record
+    lines = records = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                lines += 1
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                records += 1
+                kind = record.get("kind")
+                if kind == "summary":
+                    summary = record
+                elif kind in by_kind:
+                    by_kind[kind][int(record.get("step", 0))] = record
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: line {lines + 1}: not a metrics file (binary, not text: "
+                         f"{e.reason}); expected the JSON lines a job writes") from e
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from e
+    if lines and not records:
+        raise ValueError(f"{path}: not a metrics file: none of its {lines} line(s) is a JSON "
+                         "record of a job")
     return {"train": [by_kind["train"][s] for s in sorted(by_kind["train"])],
             "eval": [by_kind["eval"][s] for s in sorted(by_kind["eval"])],
             "summary": summary, "path": path}
@@ -66,6 +90,56 @@ def _finite(values):
     return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
+def auc_limits(values, min_span: float = AUC_MIN_SPAN) -> tuple[float, float]:
+    """The AUC axis: the values with a 10 % margin, widened about their middle to at least
+    ``min_span``, kept inside [0, 1]."""
+    finite = _finite(values) or [0.5]
+    lo, hi = min(finite), max(finite)
+    pad = 0.1 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    if hi - lo < min_span:
+        mid = (lo + hi) / 2
+        lo, hi = mid - min_span / 2, mid + min_span / 2
+    if lo < 0:
+        lo, hi = 0.0, min(1.0, hi - lo)
+    if hi > 1:
+        lo, hi = max(0.0, lo - (hi - 1)), 1.0
+    return lo, hi
+
+
+def managed_series(train: list[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Per managed table, its train records' ``id_managers`` numbers by step (``step`` plus
+    :data:`MANAGED_RATES` and :data:`MANAGED_COUNTS`); empty without managed tables."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in train:
+        for table, stats in (r.get("id_managers") or {}).items():
+            s = out.setdefault(table, {k: [] for k in ("step", *MANAGED_RATES,
+                                                       *MANAGED_COUNTS)})
+            s["step"].append(r["step"])
+            for k in (*MANAGED_RATES, *MANAGED_COUNTS):
+                v = stats.get(k)
+                s[k].append(float(v) if isinstance(v, (int, float)) else math.nan)
+    return out
+
+
+def _draw_managed(rates, counts, managed) -> None:
+    """The managed tables' row: rates in [0, 1] and ids per step, one colour per table."""
+    styles = {"occupancy": "-", "hit_rate": "--", "default_rate": ":"}
+    for i, (table, s) in enumerate(managed.items()):
+        color = f"C{i % 10}"
+        for k, style in styles.items():
+            rates.plot(s["step"], s[k], style, color=color, label=f"{table} {k}")
+        for k, marker in zip(MANAGED_COUNTS, "o^sx", strict=True):
+            counts.plot(s["step"], s[k], marker=marker, markersize=3, color=color,
+                        label=f"{table} {k.removesuffix('_per_step')}")
+    rates.set(title="managed tables: occupancy (-), hit rate (--), default rate (:)",
+              xlabel="step", ylabel="share", ylim=(0, 1.05))
+    counts.set(title="managed tables: ids per step", xlabel="step", ylabel="ids per step")
+    counts.set_ylim(bottom=0)
+    for ax in (rates, counts):
+        ax.legend(fontsize="x-small", ncols=2)
+
+
 def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
              out: str | None = None) -> tuple[str, dict[str, Any]]:
     """Draw the run's curves and stage split into ``out`` (default ``<run_dir>/report.png``);
@@ -80,9 +154,16 @@ def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
         "eval_loss": [r.get("loss", math.nan) for r in evals],
         "eval_auc": [r.get("auc", math.nan) for r in evals],
         "stages": stage_split(run),
+        "managed": managed_series(train),
     }
-    fig = Figure(figsize=(14, 4.2), layout="constrained")
-    loss, auc, stages = fig.subplots(1, 3)
+    if series["managed"]:
+        fig = Figure(figsize=(14, 8.4), layout="constrained")
+        (loss, auc, stages), (rates, counts, spare) = fig.subplots(2, 3)
+        _draw_managed(rates, counts, series["managed"])
+        spare.set_visible(False)
+    else:
+        fig = Figure(figsize=(14, 4.2), layout="constrained")
+        loss, auc, stages = fig.subplots(1, 3)
     loss.plot(series["train_step"], series["train_loss"], label="train (window mean)")
     if evals:
         loss.plot(series["eval_step"], series["eval_loss"], "o--", label="eval")
@@ -94,7 +175,8 @@ def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
     else:
         auc.text(0.5, 0.5, "no evaluation", ha="center", va="center", transform=auc.transAxes)
         auc.set(title="eval AUC")
-    auc.set(xlabel="step", ylabel="AUC")
+    series["auc_ylim"] = auc_limits(series["eval_auc"])
+    auc.set(xlabel="step", ylabel="AUC", ylim=series["auc_ylim"])
     split = series["stages"]
     names = list(split)
     stages.barh(names, [split[n] for n in names], color="tab:orange")

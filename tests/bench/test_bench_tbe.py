@@ -1,4 +1,4 @@
-"""The TBE benchmark (issue 3) cannot rot: its tiny CPU run, its JSON, its bytes model and the
+"""The TBE benchmark cannot rot: its tiny CPU run, its JSON, its bytes model and the
 PNG chart mode run in CI; its correctness checks pass on this code and stop the run, untimed,
 on a planted wrong result."""
 

@@ -101,5 +101,8 @@ def test_memory_tolerance(capsys):
 
     assert memory_imbalance([]) > 1.7
     assert memory_imbalance(["--memory-tolerance", "0.03"]) < 1.4
-    assert main(args + ["--memory-tolerance", "-1"]) == 2
-    assert "memory_tolerance: expected a number >= 0.0, got -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--memory-tolerance", "-1"])
+    assert e.value.code == 2
+    assert "argument --memory-tolerance: expected a finite number >= 0, got -1" in (
+        capsys.readouterr().err)

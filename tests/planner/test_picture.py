@@ -45,3 +45,28 @@ def test_plan_png_without_matplotlib_prints_the_plan_and_one_line(tmp_path, caps
     captured = capsys.readouterr()
     assert "step estimate" in captured.out and not out.exists()
     assert f"--png {out} skipped: matplotlib is not installed" in captured.err
+
+
+def _cost(num_ranks):
+    from fbtriton_dist.planner import PlanCost, RankCost
+
+    return PlanCost(ranks=tuple(
+        RankCost(rank=r, weight_bytes=(1 + r % 7) * 2**30, state_bytes=2**26, lookups=1e5 + r,
+                 lookup_bytes=1e7, input_dist_bytes=1e6 * (1 + r % 3), output_dist_bytes=2e6,
+                 inter_host_bytes=5e5, time_s=1e-3 * (1 + r % 5))
+        for r in range(num_ranks)))
+
+
+@pytest.mark.parametrize("num_ranks,kind", [(8, "bars"), (48, "bars"), (49, "sorted"),
+                                            (4096, "sorted")])
+def test_plan_png_draws_distributions_past_a_few_dozen_ranks(tmp_path, num_ranks, kind):
+    """One bar per rank up to 48 ranks; at 4,096 a bar per rank is a strip where only a few
+    hundred ranks show, so each panel draws the sorted values (p50 / p99 / max) instead."""
+    pytest.importorskip("matplotlib")
+    from fbtriton_dist.planner.picture import draw_plan, layout
+
+    assert layout(num_ranks) == kind
+    out = tmp_path / "plan.png"
+    series = draw_plan(_cost(num_ranks), str(out), title="t", budget_bytes=8 * 1024**3)
+    assert series["layout"] == kind and len(series["lookups"]) == num_ranks
+    assert out.read_bytes().startswith(PNG)

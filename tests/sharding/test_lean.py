@@ -1,4 +1,4 @@
-"""The lean step (issue 9) on real gloo groups: CommOptions and TrainPipeline.
+"""The lean step on real gloo groups: CommOptions and TrainPipeline.
 
 - a rank with an empty local batch and KJT keys in another order, every sharding type mixed,
   after 3 fused steps: equal to the unsharded collection (as tests/sharding/test_sharded_ebc.py);

@@ -193,7 +193,7 @@ def test_parse_criteo_line_hashes_and_fills_missing():
         ("1\t2\n", "expected 40 tab-separated columns, got 2"),
         ("2" + "\t" * 39 + "\n", "expected label 0 or 1, got '2'"),
         ("1\tx" + "\t" * 38 + "\n", "could not convert string to float: 'x'"),
-        ("1" + "\t" * 14 + "zz" + "\t" * 25 + "\n", "invalid literal for int() with base 16"),
+        ("1" + "\t" * 14 + "zz" + "\t" * 25 + "\n", "categorical column C1: 'zz' is not a 64-bit hex id"),
     ],
 )
 def test_parse_criteo_line_errors_name_the_line(line, message):

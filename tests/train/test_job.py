@@ -302,7 +302,7 @@ def test_random_rec_job(tmp_path):
 def test_build_model_puts_every_dense_tensor_on_the_device(tmp_path):
     """TorchRec's DLRM leaves its interaction's ``triu_indices`` on the CPU whatever
     ``dense_device`` says; on CUDA that buffer was copied from pageable memory every step and
-    broke the CUDA graph capture (H200, session 14). The meta device shows it on a CPU."""
+    broke the CUDA graph capture (H200, 2026-12-03). The meta device shows it on a CPU."""
     from fbtriton_dist.train.config import load_job
     from fbtriton_dist.train.job import build_model
 

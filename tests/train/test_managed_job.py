@@ -1,4 +1,4 @@
-"""The job on managed tables (issue 27), end to end on the CPU: configs/jobs/managed.yaml
+"""The job on managed tables, end to end on the CPU: configs/jobs/managed.yaml
 (shrunk so that every table fills and evicts within a few steps) trains on the drifting
 source; the id managers' numbers in metrics.jsonl and the summary are those of the remap
 replayed on the same batches by the reference; a resumed run remaps, trains and saves

@@ -78,3 +78,54 @@ def test_without_matplotlib_the_job_and_report_skip_the_picture_in_one_line(
 def test_report_of_a_folder_without_a_run_is_a_usage_error(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def _records(aucs, managed=False):
+    records = []
+    for i, auc in enumerate(aucs):
+        step = 10 * (i + 1)
+        train = {"kind": "train", "step": step, "loss": 0.5, "samples_per_s": 1e4,
+                 "ms": {"lookup": 1.0}}
+        if managed:
+            train["id_managers"] = {"t_user": {
+                "occupancy": 0.2 * (i + 1), "hit_rate": 0.5 + 0.1 * i, "default_rate": 0.01,
+                "lookups_per_step": 300.0, "admitted_per_step": 40.0 - i,
+                "evicted_per_step": 5.0 * i, "expired_per_step": 0.0, "rejected_per_step": 1.0,
+                "overflow_per_step": 0.0, "steps": 10}}
+        records += [train, {"kind": "eval", "step": step, "loss": 0.5, "auc": auc,
+                            "samples": 100}]
+    return records
+
+
+@pytest.mark.parametrize("aucs", [[0.700, 0.701, 0.703], [0.9985, 0.999], [0.5, 0.9],
+                                  [0.001, 0.002]])
+def test_the_auc_axis_spans_at_least_0_05(tmp_path, aucs):
+    """An AUC moving by 0.003 is drawn flat-ish, not as a steep climb: the axis spans >= 0.05
+    (inside [0, 1]) and holds every value; a wide range keeps its own span."""
+    pytest.importorskip("matplotlib")
+    from fbtriton_dist.train.picture import draw_run
+
+    write_metrics(tmp_path / "run", _records(aucs))
+    _, series = draw_run(str(tmp_path / "run"))
+    lo, hi = series["auc_ylim"]
+    assert hi - lo >= 0.05 - 1e-12 and 0.0 <= lo <= min(aucs) and max(aucs) <= hi <= 1.0
+    if max(aucs) - min(aucs) > 0.05:
+        assert hi - lo == pytest.approx(1.2 * (max(aucs) - min(aucs)))
+
+
+def test_report_draws_the_managed_tables_metrics(tmp_path, capsys):
+    """metrics.jsonl's id_managers numbers (occupancy, hit and default rates, ids admitted /
+    evicted per step) are drawn when present, and only then."""
+    pytest.importorskip("matplotlib")
+    from fbtriton_dist.train.picture import draw_run
+
+    write_metrics(tmp_path / "run", _records([0.7, 0.72, 0.74], managed=True))
+    assert cli.main(["report", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "report.png").read_bytes().startswith(PNG)
+    _, series = draw_run(str(tmp_path / "run"))
+    table = series["managed"]["t_user"]
+    assert table["step"] == [10, 20, 30]
+    assert table["occupancy"] == pytest.approx([0.2, 0.4, 0.6])
+    assert table["evicted_per_step"] == [0.0, 5.0, 10.0]
+    write_metrics(tmp_path / "plain", _records([0.7, 0.72]))
+    assert draw_run(str(tmp_path / "plain"))[1]["managed"] == {}

@@ -1,0 +1,33 @@
+"""Command-line options that ``fbtriton-dist plan`` (``cli.py``) and ``python -m
+fbtriton_dist.bench simulate`` share: argparse only, torch-free, so that both import them from
+here (downward) and ``bench`` never imports the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_simulate_arguments", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    """The simulation's options (``plan --simulate`` and ``bench simulate``)."""
+    p.add_argument("--sim-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                   help="ranks to simulate (default: all up to 16 ranks, else 8 spread ranks "
+                        "and the slowest by the estimate)")
+    p.add_argument("--sim-sources", type=positive_int, default=None, metavar="N",
+                   help="ranks whose batches are drawn (default: all up to 64 ranks, else 32 "
+                        "spread ranks and the simulated ones)")
+    p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
+    p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
+                   help="what runs the bucketize (default: the reference)")
+    p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
+                   help="Zipf ids as the estimate assumes (planner, default) or as a training "
+                        "job's synthetic data draws them (job: train.data.power_law_rows)")

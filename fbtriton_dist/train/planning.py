@@ -1,0 +1,120 @@
+"""How a training job plans its tables: the one function the job and ``fbtriton-dist plan
+JOB.yaml`` both call, so that the command's preview is the plan the job makes.
+
+The job's settings that reach the planner: ``sharding.hbm_gb``, ``reserved``, ``row_cuts``,
+``local_world_size`` and ``plan``; ``train.batch_size``; the embedding optimizer; the id
+statistics (each table's ``id_distribution``, else ``data.synthetic.zipf`` for synthetic data;
+managed tables uniform) and the constraints (managed tables limited to
+:data:`MANAGED_SHARDINGS`). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fbtriton_dist.planner import (
+    ConfigError,
+    CostModel,
+    IdDistribution,
+    PlanCost,
+    ShardingPlan,
+    ShardingPlanner,
+    TableConstraints,
+    TableSpec,
+)
+from fbtriton_dist.planner.report import format_report
+
+from .config import JobConfig
+
+__all__ = ["MANAGED_SHARDINGS", "JobPlan", "job_constraints", "make_plan", "plan_job"]
+
+GiB = 1024**3
+
+MANAGED_SHARDINGS = ("row_wise", "table_row_wise", "table_wise", "data_parallel")
+"""How a managed table (``id_manager:``) may be sharded (``sharding/managed.py``)."""
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A job's plan with what made it: the planner (its budget, ``describe()``), the tables and
+    id statistics it was costed with, the cost and the printed report."""
+
+    plan: ShardingPlan
+    planner: ShardingPlanner
+    specs: Sequence[TableSpec]
+    stats: Mapping[str, IdDistribution]
+    cost: PlanCost
+    report: str
+
+
+def job_constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
+    """The table set's constraints, each managed table's shardings limited to
+    :data:`MANAGED_SHARDINGS` (one that allows only others is an error naming it)."""
+    out = dict(cfg.tables.constraints)
+    for name in cfg.tables.id_managers:
+        c = out.get(name, TableConstraints())
+        allowed = [s for s in (c.sharding or MANAGED_SHARDINGS) if s in MANAGED_SHARDINGS]
+        if not allowed:
+            raise ConfigError("<job>", f"tables.{name}.sharding", (
+                f"table '{name}' is managed (id_manager): expected some of "
+                f"[{', '.join(MANAGED_SHARDINGS)}], got {list(c.sharding or ())}"))
+        out[name] = dataclasses.replace(c, sharding=tuple(allowed))
+    return out
+
+
+def plan_job(
+    cfg: JobConfig,
+    world_size: int,
+    local_world_size: int,
+    *,
+    plan_path: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> JobPlan:
+    """The job's plan for ``world_size`` ranks, ``local_world_size`` per host unless
+    ``sharding.local_world_size`` says otherwise: planned, or read from ``plan_path`` (else
+    ``sharding.plan``) and checked."""
+    s = cfg.sharding
+    H = s.local_world_size or local_world_size
+    if world_size % H:
+        H = world_size
+    specs = cfg.tables.tables
+    stats = dict(cfg.tables.stats)
+    if cfg.data.source == "synthetic" and cfg.data.synthetic.zipf > 0:
+        zipf = IdDistribution(kind="zipf", alpha=cfg.data.synthetic.zipf)
+        stats = {t.name: stats.get(t.name, zipf) for t in specs}
+    for name in cfg.tables.id_managers:  # slots are handed out by arrival, not by hotness
+        stats[name] = IdDistribution(kind="uniform")
+    optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
+    planner = ShardingPlanner(
+        world_size=world_size,
+        local_world_size=H,
+        hbm_bytes_per_rank=s.hbm_gb * GiB,
+        reserved_fraction=s.reserved,
+        cost_model=CostModel(batch_size=cfg.train.batch_size),
+        optimizer=optimizer,
+        row_cuts=s.row_cuts,
+        progress=progress,
+    )
+    path = plan_path or (cfg.path(s.plan) if s.plan is not None else None)
+    if path is not None:
+        plan = ShardingPlan.load_yaml(path)
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"{path}: plan is for world_size={plan.world_size}, this job runs on "
+                f"{world_size} rank(s); plan again or drop sharding.plan"
+            )
+    else:
+        plan = planner.plan(specs, job_constraints(cfg), stats)
+    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer)
+    cost = planner.cost(plan, specs, stats)
+    title = f"job {cfg.name}: {len(specs)} tables on {planner.describe()}"
+    return JobPlan(plan, planner, specs, stats, cost,
+                   format_report(plan, specs, cost, stats, title=title))
+
+
+def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:
+    """The plan (planned, or read from ``sharding.plan`` and checked) and its printed report."""
+    p = plan_job(cfg, world_size, local_world_size)
+    return p.plan, p.report
