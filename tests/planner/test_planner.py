@@ -285,6 +285,7 @@ def test_greedy_place_breaks_ties_by_total_then_first(monkeypatch):
     quanta, totals apart (``tie``: rank 1's extra rounds to 0 quanta), and an exact repeat."""
     from fbtriton_dist.planner import cost as cost_module
     from fbtriton_dist.planner.planner import TIME_QUANTUM, UNIFORM
+    from fbtriton_dist.planner.proposals import Proposer
 
     p = planner(R=2)
     acc = cost_module.CostAccumulator(2, 2, p.cost_model)
@@ -300,7 +301,7 @@ def test_greedy_place_breaks_ties_by_total_then_first(monkeypatch):
     table, cons = spec("t", 100), TableConstraints(sharding=("table_wise",))
 
     def place(order):
-        monkeypatch.setattr(ShardingPlanner, "_proposals", lambda *a: iter(order))
+        monkeypatch.setattr(Proposer, "proposals", lambda *a: iter(order))
         return p._place(table, cons, UNIFORM, acc.copy(), False)[1]
 
     assert place(["tie", "first", "repeat", "slower"]) == "first"
