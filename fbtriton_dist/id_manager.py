@@ -75,7 +75,8 @@ class Admission:
     """Counters per sketch row, a power of two; 0: the next power of two >= 4 * capacity
     (at least 1024)."""
     sketch_depth: int = 2
-    """Sketch rows (independent hashes)."""
+    """Sketch rows: one hash each (splitmix64 of the id plus a per-row seed, every bit of the
+    id mixed; ``reference/id_remap.py`` ``sketch_buckets``)."""
 
     def __post_init__(self) -> None:
         _check_int("admission.min_count", self.min_count, 1)

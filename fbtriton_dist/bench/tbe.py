@@ -28,11 +28,13 @@ Per (shape, provider, phase): median ms (L2 flushed, CUDA events), pipelined ms,
 bandwidth measured in this process, speedup against every other provider, peak memory, and for
 ``ours``/``fbgemm`` the per-kernel µs/iter. Method: ../shared/tools/fbgemm-sm90/BASELINES.md.
 
-Correctness comes before timing, per shape: ``--check`` (Triton vs the reference at the shape's
-size: forward, 3 fused rowwise-Adagrad steps) and, when ``fbgemm`` is a provider, ours vs
-FBGEMM on the same weights (forward, one SGD step; ``--no-compare`` leaves it out). A check
-that differs beyond its tolerance, or raises, stops the run with exit status 1 before that
-shape is timed, naming the shape, the provider, what differs and by how much.
+Correctness comes before timing, per shape: ``--check`` (each timed provider of ours, with the
+backend it is timed on, vs the reference on the timed batch at the shape's size, for each timed
+phase: the forward, 3 fused SGD or rowwise-Adagrad steps; ``tbe_cases.check``) and, when
+``fbgemm`` is a provider, ours vs FBGEMM on the same weights (forward, one SGD step;
+``--no-compare`` leaves it out). A check that differs beyond its tolerance, or raises, stops
+the run with exit status 1 before that shape is timed, naming the shape, the provider, what
+differs and by how much.
 """
 
 import argparse
@@ -50,6 +52,7 @@ from fbtriton_dist.bench.tbe_cases import (
     DEFAULT_SHAPES,
     FWD_OF,
     KERNEL_TABLE_PROVIDERS,
+    OURS_MODULES,
     PHASES,
     PROVIDERS,
     SHAPES,
@@ -288,7 +291,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--check",
         action="store_true",
-        help="first, Triton vs reference per shape; a mismatch stops the run (exit 1) untimed",
+        help="first, per shape, each timed provider of ours (its backend: Triton on CUDA, the "
+        "native kernels on the CPU) vs the reference on each timed phase; a mismatch stops the "
+        "run (exit 1) untimed",
     )
     p.add_argument(
         "--no-compare",
@@ -412,31 +417,33 @@ def _run(args: argparse.Namespace) -> dict:
     timer = Timer(device, cfg)
     for shape in shapes:
         print(f"\n== {shape.name}: {shape.describe()}", flush=True)
-        fp32_bytes = sum(E * D for E, D in shape.tables) * 4
-        if args.check and 2 * fp32_bytes > args.dense_limit_gb * 1e9:
-            report["check"][shape.name] = {
-                "skipped": f"two fp32 modules need {2 * fp32_bytes / 1e9:.1f} GB "
-                f"> --dense-limit-gb {args.dense_limit_gb:g}"
-            }
-            print(f"  check Triton vs reference: {report['check'][shape.name]['skipped']}")
-        elif args.check:
-            try:
-                res = check(shape, device)
-            except Exception as e:
-                msg = f"{type(e).__name__}: {str(e)[:500]}"
-                res = {"error": msg, "ok": False, "failures": [f"the check raised {msg}"]}
-                _free()
-            report["check"][shape.name] = res
-            print(f"  check Triton vs reference: {json.dumps(res)}", flush=True)
-            if not res["ok"]:
-                what = "provider ours (backend='triton') vs the reference backend"
-                _refuse(report, args, shape, what, res["failures"])
         try:
             batch = make_batch(shape, device, args.seed)
         except Exception as e:
             report["shapes"][shape.name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"  batch: ERROR {e}")
             continue
+        fp32_bytes = sum(E * D for E, D in shape.tables) * 4
+        if args.check and 2 * fp32_bytes > args.dense_limit_gb * 1e9:
+            report["check"][shape.name] = {
+                "skipped": f"two fp32 modules need {2 * fp32_bytes / 1e9:.1f} GB "
+                f"> --dense-limit-gb {args.dense_limit_gb:g}"
+            }
+            print(f"  check vs reference: {report['check'][shape.name]['skipped']}")
+        elif args.check:
+            checked = [p for p in providers if p in OURS_MODULES]
+            try:
+                res = check(shape, batch, device, providers, phases)
+            except Exception as e:
+                msg = f"{type(e).__name__}: {str(e)[:500]}"
+                res = {"error": msg, "ok": False, "failures": [f"the check raised {msg}"]}
+                _free()
+            report["check"][shape.name] = res
+            print(f"  check {','.join(checked) or 'nothing (no provider of ours timed)'} vs "
+                  f"reference: {json.dumps(res)}", flush=True)
+            if not res["ok"]:
+                what = f"provider {','.join(checked)} (backend='auto') vs the reference backend"
+                _refuse(report, args, shape, what, res["failures"])
         ctx = Context(shape, batch, device, phases, args.dense_limit_gb)
         report["shapes"][shape.name] = {
             "describe": shape.describe(),

@@ -1,7 +1,8 @@
 """The TBE benchmark's cases: shapes S0..S6 (GPU) and C0, C1 (CPU) and their id batches,
 BASELINES.md's bytes model, one generator of (phase, step) per provider (one module alive at a
-time), and the correctness checks (ours vs FBGEMM on the same weights; Triton vs reference at
-full size), each with the list of what differs beyond its tolerance."""
+time), and the correctness checks (ours vs FBGEMM on the same weights; each timed provider of
+ours, on the backend it is timed on, vs the reference at full size), each with the list of
+what differs beyond its tolerance."""
 
 import dataclasses
 import gc
@@ -639,35 +640,93 @@ def _random_length_batch(T, E, B, L, gen, device):
     return indices.to(device), offsets.to(device)
 
 
-def check(shape: Shape, device: torch.device) -> dict:
-    """Forward, then 3 fused rowwise-Adagrad steps: Triton vs reference on the same device,
-    at the shape's full size (fp32 weights, bag sizes 0..2L so empty bags are covered)."""
-    gen = torch.Generator().manual_seed(0)
-    tables = shape.tables
-    E_min = min(E for E, _ in tables)
-    opt = optim.RowWiseAdagrad(lr=0.05)
-    kw = dict(optimizer=opt, device=device, pooling=shape.pooling)
-    tri = TableBatchedEmbedding(tables, backend="triton", **kw)
-    ref = TableBatchedEmbedding(tables, backend="reference", **kw)
-    ref.load_state_dict(tri.state_dict())
-    result = {}
-    for step in range(3):
-        indices, offsets = _random_length_batch(len(tables), E_min, shape.B, shape.L, gen, device)
-        out_t, out_r = tri(indices, offsets), ref(indices, offsets)
-        grad = torch.randn(out_r.shape, device=device)
-        result[f"step{step}_forward_max_abs_err"] = (out_t - out_r).abs().max().item()
-        out_t.backward(grad)
-        out_r.backward(grad)
-    result["weights_max_abs_err"] = (tri.weights - ref.weights).abs().max().item()
-    result["momentum_max_rel_err"] = (
-        ((tri.momentum1 - ref.momentum1).abs() / ref.momentum1.abs().clamp(min=1e-12)).max().item()
-    )
-    result["rows_touched"] = int((ref.momentum1 > 0).sum())
-    limits = {f"step{s}_forward_max_abs_err": (1e-4, f"forward of step {s}") for s in range(3)}
-    limits["weights_max_abs_err"] = (1e-5, "weights after 3 fused rowwise-Adagrad steps")
-    limits["momentum_max_rel_err"] = (1e-4, "rowwise-Adagrad state (momentum1) after 3 steps")
+OURS_MODULES = {"ours": ("auto", "warn"), "ours_graph": ("auto", "warn"),
+                "ours_checked": ("auto", "error")}
+"""The timed providers that run our module: its ``(backend, bounds_check)`` as timed
+(``ours_graph`` steps ``ours``' module through ``GraphedStep``: eager on the CPU)."""
+
+
+def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str],
+          phases: list[str]) -> dict:
+    """What the run times, against the reference: for each timed provider of ours (one check
+    per distinct module: ``OURS_MODULES``) and each timed phase, the module as timed (its
+    backend: Triton on CUDA, the native kernels on the CPU; the shape's weights dtype; the
+    phase's optimizer, ``LR``, ``EPS``) vs the same module on the reference backend, same
+    weights. ``fwd``: the timed batch's inference forward. ``fwd_bwd_sgd`` /
+    ``fwd_bwd_rowwise_adagrad``: 3 fused steps (the timed batch and its gradient, then two
+    batches of bag sizes 0..2L so empty bags are covered): each step's forward, then the
+    weights and the optimizer state."""
+    configs: dict[tuple[str, str], list[str]] = {}
+    for p in providers:
+        if p in OURS_MODULES:
+            configs.setdefault(OURS_MODULES[p], []).append(p)
+    half = shape.dtype != torch.float32
+    # half rows: each side rounds its updates (stochastically, by default) to one ulp, so the
+    # weights, and the forwards after a step, differ by about that much
+    tol_w, tol_after = (2e-3, 4e-3) if half else (1e-5, 1e-4)
+    result: dict = {"checked": [], "rows_touched": 0}
+    limits: dict[str, tuple[float, str]] = {}
+    for (backend, bounds), names in configs.items():
+        label = "/".join(names)
+        for phase in [ph for ph in PHASES if ph in phases]:
+            got = _check_phase(shape, batch, device, backend, bounds, phase)
+            result["checked"].append({"providers": names, "backend": backend,
+                                      "bounds_check": bounds, "phase": phase})
+            result["rows_touched"] = max(result["rows_touched"], got.pop("rows_touched", 0))
+            what = f"{label} (backend {backend!r}) {phase}"
+            for key, value in got.items():
+                result[f"{label}.{phase}.{key}"] = value
+                if key.startswith("step"):
+                    tol = 1e-4 if key.startswith("step0") else tol_after
+                    limits[f"{label}.{phase}.{key}"] = (tol, f"{what}: forward of {key[:5]}")
+            if phase != "fwd":
+                limits[f"{label}.{phase}.weights_max_abs_err"] = (
+                    tol_w, f"{what}: weights after 3 fused steps")
+            if phase == "fwd_bwd_rowwise_adagrad":
+                limits[f"{label}.{phase}.momentum_max_rel_err"] = (
+                    1e-4, f"{what}: rowwise-Adagrad state (momentum1) after 3 steps")
     result["failures"] = failures(result, limits)
     result["ok"] = not result["failures"]
-    del tri, ref
-    _free()
     return result
+
+
+def _check_phase(shape: Shape, batch: Batch, device: torch.device, backend: str, bounds: str,
+                 phase: str) -> dict:
+    """One module of ours (``backend``, ``bounds``) vs the reference on one phase:
+    ``check``'s numbers (forward errors relative to the largest output, weights, state)."""
+    opt = optim.RowWiseAdagrad(lr=LR, eps=EPS) if phase == "fwd_bwd_rowwise_adagrad" else (
+        optim.SGD(lr=LR))
+    kw = dict(optimizer=opt, weights_dtype=shape.dtype, device=device, pooling=shape.pooling)
+    ours = TableBatchedEmbedding(shape.tables, backend=backend, bounds_check=bounds, **kw)
+    ref = TableBatchedEmbedding(shape.tables, backend="reference", **kw)
+    ref.load_state_dict(ours.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    E_min = min(E for E, _ in shape.tables)
+    out: dict = {}
+    steps = 1 if phase == "fwd" else 3
+    for step in range(steps):
+        if step == 0:
+            idx, off, grad = batch.indices, batch.offsets, batch.grad
+        else:
+            idx, off = _random_length_batch(len(shape.tables), E_min, shape.B, shape.L, gen,
+                                            device)
+            grad = None
+        with torch.set_grad_enabled(phase != "fwd"):
+            out_o, out_r = ours(idx, off), ref(idx, off)
+        scale = out_r.float().abs().max().clamp(min=1e-30)
+        out[f"step{step}_forward_max_rel_err"] = (
+            (out_o.float() - out_r.float()).abs().max() / scale).item()
+        if phase != "fwd":
+            grad = torch.randn(out_r.shape, generator=gen).to(device) if grad is None else grad
+            out_o.backward(grad)
+            out_r.backward(grad)
+    if phase != "fwd":
+        out["weights_max_abs_err"] = (ours.weights.float() - ref.weights.float()).abs().max().item()
+    if phase == "fwd_bwd_rowwise_adagrad":
+        m_o, m_r = ours.momentum1, ref.momentum1
+        out["momentum_max_rel_err"] = (
+            ((m_o - m_r).abs() / m_r.abs().clamp(min=1e-12)).max().item())
+        out["rows_touched"] = int((m_r > 0).sum())
+    del ours, ref
+    _free()
+    return out

@@ -126,18 +126,27 @@ def _id_insert_kernel(
 
 
 @triton.jit
+def _shr(h, K: tl.constexpr):
+    """Logical right shift of int64 ``h`` (``>>`` is arithmetic on signed ints)."""
+    return (h >> K) & ((1 << (64 - K)) - 1)
+
+
+@triton.jit
 def _sketch_bucket(x, r: tl.constexpr, W_MASK):
-    """Counter of ids ``x`` in sketch row ``r``: reference/id_remap.py ``sketch_buckets``."""
+    """Counter of ids ``x`` in sketch row ``r``: reference/id_remap.py ``sketch_buckets``
+    (splitmix64's finaliser of ``x + SKETCH_SEEDS[r]``, int64 wrapping)."""
     if r == 0:
-        h = x * 0x2545F4914F6CDD1D
+        z = x + 0x1E3779B97F4A7C15
     elif r == 1:
-        h = x * 0x5851F42D4C957F2D
+        z = x + 0x3C6EF372FE94F82A
     elif r == 2:
-        h = x * 0x1B873593CC9E2D51
+        z = x + 0x5AA66D2C7DE0743F
     else:
-        h = x * 0x4CF5AD432745937F
-    h = h ^ (h >> 32)
-    return h & W_MASK
+        z = x + 0x78DDE6E5FD29F054
+    z = (z ^ _shr(z, 30)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ _shr(z, 27)) * -7723592293110705685  # 0x94D049BB133111EB
+    z = z ^ _shr(z, 31)
+    return z & W_MASK
 
 
 @triton.jit(do_not_specialize=["M"])

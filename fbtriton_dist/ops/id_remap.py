@@ -109,7 +109,7 @@ def _remap(table: IdTable, index, ids: torch.Tensor, *, step: int, policy: int, 
     out["lookups"] = ids.numel()
     empty = ids.new_empty(0)
     if update and policy == TTL:
-        gone = ((last_seen >= 0) & (last_seen <= step - ttl_steps)).nonzero().squeeze(1)
+        gone = ((last_seen >= 0) & (last_seen < step - ttl_steps)).nonzero().squeeze(1)
         if gone.numel():
             index.replace(keys[gone], gone, empty, empty)
             last_seen[gone], counts[gone] = -1, 0

@@ -11,7 +11,8 @@ State of a table of ``C`` slots (the default row is row ``C``):
 
 One training step (``update=True``) remaps the batch ``ids [N]`` in this order:
 
-1. ``ttl``: every slot with ``last_seen <= step - ttl_steps`` is freed (expired).
+1. ``ttl``: every slot with ``last_seen < step - ttl_steps`` is freed (expired): its id was
+   not seen in the last ``ttl_steps`` steps ``[step - ttl_steps, step)``.
 2. The batch's distinct ids, in order of first occurrence; each one's occurrences ``n``.
 3. Hits (ids with a slot): ``counts += n``, ``last_seen = step``.
 4. Misses: with ``min_count > 1``, first every miss adds ``n`` to its counter in each sketch
@@ -40,21 +41,31 @@ STATS = ("lookups", "hits", "default_reads", "admitted", "rejected", "overflow",
 """``stats`` fields: ids looked up, of them those whose id had a slot before the step, those
 read from the default row; distinct ids admitted (given a slot), rejected (below
 ``min_count``), overflowed (admitted, no slot free); slots evicted for a new id; expired."""
-SKETCH_MULTIPLIERS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D, 0x1B873593CC9E2D51,
-                      0x4CF5AD432745937F)
-"""One odd multiplier per sketch row (at most 4 rows)."""
+SKETCH_SEEDS = (0x1E3779B97F4A7C15, 0x3C6EF372FE94F82A, 0x5AA66D2C7DE0743F,
+                0x78DDE6E5FD29F054)
+"""One seed per sketch row (at most 4 rows), added to the id before the mix."""
+_MIX = (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
+"""splitmix64's finaliser multipliers, as signed int64."""
+
+
+def _shr(h: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``h`` by ``k`` (torch's ``>>`` is arithmetic)."""
+    return (h >> k) & ((1 << (64 - k)) - 1)
 
 
 def sketch_buckets(ids: torch.Tensor, depth: int, width: int) -> torch.Tensor:
-    """``[depth, n]`` counter of each id in each sketch row: ``h = id * A_r`` (int64,
-    wrapping), ``h ^= h >> 32`` (arithmetic), ``h & (width - 1)``."""
+    """``[depth, n]`` counter of each id in each sketch row: splitmix64's finaliser of
+    ``z = id + S_r`` (int64, wrapping; ``>>>`` logical): ``z = (z ^ z >>> 30) * M1``,
+    ``z = (z ^ z >>> 27) * M2``, ``z ^= z >>> 31``, then ``z & (width - 1)``. Every bit of
+    the id moves every bit of ``z``, so ids differing only in high bits get other counters;
+    the counter at a smaller width ``w`` is the one at ``width`` mod ``w`` (``fold_sketch``)."""
     rows = []
     for r in range(depth):
-        a = SKETCH_MULTIPLIERS[r]
-        a = a - (1 << 64) if a >= 1 << 63 else a
-        h = ids.to(torch.int64) * a
-        h = h ^ (h >> 32)
-        rows.append(h & (width - 1))
+        z = ids.to(torch.int64) + SKETCH_SEEDS[r]
+        z = (z ^ _shr(z, 30)) * _MIX[0]
+        z = (z ^ _shr(z, 27)) * _MIX[1]
+        z = z ^ _shr(z, 31)
+        rows.append(z & (width - 1))
     return torch.stack(rows) if rows else ids.new_zeros((0, ids.numel()))
 
 
@@ -86,7 +97,7 @@ def id_remap(
     out["lookups"] = ids.numel()
     if update and policy == TTL:
         for s in range(C):
-            if 0 <= last_seen[s] <= step - ttl_steps:
+            if 0 <= last_seen[s] < step - ttl_steps:
                 last_seen[s], counts[s] = -1, 0
                 out["expired"] += 1
     n: dict[int, int] = {}  # distinct ids in first-occurrence order (dicts keep it)

@@ -50,22 +50,123 @@ def test_tiny_cpu_rows(report):
 
 
 def test_check_and_fbgemm_comparison_pass_then_the_shape_is_timed(tmp_path):
-    """``bench tbe --tiny --device cpu --check`` on this code: the Triton kernels (interpreted)
-    agree with the reference, ours with FBGEMM's CPU TBE, and then every phase is timed."""
+    """``bench tbe --tiny --device cpu --check`` on this code: ours (the native CPU kernels)
+    agrees with the reference on every timed phase, ours with FBGEMM's CPU TBE, and then
+    every phase is timed."""
     out = tmp_path / "tbe.json"
     args = ["--tiny", "--device", "cpu", "--check", "--shapes", "S0", "--providers"]
-    tbe.main([*args, "reference,fbgemm", *FAST, "--out", str(out)])
+    tbe.main([*args, "ours,reference,fbgemm", *FAST, "--out", str(out)])
     data = json.loads(out.read_text())
     check = data["check"]["S0"]
     assert check["ok"] and check["failures"] == [] and check["rows_touched"] > 0, check
-    assert check["weights_max_abs_err"] < 1e-5
+    assert [(c["providers"], c["backend"], c["phase"]) for c in check["checked"]] == [
+        (["ours"], "auto", phase) for phase in tbe.PHASES]
+    assert check["ours.fwd_bwd_rowwise_adagrad.weights_max_abs_err"] < 1e-5
     compared = data["correctness"]["S0"]
     if "skipped" in compared:  # FBGEMM is a peer: without it there is nothing to compare with
         assert "not importable" in compared["skipped"]
     else:
         assert compared["ok"] and compared["failures"] == [] and compared["rows_compared"] > 0
-    timed = {r["phase"] for r in data["rows"] if r["provider"] == "reference" and r["median_ms"]}
-    assert timed == set(tbe.PHASES) and "failed" not in data
+    for provider in ("ours", "reference"):
+        timed = {r["phase"] for r in data["rows"] if r["provider"] == provider and r["median_ms"]}
+        assert timed == set(tbe.PHASES) and "failed" not in data
+
+
+def _spy_native(monkeypatch, bug=None):
+    """Count the native kernels' calls that ran (a wrapper returns None where they do not
+    apply); ``bug``: ``forward`` adds 0.1 to their pooled output, ``state`` doubles the fused
+    rowwise-Adagrad state after their backward."""
+    from fbtriton_dist.ops import cpu_native
+
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "1")
+    ran = {"forward": 0, "backward": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            ran[name] += out is not None
+            if out is not None and bug == "forward" and name == "forward":
+                out = out + 0.1
+            if out is not None and bug == "state" and kwargs.get("momentum1") is not None:
+                kwargs["momentum1"].mul_(2.0)
+            return out
+
+        return wrapped
+
+    for name in ran:
+        monkeypatch.setattr(cpu_native, name, spy(name, getattr(cpu_native, name)))
+    return ran
+
+
+@pytest.mark.parametrize("shape, phases", [
+    ("S0", "fwd"), ("S0", "fwd_bwd_rowwise_adagrad"), ("S0", "fwd,fwd_bwd_sgd"),
+    ("S2", "fwd_bwd_rowwise_adagrad"),  # fp16 rows
+])
+def test_check_runs_the_native_kernels_on_the_timed_phases(monkeypatch, tmp_path, shape, phases):
+    """On the CPU, ``--check`` checks the providers it times as they are timed: ``ours`` and
+    ``ours_checked`` on the native kernels, on exactly the phases timed (the forward: one
+    call; a fused step: 3 forwards and backwards); timing left out here."""
+    ran = _spy_native(monkeypatch)
+    monkeypatch.setattr(tbe, "run_shape", lambda *a: [])
+    out = tmp_path / "tbe.json"
+    tbe.main(["--tiny", "--device", "cpu", "--check", "--shapes", shape, "--providers",
+              "ours,reference,ours_checked", "--phases", phases, *FAST, "--out", str(out)])
+    check = json.loads(out.read_text())["check"][shape]
+    want = phases.split(",")
+    assert check["ok"], check
+    assert [(c["providers"], c["bounds_check"], c["phase"]) for c in check["checked"]] == [
+        ([p], bounds, ph) for p, bounds in (("ours", "warn"), ("ours_checked", "error"))
+        for ph in want]
+    steps = sum(1 if ph == "fwd" else 3 for ph in want)
+    assert ran == {"forward": 2 * steps, "backward": 2 * (steps - want.count("fwd"))}
+
+
+@pytest.mark.parametrize("bug, says", [
+    ("forward", r"ours \(backend 'auto'\) fwd: forward of step0: ours\.fwd\."
+                r"step0_forward_max_rel_err"),
+    ("state", r"ours \(backend 'auto'\) fwd_bwd_rowwise_adagrad: rowwise-Adagrad state "
+              r"\(momentum1\) after 3 steps: ours\.fwd_bwd_rowwise_adagrad\.momentum_max_rel_err"),
+])
+def test_check_catches_a_wrong_native_kernel(monkeypatch, tmp_path, capsys, bug, says):
+    """A wrong native forward, or a wrong fused rowwise-Adagrad step, stops the run untimed
+    (the check used to run the Triton interpreter, which the CPU rows never time)."""
+    _spy_native(monkeypatch, bug)
+    monkeypatch.setattr(tbe, "run_shape", lambda *a: pytest.fail("timed: the check let the wrong kernel through"))
+    with pytest.raises(SystemExit) as exc:
+        tbe.main(["--tiny", "--device", "cpu", "--check", "--shapes", "S0", "--providers",
+                  "ours,reference", *FAST])
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "provider ours (backend='auto') vs the reference backend: check failed" in err, err
+    assert re.search(says, err), err
+
+
+def test_printed_speedups_are_the_others_time_over_this_ones(capsys):
+    """Known timings in: ``ratios[other]`` is other's time / this one's (> 1: this one is
+    faster), in the rows and in the printed table; the FBGEMM line is FBGEMM's median over
+    ours."""
+    def row(provider, busy, median, phase="fwd"):
+        return dict(shape="S0", provider=provider, phase=phase, busy_ms=busy, median_ms=median,
+                    pipelined_ms=None, bytes=1e6, gbs_busy=1.0, pct_copy_busy=1.0,
+                    gbs_median=1.0, pct_copy_median=1.0, peak_gb=None)
+
+    rows = [row("ours", 1.0, 2.0), row("fbgemm", 4.0, 3.0), row("reference", 10.0, 8.0),
+            row("ours", 2.0, 2.0, "fwd_bwd_sgd"), row("fbgemm", 1.0, 1.0, "fwd_bwd_sgd")]
+    tbe._add_ratios(rows)
+    assert rows[0]["ratios"] == {"fbgemm": {"busy": 4.0, "median": 1.5},
+                                 "reference": {"busy": 10.0, "median": 4.0}}
+    assert rows[1]["ratios"]["ours"] == {"busy": 0.25, "median": 2.0 / 3.0}
+    assert rows[3]["ratios"] == {"fbgemm": {"busy": 0.5, "median": 0.5}}  # ours slower here
+    tbe.print_shape_table(rows, [], "wall")
+    tbe.print_vs_fbgemm(rows)
+    lines = capsys.readouterr().out.splitlines()
+    ours_fwd = next(x for x in lines if x.split()[:2] == ["fwd", "ours"])
+    assert ours_fwd.endswith("fbgemm 4.00/1.50 reference 10.00/4.00"), ours_fwd
+    ours_sgd = next(x for x in lines if x.split()[:2] == ["fwd_bwd_sgd", "ours"])
+    assert ours_sgd.endswith("fbgemm 0.50/0.50"), ours_sgd
+    e2e = [x for x in lines if "e2e median" in x]
+    assert e2e[0].endswith("fwd: fbgemm 3.000 ms; ours 2.000 ms = 1.50x"), e2e
+    assert e2e[1].endswith("fwd_bwd_sgd: fbgemm 1.000 ms; ours 2.000 ms = 0.50x"), e2e
 
 
 def _plant(monkeypatch, bug: str, on_backend: str) -> None:
@@ -92,18 +193,21 @@ def _plant(monkeypatch, bug: str, on_backend: str) -> None:
     monkeypatch.setattr(tbe_cases, "TableBatchedEmbedding", Planted)
 
 
-CHECKED = r"S0 \(.*\): provider ours \(backend='triton'\) vs the reference backend: check failed"
+CHECKED = (r"S0 \(.*\): provider ours,ours_graph \(backend='auto'\) vs the reference backend: "
+           r"check failed")
 COMPARED = r"S0 \(.*\): provider reference \(backend='reference'\) vs fbgemm: check failed"
 
 
 @pytest.mark.parametrize(
     "bug, on_backend, flags, says",
     [
-        ("forward", "triton", ["--check"], CHECKED + r".*\n  forward of step 0: "
-         r"step0_forward_max_abs_err 0\.1 > 0\.0001"),
-        ("accumulator", "triton", ["--check"], CHECKED + r"(.|\n)*\n  weights after 3 fused "
-         r"rowwise-Adagrad steps: weights_max_abs_err [0-9.e-]+ > 1e-05"),
-        ("raises", "triton", ["--check"], CHECKED + r".*\n  the check raised RuntimeError: "
+        ("forward", "auto", ["--check"], CHECKED + r".*\n  ours/ours_graph \(backend 'auto'\) "
+         r"fwd: forward of step0: ours/ours_graph\.fwd\.step0_forward_max_rel_err [0-9.e-]+ "
+         r"> 0\.0001"),
+        ("accumulator", "auto", ["--check"], CHECKED + r"(.|\n)*\n  ours/ours_graph "
+         r"\(backend 'auto'\) fwd_bwd_rowwise_adagrad: weights after 3 fused steps: "
+         r"ours/ours_graph\.fwd_bwd_rowwise_adagrad\.weights_max_abs_err [0-9.e-]+ > 1e-05"),
+        ("raises", "auto", ["--check"], CHECKED + r".*\n  the check raised RuntimeError: "
          r"planted: this TBE cannot be built"),
         ("forward", "reference", ["--providers", "reference,fbgemm"], COMPARED
          + r".*\n  forward output \(max err / max \|FBGEMM's\|\): fwd_rel_err [0-9.e-]+ > 1e-05"),

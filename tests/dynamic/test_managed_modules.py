@@ -275,9 +275,11 @@ def test_ttl_expiry_resets_the_reused_row():
     ebc(user_kjt([7]))
     with torch.no_grad():
         weight[0] = 5.0  # stands for training
-    ebc(user_kjt([8]))  # 7 (seen at 0) is still live at step 1: 8 reads the default row
-    assert (weight[0] == 5.0).all() and ebc.id_managers.metrics()["t_user"]["overflow"] == 1
-    ebc(user_kjt([8]))  # 7 expires at step 2: 8 takes slot 0, re-initialised
+    for _ in (1, 2):  # 7 (seen at 0) was seen in the last 2 steps: 8 reads the default row
+        ebc(user_kjt([8]))
+        assert (weight[0] == 5.0).all() and ebc.id_managers.metrics()["t_user"]["overflow"] == 1
+        assert ebc.id_managers.metrics()["t_user"]["expired"] == 0
+    ebc(user_kjt([8]))  # 7 expires at step 3: 8 takes slot 0, re-initialised
     assert (weight[0].abs() <= 1 / 2**0.5).all()
     assert ebc.id_managers.metrics()["t_user"]["expired"] == 1
 

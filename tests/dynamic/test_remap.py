@@ -7,6 +7,7 @@ import torch
 
 from fbtriton_dist.id_manager import Admission, IdManagerConfig
 from fbtriton_dist.ops.id_remap import STATS, IdTable, id_remap
+from fbtriton_dist.reference.id_remap import sketch_buckets
 from tests.conftest import TRITON_OK
 
 I64_MAX = 2**63 - 1
@@ -57,16 +58,57 @@ def test_ttl_expiry_and_overflow():
     t = IdTable(IdManagerConfig(capacity=2, eviction="ttl", ttl_steps=2), "t")
     assert remap(t, [1, 2], 0) == ([0, 1], [0, 1])
     assert remap(t, [1], 1) == ([0], [])
-    assert remap(t, [3], 2) == ([1], [1])  # id 2 (seen at 0) expired at step 2
+    # id 2 (seen at 0) was seen in the last 2 steps (0, 1): kept; a full ttl table evicts
+    # nothing live: 3 reads the default row
+    assert remap(t, [3], 2) == ([2], [])
+    assert stats(t)["expired"] == 0 and stats(t)["overflow"] == 1
+    assert remap(t, [3], 3) == ([1], [1])  # id 2 (seen at 0) expired at step 3
     assert stats(t)["expired"] == 1 and stats(t)["evicted"] == 0
-    assert remap(t, [4], 3) == ([0], [0])  # id 1 (seen at 1) expired
-    # id 3 (seen at 2) expires at 4; 4 (seen at 3) does not: 6 overflows to the default row
-    assert remap(t, [5, 6], 4) == ([1, 2], [1])
-    assert stats(t)["overflow"] == 1 and stats(t)["default_reads"] == 1
-    # id 4 (seen at 3) expires at 5: 7 takes its slot; a ttl table evicts nothing live: 8
-    # reads the default row
-    assert remap(t, [5, 7, 8], 5) == ([1, 0, 2], [0])
+    assert remap(t, [4], 4) == ([0], [0])  # id 1 (seen at 1) expired at 4
+    # id 3 (seen at 3) and 4 (seen at 4) are live: both overflow to the default row
+    assert remap(t, [5, 6], 5) == ([2, 2], [])
+    assert stats(t)["overflow"] == 2 and stats(t)["default_reads"] == 2
+    # id 3 (seen at 3) expires at 6: 5 takes its slot; 4 (seen at 4) does not: 7 overflows
+    assert remap(t, [5, 7], 6) == ([1, 2], [1])
     assert stats(t)["expired"] == 1 and stats(t)["overflow"] == 1
+
+
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ttl_one_never_frees_an_id_fed_every_step(backend):
+    t = IdTable(IdManagerConfig(capacity=3, eviction="ttl", ttl_steps=1), "t")
+    assert remap(t, [5, 6], 0, backend) == ([0, 1], [0, 1])
+    for step in range(1, 8):
+        # 5 and 6 every step; 7 every other step (freed at the start of each step after a gap)
+        ids = [5, 6, 7] if step % 2 else [5, 6]
+        slots, fresh = remap(t, ids, step, backend)
+        assert slots[:2] == [0, 1], step
+        assert fresh == ([2] if step % 2 else []), step
+        assert stats(t)["expired"] == (1 if step % 2 and step > 1 else 0), step
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ttl", [1, 2, 3, 5])
+def test_ttl_keeps_an_id_through_step_s_plus_ttl(backend, ttl):
+    """The rule: an id last seen at step ``s`` is kept through step ``s + ttl`` (it was seen
+    in the last ``ttl`` steps) and freed at the start of step ``s + ttl + 1``."""
+    s = 2
+    for gap, kept in ((ttl, True), (ttl + 1, False)):
+        t = IdTable(IdManagerConfig(capacity=4, eviction="ttl", ttl_steps=ttl), "t")
+        for step in range(s + gap):  # 9 every step, 7 at step s only
+            remap(t, [9, 7] if step == s else [9], step, backend)
+        slot7 = int((t.keys == 7).nonzero()[0, 0])
+        slots, fresh = remap(t, [9, 7], s + gap, backend)
+        assert slots[0] == 0 and t.last_seen[0] == s + gap  # 9: fed every step, never freed
+        if kept:
+            assert (slots[1], fresh) == (slot7, []), (ttl, gap)
+            assert stats(t)["expired"] == 0
+        else:  # freed at the start of the step, then 7 is a new id with a fresh slot
+            assert (slots[1], fresh) == (slot7, [slot7]), (ttl, gap)
+            assert stats(t)["expired"] == 1 and stats(t)["admitted"] == 1
 
 
 def test_admission_min_count():
@@ -77,6 +119,44 @@ def test_admission_min_count():
     assert remap(t, [7], 1) == ([4], [])  # seen twice
     assert remap(t, [7, 9], 2) == ([1, 4], [1])  # the third time
     assert t.sketch.sum().item() == (1 + 3 + 1 + 1 + 1) * cfg.admission.sketch_depth
+
+
+@pytest.mark.parametrize("width", [16, 1024, 1 << 20])
+def test_sketch_rows_mix_every_bit_of_an_id(width):
+    """Ids that differ only in their high bits (equal modulo 2**32, 2**42, 2**47, 2**62, or in
+    the sign bit) get other counters: before, any two ids equal modulo 2**42 shared every one
+    at width 1024."""
+    base = torch.tensor([5, -7, 123_456_789, 0, 2**41 + 3], dtype=torch.int64)
+    for k in (32, 42, 47, 55, 62, 63):
+        other = base + (1 << k) if k < 63 else base ^ torch.tensor(-(2**63))
+        a, b = sketch_buckets(base, 4, width), sketch_buckets(other, 4, width)
+        assert (a != b).any(0).all(), k  # every pair differs in some row
+    # 256 ids equal modulo 2**42 spread over each row's counters as random ids would
+    ids = 5 + torch.arange(1, 257, dtype=torch.int64) * 2**42
+    buckets = sketch_buckets(ids, 4, 1024)
+    assert all(row.unique().numel() > 180 for row in buckets)  # 256 would be 1 before
+    assert all(len(set(buckets[:, j].tolist())) > 1 for j in range(8))  # rows independent
+
+
+def test_sketch_counter_at_a_smaller_width_is_the_folded_one():
+    """``fold_sketch`` (checkpoints onto other owners) relies on it."""
+    ids = torch.randint(-(2**63), I64_MAX, (1000,), generator=torch.Generator().manual_seed(0))
+    wide = sketch_buckets(ids, 3, 1 << 16)
+    for w in (1, 16, 1024):
+        assert torch.equal(sketch_buckets(ids, 3, w), wide % w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_admission_counts_high_bit_ids_apart(backend):
+    cfg = IdManagerConfig(capacity=4, eviction="lru", admission=Admission(min_count=2))
+    assert cfg.sketch_width == 1024
+    t = IdTable(cfg, "t")
+    x, y = 5, 5 + 2**47
+    assert remap(t, [x], 0, backend) == ([4], [])
+    assert remap(t, [y], 1, backend) == ([4], [])  # y's first time, not x's second
+    assert stats(t)["rejected"] == 1
+    assert remap(t, [-x, y ^ -(2**63)], 2, backend) == ([4, 4], [])
+    assert remap(t, [x, y], 3, backend) == ([0, 1], [0, 1])  # both seen twice
 
 
 def test_eval_only_looks_up():

@@ -1,6 +1,7 @@
 """ShardingPlanner: constraints, skew-aware cuts, the 10-billion-row set, no-fit explanations."""
 
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -214,16 +215,95 @@ def test_balance_tolerance_picks_the_most_even_of_the_near_fastest():
         planner(16, 8, balance_tolerance=-0.01)
 
 
-def test_a_long_plan_reports_progress():
+class _Clock:
+    """``time.monotonic`` for the planner: ``step`` seconds later at every reading, so what
+    the progress lines say does not depend on how fast (or how loaded) the machine is."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+LINE = re.compile(r"planning 16 ranks: (?:(?:skew-aware|equal row blocks)(?:, grid \[.*\])?: "
+                  r"table (\d+)/26|memory pass: .+) \((\d+) s\)")
+
+
+def test_a_long_plan_reports_progress(monkeypatch):
     """Past ``progress_after_s`` the planner says which pass and table it is on (the CLI
-    prints these lines to stderr); quiet by default and before that time."""
+    prints these lines to stderr), at most once a second; quiet before that time. The
+    planner's clock is a fake one: under load a real plan takes longer, and which lines a
+    wall clock lets through changes."""
+    from fbtriton_dist.planner import planner as planner_module
+
     ts = load_tables(CONFIGS / "criteo_terabyte.yaml")
-    lines = []
-    p = planner(16, 8, progress=lines.append, progress_after_s=0.0)
-    p.plan(ts.tables, ts.constraints, ts.stats)
-    assert lines and all(line.startswith("planning 16 ranks: ") for line in lines)
-    assert all(line.endswith(" s)") and "table " in line for line in lines)
-    quiet = []
-    planner(16, 8, progress=quiet.append, progress_after_s=3600.0).plan(
-        ts.tables, ts.constraints, ts.stats)
-    assert quiet == []
+
+    def run(step, **kw):
+        """The lines (matched) and the clock's time at each."""
+        clock, lines, at = _Clock(step), [], []
+        monkeypatch.setattr(planner_module, "time", clock)
+
+        def progress(line):
+            lines.append(LINE.fullmatch(line) or line)
+            at.append(clock.now)
+
+        planner(16, 8, progress=progress, **kw).plan(ts.tables, ts.constraints, ts.stats)
+        return lines, at
+
+    lines, at = run(1.0, progress_after_s=0.0)  # a second a reading: every report a line
+    assert lines and all(isinstance(m, re.Match) for m in lines), lines
+    assert [int(m[1]) for m in lines if m[1]][:26] == list(range(1, 27))  # the greedy pass
+    assert [int(m[2]) for m in lines] == list(range(1, len(lines) + 1))  # seconds since start
+    few, at = run(0.25, progress_after_s=0.0)  # four reports a second: one line of them
+    assert all(isinstance(m, re.Match) for m in few) and 0 < len(few) < len(lines)
+    assert all(b - a >= 1.0 for a, b in zip(at[:-1], at[1:], strict=True))
+    assert len(few) >= (at[-1] - at[0]) / 1.25  # every second or so, not fewer
+    later, _ = run(1.0)  # by default after 2 s: the first report (1 s in) says nothing
+    assert [int(m[2]) for m in later][:2] == [2, 3] and later[0][1] == "2"
+    assert run(1.0, progress_after_s=1e9)[0] == []
+
+
+def test_greedy_tie_break_rule():
+    """A proposal's score: its per-rank times after placing it, slowest first, in quanta;
+    ties: the smaller total it adds; equal in both: the proposal made first stays."""
+    from fbtriton_dist.planner.planner import _better
+
+    def score(quanta, total):
+        return np.array(quanta, dtype=np.int64), total
+
+    assert _better(score([5, 1], 9.0), score([6, 0], 1.0))  # the step time first
+    assert _better(score([5, 1, 9], 9.0), score([5, 2, 0], 1.0))  # then the next rank
+    assert _better(score([5, 1], 1.0), score([5, 1], 2.0))  # then the smaller total
+    assert not _better(score([5, 1], 2.0), score([5, 1], 1.0))
+    assert not _better(score([5, 1], 1.0), score([5, 1], 1.0))  # the first one stays
+
+
+def test_greedy_place_breaks_ties_by_total_then_first(monkeypatch):
+    """``_place`` over stand-in proposals whose per-rank times are known: equal times in
+    quanta, totals apart (``tie``: rank 1's extra rounds to 0 quanta), and an exact repeat."""
+    from fbtriton_dist.planner import cost as cost_module
+    from fbtriton_dist.planner.planner import TIME_QUANTUM, UNIFORM
+    from fbtriton_dist.planner.proposals import Proposer
+
+    p = planner(R=2)
+    acc = cost_module.CostAccumulator(2, 2, p.cost_model)
+    per_byte = acc.coefficients[acc._ROW["lookup_bytes"]]
+    big, tiny = 1000 * TIME_QUANTUM / per_byte, 0.2 * TIME_QUANTUM / per_byte
+    added = {"first": (big, 0.0), "repeat": (big, 0.0), "tie": (big, tiny),
+             "slower": (big + 2 * big / 1000, 0.0)}
+
+    def add_blocks(self, spec, sharding, blocks, dist, optimizer):
+        self.add(np.arange(2), lookup_bytes=np.array(added[blocks]))
+
+    monkeypatch.setattr(cost_module.CostAccumulator, "add_blocks", add_blocks)
+    table, cons = spec("t", 100), TableConstraints(sharding=("table_wise",))
+
+    def place(order):
+        monkeypatch.setattr(Proposer, "proposals", lambda *a: iter(order))
+        return p._place(table, cons, UNIFORM, acc.copy(), False)[1]
+
+    assert place(["tie", "first", "repeat", "slower"]) == "first"
+    assert place(["slower", "repeat", "first", "tie"]) == "repeat"
+    assert place(["slower", "tie"]) == "tie"

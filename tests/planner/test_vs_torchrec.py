@@ -3,7 +3,7 @@
 At R = 2, 8 and 64, with uniform and Zipf(1.1) ids: our slowest rank is never slower and our
 imbalance (max/mean of per-rank time) is never worse; with Zipf(1.1) at 64 ranks ours is at
 most 1.15 where equal row blocks are worse. Prints the table (run with -s to see it). Skips
-when TorchRec's planner cannot run here.
+only when TorchRec is not installed.
 """
 
 import functools
@@ -18,14 +18,12 @@ CRITEO = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tables" / "c
 
 @pytest.fixture(scope="module")
 def bench():
+    # only a missing TorchRec skips: an error of TorchRec's planner as installed, or of our
+    # conversion of its plan (bench/planner_vs_torchrec.py), fails the tests
     pytest.importorskip("torchrec.distributed.planner")
     from fbtriton_dist.bench import planner_vs_torchrec
 
     tables = load_tables(CRITEO).tables
-    try:  # TorchRec's planner alone, so a failure of ours is never skipped
-        planner_vs_torchrec.torchrec_plan(tables, 2, 2, 80 * 1024**3, 512)
-    except Exception as e:  # pragma: no cover - depends on the install
-        pytest.skip(f"TorchRec's planner cannot run here: {type(e).__name__}: {e}")
 
     @functools.cache
     def compare(R, zipf):  # each (R, ids) planned once for all the tests below

@@ -7,7 +7,8 @@ strides per rank and per feature, in 3 ranks a rank with no samples and a featur
 stride 0; the reference runs all ranks' bags as one VBE KJT (inverse indices shifted). Outputs,
 the dense layer's gradient and, after 3 fused steps, weights and optimizer state must agree;
 the wire carries the deduplicated rows (bytes counted by hand, below the same samples sent as
-a fixed batch); bad strides and inverse indices stop every rank with the feature named."""
+a fixed batch); bad strides and inverse indices stop every rank with the feature named. A set
+of tables of one D (the expansion's single-gather branch) is checked the same way."""
 
 import copy
 
@@ -291,3 +292,91 @@ def test_vbe_wire_bytes_by_hand_and_below_the_fixed_batch_and_bad_input_stops_ev
             for key in ("bad_inverse", "bad_strides", "bad_shape"):
                 assert "rank(s) [1] found bad input" in r[key], (rank, key, r[key])
         assert "CommOptions(fixed_shapes=True)" in r["fixed_shapes"], r["fixed_shapes"]
+
+
+# -- every table of one D: the expansion is one gather over [P, T, D] ---------------------------
+SAME_D = [("a", 13, ["f_a1", "f_a2"]), ("b", 9, ["f_b"]), ("c", 11, ["f_c"])]
+SAME_D_STRIDES = [{"f_a1": 2, "f_a2": 5, "f_b": 3, "f_c": 5},  # rank 0: 5 samples
+                  {"f_a1": 3, "f_a2": 4, "f_b": 1, "f_c": 4}]  # rank 1: 4 samples
+
+
+def _same_d_inverse(f, rank):
+    """Every feature its own map of samples to bags (a swap or a transpose changes rows)."""
+    B, n = SAME_D_STRIDES[rank]["f_c"], SAME_D_STRIDES[rank][f]
+    b = torch.arange(B)
+    return {"f_a1": b * n // B, "f_a2": b.flip(0), "f_b": (b * 2 + rank) % n, "f_c": b}[f]
+
+
+def _same_d_vs_unsharded(rank, world, dims=(4, 4, 4)):
+    from torchrec import EmbeddingBagConfig, PoolingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
+
+    configs = [EmbeddingBagConfig(name=n, num_embeddings=E, embedding_dim=D, feature_names=fs,
+                                  pooling=PoolingType.MEAN if n == "c" else PoolingType.SUM)
+               for (n, E, fs), D in zip(SAME_D, dims, strict=True)]
+    da, db, dc = dims
+    feats = [f for _, _, fs in SAME_D for f in fs]
+    plan = ShardingPlan(world_size=2, local_world_size=2, tables=(
+        TableSharding(name="a", sharding="row_wise", num_embeddings=13, embedding_dim=da, shards=(
+            Shard(rank=0, row_start=0, row_end=5, col_start=0, col_end=da),
+            Shard(rank=1, row_start=5, row_end=13, col_start=0, col_end=da))),
+        TableSharding(name="b", sharding="table_wise", num_embeddings=9, embedding_dim=db,
+                      shards=(Shard(rank=1, row_start=0, row_end=9, col_start=0, col_end=db),)),
+        TableSharding(name="c", sharding="column_wise", num_embeddings=11, embedding_dim=dc,
+                      shards=(Shard(rank=0, row_start=0, row_end=11, col_start=0, col_end=2),
+                              Shard(rank=1, row_start=0, row_end=11, col_start=2, col_end=dc))),
+    ))
+    dev = device()
+    torch.manual_seed(0)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=dev)
+    cls, kwargs = _optimizer("adagrad")  # per element: column shards keep the same state
+    apply_optimizer_in_backward(cls, ref.parameters(), kwargs)
+    to_shard = copy.deepcopy(ref)
+    apply_optimizer_in_backward(cls, to_shard.parameters(), kwargs)
+    sharded = fbtriton_dist.shard(to_shard, plan)
+    B = [s["f_c"] for s in SAME_D_STRIDES]
+    lo = sum(B[:rank])
+    report = {}
+    for step in range(2):
+        g = torch.Generator().manual_seed(7 + step)
+        bags = []
+        for r in range(world):
+            per = {}
+            for _, E, fs in SAME_D:
+                for f in fs:
+                    lengths = torch.randint(1, 4, (SAME_D_STRIDES[r][f],), generator=g)
+                    per[f] = (lengths, torch.randint(0, E, (int(lengths.sum()),), generator=g),
+                              None)
+            bags.append(per)
+        inverse = {f: [_same_d_inverse(f, r) for r in range(world)] for f in feats}
+        glob = {f: (torch.cat([bags[r][f][0] for r in range(world)]),
+                    torch.cat([bags[r][f][1] for r in range(world)]), None) for f in feats}
+        shift = {f: [sum(s[f] for s in SAME_D_STRIDES[:r]) for r in range(world)] for f in feats}
+        kjt_all = _vbe_kjt(glob, {f: sum(s[f] for s in SAME_D_STRIDES) for f in feats},
+                           {f: torch.cat([inverse[f][r] + shift[f][r] for r in range(world)])
+                            for f in feats}, feats)
+        kjt = _vbe_kjt(bags[rank], SAME_D_STRIDES[rank],
+                       {f: inverse[f][rank] for f in feats}, feats)
+        out_ref = ref(kjt_all.to(dev)).values()
+        out = sharded(kjt.to(dev)).values()
+        report[f"step{step}.out"] = (out - out_ref[lo : lo + B[rank]]).abs().max().item()
+        grad = torch.linspace(-1, 1, out_ref.numel(), device=dev).view_as(out_ref)
+        out_ref.backward(grad)
+        out.backward(grad[lo : lo + B[rank]])
+    full = sharded.gather_full_state_dict()
+    for k, v in ref.state_dict().items():
+        report[k] = (full[k] - v).abs().max().item()
+    report["state"] = _state_error(ref, sharded, configs)
+    return report
+
+
+def test_sharded_vbe_with_every_table_of_one_d():
+    """Tables of one D take the single-gather expansion (a [B, T] index into [P, T, D]); the
+    other tests' tables all differ in D. Each feature has its own stride and inverse map, so
+    rows expanded from the wrong feature or sample change the outputs and the updates."""
+    for rank, report in enumerate(run_ranks(_same_d_vs_unsharded, 2)):
+        for key, err in report.items():
+            assert err < 2e-5, f"rank {rank} {key}: {err}"
