@@ -261,7 +261,10 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             annotated the tables with.
         local_world_size: ranks per host of the plan (table-row-wise and grid tables stay in a
             host); default TorchRec's ``get_local_size`` (``LOCAL_WORLD_SIZE``).
-        backend, comm: passed to ``fbtriton_dist.shard()``.
+        backend, comm: passed to ``fbtriton_dist.shard()``. The embedding gradients are
+            divided by the world size unless ``comm.gradient_division`` is False or, with it
+            None (the default), TorchRec's ``comm_ops.set_gradient_division(False)`` was
+            called before DMP sharded the model: the same rule as TorchRec's own modules.
     """
 
     def __init__(
@@ -322,9 +325,20 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         plan = to_fbtd_plan(self._configs(module), params, env.world_size, H)
         sharded = shard(
             module, plan, env.process_group, device,
-            optimizer=self._optimizer, backend=self._backend, comm=self._comm,
+            optimizer=self._optimizer, backend=self._backend, comm=self._comm_options(),
         )
         return self._wrapper(sharded, type(module))
+
+
+    def _comm_options(self) -> CommOptions:
+        """``comm``, with ``gradient_division`` None resolved as TorchRec's sharders do:
+        ``torchrec.distributed.comm_ops.get_gradient_division()`` now (default True)."""
+        comm = self._comm if self._comm is not None else CommOptions()
+        if comm.gradient_division is not None:
+            return comm
+        from torchrec.distributed.comm_ops import get_gradient_division
+
+        return dataclasses.replace(comm, gradient_division=bool(get_gradient_division()))
 
 
 class EmbeddingCollectionSharder(EmbeddingBagCollectionSharder):
