@@ -4,9 +4,10 @@ The model: an EmbeddingBagCollection (ours under DMP, TorchRec's as the referenc
 Linear on its pooled output; the tables carry TorchRec's ``apply_optimizer_in_backward``
 annotation (the fused optimizer), the Linear a plain SGD. Every rank runs the reference on the
 whole global batch in one process (TorchRec's own EBC, updated by torch's in-backward hooks)
-and DMP on its slice. DDP averages the Linear's gradient over the ranks while the tables see
-the sum, so the reference's Linear steps with lr / R. After each of 3 steps: this rank's
-outputs; after the last: every table's full weights and the Linear."""
+and DMP on its slice. DDP averages the Linear's gradient over the ranks and the tables'
+gradients are divided by R (TorchRec's gradient division), so the reference's loss is the
+global batch's sum divided by R. After each of 3 steps: this rank's outputs; after the last:
+every table's full weights and optimizer state and the Linear."""
 
 import copy
 
@@ -130,13 +131,13 @@ def _one_dmp_run(rank, world, planned_by):
     sharded = dmp.module.ebc
     assert isinstance(sharded, DMPShardedEmbeddingBagCollection)
     dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "top" in n], LR_DENSE)
-    ref_opt = torch.optim.SGD(ref.top.parameters(), LR_DENSE / world)
+    ref_opt = torch.optim.SGD(ref.top.parameters(), LR_DENSE)
 
     lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
     report = {}
     for step in range(3):
         out_ref = ref(_batch(configs, step, 0, sum(BATCH)))
-        out_ref.sum().backward()
+        (out_ref.sum() / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         out = dmp(_batch(configs, step, lo, hi))
