@@ -306,3 +306,53 @@ def test_torchrec_plans_we_cannot_take_are_refused():
         to_fbtd_plan(configs, no_spec, 2, 2)
     with pytest.raises(ValueError, match="rank"):  # a shard on rank 1 of a 1-rank job
         to_fbtd_plan(configs, tr, 1, 1)
+
+
+def test_dmp_on_the_meta_device_builds_like_torchrecs(tmp_path):
+    """DMP(device="meta") (shapes only, as for planning or a later load): our sharded module
+    and its fused optimizer view are built with no step count to read, and DMP's state dict
+    and fused optimizer have TorchRec's keys and global sizes. One rank, in this process;
+    ``init_data_parallel=False`` as TorchRec wants on meta (its DDP wrap reads the dense
+    parameters)."""
+    import torch.distributed as dist
+    import torchrec
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Theirs
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+
+    meta = torch.device("meta")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        seen = {}
+        for side, cls, sharder in (
+            ("ours", fbtriton_dist.EmbeddingBagCollection,
+             EmbeddingBagCollectionSharder(local_world_size=1)),
+            ("torchrec", torchrec.EmbeddingBagCollection, Theirs()),
+        ):
+            tables = [c for c in _configs() if c.name in ("tw", "rw", "cw")]
+            model = _Model(cls(tables=copy.deepcopy(tables), device=meta))
+            apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+            from torchrec.distributed import sharding_plan as sp
+            from torchrec.distributed.types import ShardingPlan
+
+            per_table = {"tw": sp.table_wise(rank=0), "rw": sp.row_wise(),
+                         "cw": sp.column_wise(ranks=[0, 0])}
+            plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(
+                model.ebc, per_table, sharder=sharder, local_size=1, world_size=1,
+                device_type="cpu")})
+            dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan, device=meta,
+                                           init_data_parallel=False)
+            state = dmp.state_dict()
+            seen[side] = (
+                {k: tuple(v.size()) for k, v in state.items()},
+                sorted(dmp.fused_optimizer.state_dict()["state"]),
+                sorted(k for k, v in state.items() if isinstance(v, ShardedTensor)),
+            )
+        assert seen["ours"] == seen["torchrec"]
+    finally:
+        dist.destroy_process_group()
