@@ -356,3 +356,43 @@ def test_dmp_on_the_meta_device_builds_like_torchrecs(tmp_path):
         assert seen["ours"] == seen["torchrec"]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("torchrec_division,comm_division,want", [
+    (True, None, True), (False, None, False), (False, True, True), (True, False, False),
+])
+def test_our_sharders_follow_torchrecs_gradient_division_switch(
+    tmp_path, torchrec_division, comm_division, want
+):
+    """``CommOptions(gradient_division=None)`` (the default) under DMP takes TorchRec's
+    ``comm_ops.set_gradient_division`` at shard time; True / False override it. One rank, in
+    this process (what the switch does to a step: tests/sharding/test_grad_scale.py)."""
+    import torch.distributed as dist
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding import CommOptions
+    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    before = comm_ops.get_gradient_division()
+    try:
+        comm_ops.set_gradient_division(torchrec_division)
+        model = _Model(fbtriton_dist.EmbeddingBagCollection(tables=_configs()[:2]))
+        apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+        sharder = EmbeddingBagCollectionSharder(
+            local_world_size=1, comm=CommOptions(gradient_division=comm_division))
+        from torchrec.distributed import sharding_plan as sp
+        from torchrec.distributed.types import ShardingPlan
+
+        plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(
+            model.ebc, {"tw": sp.table_wise(rank=0), "rw": sp.row_wise()}, sharder=sharder,
+            local_size=1, world_size=1, device_type="cpu")})
+        dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan)
+        assert dmp.module.ebc.sharded.comm.gradient_division is want
+    finally:
+        comm_ops.set_gradient_division(before)
+        dist.destroy_process_group()
