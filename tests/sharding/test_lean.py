@@ -410,8 +410,10 @@ def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
     from fbtriton_dist.sharding import CommOptions
 
     for default, fixed in run_ranks(_job_comms, 2):  # one start-up of the ranks for both
-        assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]
-        assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000)]
+        # the job says sharding.gradient_division (default true) explicitly
+        assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True,
+                                       gradient_division=True)]
+        assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000, gradient_division=True)]
 
 
 def _job_comms(rank, world):
