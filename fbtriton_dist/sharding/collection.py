@@ -82,6 +82,10 @@ class ShardedCollection(nn.Module):
         self.rank = dist.get_rank(process_group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
+        divide = self.comm.gradient_division is not False  # None: TorchRec's default, divide
+        self.grad_scale = 1.0 / self.layout.world_size if divide else 1.0
+        """What backward multiplies the gradient of every local lookup output by: 1/R with
+        ``CommOptions.gradient_division`` (the default), else 1."""
         self._is_weighted = is_weighted
         self._configs = list(configs)
         self._check_plan()
@@ -144,6 +148,13 @@ class ShardedCollection(nn.Module):
 
     def _make_output_dist(self) -> None:
         raise NotImplementedError
+
+    def _scale_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself in forward; backward multiplies its gradient by ``grad_scale`` before
+        the fused update (``CommOptions.gradient_division``)."""
+        if self.grad_scale == 1.0 or not x.requires_grad:
+            return x
+        return _ScaleGrad.apply(x, self.grad_scale)
 
     def _host_group(self, group):
         """The process group of this rank's host: ``group`` itself if it is one host, else a
@@ -310,3 +321,16 @@ class ShardedCollection(nn.Module):
         return self
 
 
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None

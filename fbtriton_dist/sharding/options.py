@@ -1,7 +1,9 @@
-"""How a ShardedEmbeddingBagCollection talks to other ranks: wire dtype, dedup, fixed shapes.
+"""How a sharded collection talks to other ranks, and how its gradients are scaled.
 
-Defaults are the plain, exact path; every switch keeps results equal to it (``wire_dtype``
-within a stated error bound).
+The wire switches (``wire_dtype``, ``dedup``, ``fixed_shapes``) keep results equal to the
+default path (``wire_dtype`` within a stated error bound). ``gradient_division`` sets what a
+learning rate means: by default the embedding gradients are divided by the world size, as
+TorchRec does, so R ranks take the update the unsharded module takes on the global batch.
 """
 
 from dataclasses import dataclass
@@ -37,7 +39,22 @@ class CommOptions:
     """With ``fixed_shapes``: the most ids one rank's batch may hold (default: the first
     batch's count)."""
 
+    gradient_division: bool | None = None
+    """Divide the gradient of every sharded table (data-parallel ones included) by the world
+    size R of the process group in backward, as TorchRec's output dist does
+    (``torchrec.distributed.comm_ops.set_gradient_division``) and as DDP averages the dense
+    gradients: each rank's loss is the mean over its own samples, and R ranks then take the
+    same step as the unsharded module on the global batch with the loss as its mean (uneven
+    batches: when each rank's loss is its sum over its samples times R / global batch).
+    False: the gradients of all ranks are summed (a learning rate then acts R times larger
+    on R ranks). None (default): True; under TorchRec's ``DistributedModelParallel`` our
+    sharders read TorchRec's switch instead (``comm_ops.get_gradient_division()``, when the
+    model is sharded)."""
+
     def __post_init__(self) -> None:
+        if self.gradient_division is not None and not isinstance(self.gradient_division, bool):
+            raise ValueError(f"gradient_division: expected True, False or None, got "
+                             f"{self.gradient_division!r}")
         if self.fixed_shapes and self.dedup:
             raise ValueError("CommOptions: fixed_shapes and dedup do not combine (dedup sizes "
                              "each message by its distinct ids, which changes every batch)")

@@ -62,8 +62,11 @@ def shard(
     by shard (a table is never materialised whole). The fused optimizer is ``optimizer`` or
     the one the tables were annotated with by ``apply_optimizer_in_backward``. ``comm``: how
     the sharded collections talk to each other (``CommOptions``: bf16/fp16 values on the
-    wire, id dedup; default exact). Returns the module (the sharded collection itself if
-    ``module`` was one)."""
+    wire, id dedup; default exact) and whether the embedding gradients are divided by the
+    world size R in backward (``gradient_division``, default yes, as TorchRec and DDP do:
+    with each rank's loss the mean over its samples, a step on R ranks equals the unsharded
+    module's step on the global batch, so a learning rate means the same on any R). Returns
+    the module (the sharded collection itself if ``module`` was one)."""
     from fbtriton_dist.modules.managed import ManagedLookup
 
     for name, m in module.named_modules():

@@ -61,7 +61,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     # -- the three stages (the input dist: ``ShardedCollection.input_dist``) -------------------
     def compute(self, lookup: LookupBatch) -> torch.Tensor:
-        """Pooled partials ``[global B, local shard columns]`` (fp32, SUM)."""
+        """Pooled partials ``[global B, local shard columns]`` (fp32, SUM); their gradient is
+        divided by the world size in backward (``CommOptions.gradient_division``)."""
         if lookup.stats is not None:  # the step this lookup belongs to (pipelines run ahead)
             self.last_step_stats = lookup.stats
         B = lookup.batch_size
@@ -80,7 +81,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
                 psw = psw[a:b] if psw is not None else None
             outs.append(tbe(indices, offsets, psw))
             first += n
-        return outs[0] if single else torch.cat(outs, dim=1)
+        return self._scale_grad(outs[0] if single else torch.cat(outs, dim=1))
 
     def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int],
                     vbe: VBEStep | None = None):

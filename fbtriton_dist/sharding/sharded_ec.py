@@ -84,7 +84,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return self._need_indices
 
     def compute(self, lookup: LookupBatch) -> list[torch.Tensor]:
-        """One row per received id, ``[ids, max D of the group]`` fp32, per TBE group."""
+        """One row per received id, ``[ids, max D of the group]`` fp32, per TBE group; their
+        gradient is divided by the world size in backward (``CommOptions.gradient_division``)."""
         if lookup.stats is not None:
             self.last_step_stats = lookup.stats
         rows, single = [], len(self.tbes) == 1
@@ -95,7 +96,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
                 indices = indices[a:b]
                 offsets = offsets[first * B : (first + n) * B + 1] - a
-            rows.append(tbe(indices, offsets, None))
+            rows.append(self._scale_grad(tbe(indices, offsets, None)))
             first += n
         return rows
 

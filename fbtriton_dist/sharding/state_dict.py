@@ -28,7 +28,8 @@ def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: 
     metas = []
     for sf_rank, offsets, sizes in _global_pieces(ebc, t, rowwise):
         local_rank = sf_rank % ebc.layout.local_world_size
-        where = f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda" else f"rank:{sf_rank}/cpu"
+        where = (f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda"
+                 else f"rank:{sf_rank}/{'meta' if kind == 'meta' else 'cpu'}")
         metas.append(ShardMetadata(list(offsets), list(sizes), where))
     local = [
         Shard(tensor, next(m for m in metas if list(m.shard_offsets) == list(offsets)))
@@ -81,7 +82,9 @@ def fused_optimizer_state_dict(ebc) -> dict:
     per state tensor (rowwise Adagrad: ``[E, column slices]``, one accumulator per row of
     each column slice; Adagrad, Adam: ``[E, D]``), and ``step`` (the step count, for Adam's
     bias correction)."""
-    out = {"step": torch.tensor(ebc.tbes[0].step if ebc.tbes else 0)}
+    # on the meta device (DMP(device="meta"): shapes only) there is no count to read: 0
+    on_meta = bool(ebc.tbes) and ebc.tbes[0].weights.is_meta
+    out = {"step": torch.tensor(ebc.tbes[0].step if ebc.tbes and not on_meta else 0)}
     shards = ebc.local_shards()
     for t, cfg in enumerate(ebc.table_configs()):
         mine = [(lt, st) for lt, _, st in shards if lt.table == t]

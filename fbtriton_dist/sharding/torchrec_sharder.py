@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
 from torchrec.distributed.types import (
+    LazyNoWait,
     ModuleSharder,
     NoWait,
     ParameterSharding,
@@ -41,6 +43,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
 )
 from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.streamable import Multistreamable
 
 from fbtriton_dist import optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
@@ -137,6 +140,31 @@ class _Context:
                 self.dist_input.vbe.inverse.record_stream(stream)
 
 
+class _DistInput(Multistreamable):
+    """One step's ``InputDistOut`` (``.out``) as TorchRec's train pipelines carry the result
+    of an input dist: in a ``KJTList``, moved between CUDA streams by ``record_stream``."""
+
+    def __init__(self, out: InputDistOut) -> None:
+        self.out = out
+
+    def record_stream(self, stream) -> None:
+        out, lookup = self.out, self.out.lookup
+        tensors = [out.lengths, lookup.indices, lookup.offsets, lookup.per_sample_weights,
+                   *(t for group in lookup.groups for t in group),
+                   out.vbe.inverse if out.vbe is not None else None]
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(stream)
+
+
+def _input_of(dist_input) -> InputDistOut:
+    """The ``InputDistOut`` in what a pipeline hands ``compute``: a ``KJTList`` of one
+    ``_DistInput`` (TorchRec's pipelines, ``forward``), a ``_DistInput`` or itself."""
+    if isinstance(dist_input, KJTList):
+        dist_input = dist_input[0]
+    return dist_input.out if isinstance(dist_input, _DistInput) else dist_input
+
+
 class _FusedOptimizer(FusedOptimizer):
     """The sharded tables' optimizer as TorchRec's ``KeyedOptimizer``: params are the weights
     (``embedding_bags.<table>.weight``, ShardedTensor views of the live shards), state the
@@ -178,7 +206,14 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
     DMP expects: ``input_dist(ctx, kjt)`` / ``compute(ctx, dist_input)`` /
     ``output_dist(ctx, partials)`` are its three stages; the forward returns the KeyedTensor
     itself (not a LazyAwaitable). State dict: the sharded collection's (TorchRec's keys,
-    ShardedTensor values)."""
+    ShardedTensor values).
+
+    TorchRec's train pipelines (``TrainPipelineSparseDist``, ``TrainPipelineSemiSync``,
+    ``PrefetchTrainPipelineSparseDist``) drive the stages themselves, so they get the shapes
+    TorchRec's own sharded modules give them: ``input_dist`` returns a
+    ``KJTListSplitsAwaitable`` whose two waits give a ``KJTList`` of one ``_DistInput`` (our
+    collectives have already run: every wait is a ``NoWait``), ``compute_and_output_dist``
+    a ``LazyNoWait`` of the output, ``prefetch`` does nothing (no cache to fill)."""
 
     def __init__(self, sharded: ShardedEmbeddingBagCollection, module_type: type) -> None:
         super().__init__()
@@ -190,17 +225,29 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
     def create_context(self) -> _Context:
         return _Context()
 
-    def input_dist(self, ctx: _Context, features) -> NoWait[NoWait[InputDistOut]]:
+    def input_dist(self, ctx: _Context, features) -> KJTListSplitsAwaitable:
         ctx.features = features
-        return NoWait(NoWait(self.sharded.input_dist(features)))  # its collectives run here
+        out = self.sharded.input_dist(features)  # its collectives run here
+        return KJTListSplitsAwaitable([NoWait(NoWait(_DistInput(out)))], ctx)
 
-    def compute(self, ctx: _Context, dist_input: InputDistOut) -> torch.Tensor:
-        ctx.dist_input = dist_input
-        return self.sharded.compute(dist_input.lookup)
+    def compute(self, ctx: _Context, dist_input) -> torch.Tensor:
+        ctx.dist_input = _input_of(dist_input)
+        return self.sharded.compute(ctx.dist_input.lookup)
 
     def output_dist(self, ctx: _Context, output: torch.Tensor):
         d = ctx.dist_input
         return self.sharded.output_dist(output, d.lengths, d.batch_sizes, d.vbe)
+
+    def compute_and_output_dist(self, ctx: _Context, dist_input) -> LazyNoWait:
+        """What TorchRec's pipelines call after the input dist: the output, as the
+        ``LazyAwaitable`` TorchRec's modules return (it waits on first use)."""
+        return LazyNoWait(self.output_dist(ctx, self.compute(ctx, dist_input)))
+
+    def forward(self, features):
+        """The sharded collection's forward: the output itself, not an awaitable."""
+        ctx = self.create_context()
+        return self.output_dist(ctx, self.compute(ctx, self.input_dist(ctx, features).wait()
+                                                  .wait()))
 
     @property
     def unsharded_module_type(self) -> type:
@@ -261,7 +308,10 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             annotated the tables with.
         local_world_size: ranks per host of the plan (table-row-wise and grid tables stay in a
             host); default TorchRec's ``get_local_size`` (``LOCAL_WORLD_SIZE``).
-        backend, comm: passed to ``fbtriton_dist.shard()``.
+        backend, comm: passed to ``fbtriton_dist.shard()``. The embedding gradients are
+            divided by the world size unless ``comm.gradient_division`` is False or, with it
+            None (the default), TorchRec's ``comm_ops.set_gradient_division(False)`` was
+            called before DMP sharded the model: the same rule as TorchRec's own modules.
     """
 
     def __init__(
@@ -322,9 +372,20 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         plan = to_fbtd_plan(self._configs(module), params, env.world_size, H)
         sharded = shard(
             module, plan, env.process_group, device,
-            optimizer=self._optimizer, backend=self._backend, comm=self._comm,
+            optimizer=self._optimizer, backend=self._backend, comm=self._comm_options(),
         )
         return self._wrapper(sharded, type(module))
+
+
+    def _comm_options(self) -> CommOptions:
+        """``comm``, with ``gradient_division`` None resolved as TorchRec's sharders do:
+        ``torchrec.distributed.comm_ops.get_gradient_division()`` now (default True)."""
+        comm = self._comm if self._comm is not None else CommOptions()
+        if comm.gradient_division is not None:
+            return comm
+        from torchrec.distributed.comm_ops import get_gradient_division
+
+        return dataclasses.replace(comm, gradient_division=bool(get_gradient_division()))
 
 
 class EmbeddingCollectionSharder(EmbeddingBagCollectionSharder):

@@ -23,6 +23,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
+               gradient_division: true,           # embedding gradients / R, as TorchRec
                comm: {wire_dtype: fp32, dedup: false,     # fp32 | bf16 | fp16 on the wire
                       fixed_shapes: false, max_ids: null}}   # no host sync per step
     optimizer:
@@ -285,6 +286,10 @@ class ShardingConfig:
     """Ranks per host; None: torchrun's LOCAL_WORLD_SIZE."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Wire dtype and id dedup of the sharded collections."""
+    gradient_division: bool = True
+    """Divide the embedding gradients by the world size in backward (TorchRec's default; the
+    dense gradients are averaged over the ranks): a learning rate means the same on any
+    number of ranks. false: the ranks' embedding gradients are summed (R times larger)."""
 
     def __post_init__(self) -> None:
         _check_optional(check_name, "plan", self.plan)
@@ -294,6 +299,7 @@ class ShardingConfig:
             raise FieldError("reserved", f"expected a number < 1, got {self.reserved}")
         check_choice("row_cuts", self.row_cuts, ("balanced", "equal"))
         _check_optional(check_int, "local_world_size", self.local_world_size, 1)
+        _check_bool("gradient_division", self.gradient_division)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -370,7 +370,8 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
         wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
         graph = mode == "graph"
         comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
-                           max_ids=max_ids_bound(cfg) if graph else c.max_ids)
+                           max_ids=max_ids_bound(cfg) if graph else c.max_ids,
+                           gradient_division=cfg.sharding.gradient_division)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
                                     optimizer=_embedding_optimizer(cfg.optimizer.embedding),
                                     backend=cfg.backend)

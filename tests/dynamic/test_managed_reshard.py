@@ -186,11 +186,14 @@ def _grad(which, step, width):
 
 
 def _train(module, which, steps, lo, hi):
-    """Train ``steps`` on samples ``[lo, hi)``: each step's output."""
+    """Train ``steps`` on samples ``[lo, hi)``: each step's output. A sharded module divides
+    its gradients by its world size R, so its rank's gradient is R times its slice: every
+    world size then takes the unsharded module's step on the whole batch."""
     outs = []
+    R = module.layout.world_size if hasattr(module, "layout") else 1
     for step in steps:
         out = module(_kjt(_batch(which, step), lo, hi)).values()
-        out.backward(_grad(which, step, out.shape[1])[lo:hi])
+        out.backward(_grad(which, step, out.shape[1])[lo:hi] * R)
         outs.append(out.detach().clone())
     return outs
 

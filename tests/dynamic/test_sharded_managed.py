@@ -218,7 +218,7 @@ def _case(rank, world, opt_name):
         batch = _global_batch(step, sum(sizes))
         remapped = _reference_remap(ref, owners, batch, sizes, step, update=True)
         out_ref = ref(_kjt(remapped, 0, sum(sizes))).values()
-        dense(out_ref).sum().backward()
+        (dense(out_ref).sum() / world).backward()  # the sharded gradients are divided by R
         out = sharded(_kjt(batch, lo, lo + sizes[rank], reverse=rank % 2 == 1)).values()
         dense_s(out).sum().backward()
         report[f"step{step}.out"] = (out - out_ref[lo : lo + sizes[rank]]).abs().max().item()

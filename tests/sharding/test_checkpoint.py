@@ -27,7 +27,8 @@ def _step(sharded, rank, world, step):
     out = sharded(_kjt(*batch, lo, lo + sizes[rank]).to(device())).values()
     g = torch.Generator().manual_seed(50 + step)
     grad = torch.randn(GLOBAL_B, out.shape[1], generator=g)[lo : lo + sizes[rank]]
-    out.backward(grad.to(out.device))
+    # times R: the sharded gradients are divided by R, so any world size takes the same step
+    out.backward(grad.to(out.device) * world)
 
 
 def _save(rank, world, path):

@@ -4,9 +4,10 @@ The model: an EmbeddingBagCollection (ours under DMP, TorchRec's as the referenc
 Linear on its pooled output; the tables carry TorchRec's ``apply_optimizer_in_backward``
 annotation (the fused optimizer), the Linear a plain SGD. Every rank runs the reference on the
 whole global batch in one process (TorchRec's own EBC, updated by torch's in-backward hooks)
-and DMP on its slice. DDP averages the Linear's gradient over the ranks while the tables see
-the sum, so the reference's Linear steps with lr / R. After each of 3 steps: this rank's
-outputs; after the last: every table's full weights and the Linear."""
+and DMP on its slice. DDP averages the Linear's gradient over the ranks and the tables'
+gradients are divided by R (TorchRec's gradient division), so the reference's loss is the
+global batch's sum divided by R. After each of 3 steps: this rank's outputs; after the last:
+every table's full weights and optimizer state and the Linear."""
 
 import copy
 
@@ -130,13 +131,13 @@ def _one_dmp_run(rank, world, planned_by):
     sharded = dmp.module.ebc
     assert isinstance(sharded, DMPShardedEmbeddingBagCollection)
     dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "top" in n], LR_DENSE)
-    ref_opt = torch.optim.SGD(ref.top.parameters(), LR_DENSE / world)
+    ref_opt = torch.optim.SGD(ref.top.parameters(), LR_DENSE)
 
     lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
     report = {}
     for step in range(3):
         out_ref = ref(_batch(configs, step, 0, sum(BATCH)))
-        out_ref.sum().backward()
+        (out_ref.sum() / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         out = dmp(_batch(configs, step, lo, hi))
@@ -305,3 +306,93 @@ def test_torchrec_plans_we_cannot_take_are_refused():
         to_fbtd_plan(configs, no_spec, 2, 2)
     with pytest.raises(ValueError, match="rank"):  # a shard on rank 1 of a 1-rank job
         to_fbtd_plan(configs, tr, 1, 1)
+
+
+def test_dmp_on_the_meta_device_builds_like_torchrecs(tmp_path):
+    """DMP(device="meta") (shapes only, as for planning or a later load): our sharded module
+    and its fused optimizer view are built with no step count to read, and DMP's state dict
+    and fused optimizer have TorchRec's keys and global sizes. One rank, in this process;
+    ``init_data_parallel=False`` as TorchRec wants on meta (its DDP wrap reads the dense
+    parameters)."""
+    import torch.distributed as dist
+    import torchrec
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as Theirs
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+
+    meta = torch.device("meta")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        seen = {}
+        for side, cls, sharder in (
+            ("ours", fbtriton_dist.EmbeddingBagCollection,
+             EmbeddingBagCollectionSharder(local_world_size=1)),
+            ("torchrec", torchrec.EmbeddingBagCollection, Theirs()),
+        ):
+            tables = [c for c in _configs() if c.name in ("tw", "rw", "cw")]
+            model = _Model(cls(tables=copy.deepcopy(tables), device=meta))
+            apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+            from torchrec.distributed import sharding_plan as sp
+            from torchrec.distributed.types import ShardingPlan
+
+            per_table = {"tw": sp.table_wise(rank=0), "rw": sp.row_wise(),
+                         "cw": sp.column_wise(ranks=[0, 0])}
+            plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(
+                model.ebc, per_table, sharder=sharder, local_size=1, world_size=1,
+                device_type="cpu")})
+            dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan, device=meta,
+                                           init_data_parallel=False)
+            state = dmp.state_dict()
+            seen[side] = (
+                {k: tuple(v.size()) for k, v in state.items()},
+                sorted(dmp.fused_optimizer.state_dict()["state"]),
+                sorted(k for k, v in state.items() if isinstance(v, ShardedTensor)),
+            )
+        assert seen["ours"] == seen["torchrec"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("torchrec_division,comm_division,want", [
+    (True, None, True), (False, None, False), (False, True, True), (True, False, False),
+])
+def test_our_sharders_follow_torchrecs_gradient_division_switch(
+    tmp_path, torchrec_division, comm_division, want
+):
+    """``CommOptions(gradient_division=None)`` (the default) under DMP takes TorchRec's
+    ``comm_ops.set_gradient_division`` at shard time; True / False override it. One rank, in
+    this process (what the switch does to a step: tests/sharding/test_grad_scale.py)."""
+    import torch.distributed as dist
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding import CommOptions
+    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    before = comm_ops.get_gradient_division()
+    try:
+        comm_ops.set_gradient_division(torchrec_division)
+        model = _Model(fbtriton_dist.EmbeddingBagCollection(tables=_configs()[:2]))
+        apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+        sharder = EmbeddingBagCollectionSharder(
+            local_world_size=1, comm=CommOptions(gradient_division=comm_division))
+        from torchrec.distributed import sharding_plan as sp
+        from torchrec.distributed.types import ShardingPlan
+
+        plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(
+            model.ebc, {"tw": sp.table_wise(rank=0), "rw": sp.row_wise()}, sharder=sharder,
+            local_size=1, world_size=1, device_type="cpu")})
+        dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan)
+        assert dmp.module.ebc.sharded.comm.gradient_division is want
+    finally:
+        comm_ops.set_gradient_division(before)
+        dist.destroy_process_group()

@@ -82,7 +82,7 @@ def _dmp_vs_torchrec(rank, world):
         lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
         for step in range(3):
             want, want_loss = ref(_batch(configs, step, 0, sum(BATCH)))
-            want_loss.backward()
+            (want_loss / world).backward()  # the sharded gradients are divided by R
             got, got_loss = dmp(_batch(configs, step, lo, hi))
             got_loss.backward()
             err = 0.0

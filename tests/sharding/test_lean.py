@@ -81,7 +81,7 @@ def _empty_rank_and_dedup(rank, world):
     for step in range(3):
         batch = _global_batch(configs, sum(sizes), step, weighted)
         want = ref(_kjt(*batch, 0, sum(sizes)).to(dev)).values()
-        (want * C).sum().backward()
+        ((want * C).sum() / world).backward()  # the sharded gradients are divided by R
         mine = C[lo : lo + sizes[rank]]
         local = _kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1).to(dev)
         outs = []
@@ -168,13 +168,13 @@ def _wire_dtype(rank, world, wire):
         C = torch.randn(sum(sizes), sum(c.embedding_dim * len(c.feature_names) for c in configs),
                         generator=torch.Generator().manual_seed(3)).to(dev)
         want = ref(kjt).values()
-        (want * C).sum().backward()
+        ((want * C).sum() / world).backward()  # the sharded gradients are divided by R
         with torch.no_grad():  # sum|terms| of each pooled value, and of each weight change
             terms = abs_ref(kjt).values()
             mine = slice(lo, lo + sizes[rank])
             w0 = {k: v.clone() for k, v in abs_ref.state_dict().items()}
         abs_ref.requires_grad_(True)
-        grads = torch.autograd.grad((abs_ref(kjt).values() * C.abs()).sum(),
+        grads = torch.autograd.grad((abs_ref(kjt).values() * C.abs()).sum() / world,
                                     [abs_ref.embedding_bags[c.name].weight for c in configs])
         local = _kjt(*batch, lo, lo + sizes[rank]).to(dev)
         got = sharded(local).values()
@@ -410,8 +410,10 @@ def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
     from fbtriton_dist.sharding import CommOptions
 
     for default, fixed in run_ranks(_job_comms, 2):  # one start-up of the ranks for both
-        assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True)]
-        assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000)]
+        # the job says sharding.gradient_division (default true) explicitly
+        assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True,
+                                       gradient_division=True)]
+        assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000, gradient_division=True)]
 
 
 def _job_comms(rank, world):

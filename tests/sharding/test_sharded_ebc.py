@@ -3,8 +3,10 @@
 Every rank builds the same unsharded EmbeddingBagCollection (the reference) and shards a copy
 with a hand-made plan (uneven row cuts, every sharding type alone and all mixed). Each step
 rank r feeds its slice of a global batch (unequal local batch sizes) to the sharded module;
-the reference runs the whole global batch in one process. Outputs, the gradient of a dense
-layer on top, and after 3 fused steps the weights and optimizer states must agree."""
+the reference runs the whole global batch in one process, its loss the ranks' summed loss
+divided by R (the sharded tables' gradients are divided by R, as TorchRec's; the ranks' dense
+gradients are averaged, as DDP's). Outputs, the gradient of a dense layer on top, and after 3
+fused steps the weights and optimizer states must agree."""
 
 import copy
 
@@ -169,13 +171,14 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, weighted, H=None):
     for step in range(3):
         batch = _global_batch(configs, sum(sizes), step, weighted)
         out_ref = ref(_kjt(*batch, 0, sum(sizes)).to(dev)).values()
-        dense(out_ref).sum().backward()
+        (dense(out_ref).sum() / world).backward()
         local = _kjt(*batch, lo, lo + sizes[rank], reverse_keys=rank % 2 == 1)
         out = sharded(local.to(dev)).values()
         dense_s(out).sum().backward()
         grads = [p.grad.clone() for p in dense_s.parameters()]
         for gr in grads:
             dist.all_reduce(gr)
+            gr /= world
         report[f"step{step}.out"] = (out - out_ref[lo : lo + sizes[rank]]).abs().max().item()
         report[f"step{step}.dense_grad"] = max(
             (a - p.grad).abs().max().item() for a, p in zip(grads, dense.parameters(), strict=True)

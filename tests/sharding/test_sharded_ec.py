@@ -108,7 +108,9 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, torchrec_module=False):
     for step in range(3):
         batch = _feature_batch(configs, sum(sizes), step)
         out_ref = ref(_kjt(*batch, 0, sum(sizes)).to(dev))
-        sum(dense[n.replace("@", "_")](out_ref[n].values()).sum() for n in names).backward()
+        # the sharded tables' gradients are divided by R: the reference's loss too
+        (sum(dense[n.replace("@", "_")](out_ref[n].values()).sum() for n in names)
+         / world).backward()
         local = _kjt(*batch, lo, hi, reverse_keys=rank % 2 == 1).to(dev)
         out = sharded(local)
         assert list(out) == names
@@ -125,6 +127,7 @@ def _sharded_vs_unsharded(rank, world, kind, opt_name, torchrec_module=False):
         grads = [p.grad.clone() for p in dense_s.parameters()]
         for g in grads:
             dist.all_reduce(g)
+            g /= world  # averaged, as DDP does
         report[f"step{step}.dense_grad"] = max(
             (a - p.grad).abs().max().item() for a, p in zip(grads, dense.parameters(), strict=True)
         )
@@ -280,7 +283,7 @@ def _ebc_and_ec(rank, world):
     for step in range(3):
         batch = _feature_batch(configs, sum(sizes), step)
         want_pooled, want_rows, want_loss = ref(_kjt(*batch, 0, sum(sizes)).to(dev))
-        want_loss.backward()
+        (want_loss / world).backward()  # the sharded gradients are divided by R
         got_pooled, got_rows, got_loss = model(_kjt(*batch, lo, hi).to(dev))
         got_loss.backward()
         report[f"step{step}.pooled"] = (got_pooled - want_pooled[lo:hi]).abs().max().item()
@@ -290,6 +293,7 @@ def _ebc_and_ec(rank, world):
         grads = [p.grad.clone() for p in (model.pooled_proj, *model.row_proj.values())]
         for g in grads:
             dist.all_reduce(g)
+            g /= world
         wants = [ref.pooled_proj.grad, *(p.grad for p in ref.row_proj.values())]
         report[f"step{step}.dense_grad"] = max(
             (a - b).abs().max().item() for a, b in zip(grads, wants, strict=True))
@@ -346,7 +350,7 @@ def _ec_step(sharded, rank, world, step):
     g = torch.Generator().manual_seed(50 + step)
     loss = sum((jt.values() * torch.randn(jt.values().shape[1], generator=g)).sum()
                for jt in out.values())
-    loss.backward()
+    (loss * world).backward()  # the gradients are divided by R: the same step on any R
 
 
 def _ec_save(rank, world, path):

@@ -119,13 +119,14 @@ def _vbe_vs_unsharded(rank, world, kind, opt_name, weighted, dedup=False):
     for step in range(3):
         bags = _bags(configs, world, step, weighted)
         out_ref = ref(_global_kjt(configs, bags, world).to(dev)).values()
-        dense(out_ref).sum().backward()
+        (dense(out_ref).sum() / world).backward()  # the tables' gradients are divided by R
         out = sharded(_local_kjt(configs, bags, rank, reverse=rank == 1).to(dev)).values()
         assert out.shape == (B, total_D)
         dense_s(out).sum().backward()
         grads = [p.grad.clone() for p in dense_s.parameters()]
         for gr in grads:
             dist.all_reduce(gr)
+            gr /= world
         report[f"step{step}.out"] = (out - out_ref[lo : lo + B]).abs().max().item() if B else 0
         report[f"step{step}.dense_grad"] = max(
             (a - p.grad).abs().max().item() for a, p in zip(grads, dense.parameters(), strict=True)
