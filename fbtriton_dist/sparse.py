@@ -132,7 +132,10 @@ def kjt_sequences(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> 
     bounds = torch.tensor([0, *accumulate(strides)], device=lengths.device)
     cum = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=cum[1:])
-    ends = cum[bounds].tolist()
+    smallest = lengths.amin().view(1).to(torch.int64) if lengths.numel() else cum[:1]
+    *ends, low = torch.cat([cum[bounds], smallest]).tolist()  # one host read
+    if low < 0:
+        raise negative_length_error(lengths, keys, strides)
     per_key = [b - a for a, b in zip(ends, ends[1:], strict=False)]
     if ends[-1] != values.numel():
         bad = next((k for k, e in zip(keys, ends[1:], strict=True) if e > values.numel()),
@@ -254,7 +257,13 @@ def vbe_kjt_to_batch(
     keys, strides, values, weights, rows, B = _vbe_meta(features, feature_names, weighted)
     lengths = features.lengths()
     per_key_lengths = list(torch.split(lengths, strides))
-    per_key_ids = torch.stack([seg.sum() for seg in per_key_lengths]).tolist() if keys else []
+    per_key_ids = []
+    if keys:  # the per-key id counts and the smallest length in one host read
+        smallest = lengths.amin().view(1) if lengths.numel() else lengths.new_zeros(1)
+        *per_key_ids, low = torch.cat(
+            [torch.stack([seg.sum() for seg in per_key_lengths]), smallest]).tolist()
+        if low < 0:
+            raise negative_length_error(lengths, keys, strides)
     if sum(per_key_ids) != values.numel():
         raise ValueError(
             f"KeyedJaggedTensor: lengths add up to {sum(per_key_ids)} ids in all, but values "
@@ -313,6 +322,25 @@ def vbe_kjt_parts(
                     batch_size=P, strides=tuple(strides), inverse=rows)
 
 
+def negative_length_error(lengths: torch.Tensor, keys: Sequence[str],
+                          strides: Sequence[int]) -> ValueError:
+    """The error for ``lengths`` (a KJT's, key after key, ``strides[k]`` bags per key) that
+    hold a negative length: it names the feature, the bag and the length (one host read; call
+    it only once a negative length is known to be there)."""
+    flat = lengths.reshape(-1)
+    first = int((flat < 0).nonzero()[0, 0])
+    start = 0
+    for key, stride in zip(keys, strides, strict=True):
+        if first < start + stride:
+            return ValueError(
+                f"KeyedJaggedTensor feature '{key}': lengths[{first - start}] = "
+                f"{int(flat[first])} (bag {first - start} of {stride}) is negative; a length is "
+                "the number of ids in a bag, 0 or more")
+        start += stride
+    return ValueError(f"KeyedJaggedTensor: lengths[{first}] = {int(flat[first])} is negative; "
+                      "a length is the number of ids in a bag, 0 or more")
+
+
 def kjt_to_batch(
     features: KeyedJaggedTensor, feature_names: Sequence[str], weighted: bool
 ) -> JaggedBatch:
@@ -346,7 +374,13 @@ def order_batch(
     """
     K, B = lengths.shape
     keys = list(keys) if keys is not None else [f"#{k}" for k in range(K)]
-    per_key = lengths.sum(dim=1).tolist() if K else []
+    per_key = []
+    if K and B:  # the per-key id counts and the smallest length in one host read
+        *per_key, smallest = torch.cat([lengths.sum(dim=1), lengths.amin().view(1)]).tolist()
+        if smallest < 0:
+            raise negative_length_error(lengths, keys, [B] * K)
+    elif K:
+        per_key = [0] * K
     if sum(per_key) != values.numel():
         ends = list(accumulate(per_key))
         bad = next((k for k, e in zip(keys, ends, strict=True) if e > values.numel()), keys[-1])

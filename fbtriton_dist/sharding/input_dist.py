@@ -410,7 +410,7 @@ class InputDist:
         keyed = self.tables_for(parts.keys)
         B, N = parts.batch_size, parts.values.numel()
         offsets = self.bag_offsets(parts)
-        bad_lengths = offsets[-1] != N
+        bad_lengths = (offsets[-1] != N) | (parts.lengths < 0).any()  # explain() names it
         if B == 0 or not self.sfs:
             ids = parts.values.new_zeros(0).to(torch.int64)
             w = parts.weights.new_zeros(0) if parts.weights is not None else None

@@ -292,6 +292,12 @@ def test_variable_batch_size_and_key_order():
             [3, 2, 1],
             r"feature 'f2': lengths add up to 4 ids in all, but values holds 3",
         ),
+        (  # the lengths add up to the values; only the sign of one is wrong
+            ["f1", "f2"],
+            [2, -1, 1, 1],
+            [3, 2, 1],
+            r"feature 'f1': lengths\[1\] = -1 \(bag 1 of 2\) is negative",
+        ),
     ],
 )
 def test_bad_kjt_names_the_feature(keys, lengths, values, message):

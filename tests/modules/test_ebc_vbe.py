@@ -146,3 +146,12 @@ def test_vbe_bad_inputs_name_the_feature_and_bound():
                                 inverse_indices=(["item", "user"], inverse[:2]))
     with pytest.raises(ValueError, match=r"no row for features \['user_hist'\]"):
         ours(lacking)
+    lengths = kjt.lengths().clone()  # user's first bag -1, item's first bag the rest: the
+    lengths[0] += lengths[6] + 1     # lengths still add up to the values
+    lengths[6] = -1
+    negative = KeyedJaggedTensor(keys=KEYS, values=kjt.values(), lengths=lengths,
+                                 stride_per_key_per_rank=[[STRIDES[k]] for k in KEYS],
+                                 inverse_indices=kjt.inverse_indices())
+    with pytest.raises(ValueError, match=r"feature 'user': lengths\[0\] = -1 \(bag 0 of 2\) "
+                                         "is negative"):
+        ours(negative)

@@ -215,3 +215,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="lengths add up to 3 ids in all, but values holds 2"):
         ours(KeyedJaggedTensor(keys=["user", "target", "history"], values=torch.tensor([0, 2]),
                                lengths=torch.tensor([1, 1, 1])))
+    with pytest.raises(ValueError, match=r"feature 'target': lengths\[0\] = -1 \(bag 0 of 1\) "
+                                         "is negative"):  # adds up to the values all the same
+        ours(KeyedJaggedTensor(keys=["user", "target", "history"], values=torch.tensor([0, 0]),
+                               lengths=torch.tensor([2, -1, 1])))

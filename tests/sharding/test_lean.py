@@ -358,6 +358,31 @@ def test_lengths_that_overrun_the_values_stop_every_rank():
     assert "rank(s) [0] found bad input" in text
 
 
+def _negative_length(rank, world):
+    from torchrec import KeyedJaggedTensor
+
+    import fbtriton_dist
+
+    configs = _configs(False)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
+    sharded = fbtriton_dist.shard(ebc, _plan("mixed", world), optimizer=fbtriton_dist.optim.SGD())
+    names = [f for c in configs for f in c.feature_names]
+    lengths = torch.ones(len(names), dtype=torch.int64)
+    if rank == 0:  # still adds up to the values: only the sign is wrong
+        lengths[0], lengths[-1] = 3, -1
+    kjt = KeyedJaggedTensor(keys=names, values=torch.zeros(len(names), dtype=torch.int64),
+                            lengths=lengths)
+    sharded(kjt.to(device()))
+
+
+def test_a_negative_length_on_one_rank_stops_every_rank():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_negative_length, 3, timeout=120)
+    text = str(info.value)
+    assert "is negative" in text and f"feature '{_configs(False)[-1].feature_names[-1]}'" in text
+    assert text.count("rank(s) [0] found bad input") == 2  # ranks 1 and 2 say who
+
+
 def test_unique_per_destination_and_message_layout():
     """Dedup's pieces alone, in one process: each destination's distinct ids and the inverse
     map that gives its ids back; a message is deduplicated only where that is smaller."""
