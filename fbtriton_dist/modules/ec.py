@@ -121,7 +121,7 @@ class EmbeddingCollection(TableGroups):
             for t in range(len(tables))
         ]
         self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
-        self._op_handle = ebc_op.register(self)
+        self._alias_states()
         self.id_managers = (
             ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
             if managed else None
@@ -163,10 +163,6 @@ class EmbeddingCollection(TableGroups):
         if getattr(self, "id_managers", None) is not None:  # managed tables: empty maps
             self.id_managers.reset()
 
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
-
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """KeyedJaggedTensor (keys in any order, a batch size per key allowed) -> one
         JaggedTensor per (table, feature), config order.
@@ -190,17 +186,21 @@ class EmbeddingCollection(TableGroups):
                                   weights=ids[i] if self._need_indices else None)
         return dict(zip(self._embedding_names, out, strict=True))
 
-    def _groups_of(self, ids: list[torch.Tensor]):
+    def _groups_of(self, ids: list[torch.Tensor], bound: list | None = None):
         """Per dtype group, bound to the parameters' storage: (tbe, its members, parameters,
         fused optimizer or None, indices, offsets (one bag per feature), first position of
-        each of its features in ``ids``' order)."""
+        each of its features in ``ids``' order). ``bound``: (parameters, fused optimizer) of
+        each group, the TBEs already bound to them (``op_spec.bind``); default: this module's."""
         f0 = 0
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
-            self._bind(tbe, params)
-            fused = self._sync_optimizer(tbe, members)
-            if fused is not None:
-                refuse_data_parallel("EmbeddingCollection")
+        for g, (tbe, members) in enumerate(zip(self._tbes, self._groups.values(), strict=True)):
+            if bound is not None:
+                params, fused = bound[g]
+            else:
+                params = self._group_params(members)
+                self._bind(tbe, params)
+                fused = self._sync_optimizer(tbe, members)
+                if fused is not None:
+                    refuse_data_parallel("EmbeddingCollection")
             mine = ids[f0 : f0 + tbe.num_features]
             indices = mine[0] if len(mine) == 1 else torch.cat(mine)
             # one bag per feature: without pooling only which ids are whose matters
@@ -209,22 +209,24 @@ class EmbeddingCollection(TableGroups):
             yield tbe, members, params, fused, indices, offsets, starts, f0
             f0 += tbe.num_features
 
-    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True) -> list[torch.Tensor]:
+    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True,
+                bound: list | None = None) -> list[torch.Tensor]:
         """Rows ``[ids of f, D_f]`` of every feature of ``_feature_order`` (its ``ids``)."""
         rows: list[torch.Tensor] = []
-        for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+        for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids, bound):
             targets = None if fused or not autograd else params
             out = tbe.lookup(indices, offsets, None, grad_targets=targets)
             for i in range(tbe.num_features):
                 rows.append(out[starts[i] : starts[i + 1], : self._dims[self._output_of[f0 + i]]])
         return rows
 
-    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool) -> list:
+    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool,
+                         bound: list | None = None) -> list:
         """``_lookup``'s backward (the registered op's): each table's weight gradient in
         config order (None for a fused table). ``update``: only apply the fused groups'
         optimizers to their rows in place; else every gradient, the rows untouched."""
         out: dict[int, torch.Tensor | None] = {}
-        for tbe, members, _, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+        for tbe, members, _, fused, indices, offsets, starts, f0 in self._groups_of(ids, bound):
             if update and fused is None:
                 continue
             width = max(tbe.tables[t][1] for t in range(len(tbe.tables)))
