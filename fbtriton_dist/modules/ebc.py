@@ -8,6 +8,7 @@ one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serve
 
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
+from typing import List, Optional  # TorchRec's stable interface spells them so
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_fo
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import (
+    EmbeddingBagConfig,
     JaggedBatch,
     KeyedJaggedTensor,
     KeyedTensor,
@@ -68,9 +70,9 @@ class EmbeddingBagCollection(TableGroups):
 
     def __init__(
         self,
-        tables: Sequence,
+        tables: List[EmbeddingBagConfig],  # noqa: UP006 (TorchRec's exact annotation)
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
+        device: Optional[torch.device] = None,
         *,
         backend: str = "auto",
         bounds_check: str = "error",
@@ -206,7 +208,7 @@ class EmbeddingBagCollection(TableGroups):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    def embedding_bag_configs(self) -> list:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     @property
@@ -233,6 +235,9 @@ class EmbeddingBagCollection(TableGroups):
 
     def _scripted_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
         order = [keys.index(f) for f in self._config_features]
         params: list[torch.Tensor] = []
         for bag in self.embedding_bags.values():

@@ -19,6 +19,8 @@ in place to the rows and states it is given. So a graph holding the op (FX, ``to
 stride) and is an FX leaf (``torch.fx.wrap``), as TorchRec's KJT helpers are.
 """
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -26,7 +28,13 @@ from fbtriton_dist.modules import (
     op_spec,
     portable,  # noqa: F401 (registers ebc_portable_lookup)
 )
-from fbtriton_dist.sparse import keyed_tensor, kjt_parts, order_batch, unorder_weights_grad
+from fbtriton_dist.sparse import (
+    KeyedJaggedTensor,
+    keyed_tensor,
+    kjt_parts,
+    order_batch,
+    unorder_weights_grad,
+)
 
 
 @torch.compiler.assume_constant_result
@@ -45,14 +53,34 @@ def traced(features) -> bool:
     return values.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(values)
 
 
-@torch.fx.wrap
-def _kjt_inputs(features, feature_names: list[str], weighted: bool):
-    """(values, lengths [K, B], weights or None, order): host metadata only."""
+@torch.jit.unused
+def _eager_kjt_inputs(
+    features: KeyedJaggedTensor, feature_names: list[str], weighted: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], list[int]]:
     parts = kjt_parts(features, feature_names, weighted)
     keys = list(parts.keys)
     order = [keys.index(f) for f in feature_names]
     lengths = parts.lengths.reshape(len(keys), parts.batch_size)
     return parts.values, lengths, parts.weights, order
+
+
+@torch.fx.wrap
+def _kjt_inputs(
+    features: KeyedJaggedTensor, feature_names: list[str], weighted: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], list[int]]:
+    """(values, lengths [K, B], weights or None, order): host metadata only. TorchScript
+    compiles it too (an FX graph holding it can be scripted): there, the checks are
+    TorchScript's plain ones."""
+    if torch.jit.is_scripting():
+        keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
+        order = [keys.index(f) for f in feature_names]
+        lengths = features.lengths().view(len(keys), features.stride())
+        weights = features.weights_or_none() if weighted else None
+        return features.values(), lengths, weights, order
+    return _eager_kjt_inputs(features, feature_names, weighted)
 
 
 def forward(module, features):

@@ -7,18 +7,19 @@ a view into the flat buffer of one TableBatchedEmbedding (``pooling="none"``) pe
 kernel launch looks up every table of a dtype.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from itertools import accumulate
+from typing import List, Optional  # TorchRec's stable interface spells them so
 
 import torch
 from torch import nn
 
-from fbtriton_dist.modules import ebc_op, ec_op
+from fbtriton_dist.modules import ebc_op, ec_op, portable
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
-from fbtriton_dist.sparse import JaggedTensor, KeyedJaggedTensor, kjt_sequences
+from fbtriton_dist.sparse import EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, kjt_sequences
 
 
 class EmbeddingCollection(TableGroups):
@@ -31,6 +32,8 @@ class EmbeddingCollection(TableGroups):
         device: where the tables live; ``"meta"`` allocates nothing.
         need_indices: each output JaggedTensor carries its feature's ids as ``weights()``
             (TorchRec's convention).
+        use_gather_select, use_gather_select_per_sharding: TorchRec's lookup choices, accepted
+            for its signature; one kernel serves every case here.
         backend, bounds_check: passed to each TableBatchedEmbedding.
         managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids,
             ``modules/managed.py``), as EmbeddingBagCollection's.
@@ -43,14 +46,19 @@ class EmbeddingCollection(TableGroups):
     TBE backward instead (the classes of ``optim.REGISTRY``).
     """
 
+    # host-side state torch.jit.script need not type (the scripted forward reads none of it)
+    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_configs", "_table_configs",
+                                  "_embedding_names_by_table"]
     _tables_attr = "embeddings"
     _group_what = "dtype"
 
     def __init__(
         self,
-        tables: Sequence,
-        device: torch.device | str | None = None,
+        tables: List[EmbeddingConfig],  # noqa: UP006 (TorchRec's exact annotation)
+        device: Optional[torch.device] = None,
         need_indices: bool = False,
+        use_gather_select: bool = False,
+        use_gather_select_per_sharding: Optional[dict[str, bool]] = None,
         *,
         backend: str = "auto",
         bounds_check: str = "error",
@@ -121,6 +129,9 @@ class EmbeddingCollection(TableGroups):
             for t in range(len(tables))
         ]
         self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
+        # the scripted forward's plain lookup (``portable.rows``), in config order
+        self._config_features = [f for cfg in tables for f in cfg.feature_names]
+        self._config_feature_tables = [t for t, cfg in enumerate(tables) for _ in cfg.feature_names]
         self._alias_states()
         self.id_managers = (
             ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
@@ -139,7 +150,7 @@ class EmbeddingCollection(TableGroups):
     def need_indices(self) -> bool:
         return self._need_indices
 
-    def embedding_configs(self) -> list:
+    def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._embedding_configs
 
     def embedding_names_by_table(self) -> list[list[str]]:
@@ -168,7 +179,37 @@ class EmbeddingCollection(TableGroups):
         JaggedTensor per (table, feature), config order.
 
         Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
-        lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``)."""
+        lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``).
+        Under ``torch.jit.script`` (inference) it is ``portable.rows``, plain torch ops."""
+        if torch.jit.is_scripting():
+            return self._scripted_forward(features)
+        return self._forward(features)
+
+    def _scripted_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
+        values, lengths = features.values(), features.lengths()
+        ids_per_key = features.length_per_key()
+        strides = features.stride_per_key()
+        params: list[torch.Tensor] = []
+        for emb in self.embeddings.values():
+            params.append(emb.weight)
+        out: dict[str, JaggedTensor] = {}
+        for j in range(len(self._config_features)):
+            k = keys.index(self._config_features[j])
+            ids = values.narrow(0, sum(ids_per_key[:k]), ids_per_key[k])
+            rows = portable.rows(ids, params[self._config_feature_tables[j]],
+                                 self._embedding_names[j])
+            out[self._embedding_names[j]] = JaggedTensor(
+                values=rows, lengths=lengths.narrow(0, sum(strides[:k]), strides[k]),
+                weights=ids if self._need_indices else None,
+            )
+        return out
+
+    @torch.jit.unused
+    def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if self.id_managers is not None:
             features = managed_forward(self, features)
         if ebc_op.traced(features):

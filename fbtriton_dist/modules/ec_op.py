@@ -21,18 +21,39 @@ from torch import Tensor
 
 from fbtriton_dist.modules import op_spec
 from fbtriton_dist.modules.ebc_op import spec
-from fbtriton_dist.sparse import check_sequence_keys
+from fbtriton_dist.sparse import KeyedJaggedTensor, check_sequence_keys
+
+
+@torch.jit.unused
+def _eager_keys(features: KeyedJaggedTensor, feature_names: list[str]) -> list[str]:
+    return check_sequence_keys(features, feature_names)
+
+
+@torch.jit.unused
+def _eager_ids_per_key(features: KeyedJaggedTensor) -> list[int]:
+    return [int(n) if not isinstance(n, torch.SymInt) else n for n in features.length_per_key()]
 
 
 @torch.fx.wrap
-def _kjt_inputs(features, feature_names: list[str]):
-    """(values, ids per key (host), order, each feature's lengths, each feature's ids)."""
-    keys = check_sequence_keys(features, feature_names)
+def _kjt_inputs(
+    features: KeyedJaggedTensor, feature_names: list[str]
+) -> tuple[Tensor, list[int], list[int], list[Tensor], list[Tensor]]:
+    """(values, ids per key (host), order, each feature's lengths, each feature's ids).
+    TorchScript compiles it too (an FX graph holding it can be scripted)."""
+    if torch.jit.is_scripting():
+        keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
+        ids_per_key = features.length_per_key()
+    else:
+        keys = _eager_keys(features, feature_names)
+        ids_per_key = _eager_ids_per_key(features)
     values = features.values()
-    ids_per_key = [int(n) if not isinstance(n, torch.SymInt) else n
-                   for n in features.length_per_key()]
     order = [keys.index(f) for f in feature_names]
-    all_lengths, per_key, at = features.lengths(), [], 0
+    all_lengths = features.lengths()
+    per_key: list[Tensor] = []
+    at = 0
     for stride in features.stride_per_key():
         per_key.append(all_lengths[at : at + stride])
         at += stride

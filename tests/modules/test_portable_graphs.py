@@ -27,7 +27,7 @@ class _Bags(torch.nn.Module):
         super().__init__()
         self.ebc = ebc
 
-    def forward(self, kjt):
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         return self.ebc(kjt).values()
 
 
@@ -36,9 +36,9 @@ class _Sequences(torch.nn.Module):
         super().__init__()
         self.ec = ec
 
-    def forward(self, kjt):
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         out = self.ec(kjt)
-        return torch.cat([out[k].values() for k in sorted(out)])
+        return torch.cat([out[k].values() for k in sorted(out.keys())])
 
 
 def _pair(kind: str):
