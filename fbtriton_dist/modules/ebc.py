@@ -8,7 +8,7 @@ one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serve
 
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import List, Optional  # TorchRec's stable interface spells them so
+from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
 import torch
 from torch import nn

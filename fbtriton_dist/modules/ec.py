@@ -9,7 +9,7 @@ kernel launch looks up every table of a dtype.
 
 from collections.abc import Mapping
 from itertools import accumulate
-from typing import List, Optional  # TorchRec's stable interface spells them so
+from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
 import torch
 from torch import nn

@@ -7,7 +7,7 @@ duplicated KJT key."""
 import copy
 import inspect
 import io
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional  # noqa: UP035 (TorchRec's interface spells them so)
 
 import pytest
 import torch
