@@ -13,7 +13,7 @@ from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface sp
 import torch
 from torch import nn
 
-from fbtriton_dist.modules import ebc_op, portable
+from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
@@ -383,3 +383,7 @@ def _init_table(cfg, weight: torch.Tensor) -> None:
         cfg.init_fn(weight)
     else:
         weight.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+
+
+op_spec.MODULES[EmbeddingBagCollection.__name__] = EmbeddingBagCollection  # traced ops rebuild it
+torchrec_ir.register(EmbeddingBagCollection)  # where torchrec has torchrec.ir

@@ -14,7 +14,7 @@ from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface sp
 import torch
 from torch import nn
 
-from fbtriton_dist.modules import ebc_op, ec_op, portable
+from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
@@ -285,3 +285,7 @@ class EmbeddingCollection(TableGroups):
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt}" for dt, m in self._groups.items())
         return f"tables: {groups}, need_indices={self._need_indices}"
+
+
+op_spec.MODULES[EmbeddingCollection.__name__] = EmbeddingCollection  # traced ops rebuild it
+torchrec_ir.register(EmbeddingCollection)  # where torchrec has torchrec.ir

@@ -28,6 +28,9 @@ from torch import Tensor, nn
 from fbtriton_dist import optim
 from fbtriton_dist.modules.table_groups import OP_STATES
 
+MODULES: dict[str, type] = {}
+"""Class name -> the collection class (``ebc.py`` and ``ec.py`` add theirs when imported)."""
+
 FORMAT = 1
 """The spec's layout version; a program traced with another one is refused."""
 
@@ -92,18 +95,20 @@ def parse(spec: str) -> dict:
 @functools.lru_cache(maxsize=64)
 def skeleton(spec: str, device: str):
     """The collection of ``spec`` on the meta device, its TBEs' layout on ``device``."""
-    from fbtriton_dist.modules.ebc import EmbeddingBagCollection
-    from fbtriton_dist.modules.ec import EmbeddingCollection
-
     s = parse(spec)
+    cls = MODULES.get(s["module"])
+    if cls is None:
+        raise RuntimeError(
+            f"fbtriton_dist lookup op: expected one of the collections {sorted(MODULES)}, got "
+            f"{s['module']!r}; import fbtriton_dist.modules.ebc and fbtriton_dist.modules.ec "
+            "(they register the ops and the collections) before running or loading a program"
+        )
     configs = [SimpleNamespace(**t, init_fn=None) for t in s["tables"]]
     options = {"device": "meta", "backend": s["backend"], "bounds_check": s["bounds_check"]}
     if s["module"] == "EmbeddingBagCollection":
-        module = EmbeddingBagCollection(configs, is_weighted=s["is_weighted"], **options)
-    elif s["module"] == "EmbeddingCollection":
-        module = EmbeddingCollection(configs, need_indices=s["need_indices"], **options)
+        module = cls(configs, is_weighted=s["is_weighted"], **options)
     else:
-        raise RuntimeError(f"fbtriton_dist lookup op: unknown module {s['module']!r} in its spec")
+        module = cls(configs, need_indices=s["need_indices"], **options)
     for tbe, group in zip(module._tbes, s["groups"], strict=True):
         tbe._set_layout_buffers(torch.device(device))
         tbe.seed, tbe.stochastic_rounding = group["seed"], group["stochastic_rounding"]

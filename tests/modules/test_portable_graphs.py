@@ -153,10 +153,10 @@ def test_export_then_unflatten_runs_like_torchrec(kind):
         torch.testing.assert_close(unflat(kjt), theirs(kjt), atol=1e-6, rtol=1e-6)
 
 
-# ``fbtriton_dist`` imports lazily: importing the op modules registers the lookup ops
+# ``fbtriton_dist`` imports lazily: the collections' modules register the lookup ops
 _LOADER = """
 import sys, torch, torchrec
-import fbtriton_dist.modules.ebc_op, fbtriton_dist.modules.ec_op
+import fbtriton_dist.modules.ec  # (and .ebc)
 ep = torch.export.load(sys.argv[1])
 kjt = torchrec.KeyedJaggedTensor(**torch.load(sys.argv[2]))
 torch.save(ep.module()(kjt), sys.argv[3])
