@@ -19,6 +19,7 @@ in place to the rows and states it is given. So a graph holding the op (FX, ``to
 stride) and is an FX leaf (``torch.fx.wrap``), as TorchRec's KJT helpers are.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -103,12 +104,16 @@ def forward(module, features):
     return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
 
 
+@contextlib.contextmanager
 def _bound(values, lengths, weights, params, states, spec, order):
     """(the skeleton bound to ``params`` and ``states``, its ``bound``, packed copies, the
-    batch in the module's feature order)."""
+    batch in the module's feature order), released after the call."""
     module = op_spec.skeleton(spec, str(params[0].device))
     bound, packed = op_spec.bind(module, params, states)
-    return module, bound, packed, order_batch(values, lengths, weights, order)
+    try:
+        yield module, bound, packed, order_batch(values, lengths, weights, order)
+    finally:
+        op_spec.release(module)
 
 
 @torch.library.custom_op("fbtriton_dist::ebc_lookup", mutates_args=())
@@ -121,9 +126,9 @@ def ebc_lookup(
     spec: str,
     order: list[int],
 ) -> Tensor:
-    module, bound, _, batch = _bound(values, lengths, weights, params, states, spec, order)
-    with torch.no_grad():
-        return module._lookup(batch, bound)
+    with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
+        with torch.no_grad():
+            return module._lookup(batch, bound)
 
 
 @ebc_lookup.register_fake
@@ -147,18 +152,18 @@ def ebc_lookup_backward(
     """[the weights' gradient ([1] if not asked for), one per table: its weight's gradient
     ``[E, D]`` (a 1-D placeholder for a table with a fused optimizer: ``ebc_fused_update``
     updates it)]. Placeholders hold one element: returns may not share storage."""
-    module, bound, _, batch = _bound(values, lengths, weights, params, states, spec, order)
-    g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False,
-                                              bound=bound)
-    out = [
-        unorder_weights_grad(g_psw, lengths, order)
-        if g_psw is not None
-        else values.new_zeros(1, dtype=torch.float32)
-    ]
-    # (the tables' gradients are views of one flat gradient: returns may not alias)
-    for g, p in zip(g_tables, params, strict=True):
-        out.append(g.clone() if g is not None else p.new_zeros(1))
-    return out
+    with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
+        g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False,
+                                                  bound=bound)
+        out = [
+            unorder_weights_grad(g_psw, lengths, order)
+            if g_psw is not None
+            else values.new_zeros(1, dtype=torch.float32)
+        ]
+        # (the tables' gradients are views of one flat gradient: returns may not alias)
+        for g, p in zip(g_tables, params, strict=True):
+            out.append(g.clone() if g is not None else p.new_zeros(1))
+        return out
 
 
 @ebc_lookup_backward.register_fake
@@ -184,9 +189,10 @@ def ebc_fused_update(
     """The fused optimizers' in-place update of the rows of ``params`` and of ``states``
     (momenta, step). ``after``: an output of ``ebc_lookup_backward``, which reads the rows
     before the update (a data dependency, so that no compiler runs this first)."""
-    module, bound, packed, batch = _bound(values, lengths, weights, params, states, spec, order)
-    module._lookup_backward(batch, grad.contiguous(), False, update=True, bound=bound)
-    op_spec.copy_back(packed)
+    inputs = (values, lengths, weights, params, states, spec, order)
+    with _bound(*inputs) as (module, bound, packed, batch):
+        module._lookup_backward(batch, grad.contiguous(), False, update=True, bound=bound)
+        op_spec.copy_back(packed)
 
 
 @ebc_fused_update.register_fake

@@ -16,6 +16,8 @@ the given rows and states).
 its lengths by key; it is an FX leaf (``torch.fx.wrap``), as TorchRec's KJT helpers are.
 """
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -83,19 +85,23 @@ def forward(module, features):
                            [lengths[i] for i in range(n)])
 
 
+@contextlib.contextmanager
 def _bound(values, ids_per_key, params, states, spec, order):
     module = op_spec.skeleton(spec, str(params[0].device))
     bound, packed = op_spec.bind(module, params, states)
-    return module, bound, packed, _ids(values, ids_per_key, order)
+    try:
+        yield module, bound, packed, _ids(values, ids_per_key, order)
+    finally:
+        op_spec.release(module)
 
 
 @torch.library.custom_op("fbtriton_dist::ec_lookup", mutates_args=())
 def ec_lookup(values: Tensor, ids_per_key: list[int], params: list[Tensor], states: list[Tensor],
               spec: str, order: list[int]) -> list[Tensor]:
-    module, bound, _, ids = _bound(values, ids_per_key, params, states, spec, order)
-    with torch.no_grad():
-        rows = module._lookup(ids, autograd=False, bound=bound)
-    return [r.clone() for r in rows]  # outputs of a custom op may not share storage
+    with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, _, ids):
+        with torch.no_grad():
+            rows = module._lookup(ids, autograd=False, bound=bound)
+        return [r.clone() for r in rows]  # outputs of a custom op may not share storage
 
 
 @ec_lookup.register_fake
@@ -111,10 +117,10 @@ def ec_lookup_backward(grads: list[Tensor], values: Tensor, ids_per_key: list[in
                        order: list[int]) -> list[Tensor]:
     """One per table: its weight's gradient ``[E, D]``, or a one-element placeholder for a
     table with a fused optimizer (``ec_fused_update`` updates it)."""
-    module, bound, _, ids = _bound(values, ids_per_key, params, states, spec, order)
-    g_tables = module._lookup_backward(ids, list(grads), update=False, bound=bound)
-    return [g.clone() if g is not None else p.new_zeros(1)
-            for g, p in zip(g_tables, params, strict=True)]
+    with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, _, ids):
+        g_tables = module._lookup_backward(ids, list(grads), update=False, bound=bound)
+        return [g.clone() if g is not None else p.new_zeros(1)
+                for g, p in zip(g_tables, params, strict=True)]
 
 
 @ec_lookup_backward.register_fake
@@ -129,9 +135,9 @@ def ec_fused_update(grads: list[Tensor], values: Tensor, ids_per_key: list[int],
                     after: Tensor) -> None:
     """The fused optimizers' in-place update of the rows of ``params`` and of ``states``;
     ``after``: an output of ``ec_lookup_backward`` (it reads the rows before the update)."""
-    module, bound, packed, ids = _bound(values, ids_per_key, params, states, spec, order)
-    module._lookup_backward(ids, list(grads), update=True, bound=bound)
-    op_spec.copy_back(packed)
+    with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, packed, ids):
+        module._lookup_backward(ids, list(grads), update=True, bound=bound)
+        op_spec.copy_back(packed)
 
 
 @ec_fused_update.register_fake

@@ -177,6 +177,15 @@ def bind(module, params: list[Tensor], states: list[Tensor]):
     return bound, packed
 
 
+def release(module) -> None:
+    """Let go of the tensors ``bind`` gave a cached skeleton (they may be a whole model's)."""
+    for tbe in module._tbes:
+        tbe.weights = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
+        if tbe.optimizer is not None:
+            for name in OP_STATES:
+                setattr(tbe, name, torch.empty(0, device="meta"))
+
+
 def copy_back(packed) -> None:
     """A fused update of packed weights, written into the tensors they were packed from."""
     with torch.no_grad():
