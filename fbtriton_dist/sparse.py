@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+from torchrec.modules.embedding_configs import (  # noqa: F401  (re-exported: the modules'
+    EmbeddingBagConfig,  # constructors are annotated as TorchRec's stable interface)
+    EmbeddingConfig,
+)
 from torchrec.sparse.jagged_tensor import (
     JaggedTensor,  # noqa: F401  (re-exported: the EC's output)
     KeyedJaggedTensor,
@@ -164,8 +168,8 @@ def _check_keys(features: KeyedJaggedTensor, feature_names: Sequence[str]) -> li
     duplicated = sorted({k for k in keys if keys.count(k) > 1})
     if duplicated:
         raise ValueError(
-            f"KeyedJaggedTensor keys: expected each key once, got {duplicated} more than once "
-            f"in {keys}"
+            f"KeyedJaggedTensor keys must be unique: expected each key once, got {duplicated} "
+            f"more than once in {keys}"
         )
     missing = [f for f in dict.fromkeys(feature_names) if f not in keys]
     if missing:

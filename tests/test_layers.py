@@ -104,6 +104,7 @@ TORCHREC_FILES = (
     "sharding/pipeline.py",  # the CUDA-graph pipeline rebuilds the batch's KJT on static buffers
     "sharding/torchrec_sharder.py",  # a ModuleSharder: TorchRec's DMP shards ours via shard()
     "modules/ir.py",  # TorchRec's IR counterpart: EmbeddingBagConfigs to and from JSON
+    "modules/torchrec_ir.py",  # registers our collections with torchrec.ir where it exists
     "train/data.py",  # batches carry KJTs; RandomRecDataset is the random source
     "train/job.py",  # the model: torchrec's DLRM, EmbeddingBagConfig, optimizer-in-backward
     "bench/",  # TorchRec and FBGEMM are the peers we measure against

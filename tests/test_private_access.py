@@ -27,7 +27,7 @@ import torch
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-BUDGET = 39
+BUDGET = 37
 """Cross-file private attribute accesses in the package today (target: 10 or fewer): 35 are
 modules/ebc_op.py and ec_op.py reading their collection's state, 4 bench/tbe_sweep.py toggling the
 kernels' launchers."""

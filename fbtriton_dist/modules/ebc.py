@@ -8,16 +8,18 @@ one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serve
 
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
+from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
 import torch
 from torch import nn
 
-from fbtriton_dist.modules import ebc_op, portable
+from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.sparse import (
+    EmbeddingBagConfig,
     JaggedBatch,
     KeyedJaggedTensor,
     KeyedTensor,
@@ -70,9 +72,9 @@ class EmbeddingBagCollection(TableGroups):
 
     def __init__(
         self,
-        tables: Sequence,
+        tables: List[EmbeddingBagConfig],  # noqa: UP006 (TorchRec's exact annotation)
         is_weighted: bool = False,
-        device: torch.device | str | None = None,
+        device: Optional[torch.device] = None,
         *,
         backend: str = "auto",
         bounds_check: str = "error",
@@ -178,7 +180,7 @@ class EmbeddingBagCollection(TableGroups):
             start[k], col = col, col + dims[k]
         src = [start[k] + d for k in range(len(dims)) for d in range(dims[k])]
         self._column_order = None if src == list(range(col)) else torch.tensor(src, device="cpu")
-        self._op_handle = ebc_op.register(self)
+        self._alias_states()
         self._portable_export = False  # ir.encapsulate_ir_modules sets it
         self.reset_parameters()
         # after the weights' draws: its seed is drawn as a ManagedCollisionCollection's
@@ -208,7 +210,7 @@ class EmbeddingBagCollection(TableGroups):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
-    def embedding_bag_configs(self) -> list:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     @property
@@ -219,10 +221,6 @@ class EmbeddingBagCollection(TableGroups):
         """``torch.export`` records the lookup as the portable op that ``ir.deserialize``
         rebuilds (``ir.encapsulate_ir_modules`` turns it on)."""
         self._portable_export = bool(enabled)
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
 
     def reset_parameters(self) -> None:
         """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max), and
@@ -244,6 +242,9 @@ class EmbeddingBagCollection(TableGroups):
 
     def _scripted_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
         order = [keys.index(f) for f in self._config_features]
         params: list[torch.Tensor] = []
         for bag in self.embedding_bags.values():
@@ -305,19 +306,23 @@ class EmbeddingBagCollection(TableGroups):
         values = flat.index_select(0, index.reshape(-1)).view(B, -1)
         return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
 
-    def _group_batches(self, batch: JaggedBatch):
+    def _group_batches(self, batch: JaggedBatch, bound: list | None = None):
         """Per (dtype, pooling) group, bound to the parameters' storage: (tbe, its parameters,
         its fused optimizer or None, its indices, offsets, per-sample weights, (a, b): where
-        its ids are in ``batch.indices``)."""
+        its ids are in ``batch.indices``). ``bound``: (parameters, fused optimizer) of each
+        group, the TBEs already bound to them (``op_spec.bind``); default: this module's."""
         sizes = batch.batch_sizes or [batch.batch_size] * len(self._feature_order)
         bag_start = [0, *accumulate(sizes)]  # first bag of each feature (VBE or not)
         T_seen, ids_at = 0, None
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
-            self._bind(tbe, params)
-            fused = self.sync_optimizer(tbe, members)
-            if fused is not None:
-                refuse_data_parallel("EmbeddingBagCollection")
+        for g, (tbe, members) in enumerate(zip(self._tbes, self._groups.values(), strict=True)):
+            if bound is not None:
+                params, fused = bound[g]
+            else:
+                params = self._group_params(members)
+                self._bind(tbe, params)
+                fused = self.sync_optimizer(tbe, members)
+                if fused is not None:
+                    refuse_data_parallel("EmbeddingBagCollection")
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             a, b = 0, indices.numel()
@@ -332,11 +337,12 @@ class EmbeddingBagCollection(TableGroups):
             yield tbe, params, fused, indices, offsets, psw, (a, b)
             T_seen += T
 
-    def _lookup(self, batch: JaggedBatch) -> torch.Tensor:
-        """Pooled ``[B, sum(D)]`` of a batch in ``_feature_order``, columns in config order."""
+    def _lookup(self, batch: JaggedBatch, bound: list | None = None) -> torch.Tensor:
+        """Pooled ``[B, sum(D)]`` of a batch in ``_feature_order``, columns in config order
+        (``bound``: as ``_group_batches``')."""
         pooled = [
             tbe.lookup(indices, offsets, psw, grad_targets=None if fused else params)
-            for tbe, params, fused, indices, offsets, psw, _ in self._group_batches(batch)
+            for tbe, params, fused, indices, offsets, psw, _ in self._group_batches(batch, bound)
         ]
         values = pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
         if self._column_order is not None:
@@ -344,7 +350,7 @@ class EmbeddingBagCollection(TableGroups):
         return values
 
     def _lookup_backward(self, batch: JaggedBatch, grad: torch.Tensor, psw_grad: bool,
-                         update: bool):
+                         update: bool, bound: list | None = None):
         """``_lookup``'s backward (the registered ops'): (the per-sample weights' gradient in
         batch order or None, each table's weight gradient in config order, None for a fused
         table). ``update``: only apply the fused groups' optimizers to their rows in place;
@@ -357,7 +363,7 @@ class EmbeddingBagCollection(TableGroups):
             grad_psw = torch.zeros_like(batch.per_sample_weights)
         groups = self._groups.values()
         for (tbe, _, fused, indices, offsets, psw, (a, b)), members in zip(
-            self._group_batches(batch), groups, strict=True
+            self._group_batches(batch, bound), groups, strict=True
         ):
             width = tbe.total_dim
             g = grad[:, col : col + width].contiguous()
@@ -384,3 +390,7 @@ def _init_table(cfg, weight: torch.Tensor) -> None:
         cfg.init_fn(weight)
     else:
         weight.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+
+
+op_spec.MODULES[EmbeddingBagCollection.__name__] = EmbeddingBagCollection  # traced ops rebuild it
+torchrec_ir.register(EmbeddingBagCollection)  # where torchrec has torchrec.ir

@@ -1,62 +1,47 @@
 """EmbeddingBagCollection's lookup as one registered op, for graphs and meta tensors.
 
 ``torch.ops.fbtriton_dist.ebc_lookup(values [N], lengths [K, B], weights [N] | None,
-params, handle, order) -> [B, sum(D)]``: a KJT's tensors in its own key order, the module's
-per-table weights (``embedding_bags.<t>.weight``, so that a graph sees what it reads), the
-module (``handle``, from ``register``) and which KJT key each of its features reads
-(``order``). The op runs the eager lookup (``EmbeddingBagCollection._lookup``), host reads
-included, inside it; its fake (meta) implementation only gives the output's shape, which
-depends on B alone. Its backward is the op ``ebc_lookup_backward``: the TBE backward of the
-same batch (``TableBatchedEmbedding.lookup_backward``), fused optimizer updates included.
+params, states, spec, order) -> [B, sum(D)]``: a KJT's tensors in its own key order, the
+module's per-table weights (``embedding_bags.<t>.weight``), each group's fused-optimizer state
+(``TableGroups._op_states``: step counter and momenta, the module's non-persistent buffers),
+the static layout (``spec``: ``op_spec.spec_of``, a JSON string) and which KJT key each of its
+features reads (``order``). The op is a function of these alone: it runs the eager lookup of
+the collection rebuilt from the spec (``op_spec.skeleton``, weights-free, cached) bound to the
+given tensors, host reads included; its fake (meta) implementation only gives the output's
+shape, which depends on B alone. Its backward is the op ``ebc_lookup_backward`` (the TBE
+backward of the same batch) and, for fused tables, ``ebc_fused_update``: the optimizer applied
+in place to the rows and states it is given. So a graph holding the op (FX, ``torch.export``,
+``torch.compile``) runs on a ``copy.deepcopy`` of its module, or in another process after
+``torch.export.save`` / ``load``, each updating its own tensors.
 
 ``forward`` is the module's forward under ``torch.fx`` tracing, ``torch.compile``,
 ``torch.export`` and on meta tensors: ``_kjt_inputs`` reads the KJT's host metadata (keys,
 stride) and is an FX leaf (``torch.fx.wrap``), as TorchRec's KJT helpers are.
-
-The handle is an int: a graph holding the op runs in the process of the module it was made
-from (an exported program is not portable to another process).
 """
 
-import itertools
-import weakref
+import contextlib
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from fbtriton_dist.modules import portable  # noqa: F401 (registers ebc_portable_lookup)
-from fbtriton_dist.sparse import keyed_tensor, kjt_parts, order_batch, unorder_weights_grad
-
-_MODULES: dict[int, weakref.ref] = {}
-_NEXT = itertools.count()
-
-
-def register(module) -> int:
-    """A handle for ``module`` (an EmbeddingBagCollection or EmbeddingCollection: a
-    ``TableGroups``), valid while it lives."""
-    handle = next(_NEXT)
-    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
-    return handle
+from fbtriton_dist.modules import (
+    op_spec,
+    portable,  # noqa: F401 (registers ebc_portable_lookup)
+)
+from fbtriton_dist.sparse import (
+    KeyedJaggedTensor,
+    keyed_tensor,
+    kjt_parts,
+    order_batch,
+    unorder_weights_grad,
+)
 
 
-def _module(handle: int, params: list[Tensor] | None = None, same_storage: bool = True):
-    ref = _MODULES.get(handle)
-    module = ref() if ref is not None else None
-    if module is None:
-        raise RuntimeError(
-            f"fbtriton_dist: no embedding collection with handle {handle} in this process; a "
-            "graph holding its lookup op runs only beside the module it was made from"
-        )
-    if params is not None:
-        ours = module._group_params(range(len(module._table_configs)))
-        if len(params) != len(ours) or any(
-            (same_storage and p.data_ptr() != q.data_ptr()) or p.shape != q.shape
-            for p, q in zip(params, ours, strict=False)
-        ):
-            raise RuntimeError(
-                "fbtriton_dist: the weights given to a lookup op are not those of the module "
-                f"the graph was made from (handle {handle}); trace or compile the copy itself"
-            )
-    return module
+@torch.compiler.assume_constant_result
+def spec(module) -> str:
+    """``op_spec.spec_of(module)``, a constant of the graph under ``torch.compile``."""
+    return op_spec.spec_of(module)
 
 
 def traced(features) -> bool:
@@ -69,9 +54,10 @@ def traced(features) -> bool:
     return values.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(values)
 
 
-@torch.fx.wrap
-def _kjt_inputs(features, feature_names: tuple[str, ...], weighted: bool):
-    """(values, lengths [K, B], weights or None, order): host metadata only."""
+@torch.jit.unused
+def _eager_kjt_inputs(
+    features: KeyedJaggedTensor, feature_names: list[str], weighted: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], list[int]]:
     parts = kjt_parts(features, feature_names, weighted)
     keys = list(parts.keys)
     order = [keys.index(f) for f in feature_names]
@@ -79,11 +65,30 @@ def _kjt_inputs(features, feature_names: tuple[str, ...], weighted: bool):
     return parts.values, lengths, parts.weights, order
 
 
+@torch.fx.wrap
+def _kjt_inputs(
+    features: KeyedJaggedTensor, feature_names: list[str], weighted: bool
+) -> tuple[Tensor, Tensor, Optional[Tensor], list[int]]:
+    """(values, lengths [K, B], weights or None, order): host metadata only. TorchScript
+    compiles it too (an FX graph holding it can be scripted): there, the checks are
+    TorchScript's plain ones."""
+    if torch.jit.is_scripting():
+        keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
+        order = [keys.index(f) for f in feature_names]
+        lengths = features.lengths().view(len(keys), features.stride())
+        weights = features.weights_or_none() if weighted else None
+        return features.values(), lengths, weights, order
+    return _eager_kjt_inputs(features, feature_names, weighted)
+
+
 def forward(module, features):
     """``module(features)`` through the registered op: a KeyedTensor in config order."""
     portable_export = module._portable_export  # ir.encapsulate_ir_modules: for elsewhere
     names = module._config_features if portable_export else module._feature_order
-    inputs = _kjt_inputs(features, tuple(names), module._is_weighted)
+    inputs = _kjt_inputs(features, list(names), module._is_weighted)
     values, lengths, weights, order = inputs[0], inputs[1], inputs[2], inputs[3]
     params = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
     if portable_export:
@@ -92,10 +97,23 @@ def forward(module, features):
             module._config_means, order, "\n".join(module._config_names),
         )
         return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
+    layout = spec(module)  # first: it syncs the fused optimizers, whose states come next
     out = torch.ops.fbtriton_dist.ebc_lookup(
-        values, lengths, weights, params, module._op_handle, order
+        values, lengths, weights, params, module._op_states(), layout, order
     )
     return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
+
+
+@contextlib.contextmanager
+def _bound(values, lengths, weights, params, states, spec, order):
+    """(the skeleton bound to ``params`` and ``states``, its ``bound``, packed copies, the
+    batch in the module's feature order), released after the call."""
+    module = op_spec.skeleton(spec, str(params[0].device))
+    bound, packed = op_spec.bind(module, params, states)
+    try:
+        yield module, bound, packed, order_batch(values, lengths, weights, order)
+    finally:
+        op_spec.release(module)
 
 
 @torch.library.custom_op("fbtriton_dist::ebc_lookup", mutates_args=())
@@ -104,21 +122,19 @@ def ebc_lookup(
     lengths: Tensor,
     weights: Tensor | None,
     params: list[Tensor],
-    handle: int,
+    states: list[Tensor],
+    spec: str,
     order: list[int],
 ) -> Tensor:
-    module = _module(handle, params)
-    batch = order_batch(values, lengths, weights, order)
-    with torch.no_grad():
-        return module._lookup(batch)
+    with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
+        with torch.no_grad():
+            return module._lookup(batch, bound)
 
 
 @ebc_lookup.register_fake
-def _(values, lengths, weights, params, handle, order):
-    module = _module(handle)
-    return params[0].new_empty(
-        (lengths.shape[1], sum(module._lengths_per_embedding)), dtype=torch.float32
-    )
+def _(values, lengths, weights, params, states, spec, order):
+    width = sum(op_spec.feature_dims(spec))
+    return params[0].new_empty((lengths.shape[1], width), dtype=torch.float32)
 
 
 @torch.library.custom_op("fbtriton_dist::ebc_lookup_backward", mutates_args=())
@@ -128,96 +144,83 @@ def ebc_lookup_backward(
     lengths: Tensor,
     weights: Tensor | None,
     params: list[Tensor],
-    handle: int,
+    states: list[Tensor],
+    spec: str,
     order: list[int],
     psw_grad: bool,
 ) -> list[Tensor]:
     """[the weights' gradient ([1] if not asked for), one per table: its weight's gradient
     ``[E, D]`` (a 1-D placeholder for a table with a fused optimizer: ``ebc_fused_update``
     updates it)]. Placeholders hold one element: returns may not share storage."""
-    module = _module(handle, params)
-    batch = order_batch(values, lengths, weights, order)
-    g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False)
-    out = [
-        unorder_weights_grad(g_psw, lengths, order)
-        if g_psw is not None
-        else values.new_zeros(1, dtype=torch.float32)
-    ]
-    # (the tables' gradients are views of one flat gradient: returns may not alias)
-    for g, p in zip(g_tables, params, strict=True):
-        out.append(g.clone() if g is not None else p.new_zeros(1))
-    return out
-
-
-def _fused_tables(module) -> set[int]:
-    return {
-        t
-        for members in module._groups.values()
-        if module._fused_optimizer(members) is not None
-        for t in members
-    }
+    with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
+        g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False,
+                                                  bound=bound)
+        out = [
+            unorder_weights_grad(g_psw, lengths, order)
+            if g_psw is not None
+            else values.new_zeros(1, dtype=torch.float32)
+        ]
+        # (the tables' gradients are views of one flat gradient: returns may not alias)
+        for g, p in zip(g_tables, params, strict=True):
+            out.append(g.clone() if g is not None else p.new_zeros(1))
+        return out
 
 
 @ebc_lookup_backward.register_fake
-def _(grad, values, lengths, weights, params, handle, order, psw_grad):
-    fused = _fused_tables(_module(handle))
+def _(grad, values, lengths, weights, params, states, spec, order, psw_grad):
+    fused = op_spec.fused_tables(spec)
     out = [torch.empty_like(weights) if psw_grad else values.new_empty(1, dtype=torch.float32)]
     out += [p.new_empty(1) if t in fused else torch.empty_like(p) for t, p in enumerate(params)]
     return out
 
 
-@torch.library.custom_op("fbtriton_dist::ebc_fused_update", mutates_args=("params",))
+@torch.library.custom_op("fbtriton_dist::ebc_fused_update", mutates_args=("params", "states"))
 def ebc_fused_update(
     grad: Tensor,
     values: Tensor,
     lengths: Tensor,
     weights: Tensor | None,
     params: list[Tensor],
-    handle: int,
+    states: list[Tensor],
+    spec: str,
     order: list[int],
     after: Tensor,
 ) -> None:
-    """The fused optimizers' in-place update of their tables' rows (and states, step).
-    ``after``: an output of ``ebc_lookup_backward``, which reads the rows before the update
-    (a data dependency, so that no compiler runs this first).
-
-    Functionalized (torch.compile, export) the op may be given copies of ``params``, which
-    are then copied back into them: the module's rows are updated, then copied into those."""
-    module = _module(handle, params, same_storage=False)
-    batch = order_batch(values, lengths, weights, order)
-    module._lookup_backward(batch, grad.contiguous(), False, update=True)
-    ours = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
-    with torch.no_grad():
-        for p, q in zip(params, ours, strict=True):
-            if p.data_ptr() != q.data_ptr():
-                p.copy_(q)
+    """The fused optimizers' in-place update of the rows of ``params`` and of ``states``
+    (momenta, step). ``after``: an output of ``ebc_lookup_backward``, which reads the rows
+    before the update (a data dependency, so that no compiler runs this first)."""
+    inputs = (values, lengths, weights, params, states, spec, order)
+    with _bound(*inputs) as (module, bound, packed, batch):
+        module._lookup_backward(batch, grad.contiguous(), False, update=True, bound=bound)
+        op_spec.copy_back(packed)
 
 
 @ebc_fused_update.register_fake
-def _(grad, values, lengths, weights, params, handle, order, after):
+def _(grad, values, lengths, weights, params, states, spec, order, after):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    values, lengths, weights, params, handle, order = inputs
-    ctx.handle, ctx.order, ctx.num_params = handle, order, len(params)
+    values, lengths, weights, params, states, spec, order = inputs
+    ctx.spec, ctx.order, ctx.num_params = spec, order, len(params)
     ctx.weighted = weights is not None
-    ctx.save_for_backward(values, lengths, weights, *params)
+    ctx.save_for_backward(values, lengths, weights, *params, *states)
 
 
 def _backward(ctx, grad):
-    values, lengths, weights, *params = ctx.saved_tensors
+    values, lengths, weights, *tensors = ctx.saved_tensors
+    params, states = tensors[: ctx.num_params], tensors[ctx.num_params :]
     psw_grad = ctx.weighted and ctx.needs_input_grad[2]
     out = torch.ops.fbtriton_dist.ebc_lookup_backward(
-        grad, values, lengths, weights, params, ctx.handle, ctx.order, psw_grad
+        grad, values, lengths, weights, params, states, ctx.spec, ctx.order, psw_grad
     )
-    if _fused_tables(_module(ctx.handle)):  # after the gradients, which read the old rows
+    if op_spec.fused_tables(ctx.spec):  # after the gradients, which read the old rows
         torch.ops.fbtriton_dist.ebc_fused_update(
-            grad, values, lengths, weights, params, ctx.handle, ctx.order, out[0]
+            grad, values, lengths, weights, params, states, ctx.spec, ctx.order, out[0]
         )
     g_psw = out[0] if psw_grad else None
     g_params = [g if g.dim() == 2 else None for g in out[1:]]
-    return None, None, g_psw, g_params, None, None
+    return None, None, g_psw, g_params, [None] * len(states), None, None
 
 
 ebc_lookup.register_autograd(_backward, setup_context=_setup_context)

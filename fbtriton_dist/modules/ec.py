@@ -7,18 +7,19 @@ a view into the flat buffer of one TableBatchedEmbedding (``pooling="none"``) pe
 kernel launch looks up every table of a dtype.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from itertools import accumulate
+from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
 import torch
 from torch import nn
 
-from fbtriton_dist.modules import ebc_op, ec_op
+from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
-from fbtriton_dist.sparse import JaggedTensor, KeyedJaggedTensor, kjt_sequences
+from fbtriton_dist.sparse import EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, kjt_sequences
 
 
 class EmbeddingCollection(TableGroups):
@@ -31,6 +32,8 @@ class EmbeddingCollection(TableGroups):
         device: where the tables live; ``"meta"`` allocates nothing.
         need_indices: each output JaggedTensor carries its feature's ids as ``weights()``
             (TorchRec's convention).
+        use_gather_select, use_gather_select_per_sharding: TorchRec's lookup choices, accepted
+            for its signature; one kernel serves every case here.
         backend, bounds_check: passed to each TableBatchedEmbedding.
         managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids,
             ``modules/managed.py``), as EmbeddingBagCollection's.
@@ -43,14 +46,19 @@ class EmbeddingCollection(TableGroups):
     TBE backward instead (the classes of ``optim.REGISTRY``).
     """
 
+    # host-side state torch.jit.script need not type (the scripted forward reads none of it)
+    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_configs", "_table_configs",
+                                  "_embedding_names_by_table"]
     _tables_attr = "embeddings"
     _group_what = "dtype"
 
     def __init__(
         self,
-        tables: Sequence,
-        device: torch.device | str | None = None,
+        tables: List[EmbeddingConfig],  # noqa: UP006 (TorchRec's exact annotation)
+        device: Optional[torch.device] = None,
         need_indices: bool = False,
+        use_gather_select: bool = False,
+        use_gather_select_per_sharding: Optional[dict[str, bool]] = None,
         *,
         backend: str = "auto",
         bounds_check: str = "error",
@@ -121,7 +129,10 @@ class EmbeddingCollection(TableGroups):
             for t in range(len(tables))
         ]
         self._dims = [cfg.embedding_dim for cfg in tables for _ in cfg.feature_names]
-        self._op_handle = ebc_op.register(self)
+        # the scripted forward's plain lookup (``portable.rows``), in config order
+        self._config_features = [f for cfg in tables for f in cfg.feature_names]
+        self._config_feature_tables = [t for t, cfg in enumerate(tables) for _ in cfg.feature_names]
+        self._alias_states()
         self.id_managers = (
             ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
             if managed else None
@@ -139,7 +150,7 @@ class EmbeddingCollection(TableGroups):
     def need_indices(self) -> bool:
         return self._need_indices
 
-    def embedding_configs(self) -> list:
+    def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._embedding_configs
 
     def embedding_names_by_table(self) -> list[list[str]]:
@@ -163,16 +174,42 @@ class EmbeddingCollection(TableGroups):
         if getattr(self, "id_managers", None) is not None:  # managed tables: empty maps
             self.id_managers.reset()
 
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._op_handle = ebc_op.register(self)  # a copy (deepcopy, pickle) gets its own
-
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """KeyedJaggedTensor (keys in any order, a batch size per key allowed) -> one
         JaggedTensor per (table, feature), config order.
 
         Traced (``torch.fx``, ``torch.compile``, ``torch.export``) or on meta tensors, the
-        lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``)."""
+        lookup is one registered op, ``torch.ops.fbtriton_dist.ec_lookup`` (``ec_op``).
+        Under ``torch.jit.script`` (inference) it is ``portable.rows``, plain torch ops."""
+        if torch.jit.is_scripting():
+            return self._scripted_forward(features)
+        return self._forward(features)
+
+    def _scripted_forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        keys = features.keys()
+        for k in keys:
+            if keys.count(k) > 1:
+                raise ValueError("KeyedJaggedTensor keys must be unique")
+        values, lengths = features.values(), features.lengths()
+        ids_per_key = features.length_per_key()
+        strides = features.stride_per_key()
+        params: list[torch.Tensor] = []
+        for emb in self.embeddings.values():
+            params.append(emb.weight)
+        out: dict[str, JaggedTensor] = {}
+        for j in range(len(self._config_features)):
+            k = keys.index(self._config_features[j])
+            ids = values.narrow(0, sum(ids_per_key[:k]), ids_per_key[k])
+            rows = portable.rows(ids, params[self._config_feature_tables[j]],
+                                 self._embedding_names[j])
+            out[self._embedding_names[j]] = JaggedTensor(
+                values=rows, lengths=lengths.narrow(0, sum(strides[:k]), strides[k]),
+                weights=ids if self._need_indices else None,
+            )
+        return out
+
+    @torch.jit.unused
+    def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if self.id_managers is not None:
             features = managed_forward(self, features)
         if ebc_op.traced(features):
@@ -190,17 +227,21 @@ class EmbeddingCollection(TableGroups):
                                   weights=ids[i] if self._need_indices else None)
         return dict(zip(self._embedding_names, out, strict=True))
 
-    def _groups_of(self, ids: list[torch.Tensor]):
+    def _groups_of(self, ids: list[torch.Tensor], bound: list | None = None):
         """Per dtype group, bound to the parameters' storage: (tbe, its members, parameters,
         fused optimizer or None, indices, offsets (one bag per feature), first position of
-        each of its features in ``ids``' order)."""
+        each of its features in ``ids``' order). ``bound``: (parameters, fused optimizer) of
+        each group, the TBEs already bound to them (``op_spec.bind``); default: this module's."""
         f0 = 0
-        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
-            self._bind(tbe, params)
-            fused = self.sync_optimizer(tbe, members)
-            if fused is not None:
-                refuse_data_parallel("EmbeddingCollection")
+        for g, (tbe, members) in enumerate(zip(self._tbes, self._groups.values(), strict=True)):
+            if bound is not None:
+                params, fused = bound[g]
+            else:
+                params = self._group_params(members)
+                self._bind(tbe, params)
+                fused = self.sync_optimizer(tbe, members)
+                if fused is not None:
+                    refuse_data_parallel("EmbeddingCollection")
             mine = ids[f0 : f0 + tbe.num_features]
             indices = mine[0] if len(mine) == 1 else torch.cat(mine)
             # one bag per feature: without pooling only which ids are whose matters
@@ -209,22 +250,24 @@ class EmbeddingCollection(TableGroups):
             yield tbe, members, params, fused, indices, offsets, starts, f0
             f0 += tbe.num_features
 
-    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True) -> list[torch.Tensor]:
+    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True,
+                bound: list | None = None) -> list[torch.Tensor]:
         """Rows ``[ids of f, D_f]`` of every feature of ``_feature_order`` (its ``ids``)."""
         rows: list[torch.Tensor] = []
-        for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+        for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids, bound):
             targets = None if fused or not autograd else params
             out = tbe.lookup(indices, offsets, None, grad_targets=targets)
             for i in range(tbe.num_features):
                 rows.append(out[starts[i] : starts[i + 1], : self._dims[self._output_of[f0 + i]]])
         return rows
 
-    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool) -> list:
+    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool,
+                         bound: list | None = None) -> list:
         """``_lookup``'s backward (the registered op's): each table's weight gradient in
         config order (None for a fused table). ``update``: only apply the fused groups'
         optimizers to their rows in place; else every gradient, the rows untouched."""
         out: dict[int, torch.Tensor | None] = {}
-        for tbe, members, _, fused, indices, offsets, starts, f0 in self._groups_of(ids):
+        for tbe, members, _, fused, indices, offsets, starts, f0 in self._groups_of(ids, bound):
             if update and fused is None:
                 continue
             width = max(tbe.tables[t][1] for t in range(len(tbe.tables)))
@@ -242,3 +285,7 @@ class EmbeddingCollection(TableGroups):
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt}" for dt, m in self._groups.items())
         return f"tables: {groups}, need_indices={self._need_indices}"
+
+
+op_spec.MODULES[EmbeddingCollection.__name__] = EmbeddingCollection  # traced ops rebuild it
+torchrec_ir.register(EmbeddingCollection)  # where torchrec has torchrec.ir

@@ -70,6 +70,19 @@ def pooled(
     return torch.cat(out, dim=1)
 
 
+def rows(ids: Tensor, table: Tensor, name: str) -> Tensor:
+    """``[N, D]`` fp32: the rows of ``table`` ([E, D]) for ``ids`` [N] (an EmbeddingCollection's
+    scripted lookup, output ``name``); ids outside the table raise."""
+    if ids.numel() > 0:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= table.size(0):
+            E = table.size(0)
+            raise ValueError(
+                f"KeyedJaggedTensor {name}: ids in [{lo}, {hi}], outside the table's [0, {E})"
+            )
+    return table.index_select(0, ids.long()).float()
+
+
 @torch.library.custom_op("fbtriton_dist::ebc_portable_lookup", mutates_args=())
 def ebc_portable_lookup(
     values: Tensor,

@@ -3,6 +3,7 @@ per-table parameters that are views into the flat buffer of one ``TableBatchedEm
 group of tables, kept bound to it across ``.to()`` / ``load_state_dict(assign=True)``, and the
 fused optimizer that ``apply_optimizer_in_backward`` annotations ask for."""
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +11,9 @@ from torch import nn
 
 from fbtriton_dist import optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+
+OP_STATES = ("_step", "momentum1", "momentum2")
+"""A TableBatchedEmbedding's fused-optimizer state, as the registered lookup ops take it."""
 
 
 class TableGroups(nn.Module):
@@ -44,6 +48,22 @@ class TableGroups(nn.Module):
         its tables."""
         return list(zip(self._tbes, self._groups.values(), strict=True))
 
+    def __deepcopy__(self, memo):
+        """A copy with its own tensors, as ``nn.Module``'s, whose parameters keep the
+        ``apply_optimizer_in_backward`` annotations (``Parameter.__deepcopy__`` drops them):
+        the copy trains with the same fused optimizer, on its own state."""
+        other = self.__class__.__new__(self.__class__)
+        memo[id(self)] = other
+        for key, value in self.__dict__.items():
+            other.__dict__[key] = copy.deepcopy(value, memo)
+        everything = range(len(self._table_configs))
+        for p, q in zip(self._group_params(everything), other._group_params(everything),
+                        strict=True):
+            for attr in ("_optimizer_classes", "_optimizer_kwargs"):
+                if hasattr(p, attr):
+                    setattr(q, attr, copy.deepcopy(getattr(p, attr), memo))
+        return other
+
     def _bind(self, tbe: TableBatchedEmbedding, params: list[nn.Parameter]) -> None:
         """Make sure the TBE reads the parameters' current storage: after ``.to()``, a
         ``load_state_dict(assign=True)`` or a ``.data`` swap, pack them into one buffer again
@@ -77,12 +97,39 @@ class TableGroups(nn.Module):
                 tbe.to(params[0].device)
             self._bind(tbe, params)
         self._device = self._tbes[0].weights.device
+        self._alias_states()
         return self
+
+    def _alias_states(self) -> None:
+        """Register the fused-optimizer state of each group that has one
+        (``TableBatchedEmbedding``'s step counter and momenta) as non-persistent buffers
+        ``_fused_<g>_<state>`` of this module, the same tensors: a traced graph (FX,
+        ``torch.export``, ``torch.compile``) then takes them as inputs like the weights, so a
+        copy of the graph updates its own. Called whenever a TBE replaces them (construction,
+        ``.to()``, a new fused optimizer). Groups without one register nothing."""
+        for g, tbe in enumerate(self._tbes):
+            for name in OP_STATES:
+                key = f"_fused_{g}_{name.lstrip('_')}"
+                if tbe.optimizer is None:
+                    self._buffers.pop(key, None)
+                    self._non_persistent_buffers_set.discard(key)
+                elif self._buffers.get(key) is not getattr(tbe, name):
+                    self.register_buffer(key, getattr(tbe, name), persistent=False)
+
+    def _op_states(self) -> list[torch.Tensor]:
+        """The registered ops' ``states``: ``OP_STATES`` of each fused group, in group order."""
+        return [
+            self._buffers[f"_fused_{g}_{name.lstrip('_')}"]
+            for g, tbe in enumerate(self._tbes)
+            if tbe.optimizer is not None
+            for name in OP_STATES
+        ]
 
     def _fused_optimizer(self, members: Sequence[int]) -> optim.Optimizer | None:
         """The fused optimizer asked for by ``apply_optimizer_in_backward`` on this group's
         parameters (all or none of them, with one optimizer), or None."""
-        params = self._group_params(members)
+        tables = self._modules[self._tables_attr]._modules  # the tensors, also under FX tracing
+        params = [tables[self._table_configs[t].name]._parameters["weight"] for t in members]
         specs = [optim.in_backward_annotation(p) for p in params]
         if all(s is None for s in specs):
             return None
@@ -103,6 +150,7 @@ class TableGroups(nn.Module):
         if fused != tbe.optimizer:
             tbe.set_optimizer(fused)
             tbe.weights.requires_grad_(False)  # gradients go to the per-table parameters
+            self._alias_states()
         return fused
 
     def fused_optimizer_state_dict(self) -> dict[str, torch.Tensor]:
