@@ -181,8 +181,9 @@ class OptimizerSpec:
 
     name: str
     """The YAML and planner name (``optimizer.embedding.type``, a table's ``optimizer``)."""
-    fbgemm: str
-    """FBGEMM's ``EmbOptimType`` member with the same update."""
+    fbgemm: str | None
+    """FBGEMM's ``EmbOptimType`` member with the same update; None where FBGEMM has none
+    (only the tests that compare against FBGEMM read it)."""
     config: type
     """Our config dataclass (an ``Optimizer``)."""
     states: tuple[State, ...]
