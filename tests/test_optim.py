@@ -51,6 +51,18 @@ def test_registry_is_consistent():
         optim.spec_of(torch.optim.SGD)
 
 
+SHIPPED_EVERYWHERE = {"sgd", "adagrad", "rowwise_adagrad", "adam"}
+"""The optimizers every backend ships: the skips below for an entry a backend lacks must never
+cover one of these."""
+
+
+def test_every_backend_implements_the_shipped_optimizers():
+    assert SHIPPED_EVERYWHERE <= set(NAMES)
+    for name in ("reference", "cpu", "triton"):
+        missing = SHIPPED_EVERYWHERE - set(backends.capabilities(name).optimizers)
+        assert not missing, f"backend {name!r} lost {sorted(missing)}"
+
+
 def test_fbgemm_names_exist():
     configs = pytest.importorskip("fbgemm_gpu.split_embedding_configs")
     for entry in optim.REGISTRY.values():
