@@ -342,12 +342,17 @@ def test_a_run_folder_that_is_a_file_is_a_clear_error(tmp_path, capsys):
         capsys.readouterr().err)
 
 
-def test_triton_on_the_cpu_without_its_interpreter_is_a_config_error(tmp_path, monkeypatch,
-                                                                    capsys):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_triton_on_the_cpu_without_its_interpreter_is_a_config_error(tmp_path):
+    # in a fresh process: Triton decides at a kernel's definition whether it is interpreted,
+    # so unsetting TRITON_INTERPRET here would leave later tests' kernels compiled for CUDA
     path = write_job(tmp_path, **QUICK, backend="triton", device="cpu")
-    assert main(["--config", str(path)]) == 2
-    err = capsys.readouterr().err
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "fbtriton_dist.train", "--config", str(path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    err = done.stderr
     assert "job tiny: backend: backend='triton' on CPU tensors" in err and "TRITON_INTERPRET" in err
 
 
