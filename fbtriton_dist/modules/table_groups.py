@@ -17,7 +17,7 @@ OP_STATES = ("_step", "momentum1", "momentum2")
 """A TableBatchedEmbedding's fused-optimizer state, as the registered lookup ops take it."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(kw_only=True, frozen=True)
 class OpLayout:
     """What a collection's traced forward (``ebc_op.forward``, ``ec_op.forward``) reads from
     it besides tensors: host metadata fixed at construction (``TableGroups.op_layout()``).
