@@ -56,7 +56,7 @@ def compiled_regs() -> dict[str, list[int]]:
     for mod, names in kernels:
         module = importlib.import_module(f"fbtriton_dist.kernels.{mod}")
         for name in names:
-            for compiled in getattr(module, name).cache.values():
+            for compiled in module.LAUNCHERS[name].cache.values():
                 out[name] = [getattr(compiled, "n_regs", -1), getattr(compiled, "n_spills", -1)]
     return out
 
@@ -218,7 +218,8 @@ def main(argv=None) -> None:
             fwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_forward")
             bwd_mod = importlib.import_module("fbtriton_dist.kernels.tbe_backward")
             rows_mod = importlib.import_module("fbtriton_dist.kernels.tbe_rows")
-            launchers = [fwd_mod._FORWARD, bwd_mod._RUNS, bwd_mod._CHUNKS, rows_mod._ROWS]
+            launchers = [fwd_mod.LAUNCHERS["_FORWARD"], bwd_mod.LAUNCHERS["_RUNS"],
+                         bwd_mod.LAUNCHERS["_CHUNKS"], rows_mod.LAUNCHERS["_ROWS"]]
             for fast in (False, True, False, True):
                 for launcher in launchers:
                     launcher.enabled = fast

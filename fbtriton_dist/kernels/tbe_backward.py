@@ -255,6 +255,10 @@ _RUN_COUNT = Launcher(_tbe_run_count_kernel)
 _RUNS = Launcher(_tbe_runs_kernel)
 _CHUNKS = Launcher(_tbe_chunk_reduce_kernel)
 
+LAUNCHERS = {"_RUN_COUNT": _RUN_COUNT, "_RUNS": _RUNS, "_CHUNKS": _CHUNKS}
+"""This file's launchers by their names here (``bench/tbe_sweep.py`` reports and toggles them
+under these names, the keys of its ``regs``)."""
+
 
 def linearize(
     indices: torch.Tensor, offsets: torch.Tensor, row_offsets: torch.Tensor, B: int, num_rows: int

@@ -247,6 +247,10 @@ def _tbe_linearize_kernel(
 
 _LINEARIZE = Launcher(_tbe_linearize_kernel)
 
+LAUNCHERS = {"_FORWARD": _FORWARD, "_LINEARIZE": _LINEARIZE}
+"""This file's launchers by their names here (``bench/tbe_sweep.py`` reports and toggles them
+under these names, the keys of its ``regs``)."""
+
 
 def tbe_linearize(
     indices: torch.Tensor,

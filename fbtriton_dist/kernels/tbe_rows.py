@@ -347,6 +347,10 @@ def _tbe_row_update_kernel(
 
 _ROWS = Launcher(_tbe_row_update_kernel)
 
+LAUNCHERS = {"_ROWS": _ROWS}
+"""This file's launchers by their names here (``bench/tbe_sweep.py`` reports and toggles them
+under these names, the keys of its ``regs``)."""
+
 
 def resident_programs(device: torch.device, num_warps: int, maxnreg: int = 0) -> int:
     """Programs of ``num_warps`` warps that the device keeps resident at once (a persistent

@@ -15,7 +15,7 @@ from torch import nn
 
 from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
-from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
+from fbtriton_dist.modules.table_groups import OpLayout, TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.sparse import (
@@ -68,7 +68,8 @@ class EmbeddingBagCollection(TableGroups):
     """
 
     # host-side state torch.jit.script need not type (the scripted forward reads none of it)
-    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs", "_table_configs"]
+    __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs", "_table_configs",
+                                  "_op_layout"]
 
     def __init__(
         self,
@@ -180,6 +181,16 @@ class EmbeddingBagCollection(TableGroups):
             start[k], col = col, col + dims[k]
         src = [start[k] + d for k in range(len(dims)) for d in range(dims[k])]
         self._column_order = None if src == list(range(col)) else torch.tensor(src, device="cpu")
+        self._op_layout = OpLayout(
+            feature_order=self._feature_order,
+            embedding_names=self._embedding_names,
+            lengths_per_embedding=self._lengths_per_embedding,
+            config_features=self._config_features,
+            config_feature_tables=self._config_feature_tables,
+            weighted=self._is_weighted,
+            config_means=self._config_means,
+            config_names=self._config_names,
+        )
         self._alias_states()
         self._portable_export = False  # ir.encapsulate_ir_modules sets it
         self.reset_parameters()
@@ -221,6 +232,10 @@ class EmbeddingBagCollection(TableGroups):
         """``torch.export`` records the lookup as the portable op that ``ir.deserialize``
         rebuilds (``ir.encapsulate_ir_modules`` turns it on)."""
         self._portable_export = bool(enabled)
+
+    def portable_export_enabled(self) -> bool:
+        """Whether ``torch.export`` records the portable op (``set_portable_export``)."""
+        return self._portable_export
 
     def reset_parameters(self) -> None:
         """Each table's ``init_fn`` (TorchRec's default: uniform in weight_init_min/max), and
@@ -271,7 +286,7 @@ class EmbeddingBagCollection(TableGroups):
         if features.variable_stride_per_key():
             return self._vbe_forward(features)
         batch = kjt_to_batch(features, self._feature_order, self._is_weighted)
-        values = self._lookup(batch)
+        values = self.lookup(batch)
         return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
 
     def _vbe_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -284,7 +299,7 @@ class EmbeddingBagCollection(TableGroups):
         if rows is None:  # every feature has the same batch: the fixed batch it is
             fixed = JaggedBatch(batch.indices, batch.offsets, batch.per_sample_weights, B)
             return keyed_tensor(self._embedding_names, self._lengths_per_embedding,
-                                self._lookup(fixed))
+                                self.lookup(fixed))
         pooled, base, flat_at, f0 = [], {}, 0, 0
         for tbe, params, fused, indices, offsets, psw, _ in self._group_batches(batch):
             T = tbe.num_features
@@ -318,7 +333,7 @@ class EmbeddingBagCollection(TableGroups):
             if bound is not None:
                 params, fused = bound[g]
             else:
-                params = self._group_params(members)
+                params = self.group_params(members)
                 self._bind(tbe, params)
                 fused = self.sync_optimizer(tbe, members)
                 if fused is not None:
@@ -337,7 +352,7 @@ class EmbeddingBagCollection(TableGroups):
             yield tbe, params, fused, indices, offsets, psw, (a, b)
             T_seen += T
 
-    def _lookup(self, batch: JaggedBatch, bound: list | None = None) -> torch.Tensor:
+    def lookup(self, batch: JaggedBatch, bound: list | None = None) -> torch.Tensor:
         """Pooled ``[B, sum(D)]`` of a batch in ``_feature_order``, columns in config order
         (``bound``: as ``_group_batches``')."""
         pooled = [
@@ -349,9 +364,9 @@ class EmbeddingBagCollection(TableGroups):
             values = values.index_select(1, self._column_order.to(values.device))
         return values
 
-    def _lookup_backward(self, batch: JaggedBatch, grad: torch.Tensor, psw_grad: bool,
-                         update: bool, bound: list | None = None):
-        """``_lookup``'s backward (the registered ops'): (the per-sample weights' gradient in
+    def lookup_backward(self, batch: JaggedBatch, grad: torch.Tensor, psw_grad: bool,
+                        update: bool, bound: list | None = None):
+        """``lookup``'s backward (the registered ops'): (the per-sample weights' gradient in
         batch order or None, each table's weight gradient in config order, None for a fused
         table). ``update``: only apply the fused groups' optimizers to their rows in place;
         else every gradient, without touching the rows."""

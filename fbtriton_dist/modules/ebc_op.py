@@ -3,7 +3,7 @@
 ``torch.ops.fbtriton_dist.ebc_lookup(values [N], lengths [K, B], weights [N] | None,
 params, states, spec, order) -> [B, sum(D)]``: a KJT's tensors in its own key order, the
 module's per-table weights (``embedding_bags.<t>.weight``), each group's fused-optimizer state
-(``TableGroups._op_states``: step counter and momenta, the module's non-persistent buffers),
+(``TableGroups.op_states()``: step counter and momenta, the module's non-persistent buffers),
 the static layout (``spec``: ``op_spec.spec_of``, a JSON string) and which KJT key each of its
 features reads (``order``). The op is a function of these alone: it runs the eager lookup of
 the collection rebuilt from the spec (``op_spec.skeleton``, weights-free, cached) bound to the
@@ -86,22 +86,23 @@ def _kjt_inputs(
 
 def forward(module, features):
     """``module(features)`` through the registered op: a KeyedTensor in config order."""
-    portable_export = module._portable_export  # ir.encapsulate_ir_modules: for elsewhere
-    names = module._config_features if portable_export else module._feature_order
-    inputs = _kjt_inputs(features, list(names), module._is_weighted)
+    portable_export = module.portable_export_enabled()  # ir.encapsulate_ir_modules: elsewhere
+    op = module.op_layout()
+    names = op.config_features if portable_export else op.feature_order
+    inputs = _kjt_inputs(features, list(names), op.weighted)
     values, lengths, weights, order = inputs[0], inputs[1], inputs[2], inputs[3]
-    params = [module.embedding_bags[c.name].weight for c in module._embedding_bag_configs]
+    params = [module.embedding_bags[c.name].weight for c in module.embedding_bag_configs()]
     if portable_export:
         out = torch.ops.fbtriton_dist.ebc_portable_lookup(
-            values, lengths, weights, params, module._config_feature_tables,
-            module._config_means, order, "\n".join(module._config_names),
+            values, lengths, weights, params, op.config_feature_tables,
+            op.config_means, order, "\n".join(op.config_names),
         )
-        return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
+        return keyed_tensor(op.embedding_names, op.lengths_per_embedding, out)
     layout = spec(module)  # first: it syncs the fused optimizers, whose states come next
     out = torch.ops.fbtriton_dist.ebc_lookup(
-        values, lengths, weights, params, module._op_states(), layout, order
+        values, lengths, weights, params, module.op_states(), layout, order
     )
-    return keyed_tensor(module._embedding_names, module._lengths_per_embedding, out)
+    return keyed_tensor(op.embedding_names, op.lengths_per_embedding, out)
 
 
 @contextlib.contextmanager
@@ -128,7 +129,7 @@ def ebc_lookup(
 ) -> Tensor:
     with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
         with torch.no_grad():
-            return module._lookup(batch, bound)
+            return module.lookup(batch, bound)
 
 
 @ebc_lookup.register_fake
@@ -153,8 +154,8 @@ def ebc_lookup_backward(
     ``[E, D]`` (a 1-D placeholder for a table with a fused optimizer: ``ebc_fused_update``
     updates it)]. Placeholders hold one element: returns may not share storage."""
     with _bound(values, lengths, weights, params, states, spec, order) as (module, bound, _, batch):
-        g_psw, g_tables = module._lookup_backward(batch, grad.contiguous(), psw_grad, update=False,
-                                                  bound=bound)
+        g_psw, g_tables = module.lookup_backward(batch, grad.contiguous(), psw_grad, update=False,
+                                                 bound=bound)
         out = [
             unorder_weights_grad(g_psw, lengths, order)
             if g_psw is not None
@@ -191,7 +192,7 @@ def ebc_fused_update(
     before the update (a data dependency, so that no compiler runs this first)."""
     inputs = (values, lengths, weights, params, states, spec, order)
     with _bound(*inputs) as (module, bound, packed, batch):
-        module._lookup_backward(batch, grad.contiguous(), False, update=True, bound=bound)
+        module.lookup_backward(batch, grad.contiguous(), False, update=True, bound=bound)
         op_spec.copy_back(packed)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
-from fbtriton_dist.modules.table_groups import TableGroups, refuse_data_parallel
+from fbtriton_dist.modules.table_groups import OpLayout, TableGroups, refuse_data_parallel
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, kjt_sequences
 
@@ -48,7 +48,7 @@ class EmbeddingCollection(TableGroups):
 
     # host-side state torch.jit.script need not type (the scripted forward reads none of it)
     __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_configs", "_table_configs",
-                                  "_embedding_names_by_table"]
+                                  "_embedding_names_by_table", "_op_layout"]
     _tables_attr = "embeddings"
     _group_what = "dtype"
 
@@ -132,6 +132,13 @@ class EmbeddingCollection(TableGroups):
         # the scripted forward's plain lookup (``portable.rows``), in config order
         self._config_features = [f for cfg in tables for f in cfg.feature_names]
         self._config_feature_tables = [t for t, cfg in enumerate(tables) for _ in cfg.feature_names]
+        self._op_layout = OpLayout(
+            feature_order=self._feature_order,
+            embedding_names=self._embedding_names,
+            lengths_per_embedding=self._dims,
+            config_features=self._config_features,
+            config_feature_tables=self._config_feature_tables,
+        )
         self._alias_states()
         self.id_managers = (
             ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
@@ -216,11 +223,12 @@ class EmbeddingCollection(TableGroups):
             return ec_op.forward(self, features)
         seqs = kjt_sequences(features, self._feature_order)
         ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]
-        rows = self._lookup(ids)
-        return self._outputs(rows, ids, [seqs.key_lengths(f) for f in self._feature_order])
+        rows = self.lookup(ids)
+        return self.jagged_outputs(rows, ids, [seqs.key_lengths(f) for f in self._feature_order])
 
-    def _outputs(self, rows, ids, lengths) -> dict[str, JaggedTensor]:
-        """The JaggedTensors in config order from ``_feature_order``'s rows, ids, lengths."""
+    def jagged_outputs(self, rows, ids, lengths) -> dict[str, JaggedTensor]:
+        """The JaggedTensors in config order from the rows, ids and lengths of each feature of
+        ``op_layout().feature_order``."""
         out: list[JaggedTensor | None] = [None] * len(self._embedding_names)
         for i, j in enumerate(self._output_of):
             out[j] = JaggedTensor(values=rows[i], lengths=lengths[i],
@@ -237,7 +245,7 @@ class EmbeddingCollection(TableGroups):
             if bound is not None:
                 params, fused = bound[g]
             else:
-                params = self._group_params(members)
+                params = self.group_params(members)
                 self._bind(tbe, params)
                 fused = self.sync_optimizer(tbe, members)
                 if fused is not None:
@@ -250,9 +258,10 @@ class EmbeddingCollection(TableGroups):
             yield tbe, members, params, fused, indices, offsets, starts, f0
             f0 += tbe.num_features
 
-    def _lookup(self, ids: list[torch.Tensor], autograd: bool = True,
-                bound: list | None = None) -> list[torch.Tensor]:
-        """Rows ``[ids of f, D_f]`` of every feature of ``_feature_order`` (its ``ids``)."""
+    def lookup(self, ids: list[torch.Tensor], autograd: bool = True,
+               bound: list | None = None) -> list[torch.Tensor]:
+        """Rows ``[ids of f, D_f]`` of every feature of ``op_layout().feature_order`` (its
+        ``ids``). ``autograd=False``: no gradient to the parameters (the registered op's)."""
         rows: list[torch.Tensor] = []
         for tbe, _, params, fused, indices, offsets, starts, f0 in self._groups_of(ids, bound):
             targets = None if fused or not autograd else params
@@ -261,9 +270,9 @@ class EmbeddingCollection(TableGroups):
                 rows.append(out[starts[i] : starts[i + 1], : self._dims[self._output_of[f0 + i]]])
         return rows
 
-    def _lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool,
-                         bound: list | None = None) -> list:
-        """``_lookup``'s backward (the registered op's): each table's weight gradient in
+    def lookup_backward(self, ids: list[torch.Tensor], grads: list, update: bool,
+                        bound: list | None = None) -> list:
+        """``lookup``'s backward (the registered op's): each table's weight gradient in
         config order (None for a fused table). ``update``: only apply the fused groups'
         optimizers to their rows in place; else every gradient, the rows untouched."""
         out: dict[int, torch.Tensor | None] = {}

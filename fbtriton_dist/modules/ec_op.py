@@ -72,16 +72,16 @@ def _ids(values: Tensor, ids_per_key: list[int], order: list[int]) -> list[Tenso
 
 def forward(module, features):
     """``module(features)`` through the registered op: ``{feature: JaggedTensor}``."""
-    names = list(module._feature_order)
+    names = list(module.op_layout().feature_order)
     inputs = _kjt_inputs(features, names)
     values, ids_per_key, order, lengths, ids = (inputs[0], inputs[1], inputs[2], inputs[3],
                                                 inputs[4])
-    params = module._group_params(range(len(module._table_configs)))
+    params = module.group_params(range(len(module.table_configs())))
     layout = spec(module)  # first: it syncs the fused optimizers, whose states come next
-    rows = torch.ops.fbtriton_dist.ec_lookup(values, ids_per_key, params, module._op_states(),
+    rows = torch.ops.fbtriton_dist.ec_lookup(values, ids_per_key, params, module.op_states(),
                                              layout, order)
     n = len(names)
-    return module._outputs([rows[i] for i in range(n)], [ids[i] for i in range(n)],
+    return module.jagged_outputs([rows[i] for i in range(n)], [ids[i] for i in range(n)],
                            [lengths[i] for i in range(n)])
 
 
@@ -100,7 +100,7 @@ def ec_lookup(values: Tensor, ids_per_key: list[int], params: list[Tensor], stat
               spec: str, order: list[int]) -> list[Tensor]:
     with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, _, ids):
         with torch.no_grad():
-            rows = module._lookup(ids, autograd=False, bound=bound)
+            rows = module.lookup(ids, autograd=False, bound=bound)
         return [r.clone() for r in rows]  # outputs of a custom op may not share storage
 
 
@@ -118,7 +118,7 @@ def ec_lookup_backward(grads: list[Tensor], values: Tensor, ids_per_key: list[in
     """One per table: its weight's gradient ``[E, D]``, or a one-element placeholder for a
     table with a fused optimizer (``ec_fused_update`` updates it)."""
     with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, _, ids):
-        g_tables = module._lookup_backward(ids, list(grads), update=False, bound=bound)
+        g_tables = module.lookup_backward(ids, list(grads), update=False, bound=bound)
         return [g.clone() if g is not None else p.new_zeros(1)
                 for g, p in zip(g_tables, params, strict=True)]
 
@@ -136,7 +136,7 @@ def ec_fused_update(grads: list[Tensor], values: Tensor, ids_per_key: list[int],
     """The fused optimizers' in-place update of the rows of ``params`` and of ``states``;
     ``after``: an output of ``ec_lookup_backward`` (it reads the rows before the update)."""
     with _bound(values, ids_per_key, params, states, spec, order) as (module, bound, packed, ids):
-        module._lookup_backward(ids, list(grads), update=True, bound=bound)
+        module.lookup_backward(ids, list(grads), update=True, bound=bound)
         op_spec.copy_back(packed)
 
 

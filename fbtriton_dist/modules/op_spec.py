@@ -2,7 +2,7 @@
 
 A collection's registered lookup ops are functions of their inputs alone: the KJT's tensors,
 the per-table weights, the state of each group with a fused optimizer
-(``TableGroups._op_states``: step counter and momenta, registered as the module's
+(``TableGroups.op_states()``: step counter and momenta, registered as the module's
 non-persistent buffers) and ``spec``, one JSON
 string made at trace time (``spec_of``): the table configs, the module's options and each
 group's fused optimizer, seed and rounding. So a graph holding the op runs on whatever tensors
@@ -64,15 +64,16 @@ def spec_of(module) -> str:
     the lookup ops take it. Syncs the fused optimizers with the parameters' annotations first
     (their states must exist before a graph reads them)."""
     groups = []
-    for tbe, members in zip(module._tbes, module._groups.values(), strict=True):
+    tbe_groups = module.tbe_groups()
+    for tbe, members in tbe_groups:
         fused = module.sync_optimizer(tbe, members)
         groups.append({"optimizer": _optimizer(fused), "seed": tbe.seed,
                        "stochastic_rounding": tbe.stochastic_rounding})
-    tbe = module._tbes[0]
+    tbe = tbe_groups[0][0]
     return json.dumps({
         "format": FORMAT,
         "module": type(module).__name__,
-        "tables": [_config(c) for c in module._table_configs],
+        "tables": [_config(c) for c in module.table_configs()],
         "is_weighted": bool(getattr(module, "_is_weighted", False)),
         "need_indices": bool(getattr(module, "_need_indices", False)),
         "backend": tbe.backend,
@@ -109,8 +110,8 @@ def skeleton(spec: str, device: str):
         module = cls(configs, is_weighted=s["is_weighted"], **options)
     else:
         module = cls(configs, need_indices=s["need_indices"], **options)
-    for tbe, group in zip(module._tbes, s["groups"], strict=True):
-        tbe._set_layout_buffers(torch.device(device))
+    for (tbe, _), group in zip(module.tbe_groups(), s["groups"], strict=True):
+        tbe.set_layout_buffers(torch.device(device))
         tbe.seed, tbe.stochastic_rounding = group["seed"], group["stochastic_rounding"]
         tbe.optimizer = _from_json(group["optimizer"])
     return module
@@ -159,10 +160,10 @@ def _flat(params: list[Tensor]) -> Tensor | None:
 def bind(module, params: list[Tensor], states: list[Tensor]):
     """Point ``module``'s (a skeleton's) TBEs at ``params`` (one per table, config order) and
     ``states`` (``OP_STATES`` of each group with a fused optimizer). Returns (``bound`` for
-    ``_lookup``, the packed copies ``[(tbe, params of its group)]`` a fused update must be
+    ``lookup``, the packed copies ``[(tbe, params of its group)]`` a fused update must be
     copied back from)."""
     bound, packed, n, g = [], [], len(OP_STATES), 0
-    for tbe, members in zip(module._tbes, module._groups.values(), strict=True):
+    for tbe, members in module.tbe_groups():
         ps = [params[t] for t in members]
         flat = _flat(ps)
         if flat is None:
@@ -179,7 +180,7 @@ def bind(module, params: list[Tensor], states: list[Tensor]):
 
 def release(module) -> None:
     """Let go of the tensors ``bind`` gave a cached skeleton (they may be a whole model's)."""
-    for tbe in module._tbes:
+    for tbe, _ in module.tbe_groups():
         tbe.weights = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
         if tbe.optimizer is not None:
             for name in OP_STATES:

@@ -4,6 +4,7 @@ group of tables, kept bound to it across ``.to()`` / ``load_state_dict(assign=Tr
 fused optimizer that ``apply_optimizer_in_backward`` annotations ask for."""
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,31 @@ OP_STATES = ("_step", "momentum1", "momentum2")
 """A TableBatchedEmbedding's fused-optimizer state, as the registered lookup ops take it."""
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class OpLayout:
+    """What a collection's traced forward (``ebc_op.forward``, ``ec_op.forward``) reads from
+    it besides tensors: host metadata fixed at construction (``TableGroups.op_layout()``).
+    Lists, as the ops and ``KeyedTensor`` take them: read them, never change them."""
+
+    feature_order: list[str]
+    """The features of the groups, group after group: the order of the op's ``order`` and of
+    the collection's ``lookup``."""
+    embedding_names: list[str]
+    """The output key of each (table, feature), config order."""
+    lengths_per_embedding: list[int]
+    """D of each output, config order."""
+    config_features: list[str]
+    """The KJT key of each output, config order (the portable lookup's features)."""
+    config_feature_tables: list[int]
+    """The table (config index) of each output."""
+    weighted: bool = False
+    """The KJT carries per-id weights (pooled lookups only)."""
+    config_means: list[bool] = dataclasses.field(default_factory=list)
+    """Pooled lookups: whether each output is a MEAN (else SUM) pooling."""
+    config_names: list[str] = dataclasses.field(default_factory=list)
+    """Pooled lookups: ``feature@table`` of each output (the portable op's messages)."""
+
+
 class TableGroups(nn.Module):
     """Base of the collections. A subclass sets, in its ``__init__``:
 
@@ -24,13 +50,19 @@ class TableGroups(nn.Module):
     - ``_table_configs``: the table configs, in config order;
     - ``_groups``: group key -> the config indices of its tables;
     - ``_tbes``: one TableBatchedEmbedding per group, in ``_groups`` order (not submodules:
-      the per-table parameters are).
+      the per-table parameters are);
+    - ``_op_layout``: its ``OpLayout``.
+
+    What the traced ops (``ebc_op``, ``ec_op``, ``op_spec``) read of it: ``table_configs()``,
+    ``tbe_groups()``, ``group_params()``, ``op_layout()``, ``op_states()`` and the subclass's
+    ``lookup`` / ``lookup_backward``.
     """
 
     _tables_attr = "embedding_bags"
     _table_configs: list
     _groups: dict
     _tbes: list[TableBatchedEmbedding]
+    _op_layout: OpLayout
 
     def table_configs(self) -> list:
         """The table configs, in config order (a table's index here is its ``members`` id)."""
@@ -41,12 +73,14 @@ class TableGroups(nn.Module):
         tables = getattr(self, self._tables_attr)
         return [tables[self._table_configs[t].name].weight for t in members]
 
-    _group_params = group_params  # the name modules/ebc_op.py and ec_op.py still use
-
     def tbe_groups(self) -> list[tuple[TableBatchedEmbedding, list[int]]]:
         """``(tbe, members)`` per group: its TableBatchedEmbedding and the config indices of
         its tables."""
         return list(zip(self._tbes, self._groups.values(), strict=True))
+
+    def op_layout(self) -> OpLayout:
+        """The host metadata the traced forward reads (``OpLayout``)."""
+        return self._op_layout
 
     def __deepcopy__(self, memo):
         """A copy with its own tensors, as ``nn.Module``'s, whose parameters keep the
@@ -57,7 +91,7 @@ class TableGroups(nn.Module):
         for key, value in self.__dict__.items():
             other.__dict__[key] = copy.deepcopy(value, memo)
         everything = range(len(self._table_configs))
-        for p, q in zip(self._group_params(everything), other._group_params(everything),
+        for p, q in zip(self.group_params(everything), other.group_params(everything),
                         strict=True):
             for attr in ("_optimizer_classes", "_optimizer_kwargs"):
                 if hasattr(p, attr):
@@ -89,7 +123,7 @@ class TableGroups(nn.Module):
         group's buffer from them; the TBEs' own buffers (layout, optimizer state) only move."""
         super()._apply(fn, recurse)
         for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
-            params = self._group_params(members)
+            params = self.group_params(members)
             tbe.weights = nn.Parameter(params[0].detach().new_empty(0), requires_grad=False)
             if tbe.on_meta:  # built on meta: to_empty (reset_parameters zeroes the state)
                 tbe.to_empty(device=params[0].device)
@@ -116,7 +150,7 @@ class TableGroups(nn.Module):
                 elif self._buffers.get(key) is not getattr(tbe, name):
                     self.register_buffer(key, getattr(tbe, name), persistent=False)
 
-    def _op_states(self) -> list[torch.Tensor]:
+    def op_states(self) -> list[torch.Tensor]:
         """The registered ops' ``states``: ``OP_STATES`` of each fused group, in group order."""
         return [
             self._buffers[f"_fused_{g}_{name.lstrip('_')}"]
@@ -178,7 +212,7 @@ class TableGroups(nn.Module):
             return
         for tbe in self._tbes:
             tbe.reset_optimizer_states()
-        for cfg, weight in zip(self._table_configs, self._group_params(
+        for cfg, weight in zip(self._table_configs, self.group_params(
                 range(len(self._table_configs))), strict=True):
             with torch.no_grad():
                 init(cfg, weight)

@@ -161,7 +161,7 @@ class TableBatchedEmbedding(nn.Module):
 
         self.table_offsets = [0, *accumulate(E * D for E, D in tables)]
         self.table_row_offsets = [0, *accumulate(E for E, _ in tables)]
-        self._set_layout_buffers(device)
+        self.set_layout_buffers(device)
 
         if weights is None:
             weights = torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device)
@@ -178,9 +178,11 @@ class TableBatchedEmbedding(nn.Module):
         if init_weights:
             self.reset_parameters()
 
-    def _set_layout_buffers(self, device) -> None:
-        """The per-feature layout (``TBELayout``'s tensors), made from host metadata: at
-        construction, and again after every ``_apply`` (``to_empty`` leaves them garbage)."""
+    def set_layout_buffers(self, device) -> None:
+        """(Re)make the per-feature layout (``TBELayout``'s tensors, non-persistent buffers)
+        on ``device`` from host metadata: at construction, again after every ``_apply``
+        (``to_empty`` leaves them garbage), and where a module built on meta looks up on a
+        device (``op_spec.skeleton``)."""
         ftm, tables = self.feature_table_map, self.tables
         dims = [tables[t][1] for t in ftm]
         per_feature = {
@@ -197,7 +199,7 @@ class TableBatchedEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self._set_layout_buffers(self.weights.device)
+        self.set_layout_buffers(self.weights.device)
         backends.check_supported(self.backend, device=self.weights.device)  # a new device
         return self
 
