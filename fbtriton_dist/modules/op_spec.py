@@ -74,8 +74,10 @@ def spec_of(module) -> str:
         "format": FORMAT,
         "module": type(module).__name__,
         "tables": [_config(c) for c in module.table_configs()],
-        "is_weighted": bool(getattr(module, "_is_weighted", False)),
-        "need_indices": bool(getattr(module, "_need_indices", False)),
+        # TorchRec's accessors: the EBC's is_weighted(), the EC's need_indices()
+        "is_weighted": bool(module.is_weighted()) if hasattr(module, "is_weighted") else False,
+        "need_indices": (bool(module.need_indices()) if hasattr(module, "need_indices")
+                         else False),
         "backend": tbe.backend,
         "bounds_check": tbe.bounds_check,
         "groups": groups,
