@@ -28,6 +28,11 @@ the package's own ``__init__`` is ``__init__``). ``ALLOWED`` is DESIGN.md's tabl
 layer: a module may import its own layer, the package root (which imports nothing itself) and
 the layers of its row; every top-level module or folder needs a row.
 
+Inside a layer the same, one level down: ``SUBLAYERS`` gives ``sharding``'s sub-layers (a
+module's second name below the package: ``comm``, ``dist``, ``modules``, ``managed``, ``shard``,
+``pipeline``, ``dmp``) and what each may import of the rest of ``sharding``; every module or
+folder of ``sharding/`` needs a row, and only its ``__init__`` may import the package itself.
+
 Cycles: one graph of module -> module edges over every file, *with* function-local and
 TYPE_CHECKING imports. A lazy or type-only import still means the two modules need each other
 (both circles the layering refactor found were hidden that way: ``plan.py`` imported ``cost`` inside a method
