@@ -28,6 +28,11 @@ the package's own ``__init__`` is ``__init__``). ``ALLOWED`` is DESIGN.md's tabl
 layer: a module may import its own layer, the package root (which imports nothing itself) and
 the layers of its row; every top-level module or folder needs a row.
 
+Inside a layer the same, one level down: ``SUBLAYERS`` gives ``sharding``'s sub-layers (a
+module's second name below the package: ``comm``, ``dist``, ``modules``, ``managed``, ``shard``,
+``pipeline``, ``dmp``) and what each may import of the rest of ``sharding``; every module or
+folder of ``sharding/`` needs a row, and only its ``__init__`` may import the package itself.
+
 Cycles: one graph of module -> module edges over every file, *with* function-local and
 TYPE_CHECKING imports. A lazy or type-only import still means the two modules need each other
 (both circles the layering refactor found were hidden that way: ``plan.py`` imported ``cost`` inside a method
@@ -82,6 +87,24 @@ ALLOWED: dict[str, set[str]] = {
               *TORCH_FREE_LEAVES},
 }
 ALLOWED["bench"] = set(ALLOWED) - {"cli"}  # anything below the command line
+
+SUBLAYERS: dict[str, dict[str, set[str]]] = {
+    # inside sharding/, DEVELOPERS.md's order: collectives, dists, sharded collections, then
+    # managed resharding, shard(), the pipeline and the DMP adapter on top
+    "sharding": {
+        "__init__": {"comm", "dist", "modules", "managed", "shard", "pipeline", "dmp"},
+        "comm": set(),  # collectives, CommOptions, comm_report: nothing else of sharding
+        "dist": {"comm"},  # layout, input / fixed / output / sequence dists
+        "modules": {"dist", "comm"},  # the sharded collections and their state dicts
+        "managed": {"modules", "dist", "comm"},  # managed tables sharded, resharding
+        "shard": {"managed", "modules", "dist", "comm"},  # shard(): picks managed collections
+        "pipeline": {"modules", "dist", "comm"},  # TrainPipeline, the CUDA-graph step
+        "dmp": {"shard", "modules", "dist", "comm"},  # TorchRec's DMP shards ours via shard()
+    },
+}
+"""Layer -> its sub-layers (a folder or module right below it; the layer's own ``__init__`` is
+``__init__``) -> the sub-layers each may import besides its own. Only the layer's ``__init__``
+may import the layer's package itself (it imports everything)."""
 ENTRY_POINTS = {"cli", "bench"}
 """Layers that are not the library: only they may import bench."""
 
@@ -102,7 +125,7 @@ TORCHREC_FILES = (
     "sparse.py",  # the converter: KJT / KeyedTensor <-> JaggedBatch
     "sharding/shard.py",  # shard() accepts a torchrec.EmbeddingBagCollection / EmbeddingCollection too
     "sharding/pipeline.py",  # the CUDA-graph pipeline rebuilds the batch's KJT on static buffers
-    "sharding/torchrec_sharder.py",  # a ModuleSharder: TorchRec's DMP shards ours via shard()
+    "sharding/dmp.py",  # a ModuleSharder: TorchRec's DMP shards ours via shard()
     "modules/ir.py",  # TorchRec's IR counterpart: EmbeddingBagConfigs to and from JSON
     "modules/torchrec_ir.py",  # registers our collections with torchrec.ir where it exists
     "train/data.py",  # batches carry KJTs; RandomRecDataset is the random source
@@ -116,9 +139,9 @@ TORCHREC_FILES = (
 @dataclass(frozen=True)
 class Import:
     file: str
-    """The importing file, relative to the package folder (``sharding/fixed.py``)."""
+    """The importing file, relative to the package folder (``sharding/dist/fixed.py``)."""
     source: str
-    """The importing module (``fbtriton_dist.sharding.fixed``)."""
+    """The importing module (``fbtriton_dist.sharding.dist.fixed``)."""
     target: str
     """The module it loads: one of ours, resolved, or the external dotted name."""
     line: int
@@ -284,6 +307,34 @@ def layer_violations(
     return out
 
 
+def sublayer_of(module: str) -> str:
+    """The sub-layer of a module inside its layer: its second name below the package (the
+    layer's own ``__init__`` is ``__init__``)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def sublayer_violations(
+    imports: Iterable[Import], layer: str, allowed: Mapping[str, set[str]]
+) -> dict[tuple[str, str], str]:
+    """``(file, imported module)`` -> message, for every import inside ``layer`` that its
+    sub-layer's row does not allow (and every file of the layer whose sub-layer has no row)."""
+    out = {}
+    for imp in imports:
+        if not imp.ours or layer_of(imp.source) != layer or layer_of(imp.target) != layer:
+            continue
+        src, dst = sublayer_of(imp.source), sublayer_of(imp.target)
+        if src not in allowed:
+            out[(imp.file, "")] = f"{imp.file}: {layer}/{src} has no row in the sub-layer table"
+        elif dst != src and dst not in allowed[src]:
+            out.setdefault(
+                (imp.file, imp.target),
+                f"{imp.file}:{imp.line} imports {imp.target}: {layer}/{src} may import "
+                f"{sorted(allowed[src]) or f'nothing else of {layer}'}",
+            )
+    return out
+
+
 def import_cycles(imports: Iterable[Import]) -> list[str]:
     """One line per strongly connected group of modules: a shortest cycle through it."""
     graph: dict[str, dict[str, str]] = {}
@@ -385,6 +436,21 @@ def test_imports_point_down(imports, layer):
     assert problems == []
 
 
+def test_every_sublayer_has_a_row():
+    for layer, rows in SUBLAYERS.items():
+        folder = PKG / layer
+        names = {p.stem for p in folder.glob("*.py")}
+        names |= {p.name for p in folder.iterdir() if p.is_dir() and any(p.rglob("*.py"))}
+        assert names - set(rows) == set(), f"add a row to SUBLAYERS[{layer!r}]"
+
+
+@pytest.mark.parametrize("layer", sorted(SUBLAYERS))
+def test_imports_point_down_inside_a_layer(imports, layer):
+    found = sublayer_violations(imports, layer, SUBLAYERS[layer])
+    problems = [msg for _, msg in sorted(found.items())]
+    assert problems == []
+
+
 def test_the_library_never_imports_bench():
     assert [layer for layer, row in ALLOWED.items()
             if "bench" in row and layer not in ENTRY_POINTS] == []
@@ -455,6 +521,27 @@ def test_checker_passes_the_clean_package(tmp_path):
 def test_checker_reports_an_import_that_points_up(tmp_path):
     imports = _planted(tmp_path, {"kernels/tbe.py": "import torch\nfrom fake.ops import lookup\n"})
     assert set(layer_violations(imports, FAKE_ALLOWED)) == {("kernels/tbe.py", "fake.ops.lookup")}
+
+
+FAKE_SUBLAYERS = {"__init__": {"run", "dist", "modules"}, "run": set(), "dist": set(),
+                  "modules": {"dist"}}
+
+
+def test_checker_reports_a_sublayer_import_that_points_up(tmp_path):
+    planted = {"sharding/dist/__init__.py": "", "sharding/dist/input.py": "",
+               "sharding/modules/__init__.py": "",
+               "sharding/modules/ebc.py": "from fake.sharding.dist import input\n"}
+    imports = _planted(tmp_path, planted)
+    assert sublayer_violations(imports, "sharding", FAKE_SUBLAYERS) == {}
+    up = {"sharding/dist/input.py": "def f():\n    from ..modules.ebc import x\n"}
+    imports = _planted(tmp_path / "up", {**planted, **up})
+    assert set(sublayer_violations(imports, "sharding", FAKE_SUBLAYERS)) == {
+        ("sharding/dist/input.py", "fake.sharding.modules.ebc")}
+    # the layer's package imports every sub-layer: only its own __init__ may import it
+    pkg = {"sharding/dist/input.py": "from fake.sharding import run\nimport fake.sharding\n"}
+    imports = _planted(tmp_path / "pkg", {**planted, **pkg})
+    assert set(sublayer_violations(imports, "sharding", FAKE_SUBLAYERS)) == {
+        ("sharding/dist/input.py", "fake.sharding.run"), ("sharding/dist/input.py", "fake.sharding")}
 
 
 def test_checker_reports_a_relative_import_that_skips_a_layer(tmp_path):

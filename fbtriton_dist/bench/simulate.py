@@ -6,11 +6,11 @@ For every source rank s (its batch: B samples, each feature's bags of its poolin
 :class:`~fbtriton_dist.planner.IdDistribution` by its inverse CDF, ``inverse_cdf_array`` of
 uniform numbers, so a row r is drawn with the share ``cdf(r+1) - cdf(r)`` the cost model
 assumes), ``ops.bucketize`` (reference backend by default) cuts the bags by the shard-features
-of the plan's layout (``sharding.layout.ShardLayout``); the ids each destination q gets are
-its lookups, and ``sharding.input_dist.message`` gives the bytes of the message s -> q as the
+of the plan's layout (``sharding.dist.layout.ShardLayout``); the ids each destination q gets are
+its lookups, and ``sharding.dist.input_dist.message`` gives the bytes of the message s -> q as the
 input dist lays it out (int32 lengths, ids in the destination's id dtype, pieces padded to 8
 bytes) plus the header all-to-all's fixed row. The output dist's bytes per collective are
-``sharding.output_dist.OutputDist.traffic`` (the element counts its all-to-alls are called
+``sharding.dist.output_dist.OutputDist.traffic`` (the element counts its all-to-alls are called
 with; reduce-scatter and all-gather inside the host, forward and backward, the data-parallel
 gradient all-gather); a sequence table's rows per id come from the same id counts.
 
@@ -54,9 +54,9 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.arguments import add_simulate_arguments
 from fbtriton_dist.planner.cost import CostAccumulator
-from fbtriton_dist.sharding.input_dist import InputDist, message
-from fbtriton_dist.sharding.layout import ShardLayout
-from fbtriton_dist.sharding.output_dist import OutputDist
+from fbtriton_dist.sharding.dist.input_dist import InputDist, message
+from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.dist.output_dist import OutputDist
 from fbtriton_dist.train.data import power_law_rows
 
 __all__ = ["RankTraffic", "Simulation", "compare", "compare_collectives", "format_comparison",

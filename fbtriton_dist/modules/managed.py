@@ -6,7 +6,7 @@ before the lookup, zero collisions while the live ids fit, admission and evictio
   ``config``, the manager's config as ``CONFIG_FIELDS``: a load checks it and names the table
   and the key that differ), its remap (``ops/id_remap.py``; the spec:
   ``reference/id_remap.py``) and its metrics. A map saved by several owners (a sharded
-  collection) loads into it through ``sharding.managed_state.ManagedLoadPlanner``, which hands
+  collection) loads into it through ``sharding.managed.state.ManagedLoadPlanner``, which hands
   it a ``SavedOwners`` (``load_saved_owners`` says what it becomes).
 * ``ManagedCollisionCollection``: the managers of a collection's managed tables (TorchRec's
   name); ``remap(features, update)`` returns the KeyedJaggedTensor with every managed feature's
@@ -30,7 +30,7 @@ step; the managers are configured by ``IdManagerConfig`` (capacity, lru / lfu / 
 state (not a fused one) of an evicted row is not reset. A single training forward per step
 is assumed: every training-mode forward is one step of the managers' clocks; eval mode only
 looks up. Not yet: tracing / scripting / export of a managed collection; ``shard()`` takes
-our collections built with ``managed=`` (``sharding/managed.py``), not the TorchRec-style
+our collections built with ``managed=`` (``sharding/managed/sharded.py``), not the TorchRec-style
 wrappers.
 """
 
@@ -80,7 +80,7 @@ def check_config(table: str, config: IdManagerConfig, saved: torch.Tensor, key: 
 
 def owner_seed(seed: int, owner: int, owners: int) -> int:
     """The seed owner ``owner`` of ``owners`` of a table of seed ``seed`` draws its fresh rows
-    from (one owner: ``seed``); ``sharding/managed.py``."""
+    from (one owner: ``seed``); ``sharding/managed/sharded.py``."""
     if owners == 1:
         return seed
     return (seed + _GOLDEN * (owner + 1)) % (1 << 62)
@@ -109,7 +109,7 @@ def fold_sketch(blocks: Sequence[torch.Tensor], depth: int, width: int) -> torch
 @dataclass
 class SavedOwners:
     """A managed table's map as saved by other owners than the loading module's (staged by
-    ``sharding.managed_state.ManagedLoadPlanner`` in place of the per-owner entries of the
+    ``sharding.managed.state.ManagedLoadPlanner`` in place of the per-owner entries of the
     state dict; the per-slot ``keys``, ``counts``, ``last_seen`` and the rows load by row as
     always). The tensors are filled by the DCP load."""
 
@@ -350,7 +350,7 @@ def fresh_rows(cfg, n: int, D: int, seed: int, step: int) -> torch.Tensor:
     """``[n, D]`` fp32 CPU rows for the ``n`` slots a manager of ``seed`` gave a new id at
     ``step`` (in the order it gave them): the table's ``init_fn``, else uniform in
     ``weight_init_min/max``, from a generator seeded by ``(seed, step)`` (the global RNG is
-    left as it was). The sharded managers (``sharding/managed.py``) draw theirs here too."""
+    left as it was). The sharded managers (``sharding/managed/sharded.py``) draw theirs here too."""
     rows = torch.empty(n, D, dtype=torch.float32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_row_seed(seed, step))

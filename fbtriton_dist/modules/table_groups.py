@@ -228,6 +228,6 @@ def refuse_data_parallel(what: str) -> None:
             "(apply_optimizer_in_backward) runs inside DistributedDataParallel: every rank "
             "would replicate every table and update it with its own gradients only. TorchRec's "
             "DistributedModelParallel does this when it has no sharder for our module; pass "
-            f"sharders=[fbtriton_dist.sharding.torchrec_sharder.{what}Sharder()] "
+            f"sharders=[fbtriton_dist.sharding.dmp.{what}Sharder()] "
             "to DistributedModelParallel, or shard the model with fbtriton_dist.shard(model, plan)"
         )

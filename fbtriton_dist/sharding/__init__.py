@@ -1,13 +1,13 @@
 """Sharding: input dist (bucketize + all-to-all), local lookup, output dist, ``shard()``,
 and the ``TrainPipeline`` that overlaps the next batch's input dist with this step."""
 
-from fbtriton_dist.sharding.collection import ShardedCollection
-from fbtriton_dist.sharding.layout import ShardLayout
-from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.modules.collection import ShardedCollection
+from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sharding.pipeline import TrainPipeline
 from fbtriton_dist.sharding.shard import shard
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
-from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
 
 __all__ = [
     "CommOptions",

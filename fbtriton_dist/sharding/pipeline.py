@@ -36,8 +36,8 @@ from torch import nn
 
 from fbtriton_dist.graphs import CAPTURE_MODE, joined_at_exit
 from fbtriton_dist.host_flags import HostFlags
-from fbtriton_dist.sharding.collection import ShardedCollection
-from fbtriton_dist.sharding.input_dist import InputDistOut
+from fbtriton_dist.sharding.dist.input_dist import InputDistOut
+from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sparse import padded_kjt
 
 

@@ -5,9 +5,9 @@ from torch import nn
 
 from fbtriton_dist import optim
 from fbtriton_dist.planner import ShardingPlan
-from fbtriton_dist.sharding.options import CommOptions
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
-from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
+from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -74,7 +74,7 @@ def shard(
             raise NotImplementedError(
                 f"{name or 'module'}: sharding TorchRec-style ManagedCollision* wrappers is not "
                 "supported yet; build the collection with managed=... instead "
-                "(sharding/managed.py)"
+                "(sharding/managed/sharded.py)"
             )
     if _kind(module) is not None:
         return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
@@ -143,7 +143,7 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
     }
     ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
     if getattr(collection, "id_managers", None) is not None:  # managed tables
-        from fbtriton_dist.sharding import managed
+        from fbtriton_dist.sharding.managed import sharded as managed
 
         ebc_cls = managed.ManagedShardedEmbeddingBagCollection
         ec_cls = managed.ManagedShardedEmbeddingCollection

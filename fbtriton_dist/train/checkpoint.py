@@ -21,7 +21,7 @@ that step drops a ShardedTensor with no shard on this rank (a table-wise table o
 rank). On load the dropped key then looks missing, DCP falls back to its pre-2.4 key format, and
 the load fails on the dense optimizer's ``param_groups`` ("Missing key in checkpoint
 state_dict: dense_optim.param_groups"). Both planners are therefore built with
-``flatten_sharded_tensors=False``. The load planner is ``sharding/managed_state.py``'s
+``flatten_sharded_tensors=False``. The load planner is ``sharding/managed/state.py``'s
 ``ManagedLoadPlanner`` (the default one otherwise): a managed table's id map saved by other
 owners (another world size) is re-inserted at the owner of each id's hash on load.
 """
@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
+from fbtriton_dist.sharding.managed.state import ManagedLoadPlanner
 
 __all__ = [
     "checkpoint_steps",

@@ -33,7 +33,7 @@ __all__ = ["MANAGED_SHARDINGS", "JobPlan", "job_constraints", "make_plan", "plan
 GiB = 1024**3
 
 MANAGED_SHARDINGS = ("row_wise", "table_row_wise", "table_wise", "data_parallel")
-"""How a managed table (``id_manager:``) may be sharded (``sharding/managed.py``)."""
+"""How a managed table (``id_manager:``) may be sharded (``sharding/managed/sharded.py``)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Managed maps resharded on load (``sharding/managed_state.py``), on real gloo groups.
+"""Managed maps resharded on load (``sharding/managed/state.py``), on real gloo groups.
 
 One spawned run of 3 ranks (a 2-rank subgroup for the 2-rank phases) saves two managed
 collections with torch.distributed.checkpoint on 2 and on 3 ranks after ``K`` steps, loads
@@ -258,7 +258,7 @@ def _save(rank, R, group, path):
 def _load(rank, R, group, path):
     import torch.distributed.checkpoint as dcp
 
-    from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
+    from fbtriton_dist.sharding.managed.state import ManagedLoadPlanner
 
     torch.manual_seed(100 + rank)  # other seeds and maps: all replaced by the load
     out = {}
@@ -290,7 +290,7 @@ def _load_errors(rank, R, group, path, none_path):
     import torch.distributed.checkpoint as dcp
 
     from fbtriton_dist.id_manager import IdManagerConfig
-    from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
+    from fbtriton_dist.sharding.managed.state import ManagedLoadPlanner
 
     out = {}
     if R == 3:
@@ -398,7 +398,7 @@ class _Sim:
         from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
         from fbtriton_dist.modules.ebc import EmbeddingBagCollection
-        from fbtriton_dist.sharding.managed import owner_seed
+        from fbtriton_dist.sharding.managed.sharded import owner_seed
 
         self.ref = EmbeddingBagCollection(_ev_configs())
         with torch.no_grad():
@@ -456,8 +456,8 @@ class _Sim:
 
     @torch.no_grad()
     def reshard(self, R):
-        """The checkpoint onto R owners, by the rule of managed_state.py's docstring."""
-        from fbtriton_dist.sharding.managed import owner_seed
+        """The checkpoint onto R owners, by the rule of sharding/managed/state.py's docstring."""
+        from fbtriton_dist.sharding.managed.sharded import owner_seed
 
         for name, old in self.owners.items():
             cfg = _ev_managed()[name]
@@ -568,7 +568,7 @@ def _none_checkpoint(path):
 def test_managed_maps_reshard_on_load(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
+    from fbtriton_dist.sharding.managed.state import ManagedLoadPlanner
 
     path = str(tmp_path)
     # the fit reference: one unsharded run, uninterrupted; its step-K state is the 1-rank save
@@ -658,7 +658,7 @@ def test_loading_another_table_config_names_the_table_and_key(tmp_path, change, 
 
     from fbtriton_dist.id_manager import Admission, IdManagerConfig
     from fbtriton_dist.modules.ebc import EmbeddingBagCollection
-    from fbtriton_dist.sharding.managed_state import ManagedLoadPlanner
+    from fbtriton_dist.sharding.managed.state import ManagedLoadPlanner
 
     saved = _unsharded("fit")
     _train(saved, "fit", range(2), 0, B)

@@ -1,6 +1,6 @@
 """Sharded managed tables on real gloo process groups (2 and 3 ranks, uneven row cuts).
 
-The reference is built independently of ``sharding/managed.py``: an unsharded plain
+The reference is built independently of ``sharding/managed/sharded.py``: an unsharded plain
 EmbeddingBagCollection on the global batch, whose raw ids are remapped by R simulated
 managers (the spec, ``reference/id_remap.py``), one per row shard, each id routed to the
 owner of its hash range (the hash and the ranges re-derived here from the documented formula),
@@ -125,7 +125,7 @@ class _Owner:
 
 def _owners(name, cfg, R, seed):
     """The simulated owners of a table: (first hash of each, [_Owner])."""
-    from fbtriton_dist.sharding.managed import owner_seed  # the documented per-owner seed
+    from fbtriton_dist.sharding.managed.sharded import owner_seed  # the documented per-owner seed
 
     C = cfg.capacity
     if name == "rw":

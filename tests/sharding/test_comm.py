@@ -7,7 +7,7 @@ from tests.sharding.harness import device, run_ranks
 
 
 def _all_to_all(rank, world):
-    from fbtriton_dist.sharding.comm import all_to_all
+    from fbtriton_dist.sharding.comm.collectives import all_to_all
 
     # rank r sends (q + 1) rows to rank q, each row filled with 100 r + q
     in_splits = [q + 1 for q in range(world)]
@@ -23,7 +23,7 @@ def _all_to_all(rank, world):
 
 
 def _own_rows(rank, world):
-    from fbtriton_dist.sharding.comm import own_rows
+    from fbtriton_dist.sharding.comm.collectives import own_rows
 
     sizes = [2, 3, 1][:world]
     x = torch.arange(sum(sizes) * 2, dtype=torch.float32, device=device()).view(-1, 2)
@@ -39,7 +39,7 @@ def _own_rows(rank, world):
 
 
 def _host_reduce_scatter(rank, world):
-    from fbtriton_dist.sharding.output_dist import Block, BlockExchange
+    from fbtriton_dist.sharding.dist.output_dist import Block, BlockExchange
 
     # every rank holds a partial for the whole global batch (uneven sizes); rank p is
     # responsible for its own samples: the others send it those rows, it adds them
@@ -65,7 +65,7 @@ def _exchange_sum(rank, world, wire, sizes):
 
 
 def _exchange_sum_body(rank, world, wire, sizes):
-    from fbtriton_dist.sharding.comm import exchange_sum
+    from fbtriton_dist.sharding.comm.collectives import exchange_sum
 
     # rank r holds a partial [sum(sizes), 3] with rows (r + 1) * (global row + 1); rank q gets
     # the sum over r of its rows
@@ -108,7 +108,7 @@ def _exchange_sum_as_reduce_scatter(rank, world):
 
 
 def _failure_flag(rank, world):
-    from fbtriton_dist.sharding.comm import gather_batch_sizes
+    from fbtriton_dist.sharding.comm.collectives import gather_batch_sizes
 
     try:
         sizes = gather_batch_sizes(rank + 2, failed=rank == 1, device=device())

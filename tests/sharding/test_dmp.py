@@ -108,7 +108,7 @@ def _one_dmp_run(rank, world, planned_by):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import (
+    from fbtriton_dist.sharding.dmp import (
         DMPShardedEmbeddingBagCollection,
         EmbeddingBagCollectionSharder,
     )
@@ -210,7 +210,7 @@ def _dmp_without_our_sharder(rank, world):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
 
     configs = _configs()
     adagrad = {"lr": 0.3, "eps": 1e-8}
@@ -253,7 +253,7 @@ def _module_plan(per_table, world=2):
     from torchrec.distributed import sharding_plan as sp
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
 
     configs = [
         EmbeddingBagConfig(name="a", num_embeddings=11, embedding_dim=8, feature_names=["fa"]),
@@ -274,7 +274,7 @@ def _blocks(table):
 
 
 def test_torchrec_parameter_shardings_become_our_shards():
-    from fbtriton_dist.sharding.torchrec_sharder import to_fbtd_plan
+    from fbtriton_dist.sharding.dmp import to_fbtd_plan
 
     configs, tr = _module_plan({"a": "row_wise", "b": "row_wise"})
     plan = to_fbtd_plan(configs, tr, 2, 2)
@@ -293,7 +293,7 @@ def test_torchrec_parameter_shardings_become_our_shards():
 def test_torchrec_plans_we_cannot_take_are_refused():
     import dataclasses as dc
 
-    from fbtriton_dist.sharding.torchrec_sharder import to_fbtd_plan
+    from fbtriton_dist.sharding.dmp import to_fbtd_plan
 
     configs, tr = _module_plan({"a": "row_wise", "b": "table_wise"})
     with pytest.raises(ValueError, match=r"missing \['b'\]"):
@@ -322,7 +322,7 @@ def test_dmp_on_the_meta_device_builds_like_torchrecs(tmp_path):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
 
     meta = torch.device("meta")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
@@ -374,7 +374,7 @@ def test_our_sharders_follow_torchrecs_gradient_division_switch(
 
     import fbtriton_dist
     from fbtriton_dist.sharding import CommOptions
-    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1)

@@ -55,7 +55,7 @@ def _dmp_vs_torchrec(rank, world):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import (
+    from fbtriton_dist.sharding.dmp import (
         DMPShardedEmbeddingCollection,
         EmbeddingCollectionSharder,
     )

@@ -43,7 +43,7 @@ def _dmp_fp(rank, world, processors):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.torchrec_sharder import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
 
     tables = [
         EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10, feature_names=["f1"]),

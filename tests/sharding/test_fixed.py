@@ -140,7 +140,7 @@ def test_fixed_shapes_refuses_a_changed_shape(case, message):
 
 
 def test_fixed_message_layout():
-    from fbtriton_dist.sharding.fixed import fixed_message
+    from fbtriton_dist.sharding.dist.fixed import fixed_message
 
     m = fixed_message(3, 5, torch.int32, True)
     assert m.pieces == {"meta": (0, torch.int64, 1), "lengths": (8, torch.int32, 3),

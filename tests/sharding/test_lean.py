@@ -386,8 +386,8 @@ def test_a_negative_length_on_one_rank_stops_every_rank():
 def test_unique_per_destination_and_message_layout():
     """Dedup's pieces alone, in one process: each destination's distinct ids and the inverse
     map that gives its ids back; a message is deduplicated only where that is smaller."""
-    from fbtriton_dist.sharding.input_dist import InputDist, message
-    from fbtriton_dist.sharding.layout import ShardLayout
+    from fbtriton_dist.sharding.dist.input_dist import InputDist, message
+    from fbtriton_dist.sharding.dist.layout import ShardLayout
 
     layout = ShardLayout(_configs(False), _plan("mixed", 3), 3)
     inp = InputDist(layout, 0, "cpu", [len(layout.local[0])], dedup=True)

@@ -415,7 +415,7 @@ def _keys_case(rank, world, fixed, backend):
 
     import fbtriton_dist
     from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
-    from fbtriton_dist.sharding.options import CommOptions
+    from fbtriton_dist.sharding.comm.options import CommOptions
 
     configs = [EmbeddingBagConfig(name="a", num_embeddings=7, embedding_dim=3,
                                   feature_names=["s", "u"]),

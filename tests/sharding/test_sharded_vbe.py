@@ -99,7 +99,7 @@ def _vbe_vs_unsharded(rank, world, kind, opt_name, weighted, dedup=False):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.options import CommOptions
+    from fbtriton_dist.sharding.comm.options import CommOptions
 
     configs = _configs(weighted)
     dev = device()
@@ -192,7 +192,7 @@ def _traffic_and_bad_input(rank, world):
     import torchrec
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.options import CommOptions
+    from fbtriton_dist.sharding.comm.options import CommOptions
 
     configs = _configs(False)
     plan = _plan("row_wise", world)

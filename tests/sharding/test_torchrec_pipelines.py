@@ -124,7 +124,7 @@ def _losses(rank, kind, side, pipeline_name, reference_state):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding import torchrec_sharder as ours
+    from fbtriton_dist.sharding import dmp as ours
 
     tables = copy.deepcopy(_tables(kind))
     features = [f for c in tables for f in c.feature_names]

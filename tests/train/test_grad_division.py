@@ -23,7 +23,7 @@ def test_the_sharded_job_passes_gradient_division(tmp_path, division):
     """A one-rank gloo group: every sharded collection of the job's model gets the key."""
     import torch.distributed as dist
 
-    from fbtriton_dist.sharding.collection import ShardedCollection
+    from fbtriton_dist.sharding.modules.collection import ShardedCollection
     from fbtriton_dist.train.config import load_job
     from fbtriton_dist.train.env import Env
     from fbtriton_dist.train.job import build, make_plan

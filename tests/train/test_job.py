@@ -320,7 +320,7 @@ def test_the_sharded_job_runs_the_configured_backend(tmp_path, backend):
     single process's: a one-rank gloo group, every TBE of the sharded model on it."""
     import torch.distributed as dist
 
-    from fbtriton_dist.sharding.collection import ShardedCollection
+    from fbtriton_dist.sharding.modules.collection import ShardedCollection
     from fbtriton_dist.train.config import load_job
     from fbtriton_dist.train.env import Env
     from fbtriton_dist.train.job import build, make_plan

@@ -260,7 +260,7 @@ def test_job_config_errors_name_the_drift_key(tmp_path):
 
 
 def test_managed_job_saved_on_two_ranks_resumes_on_three(tmp_path):
-    """The job's resume loads the maps saved by 2 owners into 3 (sharding/managed_state.py):
+    """The job's resume loads the maps saved by 2 owners into 3 (sharding/managed/state.py):
     the first resumed step finds the ids the checkpoint held (its hit rate is the
     uninterrupted run's side of the way from an empty map's)."""
     from tests.train.test_multirank import ok, torchrun

@@ -3,9 +3,9 @@ dtype, the input dist that feeds them, the fused optimizer, the state dict.
 
 ``ShardedCollection`` holds the tables of one collection (``configs``) cut by a
 ``ShardingPlan``; its subclasses add the lookup and the output dist:
-``ShardedEmbeddingBagCollection`` (pooled bags, ``sharding/sharded_ebc.py``) and
-``ShardedEmbeddingCollection`` (one row per id, ``sharding/sharded_ec.py``). The input dist is
-the same for both: each id goes to the shards whose rows hold it.
+``ShardedEmbeddingBagCollection`` (pooled bags, ``sharding/modules/sharded_ebc.py``) and
+``ShardedEmbeddingCollection`` (one row per id, ``sharding/modules/sharded_ec.py``). The input
+dist is the same for both: each id goes to the shards whose rows hold it.
 """
 
 from collections.abc import Sequence
@@ -17,12 +17,12 @@ from torch import nn
 from fbtriton_dist import optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
-from fbtriton_dist.sharding import state_dict as states
-from fbtriton_dist.sharding.comm_report import comm_report
-from fbtriton_dist.sharding.fixed import FixedInputDist
-from fbtriton_dist.sharding.input_dist import InputDist, InputDistOut
-from fbtriton_dist.sharding.layout import ShardLayout
-from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.comm.report import comm_report
+from fbtriton_dist.sharding.dist.fixed import FixedInputDist
+from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
+from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.modules import state_dict as states
 
 
 class ShardedCollection(nn.Module):
@@ -216,7 +216,7 @@ class ShardedCollection(nn.Module):
         """KJT of this rank -> ``(lengths [T, B] of its own bags, the lookup batch of its
         shards, every rank's batch size)``: one bucketize, a header all-to-all, one host sync
         (the data all-to-all's split lists; on GPU the bucketize launcher sizes its output
-        with one more), one data all-to-all (``fbtriton_dist.sharding.input_dist``)."""
+        with one more), one data all-to-all (``fbtriton_dist.sharding.dist.input_dist``)."""
         out = self.input_dist_(features, self._is_weighted, self.input_group)
         self.last_step_stats = out.lookup.stats
         return out
@@ -285,10 +285,10 @@ class ShardedCollection(nn.Module):
 
     def comm_report(self) -> dict[str, dict[str, float]]:
         """Bytes this rank sent and received in the last step per collective, next to the
-        planner's estimate (``sharding.comm_report``; syncs: not for the hot path)."""
+        planner's estimate (``sharding.comm.report``; syncs: not for the hot path)."""
         return comm_report(self)
 
-    # -- state dict: TorchRec's keys, sharded values (``sharding.state_dict``) -------------
+    # -- state dict: TorchRec's keys, sharded values (``sharding.modules.state_dict``) -------------
     def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
         """``{prefix}<tables_key>.<table>.weight``: a ShardedTensor of views of the live
         weights, or for a data-parallel table its full replica."""

@@ -27,7 +27,7 @@ device gather built from the header on the device. Dedup therefore saves wire by
 lookups: the TBE still reads one row per id (the pooling needs per-bag sums).
 
 ``CommOptions(fixed_shapes=True)`` is the other mode of the same input dist
-(``sharding/fixed.py``, a subclass): messages of a size fixed at the first batch, no header
+(``sharding/dist/fixed.py``, a subclass): messages of a size fixed at the first batch, no header
 and no host sync. Both modes share this file's message layout (``Message``), the per-key
 tables, the bucketize check and the stats the comm report reads.
 """
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from fbtriton_dist.ops import backend as backends
 from fbtriton_dist.ops import bucketize as ops
-from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sparse import (
     JaggedBatch,
     KJTParts,
@@ -69,7 +69,7 @@ class LookupBatch(JaggedBatch):
     """Host numbers of this step for ``comm_report``."""
     groups: tuple = ()
     """With fixed shapes: ``(indices, offsets, per_sample_weights)`` of each TBE group, the
-    indices padded after the last bag to a fixed length (``fbtriton_dist.sharding.fixed``);
+    indices padded after the last bag to a fixed length (``fbtriton_dist.sharding.dist.fixed``);
     ``indices``/``offsets`` above are then the first group's."""
     received: tuple[tuple[int, ...], ...] = ()
     """[R][local shard-features] ids each source rank sent for each of this rank's

@@ -1,5 +1,5 @@
 """Which owner of a sharded managed table holds an id: its hash and the owners' hash ranges
-(``sharding/managed.py`` states the formula; ``sharding/managed_state.py`` re-inserts ids by
+(``sharding/managed/sharded.py`` states the formula; ``sharding/managed/state.py`` re-inserts ids by
 it when a map is loaded onto other owners)."""
 
 import torch
@@ -9,7 +9,8 @@ _MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 
 def id_hash(ids: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int64 raw ids -> their hashes in ``[0, 2**62)`` (``sharding/managed.py``'s h)."""
+    """``[N]`` int64 raw ids -> their hashes in ``[0, 2**62)`` (``sharding/managed/sharded.py``'s
+    h)."""
     h = ids * _MULT
     return (h ^ (h >> 31)) & ((1 << HASH_BITS) - 1)
 

@@ -17,9 +17,9 @@ batch's input dist ahead (``prefetch``).
 
 import torch
 
-from fbtriton_dist.sharding.collection import ShardedCollection
-from fbtriton_dist.sharding.input_dist import LookupBatch, VBEStep
-from fbtriton_dist.sharding.output_dist import OutputDist
+from fbtriton_dist.sharding.dist.input_dist import LookupBatch, VBEStep
+from fbtriton_dist.sharding.dist.output_dist import OutputDist
+from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sparse import keyed_tensor
 
 

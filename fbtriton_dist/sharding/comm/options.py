@@ -34,7 +34,7 @@ class CommOptions:
     sync and the same shapes every time: the host runs ahead of the GPU, and the step can be
     captured in a CUDA graph (``TrainPipeline(cuda_graph=True)``). Costs wire bytes (unused
     slots travel too); the batch size must stay the same; bad ids are reported a few steps
-    late (``fbtriton_dist.sharding.fixed``). Not with ``dedup``."""
+    late (``fbtriton_dist.sharding.dist.fixed``). Not with ``dedup``."""
     max_ids: int | None = None
     """With ``fixed_shapes``: the most ids one rank's batch may hold (default: the first
     batch's count)."""

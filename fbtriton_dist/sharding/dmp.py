@@ -49,11 +49,11 @@ from fbtriton_dist import optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
-from fbtriton_dist.sharding.input_dist import InputDistOut
-from fbtriton_dist.sharding.options import CommOptions
+from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.dist.input_dist import InputDistOut
+from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sharding.shard import shard
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
-from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
 
 __all__ = [
     "DMPShardedEmbeddingBagCollection",

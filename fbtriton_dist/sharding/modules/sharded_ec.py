@@ -5,7 +5,7 @@
         --output_dist--> {feature: JaggedTensor [this rank's ids of it, D]}
 
 The input dist is the EmbeddingBagCollection's (``ShardedCollection``: one bucketize, a header
-and a data all-to-all); the output dist (``sharding/sequence_dist.py``) sends every row back to
+and a data all-to-all); the output dist (``sharding/dist/sequence_dist.py``) sends every row back to
 the rank that sent its id and puts the rows in that rank's KJT order. Every sharding type
 works: row-wise (and table-row-wise, grid: row blocks, nothing to sum), table-wise,
 column-wise (column slices joined back), data-parallel (own rows kept, gradients
@@ -19,10 +19,10 @@ import torch
 
 from fbtriton_dist import optim
 from fbtriton_dist.planner import ShardingPlan
-from fbtriton_dist.sharding.collection import ShardedCollection
-from fbtriton_dist.sharding.input_dist import LookupBatch
-from fbtriton_dist.sharding.options import CommOptions
-from fbtriton_dist.sharding.sequence_dist import SequenceDist
+from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.dist.input_dist import LookupBatch
+from fbtriton_dist.sharding.dist.sequence_dist import SequenceDist
+from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sparse import JaggedTensor, kjt_sequences
 
 

@@ -41,7 +41,7 @@ tensors. Their local shards are the live buffers, so ``torch.distributed.checkpo
 and loads them in place. A data-parallel table's are the plain replicated tensors of the
 unsharded module. A load checks ``config`` (an error names the table and the key). Loading
 onto other owners (another world size or plan, an unsharded module's map, or into one)
-re-inserts every id at the owner of its hash: ``sharding/managed_state.py``.
+re-inserts every id at the owner of its hash: ``sharding/managed/state.py``.
 """
 
 from collections.abc import Mapping
@@ -53,10 +53,10 @@ from torch import nn
 from fbtriton_dist.id_manager import IdManagerConfig
 from fbtriton_dist.modules.managed import IdManager, config_tensor, fresh_rows, owner_seed
 from fbtriton_dist.ops.id_remap import STATS
-from fbtriton_dist.sharding.managed_hash import HASH_BITS, hash_bounds, id_hash
-from fbtriton_dist.sharding.managed_state import load_maps
-from fbtriton_dist.sharding.sharded_ebc import ShardedEmbeddingBagCollection
-from fbtriton_dist.sharding.sharded_ec import ShardedEmbeddingCollection
+from fbtriton_dist.sharding.managed.hashing import HASH_BITS, hash_bounds, id_hash
+from fbtriton_dist.sharding.managed.state import load_maps
+from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
+from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sparse import kjt_key_ranges, kjt_with_values
 
 ROW_SHARDINGS = ("row_wise", "table_row_wise", "table_wise")
@@ -151,7 +151,7 @@ class ShardedIdManagers(nn.Module):
                         f"(step {int(src.step)}) row-wise needs its ids re-inserted by owner; "
                         "shard it before training, or save it with torch.distributed.checkpoint "
                         "and load that into the sharded module with planner="
-                        "ManagedLoadPlanner() (sharding/managed_state.py)"
+                        "ManagedLoadPlanner() (sharding/managed/state.py)"
                     )
             if int(src.step) and (info.replicated or len(info.owners) == 1):
                 m.load_state_dict(src.state_dict())  # one owner / replicas: the same map
@@ -399,7 +399,7 @@ class _Managed:
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """The weights, then the maps (``managed_state.load_maps``: this rank's pieces, the
+        """The weights, then the maps (``managed.state.load_maps``: this rank's pieces, the
         config checked, ids re-inserted by owner when saved by other owners: a collective)."""
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         load_maps(self, state_dict, f"{prefix}id_managers.")
@@ -407,7 +407,7 @@ class _Managed:
 
 class ManagedShardedEmbeddingBagCollection(_Managed, ShardedEmbeddingBagCollection):
     """A ShardedEmbeddingBagCollection whose managed tables (``managed``: the unsharded
-    collection's ``id_managers``) take raw ids: ``sharding/managed.py`` says how."""
+    collection's ``id_managers``) take raw ids: ``sharding/managed/sharded.py`` says how."""
 
     def __init__(self, configs, plan, *, managed, **kwargs) -> None:
         super().__init__(configs, plan, **kwargs)

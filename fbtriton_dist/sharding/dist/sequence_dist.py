@@ -24,8 +24,8 @@ the gradient rows back to their owners.
 
 import torch
 
-from fbtriton_dist.sharding.comm import all_to_all, own_rows
-from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.comm.collectives import all_to_all, own_rows
+from fbtriton_dist.sharding.dist.layout import ShardLayout
 
 
 class SequenceDist:

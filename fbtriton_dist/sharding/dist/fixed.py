@@ -34,13 +34,13 @@ import torch.distributed as dist
 
 from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.ops import bucketize as ops
-from fbtriton_dist.sharding.input_dist import (
+from fbtriton_dist.sharding.dist.input_dist import (
     InputDist,
     InputDistOut,
     LookupBatch,
     Message,
 )
-from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sparse import kjt_parts
 
 

@@ -29,8 +29,8 @@ from itertools import accumulate
 
 import torch
 
-from fbtriton_dist.sharding.comm import all_to_all, exchange_sum, own_rows
-from fbtriton_dist.sharding.layout import ShardLayout
+from fbtriton_dist.sharding.comm.collectives import all_to_all, exchange_sum, own_rows
+from fbtriton_dist.sharding.dist.layout import ShardLayout
 
 
 @dataclass(frozen=True)

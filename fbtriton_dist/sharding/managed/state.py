@@ -2,7 +2,7 @@
 re-inserted by the owner of their hash (resharding a DCP checkpoint: 2 ranks -> 3, 3 -> 2,
 an unsharded module's map into a sharded one and back).
 
-A sharded managed table (``sharding/managed.py``) gives each id to the owner of its hash
+A sharded managed table (``sharding/managed/sharded.py``) gives each id to the owner of its hash
 range, and the ranges follow the owners' slots, so another world size or plan moves most ids
 to another owner, and another slot. Loading a checkpoint onto other owners therefore takes
 two steps:
@@ -82,7 +82,7 @@ from fbtriton_dist.modules.managed import (
     saved_owners_of,
 )
 from fbtriton_dist.ops.id_remap import STATS
-from fbtriton_dist.sharding.managed_hash import hash_ranges, owners_of
+from fbtriton_dist.sharding.managed.hashing import hash_ranges, owners_of
 
 __all__ = ["ManagedLoadPlanner", "load_maps", "reinsert"]
 
@@ -289,7 +289,7 @@ def _check_owners(info, saved, p: str) -> None:
         raise ValueError(
             f"table '{info.name}' owners: the checkpoint's map was saved by owners (first row, "
             f"slots) {saved.tolist()}, this module's are {mine} (key '{p}owners'); load it "
-            "with planner=fbtriton_dist.sharding.managed_state.ManagedLoadPlanner(), which "
+            "with planner=fbtriton_dist.sharding.managed.state.ManagedLoadPlanner(), which "
             "re-inserts its ids by owner")
 
 
@@ -313,7 +313,7 @@ def _local_pieces(ids, info, m, state_dict: dict, p: str) -> None:
                 raise ValueError(
                     f"table '{info.name}' {k}: its shards do not match this rank's id manager "
                     f"(key '{p + k}'); load the checkpoint with torch.distributed.checkpoint "
-                    "and planner=ManagedLoadPlanner() (sharding/managed_state.py)")
+                    "and planner=ManagedLoadPlanner() (sharding/managed/state.py)")
             state_dict[p + k] = piece.reshape(getattr(m, k).shape)
         elif len(info.owners) == 1:  # table-wise: an unsharded module's map as it is
             state_dict[p + k] = value.reshape(getattr(m, k).shape)
@@ -322,7 +322,7 @@ def _local_pieces(ids, info, m, state_dict: dict, p: str) -> None:
                 f"table '{info.name}' {k}: expected a ShardedTensor of this plan's owners, got "
                 f"a {tuple(value.shape)} tensor (key '{p + k}'); a map of other owners is "
                 "re-inserted by owner through torch.distributed.checkpoint and "
-                "planner=ManagedLoadPlanner() (sharding/managed_state.py)")
+                "planner=ManagedLoadPlanner() (sharding/managed/state.py)")
 
 
 # -- the re-insert --------------------------------------------------------------------------
