@@ -366,7 +366,9 @@ def _same_d_vs_unsharded(rank, world, dims=(4, 4, 4)):
         report[f"step{step}.out"] = (out - out_ref[lo : lo + B[rank]]).abs().max().item()
         grad = torch.linspace(-1, 1, out_ref.numel(), device=dev).view_as(out_ref)
         out_ref.backward(grad)
-        out.backward(grad[lo : lo + B[rank]])
+        # the sharded tables' gradients are divided by R (TorchRec's convention): R x the
+        # rank's part of the global gradient gives the unsharded step on the global batch
+        out.backward(grad[lo : lo + B[rank]] * world)
     full = sharded.gather_full_state_dict()
     for k, v in ref.state_dict().items():
         report[k] = (full[k] - v).abs().max().item()
