@@ -7,14 +7,16 @@ sharded by TorchRec's sharder and once over ours sharded by ours, with the same 
 gradient division of both is compared too). The 5 steps' losses must agree within 1e-5 (the
 semi-sync pipeline's embeddings lag a step behind the update on both sides alike). A
 pipeline that fails over TorchRec's own modules here (CPU, no CUDA streams) is skipped,
-naming where TorchRec failed; our side then does not run."""
+naming where TorchRec failed; our side then does not run. Under ``FBTD_DIST_BACKEND=nccl`` the
+same runs on GPUs (one rank per GPU: 2 ranks, or 1 on a one-GPU machine), where every pipeline
+must run."""
 
 import copy
 
 import pytest
 import torch
 
-from tests.sharding.harness import run_ranks
+from tests.sharding.harness import backend, device, run_ranks
 
 B = 4  # samples per rank and step
 STEPS = 5
@@ -90,14 +92,22 @@ def _batches(features, tables, rank):
     return out
 
 
-def _plan(module, sharder, fqn):
+def _world() -> int:
+    """2 ranks on gloo; under NCCL one per GPU, at most 2."""
+    if backend() != "nccl":
+        return 2
+    return max(1, min(2, torch.cuda.device_count()))
+
+
+def _plan(module, sharder, fqn, world):
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.types import ShardingPlan
 
-    per_table = {"tw": sp.table_wise(rank=1), "rw": sp.row_wise(),
-                 "cw": sp.column_wise(ranks=[0, 1])}
-    plan = sp.construct_module_sharding_plan(module, per_table, sharder=sharder, local_size=2,
-                                             world_size=2, device_type="cpu")
+    per_table = {"tw": sp.table_wise(rank=world - 1), "rw": sp.row_wise(),
+                 "cw": sp.column_wise(ranks=list(range(world)))}
+    plan = sp.construct_module_sharding_plan(module, per_table, sharder=sharder,
+                                             local_size=world, world_size=world,
+                                             device_type=device().type)
     return ShardingPlan({fqn: plan})
 
 
@@ -117,7 +127,7 @@ def _copy_into(dmp, full):
                 value.copy_(whole)
 
 
-def _losses(rank, kind, side, pipeline_name, reference_state):
+def _losses(rank, world, kind, side, pipeline_name, reference_state):
     import torchrec
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.train_pipeline import train_pipelines as tp
@@ -141,18 +151,18 @@ def _losses(rank, kind, side, pipeline_name, reference_state):
     else:
         module = (fbtriton_dist.EmbeddingBagCollection if ebc
                   else fbtriton_dist.EmbeddingCollection)(tables=tables)
-        sharder = (ours.EmbeddingBagCollectionSharder(local_world_size=2) if ebc
-                   else ours.EmbeddingCollectionSharder(local_world_size=2))
+        sharder = (ours.EmbeddingBagCollectionSharder(local_world_size=world) if ebc
+                   else ours.EmbeddingCollectionSharder(local_world_size=world))
     model = model_cls(module, features)
     model.load_state_dict(reference_state)
     apply_optimizer_in_backward(torch.optim.SGD, getattr(model, fqn).parameters(), {"lr": 0.5})
     dmp = DistributedModelParallel(model, sharders=[sharder],
-                                   plan=_plan(getattr(model, fqn), sharder, fqn),
-                                   device=torch.device("cpu"))
+                                   plan=_plan(getattr(model, fqn), sharder, fqn, world),
+                                   device=device())
     _copy_into(dmp, reference_state)
     dense = [p for n, p in dmp.named_parameters() if fqn + "." not in n]
     opt = torch.optim.SGD(dense, lr=0.5)
-    pipeline = getattr(tp, pipeline_name)(dmp, opt, torch.device("cpu"))
+    pipeline = getattr(tp, pipeline_name)(dmp, opt, device())
     it, losses = iter(_batches(features, tables, rank)), []
     for _ in range(STEPS):
         out = pipeline.progress(it)
@@ -171,25 +181,26 @@ def _both_sides(rank, world, kind, pipeline_name):
     reference = (_EBCModel if kind == "ebc" else _ECModel)(module, features)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     try:
-        want = _losses(rank, kind, "torchrec", pipeline_name, state)
+        want = _losses(rank, world, kind, "torchrec", pipeline_name, state)
     except (RuntimeError, AssertionError) as e:  # TorchRec's modules in its own pipeline
         import traceback
 
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "torchrec" in f.filename]
         where = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}"
         return {"torchrec_fails": f"{type(e).__name__}: {str(e)[:120]} (at {where})"}
-    return {"torchrec": want, "ours": _losses(rank, kind, "ours", pipeline_name, state)}
+    return {"torchrec": want,
+            "ours": _losses(rank, world, kind, "ours", pipeline_name, state)}
 
 
 @pytest.mark.parametrize("pipeline_name", PIPELINES)
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 def test_torchrec_pipeline_over_ours_matches_it_over_torchrec(kind, pipeline_name):
-    results = run_ranks(_both_sides, 2, kind, pipeline_name)
+    results = run_ranks(_both_sides, _world(), kind, pipeline_name)
     failed = [r["torchrec_fails"] for r in results if "torchrec_fails" in r]
-    if failed and pipeline_name in LIMITS:
+    if failed and pipeline_name in LIMITS and backend() != "nccl":
         pytest.skip(f"TorchRec 1.8's {pipeline_name} cannot run TorchRec's own modules on "
                     f"CPU/gloo (it needs CUDA streams: {LIMITS[pipeline_name]}): {failed[0]}")
-    assert not failed, failed  # TrainPipelineSparseDist runs TorchRec's modules on CPU
+    assert not failed, failed  # TrainPipelineSparseDist runs TorchRec's modules on CPU; all on GPU
     for rank, losses in enumerate(results):
         want, got = losses["torchrec"], losses["ours"]
         assert len(got) == len(want) == STEPS
