@@ -53,11 +53,11 @@ export PYTHONPATH
 case $part in
   kernels)
     timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/kernels tests/modules tests/ops \
-      tests/test_graphs.py 2>&1 | tail -40 | tee "$OUT/kernels.txt"
+      tests/test_graphs.py "$@" 2>&1 | tee "$OUT/kernels.txt" | tail -40
     ;;
   train)
     timeout "${LIMIT:-540}" "$py" -m pytest -q -p no:cacheprovider tests/train -k gpu \
-      2>&1 | tail -40 | tee "$OUT/train.txt"
+      2>&1 | tee "$OUT/train.txt" | tail -40
     ;;
   dist)
     if [ $# -gt 0 ]; then
@@ -69,7 +69,7 @@ case $part in
       tests=(tests/sharding/test_lean.py -k graphed)
     fi
     FBTD_DIST_BACKEND=nccl timeout "${LIMIT:-560}" "$py" -m pytest -q -p no:cacheprovider -x "${tests[@]}" \
-      2>&1 | tail -40 | tee "$OUT/dist.txt"
+      2>&1 | tee "$OUT/dist.txt" | tail -40
     ;;
   bench)
     providers=${PROVIDERS:-torchrec ours_graph ours_graph_overlap ours_graph_bf16}
