@@ -29,6 +29,7 @@ from fbtriton_dist.modules import (
     op_spec,
     portable,  # noqa: F401 (registers ebc_portable_lookup)
 )
+from fbtriton_dist.modules.table_groups import live_collection
 from fbtriton_dist.sparse import (
     KeyedJaggedTensor,
     keyed_tensor,
@@ -38,9 +39,18 @@ from fbtriton_dist.sparse import (
 )
 
 
-@torch.compiler.assume_constant_result
 def spec(module) -> str:
-    """``op_spec.spec_of(module)``, a constant of the graph under ``torch.compile``."""
+    """``op_spec.spec_of(module)``, a constant of the graph under ``torch.compile``: the
+    constant function takes the module's ``id`` (an int Dynamo holds as a constant; some torch
+    versions refuse a module argument there)."""
+    return _spec_of_id(id(module))
+
+
+@torch.compiler.assume_constant_result
+def _spec_of_id(key: int) -> str:
+    module = live_collection(key)
+    if module is None:
+        raise RuntimeError(f"fbtriton_dist lookup op: no live collection has id {key}")
     return op_spec.spec_of(module)
 
 

@@ -5,6 +5,7 @@ fused optimizer that ``apply_optimizer_in_backward`` annotations ask for."""
 
 import copy
 import dataclasses
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,16 @@ class OpLayout:
     """Pooled lookups: ``feature@table`` of each output (the portable op's messages)."""
 
 
+_LIVE: "weakref.WeakValueDictionary[int, TableGroups]" = weakref.WeakValueDictionary()
+
+
+def live_collection(key: int) -> "TableGroups | None":
+    """The live collection whose ``id()`` is ``key`` (every one made, copied or unpickled
+    registers itself), or None: ``torch.compile`` hands the traced ops' constant functions an
+    ``id`` where some torch versions refuse a module."""
+    return _LIVE.get(key)
+
+
 class TableGroups(nn.Module):
     """Base of the collections. A subclass sets, in its ``__init__``:
 
@@ -63,6 +74,14 @@ class TableGroups(nn.Module):
     _groups: dict
     _tbes: list[TableBatchedEmbedding]
     _op_layout: OpLayout
+
+    def __init__(self) -> None:
+        super().__init__()
+        _LIVE[id(self)] = self
+
+    def __setstate__(self, state) -> None:  # pickle
+        super().__setstate__(state)
+        _LIVE[id(self)] = self
 
     def table_configs(self) -> list:
         """The table configs, in config order (a table's index here is its ``members`` id)."""
@@ -88,6 +107,7 @@ class TableGroups(nn.Module):
         the copy trains with the same fused optimizer, on its own state."""
         other = self.__class__.__new__(self.__class__)
         memo[id(self)] = other
+        _LIVE[id(other)] = other
         for key, value in self.__dict__.items():
             other.__dict__[key] = copy.deepcopy(value, memo)
         everything = range(len(self._table_configs))

@@ -106,7 +106,16 @@ def _compiled(model):
 HOWS = {"fx": torch.fx.symbolic_trace, "compile": _compiled}
 
 
-@pytest.mark.parametrize("how", list(HOWS))
+OLD_AOT = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+@pytest.mark.parametrize("how", [
+    "fx",
+    pytest.param("compile", marks=pytest.mark.xfail(
+        OLD_AOT, strict=True, reason="torch < 2.13: AOT autograd refuses the copy's fused "
+        "update of a leaf parameter in the backward (a leaf Variable that requires grad is "
+        "being used in an in-place operation); torch 2.13 accepts it")),
+])
 @pytest.mark.parametrize("kind", KINDS)
 def test_deepcopy_of_a_graph_trains_its_own_weights(kind, how):
     """A deep copy of a traced / compiled model runs, and two fused Adagrad steps on it give
