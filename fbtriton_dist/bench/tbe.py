@@ -24,16 +24,23 @@ providers update inside backward; torch ones run backward + step + zero_grad; to
 per-element). ``bwd`` = fwd_bwd - fwd is printed as derived.
 
 Threads (``--threads 1,2``; on CPU by default 1 up to the usable cores, 1 with ``--tiny``): every
-provider is timed at each count in the same run, by ``torch.set_num_threads`` in this process:
-torch's OpenMP pool and our native kernels' pthread pool follow it at once; FBGEMM's CPU TBE
-(the fbgemm-gpu-cpu wheels: built without OpenMP, so its ``at::parallel_for`` runs inline)
-runs its kernels on the calling thread at any count, only the torch ops around them follow it.
-Each (provider, phase, count) is timed ``--repeats`` times (3 on CPU), the providers and counts
-in an order rotated per repeat; a row is the median repeat, with the spread (max - min) /
-median of the repeats' medians (``!`` over 20%) and ``cpu_util`` (process CPU time / wall:
-the cores kept busy, spin-waits included). ``best``: per shape, phase and provider its time at
-each count, its best count, and each provider's time over ours' at each count and each at its
-best count (bold in the markdown table).
+provider is timed at each count in the same run, switched by ``torch.set_num_threads`` in this
+process, which every provider follows: our native kernels size their pthread pool by
+``torch.get_num_threads()`` at each call; torch's ops run on its OpenMP pool; FBGEMM's CPU TBE
+(fbgemm-gpu-cpu wheels, built without OpenMP: their ``at::parallel_for`` runs inline) runs its
+forward and its fused backward update on the calling thread, and the one parallel part of its
+backward, the sort of the ids (``fbgemm::radix_sort_parallel``), binds at load time to the
+FBGEMM copy inside libtorch_cpu, built with OpenMP: it runs on torch's OpenMP pool at torch's
+count. On a CPU shared with other processes, libgomp's spinning barriers in that sort can make
+FBGEMM's backward 10-20x slower at 2 threads than at 1 (``OMP_WAIT_POLICY=passive``, set before
+torch is imported, avoids it); such repeats show in the spread. Each (provider, phase, count) is
+timed ``--repeats`` times (3 on CPU), the providers and the counts in an order rotated per
+repeat; a row is the median repeat, with the spread (max - min) / median of the repeats'
+medians (``!`` over 20%) and ``cpu_util`` (process CPU time / wall of the timed loop: the cores
+kept busy, spin-waits included). ``best``: per shape, phase and provider its time at each
+count, its best count, and each provider's time over ours' at each count and each at its best
+count (bold in the printed markdown table). The load average of the machine is recorded before
+and after each shape.
 
 Per (shape, provider, phase, count): median ms (L2 flushed, CUDA events), pipelined ms, GPU-busy ms
 (profiler), effective GB/s with the byte count beside it (BASELINES.md's model), % of the copy
@@ -575,6 +582,8 @@ def _run(args: argparse.Namespace) -> dict:
         "threads": counts,
         "usable_cores": usable,
         "repeats": repeats,
+        "env": {k: os.environ.get(k) for k in (
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
         "spread": f"(max - min) / median of the {repeats} repeats' median ms; flagged (!) "
         f"over {SPREAD_FLAG:.0%}",
         **_versions(providers),
@@ -681,8 +690,10 @@ def _run(args: argparse.Namespace) -> dict:
             if "skipped" not in res and not res["ok"]:
                 what = f"provider {ours_like} (backend={backend!r}) vs fbgemm"
                 _refuse(report, args, shape, what, res["failures"])
+        load = _loadavg()
         rows = run_shape(ctx, providers, timer, copy_gbs, counts, repeats)
         torch.set_num_threads(max(counts))
+        report["shapes"][shape.name]["loadavg"] = {"before": load, "after": _loadavg()}
         derived = derived_bwd(rows)
         best = best_counts(rows)
         report["rows"] += rows
@@ -694,6 +705,9 @@ def _run(args: argparse.Namespace) -> dict:
         print_kernels(rows)
         if len(counts) > 1 or repeats > 1:
             print_threads_table(best, counts)
+        if load is not None:
+            print(f"  load average (1 min) {load:.2f} before, {_loadavg():.2f} after; "
+                  f"{usable} usable cores")
         del ctx, batch
         _free()
         report["elapsed_s"] = time.perf_counter() - t_run
@@ -701,6 +715,14 @@ def _run(args: argparse.Namespace) -> dict:
             _write(report, args.out)
     print(f"\ntotal {time.perf_counter() - t_run:.1f} s")
     return report
+
+
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average (other processes on shared cores skew CPU times)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not available
+        return None
 
 
 class CheckFailed(SystemExit):
