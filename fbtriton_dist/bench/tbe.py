@@ -23,7 +23,26 @@ Phases: ``fwd`` (a training forward), ``fwd_bwd_sgd``, ``fwd_bwd_rowwise_adagrad
 providers update inside backward; torch ones run backward + step + zero_grad; torch's Adagrad is
 per-element). ``bwd`` = fwd_bwd - fwd is printed as derived.
 
-Per (shape, provider, phase): median ms (L2 flushed, CUDA events), pipelined ms, GPU-busy ms
+Threads (``--threads 1,2``; on CPU by default 1 up to the usable cores, 1 with ``--tiny``): every
+provider is timed at each count in the same run, switched by ``torch.set_num_threads`` in this
+process, which every provider follows: our native kernels size their pthread pool by
+``torch.get_num_threads()`` at each call; torch's ops run on its OpenMP pool; FBGEMM's CPU TBE
+(fbgemm-gpu-cpu wheels, built without OpenMP: their ``at::parallel_for`` runs inline) runs its
+forward and its fused backward update on the calling thread, and the one parallel part of its
+backward, the sort of the ids (``fbgemm::radix_sort_parallel``), binds at load time to the
+FBGEMM copy inside libtorch_cpu, built with OpenMP: it runs on torch's OpenMP pool at torch's
+count. On a CPU shared with other processes, libgomp's spinning barriers in that sort can make
+FBGEMM's backward 10-20x slower at 2 threads than at 1 (``OMP_WAIT_POLICY=passive``, set before
+torch is imported, avoids it); such repeats show in the spread. Each (provider, phase, count) is
+timed ``--repeats`` times (3 on CPU), the providers and the counts in an order rotated per
+repeat; a row is the median repeat, with the spread (max - min) / median of the repeats'
+medians (``!`` over 20%) and ``cpu_util`` (process CPU time / wall of the timed loop: the cores
+kept busy, spin-waits included). ``best``: per shape, phase and provider its time at each
+count, its best count, and each provider's time over ours' at each count and each at its best
+count (bold in the printed markdown table). The load average of the machine is recorded before
+and after each shape.
+
+Per (shape, provider, phase, count): median ms (L2 flushed, CUDA events), pipelined ms, GPU-busy ms
 (profiler), effective GB/s with the byte count beside it (BASELINES.md's model), % of the copy
 bandwidth measured in this process, speedup against every other provider, peak memory, and for
 ``ours``/``fbgemm`` the per-kernel µs/iter. Method: ../shared/tools/fbgemm-sm90/BASELINES.md.
@@ -40,6 +59,7 @@ differs and by how much.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import NoReturn
@@ -68,7 +88,7 @@ from fbtriton_dist.bench.tbe_cases import (
     output_size,
     provider_cases,
 )
-from fbtriton_dist.bench.timing import Timer, TimerConfig, copy_bandwidth
+from fbtriton_dist.bench.timing import SPREAD_FLAG, Timer, TimerConfig, copy_bandwidth, spread
 
 __all__ = ["SHAPES", "PHASES", "PROVIDERS", "Batch", "Shape", "make_batch", "model_bytes", "main"]
 
@@ -76,67 +96,126 @@ __all__ = ["SHAPES", "PHASES", "PROVIDERS", "Batch", "Shape", "make_batch", "mod
 # ---------------------------------------------------------------- driver
 
 
-def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float) -> list[dict]:
+def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float,
+              counts: list[int] | None = None, repeats: int = 1) -> list[dict]:
+    """One row per (provider, phase, thread count). Each provider's step is timed at every
+    count, ``repeats`` times: each repeat builds every provider's module afresh (one alive at a
+    time) and times each of its phases at every count, the providers and the counts in an order
+    rotated by one per repeat, so drift over the run hits every provider and count alike. A
+    row is the measurement of its median repeat, with every repeat's median (``repeats_ms``)
+    and their ``spread``."""
+    counts = counts or [torch.get_num_threads()]
+    order: list[tuple[str, str]] = []  # (provider, phase) as first met
+    info: dict[tuple[str, str], dict] = {}  # bytes, note, or skipped/error of the whole phase
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    errors: dict[tuple[str, str, int], str] = {}
+    broken: set[str] = set()  # providers whose module could not be built
+    for rep in range(repeats):
+        k = rep % len(providers)
+        for provider in providers[k:] + providers[:k]:
+            if provider in broken:
+                continue
+            done: set[str] = set()
+            cases = provider_cases(provider, ctx)
+            while True:
+                try:
+                    phase, fn = next(cases)
+                except StopIteration:
+                    break
+                except Exception as e:  # building the module failed: the remaining phases fail
+                    missing = isinstance(e, ImportError)  # a peer that is not installed
+                    msg = f"{type(e).__name__}: {e}"
+                    print(f"  {provider}: {'skipped' if missing else 'ERROR'} {msg}", flush=True)
+                    for phase in ctx.phases:
+                        if phase not in done and not (phase == "fwd" and provider in FWD_OF):
+                            key = (provider, phase)
+                            order += [key] if key not in info else []
+                            info[key] = {"skipped": f"skipped: not importable: {e}"} if (
+                                missing) else {"error": msg}
+                    broken.add(provider)
+                    break
+                done.add(phase)
+                key = (provider, phase)
+                if key not in info:
+                    order.append(key)
+                    info[key] = {}
+                if isinstance(fn, str):
+                    if rep == 0:
+                        print(f"  {provider} {phase}: {fn}", flush=True)
+                    info[key] = {"skipped": fn}
+                    continue
+                info[key]["bytes"] = model_bytes(ctx.shape, ctx.batch, phase,
+                                                 output_size(provider, ctx.shape))
+                if getattr(fn, "note", None):
+                    info[key]["note"] = fn.note
+                j = rep % len(counts)
+                for threads in counts[j:] + counts[:j]:
+                    if (provider, phase, threads) in errors:
+                        continue
+                    torch.set_num_threads(threads)
+                    t0 = time.perf_counter()
+                    try:
+                        r = timer.measure(fn)
+                    except Exception as e:
+                        msg = f"{type(e).__name__}: {str(e)[:500]}"
+                        print(f"  {provider} {phase} {threads} thr: ERROR {msg}", flush=True)
+                        errors[(provider, phase, threads)] = msg
+                        _free()
+                        continue
+                    r["wall_s"] = time.perf_counter() - t0
+                    runs.setdefault((provider, phase, threads), []).append(r)
+                    util = r.get("cpu_util")
+                    print(
+                        f"  {provider:<18} {phase:<24} {threads:>2} thr  rep {rep + 1}/{repeats}"
+                        f"  busy {r['busy_ms']:9.3f} ms  median {r['median_ms']:9.3f} ms"
+                        + (f"  cpu {util:.2f}" if util is not None else "")
+                        + f"  ({r['wall_s']:.1f} s)"
+                        + (f"  [{fn.note}]" if getattr(fn, "note", None) else ""),
+                        flush=True,
+                    )
+            cases.close()
+            # the last step closure still holds the module: drop it before building the next one
+            fn = cases = None  # noqa: F841
+            _free()
     rows = []
-    for provider in providers:
-        base = dict(shape=ctx.shape.name, provider=provider)
-        done: set[str] = set()
-        cases = provider_cases(provider, ctx)
-        while True:
-            try:
-                phase, fn = next(cases)
-            except StopIteration:
-                break
-            except Exception as e:  # building the module failed: the remaining phases fail
-                missing = isinstance(e, ImportError)  # a peer that is not installed
-                msg = f"{type(e).__name__}: {e}"
-                print(f"  {provider}: {'skipped' if missing else 'ERROR'} {msg}", flush=True)
-                for phase in ctx.phases:
-                    if phase not in done and not (phase == "fwd" and provider in FWD_OF):
-                        what = {"skipped": f"skipped: not importable: {e}"} if missing else {
-                            "error": msg}
-                        rows.append(dict(base, phase=phase, **what))
-                break
-            done.add(phase)
-            if isinstance(fn, str):
-                print(f"  {provider} {phase}: {fn}", flush=True)
-                rows.append(dict(base, phase=phase, skipped=fn))
-                continue
-            nbytes = model_bytes(ctx.shape, ctx.batch, phase, output_size(provider, ctx.shape))
-            t0 = time.perf_counter()
-            try:
-                r = timer.measure(fn)
-            except Exception as e:
-                msg = f"{type(e).__name__}: {str(e)[:500]}"
-                print(f"  {provider} {phase}: ERROR {msg}", flush=True)
-                rows.append(dict(base, phase=phase, error=msg))
-                _free()
-                continue
-            row = dict(base, phase=phase, bytes=nbytes, **r)
-            if getattr(fn, "note", None):
-                row["note"] = fn.note
-            for when in ("busy", "median"):
-                gbs = nbytes / row[f"{when}_ms"] / 1e6
-                row[f"gbs_{when}"] = gbs
-                row[f"pct_copy_{when}"] = 100 * gbs / copy_gbs
-            row["wall_s"] = time.perf_counter() - t0
-            rows.append(row)
-            print(
-                f"  {provider:<18} {phase:<24} busy {row['busy_ms']:9.3f} ms  "
-                f"median {row['median_ms']:9.3f} ms  ({row['wall_s']:.1f} s)"
-                + (f"  [{row['note']}]" if "note" in row else ""),
-                flush=True,
-            )
-        cases.close()
-        # the last step closure still holds the module: drop it before building the next one
-        fn = cases = None  # noqa: F841
-        _free()
+    for provider, phase in order:
+        base = dict(shape=ctx.shape.name, provider=provider, phase=phase)
+        meta = info[(provider, phase)]
+        if "skipped" in meta or "error" in meta:
+            rows.append(dict(base, **{k: meta[k] for k in ("skipped", "error") if k in meta}))
+            continue
+        for threads in counts:
+            if (provider, phase, threads) in errors:
+                rows.append(dict(base, threads=threads, error=errors[(provider, phase, threads)]))
+            elif (provider, phase, threads) in runs:
+                rows.append(_row(dict(base, threads=threads), meta, runs[(provider, phase,
+                                                                             threads)], copy_gbs))
     _add_ratios(rows)
     return rows
 
 
+def _row(base: dict, meta: dict, runs: list[dict], copy_gbs: float) -> dict:
+    """The row of one (provider, phase, count): its median repeat's measurement, every repeat's
+    median ms, their spread (flagged above ``SPREAD_FLAG``), GB/s and % of the copy bandwidth."""
+    ranked = sorted(runs, key=lambda r: r["median_ms"])
+    repeats_ms = [r["median_ms"] for r in runs]
+    row = dict(base, bytes=meta["bytes"], **ranked[(len(ranked) - 1) // 2])
+    row["wall_s"] = sum(r["wall_s"] for r in runs)
+    row["repeats_ms"] = repeats_ms
+    row["spread"] = spread(repeats_ms)
+    row["spread_flag"] = row["spread"] is not None and row["spread"] > SPREAD_FLAG
+    if "note" in meta:
+        row["note"] = meta["note"]
+    for when in ("busy", "median"):
+        gbs = meta["bytes"] / row[f"{when}_ms"] / 1e6
+        row[f"gbs_{when}"] = gbs
+        row[f"pct_copy_{when}"] = 100 * gbs / copy_gbs
+    return row
+
+
 def _add_ratios(rows: list[dict]) -> None:
-    """ratios[other] = {busy, median}: other's time / this one's (> 1: this one is faster)."""
+    """ratios[other] = {busy, median}: other's time / this one's at the same thread count
+    (> 1: this one is faster)."""
     ok = [r for r in rows if r.get("busy_ms")]
     for r in ok:
         r["ratios"] = {
@@ -146,18 +225,48 @@ def _add_ratios(rows: list[dict]) -> None:
             }
             for o in ok
             if o["phase"] == r["phase"] and o["provider"] != r["provider"]
+            and o.get("threads") == r.get("threads")
         }
+
+
+def best_counts(rows: list[dict], base: str = "ours") -> list[dict]:
+    """Per (shape, phase, provider) timed: its median ms (with spread) at each thread count,
+    its best count (the lowest median) and time there, and, for each provider but ``base``,
+    ``vs_base``: its time over ``base``'s, at each count both were timed at (``by_threads``)
+    and each at its own best count (``best``); > 1: ``base`` is faster."""
+    groups: dict[tuple[str, str, str], dict] = {}
+    for r in rows:
+        if not r.get("median_ms") or r.get("threads") is None:
+            continue
+        e = groups.setdefault((r["shape"], r["phase"], r["provider"]), dict(
+            shape=r["shape"], phase=r["phase"], provider=r["provider"], by_threads={}))
+        e["by_threads"][r["threads"]] = {
+            k: r.get(k) for k in ("median_ms", "spread", "spread_flag", "cpu_util")}
+    for e in groups.values():
+        t, m = min(e["by_threads"].items(), key=lambda kv: kv[1]["median_ms"])
+        e.update(best_threads=t, best_ms=m["median_ms"], best_spread=m["spread"])
+    for (shape, phase, provider), e in groups.items():
+        b = groups.get((shape, phase, base))
+        if b is None or provider == base:
+            continue
+        e["vs_" + base] = {
+            "best": e["best_ms"] / b["best_ms"],
+            "by_threads": {t: m["median_ms"] / b["by_threads"][t]["median_ms"]
+                           for t, m in e["by_threads"].items() if t in b["by_threads"]},
+        }
+    return sorted(groups.values(), key=lambda e: PHASES.index(e["phase"]))  # stable: providers
 
 
 def derived_bwd(rows: list[dict]) -> list[dict]:
     """bwd_<opt> = fwd_bwd_<opt> - fwd of the same provider (or the provider whose forward it
-    shares), GPU-busy and median."""
-    fwd = {(r["shape"], r["provider"]): r for r in rows if r["phase"] == "fwd" and r.get("busy_ms")}
+    shares) at the same thread count, GPU-busy and median."""
+    fwd = {(r["shape"], r["provider"], r.get("threads")): r
+           for r in rows if r["phase"] == "fwd" and r.get("busy_ms")}
     out = []
     for r in rows:
         if not r["phase"].startswith("fwd_bwd_") or not r.get("busy_ms"):
             continue
-        f = fwd.get((r["shape"], FWD_OF.get(r["provider"], r["provider"])))
+        f = fwd.get((r["shape"], FWD_OF.get(r["provider"], r["provider"]), r.get("threads")))
         if f is None:
             continue
         out.append(
@@ -165,6 +274,7 @@ def derived_bwd(rows: list[dict]) -> list[dict]:
                 shape=r["shape"],
                 provider=r["provider"],
                 phase="bwd_" + r["phase"].removeprefix("fwd_bwd_"),
+                threads=r.get("threads"),
                 busy_ms=r["busy_ms"] - f["busy_ms"],
                 median_ms=r["median_ms"] - f["median_ms"],
             )
@@ -176,16 +286,24 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _spread(r: dict) -> str:
+    """``±12%`` (the repeats' spread), ``!`` after it above ``SPREAD_FLAG``; ``-`` for one."""
+    if r.get("spread") is None:
+        return "-"
+    return f"±{100 * r['spread']:.0f}%" + ("!" if r["spread"] > SPREAD_FLAG else "")
+
+
 def print_shape_table(rows: list[dict], derived: list[dict], source: str) -> None:
     busy = "GPU-busy" if source == "profiler" else "busy=wall"
     print(
-        f"  {'phase':<30} {'provider':<18} {'median ms':>9} {'pipe ms':>8} {busy + ' ms':>12} "
+        f"  {'phase':<30} {'provider':<18} {'thr':>3} {'median ms':>9} {'spread':>7} "
+        f"{'pipe ms':>8} {busy + ' ms':>12} "
         f"{'bytes MB':>9} {'GB/s@busy':>9} {'%copy':>6} {'GB/s@med':>8} {'%copy':>6} "
-        f"{'peak GB':>7}  speedup vs others (busy/median)"
+        f"{'peak GB':>7}  speedup vs others at this count (busy/median)"
     )
     for phase in PHASES:
         for r in [r for r in rows if r["phase"] == phase]:
-            head = f"  {phase:<30} {r['provider']:<18}"
+            head = f"  {phase:<30} {r['provider']:<18} {_fmt(r.get('threads'), '>3')}"
             if not r.get("busy_ms"):
                 print(f"{head} {r.get('error') or r.get('skipped')}")
                 continue
@@ -193,36 +311,76 @@ def print_shape_table(rows: list[dict], derived: list[dict], source: str) -> Non
                 f"{k} {v['busy']:.2f}/{v['median']:.2f}" for k, v in r.get("ratios", {}).items()
             )
             print(
-                f"{head} {r['median_ms']:9.3f} {_fmt(r['pipelined_ms'], '8.3f')} "
+                f"{head} {r['median_ms']:9.3f} {_spread(r):>7} {_fmt(r['pipelined_ms'], '8.3f')} "
                 f"{r['busy_ms']:12.3f} {r['bytes'] / 1e6:9.1f} {r['gbs_busy']:9.0f} "
                 f"{r['pct_copy_busy']:6.1f} {r['gbs_median']:8.0f} {r['pct_copy_median']:6.1f} "
                 f"{_fmt(r['peak_gb'], '7.2f')}  {ratios}"
             )
     for d in derived:
         print(
-            f"  {d['phase'] + ' (derived)':<30} {d['provider']:<18} {d['median_ms']:9.3f} "
-            f"{'':>8} {d['busy_ms']:12.3f}  = fwd_bwd - fwd"
+            f"  {d['phase'] + ' (derived)':<30} {d['provider']:<18} "
+            f"{_fmt(d.get('threads'), '>3')} {d['median_ms']:9.3f} "
+            f"{'':>7} {'':>8} {d['busy_ms']:12.3f}  = fwd_bwd - fwd"
         )
 
 
 def print_vs_fbgemm(rows: list[dict]) -> None:
-    """One line per phase: FBGEMM's end-to-end median over ours (eager) and ours_graph's."""
+    """One line per phase and thread count: FBGEMM's end-to-end median over ours (eager) and
+    ours_graph's, at the same count."""
+    counts = list(dict.fromkeys(r.get("threads") for r in rows))
     for phase in PHASES:
-        got = {r["provider"]: r for r in rows if r["phase"] == phase and r.get("median_ms")}
-        fb = got.get("fbgemm")
-        ours = [p for p in ("ours", "ours_graph") if p in got]
-        if fb is None or not ours:
-            continue
-        parts = [
-            f"{p} {got[p]['median_ms']:.3f} ms = {fb['median_ms'] / got[p]['median_ms']:.2f}x"
-            + (f" [{got[p]['note']}]" if "note" in got[p] else "")
-            for p in ours
-        ]
-        print(
-            f"  e2e median ({'wall' if fb.get('busy_source') == 'wall' else 'L2 flushed'}, host "
-            f"included) {phase}: fbgemm {fb['median_ms']:.3f} ms; "
-            + "; ".join(parts)
-        )
+        for threads in counts:
+            got = {r["provider"]: r for r in rows if r["phase"] == phase
+                   and r.get("median_ms") and r.get("threads") == threads}
+            fb = got.get("fbgemm")
+            ours = [p for p in ("ours", "ours_graph") if p in got]
+            if fb is None or not ours:
+                continue
+            parts = [
+                f"{p} {got[p]['median_ms']:.3f} ms = {fb['median_ms'] / got[p]['median_ms']:.2f}x"
+                + (f" [{got[p]['note']}]" if "note" in got[p] else "")
+                for p in ours
+            ]
+            at = f" at {threads} thr" if threads is not None and len(counts) > 1 else ""
+            print(
+                f"  e2e median ({'wall' if fb.get('busy_source') == 'wall' else 'L2 flushed'}, "
+                f"host included) {phase}{at}: fbgemm {fb['median_ms']:.3f} ms; "
+                + "; ".join(parts)
+            )
+
+
+def print_threads_table(best: list[dict], counts: list[int], base: str = "ours") -> None:
+    """Markdown: each provider's median ms (± spread, ``!`` over the flag) at each thread count
+    and its best count; then each other provider's time over ``base``'s at each count and,
+    in bold, each at its best count."""
+    if not best:
+        return
+    cols = [f"{t} thr ms" for t in counts]
+    print("\n| shape | phase | provider | " + " | ".join(cols) + " | best |")
+    print("|---|---|---|" + "---:|" * len(cols) + "---|")
+    for e in best:
+        cells = []
+        for t in counts:
+            m = e["by_threads"].get(t)
+            cells.append("-" if m is None else f"{m['median_ms']:.3f} {_spread(m)}")
+        print(f"| {e['shape']} | {e['phase']} | {e['provider']} | " + " | ".join(cells)
+              + f" | {e['best_ms']:.3f} @ {e['best_threads']} thr |")
+    versus = [e for e in best if "vs_" + base in e]
+    if not versus:
+        return
+    cols = [f"@{t} thr" for t in counts]
+    print(f"\n| shape | phase | provider / {base} | " + " | ".join(cols)
+          + " | best / best |")
+    print("|---|---|---|" + "---:|" * len(cols) + "---:|")
+    bests = {(e["shape"], e["phase"], e["provider"]): e for e in best}
+    for e in versus:
+        v = e["vs_" + base]
+        cells = [_fmt(v["by_threads"].get(t), ".2f") + ("x" if t in v["by_threads"] else "")
+                 for t in counts]
+        b = bests[(e["shape"], e["phase"], base)]
+        print(f"| {e['shape']} | {e['phase']} | {e['provider']} / {base} | " + " | ".join(cells)
+              + f" | **{v['best']:.2f}x** ({e['provider']} @ {e['best_threads']} / {base} @ "
+              f"{b['best_threads']}) |")
 
 
 def print_kernels(rows: list[dict], top: int = 12) -> None:
@@ -320,12 +478,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma list of Zipf exponents (0: uniform ids): each shape runs once per "
                    "exponent, named e.g. C0@zipf1.1 (default: each shape's own ids)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: torch's; 1 with --tiny on CPU)")
+    p.add_argument("--threads", default=None,
+                   help="comma list of thread counts (torch's, which the native CPU kernels "
+                   "use too): every provider is timed at each (default on CPU: 1..the usable "
+                   "cores, 1 with --tiny; on CUDA: torch's)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="time each provider, phase and count this many times: the median "
+                   "repeat is reported, with the spread (max-min)/median (default 3 CPU, 1 GPU)")
     p.add_argument("--out", default=None, help="write everything as JSON here")
     p.add_argument("--plot", default=None, metavar="JSON", help="only plot this JSON (no GPU)")
     p.add_argument("--png", default=None, help="where --plot writes (default JSON's name .png)")
     return p.parse_args(argv)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), the bound of ``--threads``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def parse_threads(raw: str, usable: int) -> list[int]:
+    """``--threads``: ``"2"`` or ``"1,2"`` -> [1, 2] (duplicates dropped, order kept); each
+    count in 1..``usable``, else a SystemExit naming the bound."""
+    try:
+        counts = list(dict.fromkeys(int(x) for x in raw.split(",")))
+    except ValueError:
+        counts = []
+    if not counts or any(c < 1 for c in counts):
+        raise SystemExit(f"--threads: expected a comma list of thread counts from 1 to the "
+                         f"{usable} usable cores, got {raw!r}")
+    over = [c for c in counts if c > usable]
+    if over:
+        raise SystemExit(f"--threads: {over[0]} is more than the {usable} usable cores "
+                         f"(len(os.sched_getaffinity(0))); expected counts from 1 to {usable}, "
+                         f"got {raw!r}")
+    return counts
 
 
 def _exponents(raw: str) -> list[float]:
@@ -367,10 +556,19 @@ def _run(args: argparse.Namespace) -> dict:
     providers = _select(args.providers, DEFAULT_PROVIDERS[device.type], PROVIDERS, "providers")
     phases = _select(args.phases, list(PHASES), PHASES, "phases")
     cpu = device.type == "cpu"
+    usable = usable_cores()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        counts = parse_threads(args.threads, usable)
     elif cpu and args.tiny:  # tiny ops: one thread avoids OpenMP spin-waits on a shared CPU
-        torch.set_num_threads(1)
+        counts = [1]
+    elif cpu:
+        counts = list(range(1, usable + 1))
+    else:
+        counts = [torch.get_num_threads()]
+    repeats = args.repeats if args.repeats is not None else (3 if cpu else 1)
+    if repeats < 1:
+        raise SystemExit(f"--repeats: expected a count >= 1, got {repeats}")
+    torch.set_num_threads(max(counts))  # the checks, the copy bandwidth
     cfg = TimerConfig(
         warmup=args.warmup,
         iters=args.iters if args.iters is not None else (5 if cpu else 10),
@@ -381,7 +579,13 @@ def _run(args: argparse.Namespace) -> dict:
     )
     report = {
         "device": torch.cuda.get_device_name(device) if not cpu else "cpu",
-        "threads": torch.get_num_threads(),
+        "threads": counts,
+        "usable_cores": usable,
+        "repeats": repeats,
+        "env": {k: os.environ.get(k) for k in (
+            "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+        "spread": f"(max - min) / median of the {repeats} repeats' median ms; flagged (!) "
+        f"over {SPREAD_FLAG:.0%}",
         **_versions(providers),
         "args": vars(args),
         "timer": dataclasses.asdict(cfg),
@@ -396,6 +600,7 @@ def _run(args: argparse.Namespace) -> dict:
         "shapes": {},
         "rows": [],
         "derived": [],
+        "best": [],
         "correctness": {},
         "check": {},
     }
@@ -485,14 +690,24 @@ def _run(args: argparse.Namespace) -> dict:
             if "skipped" not in res and not res["ok"]:
                 what = f"provider {ours_like} (backend={backend!r}) vs fbgemm"
                 _refuse(report, args, shape, what, res["failures"])
-        rows = run_shape(ctx, providers, timer, copy_gbs)
+        load = _loadavg()
+        rows = run_shape(ctx, providers, timer, copy_gbs, counts, repeats)
+        torch.set_num_threads(max(counts))
+        report["shapes"][shape.name]["loadavg"] = {"before": load, "after": _loadavg()}
         derived = derived_bwd(rows)
+        best = best_counts(rows)
         report["rows"] += rows
         report["derived"] += derived
+        report["best"] += best
         print(f"\n-- {shape.name} {shape.describe()}")
         print_shape_table(rows, derived, "wall" if cpu else "profiler")
         print_vs_fbgemm(rows)
         print_kernels(rows)
+        if len(counts) > 1 or repeats > 1:
+            print_threads_table(best, counts)
+        if load is not None:
+            print(f"  load average (1 min) {load:.2f} before, {_loadavg():.2f} after; "
+                  f"{usable} usable cores")
         del ctx, batch
         _free()
         report["elapsed_s"] = time.perf_counter() - t_run
@@ -500,6 +715,14 @@ def _run(args: argparse.Namespace) -> dict:
             _write(report, args.out)
     print(f"\ntotal {time.perf_counter() - t_run:.1f} s")
     return report
+
+
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average (other processes on shared cores skew CPU times)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not available
+        return None
 
 
 class CheckFailed(SystemExit):

@@ -6,7 +6,12 @@
 - GPU-busy: the torch profiler over a few more iterations, the union of all device activity
   intervals divided by the iteration count (launch gaps removed), plus per-kernel µs/iter.
 
-On CPU there is no device timeline: every time is wall time (``busy_source="wall"``).
+On CPU there is no device timeline: every time is wall time (``busy_source="wall"``), and
+``cpu_util`` is the process's CPU time over the wall time of the timed loop (every thread of the
+process counted, spin-waiting included: about how many cores the step kept busy).
+
+``spread`` is the benchmarks' measure of how much repeated measurements disagree:
+(max - min) / median.
 """
 
 import statistics
@@ -36,6 +41,18 @@ class TimerConfig:
     """Back-to-back iterations for the pipelined time (0: skip)."""
     profiled: int = 5
     """Iterations under the profiler for GPU-busy time and the kernel table (0: skip)."""
+
+
+SPREAD_FLAG = 0.20
+"""A spread above this is flagged in the reports: the repeats disagree, the medians are noise."""
+
+
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median of repeated measurements (``None`` for fewer than two)."""
+    if len(values) < 2:
+        return None
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid > 0 else None
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -115,7 +132,7 @@ class Timer:
         for _ in range(cfg.warmup):
             fn()
         self._sync()
-        times, t_start = [], time.perf_counter()
+        times, t_start, cpu_start = [], time.perf_counter(), time.process_time()
         for i in range(max(cfg.iters, 1)):
             if self.cuda:
                 self._flush.add_(1)  # read + rewrite 256 MB: the L2 holds none of the inputs
@@ -136,6 +153,9 @@ class Timer:
             if i + 1 >= cfg.min_iters and time.perf_counter() - t_start > cfg.budget_s:
                 break
         result = {"median_ms": statistics.median(times), "n_timed": len(times)}
+        if not self.cuda:
+            wall = time.perf_counter() - t_start
+            result["cpu_util"] = (time.process_time() - cpu_start) / wall if wall > 0 else None
         result["pipelined_ms"] = None
         if cfg.pipelined > 0:
             self._sync()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fbtriton_dist.bench import tbe
-from fbtriton_dist.bench.timing import union_length
+from fbtriton_dist.bench.timing import SPREAD_FLAG, spread, union_length
 
 SHAPES = ["S2", "S5", "S6"]  # fp16, two D groups (torch_fused's two calls), Zipf ids
-FAST = ["--warmup", "1", "--iters", "1", "--min-iters", "1", "--pipelined", "1"]
+FAST = ["--warmup", "1", "--iters", "1", "--min-iters", "1", "--pipelined", "1", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +304,120 @@ def test_pooling_none_rows_and_the_sequence_check(tmp_path):
         assert any(p.startswith("torch") and "error" not in r and r.get("median_ms")
                    for (s, p, _), r in rows.items() if s == shape), shape
     assert "failed" not in data
+
+
+# ---------------------------------------------------------------- thread counts, repeats
+
+
+def _timed(provider, phase, threads, median, spread_=None):
+    return dict(shape="C0", provider=provider, phase=phase, threads=threads, busy_ms=median,
+                median_ms=median, spread=spread_, spread_flag=False, cpu_util=1.0)
+
+
+def test_best_count_and_ratios_are_each_providers_lowest_and_theirs_over_ours(capsys):
+    """Known timings in: each provider's best count is its lowest median; ``vs_ours`` is the
+    other's time over ours', at each count and each at its own best (> 1: ours faster); the
+    markdown table prints the best-vs-best ratio in bold."""
+    rows = [_timed("ours", "fwd", 1, 4.0), _timed("ours", "fwd", 2, 2.0),
+            _timed("fbgemm", "fwd", 1, 3.0), _timed("fbgemm", "fwd", 2, 30.0),
+            _timed("ours", "fwd_bwd_sgd", 1, 1.0), _timed("ours", "fwd_bwd_sgd", 2, 5.0),
+            _timed("fbgemm", "fwd_bwd_sgd", 1, 0.5)]  # fbgemm at one count only
+    best = {(e["phase"], e["provider"]): e for e in tbe.best_counts(rows)}
+    ours, fb = best[("fwd", "ours")], best[("fwd", "fbgemm")]
+    assert (ours["best_threads"], ours["best_ms"]) == (2, 2.0)
+    assert (fb["best_threads"], fb["best_ms"]) == (1, 3.0)
+    assert "vs_ours" not in ours
+    assert fb["vs_ours"] == {"best": 1.5, "by_threads": {1: 0.75, 2: 15.0}}
+    sgd = best[("fwd_bwd_sgd", "fbgemm")]["vs_ours"]
+    assert sgd == {"best": 0.5, "by_threads": {1: 0.5}}  # fbgemm faster: below 1
+    assert [e["phase"] for e in tbe.best_counts(rows)] == ["fwd"] * 2 + ["fwd_bwd_sgd"] * 2
+    tbe.print_threads_table(tbe.best_counts(rows), [1, 2])
+    out = capsys.readouterr().out
+    assert "| C0 | fwd | fbgemm / ours | 0.75x | 15.00x | **1.50x** (fbgemm @ 1 / ours @ 2) |" in out
+    assert "| C0 | fwd_bwd_sgd | fbgemm / ours | 0.50x | - | **0.50x** (fbgemm @ 1 / ours @ 1) |" in out
+    assert "| C0 | fwd | ours | 4.000 - | 2.000 - | 2.000 @ 2 thr |" in out
+    # the per-count ratios of the rows compare providers at the same count only
+    tbe._add_ratios(rows)
+    assert rows[1]["ratios"] == {"fbgemm": {"busy": 15.0, "median": 15.0}}
+    assert rows[4]["ratios"] == {"fbgemm": {"busy": 0.5, "median": 0.5}}
+    assert rows[5]["ratios"] == {}
+
+
+def test_spread_is_max_minus_min_over_the_median_and_the_row_is_the_median_repeat():
+    assert spread([10.0, 12.0, 11.0]) == pytest.approx(2.0 / 11.0)
+    assert spread([3.0, 3.0]) == 0.0
+    assert spread([5.0]) is None and spread([]) is None
+    assert SPREAD_FLAG == 0.20
+    runs = [dict(median_ms=m, busy_ms=m, wall_s=1.0, pipelined_ms=None) for m in (10.0, 13.0, 9.0)]
+    row = tbe._row(dict(provider="ours", threads=2), {"bytes": 1e6}, runs, copy_gbs=1.0)
+    assert row["median_ms"] == 10.0 and row["repeats_ms"] == [10.0, 13.0, 9.0]
+    assert row["spread"] == pytest.approx(0.4) and row["spread_flag"] is True
+    assert row["wall_s"] == 3.0 and row["gbs_median"] == pytest.approx(0.1)
+    calm = tbe._row({}, {"bytes": 1e6}, runs[:1] + runs[:1], copy_gbs=1.0)
+    assert calm["spread"] == 0.0 and calm["spread_flag"] is False
+    assert tbe._spread(row) == "±40%!" and tbe._spread(calm) == "±0%" and tbe._spread({}) == "-"
+
+
+def test_threads_parsing_and_its_errors(monkeypatch):
+    assert tbe.parse_threads("1,2", 2) == [1, 2]
+    assert tbe.parse_threads("2", 4) == [2]
+    assert tbe.parse_threads(" 2,1,2", 2) == [2, 1]
+    for raw in ("0", "-1", "1,0", "1,x", "", "1,,2"):
+        with pytest.raises(SystemExit, match=r"--threads: expected a comma list of thread "
+                           r"counts from 1 to the 2 usable cores"):
+            tbe.parse_threads(raw, 2)
+    with pytest.raises(SystemExit, match=r"--threads: 3 is more than the 2 usable cores "
+                       r"\(len\(os.sched_getaffinity\(0\)\)\); expected counts from 1 to 2"):
+        tbe.parse_threads("1,3", 2)
+    monkeypatch.setattr(tbe, "usable_cores", lambda: 2)  # the bound main() checks against
+    with pytest.raises(SystemExit, match="5 is more than the 2 usable cores"):
+        tbe.main(["--tiny", "--device", "cpu", "--shapes", "S0", "--threads", "1,5", *FAST])
+    with pytest.raises(SystemExit, match="--repeats: expected a count >= 1"):
+        tbe.main(["--tiny", "--device", "cpu", "--shapes", "S0", *FAST, "--repeats", "0"])
+
+
+def test_tiny_run_at_two_thread_counts(monkeypatch, tmp_path, capsys):
+    """``--threads 1,2 --repeats 2 --check``: the check runs once per shape, before timing; every
+    provider and phase has a row at each count with both repeats and their spread; ``best`` has
+    each provider's best count and, for the others, their time over ours'. The thread count
+    is restored afterwards."""
+    monkeypatch.setattr(tbe, "usable_cores", lambda: 2)  # a one-core runner still runs 2
+    checks = []
+    check = tbe.check
+    monkeypatch.setattr(tbe, "check", lambda *a: checks.append(a[0].name) or check(*a))
+    providers = ["ours", "reference"]
+    try:
+        import fbgemm_gpu  # noqa: F401
+        providers.append("fbgemm")
+    except ImportError:
+        pass
+    phases = ["fwd", "fwd_bwd_rowwise_adagrad"]
+    before = torch.get_num_threads()
+    out = tmp_path / "tbe.json"
+    tbe.main(["--tiny", "--device", "cpu", "--check", "--shapes", "S0", "--providers",
+              ",".join(providers), "--phases", ",".join(phases), "--threads", "1,2",
+              *FAST, "--repeats", "2", "--out", str(out)])
+    assert torch.get_num_threads() == before
+    assert checks == ["S0"]
+    data = json.loads(out.read_text())
+    assert data["threads"] == [1, 2] and data["repeats"] == 2 and data["check"]["S0"]["ok"]
+    rows = {(r["provider"], r["phase"], r["threads"]): r for r in data["rows"]}
+    assert set(rows) == {(p, ph, t) for p in providers for ph in phases for t in (1, 2)}
+    for key, r in rows.items():
+        assert r["median_ms"] > 0 and len(r["repeats_ms"]) == 2 and r["spread"] >= 0, key
+        assert r["cpu_util"] > 0 and r["median_ms"] in r["repeats_ms"], key
+        assert r["spread_flag"] == (r["spread"] > SPREAD_FLAG), key
+    best = {(e["provider"], e["phase"]): e for e in data["best"]}
+    assert set(best) == {(p, ph) for p in providers for ph in phases}
+    for (p, ph), e in best.items():
+        assert set(e["by_threads"]) == {"1", "2"}  # JSON keys
+        assert e["best_ms"] == min(m["median_ms"] for m in e["by_threads"].values())
+        assert e["best_ms"] == e["by_threads"][str(e["best_threads"])]["median_ms"]
+        if p != "ours":
+            ours = best[("ours", ph)]
+            assert e["vs_ours"]["best"] == pytest.approx(e["best_ms"] / ours["best_ms"])
+            assert set(e["vs_ours"]["by_threads"]) == {"1", "2"}
+    printed = capsys.readouterr().out
+    assert "| S0 | fwd | reference / ours |" in printed and "**" in printed
+    assert {(d["provider"], d["threads"]) for d in data["derived"]} == {
+        (p, t) for p in providers for t in (1, 2)}
