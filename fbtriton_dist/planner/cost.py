@@ -570,9 +570,10 @@ def evaluate(
 def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:
     """Bytes of the input dist's header all-to-all every rank receives per step: from each
     other rank a fixed row of 2·n + 4 int64 (ids and bags per shard-feature, batch size,
-    failure, VBE and weights-require-grad flags), n the most shard-features (a table's features x its shards) any
-    rank holds; one per collection (pooled tables, sequence tables). The same on every rank,
-    so the planner's search leaves it out; :func:`evaluate` adds it."""
+    failure, VBE and weights-require-grad flags), n the most shard-features (a table's
+    features x its shards) any rank holds; one per collection (pooled tables, sequence
+    tables). The same on every rank, so the planner's search leaves it out;
+    :func:`evaluate` adds it."""
     R = plan.world_size
     features = {t.name: len(t.features) for t in tables}
     sequence = {t.name for t in tables if t.pooling == "none"}
