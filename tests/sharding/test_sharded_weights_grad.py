@@ -91,3 +91,52 @@ def _no_grad_unchanged(rank, world):
 def test_weights_without_grad_keep_the_data_all_to_all():
     for err_b, err_c, _ in run_ranks(_no_grad_unchanged, 2):
         assert err_b == 0.0 and err_c < 1e-6
+
+
+def _vbe_weights_grad(rank, world):
+    """A VBE batch (a batch size per feature, ``test_sharded_vbe``'s): each rank's weights get
+    the unsharded module's gradient of its own samples' loss (its weights reach no other
+    rank's samples)."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from tests.sharding.test_sharded_vbe import SAMPLES, _bags, _local_kjt
+
+    configs = _configs(True)
+    torch.manual_seed(0)
+    ref = fbtriton_dist.EmbeddingBagCollection(tables=configs, is_weighted=True, device=device())
+    to_shard = copy.deepcopy(ref)
+    apply_optimizer_in_backward(torch.optim.SGD, to_shard.parameters(), {"lr": 0.3})
+    sharded = fbtriton_dist.shard(to_shard, _plan("mixed", world))
+    bags = _bags(configs, world, 0, True)
+    runs = []
+    # a rank without samples (3 ranks): only the sharded module (the unsharded one's VBE
+    # path takes no empty batch); its weights, read by no sample, get zeros
+    for module in (ref, sharded):
+        if module is ref and not SAMPLES[rank]:
+            runs.append((None, None))
+            continue
+        mine = {f: (lengths, ids, w.clone().requires_grad_())
+                for f, (lengths, ids, w) in bags[rank].items()}
+        out = module(_local_kjt(configs, [*bags[:rank], mine], rank,
+                                reverse=rank % 2 == 1).to(device())).values()
+        proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(rank))
+        (out * proj.to(out.device)).sum().backward()
+        runs.append((out.detach(), {f: w.grad for f, (_, _, w) in mine.items()}))
+    (out_ref, g_ref), (out, g) = runs
+    if not SAMPLES[rank]:
+        return max((w.abs().max().item() for w in g.values() if w is not None and w.numel()),
+                   default=0.0)
+    errs = [(out - out_ref).abs().max().item() if out.numel() else 0.0]
+    for f, want in g_ref.items():
+        if want is None:  # no bag of this feature here
+            errs.append(0.0 if g[f] is None or not g[f].any() else float("inf"))
+        elif want.numel():
+            errs.append(float("inf") if g[f] is None else (g[f] - want).abs().max().item())
+    return max(errs)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_sample_weight_gradients_of_a_vbe_batch(world):
+    for rank, err in enumerate(run_ranks(_vbe_weights_grad, world)):
+        assert err < 1e-5, (rank, err)
