@@ -569,10 +569,11 @@ def evaluate(
 
 def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:
     """Bytes of the input dist's header all-to-all every rank receives per step: from each
-    other rank a fixed row of 2·n + 3 int64 (ids and bags per shard-feature, batch size,
-    failure and VBE flags), n the most shard-features (a table's features x its shards) any
-    rank holds; one per collection (pooled tables, sequence tables). The same on every rank,
-    so the planner's search leaves it out; :func:`evaluate` adds it."""
+    other rank a fixed row of 2·n + 4 int64 (ids and bags per shard-feature, batch size,
+    failure, VBE and weights-require-grad flags), n the most shard-features (a table's
+    features x its shards) any rank holds; one per collection (pooled tables, sequence
+    tables). The same on every rank, so the planner's search leaves it out;
+    :func:`evaluate` adds it."""
     R = plan.world_size
     features = {t.name: len(t.features) for t in tables}
     sequence = {t.name for t in tables if t.pooling == "none"}
@@ -583,5 +584,5 @@ def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:
             if (ts.name in sequence) == seq:
                 np.add.at(per_rank, [sh.rank for sh in ts.shards], features[ts.name])
         if per_rank.any():
-            total += (R - 1) * 8 * (2 * per_rank.max() + 3)
+            total += (R - 1) * 8 * (2 * per_rank.max() + 4)
     return total

@@ -19,9 +19,12 @@ fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in b
 What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` (the
 optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
 is ``fused``); ``table_column_wise`` is taken as column-wise (the ranks as given);
-``reshard()``; ``named_parameters()`` lists no embedding weights (the shards are not
-parameters; the state dict has them, as ``ShardedTensor``); the ``param_groups`` of the fused
-optimizer are read-only (changing ``lr`` there does not reach the kernels).
+``reshard()``; the ``param_groups`` of the fused optimizer are read-only (changing ``lr``
+there does not reach the kernels). ``named_parameters()`` lists every table's local weights
+under TorchRec's names (``embedding_bags.<table>.weight``, views of the live shards, marked
+``_in_backward_optimizers`` as TorchRec marks its fused ones, left out of DDP through
+``sharded_parameter_names``); a rank holding several column slices of one table lists the
+others as ``weight_1``, ... (TorchRec keeps one).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torchrec.distributed.types import (
     ShardedModule,
     ShardingEnv,
 )
-from torchrec.optim.fused import FusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
 from torchrec.streamable import Multistreamable
 
 from fbtriton_dist import optim
@@ -201,6 +204,17 @@ class _FusedOptimizer(FusedOptimizer):
         pass
 
 
+class _TableWeights(nn.Module):
+    """One table's weights on this rank, as TorchRec's sharded collections list them:
+    ``weight``, a parameter that is a view of the live shard (a rank holding several shards of
+    the table, column slices: ``weight_1``, ... for the others; none: an empty one). The
+    fused optimizer updates them in backward; they never get a ``.grad``. The state dict is the
+    collection's (TorchRec's keys, ``ShardedTensor`` values), so loading leaves them alone."""
+
+    def _load_from_state_dict(self, *args) -> None:
+        pass
+
+
 class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
     """Our ``ShardedEmbeddingBagCollection`` (``.sharded``) as the TorchRec ``ShardedModule``
     DMP expects: ``input_dist(ctx, kjt)`` / ``compute(ctx, dist_input)`` /
@@ -213,13 +227,41 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
     TorchRec's own sharded modules give them: ``input_dist`` returns a
     ``KJTListSplitsAwaitable`` whose two waits give a ``KJTList`` of one ``_DistInput`` (our
     collectives have already run: every wait is a ``NoWait``), ``compute_and_output_dist``
-    a ``LazyNoWait`` of the output, ``prefetch`` does nothing (no cache to fill)."""
+    a ``LazyNoWait`` of the output, ``prefetch`` does nothing (no cache to fill).
+
+    Parameters: each table's local weights, ``embedding_bags.<table>.weight``
+    (``embeddings.`` for an EmbeddingCollection; ``_TableWeights``), as TorchRec's: views of the
+    live shards, each carrying ``_in_backward_optimizers`` (TorchRec's mark of a parameter an
+    optimizer updates in backward; ``torchrec.optim.in_backward_optimizer_filter`` reads it),
+    all in ``sharded_parameter_names`` so DMP's DDP leaves them alone. They never get a
+    ``.grad``, so a torch optimizer built over ``dmp.parameters()`` skips them too."""
 
     def __init__(self, sharded: ShardedEmbeddingBagCollection, module_type: type) -> None:
         super().__init__()
         self.__dict__["sharded"] = sharded  # not a child: its state dict keys are ours
         self._module_type = module_type
         self._fused = _FusedOptimizer(sharded)
+        self._expose_weights()
+
+    def _expose_weights(self) -> None:
+        """Register each table's local weights (views of the live shards) as parameters."""
+        configs = self.sharded.table_configs()
+        views: dict[str, list[torch.Tensor]] = {c.name: [] for c in configs}
+        for t, view in self.sharded.local_views():
+            views[configs[t.table].name].append(view)
+        tables = nn.ModuleDict()
+        for cfg in configs:
+            holder = _TableWeights()
+            if not views[cfg.name]:  # no shard here: an empty weight, as TorchRec's
+                p = nn.Parameter(torch.empty(0, device=self.sharded.device))
+                p._in_backward_optimizers = [EmptyFusedOptimizer()]
+                holder.register_parameter("weight", p)
+            for i, view in enumerate(views[cfg.name]):
+                p = nn.Parameter(view)  # shares the shard's storage
+                p._in_backward_optimizers = [self._fused]
+                holder.register_parameter("weight" if i == 0 else f"weight_{i}", p)
+            tables[cfg.name] = holder
+        setattr(self, self.sharded.tables_key, tables)
 
     # ShardedModule
     def create_context(self) -> _Context:
@@ -254,7 +296,10 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
         return self._module_type
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
-        yield from ()  # no parameters: DDP has nothing of ours to ignore or reduce
+        """Every table's weights (data-parallel ones too: the fused optimizer updates every
+        replica alike), which DMP's DDP ignores."""
+        for name, _ in self.named_parameters(prefix):
+            yield name
 
     # FusedOptimizerModule
     @property
@@ -276,6 +321,7 @@ class DMPShardedEmbeddingBagCollection(ShardedModule, FusedOptimizerModule):
 
     def _apply(self, fn, recurse=True):
         self.sharded._apply(fn, recurse)
+        self._expose_weights()  # views of the shards where they are now
         return super()._apply(fn, recurse)
 
 

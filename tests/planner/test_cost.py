@@ -18,7 +18,7 @@ from fbtriton_dist.planner import (
 )
 
 B = 4
-HDR = 8 * (2 * 1 + 3)
+HDR = 8 * (2 * 1 + 4)
 """The header row one rank sends another: 2 int64 per shard-feature (one here) + 3."""
 
 
@@ -165,7 +165,7 @@ def test_pooled_output_counts_every_feature():
     owner, other = evaluate(plan, [spec], model=CostModel(batch_size=B)).ranks
     assert owner.output_dist_bytes == 1 * B * 2 * 16 * 4
     assert other.output_dist_bytes == B * 2 * 16 * 4
-    assert header_bytes(plan, [spec]) == 8 * (2 * 2 + 3)
+    assert header_bytes(plan, [spec]) == 8 * (2 * 2 + 4)
 
 
 def test_zipf_cdf_matches_exact_sum():

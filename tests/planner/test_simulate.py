@@ -166,7 +166,7 @@ def test_int64_ids_to_a_rank_with_a_huge_shard():
     plan = ShardingPlan(world_size=2, local_world_size=2,
                         tables=(huge, whole("small", 1), whole("other", 0)))
     r0, r1 = evaluate(plan, tables, {}, CostModel(batch_size=B)).ranks
-    hdr = 8 * (2 * 2 + 3)
+    hdr = 8 * (2 * 2 + 4)
     assert r0.input_dist_bytes == pytest.approx(B * (4 / 3 * 4 + 4 + 8 * 4 + 4) + hdr)
     assert r1.input_dist_bytes == pytest.approx(B * (8 / 3 * 8 + 4 + 8 * 8 + 4) + hdr)
     worst, text = check(plan, tables)

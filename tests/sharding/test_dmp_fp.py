@@ -2,13 +2,12 @@
 DistributedModelParallel with our sharder, on 2 gloo ranks: DMP has no sharder for the
 feature-processed module, so it shards our EBC inside it with ours and replicates the
 position weights under DDP. Each rank's outputs equal TorchRec's unsharded module's on its
-slice of the global batch. Not yet: the position weights' (DDP-averaged) gradient should equal
-the unsharded gradient of the global batch's loss divided by the world size, but the sharded
-collections give per-id weights no gradient (strict xfail)."""
+slice of the global batch, and the position weights' (DDP-averaged) gradient equals the
+unsharded gradient of the global batch's loss divided by the world size: the per-id weights'
+gradients come back from the shards' owners through the input dist."""
 
 import copy
 
-import pytest
 import torch
 
 from tests.sharding.harness import run_ranks
@@ -105,9 +104,6 @@ def test_dmp_shards_our_ebc_inside_a_feature_processed_ebc():
             assert same_names, (processors, rank)
 
 
-@pytest.mark.xfail(strict=True, reason="the sharded collections return no gradient for "
-                   "per-id weights (the input dist sends them without autograd): position "
-                   "weights do not train under DMP")
 def test_position_weights_train_under_dmp():
     for processors, ranks in _runs().items():
         for rank, (_, _, grad_err, _) in enumerate(ranks):

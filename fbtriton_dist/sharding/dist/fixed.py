@@ -41,6 +41,7 @@ from fbtriton_dist.sharding.dist.input_dist import (
     Message,
 )
 from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.dist.weights_grad import weights_need_grad
 from fbtriton_dist.sparse import kjt_parts
 
 
@@ -164,6 +165,12 @@ class FixedInputDist(InputDist):
                 "CommOptions(fixed_shapes=False) for VBE batches"
             )
         parts = kjt_parts(features, self.layout.feature_names, weighted)
+        if weights_need_grad(parts.weights):
+            raise ValueError(
+                "CommOptions(fixed_shapes=True): per-sample weights that require grad (a "
+                "feature processor's) travel in an all-to-all sized every batch; use "
+                "CommOptions(fixed_shapes=False), or detach the weights"
+            )
         B, N = parts.batch_size, parts.values.numel()
         if self.agreed is None:
             self._agree(B, N, group)

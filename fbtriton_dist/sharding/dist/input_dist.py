@@ -8,7 +8,8 @@ One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key orde
    feature's key), so the KJT is never permuted into config order.
 2. header all-to-all: a fixed ``[R, H]`` int64 block, equal splits, so no host list is needed:
    per destination its id count per shard-feature, this rank's batch size, a failure flag
-   (bad ids, lengths that do not add up, a KJT that does not match, NaN/inf weights) and,
+   (bad ids, lengths that do not add up, a KJT that does not match, NaN/inf weights), whether
+   its per-sample weights require grad and,
    with dedup, its distinct ids per shard-feature. **The one host sync of the step** reads it
    back: the data all-to-all below needs host split lists (``all_to_all_single``'s contract),
    and every other size on the host (received ids, TBE group bounds, the comm report) comes
@@ -19,7 +20,9 @@ One step, R ranks, this rank's KJT (K keys, B samples, in the KJT's own key orde
    distinct ids and an inverse map, each id's place among its shard-feature's distinct ids
    (16 bits when no shard-feature has more than 65,536 distinct ids, else 32), and the
    per-sample weights (float32). Both sides compute the layout from the header; a message is
-   deduplicated only where that makes it smaller.
+   deduplicated only where that makes it smaller. Weights that require grad (on any rank:
+   a header flag) travel instead in an all-to-all of their own, with autograd, whose
+   backward sends each id's weight gradient back to its place (``weights_grad.py``).
 
 The receiver expands deduplicated ids back with the inverse map and reorders what it got
 rank-major (``[r][sf][b]``) into the feature-major lookup batch (``[sf][r][b]``) with one
@@ -43,6 +46,7 @@ import torch.distributed as dist
 from fbtriton_dist.ops import backend as backends
 from fbtriton_dist.ops import bucketize as ops
 from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.dist.weights_grad import weights_need_grad, weights_with_grad
 from fbtriton_dist.sparse import (
     JaggedBatch,
     KJTParts,
@@ -269,12 +273,14 @@ class InputDist:
         self.n_sf = [len(q) for q in layout.local]  # shard-features per destination
         self.n_max = max(self.n_sf, default=0)
         # header columns: ids per shard-feature, [distinct ids per shard-feature,] bags per
-        # shard-feature (its feature's batch size: B unless VBE), B, failed, VBE
+        # shard-feature (its feature's batch size: B unless VBE), B, failed, VBE, weights
+        # that require grad
         self.c_stride = self.n_max * (2 if dedup else 1)
         self.c_B = self.c_stride + self.n_max
         self.c_failed = self.c_B + 1
         self.c_vbe = self.c_B + 2
-        self.H = self.c_B + 3
+        self.c_grad = self.c_B + 3
+        self.H = self.c_B + 4
         self.sfs = [sf for q in layout.local for sf in q]
         self.sf_start = [0]
         for n in self.n_sf:
@@ -475,6 +481,7 @@ class InputDist:
                 failed = failed | self.bad_inverse(parts)
             hdr[:, self.c_B] = parts.batch_size
             hdr[:, self.c_failed] = failed
+            hdr[:, self.c_grad] = int(weights_need_grad(parts.weights))
             uniq = inverse = None
             if self.dedup and ids.numel():
                 uniq, inverse, n_unique = self._unique(ids, per_sf)
@@ -544,7 +551,10 @@ class InputDist:
         parts, sent, sent_h, recv_h, hdr_recv = self._exchange_header(features, weighted, group)
         R, me = self.world, self.rank
         sizes = [recv_h[r][self.c_B] for r in range(R)]
-        weighted_wire = parts.weights is not None
+        # weights that require grad on some rank travel in an all-to-all of their own, with
+        # autograd (``weights_with_grad``); every rank learnt that from the header
+        grad_w = parts.weights is not None and any(recv_h[r][self.c_grad] for r in range(R))
+        weighted_wire = parts.weights is not None and not grad_w
         sendbuf, send_msgs, sends = self._pack(sent, sent_h, sizes[me], weighted_wire)
         recv_msgs = self._receive_layouts(recv_h, sizes, weighted_wire)
         recvbuf = torch.empty(sum(m.nbytes for m in recv_msgs), dtype=torch.uint8,
@@ -554,6 +564,9 @@ class InputDist:
             group=group,
         )
         lookup = self._unpack(recvbuf, recv_msgs, recv_h, hdr_recv, sizes, weighted_wire)
+        if grad_w:
+            lookup = dataclasses.replace(lookup, per_sample_weights=weights_with_grad(
+                self, parts, sent_h, recv_h, hdr_recv, group))
         vbe = self.vbe_step(parts, recv_h)
 
         others = [q for q in range(R) if q != me]
@@ -608,6 +621,22 @@ class InputDist:
                 "strides": strides}
 
     # -- receiver ---------------------------------------------------------------------------
+    def feature_major(self, hdr_recv: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The gather that reorders the ``n`` received ids from rank-major ``[r][sf][b]`` to
+        feature-major ``[sf][r][b]`` (from the header on the device), or None when they are
+        in that order already."""
+        R, n_local = self.world, self.n_sf[self.rank]
+        if R == 1 or n_local <= 1 or not n:
+            return None
+        seg = hdr_recv[:, :n_local]  # [R, n_local] ids per (source rank, shard-feature)
+        flat = seg.reshape(-1)
+        old_start = (torch.cumsum(flat, 0) - flat).view(R, n_local).t().reshape(-1)
+        new_sizes = seg.t().reshape(-1)
+        new_start = torch.cumsum(new_sizes, 0) - new_sizes
+        return torch.arange(n, device=self.device) + torch.repeat_interleave(
+            old_start - new_start, new_sizes, output_size=n
+        )
+
     def _unpack(self, buf, msgs, recv_h, hdr_recv, sizes, weighted) -> LookupBatch:
         R, n_local, dev = self.world, self.n_sf[self.rank], self.device
         lens, ids, ws, base = [], [], [], 0
@@ -640,17 +669,8 @@ class InputDist:
         lengths = torch.cat(lens, dim=1) if lens else torch.zeros((0, B_global), device=dev)
         indices = torch.cat(ids).to(torch.int64)
         weights = torch.cat(ws) if weighted else None
-        n = indices.numel()
-        if R > 1 and n_local > 1 and n:
-            # rank-major [r][sf][b] -> feature-major [sf][r][b], from the header on the device
-            seg = hdr_recv[:, :n_local]  # [R, n_local] ids per (source rank, shard-feature)
-            flat = seg.reshape(-1)
-            old_start = (torch.cumsum(flat, 0) - flat).view(R, n_local).t().reshape(-1)
-            new_sizes = seg.t().reshape(-1)
-            new_start = torch.cumsum(new_sizes, 0) - new_sizes
-            gather = torch.arange(n, device=dev) + torch.repeat_interleave(
-                old_start - new_start, new_sizes, output_size=n
-            )
+        gather = self.feature_major(hdr_recv, indices.numel())
+        if gather is not None:
             indices = indices[gather]
             weights = weights[gather] if weights is not None else None
         offsets = torch.zeros(n_local * B_global + 1, dtype=torch.int64, device=dev)

@@ -156,6 +156,15 @@ class ShardedCollection(nn.Module):
             return x
         return _ScaleGrad.apply(x, self.grad_scale)
 
+    def _undivided_weights_grad(self, weights: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-sample ``weights`` of a lookup whose output goes through ``_scale_grad``:
+        backward multiplies their gradient by ``1 / grad_scale``, so it is d(loss)/d(weight)
+        itself. Weights that require grad come from dense parameters (a feature processor),
+        which DDP averages over the ranks: dividing here too would divide twice."""
+        if weights is None or self.grad_scale == 1.0 or not weights.requires_grad:
+            return weights
+        return _ScaleGrad.apply(weights, 1.0 / self.grad_scale)
+
     def _host_group(self, group):
         """The process group of this rank's host: ``group`` itself if it is one host, else a
         new group per host, made on every rank in the same order (``new_group`` wants that)."""

@@ -62,16 +62,21 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     # -- the three stages (the input dist: ``ShardedCollection.input_dist``) -------------------
     def compute(self, lookup: LookupBatch) -> torch.Tensor:
         """Pooled partials ``[global B, local shard columns]`` (fp32, SUM); their gradient is
-        divided by the world size in backward (``CommOptions.gradient_division``)."""
+        divided by the world size in backward (``CommOptions.gradient_division``), the
+        per-sample weights' gradient (weights that require grad) is not."""
         if lookup.stats is not None:  # the step this lookup belongs to (pipelines run ahead)
             self.last_step_stats = lookup.stats
         B = lookup.batch_size
         if not self.tbes:  # no shards here; still a node of the graph (see OutputDist)
+            w = lookup.per_sample_weights
+            if w is not None and w.requires_grad:  # and of the weights' all-to-all backward
+                return (w.sum() * 0).expand(B, 0)
             return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
         outs, first = [], 0
         single = len(self.tbes) == 1
+        weights = self._undivided_weights_grad(lookup.per_sample_weights)
         for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
-            indices, offsets, psw = lookup.indices, lookup.offsets, lookup.per_sample_weights
+            indices, offsets, psw = lookup.indices, lookup.offsets, weights
             if lookup.groups:  # fixed shapes: each group padded to its own slots
                 indices, offsets, psw = lookup.groups[g]
             elif not single:
