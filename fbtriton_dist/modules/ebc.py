@@ -318,7 +318,7 @@ class EmbeddingBagCollection(TableGroups):
             cols = torch.arange(D, device=flat.device)
             columns.append(base[p] + rows[p][:, None] * D + cols[None, :])
         index = torch.cat(columns, dim=1)
-        values = flat.index_select(0, index.reshape(-1)).view(B, -1)
+        values = flat.index_select(0, index.reshape(-1)).view(B, sum(self._lengths_per_embedding))
         return keyed_tensor(self._embedding_names, self._lengths_per_embedding, values)
 
     def _group_batches(self, batch: JaggedBatch, bound: list | None = None):

@@ -155,3 +155,19 @@ def test_vbe_bad_inputs_name_the_feature_and_bound():
     with pytest.raises(ValueError, match=r"feature 'user': lengths\[0\] = -1 \(bag 0 of 2\) "
                                          "is negative"):
         ours(negative)
+
+
+def test_an_empty_vbe_batch_gives_no_rows_as_torchrec():
+    """No samples at all (a rank of a VBE job with none this step): ``[0, sum(D)]``, as
+    TorchRec's EBC; the strides differ per key, so it takes the VBE path."""
+    kjt = KeyedJaggedTensor(
+        keys=KEYS, values=torch.zeros(0, dtype=torch.int64),
+        lengths=torch.zeros(0, dtype=torch.int64),
+        stride_per_key_per_rank=[[0] for _ in KEYS],
+        inverse_indices=(KEYS, torch.zeros(len(KEYS), 0, dtype=torch.int64)),
+    )
+    theirs = torchrec.EmbeddingBagCollection(tables=_configs())
+    ours = fbtriton_dist.EmbeddingBagCollection(tables=_configs())
+    want, got = theirs(kjt), ours(kjt)
+    assert got.keys() == want.keys()
+    assert got.values().shape == want.values().shape == (0, 4 + 3 + 3 + 2)
