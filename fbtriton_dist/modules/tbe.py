@@ -373,6 +373,12 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is not None:
             self._tiers.invalidate()
 
+    def resident_rows(self) -> dict[str, list[int]]:
+        """Per cached table: the rows in its cache, ascending."""
+        if self._tiers is None:
+            return {}
+        return {self.table_names[t]: c.resident() for t, c in self._tiers.caches.items()}
+
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Per cached table: distinct rows looked up, misses, evictions, write-backs."""
         if self._tiers is None:

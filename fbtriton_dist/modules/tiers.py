@@ -136,6 +136,10 @@ class RowCache:
         self.row_of_slot.fill_(-1)
         self.dirty.zero_()
 
+    def resident(self) -> list[int]:
+        """The rows in the cache, ascending."""
+        return sorted(int(r) for r in self.row_of_slot[self.row_of_slot >= 0])
+
     def _write_back(self, slots: torch.Tensor, views: Views) -> None:
         rows = self.row_of_slot[slots]
         weight, states = views
@@ -165,14 +169,6 @@ class RowCache:
                 f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
             )
         slots, fresh = id_remap(self.map, rows, step=clock, update=True)
-        if bool((slots >= self.slots).any()):
-            missing = int((slots >= self.slots).sum())
-            raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): {missing} of the batch's {U} "
-                f"distinct rows found no slot of {self.slots}: the rest are used by this batch"
-                + (" or pinned by earlier training batches whose backward has not run" if pinned
-                   else "") + "; raise cache_load_factor or cache_slots"
-            )
         self.stats["lookups"] += U
         if fresh.numel():
             old = self.row_of_slot[fresh]
@@ -185,6 +181,14 @@ class RowCache:
             self._load(fresh, new, views)
             self.row_of_slot[fresh] = new
             self.dirty[fresh] = False
+        if bool((slots >= self.slots).any()):  # the slots given stay consistent: loaded above
+            missing = int((slots >= self.slots).sum())
+            raise ValueError(
+                f"table '{self.name}' (tier {self.storage.tier!r}): {missing} of the batch's {U} "
+                f"distinct rows found no slot of {self.slots}: the others hold rows of this batch"
+                + (" or rows pinned by training batches whose backward has not run" if pinned
+                   else "") + "; raise cache_load_factor or cache_slots"
+            )
         if train:
             self.dirty[slots] = True
         return slots
