@@ -466,6 +466,11 @@ class TableBatchedEmbedding(nn.Module):
         fused = self._fused()
         train = fused is not None and torch.is_grad_enabled()
         if self._tiers is not None:
+            if capturing(self.weights.device):
+                raise RuntimeError(
+                    "TableBatchedEmbedding: cached storage tiers cannot be captured in a CUDA "
+                    "graph (the cache maps each batch's ids on the host)"
+                )
             self._check_tier_grad(fused, grad_targets)
             indices = self._tiers.remap(
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,

@@ -13,7 +13,8 @@ from fbtriton_dist.modules import tiers as tiers_module
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.ops.backends.base import Capabilities
 from fbtriton_dist.storage import Storage, storage_of
-from tests.helpers import make_batch, upstream_grad
+from tests.conftest import TRITON_OK
+from tests.helpers import device_for, make_batch, upstream_grad
 
 TABLES = [(64, 4), (20, 3)]  # table 0 cached (16 slots), table 1 on device
 FTM = [0, 0, 1]
@@ -26,9 +27,9 @@ OPTIMIZERS = {
 STEPS = 5
 
 
-def storage_for(tier: str, policy: str, tmp_path) -> list:
+def storage_for(tier: str, policy: str, tmp_path, slots: int = 16) -> list:
     path = str(tmp_path / "rows") if tier == "file" else None
-    return [Storage(tier=tier, cache_slots=16, policy=policy, path=path), None]
+    return [Storage(tier=tier, cache_slots=slots, policy=policy, path=path), None]
 
 
 def build(storage, backend, opt, pooling="sum", tables=TABLES, ftm=FTM):
@@ -69,15 +70,38 @@ def test_tier_trains_as_device(backend, opt, tier, policy, tmp_path):
     assert stats["evictions"] >= STEPS and stats["writebacks"] > 0, stats
 
 
+@pytest.mark.parametrize("opt,tier,policy", [("rowwise_adagrad", "cached", "lru"),
+                                             ("adam", "file", "lfu")])
+def test_triton_tier_trains_as_device(opt, tier, policy, tmp_path):
+    """The Triton kernels (on the GPU, else interpreted: ``conftest.py``), mean pooling."""
+    if not TRITON_OK:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev = device_for("triton")
+    device = build(None, "triton", OPTIMIZERS[opt], pooling="mean").to(dev)
+    tiered = build(storage_for(tier, policy, tmp_path, slots=12), "triton", OPTIMIZERS[opt],
+                   pooling="mean").to(dev)
+    g = torch.Generator().manual_seed(3)
+    tiered.load_state_dict(device.state_dict())
+    for step in range(STEPS):
+        batch = make_batch(TABLES, FTM, 3, 2, weighted=True, hot=True, generator=g, device=dev)
+        for m in (device, tiered):
+            out = m(*batch)
+            (out * upstream_grad(out, step)).sum().backward()
+    assert_same(device, tiered)
+    assert tiered.cache_stats()["table_0"]["evictions"] > 0
+
+
 @pytest.mark.parametrize("pooling,weighted", [("mean", False), ("sum", True), ("none", False)])
 def test_tier_poolings_weighted_hot_ids(pooling, weighted, tmp_path):
     """Mean and weighted sums, the unpooled lookup; hot ids: a row summed many times per batch
     whose slot order differs from its id order."""
     opt = OPTIMIZERS["rowwise_adagrad"]
     device = build(None, "cpu", opt, pooling=pooling)
-    tiered = build(storage_for("cached", "lru", tmp_path), "cpu", opt, pooling=pooling)
+    tiered = build(storage_for("cached", "lru", tmp_path, slots=12), "cpu", opt,
+                   pooling=pooling)
     train_pair(device, tiered, weighted=weighted, hot=True)
     assert_same(device, tiered)
+    assert tiered.cache_stats()["table_0"]["evictions"] > 0
 
 
 def test_tier_vbe():
@@ -251,17 +275,10 @@ def test_slots():
 
 
 def test_unsupported_tier_names_the_backend():
+    """(A backend without a tier refuses it at construction: ``tests/ops/test_backends.py``.)"""
     caps = Capabilities(devices=("cpu",))
-    assert caps.problems(tiers=["device", "cached"]) == [
+    assert caps.problems(tiers=["device", "cached", "cached"]) == [
         "storage tier 'cached' (supported: ['device'])"]
-    from fbtriton_dist.ops import backends
-
-    for name in backends.names():
-        tiers = backends.capabilities(name).tiers
-        if "file" not in tiers:
-            with pytest.raises(ValueError, match=rf"backend={name!r}.*storage tier 'file'"):
-                TableBatchedEmbedding([(10, 2)], backend=name,
-                                      storage=[{"tier": "file", "path": "/tmp/x"}])
 
 
 def test_file_tier_files(tmp_path):
