@@ -141,20 +141,22 @@ class RowCache:
         return sorted(int(r) for r in self.row_of_slot[self.row_of_slot >= 0])
 
     def _write_back(self, slots: torch.Tensor, views: Views) -> None:
-        rows = self.row_of_slot[slots]
+        rows = self.row_of_slot.index_select(0, slots)
         weight, states = views
         dev = slots.to(weight.device)
-        self.backing.weight[rows] = weight[dev].to("cpu", self.backing.weight.dtype)
-        for name, backing in self.backing.states.items():
-            backing[rows] = states[name][dev].to("cpu")
+        pairs = [(self.backing.weight, weight), *((b, states[n])
+                                                  for n, b in self.backing.states.items())]
+        for backing, cache in pairs:
+            backing.index_copy_(0, rows, cache.index_select(0, dev).to("cpu", backing.dtype))
         self.stats["writebacks"] += int(slots.numel())
 
     def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views) -> None:
         weight, states = views
         dev = slots.to(weight.device)
-        weight[dev] = self.backing.weight[rows].to(weight.device, non_blocking=True)
-        for name, backing in self.backing.states.items():
-            states[name][dev] = backing[rows].to(weight.device, non_blocking=True)
+        pairs = [(self.backing.weight, weight), *((b, states[n])
+                                                  for n, b in self.backing.states.items())]
+        for backing, cache in pairs:
+            cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device))
 
     def assign(self, rows: torch.Tensor, clock: int, views: Views, train: bool,
                pinned: bool) -> torch.Tensor:
