@@ -104,6 +104,22 @@ def test_tier_poolings_weighted_hot_ids(pooling, weighted, tmp_path):
     assert tiered.cache_stats()["table_0"]["evictions"] > 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_half_weights_round_to_nearest_as_device(backend):
+    """fp16 weights: exact with round-to-nearest updates (stochastic rounding draws its noise
+    in the batch's row order, which slots change: ``docs/storage.md``)."""
+    def make(storage):
+        torch.manual_seed(0)
+        return TableBatchedEmbedding(TABLES, feature_table_map=FTM, backend=backend,
+                                     optimizer=optim.Adagrad(lr=0.3), seed=1, storage=storage,
+                                     weights_dtype=torch.float16, stochastic_rounding=False)
+
+    device, tiered = make(None), make([Storage(tier="cached", cache_slots=12), None])
+    train_pair(device, tiered)
+    assert_same(device, tiered)
+    assert tiered.cache_stats()["table_0"]["evictions"] > 0
+
+
 def test_tier_vbe():
     """A variable batch per feature (VBE) goes through the same remap."""
     sizes = [[2], [4], [3]]

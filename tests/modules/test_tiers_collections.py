@@ -210,3 +210,14 @@ def test_without_storage_nothing_changes():
     assert all(not tbe.tiered for tbe, _ in same.tbe_groups())
     assert not plain._state_dict_hooks and not plain._load_state_dict_pre_hooks  # noqa: SLF001
     assert_same(plain, same)
+
+
+def test_docs_snippet_runs(tmp_path, monkeypatch):
+    """``docs/storage.md``'s snippet runs as written."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "storage.md"
+    (block,) = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, str(page), "exec"), {"__name__": "snippet"})
