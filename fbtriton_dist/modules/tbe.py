@@ -683,4 +683,6 @@ class TableBatchedEmbedding(nn.Module):
             f"tables={self.tables}, feature_table_map={self.feature_table_map}, "
             f"pooling={self.pooling}, optimizer={self.optimizer}, "
             f"weights_dtype={self.weights.dtype}, backend={self.backend}"
+            + ("".join(f", {n}: {st}" for n, st in zip(self.table_names, self.storage,
+                                                      strict=True) if st.tier != "device"))
         )
