@@ -118,6 +118,33 @@ def test_ebc_weighted(backend, tmp_path):
     assert_same(device, tiered)
 
 
+def test_ebc_vbe(tmp_path):
+    """A batch size per feature (the KJT's strides and inverse indices)."""
+    strides = {"f0": 4, "f1": 2, "f2": 4, "f3": 2}
+    device = ebc(None, "adam", weighted=True)
+    tiered = ebc(storage_for("cached", tmp_path), "adam", weighted=True)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        lengths, values = [], []
+        for cfg in BAGS:
+            for f in cfg.feature_names:
+                n = torch.randint(0, 3, (strides[f],), generator=g)
+                lengths.append(n)
+                values.append(torch.randint(0, cfg.num_embeddings, (int(n.sum()),), generator=g))
+        values = torch.cat(values)
+        inverse = torch.stack([torch.arange(4) // (4 // strides[f]) for f in strides])
+        batch = KeyedJaggedTensor(
+            keys=list(strides), values=values, lengths=torch.cat(lengths),
+            weights=torch.rand(values.numel(), generator=g) + 0.5,
+            stride_per_key_per_rank=[[n] for n in strides.values()],
+            inverse_indices=(list(strides), inverse),
+        )
+        for m in (device, tiered):
+            loss(m(batch), step).backward()
+    assert_same(device, tiered)
+    assert evictions(tiered) > 0
+
+
 @pytest.mark.parametrize("tier", ["cached", "file"])
 def test_ec_tiers_train_as_device(tier, tmp_path):
     device, tiered = ec(None), ec(storage_for(tier, tmp_path))
