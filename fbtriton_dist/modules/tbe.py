@@ -621,8 +621,8 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is None:
             return
         tables = self.split_embedding_weights()
-        destination[prefix + "weights"] = torch.cat([w.reshape(-1).to(self.weights.device)
-                                                     for w in tables])
+        destination[prefix + "weights"] = torch.cat(
+            [w.reshape(-1).to(self.weights.device, self.weights.dtype) for w in tables])
         states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
         per_table = self.split_optimizer_states()
         for i, s in enumerate(states):

@@ -156,7 +156,8 @@ class RowCache:
         pairs = [(self.backing.weight, weight), *((b, states[n])
                                                   for n, b in self.backing.states.items())]
         for backing, cache in pairs:
-            cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device))
+            cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device,
+                                                                         cache.dtype))
 
     def assign(self, rows: torch.Tensor, clock: int, views: Views, train: bool,
                pinned: bool) -> torch.Tensor:
