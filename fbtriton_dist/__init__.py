@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 SUBMODULES = (
     "bench", "cli", "graphs", "id_manager", "kernels", "knobs", "modules", "ops", "optim",
-    "planner", "reference", "sharding", "sparse", "train",
+    "planner", "reference", "sharding", "sparse", "storage", "train",
 )
 """What ``fbtriton_dist.<name>`` imports on first use."""
 
@@ -22,6 +22,7 @@ _NAMES = {
     "TableBatchedEmbedding": "fbtriton_dist.modules.tbe",
     "IdManagerConfig": "fbtriton_dist.id_manager",
     "Admission": "fbtriton_dist.id_manager",
+    "Storage": "fbtriton_dist.storage",
     "ManagedCollisionCollection": "fbtriton_dist.modules.managed",
     "ManagedCollisionEmbeddingBagCollection": "fbtriton_dist.modules.managed",
     "ManagedCollisionEmbeddingCollection": "fbtriton_dist.modules.managed",

@@ -58,7 +58,7 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-TORCH_FREE_LEAVES = {"optim", "pooling", "knobs", "id_manager"}
+TORCH_FREE_LEAVES = {"optim", "pooling", "knobs", "id_manager", "storage"}
 """Top-level modules every layer may read, the torch-free planner included."""
 ALLOWED: dict[str, set[str]] = {
     # top-level leaves
@@ -67,6 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "pooling": set(),  # PoolingMode: kernels, reference, ops and modules read it
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
+    "storage": set(),  # tables' storage tiers (Storage): planner and modules read it
     "graphs": set(),  # GraphedStep: serves every layer
     "host_flags": set(),  # device flags read on the host late (deferred input checks)
     "sparse": set(),  # TorchRec's KJT / KeyedTensor <-> our jagged batch

@@ -15,7 +15,12 @@ from torch import nn
 
 from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
-from fbtriton_dist.modules.table_groups import OpLayout, TableGroups, refuse_data_parallel
+from fbtriton_dist.modules.table_groups import (
+    OpLayout,
+    TableGroups,
+    check_storage,
+    refuse_data_parallel,
+)
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.sparse import (
@@ -58,6 +63,12 @@ class EmbeddingBagCollection(TableGroups):
         managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids;
             ``modules/managed.py``), whose raw int64 ids are remapped to slots before the
             lookup (``id_managers``, a ``ManagedCollisionCollection``; its ``metrics()``).
+        storage: table name -> ``fbtriton_dist.storage.Storage`` (or a mapping of its fields,
+            or a tier name): where its rows live (``docs/storage.md``); others on ``device``.
+            A ``cached`` / ``file`` table's parameter ``embedding_bags.<t>.weight`` holds its
+            cache slots; ``state_dict()`` gives its whole table (flushed, a host tensor) under
+            that key, and a load writes there; ``flush()`` writes dirty rows back. Training it
+            needs a fused optimizer (``apply_optimizer_in_backward``).
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per (table, feature),
     in config order (``feature@table`` where tables share a feature name), ``[B, sum(D)]`` fp32
@@ -80,12 +91,14 @@ class EmbeddingBagCollection(TableGroups):
         backend: str = "auto",
         bounds_check: str = "error",
         managed: Mapping | None = None,
+        storage: Mapping | None = None,
     ) -> None:
         super().__init__()
         names = [t.name for t in tables]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"tables: duplicate table names {duplicates}")
+        tiers = check_storage(storage, tables, managed)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = list(tables)
         self._table_configs = self._embedding_bag_configs
@@ -102,10 +115,13 @@ class EmbeddingBagCollection(TableGroups):
 
         self._tbes = []  # a TableBatchedEmbedding per group (not submodules: the parameters are)
         self._feature_order: list[str] = []
-        views: dict[int, torch.Tensor] = {}
+        views: dict[int, torch.Tensor] = {}  # what the kernels read: a cached table's slots
+        whole: dict[int, torch.Tensor] = {}  # the whole tables: a cached table's backing store
         for (dtype, pooling), members in self._groups.items():
             shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
-            flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
+            slots = [tiers[t].slots(E) for t, (E, _) in zip(members, shapes, strict=True)]
+            flat = torch.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
+                               dtype=dtype, device=self._device)
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
             with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
                 seed = int(torch.randint(2**31 - 1, (), device="cpu"))
@@ -122,15 +138,17 @@ class EmbeddingBagCollection(TableGroups):
                 weights=flat,
                 init_weights=False,
                 seed=seed,
+                storage=[tiers[t] for t in members],
             )
             tbe.weights.requires_grad_(False)
-            views.update(zip(members, tbe.split_embedding_weights(), strict=True))
+            views.update(zip(members, tbe.split_slot_weights(), strict=True))
+            whole.update(zip(members, tbe.split_embedding_weights(), strict=True))
             self._feature_order += [f for t in members for f in tables[t].feature_names]
             self._tbes.append(tbe)
         for t, cfg in enumerate(tables):  # in config order, as TorchRec
             dtype, pooling = self._dtype(cfg), self._pooling(cfg)
             self.embedding_bags[cfg.name] = nn.EmbeddingBag(
-                cfg.num_embeddings,
+                views[t].shape[0],  # a cached table's parameter: its slots
                 cfg.embedding_dim,
                 mode=pooling,
                 _weight=views[t],
@@ -140,7 +158,7 @@ class EmbeddingBagCollection(TableGroups):
             )
             # nn.EmbeddingBag draws N(0, 1) at construction (TorchRec's EBC builds one per
             # table and then runs reset_parameters): draw it too, so a seeded build matches
-            nn.init.normal_(self.embedding_bags[cfg.name].weight)
+            nn.init.normal_(whole[t])
 
         self._embedding_names = embedding_names(tables)
         # the scripted forward's plain lookup (``portable.pooled``), in config order
@@ -192,6 +210,7 @@ class EmbeddingBagCollection(TableGroups):
             config_names=self._config_names,
         )
         self._alias_states()
+        self._tier_hooks()
         self._portable_export = False  # ir.encapsulate_ir_modules sets it
         self.reset_parameters()
         # after the weights' draws: its seed is drawn as a ManagedCollisionCollection's
@@ -282,6 +301,7 @@ class EmbeddingBagCollection(TableGroups):
         if self.id_managers is not None:
             features = managed_forward(self, features)
         if ebc_op.traced(features):
+            self._refuse_traced_tiers()
             return ebc_op.forward(self, features)
         if features.variable_stride_per_key():
             return self._vbe_forward(features)

@@ -17,7 +17,12 @@ from torch import nn
 from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
-from fbtriton_dist.modules.table_groups import OpLayout, TableGroups, refuse_data_parallel
+from fbtriton_dist.modules.table_groups import (
+    OpLayout,
+    TableGroups,
+    check_storage,
+    refuse_data_parallel,
+)
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.sparse import EmbeddingConfig, JaggedTensor, KeyedJaggedTensor, kjt_sequences
 
@@ -37,6 +42,8 @@ class EmbeddingCollection(TableGroups):
         backend, bounds_check: passed to each TableBatchedEmbedding.
         managed: table name -> ``id_manager.IdManagerConfig``: managed tables (dynamic ids,
             ``modules/managed.py``), as EmbeddingBagCollection's.
+        storage: table name -> ``fbtriton_dist.storage.Storage``: storage tiers, as
+            EmbeddingBagCollection's.
 
     ``forward(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]``: one key per (table,
     feature) in config order (``feature@table`` where tables share a feature name), values
@@ -63,12 +70,14 @@ class EmbeddingCollection(TableGroups):
         backend: str = "auto",
         bounds_check: str = "error",
         managed: Mapping | None = None,
+        storage: Mapping | None = None,
     ) -> None:
         super().__init__()
         names = [t.name for t in tables]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"tables: duplicate table names {duplicates}")
+        tiers = check_storage(storage, tables, managed)
         self._embedding_configs = list(tables)
         self._table_configs = self._embedding_configs
         self._need_indices = need_indices
@@ -84,10 +93,13 @@ class EmbeddingCollection(TableGroups):
         self._feature_order: list[str] = []  # the features of the groups, group after group
         self._output_of: list[int] = []  # for each of them, its output (config order)
         first_output = [0, *accumulate(len(c.feature_names) for c in tables)]
-        views: dict[int, torch.Tensor] = {}
+        views: dict[int, torch.Tensor] = {}  # what the kernels read: a cached table's slots
+        whole: dict[int, torch.Tensor] = {}  # the whole tables: a cached table's backing store
         for dtype, members in self._groups.items():
             shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
-            flat = torch.empty(sum(E * D for E, D in shapes), dtype=dtype, device=self._device)
+            slots = [tiers[t].slots(E) for t, (E, _) in zip(members, shapes, strict=True)]
+            flat = torch.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
+                               dtype=dtype, device=self._device)
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
             with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
                 seed = int(torch.randint(2**31 - 1, (), device="cpu"))
@@ -104,9 +116,11 @@ class EmbeddingCollection(TableGroups):
                 weights=flat,
                 init_weights=False,
                 seed=seed,
+                storage=[tiers[t] for t in members],
             )
             tbe.weights.requires_grad_(False)
-            views.update(zip(members, tbe.split_embedding_weights(), strict=True))
+            views.update(zip(members, tbe.split_slot_weights(), strict=True))
+            whole.update(zip(members, tbe.split_embedding_weights(), strict=True))
             for t in members:
                 names = tables[t].feature_names
                 self._feature_order += names
@@ -115,14 +129,14 @@ class EmbeddingCollection(TableGroups):
         self.embeddings = nn.ModuleDict()
         for t, cfg in enumerate(tables):  # in config order, drawn as TorchRec draws them
             self.embeddings[cfg.name] = nn.Embedding(
-                cfg.num_embeddings, cfg.embedding_dim, _weight=views[t], device=self._device,
+                views[t].shape[0], cfg.embedding_dim, _weight=views[t], device=self._device,
                 dtype=self._dtype(cfg),
-            )
+            )  # a cached table's parameter: its slots
             if self._device.type != "meta":
                 with torch.no_grad():
-                    nn.init.normal_(self.embeddings[cfg.name].weight)  # nn.Embedding's draw
+                    nn.init.normal_(whole[t])  # nn.Embedding's draw
                     if cfg.init_fn is not None:
-                        cfg.init_fn(self.embeddings[cfg.name].weight)
+                        cfg.init_fn(whole[t])
         self._embedding_names = embedding_names(tables)
         self._embedding_names_by_table = [
             self._embedding_names[first_output[t] : first_output[t + 1]]
@@ -140,6 +154,7 @@ class EmbeddingCollection(TableGroups):
             config_feature_tables=self._config_feature_tables,
         )
         self._alias_states()
+        self._tier_hooks()
         self.id_managers = (
             ManagedCollisionCollection(managed, tables, device=self._device, backend=backend)
             if managed else None
@@ -220,6 +235,7 @@ class EmbeddingCollection(TableGroups):
         if self.id_managers is not None:
             features = managed_forward(self, features)
         if ebc_op.traced(features):
+            self._refuse_traced_tiers()
             return ec_op.forward(self, features)
         seqs = kjt_sequences(features, self._feature_order)
         ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]

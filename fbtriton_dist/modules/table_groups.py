@@ -13,6 +13,7 @@ from torch import nn
 
 from fbtriton_dist import optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.storage import Storage, storage_of
 
 OP_STATES = ("_step", "momentum1", "momentum2")
 """A TableBatchedEmbedding's fused-optimizer state, as the registered lookup ops take it."""
@@ -135,7 +136,7 @@ class TableGroups(nn.Module):
             return
         packed = torch.cat([p.detach().reshape(-1) for p in params])
         tbe.weights = nn.Parameter(packed, requires_grad=False)
-        for p, view in zip(params, tbe.split_embedding_weights(), strict=True):
+        for p, view in zip(params, tbe.split_slot_weights(), strict=True):
             p.data = view
 
     def _apply(self, fn, recurse=True):
@@ -222,20 +223,118 @@ class TableGroups(nn.Module):
         return out
 
     def load_fused_optimizer_state_dict(self, state: dict) -> None:
-        """After ``fused_optimizer_state_dict()`` was loaded in place: restore the step."""
+        """After ``fused_optimizer_state_dict()`` was loaded in place: restore the step (and
+        empty the caches of cached tables, whose backing stores were written)."""
         for tbe in self._tbes:
             tbe.step = int(state["step"])
+            tbe.invalidate()
+
+    # -- storage tiers (``storage=``; modules/tiers.py)
+    def _whole_tables(self) -> dict[int, tuple[TableBatchedEmbedding, torch.Tensor]]:
+        """Config index -> (its group's TBE, its whole ``[E, D]`` table: the backing store,
+        flushed) of every cached table."""
+        out = {}
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            if tbe.tiered:
+                whole = tbe.split_embedding_weights()
+                for i, t in enumerate(members):
+                    if tbe.storage[i].cached:
+                        out[t] = (tbe, whole[i])
+        return out
+
+    def flush(self) -> None:
+        """Write every dirty row of the cached tables (and its optimizer state) back to its
+        backing store (``state_dict`` does it first)."""
+        for tbe in self._tbes:
+            tbe.flush()
+
+    def table_storage(self) -> dict[str, Storage]:
+        """Each table's storage tier (``storage=``), by name."""
+        return {self._table_configs[t].name: tbe.storage[i]
+                for tbe, members in zip(self._tbes, self._groups.values(), strict=True)
+                for i, t in enumerate(members)}
+
+    def _refuse_traced_tiers(self) -> None:
+        if any(tbe.tiered for tbe in self._tbes):
+            raise NotImplementedError(
+                "cached storage tiers under torch.fx / torch.compile / export or on meta "
+                "tensors: not supported yet; look up eagerly"
+            )
+
+    def _key(self, t: int) -> str:
+        return f"{self._tables_attr}.{self._table_configs[t].name}.weight"
+
+    def _tier_hooks(self) -> None:
+        """With cached tables: ``state_dict`` gives each one's whole table (its backing store,
+        flushed; a host tensor) under its usual key, and a load writes it there."""
+        if not any(tbe.tiered for tbe in self._tbes):
+            return
+        self.register_state_dict_post_hook(_save_whole_tables)
+        self.register_load_state_dict_pre_hook(_load_whole_tables)
+        self.register_load_state_dict_post_hook(_invalidate_caches)
+
+    def _load_whole(self, state_dict, prefix) -> None:
+        for t, (_, whole) in self._whole_tables().items():
+            key = prefix + self._key(t)
+            value = state_dict.get(key)
+            if value is None:
+                continue
+            if tuple(value.shape) != tuple(whole.shape):
+                raise ValueError(
+                    f"table '{self._table_configs[t].name}' ({key}): the checkpoint's shape is "
+                    f"{list(value.shape)}, this module's {list(whole.shape)}"
+                )
+            with torch.no_grad():
+                whole.copy_(value)
+            (param,) = self.group_params([t])
+            state_dict[key] = param.detach()  # the slots: loaded onto themselves
 
     def _reset_tables(self, init) -> None:
-        """Fused optimizer states and steps to zero, then ``init(cfg, weight)`` per table."""
+        """Fused optimizer states and steps to zero, then ``init(cfg, weight)`` per table (a
+        cached table's whole table, in its backing store)."""
         if self._device.type == "meta":
             return
         for tbe in self._tbes:
             tbe.reset_optimizer_states()
-        for cfg, weight in zip(self._table_configs, self.group_params(
-                range(len(self._table_configs))), strict=True):
+        whole = self._whole_tables()
+        for t, (cfg, weight) in enumerate(zip(self._table_configs, self.group_params(
+                range(len(self._table_configs))), strict=True)):
             with torch.no_grad():
-                init(cfg, weight)
+                init(cfg, whole[t][1] if t in whole else weight)
+        for tbe in self._tbes:
+            tbe.invalidate()
+
+
+def _save_whole_tables(module: TableGroups, state_dict, prefix, local_metadata) -> None:
+    for t, (_, whole) in module._whole_tables().items():  # noqa: SLF001 (its own hook)
+        state_dict[prefix + module._key(t)] = whole  # noqa: SLF001
+
+
+def _load_whole_tables(module: TableGroups, state_dict, prefix, *args) -> None:
+    module._load_whole(state_dict, prefix)  # noqa: SLF001 (its own hook)
+
+
+def _invalidate_caches(module: TableGroups, incompatible_keys) -> None:
+    for tbe, _ in module.tbe_groups():
+        tbe.invalidate()
+
+
+def check_storage(storage, configs: Sequence, managed) -> list[Storage]:
+    """Each table's ``Storage`` (config order) from a collection's ``storage=`` (table name
+    -> ``Storage`` / mapping / tier name); unknown names, and cached tables that are also
+    managed, are refused by name."""
+    storage = dict(storage or {})
+    names = [c.name for c in configs]
+    unknown = sorted(set(storage) - set(names))
+    if unknown:
+        raise ValueError(f"storage: unknown tables {unknown}, expected some of {names}")
+    out = [storage_of(storage.get(n), n) for n in names]
+    both = sorted(n for n, s in zip(names, out, strict=True)
+                  if s.tier != "device" and n in (managed or {}))
+    if both:
+        raise ValueError(f"tables {both}: managed tables (managed=) on a storage tier other "
+                         "than 'device' are not supported yet")
+    return out
 
 
 def refuse_data_parallel(what: str) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
 from fbtriton_dist.ops.tbe import (
     BoundsCheck,
@@ -22,6 +23,7 @@ from fbtriton_dist.ops.tbe import (
 )
 from fbtriton_dist.ops.vbe import VBELayout
 from fbtriton_dist.pooling import LABELS, PoolingMode
+from fbtriton_dist.storage import Storage, storage_of
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,6 +58,13 @@ class TableBatchedEmbedding(nn.Module):
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
             stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
             ``FBTD_TBE_AHEAD=0``; True on the CPU: in the forward, in order.
+        storage: per table, where its rows live (``fbtriton_dist.storage.Storage``, a mapping
+            of its fields, a tier name, or None: ``device``); None: all on ``device``. A
+            ``cached`` / ``file`` table keeps its rows and optimizer state in a backing store
+            and ``Storage.slots(E)`` of them in the flat weights (``modules/tiers.py``);
+            ``split_embedding_weights`` / ``split_optimizer_states`` / ``state_dict`` give
+            its whole table (flushed), ``split_slot_weights`` what the kernels read.
+            Training a cached table needs a fused optimizer; its ids are always checked.
 
     ``forward(indices [N], offsets [T*B+1], per_sample_weights [N] | None) -> [B, sum(D)]``.
 
@@ -89,11 +98,26 @@ class TableBatchedEmbedding(nn.Module):
         init_weights: bool = True,
         plan_ahead: bool | None = None,
         feature_names: Sequence[str] | None = None,
+        storage: Sequence[Storage | dict | str | None] | None = None,
     ) -> None:
         super().__init__()
         tables = [(int(E), int(D)) for E, D in tables]
         if not tables or any(E < 1 or D < 1 for E, D in tables):
             raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
+        names = (
+            list(table_names)
+            if table_names is not None
+            else [f"table_{t}" for t in range(len(tables))]
+        )
+        if len(names) != len(tables):
+            raise ValueError(f"table_names: expected {len(tables)} names, got {len(names)}")
+        if storage is not None and len(storage) != len(tables):
+            raise ValueError(f"storage: expected {len(tables)} entries (one per table), got "
+                             f"{len(storage)}")
+        self.table_names = names
+        self.storage = [storage_of(s, n) for s, n in
+                        zip(storage if storage is not None else [None] * len(tables), names,
+                            strict=True)]
         ftm = (
             list(range(len(tables)))
             if feature_table_map is None
@@ -111,27 +135,25 @@ class TableBatchedEmbedding(nn.Module):
                 f"{weights_dtype}/{output_dtype}"
             )
         backends.check_choice(backend)
+        where = weights.device if weights is not None else torch.empty(0, device=device).device
         backends.check_supported(
             backend,
-            device=weights.device if weights is not None else torch.empty(0, device=device).device,
+            device=where,
             pooling=pooling,
             dtypes=(weights_dtype, output_dtype),
+            tiers=[s.tier for s in self.storage],
         )
+        self._check_tier_device(where)
         if bounds_check not in ("error", "warn", "ignore"):
             raise ValueError(
                 f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
             )
-        names = (
-            list(table_names)
-            if table_names is not None
-            else [f"table_{t}" for t in range(len(tables))]
-        )
-        if len(names) != len(tables):
-            raise ValueError(f"table_names: expected {len(tables)} names, got {len(names)}")
 
         self.tables = tables
+        # rows of each table in the flat weights and states: its cache slots when cached
+        self.slot_tables = [(s.slots(E), D) for s, (E, D) in zip(self.storage, tables,
+                                                                  strict=True)]
         self.feature_table_map = ftm
-        self.table_names = names
         self.feature_names = list(feature_names) if feature_names is not None else []
         if feature_names is not None and len(self.feature_names) != len(ftm):
             raise ValueError(
@@ -159,9 +181,15 @@ class TableBatchedEmbedding(nn.Module):
             int(torch.randint(2**31 - 1, (), device="cpu").item()) if seed is None else int(seed)
         )
 
-        self.table_offsets = [0, *accumulate(E * D for E, D in tables)]
-        self.table_row_offsets = [0, *accumulate(E for E, _ in tables)]
+        # the flat layout of the weights and states (slots of cached tables)
+        self.table_offsets = [0, *accumulate(E * D for E, D in self.slot_tables)]
+        self.table_row_offsets = [0, *accumulate(E for E, _ in self.slot_tables)]
         self.set_layout_buffers(device)
+        pin = where.type == "cuda"
+        caches = {t: RowCache(names[t], s, E, D, weights_dtype, pin)
+                  for t, (s, (E, D)) in enumerate(zip(self.storage, tables, strict=True))
+                  if s.cached}
+        self._tiers = TieredTables(caches) if caches else None
 
         if weights is None:
             weights = torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device)
@@ -183,7 +211,7 @@ class TableBatchedEmbedding(nn.Module):
         on ``device`` from host metadata: at construction, again after every ``_apply``
         (``to_empty`` leaves them garbage), and where a module built on meta looks up on a
         device (``op_spec.skeleton``)."""
-        ftm, tables = self.feature_table_map, self.tables
+        ftm, tables = self.feature_table_map, self.slot_tables
         dims = [tables[t][1] for t in ftm]
         per_feature = {
             "w_offsets": [self.table_offsets[t] for t in ftm],
@@ -198,10 +226,28 @@ class TableBatchedEmbedding(nn.Module):
             )
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # cached tables: the slots move, the backing store stays
         self.set_layout_buffers(self.weights.device)
         backends.check_supported(self.backend, device=self.weights.device)  # a new device
+        self._check_tier_device(self.weights.device)
+        if self._tiers is not None and self.weights.is_cuda:
+            for cache in self._tiers.caches.values():
+                cache.backing.pin_now()
         return self
+
+    def _check_tier_device(self, device) -> None:
+        """Refuse what the tiers cannot do on ``device`` (this slice: the ``host`` tier on
+        CUDA, kernels reading pinned host memory; cached tables on meta)."""
+        kind = torch.device(device).type
+        for name, s in zip(self.table_names, self.storage, strict=True):
+            if s.tier == "host" and kind == "cuda":
+                raise ValueError(
+                    f"table '{name}': storage tier 'host' on CUDA (kernels reading pinned host "
+                    "memory directly) is not built yet; use tier 'cached'"
+                )
+            if s.cached and kind == "meta":
+                raise ValueError(f"table '{name}': storage tier {s.tier!r} on the meta device "
+                                 "is not supported yet (its backing store is allocated at once)")
 
     def set_optimizer(self, optimizer: optim.Optimizer | None) -> None:
         """Switch the fused optimizer (None: plain gradients). State is kept when the kind of
@@ -228,6 +274,9 @@ class TableBatchedEmbedding(nn.Module):
         for name in optim.STATE_BUFFERS:
             numel = sizes.get(name, 0)
             setattr(self, name, torch.zeros(numel, dtype=torch.float32, device=self.weights.device))
+        if self._tiers is not None:
+            for cache in self._tiers.caches.values():
+                cache.backing.set_states(states)
         self.step = 0
 
     @property
@@ -284,11 +333,57 @@ class TableBatchedEmbedding(nn.Module):
         self.reset_optimizer_states()
 
     def reset_optimizer_states(self) -> None:
-        """Optimizer states and ``step`` to 0 (after ``to_empty`` they hold garbage)."""
+        """Optimizer states and ``step`` to 0 (after ``to_empty`` they hold garbage); cached
+        tables' caches are emptied."""
         with torch.no_grad():
             self.momentum1.zero_()
             self.momentum2.zero_()
+            if self._tiers is not None:
+                for cache in self._tiers.caches.values():
+                    for state in cache.backing.states.values():
+                        state.zero_()
+                self._tiers.invalidate()
         self.step = 0
+
+    # -- storage tiers (modules/tiers.py)
+    @property
+    def tiered(self) -> bool:
+        """Some table is ``cached`` or ``file`` (its rows behind a row cache)."""
+        return self._tiers is not None
+
+    def _slot_views(self, t: int) -> Views:
+        """Cached table ``t``'s slots in the flat weights and states."""
+        C, D = self.slot_tables[t]
+        e0, r0 = self.table_offsets[t], self.table_row_offsets[t]
+        states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
+        return (self.weights.detach()[e0 : e0 + C * D].view(C, D),
+                {s.name: getattr(self, s.name)[r0 : r0 + C] if s.per_row
+                 else getattr(self, s.name)[e0 : e0 + C * D].view(C, D) for s in states})
+
+    def flush(self) -> None:
+        """Write every dirty cached row (and its optimizer state) back to its backing store.
+        Nothing to do without cached tables."""
+        if self._tiers is not None:
+            self._tiers.flush(self._slot_views)
+
+    def invalidate(self) -> None:
+        """Forget the cached rows without writing them back: after the backing store (the
+        tensors ``split_embedding_weights`` / ``split_optimizer_states`` give for a cached
+        table) was written."""
+        if self._tiers is not None:
+            self._tiers.invalidate()
+
+    def resident_rows(self) -> dict[str, list[int]]:
+        """Per cached table: the rows in its cache, ascending."""
+        if self._tiers is None:
+            return {}
+        return {self.table_names[t]: c.resident() for t, c in self._tiers.caches.items()}
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per cached table: distinct rows looked up, misses, evictions, write-backs."""
+        if self._tiers is None:
+            return {}
+        return {self.table_names[t]: v for t, v in self._tiers.stats().items()}
 
     def _layout(self) -> TBELayout:
         return TBELayout(
@@ -300,7 +395,7 @@ class TableBatchedEmbedding(nn.Module):
             max_D=max(D for _, D in self.tables),
             total_D=sum(self.tables[t][1] for t in self.feature_table_map),
             feature_table_map=self.feature_table_map,
-            table_rows=[E for E, _ in self.tables],
+            table_rows=[E for E, _ in self.slot_tables],
             table_names=self.table_names,
             feature_names=self.feature_names,
             row_align=self._row_align(),
@@ -310,7 +405,7 @@ class TableBatchedEmbedding(nn.Module):
         """The largest power of two (at most 16 bytes of the weights' dtype) that divides
         every table's D and first element: the kernels' vector width for rows."""
         align = max(1, 16 // self.weights.element_size())
-        for (_, D), start in zip(self.tables, self.table_offsets, strict=False):
+        for (_, D), start in zip(self.slot_tables, self.table_offsets, strict=False):
             while align > 1 and (D % align or start % align):
                 align //= 2
         return align
@@ -369,7 +464,19 @@ class TableBatchedEmbedding(nn.Module):
             return vbe.vbe_output(padded, layout)
         backend = self.resolved_backend()
         fused = self._fused()
-        return tbe_lookup(
+        train = fused is not None and torch.is_grad_enabled()
+        if self._tiers is not None:
+            if capturing(self.weights.device):
+                raise RuntimeError(
+                    "TableBatchedEmbedding: cached storage tiers cannot be captured in a CUDA "
+                    "graph (the cache maps each batch's ids on the host)"
+                )
+            self._check_tier_grad(fused, grad_targets)
+            indices = self._tiers.remap(
+                indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
+                train,
+            )
+        out = tbe_lookup(
             self.weights,
             indices,
             offsets,
@@ -387,6 +494,25 @@ class TableBatchedEmbedding(nn.Module):
             monitor=self._bounds_monitor,
             plan_ahead=self.plan_ahead,
         )
+        if self._tiers is not None and train:
+            self._tiers.track(out)
+        return out
+
+    def _feature_name(self, f: int) -> str:
+        return self.feature_names[f] if self.feature_names else f"feature_{f}"
+
+    def _check_tier_grad(self, fused, grad_targets) -> None:
+        """A cached table trains through the fused optimizer only: a plain gradient (and a
+        torch optimizer's state) would follow cache slots, not rows."""
+        if fused is not None or not torch.is_grad_enabled():
+            return
+        if self.weights.requires_grad or any(g.requires_grad for g in grad_targets or ()):
+            tiered = [n for n, s in zip(self.table_names, self.storage, strict=True) if s.cached]
+            raise ValueError(
+                f"tables {tiered} (cached storage tiers): training needs a fused optimizer "
+                "(optimizer= / apply_optimizer_in_backward); look up under torch.no_grad() "
+                "for inference"
+            )
 
     def _fused(self) -> FusedOptimizer | None:
         if self.optimizer is None:
@@ -414,6 +540,11 @@ class TableBatchedEmbedding(nn.Module):
         op's, ``ops.tbe.tbe_lookup_backward``): (per-sample weight gradient or None, per-table
         weight gradients, or None when the fused optimizer updated the rows in place;
         ``rows=False``: neither)."""
+        if self._tiers is not None:
+            raise NotImplementedError(
+                "lookup_backward (traced / exported lookups) of cached storage tiers: not "
+                "supported yet"
+            )
         return tbe_lookup_backward(
             grad_output,
             self.weights,
@@ -435,21 +566,36 @@ class TableBatchedEmbedding(nn.Module):
         lookup, without a host sync; this reports the last batch's now (waiting for it)."""
         self._bounds_monitor.poll()
 
-    def split_embedding_weights(self) -> list[torch.Tensor]:
-        """Per-table views ``[E_t, D_t]`` of the flat weights (writes go to the module)."""
+    def split_slot_weights(self) -> list[torch.Tensor]:
+        """Per-table views ``[rows, D_t]`` of the flat weights as the kernels read them: the
+        whole table, or a cached table's slots (writes go to the module)."""
         w = self.weights.detach()
         return [
             w[self.table_offsets[t] : self.table_offsets[t + 1]].view(E, D)
-            for t, (E, D) in enumerate(self.tables)
+            for t, (E, D) in enumerate(self.slot_tables)
         ]
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per-table ``[E_t, D_t]`` tables: views of the flat weights, or for a cached table
+        its backing store, flushed (after writing into it, call ``invalidate``)."""
+        self.flush()
+        slots = self.split_slot_weights()
+        return [self._tiers.caches[t].backing.weight if s.cached else slots[t]
+                for t, s in enumerate(self.storage)]
 
     def split_optimizer_states(self) -> list[list[torch.Tensor]]:
         """Per table, views of its optimizer states in the registry's order
         (``optim.REGISTRY``): ``[E]`` for a per-row state (rowwise Adagrad's), ``[E, D]`` for
-        a per-element one (Adagrad's, Adam's two moments); [] for SGD or none."""
+        a per-element one (Adagrad's, Adam's two moments); [] for SGD or none. A cached
+        table's are its backing store's, flushed."""
         states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
+        self.flush()
         out = []
-        for t, (E, D) in enumerate(self.tables):
+        for t, (E, D) in enumerate(self.slot_tables):
+            if self.storage[t].cached:
+                backing = self._tiers.caches[t].backing.states
+                out.append([backing[s.name] for s in states])
+                continue
             r0, r1 = self.table_row_offsets[t], self.table_row_offsets[t + 1]
             e0, e1 = self.table_offsets[t], self.table_offsets[t + 1]
             out.append([
@@ -468,6 +614,64 @@ class TableBatchedEmbedding(nn.Module):
         self.optimizer = dataclasses.replace(self.optimizer, lr=lr)
         self._device_hyper()
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Cached tables: ``weights`` and the states hold their whole tables (flushed), laid
+        out as without a cache (``storage=None``)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._tiers is None:
+            return
+        tables = self.split_embedding_weights()
+        destination[prefix + "weights"] = torch.cat(
+            [w.reshape(-1).to(self.weights.device, self.weights.dtype) for w in tables])
+        states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
+        per_table = self.split_optimizer_states()
+        for i, s in enumerate(states):
+            destination[prefix + s.name] = torch.cat(
+                [p[i].reshape(-1).to(self.weights.device) for p in per_table])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """Cached tables: the whole tables of ``weights`` and the states go to the backing
+        stores, the others to the flat buffers; the caches are emptied."""
+        if self._tiers is not None:
+            self._load_tiered(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.invalidate()
+
+    def _load_tiered(self, state_dict, prefix) -> None:
+        self.flush()  # the cache's rows that the state dict does not replace stay
+        states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
+        parts = [("weights", None, self.split_slot_weights(), self.split_embedding_weights())]
+        per_table = self.split_optimizer_states()
+        for i, s in enumerate(states):
+            parts.append((s.name, s.per_row, None, [p[i] for p in per_table]))
+        for key, per_row, _, whole in parts:
+            value = state_dict.get(prefix + key)
+            if value is None:
+                continue
+            sizes = [w.numel() for w in whole]
+            if value.numel() != sum(sizes):
+                shapes = [tuple(w.shape) for w in whole]
+                raise ValueError(
+                    f"{prefix}{key}: expected {sum(sizes)} elements (tables "
+                    f"{dict(zip(self.table_names, shapes, strict=True))}), got {value.numel()} "
+                    f"{tuple(value.shape)}"
+                )
+            flat = getattr(self, key).detach().clone()
+            at = 0
+            for t, (w, n) in enumerate(zip(whole, sizes, strict=True)):
+                src = value.reshape(-1)[at : at + n]
+                at += n
+                if self.storage[t].cached:
+                    with torch.no_grad():
+                        w.view(-1).copy_(src)
+                    continue
+                if per_row:
+                    a, b = self.table_row_offsets[t], self.table_row_offsets[t + 1]
+                else:
+                    a, b = self.table_offsets[t], self.table_offsets[t + 1]
+                flat[a:b] = src
+            state_dict[prefix + key] = flat
+
     def get_extra_state(self) -> dict:
         return {"step": self.step}  # read from the device counter
 
@@ -479,4 +683,6 @@ class TableBatchedEmbedding(nn.Module):
             f"tables={self.tables}, feature_table_map={self.feature_table_map}, "
             f"pooling={self.pooling}, optimizer={self.optimizer}, "
             f"weights_dtype={self.weights.dtype}, backend={self.backend}"
+            + ("".join(f", {n}: {st}" for n, st in zip(self.table_names, self.storage,
+                                                      strict=True) if st.tier != "device"))
         )

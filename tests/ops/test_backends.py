@@ -107,6 +107,12 @@ def test_capabilities_match_the_implementations():
     assert [n for n, c in caps.items() if c.plan_ahead] == ["triton"]
     assert [n for n, c in caps.items() if c.bounds_check_in_kernel] == ["triton"]
     assert [n for n, c in caps.items() if c.native_input_check] == ["cpu"]
+    # storage tiers: those tests/modules/test_tiers.py trains exactly as device
+    assert {n: c.tiers for n, c in caps.items()} == {
+        "triton": ("device", "cached", "file"),  # host: not on CUDA yet
+        "cpu": ("device", "host", "cached", "file"),
+        "reference": ("device", "host", "cached", "file"),
+    }
 
 
 @pytest.fixture
@@ -131,6 +137,7 @@ def test_unsupported_combinations_fail_at_construction(limited):
         (dict(weights_dtype=torch.float16), r"dtype float16 \(supported: \['float32'\]\)"),
         (dict(output_dtype=torch.bfloat16), r"dtype bfloat16"),
         (dict(optimizer=optim.Adam()), r"optimizer 'adam' \(supported: \['sgd'\]\)"),
+        (dict(storage=["cached", "device"]), r"storage tier 'cached' \(supported: \['device'\]\)"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=r"backend='limited' does not support " + message):

@@ -114,19 +114,20 @@ def check_supported(
     pooling=None,
     optimizer: str | None = None,
     dtypes=(),
+    tiers=(),
     where: str = "TableBatchedEmbedding",
 ) -> str:
     """Pick ``backend`` for ``device`` and refuse (``ValueError`` naming the backend and what
     it supports) a pooling (``PoolingMode`` or its name), optimizer (a registry name), weight
-    or output dtype (torch dtypes or their names) or device (but a ``STAGING`` one) it lacks.
-    Returns the backend's name. Called when a module is built or moved, so that nothing fails
-    at the first backward. What only the lookup can tell (Triton's interpreter on CPU) is
-    ``Backend.check_device``'s, at the lookup."""
+    or output dtype (torch dtypes or their names), storage tier (names) or device (but a
+    ``STAGING`` one) it lacks. Returns the backend's name. Called when a module is built or
+    moved, so that nothing fails at the first backward. What only the lookup can tell
+    (Triton's interpreter on CPU) is ``Backend.check_device``'s, at the lookup."""
     name = pick(backend, device)
     kind = _device_type(device)
     problems = capabilities(name).problems(
         device=None if kind in STAGING else kind, pooling=pooling, optimizer=optimizer,
-        dtypes=dtypes,
+        dtypes=dtypes, tiers=tiers,
     )
     if problems:
         chosen = f"backend={name!r}" + (f" (from {backend!r})" if backend != name else "")

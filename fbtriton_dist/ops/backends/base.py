@@ -40,10 +40,11 @@ class Capabilities:
     """It has ``tbe_linearize`` and ``tbe_backward_plan``: a training batch's backward plan
     can be made beside the forward (``ops/tbe_ahead.py``)."""
     tiers: tuple[str, ...] = ("device",)
-    """Storage tiers of the rows it reads (DESIGN.md's storage tiers)."""
+    """Storage tiers (``fbtriton_dist.storage.TIERS``) of the tables it looks up: those its
+    tests train exactly as ``device`` (``modules/tiers.py`` runs the cache around the lookup)."""
 
     def problems(self, *, device: str | None = None, pooling=None, optimizer: str | None = None,
-                 dtypes=()) -> list[str]:
+                 dtypes=(), tiers=()) -> list[str]:
         """What of the given is unsupported, one ``"<what> X (supported: [...])"`` each."""
         out = []
         if device not in (None, "meta") and device not in self.devices:  # meta: shapes only
@@ -59,6 +60,9 @@ class Capabilities:
             name = str(dtype).removeprefix("torch.")
             if name not in self.dtypes:
                 out.append(f"dtype {name} (supported: {list(self.dtypes)})")
+        for tier in dict.fromkeys(tiers):
+            if tier not in self.tiers:
+                out.append(f"storage tier {tier!r} (supported: {list(self.tiers)})")
         return out
 
 

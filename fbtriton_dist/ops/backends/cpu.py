@@ -30,6 +30,7 @@ BACKEND = CPUBackend(
             and name in cpu.STEP_OPTIMIZERS
         ),
         native_input_check=True,
+        tiers=("device", "host", "cached", "file"),
     ),
     "fbtriton_dist.ops.cpu",
 )

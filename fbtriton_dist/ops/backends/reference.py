@@ -16,6 +16,7 @@ BACKEND = ReferenceBackend(
     Capabilities(
         devices=("cpu", "cuda"),
         optimizers=tuple(name for name in optim.NAMES if name in UPDATES),
+        tiers=("device", "host", "cached", "file"),
     ),
     "fbtriton_dist.reference",
 )

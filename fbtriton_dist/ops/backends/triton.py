@@ -73,6 +73,8 @@ BACKEND = TritonBackend(
         capturable=True,
         bounds_check_in_kernel=True,
         plan_ahead=True,
+        # host: on CUDA, kernels reading pinned host memory are not built yet
+        tiers=("device", "cached", "file"),
     ),
     "fbtriton_dist.kernels",
 )

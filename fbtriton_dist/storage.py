@@ -1,0 +1,117 @@
+"""Where a table's rows live: its storage tier (``Storage``), torch-free.
+
+A table lives on one tier (``docs/storage.md``):
+
+* ``device``: every row in the compute device's memory (HBM; RAM on the CPU). The default.
+* ``host``: every row in host memory, read by the kernels directly. On the CPU there is no
+  separate device memory: the same as ``device``. On CUDA (pinned memory read by the kernels,
+  TorchRec's ``fused_uvm``) it is not built yet and refused.
+* ``cached``: a cache of ``cache slots`` rows on the compute device in front of every row in
+  host memory (TorchRec's ``fused_uvm_caching``).
+* ``file``: as ``cached``, the rows behind the cache in a memory-mapped file under ``path``
+  (tables bigger than RAM).
+
+Declared per table name::
+
+    ebc = EmbeddingBagCollection(tables, storage={"t_user": Storage(tier="cached",
+                                                                    cache_load_factor=0.1)})
+
+or as a mapping (``{"tier": "file", "path": "/nvme/rows", "cache_load_factor": 0.05}``).
+The planner and job config will read this module, so it never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+__all__ = ["COMPUTE_KERNELS", "POLICIES", "TIERS", "Storage", "storage_of"]
+
+Tier = Literal["device", "host", "cached", "file"]
+TIERS: tuple[str, ...] = ("device", "host", "cached", "file")
+CACHED_TIERS: tuple[str, ...] = ("cached", "file")
+"""The tiers with a row cache in front of their rows."""
+POLICIES: tuple[str, ...] = ("lru", "lfu")
+"""``lru``: a miss takes the slot used longest ago; ``lfu``: the slot used in the fewest
+batches (ties: longest ago). Never a slot used by the current batch."""
+COMPUTE_KERNELS: dict[str, str] = {
+    "fused": "device",
+    "fused_uvm": "host",
+    "fused_uvm_caching": "cached",
+}
+"""TorchRec's ``EmbeddingComputeKernel`` values -> our tiers."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Storage:
+    """One table's storage tier and, for ``cached`` / ``file``, its row cache."""
+
+    tier: Tier = "device"
+    """``device``, ``host``, ``cached`` or ``file`` (the module docstring)."""
+    cache_load_factor: float = 0.2
+    """``cached`` / ``file``: cache slots / rows (TorchRec's name), in (0, 1]; the cache has
+    ``ceil(cache_load_factor * E)`` slots."""
+    cache_slots: int | None = None
+    """``cached`` / ``file``: the number of cache slots, instead of ``cache_load_factor``."""
+    policy: Literal["lru", "lfu"] = "lru"
+    """``cached`` / ``file``: which resident row a miss evicts (``POLICIES``)."""
+    path: str | None = None
+    """``file``: the directory of the table's files (created there at construction)."""
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ValueError(f"storage.tier: expected one of {list(TIERS)}, got {self.tier!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"storage.policy: expected one of {list(POLICIES)}, got {self.policy!r}"
+            )
+        f = self.cache_load_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"storage.cache_load_factor: expected a number in (0, 1], got {f!r}")
+        n = self.cache_slots
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"storage.cache_slots: expected an integer >= 1 or None, got {n!r}")
+        if self.tier == "file" and not self.path:
+            raise ValueError("storage.path: tier 'file' needs the directory of its files, got "
+                             f"{self.path!r}")
+        if self.tier != "file" and self.path is not None:
+            raise ValueError(f"storage.path: only tier 'file' has files, got path={self.path!r} "
+                             f"with tier {self.tier!r}")
+
+    @property
+    def cached(self) -> bool:
+        """The rows sit behind a row cache (``cached``, ``file``)."""
+        return self.tier in CACHED_TIERS
+
+    def slots(self, rows: int) -> int:
+        """Cache slots of a table of ``rows`` rows (its rows without a cache)."""
+        if not self.cached:
+            return rows
+        n = self.cache_slots if self.cache_slots is not None else math.ceil(
+            self.cache_load_factor * rows)
+        return max(1, min(rows, n))
+
+
+def storage_of(value: Any, table: str) -> Storage:
+    """A ``Storage`` from a ``Storage``, a mapping of its fields (YAML), a tier name or None
+    (``device``); errors name the table."""
+    if value is None:
+        return Storage()
+    if isinstance(value, Storage):
+        return value
+    if isinstance(value, str):
+        value = {"tier": value}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"table '{table}' storage: expected a Storage, a mapping of its fields "
+                         f"or a tier name, got {value!r}")
+    known = {f.name for f in fields(Storage)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"table '{table}' storage: unknown keys {unknown}, expected some of "
+                         f"{sorted(known)}")
+    try:
+        return Storage(**dict(value))
+    except ValueError as e:
+        raise ValueError(f"table '{table}' {e}") from None
