@@ -124,6 +124,13 @@ def _subset_or_all(plan: ShardingPlan, names: list[str]) -> ShardingPlan:
 
 def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None):
     kind = _kind(collection)
+    storage = collection.table_storage() if hasattr(collection, "table_storage") else {}
+    tiered = sorted(t for t, s in storage.items() if s.tier != "device")
+    if tiered:
+        raise NotImplementedError(
+            f"{name}: table(s) {tiered} have a storage tier other than 'device' "
+            f"({[storage[t].tier for t in tiered]}); sharding tiered tables is not supported "
+            "yet: shard them on 'device' (docs/storage.md)")
     ebc = kind == "ebc"
     configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
     tables = collection.embedding_bags if ebc else collection.embeddings
