@@ -26,12 +26,11 @@ static inline int64_t tbe_tasks(int64_t n, int nthreads, int64_t grain) {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TBE_NO_CLONES)
 #define TBE_TARGETS __attribute__((target_clones("arch=x86-64-v3", "default")))
-/* also AVX-512, for the forward's common case only (a third clone of every kernel made the
- * library's build 2x slower) */
-#define TBE_TARGETS_WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* AVX-512, for the forward's common case only (tbe_cpu.c picks it where the CPU has it; a
+ * third clone of every kernel made the library's build 2x slower) */
+#define TBE_WIDE __attribute__((target("arch=x86-64-v4")))
 #else
 #define TBE_TARGETS
-#define TBE_TARGETS_WIDE
 #endif
 /* every helper is inlined into the cloned workers, so that it is built for their target */
 #define INLINE static inline __attribute__((always_inline))
