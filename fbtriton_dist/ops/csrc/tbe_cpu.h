@@ -14,6 +14,10 @@
  * (executor: 0 .. nthreads - 1, the running thread, for its scratch memory only) */
 typedef void (*tbe_task)(void *ctx, int64_t task, int executor);
 void tbe_parallel(tbe_task fn, void *ctx, int64_t ntasks, int nthreads);
+/* the cores this process may use (affinity mask, cgroup quota): no job runs on more threads;
+ * the pool threads started in this process (the caller not counted) */
+int tbe_usable_cpus(void);
+int tbe_pool_started(void);
 
 /* tasks for n items of work on nthreads threads: a few per thread, so that a thread the OS
  * holds back leaves its share to the others (at most one task per `grain` items) */
@@ -43,8 +47,12 @@ enum { POOL_SUM = 0, POOL_MEAN = 1, POOL_NONE = 2 };
 enum { BAD_FIRST = 1, BAD_LAST = 2, BAD_ORDER = 4, BAD_ID = 8, BAD_WEIGHT = 16, NO_MEMORY = 32,
        TOO_BIG = 64 };
 
+#ifndef PREFETCH_IDS
 #define PREFETCH_IDS 12 /* ids ahead whose rows are prefetched */
+#endif
+#ifndef PREFETCH_RUNS
 #define PREFETCH_RUNS 16 /* runs ahead whose rows (and states) are prefetched */
+#endif
 #define LANES 8         /* fixed lanes of the reductions over D */
 
 INLINE int64_t at(const void *p, int is32, int64_t i) {
