@@ -48,7 +48,9 @@ enum { BAD_FIRST = 1, BAD_LAST = 2, BAD_ORDER = 4, BAD_ID = 8, BAD_WEIGHT = 16, 
        TOO_BIG = 64 };
 
 #ifndef PREFETCH_IDS
-#define PREFETCH_IDS 12 /* ids ahead whose rows are prefetched */
+/* ids ahead whose rows are prefetched: 20 (12 before) is 5-9% faster on an AMD EPYC (Zen 3,
+ * under KVM), and was within 1-2% of the best distance on an Intel Xeon (model 167) */
+#define PREFETCH_IDS 20
 #endif
 #ifndef PREFETCH_RUNS
 #define PREFETCH_RUNS 16 /* runs ahead whose rows (and states) are prefetched */
