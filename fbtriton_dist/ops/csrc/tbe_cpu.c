@@ -312,7 +312,8 @@ static int have_wide(void) {
     if (k < 0) {
         __builtin_cpu_init();
         k = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512cd"); /* x86-64-v4's AVX-512 */
         atomic_store(&known, k);
     }
     return k;
