@@ -9,10 +9,11 @@ them: a compile writes a temporary file and renames it into place (``os.replace`
 processes (ranks) building it at once never load a half-written file. Without a compiler, or
 when every build fails, one warning names why and the torch ops run instead;
 ``FBTD_CPU_NATIVE=0`` turns the kernels off (``knobs.cpu_native``). The kernels run on
-``torch.get_num_threads()`` threads and give the same bits for any count. Their threads claim
-tasks from a counter rather than meeting at barriers (``csrc/tbe_pool.c``): on a machine whose
-cores other processes keep busy, a thread the OS holds back leaves its tasks to the others
-instead of stalling them (OpenMP's fork-join teams, torch's included, wait for it).
+``torch.get_num_threads()`` threads, at most one per core the process may use (its affinity
+mask and cgroup CPU quota, ``usable_cpus()``), and give the same bits for any count. Their
+threads claim tasks from a counter rather than meeting at barriers (``csrc/tbe_pool.c``): on a
+machine whose cores other processes keep busy, a thread the OS holds back leaves its tasks to
+the others instead of stalling them (OpenMP's fork-join teams, torch's included, wait for it).
 
 Each wrapper returns None where the kernels do not apply (no library, a weights dtype other
 than fp32 / fp16 / bf16, a non-CPU tensor, keys too wide to sort), and the caller runs its
@@ -88,6 +89,8 @@ _SIGNATURES = {
                                   _I64, _I32]),
     "tbe_backward": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _P, _P,
                             _I32, _P, _I32, ctypes.c_uint64, _P, _P, _P, _I64, _I32]),
+    "tbe_usable_cpus": (_I32, []),
+    "tbe_pool_started": (_I32, []),
     "tbe_psw_grad": (_I32, [_P, _I64, _I32, _P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P,
                             _I32, _I64, _I64, _P, _I32]),
 }
@@ -256,6 +259,21 @@ def _raise(code: int, what: str) -> None:
                          "bounds_check='ignore' does not check ids, the native CPU kernels "
                          "refuse to read outside the tables)")
     raise RuntimeError(f"{what}: native CPU kernel error {code}")
+
+
+def usable_cpus() -> int | None:
+    """The cores the kernels' threads may use (the affinity mask, capped by the cgroup's CPU
+    quota): no kernel runs on more threads, whatever ``torch.get_num_threads()`` says; None
+    without the library."""
+    lib = library()
+    return None if lib is None else lib.tbe_usable_cpus()
+
+
+def pool_threads() -> int | None:
+    """The kernels' pool threads started in this process (the calling thread not counted);
+    None without the library."""
+    lib = library()
+    return None if lib is None else lib.tbe_pool_started()
 
 
 def check(indices, offsets, rows, per_sample_weights) -> int | None:

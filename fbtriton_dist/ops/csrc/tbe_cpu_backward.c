@@ -1,7 +1,8 @@
 /* The backward: each unique row of a batch gets its gradient (the sum over its ids, in batch
  * order, of the id's gradient row times its scale) and one fused optimizer step in place.
  *
- * The plan cuts the ids' keys (a table's first row + id) into 2^11 buckets by their top bits:
+ * The plan cuts the ids' keys (a table's first row + id) into buckets by their top bits (about
+ * 4 ids a bucket, 2^11 .. 2^17 buckets over all tasks):
  * (1) each task of bags writes its ids' keys and counts them per bucket, (2) the counts are
  * summed in (bucket, task) order, (3) each task moves its ids to their buckets, keeping their
  * order, (4) each task of buckets (about an equal share of the ids) sorts its buckets by the
@@ -23,6 +24,7 @@ enum { HYPER_LR = 0, HYPER_EPS = 1, HYPER_BETA1 = 2, HYPER_BETA2 = 3, HYPER_WEIG
        HYPER_DECOUPLED = 5, HYPER_STEP = 6, HYPER_COUNT = 7 };
 
 #define BUCKET_BITS 11
+#define HIST_MAX ((int64_t)1 << 17)
 
 typedef struct bwd_args bwd_args;
 
@@ -79,9 +81,16 @@ static int plan_setup(plan_args *p, const void *indices, int idx32, int64_t N,
     while ((N >> p->pos_bits) > 0) ++p->pos_bits;
     while (key_bits < 63 && ((max_key - 1) >> key_bits) > 0) ++key_bits;
     if (p->pos_bits + key_bits > 64) return TOO_BIG;
-    p->low_bits = key_bits > BUCKET_BITS ? key_bits - BUCKET_BITS : 0;
-    p->nb = (int64_t)1 << (key_bits - p->low_bits);
     p->tasks = tbe_tasks(p->M + T * B, nthreads, 1024);
+    /* buckets of ~4 ids (insertion-sorted in cache; 2^11 buckets of ~40 ids took two 8-bit
+     * counting passes each, half the plan's time), at least 2^BUCKET_BITS, and at most
+     * HIST_MAX counts over all tasks (their prefix sum is one thread's) */
+    int bucket_bits = BUCKET_BITS;
+    while (bucket_bits < key_bits && ((p->M / 4) >> bucket_bits) > 0 &&
+           (p->tasks << (bucket_bits + 1)) <= HIST_MAX)
+        ++bucket_bits;
+    p->low_bits = key_bits > bucket_bits ? key_bits - bucket_bits : 0;
+    p->nb = (int64_t)1 << (key_bits - p->low_bits);
     p->hist = malloc(sizeof(int64_t) * (p->tasks * p->nb + p->nb + 1 + 2 * (p->tasks + 1)));
     if (!p->hist) return NO_MEMORY;
     p->bstart = p->hist + p->tasks * p->nb;

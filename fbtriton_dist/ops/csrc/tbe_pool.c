@@ -14,12 +14,22 @@
  * Python, then the lookup) is shorter than that, and a woken sleeper made the next job up to
  * 2x slower than with the thread still polling (libgomp's threads poll for longer).
  *
+ * A job runs on at most as many threads as the process may use cores: the CPUs of its
+ * affinity mask (sched_getaffinity, at every job: taskset / os.sched_setaffinity may change it)
+ * and its cgroup's CPU quota (cgroup v2 cpu.max or v1 cpu.cfs_quota_us of its own cgroup, read
+ * once per process), whatever torch.get_num_threads() says: a second thread on one usable core
+ * only takes turns with the first.
+ *
  * One job at a time (a lock); the pool threads start at the first job that needs them, and
  * again in a forked child (threads do not survive fork). */
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +44,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;     /* the job's descri
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static int started;  /* pool threads running (in process `owner`) */
 static pid_t owner;
+static int quota_cpus; /* the cgroup's CPU quota, rounded up (0: none), in process quota_pid */
+static pid_t quota_pid;
 static _Atomic uint64_t generation; /* jobs published so far */
 static _Atomic uint64_t claim;      /* generation << 32 | the next task */
 static _Atomic int64_t done;        /* tasks of this generation finished */
@@ -87,6 +99,72 @@ static void *pool_thread(void *arg) {
     return NULL;
 }
 
+/* the first line of `path` as two numbers (or "max" and a number: -1, n); how many were read */
+static int read_pair(const char *path, long long *a, long long *b) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char word[32] = {0};
+    int n = fscanf(f, "%31s %lld", word, b);
+    fclose(f);
+    if (n < 1) return 0;
+    *a = strcmp(word, "max") == 0 ? -1 : atoll(word);
+    return n;
+}
+
+/* does the comma-separated list name the controller "cpu"? */
+static int has_cpu(const char *list) {
+    for (const char *c = list; c; c = strchr(c, ',') ? strchr(c, ',') + 1 : NULL)
+        if (strncmp(c, "cpu", 3) == 0 && (c[3] == ',' || c[3] == 0)) return 1;
+    return 0;
+}
+
+/* CPUs of the quota of this process's own cgroup (v2 cpu.max, else v1 cfs_quota / period),
+ * rounded up; 0 without one */
+static int cgroup_cpus(void) {
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (!f) return 0;
+    char line[4096], path[4200];
+    long long q = -1, period = 0, p1 = 0;
+    while (q < 0 && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2) continue;
+        *c2 = 0;
+        const char *controllers = c1 + 1, *where = c2 + 1;
+        if (*controllers == 0) { /* v2 */
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", where);
+            if (read_pair(path, &q, &period) < 2) q = -1;
+        } else if (has_cpu(controllers)) { /* v1: the hierarchy with the cpu controller */
+            snprintf(path, sizeof path, "/sys/fs/cgroup/cpu%s/cpu.cfs_quota_us", where);
+            if (read_pair(path, &q, &p1) < 1) q = -1;
+            snprintf(path, sizeof path, "/sys/fs/cgroup/cpu%s/cpu.cfs_period_us", where);
+            if (q > 0 && read_pair(path, &period, &p1) < 1) q = -1;
+        }
+    }
+    fclose(f);
+    if (q <= 0 || period <= 0) return 0;
+    return (int)((q + period - 1) / period);
+}
+
+int tbe_usable_cpus(void) {
+    int n = 0;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+    if (n <= 0) {
+        const long c = sysconf(_SC_NPROCESSORS_ONLN);
+        n = c > 0 ? (int)c : 1;
+    }
+    if (quota_pid != getpid()) {
+        quota_cpus = cgroup_cpus();
+        quota_pid = getpid();
+    }
+    if (quota_cpus > 0 && quota_cpus < n) n = quota_cpus;
+    return n;
+}
+
+/* pool threads running in this process (not counting the caller) */
+int tbe_pool_started(void) { return owner == getpid() ? started : 0; }
+
 /* at least `want` pool threads (fewer if the system refuses); returns how many run */
 static int ensure_pool(int want) {
     if (owner != getpid()) { /* first use, or a forked child: its threads are gone */
@@ -111,6 +189,10 @@ static int ensure_pool(int want) {
 
 void tbe_parallel(tbe_task fn, void *ctx, int64_t ntasks, int nthreads) {
     if (nthreads > ntasks) nthreads = (int)ntasks;
+    if (nthreads > 1) {
+        const int usable = tbe_usable_cpus();
+        if (nthreads > usable) nthreads = usable;
+    }
     if (nthreads <= 1 || ntasks >= ((int64_t)1 << 31)) {
         for (int64_t t = 0; t < ntasks; ++t) fn(ctx, t, 0);
         return;
