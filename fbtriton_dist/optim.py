@@ -135,7 +135,91 @@ class Adam:
             raise ValueError(f"Adam.betas: expected two numbers in [0, 1), got {self.betas!r}")
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+def _check_above_zero(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name}: expected a number > 0, got {value!r}")
+
+
+def _check_betas(owner: str, betas: tuple[float, float]) -> None:
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{owner}.betas: expected two numbers in [0, 1), got {betas!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _AdamFamily:
+    """The fields of the Adam-like optimizers below (FBGEMM's defaults)."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay of the first and second moments."""
+    eps: float = 1e-8
+    """Added to the denominator sqrt(v_hat)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay coefficient (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, weight_decay=self.weight_decay)
+        _check_above_zero(owner, eps=self.eps)
+        _check_betas(owner, self.betas)
+
+
+@dataclass(kw_only=True, frozen=True)
+class PartialRowWiseAdam(_AdamFamily):
+    """Adam with a per-element first moment and a per-row second moment of the row's mean
+    squared gradient (FBGEMM PARTIAL_ROWWISE_ADAM), on the rows of the batch only:
+
+    ``m = b1 m + (1 - b1) g`` (per element), ``v = b2 v + (1 - b2) mean(g^2)`` (per row),
+    ``w -= lr * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w)``.
+    """
+
+
+@dataclass(kw_only=True, frozen=True)
+class LAMB(_AdamFamily):
+    """Adam's step scaled per row by the trust ratio (FBGEMM LAMB), on the rows of the batch:
+
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` (per element),
+    ``r = m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w``,
+    ``w -= lr * (||w|| / ||r||) * r``, the norms over the row (before the update). Where
+    ``||r|| = 0`` the row does not move (FBGEMM divides by zero there); a row of zeros has
+    ratio 0 and never moves, as in FBGEMM.
+    """
+
+
+@dataclass(kw_only=True, frozen=True)
+class PartialRowWiseLAMB(_AdamFamily):
+    """LAMB with a per-row second moment of the mean squared gradient (FBGEMM
+    PARTIAL_ROWWISE_LAMB): ``v = b2 v + (1 - b2) mean(g^2)`` (per row), ``r = m / (1 - b1^t)
+    / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w``, ``w -= lr * (||w|| / ||r||) * r``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LarsSGD:
+    """SGD with momentum and a per-row layer-wise rate (FBGEMM LARS_SGD), on the rows of the
+    batch: ``lr' = lr * eta * ||w|| / (||g|| + weight_decay * ||w||)`` (norms over the row,
+    0 where the denominator is 0; FBGEMM divides by zero there),
+    ``m = momentum * m + lr' * (g + weight_decay * w)`` (per element), ``w -= m``."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    eta: float = 0.001
+    """Trust coefficient of the layer-wise rate."""
+    momentum: float = 0.9
+    """Decay of the momentum buffer."""
+    weight_decay: float = 0.0
+    """L2 weight decay coefficient (in the rate's denominator and the step)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("LarsSGD", lr=self.lr, eta=self.eta, weight_decay=self.weight_decay)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(
+                f"LarsSGD.momentum: expected a number in [0, 1), got {self.momentum!r}"
+            )
+
+
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -219,6 +303,17 @@ class OptimizerSpec:
         return self.config(**values)
 
 
+def _torchrec_placeholder(name: str) -> TorchClass:
+    """TorchRec's class for an Adam-like FBGEMM optimizer: a placeholder taking FBGEMM's
+    keywords (``**kwargs``); ``betas`` as ours, FBGEMM's ``beta1`` / ``beta2`` only at their
+    defaults (refused otherwise, not ignored)."""
+    return TorchClass(
+        f"torchrec.optim.{name}",
+        kwargs={"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+        fixed={"beta1": 0.9, "beta2": 0.999},
+    )
+
+
 REGISTRY: dict[str, OptimizerSpec] = {
     spec.name: spec
     for spec in (
@@ -281,6 +376,47 @@ REGISTRY: dict[str, OptimizerSpec] = {
                 ),
             ),
             kernel_code=3,
+        ),
+        OptimizerSpec(
+            name="partial_rowwise_adam",
+            fbgemm="PARTIAL_ROWWISE_ADAM",
+            config=PartialRowWiseAdam,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("PartialRowWiseAdam"),),
+            kernel_code=5,
+        ),
+        OptimizerSpec(
+            name="lamb",
+            fbgemm="LAMB",
+            config=LAMB,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("LAMB"),),
+            kernel_code=6,
+        ),
+        OptimizerSpec(
+            name="partial_rowwise_lamb",
+            fbgemm="PARTIAL_ROWWISE_LAMB",
+            config=PartialRowWiseLAMB,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("PartialRowWiseLAMB"),),
+            kernel_code=7,
+        ),
+        OptimizerSpec(
+            name="lars_sgd",
+            fbgemm="LARS_SGD",
+            config=LarsSGD,
+            states=(State("momentum1", per_row=False),),
+            hyper=("lr", "eta", "momentum", "weight_decay"),
+            torch=(
+                TorchClass(  # a placeholder taking FBGEMM's keywords (**kwargs)
+                    "torchrec.optim.LarsSGD",
+                    kwargs={"lr": 0.01, "eta": 0.001, "momentum": 0.9, "weight_decay": 0.0},
+                ),
+            ),
+            kernel_code=8,
         ),
     )
 }
@@ -354,7 +490,9 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     return cls, {key: getattr(optimizer, key) for key in tc.kwargs}
 
 
-HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2")
+HYPER_FIELDS = (
+    "lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2", "eta", "momentum",
+)
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
 
@@ -397,4 +535,6 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
         float(b2),
         float(values.get("weight_decay", 0.0)),
         *(math.log(b) if b > 0 else -math.inf for b in (b1, b2)),
+        float(values.get("eta", 0.0)),
+        float(values.get("momentum", 0.0)),
     ]
