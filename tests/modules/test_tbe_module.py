@@ -25,6 +25,10 @@ OPTIMIZERS = {
     ),
     "adam": optim.Adam(lr=0.05, weight_decay=0.01),
     "adagrad-elementwise": optim.Adagrad(lr=0.1),
+    "partial-rowwise-adam": optim.PartialRowWiseAdam(lr=0.05, weight_decay=0.01),
+    "lamb": optim.LAMB(lr=0.05, weight_decay=0.01),
+    "partial-rowwise-lamb": optim.PartialRowWiseLAMB(lr=0.05),
+    "lars-sgd": optim.LarsSGD(lr=0.5, eta=0.01, weight_decay=0.01),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -56,6 +60,14 @@ CASES = [
     ("T8", "adam", "none", torch.float32, torch.int64, True, False),
     ("B24-L40", "sgd", "none", torch.bfloat16, torch.int64, False, True),
     ("one-row-table", "adagrad-elementwise", "none", torch.float32, torch.int32, False, False),
+    ("mixed-shared", "partial-rowwise-adam", "sum", torch.float32, torch.int64, True, True),
+    ("T8", "partial-rowwise-adam", "mean", torch.float16, torch.int32, False, False),
+    ("mixed-shared", "lamb", "mean", torch.float32, torch.int32, True, True),
+    ("B24-L40", "lamb", "sum", torch.bfloat16, torch.int64, False, True),
+    ("T8", "partial-rowwise-lamb", "sum", torch.float32, torch.int64, True, False),
+    ("mixed-shared", "partial-rowwise-lamb", "none", torch.float32, torch.int64, False, True),
+    ("mixed-shared", "lars-sgd", "sum", torch.float32, torch.int64, True, True),
+    ("one-row-table", "lars-sgd", "mean", torch.float16, torch.int64, False, False),
 ]
 
 
