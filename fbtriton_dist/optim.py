@@ -219,7 +219,35 @@ class LarsSGD:
             )
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD  # noqa: E501
+@dataclass(kw_only=True, frozen=True)
+class FTRL:
+    """FTRL-Proximal per coordinate (H. B. McMahan et al., "Ad Click Prediction: a View from
+    the Trenches", KDD 2013, Algorithm 1), on the rows of the batch; FBGEMM has no FTRL. With
+    z and n per element (both 0 at first), the summed gradient g and alpha = ``lr``:
+
+    ``n' = n + g^2``, ``sigma = (sqrt(n') - sqrt(n)) / alpha``, ``z += g - sigma * w``,
+    ``n = n'``, then ``w = 0`` where ``|z| <= l1``, else
+    ``w = -(z - sign(z) * l1) / ((beta + sqrt(n)) / alpha + l2)``.
+
+    Every coordinate of a row in the batch is set from its (z, n), as TensorFlow's sparse FTRL
+    does: one whose gradient has been 0 so far becomes 0 (the formulation starts from w = 0).
+    """
+
+    lr: float = 0.05
+    """alpha, the per-coordinate learning rate's scale (> 0)."""
+    beta: float = 1.0
+    """Added to sqrt(n) in the per-coordinate rate's denominator."""
+    l1: float = 0.0
+    """L1 regularisation (coordinates with |z| <= l1 are 0)."""
+    l2: float = 0.0
+    """L2 regularisation."""
+
+    def __post_init__(self) -> None:
+        _check_above_zero("FTRL", lr=self.lr)
+        _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
+
+
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -276,7 +304,8 @@ class OptimizerSpec:
     """Config fields the kernels read from the device hyper-parameter tensor
     (``hyper_parameters``); other fields (e.g. a mode) are compile-time choices."""
     torch: tuple[TorchClass, ...]
-    """The torch / TorchRec classes that map to it; the first is its equivalent."""
+    """The torch / TorchRec classes that map to it; the first is its equivalent. Empty where
+    neither has one (then only our config names it: no ``apply_optimizer_in_backward``)."""
     kernel_code: int
     """The integer the kernels use for it (0 is no optimizer)."""
 
@@ -284,10 +313,20 @@ class OptimizerSpec:
         """Bytes of its states for a rows x cols block, fp32 as FBGEMM keeps them."""
         return sum(4 * rows * (1 if s.per_row else cols) for s in self.states)
 
+    @property
+    def keywords(self) -> Mapping[str, Any]:
+        """The keywords that configure it, with their defaults: its torch class's
+        (``self.torch[0].kwargs``), or, without one, its config's hyper-parameters."""
+        if self.torch:
+            return self.torch[0].kwargs
+        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
+        return {name: defaults[name] for name in self.hyper}
+
     def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
         """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
-        defaults where not given). Raises if a keyword has no fused equivalent."""
-        tc = self.torch[0]
+        defaults where not given; without a class, ``keywords``). Raises if a keyword has no
+        fused equivalent."""
+        tc = self.torch[0] if self.torch else TorchClass(self.name, self.keywords)
         name = cls_name or tc.path
         for key, allowed in tc.fixed.items():
             value = kwargs.get(key, allowed)
@@ -418,6 +457,15 @@ REGISTRY: dict[str, OptimizerSpec] = {
             ),
             kernel_code=8,
         ),
+        OptimizerSpec(
+            name="ftrl",
+            fbgemm=None,  # FBGEMM has no FTRL
+            config=FTRL,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
+            hyper=("lr", "beta", "l1", "l2"),
+            torch=(),  # neither torch nor TorchRec has one
+            kernel_code=9,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -477,6 +525,11 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     to ``optimizer`` (for a TorchRec-shaped model that reads the annotation). Raises where a
     field has no equivalent in the class (e.g. decoupled weight decay)."""
     entry = spec_of(optimizer)
+    if not entry.torch:
+        raise ValueError(
+            f"optimizer: {optimizer!r} has no torch / TorchRec class (pass it as the "
+            "module's optimizer= instead of an apply_optimizer_in_backward annotation)"
+        )
     tc = entry.torch[0]
     for f in dataclasses.fields(optimizer):
         if f.name not in tc.kwargs and getattr(optimizer, f.name) != f.default:
@@ -492,6 +545,7 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
 
 HYPER_FIELDS = (
     "lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2", "eta", "momentum",
+    "beta", "l1", "l2",
 )
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
@@ -537,4 +591,5 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
         *(math.log(b) if b > 0 else -math.inf for b in (b1, b2)),
         float(values.get("eta", 0.0)),
         float(values.get("momentum", 0.0)),
+        *(float(values.get(name, 0.0)) for name in ("beta", "l1", "l2")),
     ]

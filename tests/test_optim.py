@@ -29,7 +29,7 @@ def _off_default(value):
 
 def _example(entry: optim.OptimizerSpec) -> optim.Optimizer:
     """A config with every field its torch class maps set away from the class's default."""
-    kwargs = {k: _off_default(v) for k, v in entry.torch[0].kwargs.items()}
+    kwargs = {k: _off_default(v) for k, v in entry.keywords.items()}
     return entry.config(**kwargs)
 
 
@@ -43,7 +43,7 @@ def test_registry_is_consistent():
         assert [s.name for s in entry.states] == list(optim.STATE_BUFFERS[: len(entry.states)])
         fields = {f.name for f in dataclasses.fields(entry.config)}
         assert set(entry.hyper) <= fields and "lr" in entry.hyper, entry.name
-        assert set(entry.torch[0].kwargs) <= fields, entry.name
+        assert set(entry.keywords) <= fields, entry.name
         assert optim.spec(entry.name) is entry and optim.spec_of(entry.config()) is entry
     with pytest.raises(ValueError, match=r"expected one of \[sgd, adagrad, "):
         optim.spec("lion")
@@ -90,6 +90,12 @@ def test_torch_class_maps_to_the_config_and_back(name):
             with pytest.raises(ValueError, match=rf"\({key}={other!r}\) has no fused equivalent"):
                 optim.from_torch(cls, {key: other}, "t")
     example = _example(entry)
+    if not entry.torch:  # neither torch nor TorchRec has it: only our config names it
+        assert entry.from_kwargs({}, "t") == entry.config()
+        assert entry.from_kwargs(dataclasses.asdict(example), "t") == example
+        with pytest.raises(ValueError, match="has no torch / TorchRec class"):
+            optim.torch_equivalent(example)
+        return
     cls, kwargs = optim.torch_equivalent(example)
     assert cls is entry.torch[0].resolve()
     assert optim.from_torch(cls, kwargs, "t") == example

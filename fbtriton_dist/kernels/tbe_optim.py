@@ -25,9 +25,10 @@ _PARTIAL_ROWWISE_ADAM = tl.constexpr(optim.spec("partial_rowwise_adam").kernel_c
 _LAMB = tl.constexpr(optim.spec("lamb").kernel_code)
 _PARTIAL_ROWWISE_LAMB = tl.constexpr(optim.spec("partial_rowwise_lamb").kernel_code)
 _LARS_SGD = tl.constexpr(optim.spec("lars_sgd").kernel_code)
+_FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
 OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
-    "partial_rowwise_lamb", "lars_sgd",
+    "partial_rowwise_lamb", "lars_sgd", "ftrl",
 )
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
@@ -168,6 +169,34 @@ def _lars_sgd_update(
 
 
 @triton.jit
+def _ftrl_update(
+    w,
+    g,
+    mom1_ptr,  # [sum(E_t * D_t)] fp32 z per element
+    mom2_ptr,  # [sum(E_t * D_t)] fp32 n per element
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    lr,  # alpha
+    beta,
+    l1,
+    l2,
+):
+    """FTRL-Proximal (``optim.FTRL``): ``n' = n + g^2``, ``z += g - (sqrt(n') - sqrt(n)) /
+    lr * w``, ``w = 0`` where ``|z| <= l1``, else ``-(z - sign(z) l1) / ((beta + sqrt(n')) /
+    lr + l2)``."""
+    z = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0)
+    n = tl.load(mom2_ptr + ptrs, mask=dm, other=0.0)
+    n_new = n + g * g
+    z = z + g - (tl.sqrt(n_new) - tl.sqrt(n)) / lr * w
+    tl.store(mom1_ptr + ptrs, z, mask=dm)
+    tl.store(mom2_ptr + ptrs, n_new, mask=dm)
+    denom = (beta + tl.sqrt(n_new)) / lr + l2
+    shrunk = tl.where(z < 0, z + l1, z - l1)
+    keep = tl.abs(z) > l1
+    return tl.where(keep, -shrunk / tl.where(keep, denom, 1.0), 0.0)
+
+
+@triton.jit
 def optimizer_update(
     w,  # [RUNS, BLOCK_D] fp32 the rows (masked columns 0)
     g,  # [RUNS, BLOCK_D] fp32 their gradients summed over the batch
@@ -224,6 +253,11 @@ def optimizer_update(
         eta = tl.load(hyper_ptr + 7)  # optim.HYPER_FIELDS
         momentum = tl.load(hyper_ptr + 8)
         w = _lars_sgd_update(w, g, mom1_ptr, ptrs, dm, lr, eta, momentum, weight_decay)
+    elif OPTIMIZER == _FTRL:
+        beta = tl.load(hyper_ptr + 9)  # optim.HYPER_FIELDS
+        l1 = tl.load(hyper_ptr + 10)
+        l2 = tl.load(hyper_ptr + 11)
+        w = _ftrl_update(w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, beta, l1, l2)
     else:
         tl.static_assert(False, "unknown optimizer code")
     return w

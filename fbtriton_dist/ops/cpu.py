@@ -515,6 +515,19 @@ def _lars_sgd_step(opt: optim.LarsSGD, g, w, t, rows, _, m1):
     return mom.neg_()
 
 
+def _ftrl_step(opt: optim.FTRL, g, w, t, rows, _, m1, __, m2):
+    z, n = m1.index_select(0, rows), m2.index_select(0, rows)
+    n_new = n.addcmul(g, g)
+    sigma = (n_new.sqrt() - n.sqrt_()).div_(opt.lr)
+    z.add_(g).sub_(sigma.mul_(w))
+    m1.index_copy_(0, rows, z)
+    m2.index_copy_(0, rows, n_new)
+    denom = n_new.sqrt_().add_(opt.beta).div_(opt.lr).add_(opt.l2)
+    w_new = (z - torch.sign(z) * opt.l1).div_(denom).neg_()
+    w_new = torch.where(z.abs() <= opt.l1, torch.zeros_like(w_new), w_new)
+    return w_new.sub_(w)
+
+
 _STEPS = {
     "sgd": _sgd_step,
     "adagrad": _adagrad_step,
@@ -524,6 +537,7 @@ _STEPS = {
     "lamb": _lamb_step,
     "partial_rowwise_lamb": _partial_rowwise_lamb_step,
     "lars_sgd": _lars_sgd_step,
+    "ftrl": _ftrl_step,
 }
 """The step of each optimizer, by its registry name."""
 
@@ -536,6 +550,7 @@ _NEEDS_ROWS = {
     "lamb": lambda opt: True,  # the trust ratio
     "partial_rowwise_lamb": lambda opt: True,
     "lars_sgd": lambda opt: True,
+    "ftrl": lambda opt: True,  # sigma * w, and the new rows replace the old
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

@@ -80,7 +80,7 @@ class FusedOptimizer:
     seed: int
     """The module's seed (fixed); each update's rounding seed derives from it and t."""
     hyper: torch.Tensor | None = None
-    """[9] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
+    """[12] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
     by the module, so a captured step sees a new learning rate); None: built per backward
     (a host-to-device copy, which a CUDA graph cannot capture)."""
 

@@ -340,6 +340,18 @@ def _lars_sgd_update(opt: optim.LarsSGD, w, g, t, momentum1, momentum2, state_ro
     return w - m
 
 
+def _ftrl_update(opt: optim.FTRL, w, g, t, momentum1, momentum2, state_rows, elems):
+    z, n = momentum1[elems], momentum2[elems]
+    n_new = n + g * g
+    sigma = (torch.sqrt(n_new) - torch.sqrt(n)) / opt.lr
+    z = z + g - sigma * w
+    momentum1[elems] = z
+    momentum2[elems] = n_new
+    denom = (opt.beta + torch.sqrt(n_new)) / opt.lr + opt.l2
+    w_new = -(z - torch.sign(z) * opt.l1) / denom
+    return torch.where(z.abs() <= opt.l1, torch.zeros_like(w), w_new)
+
+
 UPDATES = {
     "sgd": _sgd_update,
     "adagrad": _adagrad_update,
@@ -349,6 +361,7 @@ UPDATES = {
     "lamb": _lamb_update,
     "partial_rowwise_lamb": _partial_rowwise_lamb_update,
     "lars_sgd": _lars_sgd_update,
+    "ftrl": _ftrl_update,
 }
 """The update of each optimizer, by its registry name."""
 

@@ -29,6 +29,7 @@ OPTIMIZERS = {
     "lamb": optim.LAMB(lr=0.05, weight_decay=0.01),
     "partial-rowwise-lamb": optim.PartialRowWiseLAMB(lr=0.05),
     "lars-sgd": optim.LarsSGD(lr=0.5, eta=0.01, weight_decay=0.01),
+    "ftrl": optim.FTRL(lr=0.2, l1=0.01, l2=0.1),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -68,6 +69,8 @@ CASES = [
     ("mixed-shared", "partial-rowwise-lamb", "none", torch.float32, torch.int64, False, True),
     ("mixed-shared", "lars-sgd", "sum", torch.float32, torch.int64, True, True),
     ("one-row-table", "lars-sgd", "mean", torch.float16, torch.int64, False, False),
+    ("mixed-shared", "ftrl", "sum", torch.float32, torch.int32, True, True),
+    ("T8", "ftrl", "mean", torch.bfloat16, torch.int64, False, False),
 ]
 
 

@@ -1,7 +1,8 @@
-"""The FBGEMM-only fused optimizers against their update formulas, written here again, row by
-row in float64 (not the reference module): partial-rowwise Adam, LAMB, partial-rowwise LAMB
-and LARS-SGD. fbgemm-gpu-cpu 1.8.0's CPU TBE implements none of them ("Optimizer ... is not
-supported in CPU mode": FBGEMM has them on CUDA only), so FBGEMM's CUDA formulas are the oracle.
+"""The fused optimizers FBGEMM's CPU TBE lacks against their update formulas, written here
+again, row by row in float64 (not the reference module): partial-rowwise Adam, LAMB,
+partial-rowwise LAMB and LARS-SGD (fbgemm-gpu-cpu 1.8.0's CPU TBE refuses each: "Optimizer ...
+is not supported in CPU mode"; FBGEMM has them on CUDA only, whose formulas these are) and
+FTRL-Proximal (not in FBGEMM: McMahan et al. 2013, Algorithm 1).
 
 Each case runs 3 steps over mixed D, duplicate (hot) ids, empty bags and per-sample weights on
 every backend (the Triton kernels interpreted on CPU): the gradient of each table comes from
@@ -28,12 +29,20 @@ OPTS = {
                                                      weight_decay=0.03),
     "lars_sgd": optim.LarsSGD(lr=0.5, eta=0.02, momentum=0.8, weight_decay=0.01),
     "lars_sgd-no-decay": optim.LarsSGD(lr=0.3, eta=0.05, momentum=0.0),
+    "ftrl": optim.FTRL(lr=0.2, beta=0.5, l1=0.01, l2=0.1),
+    "ftrl-plain": optim.FTRL(lr=0.1),
 }
 
 
 def _row_update(name, opt, w, g, t, m, v):
     """One row's update by the formula (float64 rows ``w``, ``g`` [D]; states ``m`` [D] and
     ``v`` [D] or a one-element tensor); returns (w, m, v)."""
+    if name.startswith("ftrl"):  # m is z, v is n, per coordinate
+        n_new = v + g * g
+        sigma = (n_new.sqrt() - v.sqrt()) / opt.lr
+        z = m + g - sigma * w
+        w = -(z - z.sign() * opt.l1) / ((opt.beta + n_new.sqrt()) / opt.lr + opt.l2)
+        return torch.where(z.abs() <= opt.l1, 0.0, w), z, n_new
     if name.startswith("lars_sgd"):
         w_norm, g_norm = w.norm(), g.norm()
         denom = g_norm + opt.weight_decay * w_norm
@@ -102,6 +111,9 @@ CASES = [
     ("lars_sgd", "sum", torch.float32, True, True),
     ("lars_sgd", "sum", torch.float16, False, True),
     ("lars_sgd-no-decay", "mean", torch.float32, True, False),
+    ("ftrl", "sum", torch.float32, True, True),
+    ("ftrl", "mean", torch.float16, False, True),
+    ("ftrl-plain", "sum", torch.float32, False, False),
 ]
 TOL = {torch.float32: 2e-5, torch.float16: 8e-3, torch.bfloat16: 3e-2}
 
@@ -192,9 +204,19 @@ def test_lars_config_refuses_bad_values():
         optim.LarsSGD(weight_decay=-0.5)
 
 
+def test_ftrl_config_refuses_bad_values():
+    with pytest.raises(ValueError, match=r"FTRL.lr: expected a number > 0, got -0.1"):
+        optim.FTRL(lr=-0.1)
+    with pytest.raises(ValueError, match=r"FTRL.lr: expected a number > 0, got 0"):
+        optim.FTRL(lr=0)
+    for field in ("beta", "l1", "l2"):
+        with pytest.raises(ValueError, match=rf"FTRL.{field}: expected a number >= 0, got -1"):
+            optim.FTRL(**{field: -1})
+
+
 def test_planner_and_job_read_the_new_entries():
     from fbtriton_dist.planner import OPTIMIZERS, state_bytes
-    from fbtriton_dist.train.config import EmbeddingOptimizerConfig
+    from fbtriton_dist.train.config import EmbeddingOptimizerConfig, FieldError
     from fbtriton_dist.train.job import _embedding_optimizer
 
     E, D = 10, 8
@@ -203,6 +225,7 @@ def test_planner_and_job_read_the_new_entries():
         "lamb": 2 * 4 * E * D,
         "partial_rowwise_lamb": 4 * E * D + 4 * E,
         "lars_sgd": 4 * E * D,  # the momentum buffer
+        "ftrl": 2 * 4 * E * D,  # z and n
     }
     for name, size in expected_bytes.items():
         assert name in OPTIMIZERS
@@ -213,3 +236,12 @@ def test_planner_and_job_read_the_new_entries():
                                              weight_decay=0.1)
     assert _embedding_optimizer(EmbeddingOptimizerConfig(type="lamb")) == optim.LAMB(lr=0.01)
     assert math.isclose(optim.LAMB().eps, 1e-8)
+    lars = _embedding_optimizer(EmbeddingOptimizerConfig(type="lars_sgd", lr=0.3, eta=0.01,
+                                                         momentum=0.5, weight_decay=0.1))
+    assert lars == optim.LarsSGD(lr=0.3, eta=0.01, momentum=0.5, weight_decay=0.1)
+    ftrl = _embedding_optimizer(EmbeddingOptimizerConfig(type="ftrl", lr=0.3, beta=2.0, l1=0.1))
+    assert ftrl == optim.FTRL(lr=0.3, beta=2.0, l1=0.1, l2=0.0)
+    with pytest.raises(FieldError, match="l1: only supported with type: ftrl, got type: lamb"):
+        EmbeddingOptimizerConfig(type="lamb", l1=0.1)
+    with pytest.raises(FieldError, match="eta: only supported with type: lars_sgd, got type: adam"):
+        EmbeddingOptimizerConfig(type="adam", eta=0.1)
