@@ -304,8 +304,8 @@ class OptimizerSpec:
     """Config fields the kernels read from the device hyper-parameter tensor
     (``hyper_parameters``); other fields (e.g. a mode) are compile-time choices."""
     torch: tuple[TorchClass, ...]
-    """The torch / TorchRec classes that map to it; the first is its equivalent. Empty where
-    neither has one (then only our config names it: no ``apply_optimizer_in_backward``)."""
+    """The torch / TorchRec classes that map to it; the first is its equivalent (ours, in
+    ``modules/fused_optim.py``, where neither has one)."""
     kernel_code: int
     """The integer the kernels use for it (0 is no optimizer)."""
 
@@ -315,18 +315,14 @@ class OptimizerSpec:
 
     @property
     def keywords(self) -> Mapping[str, Any]:
-        """The keywords that configure it, with their defaults: its torch class's
-        (``self.torch[0].kwargs``), or, without one, its config's hyper-parameters."""
-        if self.torch:
-            return self.torch[0].kwargs
-        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
-        return {name: defaults[name] for name in self.hyper}
+        """The keywords that configure it (the job's keys), with their defaults: its torch
+        class's (``self.torch[0].kwargs``)."""
+        return self.torch[0].kwargs
 
     def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
         """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
-        defaults where not given; without a class, ``keywords``). Raises if a keyword has no
-        fused equivalent."""
-        tc = self.torch[0] if self.torch else TorchClass(self.name, self.keywords)
+        defaults where not given). Raises if a keyword has no fused equivalent."""
+        tc = self.torch[0]
         name = cls_name or tc.path
         for key, allowed in tc.fixed.items():
             value = kwargs.get(key, allowed)
@@ -463,7 +459,12 @@ REGISTRY: dict[str, OptimizerSpec] = {
             config=FTRL,
             states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
             hyper=("lr", "beta", "l1", "l2"),
-            torch=(),  # neither torch nor TorchRec has one
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.FTRL",
+                    kwargs={"lr": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0},
+                ),
+            ),
             kernel_code=9,
         ),
     )
@@ -525,11 +526,6 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     to ``optimizer`` (for a TorchRec-shaped model that reads the annotation). Raises where a
     field has no equivalent in the class (e.g. decoupled weight decay)."""
     entry = spec_of(optimizer)
-    if not entry.torch:
-        raise ValueError(
-            f"optimizer: {optimizer!r} has no torch / TorchRec class (pass it as the "
-            "module's optimizer= instead of an apply_optimizer_in_backward annotation)"
-        )
     tc = entry.torch[0]
     for f in dataclasses.fields(optimizer):
         if f.name not in tc.kwargs and getattr(optimizer, f.name) != f.default:

@@ -90,12 +90,6 @@ def test_torch_class_maps_to_the_config_and_back(name):
             with pytest.raises(ValueError, match=rf"\({key}={other!r}\) has no fused equivalent"):
                 optim.from_torch(cls, {key: other}, "t")
     example = _example(entry)
-    if not entry.torch:  # neither torch nor TorchRec has it: only our config names it
-        assert entry.from_kwargs({}, "t") == entry.config()
-        assert entry.from_kwargs(dataclasses.asdict(example), "t") == example
-        with pytest.raises(ValueError, match="has no torch / TorchRec class"):
-            optim.torch_equivalent(example)
-        return
     cls, kwargs = optim.torch_equivalent(example)
     assert cls is entry.torch[0].resolve()
     assert optim.from_torch(cls, kwargs, "t") == example
