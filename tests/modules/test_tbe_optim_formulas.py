@@ -245,3 +245,40 @@ def test_planner_and_job_read_the_new_entries():
         EmbeddingOptimizerConfig(type="lamb", l1=0.1)
     with pytest.raises(FieldError, match="eta: only supported with type: lars_sgd, got type: adam"):
         EmbeddingOptimizerConfig(type="adam", eta=0.1)
+
+
+@pytest.mark.parametrize("name", ["partial_rowwise_adam", "lamb", "partial_rowwise_lamb",
+                                  "lars_sgd", "ftrl"])
+def test_a_collection_takes_it_from_its_annotation(name):
+    """``apply_optimizer_in_backward`` with the class ``optim.torch_equivalent`` names
+    (TorchRec's placeholder, or ours for FTRL): the collection's fused step is the module's."""
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from fbtriton_dist import EmbeddingBagCollection
+
+    opt = OPTS[name]
+    cls, kwargs = optim.torch_equivalent(opt)
+    assert optim.from_torch(cls, kwargs, "t") == opt
+    configs = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                  feature_names=["f1"]),
+               EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=6,
+                                  feature_names=["f2"])]
+    ebc = EmbeddingBagCollection(tables=configs)
+    apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+    tbe = TableBatchedEmbedding([(10, 4), (6, 8)], [0, 1], optimizer=opt, backend="reference",
+                                stochastic_rounding=False)
+    with torch.no_grad():
+        for w, t in zip(tbe.split_embedding_weights(), ("t1", "t2"), strict=True):
+            w.copy_(ebc.state_dict()[f"embedding_bags.{t}.weight"])
+    values, lengths = torch.tensor([1, 1, 7, 0, 5, 5]), torch.tensor([2, 1, 0, 3])
+    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=values, lengths=lengths)
+    for step in range(2):
+        out = ebc(kjt).values()
+        ref = tbe(values, torch.tensor([0, 2, 3, 3, 6]))
+        up = upstream_grad(out, step)
+        out.backward(up)
+        ref.backward(up)
+    for w, t in zip(tbe.split_embedding_weights(), ("t1", "t2"), strict=True):
+        torch.testing.assert_close(ebc.state_dict()[f"embedding_bags.{t}.weight"], w,
+                                   atol=1e-6, rtol=1e-5)
