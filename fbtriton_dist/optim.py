@@ -16,10 +16,12 @@ backend without it refuses it when a module is built, naming what it supports):
    name in ``OPTIMIZERS``, a ``@triton.jit`` ``_<name>_update`` helper and its branch in
    ``optimizer_update`` (the row-update kernel of ``kernels/tbe_backward.py`` calls that, by
    the constexpr code).
-4. The fast CPU path: ``fbtriton_dist/ops/cpu.py``, its vectorised step ``_<name>_step`` in
-   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``); ``ops/csrc/tbe_cpu_backward.c``,
-   its ``OPT_<NAME>`` (= its kernel code) and its ``case`` in the row update (and its states'
-   prefetch). ``ops/cpu_native.py`` reads the ``OPT_*`` names from that file.
+4. The CPU backend: ``fbtriton_dist/ops/cpu.py``, its vectorised step ``_<name>_step`` in
+   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``): that is enough, the backward
+   runs it where the native C kernels lack the optimizer. Optionally, for speed, the native
+   kernels: ``ops/csrc/tbe_cpu_backward.c``, its ``OPT_<NAME>`` (= its kernel code) and its
+   ``case`` in the row update (and its states' prefetch); ``ops/cpu_native.py`` reads the
+   ``OPT_*`` names from that file and uses the C update for those.
 5. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
    (Triton vs the reference over three steps). ``tests/test_optim.py`` checks every registry
    entry without being edited (torch-class round trip, kernel code, planner and job choices,
@@ -27,19 +29,25 @@ backend without it refuses it when a module is built, naming what it supports):
    ``tests/ops/test_native_tables.py`` the C codes; ``tests/ops/test_backends.py`` runs it on
    every backend that lists it against the reference.
 
-Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the fast
-CPU path 4 (1, 2, ``ops/cpu.py``, ``tbe_cpu_backward.c``).
+Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the CPU
+backend 3 (1, 2, ``ops/cpu.py``; 4 with its native C update, ``tbe_cpu_backward.c``).
 
-Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``) and
-hyper-parameters among ``lr``, ``eps``, ``betas``, ``weight_decay``. A new hyper-parameter is
-also a new slot in ``HYPER_FIELDS`` and in ``tbe_optim.load_hyper`` (native CPU:
-``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
-YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig``; a new compile-time variant
-(like rowwise Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel.
+Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``, each per
+row or per element) and hyper-parameters among ``HYPER_FIELDS``'s (``lr``, ``eps``, ``betas``,
+``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``); a Triton helper reads a
+slot ``load_hyper`` does not return from ``hyper_ptr`` itself. A new hyper-parameter is also a
+new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU: ``NATIVE_HYPER_FIELDS`` and
+``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's YAML, a field of
+``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in ``train/job.py``'s
+``_embedding_optimizer``); a new compile-time variant (like rowwise Adagrad's
+``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer neither torch
+nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM): the gradients of duplicate ids in a batch are summed first, then each unique row gets
-one update; rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD; FTRL is not FBGEMM's): the
+gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
+rows not in the batch are untouched (their moments too: "lazy" Adam). The formulas:
+``docs/modules.md``, "Fused optimizers".
 
 This module never imports torch at import time (the planner and the job config read it); the
 torch classes are named by dotted path and imported only when a mapping needs them.
