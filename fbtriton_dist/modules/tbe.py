@@ -54,6 +54,11 @@ class TableBatchedEmbedding(nn.Module):
             backend (resolved for the weights' device) does not support raises ``ValueError``
             here, naming the backend and what it supports.
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
+        max_gradient: gradient clipping of the fused update (FBGEMM's ``gradient_clipping``
+            with ``max_gradient``): the upstream gradient's elements are clamped to
+            ``[-max_gradient, max_gradient]`` before the rows' gradients are summed (before
+            per-sample weights and mean pooling scale them, as FBGEMM's CPU TBE); None: off.
+            Plain gradients (``optimizer=None``) are not clipped.
         feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
             stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
@@ -99,8 +104,12 @@ class TableBatchedEmbedding(nn.Module):
         plan_ahead: bool | None = None,
         feature_names: Sequence[str] | None = None,
         storage: Sequence[Storage | dict | str | None] | None = None,
+        max_gradient: float | None = None,
     ) -> None:
         super().__init__()
+        if max_gradient is not None and not max_gradient > 0:
+            raise ValueError(f"max_gradient: expected None or a number > 0, got {max_gradient!r}")
+        self.max_gradient = None if max_gradient is None else float(max_gradient)
         tables = [(int(E), int(D)) for E, D in tables]
         if not tables or any(E < 1 or D < 1 for E, D in tables):
             raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
@@ -524,6 +533,7 @@ class TableBatchedEmbedding(nn.Module):
             step=self._step,
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
+            max_gradient=self.max_gradient,
             hyper=self._device_hyper(),
         )
 
@@ -683,6 +693,7 @@ class TableBatchedEmbedding(nn.Module):
             f"tables={self.tables}, feature_table_map={self.feature_table_map}, "
             f"pooling={self.pooling}, optimizer={self.optimizer}, "
             f"weights_dtype={self.weights.dtype}, backend={self.backend}"
+            + (f", max_gradient={self.max_gradient}" if self.max_gradient is not None else "")
             + ("".join(f", {n}: {st}" for n, st in zip(self.table_names, self.storage,
                                                       strict=True) if st.tier != "device"))
         )
