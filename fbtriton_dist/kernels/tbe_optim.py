@@ -26,6 +26,10 @@ _LAMB = tl.constexpr(optim.spec("lamb").kernel_code)
 _PARTIAL_ROWWISE_LAMB = tl.constexpr(optim.spec("partial_rowwise_lamb").kernel_code)
 _LARS_SGD = tl.constexpr(optim.spec("lars_sgd").kernel_code)
 _FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
+# slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
+_ETA, _MOMENTUM, _BETA, _L1, _L2 = (
+    tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
+)
 OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
     "partial_rowwise_lamb", "lars_sgd", "ftrl",
@@ -250,13 +254,13 @@ def optimizer_update(
             weight_decay, bias_c1, bias_c2, True, True,
         )
     elif OPTIMIZER == _LARS_SGD:
-        eta = tl.load(hyper_ptr + 7)  # optim.HYPER_FIELDS
-        momentum = tl.load(hyper_ptr + 8)
+        eta = tl.load(hyper_ptr + _ETA)
+        momentum = tl.load(hyper_ptr + _MOMENTUM)
         w = _lars_sgd_update(w, g, mom1_ptr, ptrs, dm, lr, eta, momentum, weight_decay)
     elif OPTIMIZER == _FTRL:
-        beta = tl.load(hyper_ptr + 9)  # optim.HYPER_FIELDS
-        l1 = tl.load(hyper_ptr + 10)
-        l2 = tl.load(hyper_ptr + 11)
+        beta = tl.load(hyper_ptr + _BETA)
+        l1 = tl.load(hyper_ptr + _L1)
+        l2 = tl.load(hyper_ptr + _L2)
         w = _ftrl_update(w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, beta, l1, l2)
     else:
         tl.static_assert(False, "unknown optimizer code")
