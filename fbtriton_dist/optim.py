@@ -16,10 +16,12 @@ backend without it refuses it when a module is built, naming what it supports):
    name in ``OPTIMIZERS``, a ``@triton.jit`` ``_<name>_update`` helper and its branch in
    ``optimizer_update`` (the row-update kernel of ``kernels/tbe_backward.py`` calls that, by
    the constexpr code).
-4. The fast CPU path: ``fbtriton_dist/ops/cpu.py``, its vectorised step ``_<name>_step`` in
-   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``); ``ops/csrc/tbe_cpu_backward.c``,
-   its ``OPT_<NAME>`` (= its kernel code) and its ``case`` in the row update (and its states'
-   prefetch). ``ops/cpu_native.py`` reads the ``OPT_*`` names from that file.
+4. The CPU backend: ``fbtriton_dist/ops/cpu.py``, its vectorised step ``_<name>_step`` in
+   ``_STEPS`` (and whether it reads the rows, ``_NEEDS_ROWS``): that is enough, the backward
+   runs it where the native C kernels lack the optimizer. Optionally, for speed, the native
+   kernels: ``ops/csrc/tbe_cpu_backward.c``, its ``OPT_<NAME>`` (= its kernel code) and its
+   ``case`` in the row update (and its states' prefetch); ``ops/cpu_native.py`` reads the
+   ``OPT_*`` names from that file and uses the C update for those.
 5. ``tests/modules/test_tbe_module.py``: an instance in ``OPTIMIZERS`` and rows in ``CASES``
    (Triton vs the reference over three steps). ``tests/test_optim.py`` checks every registry
    entry without being edited (torch-class round trip, kernel code, planner and job choices,
@@ -27,19 +29,25 @@ backend without it refuses it when a module is built, naming what it supports):
    ``tests/ops/test_native_tables.py`` the C codes; ``tests/ops/test_backends.py`` runs it on
    every backend that lists it against the reference.
 
-Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the fast
-CPU path 4 (1, 2, ``ops/cpu.py``, ``tbe_cpu_backward.c``).
+Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the CPU
+backend 3 (1, 2, ``ops/cpu.py``; 4 with its native C update, ``tbe_cpu_backward.c``).
 
-Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``) and
-hyper-parameters among ``lr``, ``eps``, ``betas``, ``weight_decay``. A new hyper-parameter is
-also a new slot in ``HYPER_FIELDS`` and in ``tbe_optim.load_hyper`` (native CPU:
-``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
-YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig``; a new compile-time variant
-(like rowwise Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel.
+Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``, each per
+row or per element) and hyper-parameters among ``HYPER_FIELDS``'s (``lr``, ``eps``, ``betas``,
+``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``); a Triton helper reads a
+slot ``load_hyper`` does not return from ``hyper_ptr`` itself. A new hyper-parameter is also a
+new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU: ``NATIVE_HYPER_FIELDS`` and
+``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's YAML, a field of
+``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in ``train/job.py``'s
+``_embedding_optimizer``); a new compile-time variant (like rowwise Adagrad's
+``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer neither torch
+nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM): the gradients of duplicate ids in a batch are summed first, then each unique row gets
-one update; rows not in the batch are untouched (Adam's moments too: "lazy" Adam).
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD; FTRL is not FBGEMM's): the
+gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
+rows not in the batch are untouched (their moments too: "lazy" Adam). The formulas:
+``docs/modules.md``, "Fused optimizers".
 
 This module never imports torch at import time (the planner and the job config read it); the
 torch classes are named by dotted path and imported only when a mapping needs them.
@@ -135,7 +143,119 @@ class Adam:
             raise ValueError(f"Adam.betas: expected two numbers in [0, 1), got {self.betas!r}")
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+def _check_above_zero(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name}: expected a number > 0, got {value!r}")
+
+
+def _check_betas(owner: str, betas: tuple[float, float]) -> None:
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{owner}.betas: expected two numbers in [0, 1), got {betas!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class _AdamFamily:
+    """The fields of the Adam-like optimizers below (FBGEMM's defaults)."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay of the first and second moments."""
+    eps: float = 1e-8
+    """Added to the denominator sqrt(v_hat)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay coefficient (0 turns it off)."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, weight_decay=self.weight_decay)
+        _check_above_zero(owner, eps=self.eps)
+        _check_betas(owner, self.betas)
+
+
+@dataclass(kw_only=True, frozen=True)
+class PartialRowWiseAdam(_AdamFamily):
+    """Adam with a per-element first moment and a per-row second moment of the row's mean
+    squared gradient (FBGEMM PARTIAL_ROWWISE_ADAM), on the rows of the batch only:
+
+    ``m = b1 m + (1 - b1) g`` (per element), ``v = b2 v + (1 - b2) mean(g^2)`` (per row),
+    ``w -= lr * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w)``.
+    """
+
+
+@dataclass(kw_only=True, frozen=True)
+class LAMB(_AdamFamily):
+    """Adam's step scaled per row by the trust ratio (FBGEMM LAMB), on the rows of the batch:
+
+    ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2`` (per element),
+    ``r = m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w``,
+    ``w -= lr * (||w|| / ||r||) * r``, the norms over the row (before the update). Where
+    ``||r|| = 0`` the row does not move (FBGEMM divides by zero there); a row of zeros has
+    ratio 0 and never moves, as in FBGEMM.
+    """
+
+
+@dataclass(kw_only=True, frozen=True)
+class PartialRowWiseLAMB(_AdamFamily):
+    """LAMB with a per-row second moment of the mean squared gradient (FBGEMM
+    PARTIAL_ROWWISE_LAMB): ``v = b2 v + (1 - b2) mean(g^2)`` (per row), ``r = m / (1 - b1^t)
+    / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * w``, ``w -= lr * (||w|| / ||r||) * r``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LarsSGD:
+    """SGD with momentum and a per-row layer-wise rate (FBGEMM LARS_SGD), on the rows of the
+    batch: ``lr' = lr * eta * ||w|| / (||g|| + weight_decay * ||w||)`` (norms over the row,
+    0 where the denominator is 0; FBGEMM divides by zero there),
+    ``m = momentum * m + lr' * (g + weight_decay * w)`` (per element), ``w -= m``."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    eta: float = 0.001
+    """Trust coefficient of the layer-wise rate."""
+    momentum: float = 0.9
+    """Decay of the momentum buffer."""
+    weight_decay: float = 0.0
+    """L2 weight decay coefficient (in the rate's denominator and the step)."""
+
+    def __post_init__(self) -> None:
+        _check_positive("LarsSGD", lr=self.lr, eta=self.eta, weight_decay=self.weight_decay)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(
+                f"LarsSGD.momentum: expected a number in [0, 1), got {self.momentum!r}"
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class FTRL:
+    """FTRL-Proximal per coordinate (H. B. McMahan et al., "Ad Click Prediction: a View from
+    the Trenches", KDD 2013, Algorithm 1), on the rows of the batch; FBGEMM has no FTRL. With
+    z and n per element (both 0 at first), the summed gradient g and alpha = ``lr``:
+
+    ``n' = n + g^2``, ``sigma = (sqrt(n') - sqrt(n)) / alpha``, ``z += g - sigma * w``,
+    ``n = n'``, then ``w = 0`` where ``|z| <= l1``, else
+    ``w = -(z - sign(z) * l1) / ((beta + sqrt(n)) / alpha + l2)``.
+
+    Every coordinate of a row in the batch is set from its (z, n), as TensorFlow's sparse FTRL
+    does: one whose gradient has been 0 so far becomes 0 (the formulation starts from w = 0).
+    """
+
+    lr: float = 0.05
+    """alpha, the per-coordinate learning rate's scale (> 0)."""
+    beta: float = 1.0
+    """Added to sqrt(n) in the per-coordinate rate's denominator."""
+    l1: float = 0.0
+    """L1 regularisation (coordinates with |z| <= l1 are 0)."""
+    l2: float = 0.0
+    """L2 regularisation."""
+
+    def __post_init__(self) -> None:
+        _check_above_zero("FTRL", lr=self.lr)
+        _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
+
+
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -192,13 +312,20 @@ class OptimizerSpec:
     """Config fields the kernels read from the device hyper-parameter tensor
     (``hyper_parameters``); other fields (e.g. a mode) are compile-time choices."""
     torch: tuple[TorchClass, ...]
-    """The torch / TorchRec classes that map to it; the first is its equivalent."""
+    """The torch / TorchRec classes that map to it; the first is its equivalent (ours, in
+    ``modules/fused_optim.py``, where neither has one)."""
     kernel_code: int
     """The integer the kernels use for it (0 is no optimizer)."""
 
     def state_bytes(self, rows: int, cols: int) -> int:
         """Bytes of its states for a rows x cols block, fp32 as FBGEMM keeps them."""
         return sum(4 * rows * (1 if s.per_row else cols) for s in self.states)
+
+    @property
+    def keywords(self) -> Mapping[str, Any]:
+        """The keywords that configure it (the job's keys), with their defaults: its torch
+        class's (``self.torch[0].kwargs``)."""
+        return self.torch[0].kwargs
 
     def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
         """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
@@ -217,6 +344,17 @@ class OptimizerSpec:
             value = kwargs.get(key, default)
             values[key] = tuple(value) if isinstance(default, tuple) else value
         return self.config(**values)
+
+
+def _torchrec_placeholder(name: str) -> TorchClass:
+    """TorchRec's class for an Adam-like FBGEMM optimizer: a placeholder taking FBGEMM's
+    keywords (``**kwargs``); ``betas`` as ours, FBGEMM's ``beta1`` / ``beta2`` only at their
+    defaults (refused otherwise, not ignored)."""
+    return TorchClass(
+        f"torchrec.optim.{name}",
+        kwargs={"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+        fixed={"beta1": 0.9, "beta2": 0.999},
+    )
 
 
 REGISTRY: dict[str, OptimizerSpec] = {
@@ -281,6 +419,61 @@ REGISTRY: dict[str, OptimizerSpec] = {
                 ),
             ),
             kernel_code=3,
+        ),
+        OptimizerSpec(
+            name="partial_rowwise_adam",
+            fbgemm="PARTIAL_ROWWISE_ADAM",
+            config=PartialRowWiseAdam,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("PartialRowWiseAdam"),),
+            kernel_code=5,
+        ),
+        OptimizerSpec(
+            name="lamb",
+            fbgemm="LAMB",
+            config=LAMB,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("LAMB"),),
+            kernel_code=6,
+        ),
+        OptimizerSpec(
+            name="partial_rowwise_lamb",
+            fbgemm="PARTIAL_ROWWISE_LAMB",
+            config=PartialRowWiseLAMB,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "betas", "weight_decay"),
+            torch=(_torchrec_placeholder("PartialRowWiseLAMB"),),
+            kernel_code=7,
+        ),
+        OptimizerSpec(
+            name="lars_sgd",
+            fbgemm="LARS_SGD",
+            config=LarsSGD,
+            states=(State("momentum1", per_row=False),),
+            hyper=("lr", "eta", "momentum", "weight_decay"),
+            torch=(
+                TorchClass(  # a placeholder taking FBGEMM's keywords (**kwargs)
+                    "torchrec.optim.LarsSGD",
+                    kwargs={"lr": 0.01, "eta": 0.001, "momentum": 0.9, "weight_decay": 0.0},
+                ),
+            ),
+            kernel_code=8,
+        ),
+        OptimizerSpec(
+            name="ftrl",
+            fbgemm=None,  # FBGEMM has no FTRL
+            config=FTRL,
+            states=(State("momentum1", per_row=False), State("momentum2", per_row=False)),
+            hyper=("lr", "beta", "l1", "l2"),
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.FTRL",
+                    kwargs={"lr": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0},
+                ),
+            ),
+            kernel_code=9,
         ),
     )
 }
@@ -354,7 +547,10 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     return cls, {key: getattr(optimizer, key) for key in tc.kwargs}
 
 
-HYPER_FIELDS = ("lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2")
+HYPER_FIELDS = (
+    "lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2", "eta", "momentum",
+    "beta", "l1", "l2",
+)
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
 
@@ -397,4 +593,7 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
         float(b2),
         float(values.get("weight_decay", 0.0)),
         *(math.log(b) if b > 0 else -math.inf for b in (b1, b2)),
+        float(values.get("eta", 0.0)),
+        float(values.get("momentum", 0.0)),
+        *(float(values.get(name, 0.0)) for name in ("beta", "l1", "l2")),
     ]

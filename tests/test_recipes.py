@@ -227,7 +227,7 @@ ADAMAX_ENTRY = '''\
                     fixed={"weight_decay": 0},
                 ),
             ),
-            kernel_code=5,
+            kernel_code=50,
         ),
 '''
 
@@ -252,7 +252,7 @@ from fbtriton_dist.planner import OPTIMIZERS, ShardingPlanner, TableSpec, state_
 from fbtriton_dist.train.config import EmbeddingOptimizerConfig
 from fbtriton_dist.train.job import _embedding_optimizer
 
-assert "adamax" in optim.NAMES and optim.KERNEL_CODES["adamax"] == 5
+assert "adamax" in optim.NAMES and optim.KERNEL_CODES["adamax"] == 50
 assert len(set(optim.KERNEL_CODES.values())) == len(optim.KERNEL_CODES)
 
 # the registry entry gives the planner, the job config and the torch-class mapping

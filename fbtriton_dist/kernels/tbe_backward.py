@@ -466,7 +466,7 @@ def tbe_backward(
     replays correctly: ``step`` ([1] int64 on the device, the fused updates taken so far) is
     advanced by one on the device, then read there as t: Adam's bias corrections
     ``1 - beta^t`` and the stochastic-rounding seed ``(seed * 1000003 + t) % (2^31 - 1)``;
-    ``hyper`` ([7] fp32 on the device, ``optim.hyper_parameters(optimizer)``, built here when
+    ``hyper`` ([12] fp32 on the device, ``optim.hyper_parameters(optimizer)``, built here when
     None) holds the learning rate and the rest.
     """
     device = weights.device

@@ -21,7 +21,19 @@ _SGD = tl.constexpr(optim.spec("sgd").kernel_code)
 _ADAGRAD = tl.constexpr(optim.spec("adagrad").kernel_code)
 _ROWWISE_ADAGRAD = tl.constexpr(optim.spec("rowwise_adagrad").kernel_code)
 _ADAM = tl.constexpr(optim.spec("adam").kernel_code)
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+_PARTIAL_ROWWISE_ADAM = tl.constexpr(optim.spec("partial_rowwise_adam").kernel_code)
+_LAMB = tl.constexpr(optim.spec("lamb").kernel_code)
+_PARTIAL_ROWWISE_LAMB = tl.constexpr(optim.spec("partial_rowwise_lamb").kernel_code)
+_LARS_SGD = tl.constexpr(optim.spec("lars_sgd").kernel_code)
+_FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
+# slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
+_ETA, _MOMENTUM, _BETA, _L1, _L2 = (
+    tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
+)
+OPTIMIZERS = (
+    "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
+    "partial_rowwise_lamb", "lars_sgd", "ftrl",
+)
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
 
@@ -95,9 +107,12 @@ def _adam_update(
     w,
     g,
     mom1_ptr,  # [sum(E_t * D_t)] fp32 first moment per element
-    mom2_ptr,  # [sum(E_t * D_t)] fp32 second moment per element
+    mom2_ptr,  # second moment: [sum(E_t * D_t)] per element, or [sum(E_t)] per row (ROWWISE_V)
     ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    key,  # [RUNS] linear row of each run
+    live,  # [RUNS] runs that update a row
     dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    D,  # [RUNS] the rows' D
     lr,
     eps,
     beta1,
@@ -105,13 +120,84 @@ def _adam_update(
     weight_decay,
     bias_c1,  # 1 - beta1^t
     bias_c2,  # 1 - beta2^t
+    ROWWISE_V: tl.constexpr,  # v per row, of the mean of g^2 (partial rowwise)
+    TRUST: tl.constexpr,  # scale the step by the row's trust ratio ||w|| / ||r|| (LAMB)
 ):
-    """Lazy Adam with decoupled weight decay (``optim.Adam``)."""
+    """Lazy Adam with decoupled weight decay (``optim.Adam``), its partial rowwise variant
+    (``optim.PartialRowWiseAdam``) and LAMB (``optim.LAMB``, ``optim.PartialRowWiseLAMB``):
+    ``r = m / bias_c1 / (sqrt(v / bias_c2) + eps) + weight_decay * w``, ``w - lr * r``, or
+    with TRUST ``w - lr * ||w|| / ||r|| * r`` (0 where ||r|| = 0)."""
     m1 = beta1 * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta1) * g
-    m2 = beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * g * g
     tl.store(mom1_ptr + ptrs, m1, mask=dm)
-    tl.store(mom2_ptr + ptrs, m2, mask=dm)
-    return w - lr * ((m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w)
+    if ROWWISE_V:
+        g_sq = tl.sum(g * g, axis=1) / D.to(tl.float32)
+        m2 = beta2 * tl.load(mom2_ptr + key, mask=live, other=0.0) + (1.0 - beta2) * g_sq
+        tl.store(mom2_ptr + key, m2, mask=live)
+        r = (m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps)[:, None] + weight_decay * w
+    else:
+        m2 = beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * g * g
+        tl.store(mom2_ptr + ptrs, m2, mask=dm)
+        r = (m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w
+    if TRUST:
+        r = tl.where(dm, r, 0.0)
+        w_norm = tl.sqrt(tl.sum(w * w, axis=1))
+        r_norm = tl.sqrt(tl.sum(r * r, axis=1))
+        ratio = tl.where(r_norm > 0, w_norm / tl.where(r_norm > 0, r_norm, 1.0), 0.0)
+        return w - (lr * ratio)[:, None] * r
+    return w - lr * r
+
+
+@triton.jit
+def _lars_sgd_update(
+    w,
+    g,
+    mom1_ptr,  # [sum(E_t * D_t)] fp32 momentum per element
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    lr,
+    eta,
+    momentum,
+    weight_decay,
+):
+    """``lr' = lr * eta * ||w|| / (||g|| + weight_decay * ||w||)`` per row (0 where the
+    denominator is 0), ``m = momentum * m + lr' * (g + weight_decay * w)``, ``w - m``
+    (``optim.LarsSGD``)."""
+    w_norm = tl.sqrt(tl.sum(w * w, axis=1))
+    denom = tl.sqrt(tl.sum(g * g, axis=1)) + weight_decay * w_norm
+    rate = tl.where(denom > 0, lr * eta * w_norm / tl.where(denom > 0, denom, 1.0), 0.0)
+    m = momentum * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + rate[:, None] * (
+        g + weight_decay * w
+    )
+    tl.store(mom1_ptr + ptrs, m, mask=dm)
+    return w - m
+
+
+@triton.jit
+def _ftrl_update(
+    w,
+    g,
+    mom1_ptr,  # [sum(E_t * D_t)] fp32 z per element
+    mom2_ptr,  # [sum(E_t * D_t)] fp32 n per element
+    ptrs,  # [RUNS, BLOCK_D] the rows' elements
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    lr,  # alpha
+    beta,
+    l1,
+    l2,
+):
+    """FTRL-Proximal (``optim.FTRL``): ``n' = n + g^2``, ``z += g - (sqrt(n') - sqrt(n)) /
+    lr * w``, ``w = 0`` where ``|z| <= l1``, else ``-(z - sign(z) l1) / ((beta + sqrt(n')) /
+    lr + l2)``."""
+    z = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0)
+    n = tl.load(mom2_ptr + ptrs, mask=dm, other=0.0)
+    n_new = n + g * g
+    z = z + g - (tl.sqrt(n_new) - tl.sqrt(n)) / lr * w
+    tl.store(mom1_ptr + ptrs, z, mask=dm)
+    tl.store(mom2_ptr + ptrs, n_new, mask=dm)
+    denom = (beta + tl.sqrt(n_new)) / lr + l2
+    shrunk = tl.where(z < 0, z + l1, z - l1)
+    keep = tl.abs(z) > l1
+    return tl.where(keep, -shrunk / tl.where(keep, denom, 1.0), 0.0)
 
 
 @triton.jit
@@ -133,6 +219,7 @@ def optimizer_update(
     beta2,
     bias_c1,
     bias_c2,
+    hyper_ptr,  # [len(optim.HYPER_FIELDS)] fp32: the slots load_hyper does not read
     OPTIMIZER: tl.constexpr,  # kernel code (optim.REGISTRY)
     WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
 ):
@@ -148,9 +235,33 @@ def optimizer_update(
         )
     elif OPTIMIZER == _ADAM:
         w = _adam_update(
-            w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, eps, beta1, beta2, weight_decay, bias_c1,
-            bias_c2,
+            w, g, mom1_ptr, mom2_ptr, ptrs, key, live, dm, D, lr, eps, beta1, beta2,
+            weight_decay, bias_c1, bias_c2, False, False,
         )
+    elif OPTIMIZER == _PARTIAL_ROWWISE_ADAM:
+        w = _adam_update(
+            w, g, mom1_ptr, mom2_ptr, ptrs, key, live, dm, D, lr, eps, beta1, beta2,
+            weight_decay, bias_c1, bias_c2, True, False,
+        )
+    elif OPTIMIZER == _LAMB:
+        w = _adam_update(
+            w, g, mom1_ptr, mom2_ptr, ptrs, key, live, dm, D, lr, eps, beta1, beta2,
+            weight_decay, bias_c1, bias_c2, False, True,
+        )
+    elif OPTIMIZER == _PARTIAL_ROWWISE_LAMB:
+        w = _adam_update(
+            w, g, mom1_ptr, mom2_ptr, ptrs, key, live, dm, D, lr, eps, beta1, beta2,
+            weight_decay, bias_c1, bias_c2, True, True,
+        )
+    elif OPTIMIZER == _LARS_SGD:
+        eta = tl.load(hyper_ptr + _ETA)
+        momentum = tl.load(hyper_ptr + _MOMENTUM)
+        w = _lars_sgd_update(w, g, mom1_ptr, ptrs, dm, lr, eta, momentum, weight_decay)
+    elif OPTIMIZER == _FTRL:
+        beta = tl.load(hyper_ptr + _BETA)
+        l1 = tl.load(hyper_ptr + _L1)
+        l2 = tl.load(hyper_ptr + _L2)
+        w = _ftrl_update(w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, beta, l1, l2)
     else:
         tl.static_assert(False, "unknown optimizer code")
     return w

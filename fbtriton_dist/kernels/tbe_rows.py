@@ -265,7 +265,7 @@ def _update_group(
         ptrs = elem[:, None] + d[None, :]
         w = optimizer_update(
             w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
-            beta1, beta2, bias_c1, bias_c2, OPTIMIZER, WD_DECOUPLED,
+            beta1, beta2, bias_c1, bias_c2, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
         )
         store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP, RUNS,
                    BLOCK_D)
@@ -288,7 +288,7 @@ def _tbe_row_update_kernel(
     mom1_ptr,  # state 0 (optim.REGISTRY): [sum(E_t)] per row or [sum(E_t * D_t)] fp32
     mom2_ptr,  # state 1: [sum(E_t * D_t)] fp32
     sentinel,  # key of dropped ids: their run is skipped
-    hyper_ptr,  # [7] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
+    hyper_ptr,  # [12] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
     step_ptr,  # [1] int64 fused updates taken, this one included: t >= 1
     seed,  # the module's stochastic-rounding seed; this step's is (seed * 1000003 + t) % (2^31-1)
     OPTIMIZER: tl.constexpr,  # kernel code of the optimizer (optim.REGISTRY), 0: none

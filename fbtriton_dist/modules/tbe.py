@@ -54,6 +54,14 @@ class TableBatchedEmbedding(nn.Module):
             backend (resolved for the weights' device) does not support raises ``ValueError``
             here, naming the backend and what it supports.
         stochastic_rounding: fused updates of fp16/bf16 weights round stochastically.
+        max_gradient: gradient clipping of the fused update (FBGEMM's ``gradient_clipping``
+            with ``max_gradient``): the upstream gradient's elements are clamped to
+            ``[-max_gradient, max_gradient]`` before the rows' gradients are summed (before
+            per-sample weights and mean pooling scale them, as FBGEMM's CPU TBE); None: off.
+            Plain gradients (``optimizer=None``) are not clipped.
+        max_norm: rows looked up whose L2 norm exceeds it are renormalised to it in place
+            before the lookup, as ``torch.nn.Embedding(max_norm=)`` (scale
+            ``max_norm / (norm + 1e-7)``); None: off.
         feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
             stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
@@ -99,8 +107,15 @@ class TableBatchedEmbedding(nn.Module):
         plan_ahead: bool | None = None,
         feature_names: Sequence[str] | None = None,
         storage: Sequence[Storage | dict | str | None] | None = None,
+        max_gradient: float | None = None,
+        max_norm: float | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("max_gradient", max_gradient), ("max_norm", max_norm)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
+        self.max_gradient = None if max_gradient is None else float(max_gradient)
+        self.max_norm = None if max_norm is None else float(max_norm)
         tables = [(int(E), int(D)) for E, D in tables]
         if not tables or any(E < 1 or D < 1 for E, D in tables):
             raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
@@ -476,6 +491,8 @@ class TableBatchedEmbedding(nn.Module):
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
                 train,
             )
+        if self.max_norm is not None:
+            self._renorm(indices, offsets)
         out = tbe_lookup(
             self.weights,
             indices,
@@ -514,6 +531,25 @@ class TableBatchedEmbedding(nn.Module):
                 "for inference"
             )
 
+    def _renorm(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        """``max_norm``: renormalise the rows of the batch in place (``torch.embedding_renorm_``
+        per table, as ``torch.nn.Embedding``); ids outside a table are left to the bounds
+        check of the lookup."""
+        if capturing(self.weights.device):
+            raise RuntimeError("TableBatchedEmbedding(max_norm=): the renormalisation finds the "
+                               "batch's unique rows on the host; it cannot be captured")
+        T = len(self.feature_table_map)
+        B = (offsets.numel() - 1) // T
+        bounds = offsets[::B].tolist() if B else [0] * (T + 1)
+        with torch.no_grad():
+            for t, (rows, D) in enumerate(self.slot_tables):
+                feats = [f for f, tt in enumerate(self.feature_table_map) if tt == t]
+                ids = torch.cat([indices[bounds[f] : bounds[f + 1]] for f in feats])
+                ids = ids[(ids >= 0) & (ids < rows)].to(torch.int64)
+                if ids.numel():
+                    view = self.weights.detach()[self.table_offsets[t] : self.table_offsets[t + 1]]
+                    torch.embedding_renorm_(view.view(rows, D), ids, self.max_norm, 2.0)
+
     def _fused(self) -> FusedOptimizer | None:
         if self.optimizer is None:
             return None
@@ -524,6 +560,7 @@ class TableBatchedEmbedding(nn.Module):
             step=self._step,
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
+            max_gradient=self.max_gradient,
             hyper=self._device_hyper(),
         )
 
@@ -683,6 +720,8 @@ class TableBatchedEmbedding(nn.Module):
             f"tables={self.tables}, feature_table_map={self.feature_table_map}, "
             f"pooling={self.pooling}, optimizer={self.optimizer}, "
             f"weights_dtype={self.weights.dtype}, backend={self.backend}"
+            + (f", max_gradient={self.max_gradient}" if self.max_gradient is not None else "")
+            + (f", max_norm={self.max_norm}" if self.max_norm is not None else "")
             + ("".join(f", {n}: {st}" for n, st in zip(self.table_names, self.storage,
                                                       strict=True) if st.tier != "device"))
         )

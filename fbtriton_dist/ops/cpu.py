@@ -463,11 +463,81 @@ def _adam_step(opt: optim.Adam, g, w, t, rows, _, m1, __, m2):
     return step.mul_(-opt.lr)
 
 
+def _adam_family_step(opt, g, w, t, rows, _, m1, state_rows, m2, *, rowwise_v: bool,
+                      trust: bool):
+    """Partial-rowwise Adam, LAMB and partial-rowwise LAMB (``reference.tbe``'s
+    ``_adam_direction``, then the trust ratio): m per element; v per element, or
+    (``rowwise_v``) per row of the mean of g^2 (its state index ``state_rows``)."""
+    b1, b2 = opt.betas
+    mom1 = m1.index_select(0, rows).mul_(b1).add_(g, alpha=1.0 - b1)
+    m1.index_copy_(0, rows, mom1)
+    if rowwise_v:
+        v = torch.linalg.vecdot(g, g).div_(g.shape[1])
+        mom2 = m2.index_select(0, state_rows).mul_(b2).add_(v, alpha=1.0 - b2)
+        m2.index_copy_(0, state_rows, mom2)
+        denom = (mom2 / (1.0 - b2**t)).sqrt_().add_(opt.eps)[:, None]
+    else:
+        mom2 = m2.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        m2.index_copy_(0, rows, mom2)
+        denom = (mom2 / (1.0 - b2**t)).sqrt_().add_(opt.eps)
+    r = mom1.div_(1.0 - b1**t).div_(denom)
+    if opt.weight_decay:
+        r.add_(w, alpha=opt.weight_decay)
+    if not trust:
+        return r.mul_(-opt.lr)
+    w_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    r_norm = torch.linalg.vector_norm(r, dim=1, keepdim=True)
+    ratio = torch.where(r_norm > 0, w_norm / r_norm, torch.zeros_like(r_norm))
+    return r.mul_(ratio.mul_(-opt.lr))
+
+
+def _partial_rowwise_adam_step(opt, g, w, t, rows, *states):
+    return _adam_family_step(opt, g, w, t, rows, *states, rowwise_v=True, trust=False)
+
+
+def _lamb_step(opt, g, w, t, rows, _, m1, __, m2):
+    return _adam_family_step(opt, g, w, t, rows, None, m1, None, m2, rowwise_v=False,
+                             trust=True)
+
+
+def _partial_rowwise_lamb_step(opt, g, w, t, rows, *states):
+    return _adam_family_step(opt, g, w, t, rows, *states, rowwise_v=True, trust=True)
+
+
+def _lars_sgd_step(opt: optim.LarsSGD, g, w, t, rows, _, m1):
+    w_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    denom = torch.linalg.vector_norm(g, dim=1, keepdim=True) + opt.weight_decay * w_norm
+    rate = torch.where(denom > 0, opt.lr * opt.eta * w_norm / denom, torch.zeros_like(denom))
+    if opt.weight_decay:
+        g = g.add(w, alpha=opt.weight_decay)
+    mom = m1.index_select(0, rows).mul_(opt.momentum).add_(g.mul_(rate))
+    m1.index_copy_(0, rows, mom)
+    return mom.neg_()
+
+
+def _ftrl_step(opt: optim.FTRL, g, w, t, rows, _, m1, __, m2):
+    z, n = m1.index_select(0, rows), m2.index_select(0, rows)
+    n_new = n.addcmul(g, g)
+    sigma = (n_new.sqrt() - n.sqrt_()).div_(opt.lr)
+    z.add_(g).sub_(sigma.mul_(w))
+    m1.index_copy_(0, rows, z)
+    m2.index_copy_(0, rows, n_new)
+    denom = n_new.sqrt_().add_(opt.beta).div_(opt.lr).add_(opt.l2)
+    w_new = (z - torch.sign(z) * opt.l1).div_(denom).neg_()
+    w_new = torch.where(z.abs() <= opt.l1, torch.zeros_like(w_new), w_new)
+    return w_new.sub_(w)
+
+
 _STEPS = {
     "sgd": _sgd_step,
     "adagrad": _adagrad_step,
     "rowwise_adagrad": _rowwise_adagrad_step,
     "adam": _adam_step,
+    "partial_rowwise_adam": _partial_rowwise_adam_step,
+    "lamb": _lamb_step,
+    "partial_rowwise_lamb": _partial_rowwise_lamb_step,
+    "lars_sgd": _lars_sgd_step,
+    "ftrl": _ftrl_step,
 }
 """The step of each optimizer, by its registry name."""
 
@@ -476,8 +546,13 @@ _NEEDS_ROWS = {
     "adagrad": lambda opt: False,
     "rowwise_adagrad": lambda opt: opt.weight_decay != 0,
     "adam": lambda opt: opt.weight_decay != 0,
+    "partial_rowwise_adam": lambda opt: opt.weight_decay != 0,
+    "lamb": lambda opt: True,  # the trust ratio
+    "partial_rowwise_lamb": lambda opt: True,
+    "lars_sgd": lambda opt: True,
+    "ftrl": lambda opt: True,  # sigma * w, and the new rows replace the old
 }
-"""Does the step read the rows (weight decay)?"""
+"""Does the step read the rows (weight decay, a trust ratio)?"""
 
 STEP_OPTIMIZERS: tuple[str, ...] = tuple(_STEPS)
 """The optimizers the torch ops step (the CPU backend's capabilities read it)."""

@@ -79,8 +79,13 @@ class FusedOptimizer:
     stochastic_rounding: bool
     seed: int
     """The module's seed (fixed); each update's rounding seed derives from it and t."""
+    max_gradient: float | None = None
+    """Gradient clipping (FBGEMM's ``gradient_clipping`` / ``max_gradient``): each element
+    of ``grad_output`` is clamped to ``[-max_gradient, max_gradient]`` before the rows'
+    gradients are formed (before per-sample weights and mean pooling scale it, as FBGEMM's CPU
+    TBE does); None: no clipping. The per-sample weight gradient is not clipped."""
     hyper: torch.Tensor | None = None
-    """[7] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
+    """[12] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
     by the module, so a captured step sees a new learning rate); None: built per backward
     (a host-to-device copy, which a CUDA graph cannot capture)."""
 
@@ -392,6 +397,8 @@ class _TBELookup(torch.autograd.Function):
             common.update(plan=plan, num_rows=layout.num_rows)
         # rows: for backends whose kernels check each id against its table's rows
         common.update(row_align=layout.row_align, rows=layout.rows)
+        if fused is not None and fused.max_gradient is not None:
+            grad_output = grad_output.clamp(-fused.max_gradient, fused.max_gradient)
         result = impl.tbe_backward(
             grad_output,
             weights.detach(),

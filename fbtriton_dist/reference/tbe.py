@@ -282,15 +282,74 @@ def _rowwise_adagrad_update(
     return corr[:, None] * w - mult[:, None] * g
 
 
-def _adam_update(opt: optim.Adam, w, g, t, momentum1, momentum2, state_rows, elems):
+def _adam_direction(opt, w, g, t, momentum1, momentum2, state_rows, elems, rowwise_v: bool):
+    """Adam's ``m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, its moments updated in
+    place: m per element; v per element, or (``rowwise_v``) per row of the mean of g^2."""
     b1, b2 = opt.betas
     m1 = b1 * momentum1[elems] + (1.0 - b1) * g
-    m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g
     momentum1[elems] = m1
-    momentum2[elems] = m2
+    if rowwise_v:
+        m2 = b2 * momentum2[state_rows] + (1.0 - b2) * (g * g).mean(dim=1)
+        momentum2[state_rows] = m2
+        m2 = m2[:, None]
+    else:
+        m2 = b2 * momentum2[elems] + (1.0 - b2) * g * g
+        momentum2[elems] = m2
     m_hat = m1 / (1.0 - b1**t)
     v_hat = m2 / (1.0 - b2**t)
-    return w - opt.lr * (m_hat / (torch.sqrt(v_hat) + opt.eps) + opt.weight_decay * w)
+    return m_hat / (torch.sqrt(v_hat) + opt.eps) + opt.weight_decay * w
+
+
+def _trust_ratio(w, r):
+    """Per row ``||w|| / ||r||`` ([U, 1]), 0 where ``||r|| = 0``."""
+    w_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    r_norm = torch.linalg.vector_norm(r, dim=1, keepdim=True)
+    return torch.where(r_norm > 0, w_norm / r_norm, torch.zeros_like(r_norm))
+
+
+def _adam_update(opt: optim.Adam, w, g, t, momentum1, momentum2, state_rows, elems):
+    return w - opt.lr * _adam_direction(opt, w, g, t, momentum1, momentum2, state_rows, elems,
+                                        rowwise_v=False)
+
+
+def _partial_rowwise_adam_update(
+    opt: optim.PartialRowWiseAdam, w, g, t, momentum1, momentum2, state_rows, elems
+):
+    return w - opt.lr * _adam_direction(opt, w, g, t, momentum1, momentum2, state_rows, elems,
+                                        rowwise_v=True)
+
+
+def _lamb_update(opt: optim.LAMB, w, g, t, momentum1, momentum2, state_rows, elems):
+    r = _adam_direction(opt, w, g, t, momentum1, momentum2, state_rows, elems, rowwise_v=False)
+    return w - opt.lr * _trust_ratio(w, r) * r
+
+
+def _partial_rowwise_lamb_update(
+    opt: optim.PartialRowWiseLAMB, w, g, t, momentum1, momentum2, state_rows, elems
+):
+    r = _adam_direction(opt, w, g, t, momentum1, momentum2, state_rows, elems, rowwise_v=True)
+    return w - opt.lr * _trust_ratio(w, r) * r
+
+
+def _lars_sgd_update(opt: optim.LarsSGD, w, g, t, momentum1, momentum2, state_rows, elems):
+    w_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True)
+    denom = torch.linalg.vector_norm(g, dim=1, keepdim=True) + opt.weight_decay * w_norm
+    rate = torch.where(denom > 0, opt.lr * opt.eta * w_norm / denom, torch.zeros_like(denom))
+    m = opt.momentum * momentum1[elems] + rate * (g + opt.weight_decay * w)
+    momentum1[elems] = m
+    return w - m
+
+
+def _ftrl_update(opt: optim.FTRL, w, g, t, momentum1, momentum2, state_rows, elems):
+    z, n = momentum1[elems], momentum2[elems]
+    n_new = n + g * g
+    sigma = (torch.sqrt(n_new) - torch.sqrt(n)) / opt.lr
+    z = z + g - sigma * w
+    momentum1[elems] = z
+    momentum2[elems] = n_new
+    denom = (opt.beta + torch.sqrt(n_new)) / opt.lr + opt.l2
+    w_new = -(z - torch.sign(z) * opt.l1) / denom
+    return torch.where(z.abs() <= opt.l1, torch.zeros_like(w), w_new)
 
 
 UPDATES = {
@@ -298,6 +357,11 @@ UPDATES = {
     "adagrad": _adagrad_update,
     "rowwise_adagrad": _rowwise_adagrad_update,
     "adam": _adam_update,
+    "partial_rowwise_adam": _partial_rowwise_adam_update,
+    "lamb": _lamb_update,
+    "partial_rowwise_lamb": _partial_rowwise_lamb_update,
+    "lars_sgd": _lars_sgd_update,
+    "ftrl": _ftrl_update,
 }
 """The update of each optimizer, by its registry name."""
 

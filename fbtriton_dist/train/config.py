@@ -314,22 +314,39 @@ class EmbeddingOptimizerConfig:
     """Denominator epsilon; None: the default of the optimizer's torch / TorchRec class (its
     registry entry's), as with ``apply_optimizer_in_backward``."""
     weight_decay: float = 0.0
-    """L2 weight decay (only where the optimizer's torch class takes it: rowwise_adagrad)."""
+    """Weight decay (only where the optimizer's torch class takes it: rowwise_adagrad (L2),
+    partial_rowwise_adam, lamb, partial_rowwise_lamb (decoupled), lars_sgd)."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Adam's moment decays."""
+    """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
+    eta: float | None = None
+    """lars_sgd's trust coefficient; None: its default."""
+    momentum: float | None = None
+    """lars_sgd's momentum; None: its default."""
+    beta: float | None = None
+    """ftrl's beta; None: its default."""
+    l1: float | None = None
+    """ftrl's L1 regularisation; None: its default."""
+    l2: float | None = None
+    """ftrl's L2 regularisation; None: its default."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
         check_number("lr", self.lr, 0.0)
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
+        for name in ("eta", "momentum", "beta", "l1", "l2"):
+            _check_optional(check_number, name, getattr(self, name), 0.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
-        if self.weight_decay and "weight_decay" not in optim.spec(self.type).torch[0].kwargs:
-            with_decay = [n for n in optim.NAMES if "weight_decay" in optim.spec(n).torch[0].kwargs]
-            raise FieldError(
-                "weight_decay",
-                f"only supported with type: {', '.join(with_decay)}, got type: {self.type}",
-            )
+        # (optim.REGISTRY's ``keywords``)
+        given = {"weight_decay": bool(self.weight_decay)}
+        given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
+                                                                 "l2")})
+        for key in (k for k, v in given.items() if v):
+            if key not in optim.spec(self.type).keywords:
+                takers = [n for n in optim.NAMES if key in optim.spec(n).keywords]
+                raise FieldError(
+                    key, f"only supported with type: {', '.join(takers)}, got type: {self.type}"
+                )
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -172,8 +172,9 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     """Our fused optimizer for ``optimizer.embedding``: the keys its torch / TorchRec class
     takes (``optim.REGISTRY``), that class's defaults for those not given."""
     entry = optim.spec(c.type)
-    given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay}
-    kwargs = {k: v for k, v in given.items() if k in entry.torch[0].kwargs and v is not None}
+    given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay,
+             "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2}
+    kwargs = {k: v for k, v in given.items() if k in entry.keywords and v is not None}
     return entry.from_kwargs(kwargs, "optimizer.embedding")
 
 

@@ -25,6 +25,11 @@ OPTIMIZERS = {
     ),
     "adam": optim.Adam(lr=0.05, weight_decay=0.01),
     "adagrad-elementwise": optim.Adagrad(lr=0.1),
+    "partial-rowwise-adam": optim.PartialRowWiseAdam(lr=0.05, weight_decay=0.01),
+    "lamb": optim.LAMB(lr=0.05, weight_decay=0.01),
+    "partial-rowwise-lamb": optim.PartialRowWiseLAMB(lr=0.05),
+    "lars-sgd": optim.LarsSGD(lr=0.5, eta=0.01, weight_decay=0.01),
+    "ftrl": optim.FTRL(lr=0.2, l1=0.01, l2=0.1),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -56,6 +61,16 @@ CASES = [
     ("T8", "adam", "none", torch.float32, torch.int64, True, False),
     ("B24-L40", "sgd", "none", torch.bfloat16, torch.int64, False, True),
     ("one-row-table", "adagrad-elementwise", "none", torch.float32, torch.int32, False, False),
+    ("mixed-shared", "partial-rowwise-adam", "sum", torch.float32, torch.int64, True, True),
+    ("T8", "partial-rowwise-adam", "mean", torch.float16, torch.int32, False, False),
+    ("mixed-shared", "lamb", "mean", torch.float32, torch.int32, True, True),
+    ("B24-L40", "lamb", "sum", torch.bfloat16, torch.int64, False, True),
+    ("T8", "partial-rowwise-lamb", "sum", torch.float32, torch.int64, True, False),
+    ("mixed-shared", "partial-rowwise-lamb", "none", torch.float32, torch.int64, False, True),
+    ("mixed-shared", "lars-sgd", "sum", torch.float32, torch.int64, True, True),
+    ("one-row-table", "lars-sgd", "mean", torch.float16, torch.int64, False, False),
+    ("mixed-shared", "ftrl", "sum", torch.float32, torch.int32, True, True),
+    ("T8", "ftrl", "mean", torch.bfloat16, torch.int64, False, False),
 ]
 
 
@@ -248,3 +263,43 @@ def test_row_alignment_is_what_every_table_allows(tables, dtype, align):
     tbe = TableBatchedEmbedding(tables, weights_dtype=dtype, output_dtype=torch.float32,
                                 backend="reference")
     assert tbe._layout().row_align == align
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_max_norm_renormalises_rows_as_torch(backend, pooling):
+    """``max_norm``: the rows of the batch are renormalised in place before the lookup, as
+    ``F.embedding_bag(max_norm=)`` does (shared tables, duplicate ids, empty bags, an id
+    repeated across features); then a fused SGD step on the renormalised rows."""
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    tables, ftm, B = [(10, 3), (7, 8), (1, 5)], [0, 1, 0, 2], 4
+    indices, offsets, psw = make_batch(tables, ftm, B, 5, weighted=True, hot=True)
+    dev = device_for(backend)
+    tbe = TableBatchedEmbedding(tables, ftm, pooling=pooling, optimizer=optim.SGD(lr=0.1),
+                                backend=backend, device=dev, max_norm=0.05)
+    weights = [w.detach().cpu().clone() for w in tbe.split_embedding_weights()]
+    assert max(w.norm(dim=1).max() for w in weights) > 0.05  # some rows get renormalised
+    out = tbe(*to(dev, indices, offsets, psw))
+    expected, params = [], [w.clone().requires_grad_() for w in weights]
+    for f, t in enumerate(ftm):
+        o = offsets[f * B : (f + 1) * B + 1]
+        with torch.no_grad():  # F.embedding_bag's renormalisation, then its lookup
+            F.embedding_bag(indices[o[0] : o[-1]], params[t], o[:-1] - o[0], max_norm=0.05)
+    for f, t in enumerate(ftm):
+        o = offsets[f * B : (f + 1) * B + 1]
+        pooled = F.embedding_bag(indices[o[0] : o[-1]], params[t], o[:-1] - o[0], mode="sum",
+                                 per_sample_weights=psw[o[0] : o[-1]])
+        if pooling == "mean":
+            pooled = pooled / (o[1:] - o[:-1]).clamp(min=1)[:, None]
+        expected.append(pooled)
+    expected = torch.cat(expected, dim=1)
+    torch.testing.assert_close(out.detach().cpu(), expected.detach(), atol=1e-6, rtol=1e-5)
+    grad = upstream_grad(out, 0)
+    out.backward(grad)
+    expected.backward(grad.cpu())
+    for ours, p in zip(tbe.split_embedding_weights(), params, strict=True):
+        torch.testing.assert_close(ours.detach().cpu(), (p - 0.1 * p.grad).detach(), atol=1e-6,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match=r"max_norm: expected None or a number > 0, got -1"):
+        TableBatchedEmbedding(tables, ftm, max_norm=-1)

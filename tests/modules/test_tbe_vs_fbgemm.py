@@ -181,3 +181,58 @@ def test_pooling_none_matches_fbgemm_cpu(backend, opt_name, wdt):
     for a, b in zip(theirs.split_optimizer_states(), ours.split_optimizer_states(), strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(y.cpu().reshape(x.shape), x, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize(("opt_name", "pooling", "weighted"), [
+    ("sgd", "sum", True), ("adagrad", "mean", False), ("adagrad-elementwise", "sum", False)])
+def test_gradient_clipping_matches_fbgemm_cpu(backend, opt_name, pooling, weighted):
+    """``max_gradient`` as FBGEMM's ``gradient_clipping=True, max_gradient=...``: upstream
+    gradient elements clamped before per-sample weights / mean pooling scale them, then the
+    rows' gradients summed (duplicate and hot ids, empty bags, 3 steps)."""
+    if backend == "triton" and not TRITON_OK:
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    tables, ftm, B, max_L = TABLE_SETS["T3-shared"]
+    opt = OPTS[opt_name]
+    dev = device_for(backend)
+    ours = TableBatchedEmbedding(tables, ftm, pooling=pooling, optimizer=opt, backend=backend,
+                                 device=dev, stochastic_rounding=False, max_gradient=0.3)
+    entry = optim.spec_of(opt)
+    theirs = fbgemm.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(E, D, EmbeddingLocation.HOST, fbgemm.ComputeDevice.CPU)
+                         for E, D in tables],
+        feature_table_map=ftm,
+        optimizer=getattr(EmbOptimType, entry.fbgemm),
+        learning_rate=opt.lr,
+        pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN,
+        weights_precision=SparseType.FP32,
+        output_dtype=SparseType.FP32,
+        stochastic_rounding=False,
+        gradient_clipping=True,
+        max_gradient=0.3,
+        **(dict(eps=opt.eps) if "eps" in entry.hyper else {}),
+    )
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        a.copy_(b.cpu())
+    unclipped = TableBatchedEmbedding(tables, ftm, pooling=pooling, optimizer=opt,
+                                      backend="reference", stochastic_rounding=False)
+    unclipped.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        indices, offsets, psw = make_batch(tables, ftm, B, max_L, weighted=weighted, hot=True,
+                                           generator=g)
+        grad = upstream_grad(torch.empty(B, sum(tables[t][1] for t in ftm)), step)
+        for m, args in ((ours, to(dev, indices, offsets, psw)), (unclipped, (indices, offsets,
+                                                                              psw))):
+            m(*args).backward(grad.to(m.weights.device))
+        theirs(indices, offsets, per_sample_weights=psw).backward(grad)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b.cpu(), a, atol=1e-5, rtol=1e-5)
+    assert not all(torch.equal(b.cpu(), c) for b, c in zip(  # the clipping did clip
+        ours.split_embedding_weights(), unclipped.split_embedding_weights(), strict=True))
+    theirs_states = theirs.split_optimizer_states() or [[]] * len(tables)  # SGD: none
+    for a, b in zip(theirs_states, ours.split_optimizer_states(), strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y.cpu().reshape(x.shape), x, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"max_gradient: expected None or a number > 0, got 0"):
+        TableBatchedEmbedding(tables, ftm, optimizer=opt, max_gradient=0)

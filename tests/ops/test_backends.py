@@ -95,7 +95,12 @@ def test_capabilities_match_the_implementations():
 
     assert backends.capabilities("reference").optimizers == tuple(
         n for n in optim.NAMES if n in UPDATES)
+    # the CPU backend: every optimizer with a torch step; the native kernels where they have it
     assert backends.capabilities("cpu").optimizers == tuple(
+        n for n in optim.NAMES if n in cpu.STEP_OPTIMIZERS)
+    from fbtriton_dist.ops.backends import cpu as cpu_backend
+
+    assert cpu_backend.NATIVE_OPTIMIZERS == tuple(
         n for n in optim.NAMES if n in cpu_native.NATIVE_OPTIMIZERS and n in cpu.STEP_OPTIMIZERS)
     if TRITON_OK:
         from fbtriton_dist.kernels import tbe_optim

@@ -141,6 +141,15 @@ def _kjt(feats, lengths, values, weights, lo, hi, reverse_keys=False):
 def _optimizer(name):
     from torchrec.optim import RowWiseAdagrad
 
+    from fbtriton_dist import optim
+
+    fused = {  # the annotations of optim.torch_equivalent (TorchRec's placeholders, ours)
+        "partial_rowwise_adam": optim.PartialRowWiseAdam(lr=0.05, weight_decay=0.01),
+        "lamb": optim.LAMB(lr=0.05),
+        "ftrl": optim.FTRL(lr=0.2, l1=0.01, l2=0.1),
+    }
+    if name in fused:
+        return optim.torch_equivalent(fused[name])
     return {
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.3, "eps": 1e-8}),
         "adagrad": (torch.optim.Adagrad, {"lr": 0.3, "eps": 1e-8}),
@@ -222,6 +231,10 @@ CASES = [
     ("data_parallel", "rowwise_adagrad", False),
     ("mixed", "adagrad", False),
     ("mixed", "sgd", True),
+    # trust ratios and per-row moments over whole rows: row-wise, table-wise shards
+    ("row_wise", "lamb", False),
+    ("table_wise", "partial_rowwise_adam", True),
+    ("table_row_wise", "ftrl", False),
 ]
 
 

@@ -68,14 +68,15 @@ def test_unknown_top_level_key():
 def test_unknown_nested_key():
     msg = error(job(optimizer={"embedding": {"type": "sgd", "learning_rate": 0.1}}))
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
-    assert "[type, lr, eps, weight_decay, betas]" in msg
+    assert "[type, lr, eps, weight_decay, betas, eta, momentum, beta, l1, l2]" in msg
 
 
 def test_bad_choice_lists_choices():
     msg = error(job(optimizer={"embedding": {"type": "ada"}}))
     assert msg == (
         "jobs/x.yaml: optimizer.embedding.type: expected one of "
-        "[sgd, adagrad, rowwise_adagrad, adam], got 'ada'"
+        "[sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb, "
+        "partial_rowwise_lamb, lars_sgd, ftrl], got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
     assert "data.source: expected one of [synthetic, random_rec, criteo], got 'criteo_tsv'" in msg

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from fbtriton_dist import cli
+from fbtriton_dist import cli, optim
 from fbtriton_dist.train import checkpoint as ckpt
 from fbtriton_dist.train.job import main
 
@@ -85,7 +85,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in records(run_dir, "train")}
 
 
-@pytest.mark.parametrize("embedding", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("embedding", optim.NAMES)  # every fused optimizer of the registry
 def test_resume_repeats_the_uninterrupted_run(tmp_path, embedding):
     opt = {"embedding": {"type": embedding, "lr": 0.05}, "dense": {"type": "adam", "lr": 0.01}}
     common = {

@@ -3,9 +3,10 @@
 torch ops run on any device (host-synchronous on CUDA); the ops ``ops/cpu.py`` does not have
 (the fixed-shape placement of the input dist) are the reference's (``Backend.twin``).
 
-Its optimizers are those both paths implement: the C side's (``cpu_native.NATIVE_OPTIMIZERS``)
-that also have a torch step (``ops/cpu.py``'s ``_STEPS``), so that a registry optimizer the C
-code lacks is refused when a module is built.
+Its optimizers are those with a vectorised torch step (``ops/cpu.py``'s ``_STEPS``): the
+backward runs the native C kernels for the optimizers the C side implements
+(``cpu_native.NATIVE_OPTIMIZERS``, ``NATIVE_OPTIMIZERS`` below) and the torch step for the
+others, so a registry optimizer without a torch step is refused when a module is built.
 """
 
 from fbtriton_dist import optim
@@ -23,14 +24,15 @@ BACKEND = CPUBackend(
     "cpu",
     Capabilities(
         devices=("cpu", "cuda"),
-        # without the C source the native kernels never run: the torch steps decide
-        optimizers=tuple(
-            name for name in optim.NAMES
-            if name in (cpu_native.NATIVE_OPTIMIZERS or cpu.STEP_OPTIMIZERS)
-            and name in cpu.STEP_OPTIMIZERS
-        ),
+        # the torch steps run what the native kernels lack (cpu_native.backward declines it)
+        optimizers=tuple(name for name in optim.NAMES if name in cpu.STEP_OPTIMIZERS),
         native_input_check=True,
         tiers=("device", "host", "cached", "file"),
     ),
     "fbtriton_dist.ops.cpu",
 )
+
+NATIVE_OPTIMIZERS: tuple[str, ...] = tuple(
+    name for name in BACKEND.capabilities.optimizers if name in cpu_native.NATIVE_OPTIMIZERS
+)
+"""The backend's optimizers that its native C kernels update (the rest take the torch step)."""
