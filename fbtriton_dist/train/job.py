@@ -67,7 +67,7 @@ from .dense_optim import CapturableAdagrad
 from .env import Env
 from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
-from .models import TargetAttentionModel
+from .models import DCNv2Model, TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
 from .planning import GiB, make_plan  # noqa: F401 (GiB: tests use it)
@@ -211,7 +211,8 @@ def _collection(cls, configs, cfg: JobConfig, where: torch.device):
 
 
 def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn.Module:
-    """The job's model (``model.kind``): DLRM over our EmbeddingBagCollection, or the
+    """The job's model (``model.kind``): DLRM (or MLPerf's DLRM-dcnv2, ``models.DCNv2Model``)
+    over our EmbeddingBagCollection, or the
     target-attention model over an EmbeddingCollection of the sequence tables and an
     EmbeddingBagCollection of the others (``train/models.py``); the tables annotated with the
     fused optimizer. Tables with an ``id_manager`` are managed (raw ids remapped to slots,
@@ -241,6 +242,12 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
         # and an error inside a CUDA graph capture)
         model.inter_arch.to(device)
         return model
+    if cfg.model.kind == "dcnv2":
+        m = cfg.model
+        return DCNv2Model(ebc, features=[f for c in pooled for f in c.feature_names],
+                          num_dense=cfg.data.num_dense, dense_arch=m.dense_arch,
+                          over_arch=m.over_arch, cross_layers=m.cross_layers,
+                          low_rank=m.low_rank, dense_device=device)
     ec = _collection(EmbeddingCollection, _sequence_configs(cfg), cfg, where)
     apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
     dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}
