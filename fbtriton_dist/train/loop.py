@@ -560,7 +560,7 @@ class Trainer:
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         sps = self.throughput.run()
-        target = ({"target_auc": self.cfg.train.target_auc,
+        target = ({"target_auc": str(self.cfg.train.target_auc),
                    **(self.target or {"target_step": "not reached"})}
                   if self.cfg.train.target_auc is not None else {})
         return {
