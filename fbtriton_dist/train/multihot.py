@@ -14,9 +14,10 @@ one after the other, are cut into R contiguous parts, rank ``r`` taking part ``r
 ``N mod R`` parts one row longer), and ids are taken ``% E`` of their table. Every rank runs
 ``floor(N // R / B)`` full batches an epoch (the rest of its part is dropped, so that all ranks
 run the same steps; the eval set is cut the same way, so its last ``< R B`` rows are not
-evaluated, where the reference evaluates a last short batch). A :class:`~fbtriton_dist.train.data.DataPosition` counts the samples all
-ranks consumed: batch ``k`` of rank ``r`` is rows ``start_r + k B .. start_r + (k + 1) B``, so
-a resume on the same world size and batch size continues with the batch that comes next.
+evaluated, where the reference evaluates a last short batch). A ``DataPosition`` counts the
+samples all ranks consumed: batch ``k`` of rank ``r`` is rows ``start_r + k B`` to
+``start_r + (k + 1) B``, so a resume on the same world size and batch size continues with the
+batch that comes next.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from fbtriton_dist.sparse import KeyedJaggedTensor
 
 from .config import MultiHotConfig
 from .data import Batch, DataPosition, FeatureSpec

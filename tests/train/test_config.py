@@ -78,7 +78,8 @@ def test_bad_choice_lists_choices():
         "[sgd, adagrad, rowwise_adagrad, adam], got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
-    assert "data.source: expected one of [synthetic, random_rec, criteo], got 'criteo_tsv'" in msg
+    assert ("data.source: expected one of [synthetic, random_rec, criteo, multihot], got "
+            "'criteo_tsv'") in msg
 
 
 @pytest.mark.parametrize(
