@@ -12,9 +12,10 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
                                      # or {kind: sequence, target: item, history: [item_seq],
                                      #     dense_arch: [..], over_arch: [.., 1]} (pooling: none
-                                     #     tables are sequence tables)
+                                     #     tables are sequence tables), or {kind: dcnv2,
+                                     #     cross_layers: 3, low_rank: 512} (MLPerf's sizes)
     data:
-      source: synthetic              # synthetic | random_rec | criteo
+      source: synthetic              # synthetic | random_rec | criteo | multihot
       num_dense: 13
       synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5,
                   candidates_per_user: 1, user_features: null, vbe: true,  # K > 1: VBE
@@ -22,6 +23,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                   drift: null}   # {new_ids_per_step, window, features}: drift_config.py
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
+      multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
                comm: {wire_dtype: fp32, dedup: false,     # fp32 | bf16 | fp16 on the wire
@@ -66,6 +68,7 @@ from fbtriton_dist.planner._yaml import (
 )
 from fbtriton_dist.planner.tables import table_set_from_dict
 
+from . import mlperf_config as mlperf
 from .config_values import (
     _check_bool,
     _check_optional,
@@ -77,7 +80,7 @@ from .config_values import (
     _strings,
 )
 from .drift_config import DriftConfig, check_drift, drift_section
-from .mlperf_config import MULTIHOT_CONVERT, MultiHotConfig, model_defaults, scale_tables
+from .mlperf_config import MultiHotConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -246,16 +249,13 @@ class DataConfig:
         check_choice("source", self.source, _choices(DataSource))
         check_int("num_dense", self.num_dense, 1)
         check_int("prefetch", self.prefetch, 0)
-        if self.source == "multihot" and self.multihot is None:
-            raise FieldError("multihot", "required with source: multihot (dir: FOLDER)")
-        if self.source in ("criteo", "multihot"):
-            if self.source == "criteo" and self.criteo is None:
-                raise FieldError("criteo", "required with source: criteo (train: [files])")
-            if self.num_dense != CRITEO_DENSE:
-                raise FieldError(
-                    "num_dense",
-                    f"expected {CRITEO_DENSE} with source: {self.source}, got {self.num_dense}",
-                )
+        needs = {"criteo": (self.criteo, "train: [files]"), "multihot": (self.multihot, "dir")}
+        section, what = needs.get(self.source, (0, ""))
+        if section is None:
+            raise FieldError(self.source, f"required with source: {self.source} ({what})")
+        if self.source in needs and self.num_dense != CRITEO_DENSE:
+            raise FieldError("num_dense", f"expected {CRITEO_DENSE} with source: {self.source}, "
+                                          f"got {self.num_dense}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -590,12 +590,7 @@ class JobConfig:
                 raise FieldError(
                     "data.criteo.features", f"no column for the tables' feature(s) {missing}"
                 )
-        multihot_only = [k for k, on in (("train.eval_batches", self.train.eval_batches == "all"),
-                                          ("train.eval_every_epochs",
-                                           self.train.eval_every_epochs is not None)) if on]
-        if multihot_only and self.data.source != "multihot":
-            raise FieldError(multihot_only[0], "needs data.source: multihot (a known eval set "
-                             f"and epoch length), got data.source: {self.data.source}")
+        mlperf.check_multihot_only(self.train, self.data.source)
         if self.train.steps is None and self.data.source not in ("criteo", "multihot"):
             raise FieldError("train.steps", f"required with data.source: {self.data.source}")
 
@@ -641,8 +636,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
     model = _section(ModelConfig, where,
                      {"dense_arch": _ints, "over_arch": _ints, "history": _feature_names})
     converters: dict[str, Callable] = {
-        "tables": lambda v, k: scale_tables(_tables(where, base_dir)(v, k), scale),
-        "model": lambda v, k: model(model_defaults(v), k),
+        "tables": lambda v, k: mlperf.scale_tables(_tables(where, base_dir)(v, k), scale),
+        "model": lambda v, k: model(mlperf.model_defaults(v), k),
         "data": _section(
             DataConfig,
             where,
@@ -658,7 +653,7 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
                     where,
                     {"train": _strings, "eval": _strings, "features": _strings},
                 ),
-                "multihot": _section(MultiHotConfig, where, MULTIHOT_CONVERT),
+                "multihot": _section(MultiHotConfig, where, mlperf.MULTIHOT_CONVERT),
             },
         ),
         "sharding": _section(ShardingConfig, where, {"comm": _section(CommConfig, where)}),

@@ -31,6 +31,7 @@ __all__ = [
     "MLPERF_ROWS",
     "MLPERF_TARGET_AUC",
     "MultiHotConfig",
+    "check_multihot_only",
     "day_list",
     "model_defaults",
     "scale_tables",
@@ -118,3 +119,13 @@ def scale_tables(tables: TableSet, scale: Any, key: str = "table_scale") -> Tabl
                                                                           * scale)))
                    for t in tables.tables)
     return dataclasses.replace(tables, tables=scaled)
+
+
+def check_multihot_only(train: Any, source: str) -> None:
+    """``train.eval_batches: all`` and ``train.eval_every_epochs`` need a known eval set and
+    epoch length: ``data.source: multihot``."""
+    on = [k for k, v in (("eval_batches", train.eval_batches == "all"),
+                         ("eval_every_epochs", train.eval_every_epochs is not None)) if v]
+    if on and source != "multihot":
+        raise FieldError(f"train.{on[0]}", "needs data.source: multihot (a known eval set and "
+                         f"epoch length), got data.source: {source}")
