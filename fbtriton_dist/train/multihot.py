@@ -163,7 +163,7 @@ class MultiHotSource:
             lengths.append(torch.full((B,), L, dtype=torch.int64))
         kjt = KeyedJaggedTensor(keys=self.keys, values=torch.cat(values),
                                 lengths=torch.cat(lengths))
-        return Batch(dense=torch.from_numpy(np.array(dense)),
+        return Batch(dense=torch.from_numpy(np.ascontiguousarray(dense)),
                      sparse=kjt, labels=torch.from_numpy(labels.astype(np.float32)))
 
     def train_batches(self, position: DataPosition) -> Iterator[tuple[Batch, DataPosition]]:
