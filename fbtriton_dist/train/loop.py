@@ -549,8 +549,8 @@ class Trainer:
     def _reached_target(self, seconds: float) -> bool:
         """Whether the last evaluation reached ``train.target_auc`` (noted the first time)."""
         target = self.cfg.train.target_auc
-        if target is None or self.last_eval.get("auc", -1.0) < target:
-            return False
+        if target is None or not self.last_eval.get("auc", math.nan) >= target:
+            return False  # an AUC of nan (one class only) never reaches it
         if not self.target:
             self.target = {"target_step": self.step, "time_to_target_s": seconds}
             if self.env.rank == 0:

@@ -205,3 +205,17 @@ def test_a_job_on_the_files_stops_at_its_target_and_resumes(days, tmp_path, caps
     summary = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
                .split("\n") if x][-1]
     assert summary["steps"] == 6 and summary["target_step"] == "not reached"
+
+
+def test_a_nan_auc_never_reaches_the_target():
+    from types import SimpleNamespace
+
+    from fbtriton_dist.train.loop import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg = SimpleNamespace(train=SimpleNamespace(target_auc=0.5), name="x")
+    t.env, t.target, t.step = SimpleNamespace(rank=1), {}, 7
+    for auc, reached in [(float("nan"), False), (0.49, False), (0.5, True)]:
+        t.last_eval = {"auc": auc}
+        assert t._reached_target(1.0) is reached
+    assert t.target == {"target_step": 7, "time_to_target_s": 1.0}
