@@ -321,6 +321,12 @@ def _resume(cfg: JobConfig, env: Env, built: Built) -> tuple[int, DataPosition]:
     step = int(state["step"])
     position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
     _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
+    saved_world = int(state.get("world_size", env.world_size))
+    if cfg.data.source == "multihot" and saved_world != env.world_size:
+        _log(env, f"warning: --resume: the checkpoint was saved on {saved_world} ranks, this "
+                  f"run has {env.world_size}: each rank reads a contiguous part of the multi-hot "
+                  "files, so the rest of this epoch reads as many rows per rank from the new "
+                  "parts, not exactly the rows left (docs/mlperf.md)")
     if cfg.train.steps is not None and cfg.train.steps <= step:
         raise RunDirError(
             f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "
