@@ -12,9 +12,10 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     model: {dense_arch: [64, 16], over_arch: [64, 32, 1]}     # DLRM; dense_arch[-1] == D
                                      # or {kind: sequence, target: item, history: [item_seq],
                                      #     dense_arch: [..], over_arch: [.., 1]} (pooling: none
-                                     #     tables are sequence tables)
+                                     #     tables are sequence tables), or {kind: dcnv2,
+                                     #     cross_layers: 3, low_rank: 512} (MLPerf's sizes)
     data:
-      source: synthetic              # synthetic | random_rec | criteo
+      source: synthetic              # synthetic | random_rec | criteo | multihot
       num_dense: 13
       synthetic: {zipf: 1.05, zipf_per_feature: {f0: 1.2}, noise: 0.5,
                   candidates_per_user: 1, user_features: null, vbe: true,  # K > 1: VBE
@@ -22,6 +23,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                   drift: null}   # {new_ids_per_step, window, features}: drift_config.py
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
+      multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
                comm: {wire_dtype: fp32, dedup: false,     # fp32 | bf16 | fp16 on the wire
@@ -66,6 +68,7 @@ from fbtriton_dist.planner._yaml import (
 )
 from fbtriton_dist.planner.tables import table_set_from_dict
 
+from . import mlperf_config as mlperf
 from .config_values import (
     _check_bool,
     _check_optional,
@@ -77,6 +80,7 @@ from .config_values import (
     _strings,
 )
 from .drift_config import DriftConfig, check_drift, drift_section
+from .mlperf_config import MultiHotConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -100,7 +104,8 @@ __all__ = [
 ]
 
 DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
-DataSource = Literal["synthetic", "random_rec", "criteo"]
+DataSource = Literal["synthetic", "random_rec", "criteo", "multihot"]
+ModelKind = Literal["dlrm", "dcnv2", "sequence"]
 CRITEO_DENSE, CRITEO_SPARSE = 13, 26
 
 
@@ -114,8 +119,10 @@ class ModelConfig:
     EmbeddingBagCollection) or ``sequence`` (``train/models.py``: target attention over
     behaviour sequences looked up by an EmbeddingCollection, pooled tables beside them)."""
 
-    kind: Literal["dlrm", "sequence"] = "dlrm"
-    """``dlrm``: every table pooled; ``sequence``: tables with ``pooling: none`` are sequence
+    kind: ModelKind = "dlrm"
+    """``dlrm``: every table pooled; ``dcnv2``: MLPerf's DLRM-dcnv2 (``models.DCNv2Model``,
+    every table pooled, a low-rank cross network; layer sizes default to MLPerf's);
+    ``sequence``: tables with ``pooling: none`` are sequence
     tables (an EmbeddingCollection), the others pooled (an EmbeddingBagCollection)."""
     dense_arch: tuple[int, ...] = (64, 16)
     """Layer sizes of the MLP over the dense features (DLRM: the last must equal every
@@ -128,9 +135,15 @@ class ModelConfig:
     history: tuple[str, ...] = ()
     """``sequence``: behaviour-sequence features (sequence tables of the target's D), each
     attended to by the target."""
+    cross_layers: int = 3
+    """``dcnv2``: layers of the low-rank cross network."""
+    low_rank: int = 512
+    """``dcnv2``: rank r of each cross layer's ``W [N, r] V [r, N]``."""
 
     def __post_init__(self) -> None:
-        check_choice("kind", self.kind, ("dlrm", "sequence"))
+        check_choice("kind", self.kind, _choices(ModelKind))
+        check_int("cross_layers", self.cross_layers, 0)
+        check_int("low_rank", self.low_rank, 1)
         if len(self.over_arch) < 2 or self.over_arch[-1] != 1:
             raise FieldError(
                 "over_arch", f"expected at least two layer sizes ending in 1, got {self.over_arch}"
@@ -166,12 +179,16 @@ class SyntheticConfig:
     there, by the data thread), ``cpu`` on the host (then copied)."""
     drift: DriftConfig | None = None
     """An open id space that drifts (raw int64 ids, new ones every step): ``drift_config.py``."""
+    fixed_bags: bool = False
+    """Every bag holds exactly its feature's pooling factor (rounded) ids, as MLPerf's
+    multi-hot data; false: Poisson lengths around it."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("auto", "cpu"))
         check_number("zipf", self.zipf, 0.0)
         check_number("noise", self.noise, 0.0)
         check_int("candidates_per_user", self.candidates_per_user, 1)
+        _check_bool("fixed_bags", self.fixed_bags)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -222,6 +239,8 @@ class DataConfig:
     """Options of ``source: random_rec``."""
     criteo: CriteoConfig | None = None
     """Options of ``source: criteo`` (required with it)."""
+    multihot: MultiHotConfig | None = None
+    """Options of ``source: multihot`` (required with it): MLPerf's multi-hot Criteo files."""
     prefetch: int = 4
     """Training batches made ahead by a background thread (a bounded queue of this many;
     pinned on CUDA); 0: made in the training thread. The batches and order do not change."""
@@ -230,14 +249,13 @@ class DataConfig:
         check_choice("source", self.source, _choices(DataSource))
         check_int("num_dense", self.num_dense, 1)
         check_int("prefetch", self.prefetch, 0)
-        if self.source == "criteo":
-            if self.criteo is None:
-                raise FieldError("criteo", "required with source: criteo (train: [files])")
-            if self.num_dense != CRITEO_DENSE:
-                raise FieldError(
-                    "num_dense",
-                    f"expected {CRITEO_DENSE} with source: criteo, got {self.num_dense}",
-                )
+        needs = {"criteo": (self.criteo, "train: [files]"), "multihot": (self.multihot, "dir")}
+        section, what = needs.get(self.source, (0, ""))
+        if section is None:
+            raise FieldError(self.source, f"required with source: {self.source} ({what})")
+        if self.source in needs and self.num_dense != CRITEO_DENSE:
+            raise FieldError("num_dense", f"expected {CRITEO_DENSE} with source: {self.source}, "
+                                          f"got {self.num_dense}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -395,8 +413,15 @@ class TrainConfig:
     """B, samples per rank per step."""
     eval_every: int = 0
     """Evaluate every this many steps (0: only at the end)."""
-    eval_batches: int = 4
-    """Batches per rank in one evaluation (0: never evaluate)."""
+    eval_batches: int | Literal["all"] = 4
+    """Batches per rank in one evaluation (0: never evaluate; ``all``: the whole eval set,
+    ``data.source: multihot``)."""
+    eval_every_epochs: float | None = None
+    """Evaluate every this fraction of an epoch (MLPerf: 0.05), instead of ``eval_every``
+    (``data.source: multihot``, whose epoch length is known)."""
+    target_auc: float | None = None
+    """Stop at the first evaluation whose AUC reaches this (MLPerf: 0.80275); the summary
+    then gives ``time_to_target_s`` and ``target_step``."""
     pipeline: Literal["auto", "plain", "overlap", "graph"] = "auto"
     """The step loop. ``plain``: batch after batch, in order (debugging); ``overlap``:
     ``TrainPipeline``, the next batch's input dist runs while this batch trains (sharded runs;
@@ -420,7 +445,10 @@ class TrainConfig:
             raise FieldError("steps", "give steps or epochs (or both)")
         check_int("batch_size", self.batch_size, 1)
         check_int("eval_every", self.eval_every, 0)
-        check_int("eval_batches", self.eval_batches, 0)
+        if self.eval_batches != "all":
+            check_int("eval_batches", self.eval_batches, 0)
+        _check_optional(check_number, "eval_every_epochs", self.eval_every_epochs, 0.0, True)
+        _check_optional(check_number, "target_auc", self.target_auc, 0.0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -498,11 +526,14 @@ class JobConfig:
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Run folder, metrics, progress bar, TensorBoard."""
+    table_scale: float = 1.0
+    """Every table's rows times this (ceil, at least 1; ``tables`` already holds the scaled
+    rows): MLPerf's tables on a CPU. Ids beyond a scaled table wrap (``% E``)."""
 
     def _check_model(self) -> None:
         tables = self.tables.tables
         sequence = [t for t in tables if t.pooling == "none"]
-        if self.model.kind == "dlrm":
+        if self.model.kind in ("dlrm", "dcnv2"):
             if sequence:
                 raise FieldError(
                     "model.kind",
@@ -576,7 +607,8 @@ class JobConfig:
                 raise FieldError(
                     "data.criteo.features", f"no column for the tables' feature(s) {missing}"
                 )
-        if self.train.steps is None and self.data.source != "criteo":
+        mlperf.check_multihot_only(self.train, self.data.source)
+        if self.train.steps is None and self.data.source not in ("criteo", "multihot"):
             raise FieldError("train.steps", f"required with data.source: {self.data.source}")
 
     def path(self, p: str) -> str:
@@ -617,10 +649,12 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
     name = top.pop("name", None)
     if name is None:
         name = os.path.splitext(os.path.basename(where))[0] if where != "<job>" else "job"
+    scale = top.get("table_scale", 1.0)
+    model = _section(ModelConfig, where,
+                     {"dense_arch": _ints, "over_arch": _ints, "history": _feature_names})
     converters: dict[str, Callable] = {
-        "tables": _tables(where, base_dir),
-        "model": _section(ModelConfig, where,
-                          {"dense_arch": _ints, "over_arch": _ints, "history": _feature_names}),
+        "tables": lambda v, k: mlperf.scale_tables(_tables(where, base_dir)(v, k), scale),
+        "model": lambda v, k: model(mlperf.model_defaults(v), k),
         "data": _section(
             DataConfig,
             where,
@@ -636,6 +670,7 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
                     where,
                     {"train": _strings, "eval": _strings, "features": _strings},
                 ),
+                "multihot": _section(MultiHotConfig, where, mlperf.MULTIHOT_CONVERT),
             },
         ),
         "sharding": _section(ShardingConfig, where, {"comm": _section(CommConfig, where)}),

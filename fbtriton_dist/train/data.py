@@ -233,6 +233,7 @@ class SyntheticSource:
     user, the others one per sample: a KJT with ``stride_per_key_per_rank`` and
     ``inverse_indices`` (each sample's row of every feature), as TorchRec's VBE batches;
     ``vbe=False``: the same samples as a fixed batch (each user bag copied per candidate).
+    ``fixed_bags``: every bag exactly L ids (L rounded), as MLPerf's multi-hot data.
     """
 
     def __init__(
@@ -249,8 +250,10 @@ class SyntheticSource:
         user_features: Sequence[str] | None = None,
         vbe: bool = True,
         device: torch.device | str = "cpu",
+        fixed_bags: bool = False,
     ) -> None:
         self.features = list(features)
+        self.fixed_bags = fixed_bags
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -300,7 +303,10 @@ class SyntheticSource:
         rate = torch.tensor([f.pooling_factor for f in self.features], **f64)
         bag_feature = torch.repeat_interleave(torch.arange(T, device=dev),
                                               torch.tensor(bags, device=dev))
-        lengths = torch.poisson(rate[bag_feature], generator=g).long()
+        if self.fixed_bags:  # MLPerf's multi-hot bags: exactly L ids each
+            lengths = rate[bag_feature].round().long()
+        else:
+            lengths = torch.poisson(rate[bag_feature], generator=g).long()
         n = int(lengths.sum())  # the one host sync
         id_feature = torch.repeat_interleave(bag_feature, lengths, output_size=n)
         u = torch.rand(n, generator=g, **f64)
@@ -573,6 +579,7 @@ def make_source(
             features, num_dense=data.num_dense, seed=seed, noise=syn.noise,
             candidates_per_user=syn.candidates_per_user, user_features=syn.user_features,
             vbe=syn.vbe, device=device if syn.device == "auto" else "cpu",
+            fixed_bags=syn.fixed_bags,
             **common,
         )
     if data.source == "random_rec":

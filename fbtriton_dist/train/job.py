@@ -67,7 +67,7 @@ from .dense_optim import CapturableAdagrad
 from .env import Env
 from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
-from .models import TargetAttentionModel
+from .models import DCNv2Model, TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
 from .planning import GiB, make_plan  # noqa: F401 (GiB: tests use it)
@@ -212,7 +212,8 @@ def _collection(cls, configs, cfg: JobConfig, where: torch.device):
 
 
 def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn.Module:
-    """The job's model (``model.kind``): DLRM over our EmbeddingBagCollection, or the
+    """The job's model (``model.kind``): DLRM (or MLPerf's DLRM-dcnv2, ``models.DCNv2Model``)
+    over our EmbeddingBagCollection, or the
     target-attention model over an EmbeddingCollection of the sequence tables and an
     EmbeddingBagCollection of the others (``train/models.py``); the tables annotated with the
     fused optimizer. Tables with an ``id_manager`` are managed (raw ids remapped to slots,
@@ -242,6 +243,12 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
         # and an error inside a CUDA graph capture)
         model.inter_arch.to(device)
         return model
+    if cfg.model.kind == "dcnv2":
+        m = cfg.model
+        return DCNv2Model(ebc, features=[f for c in pooled for f in c.feature_names],
+                          num_dense=cfg.data.num_dense, dense_arch=m.dense_arch,
+                          over_arch=m.over_arch, cross_layers=m.cross_layers,
+                          low_rank=m.low_rank, dense_device=device)
     ec = _collection(EmbeddingCollection, _sequence_configs(cfg), cfg, where)
     apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
     dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}
@@ -315,6 +322,12 @@ def _resume(cfg: JobConfig, env: Env, built: Built) -> tuple[int, DataPosition]:
     step = int(state["step"])
     position = DataPosition(epoch=int(state["epoch"]), samples=int(state["samples"]))
     _log(env, f"resumed from {path}: step {step}, epoch {position.epoch}")
+    saved_world = int(state.get("world_size", env.world_size))
+    if cfg.data.source == "multihot" and saved_world != env.world_size:
+        _log(env, f"warning: --resume: the checkpoint was saved on {saved_world} ranks, this "
+                  f"run has {env.world_size}: each rank reads a contiguous part of the multi-hot "
+                  "files, so the rest of this epoch reads as many rows per rank from the new "
+                  "parts, not exactly the rows left (docs/mlperf.md)")
     if cfg.train.steps is not None and cfg.train.steps <= step:
         raise RunDirError(
             f"train.steps = {cfg.train.steps}, but the checkpoint {path} is at step "

@@ -250,6 +250,8 @@ class Trainer:
         self._step_t = torch.zeros((), dtype=torch.int64, device=env.device)
         """The step being trained, counted on the device (a replayed graph counts too)."""
         self.skipped = 0  # steps dropped by train.nonfinite: skip
+        self.target: dict[str, float] = {}
+        """``train.target_auc`` reached: the step and seconds since the loop began."""
 
     # -- one step --------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> torch.Tensor | None:
@@ -490,6 +492,7 @@ class Trainer:
             dynamic_ncols=True,
         )
         self._plain_lines = rank0 and cfg.logging.progress_bar and not tty
+        every_eval = self.eval_interval()
         t0 = time.perf_counter()
         self.throughput.restart_clock()
         try:
@@ -509,9 +512,11 @@ class Trainer:
                 self.throughput.step()
                 if log_now:
                     self._log(metrics, bar)
-                every_eval, every_ckpt = t.eval_every, cfg.checkpoint.every
+                every_ckpt = cfg.checkpoint.every
                 if every_eval and self.step % every_eval == 0 and eval_batches:
                     self._evaluate(metrics, eval_batches)
+                    if self._reached_target(time.perf_counter() - t0):
+                        break
                 if cfg.checkpoint.enabled and every_ckpt and self.step % every_ckpt == 0:
                     self._check_finite()  # never a checkpoint of nan weights
                     self._checkpoint()
@@ -519,9 +524,10 @@ class Trainer:
             self._check_finite()
             if self._window_steps or self._window_skipped:
                 self._log(metrics, bar)
-            evaluated_last_step = t.eval_every and self.step % t.eval_every == 0 and self.last_eval
+            evaluated_last_step = every_eval and self.step % every_eval == 0 and self.last_eval
             if eval_batches and not evaluated_last_step:
                 self._evaluate(metrics, eval_batches)
+                self._reached_target(time.perf_counter() - t0)
             if cfg.checkpoint.enabled and self.steps_run and self._saved_at != self.step:
                 self._checkpoint()
             summary = self.summary(time.perf_counter() - t0)
@@ -531,7 +537,32 @@ class Trainer:
             metrics.close()
         return summary
 
+    def eval_interval(self) -> int:
+        """Steps between evaluations: ``train.eval_every``, or ``eval_every_epochs`` of the
+        source's ``steps_per_epoch`` (at least 1)."""
+        t = self.cfg.train
+        per_epoch = getattr(self.source, "steps_per_epoch", None)
+        if t.eval_every_epochs is None or per_epoch is None:
+            return t.eval_every
+        return max(1, round(per_epoch * t.eval_every_epochs))
+
+    def _reached_target(self, seconds: float) -> bool:
+        """Whether the last evaluation reached ``train.target_auc`` (noted the first time)."""
+        target = self.cfg.train.target_auc
+        if target is None or not self.last_eval.get("auc", math.nan) >= target:
+            return False  # an AUC of nan (one class only) never reaches it
+        if not self.target:
+            self.target = {"target_step": self.step, "time_to_target_s": seconds}
+            if self.env.rank == 0:
+                print(f"{self.cfg.name}: eval AUC {self.last_eval['auc']:.5f} >= target "
+                      f"{target} at step {self.step}, {seconds:.1f} s", flush=True)
+        return True
+
     def summary(self, wall_s: float) -> dict[str, Any]:
+        sps = self.throughput.run()
+        target = ({"target_auc": str(self.cfg.train.target_auc),
+                   **(self.target or {"target_step": "not reached"})}
+                  if self.cfg.train.target_auc is not None else {})
         return {
             "job": self.cfg.name,
             "world_size": self.env.world_size,
@@ -539,7 +570,9 @@ class Trainer:
             "steps": self.step,
             "steps_this_run": self.steps_run,
             "wall_s": wall_s,
-            "samples_per_s": self.throughput.run(),
+            "samples_per_s": sps,
+            "samples_per_s_per_rank": sps / self.env.world_size,
+            **target,
             "train_loss": self.last_loss,
             "eval_loss": self.last_eval.get("loss", math.nan),
             "eval_auc": self.last_eval.get("auc", math.nan),

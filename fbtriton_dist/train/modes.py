@@ -87,7 +87,7 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
         why.append("train.nonfinite: skip checks every step on the host")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
-    if cfg.model.kind != "dlrm":
+    if cfg.model.kind == "sequence":
         why.append(f"model.kind: {cfg.model.kind} (the sharded EmbeddingCollection has no "
                    "fixed shapes)")
     syn = cfg.data.synthetic

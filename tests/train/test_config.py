@@ -79,7 +79,8 @@ def test_bad_choice_lists_choices():
         "partial_rowwise_lamb, lars_sgd, ftrl], got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
-    assert "data.source: expected one of [synthetic, random_rec, criteo], got 'criteo_tsv'" in msg
+    assert ("data.source: expected one of [synthetic, random_rec, criteo, multihot], got "
+            "'criteo_tsv'") in msg
 
 
 @pytest.mark.parametrize(
