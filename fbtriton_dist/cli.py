@@ -231,7 +231,7 @@ def _plan_png(path: str, cost, title: str, budget_bytes: float) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from fbtriton_dist.train.config import add_arguments  # torch-free
+    from fbtriton_dist.train.command import add_arguments  # torch-free
 
     p = sub.add_parser(
         "train",
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "train":  # KEY.PATH=VALUE overrides may follow options
-        from fbtriton_dist.train.config import finish_arguments
+        from fbtriton_dist.train.command import finish_arguments
 
         args = finish_arguments(parser, args, extra)
     elif extra:

@@ -52,15 +52,12 @@ from .checkpoint import (
     remove_run_files,
     usable_checkpoint,
 )
+from .command import add_arguments, finish_arguments, other_run, run_dir_problem
 from .config import (
     DenseOptimizerConfig,
     EmbeddingOptimizerConfig,
     JobConfig,
-    add_arguments,
-    finish_arguments,
     load_job,
-    other_run,
-    run_dir_problem,
 )
 from .data import DataPosition
 from .dense_optim import CapturableAdagrad

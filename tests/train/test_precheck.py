@@ -5,7 +5,7 @@ another run is said once, exit 2, as one process says it; nothing imports torch.
 import subprocess
 import sys
 
-from fbtriton_dist.train.config import precheck
+from fbtriton_dist.train.command import precheck
 from tests.train.test_job import write_job
 from tests.train.test_multirank import ROOT
 
@@ -40,7 +40,7 @@ def test_multinode_script_stops_before_torchrun_on_a_bad_config(tmp_path):
 
 def test_precheck_does_not_import_torch(tmp_path):
     path = write_job(tmp_path)
-    code = ("import sys; from fbtriton_dist.train.config import precheck; "
+    code = ("import sys; from fbtriton_dist.train.command import precheck; "
             f"rc = precheck(['--config', {str(path)!r}]); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

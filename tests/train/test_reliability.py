@@ -68,7 +68,7 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys, entry):
 @pytest.mark.parametrize("entry", ["job", "cli", "precheck"])
 def test_abbreviated_options_are_not_expanded(tmp_path, entry):
     """``--o`` was taken for ``--overwrite`` and deleted the run it was meant to keep."""
-    from fbtriton_dist.train.config import precheck
+    from fbtriton_dist.train.command import precheck
 
     path, run = _trained(tmp_path)
     before = _snapshot(run)
