@@ -115,7 +115,8 @@ class CostModel:
         wire formats, ``WIRE_FORMATS`` names."""
         for key, name in (("wire_dtype", forward), ("backward_wire_dtype", backward)):
             if name is not None and name not in WIRE_FORMATS:
-                raise ValueError(f"{key}: expected one of {list(WIRE_FORMATS)}, got {name!r}")
+                raise ValueError(f"{key}: expected one of [{', '.join(WIRE_FORMATS)}], got "
+                                 f"{name!r}")
         (o, s), (g, t) = WIRE_FORMATS[forward], WIRE_FORMATS[backward or forward]
         return cls(output_bytes=o, output_row_bytes=s, grad_bytes=g, grad_row_bytes=t, **kw)
 
