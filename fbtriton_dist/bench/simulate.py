@@ -60,6 +60,8 @@ from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sharding.dist.output_dist import OutputDist
 from fbtriton_dist.train.data import power_law_rows
 
+FP32 = WireFormat("fp32")
+
 __all__ = ["RankTraffic", "Simulation", "compare", "compare_collectives", "format_comparison",
            "max_collective_errors", "sample_ranks", "simulate"]
 
@@ -319,7 +321,7 @@ def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Seque
 
 
 def _from_source(coll: _Collection, sfs, counts: np.ndarray, B: int, id_dtype,
-                 hdr: float, bwd: WireFormat = WireFormat()) -> dict[str, float]:
+                 hdr: float, bwd: WireFormat = FP32) -> dict[str, float]:
     """What a destination holding ``sfs`` gets from one source whose batch put ``counts`` ids
     in them: ids, row bytes looked up, and bytes per collective (the input dist's message
     layout; a sequence table's gradient rows back, fp32)."""

@@ -7,7 +7,8 @@
 - ``CommOptions``: names, dtypes, TorchRec's ``QCommsConfig`` and clear errors;
 - on gloo (2 and 3 ranks, uneven batches): a sharded EBC with every sharding type (mixed
   plan) and a sharded EC, fp8 and int8 both ways, within the per-hop bound of the exact
-  result, forward and the SGD weight change; ``"fp32"`` bit-identical to the default;
+  result, forward and the SGD weight change; ``"fp32"`` bit-identical to the default; a VBE
+  step with int8;
 - ``comm_report``: the quantized values plus per-row scales, counted by hand, forward and
   backward in their own formats, and the planner's estimate equal to it.
 """
@@ -257,7 +258,7 @@ def _ec_wire(rank, world, fmt):
     import fbtriton_dist
     from fbtriton_dist.sharding import CommOptions
     from tests.sharding.test_sharded_ec import _configs as ec_configs
-    from tests.sharding.test_sharded_ec import _feature_batch, _plan_for, _rows_of
+    from tests.sharding.test_sharded_ec import _feature_batch, _plan_for
 
     configs, dev, sizes = ec_configs(), device(), BATCH[:world]
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
@@ -350,3 +351,40 @@ def test_comm_report_counts_values_and_row_scales(kind):
         assert rep["output_dist.total"]["received"] == rep["output_dist.total"]["planner_estimate"]
     for key in ("output_dist.forward", "output_dist.backward"):
         assert sum(r[key]["sent"] for r in reports) == sum(r[key]["received"] for r in reports)
+
+
+def _vbe_wire(rank, world, fmt):
+    import fbtriton_dist
+    from fbtriton_dist.sharding import CommOptions
+    from tests.sharding.test_sharded_ebc import _plan
+    from tests.sharding.test_sharded_vbe import _bags, _local_kjt
+
+    configs = _configs(False)
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs, device=device())
+    out, reports = {}, {}
+    for wire in ("fp32", fmt):
+        m = fbtriton_dist.shard(copy.deepcopy(ebc), _plan("mixed", world),
+                                optimizer=fbtriton_dist.optim.SGD(),
+                                comm=CommOptions(wire_dtype=wire))
+        got = m(_local_kjt(configs, _bags(configs, world, 0, False), rank).to(device()))
+        got.values().sum().backward()
+        out[wire], reports[wire] = got.values().detach(), m.comm_report()
+    err = float((out[fmt] - out["fp32"]).abs().max()) if out[fmt].numel() else 0.0
+    return err, float(out["fp32"].abs().max()) if out[fmt].numel() else 0.0, reports
+
+
+def test_vbe_step_with_an_8bit_wire():
+    """A VBE step (each feature its own rows on the wire), mixed plan, 3 ranks, one with no
+    samples: int8 close to fp32 (a sanity check: the bound per element is checked above), and
+    the bytes every rank sends are the bytes the others receive, scales included."""
+    world = 3
+    results = run_ranks(_vbe_wire, world, "int8")
+    errs = [e for e, _, _ in results]
+    assert max(errs) > 0
+    for e, scale, _ in results:
+        assert e <= 0.02 * max(scale, 1e-6) * 2 * world
+    for key in ("output_dist.forward", "output_dist.backward", "output_dist.host_reduce_scatter"):
+        sent = sum(r["int8"][key]["sent"] for _, _, r in results)
+        assert sent == sum(r["int8"][key]["received"] for _, _, r in results)
+        assert sent < sum(r["fp32"][key]["sent"] for _, _, r in results) or sent == 0
