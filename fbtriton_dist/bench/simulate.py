@@ -54,10 +54,13 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.arguments import add_simulate_arguments
 from fbtriton_dist.planner.cost import CostAccumulator
+from fbtriton_dist.sharding.comm.wire import WireFormat
 from fbtriton_dist.sharding.dist.input_dist import InputDist, message
 from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sharding.dist.output_dist import OutputDist
 from fbtriton_dist.train.data import power_law_rows
+
+FP32 = WireFormat("fp32")
 
 __all__ = ["RankTraffic", "Simulation", "compare", "compare_collectives", "format_comparison",
            "max_collective_errors", "sample_ranks", "simulate"]
@@ -243,8 +246,10 @@ def _bucketized_counts(values: torch.Tensor, offsets: torch.Tensor,
 
 def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Sequence[int],
                          B: int, seed: int, backend: str, out: dict[int, RankTraffic],
-                         ids: str = "planner") -> None:
-    """Add what every rank of ``ranks`` gets from ``coll`` in one step to ``out``."""
+                         ids: str = "planner", wire: tuple[str, str] = ("fp32", "fp32")) -> None:
+    """Add what every rank of ``ranks`` gets from ``coll`` in one step to ``out`` (pooled
+    values and rows in the ``wire`` formats, forward and backward)."""
+    fwd, bwd = (WireFormat(w) for w in wire)
     lay, R = coll.layout, coll.layout.world_size
     H = lay.local_world_size
     # the input dist's own numbers: each destination's id dtype, the header's width
@@ -273,7 +278,7 @@ def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Seque
             got[q][s] = counts[at:at + n_sf[q]]
             at += n_sf[q]
         if coll.sequence and s in ranks_set:
-            back = [(h // H != s // H, int(c) * sf.dim) for (h, sf), c in
+            back = [(h // H != s // H, fwd.nbytes(int(c) * sf.dim, int(c))) for (h, sf), c in
                     zip(cut[len(targets):], counts[len(targets):], strict=True) if h != s]
             back_rows[s] = (float(sum(n for _, n in back)), float(sum(n for f, n in back if f)))
         if coll.sequence:
@@ -285,7 +290,7 @@ def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Seque
     for q in ranks:
         t = out.setdefault(q, RankTraffic(q))
         sfs = lay.local[q]
-        terms = {s: _from_source(coll, sfs, got[q][s], B, sender.id_dtype[q], hdr)
+        terms = {s: _from_source(coll, sfs, got[q][s], B, sender.id_dtype[q], hdr, bwd)
                  for s in sources}
         same, other = _scaled(q, H, R, terms)
         own = terms[q]
@@ -295,27 +300,28 @@ def _simulate_collection(coll: _Collection, ranks: Sequence[int], sources: Seque
         for k in names:
             t.add(k, same[k] + other[k])
         t.inter_host_bytes += sum(other[k] for k in names)
-        if coll.sequence:  # forward: the rows of q's ids from every other holder (fp32)
-            t.add("sequence_dist.forward", back_rows[q][0] * 4)
-            t.inter_host_bytes += back_rows[q][1] * 4
+        if coll.sequence:  # forward: the rows of q's ids from every other holder
+            t.add("sequence_dist.forward", back_rows[q][0])
+            t.inter_host_bytes += back_rows[q][1]
             # backward of the replicas' own rows: an all-gather of every rank's gradient
             # rows, each padded to the most any rank has (fp32)
             dp = (R - 1) * max(own_dp_ids.values(), default=0.0) * 4
             t.add("data_parallel.grad_all_gather", dp)
             t.inter_host_bytes += dp * (R - H) / max(R - 1, 1)
             continue
-        od = OutputDist(lay, q, torch.device("cpu"))
+        od = OutputDist(lay, q, torch.device("cpu"), (fwd, bwd))
         sizes = [B] * R
         traffic = od.traffic(sizes)
         for k, (_, received) in traffic.items():
             t.add(k, received)
-        sent_far, got_far = od.inter_host(sizes)  # forward; backward mirrors it
+        got_far = od.inter_host(sizes)[1]  # forward; backward: the same messages back
+        sent_far = od.inter_host(sizes, backward=True)[0]
         dp = traffic["data_parallel.grad_all_gather"][1]
         t.inter_host_bytes += got_far + sent_far + dp * (R - H) / max(R - 1, 1)
 
 
 def _from_source(coll: _Collection, sfs, counts: np.ndarray, B: int, id_dtype,
-                 hdr: float) -> dict[str, float]:
+                 hdr: float, bwd: WireFormat = FP32) -> dict[str, float]:
     """What a destination holding ``sfs`` gets from one source whose batch put ``counts`` ids
     in them: ids, row bytes looked up, and bytes per collective (the input dist's message
     layout; a sequence table's gradient rows back, fp32)."""
@@ -326,7 +332,8 @@ def _from_source(coll: _Collection, sfs, counts: np.ndarray, B: int, id_dtype,
          "input_dist.header": hdr, "input_dist.data": float(msg.nbytes)}
     if coll.sequence:  # backward: the gradients of the rows of its ids here (not replicas)
         keep = np.array([not sf.data_parallel for sf in sfs], dtype=bool)
-        x["sequence_dist.backward"] = float(counts[keep] @ dims[keep]) * 4
+        x["sequence_dist.backward"] = float(bwd.nbytes(float(counts[keep] @ dims[keep]),
+                                                       float(counts[keep].sum())))
     return x
 
 
@@ -360,11 +367,13 @@ def simulate(
     backend: str = "reference",
     estimate: PlanCost | None = None,
     ids: str = "planner",
+    wire: tuple[str, str] = ("fp32", "fp32"),
 ) -> Simulation:
     """One step of ``plan`` simulated for ``ranks`` (default ``sample_ranks``), from the
     batches of every rank or a sample of ``sources`` ranks (see the module docstring);
     ``ids``: ``planner`` (the distribution the estimate assumes) or ``job`` (Zipf tables drawn
-    as a training job's synthetic data, ``train.data.power_law_rows``)."""
+    as a training job's synthetic data, ``train.data.power_law_rows``); ``wire``: the output
+    dist's (forward, backward) wire formats (``planner.cost.WIRE_FORMATS`` names)."""
     if ids not in ID_LAWS:
         raise ValueError(f"ids: expected one of {list(ID_LAWS)}, got {ids!r}")
     start, cpu = time.perf_counter(), time.process_time()
@@ -381,7 +390,8 @@ def simulate(
         for sequence in (False, True):
             coll = _Collection.of(plan, tables, stats or {}, sequence)
             if coll is not None:
-                _simulate_collection(coll, ranks, src, batch_size, seed, backend, out, ids)
+                _simulate_collection(coll, ranks, src, batch_size, seed, backend, out, ids,
+                                     wire)
     finally:
         torch.set_num_threads(threads)
     return Simulation(ranks=tuple(out[r] for r in ranks), sources=tuple(src), world_size=R,
@@ -502,7 +512,7 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
     format the comparison."""
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
-                   estimate=cost, ids=getattr(args, "sim_ids", "planner"))
+                   estimate=cost, ids=getattr(args, "sim_ids", "planner"), wire=model.wire())
     if not cost.collectives:  # the same estimate, its comm split per collective
         cost = evaluate(plan, tables, stats, model, collectives=True)
     return format_comparison(sim, cost, model)
@@ -527,7 +537,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         stats = {t.name: stats.get(t.name, zipf) for t in table_set.tables}
     R = args.world_size
     H = args.local_world_size or min(R, 8)
-    model = CostModel(batch_size=args.batch_size)
+    model = CostModel.with_wire(args.wire_dtype, args.backward_wire_dtype,
+                                batch_size=args.batch_size)
     planner = ShardingPlanner(world_size=R, local_world_size=H,
                               hbm_bytes_per_rank=args.hbm_gb * 1024**3, cost_model=model)
     start = time.process_time()

@@ -28,6 +28,11 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-seed", type=int, default=0, help="seed of the drawn ids (default 0)")
     p.add_argument("--sim-backend", choices=("reference", "cpu"), default="reference",
                    help="what runs the bucketize (default: the reference)")
+    p.add_argument("--wire-dtype", choices=("fp32", "bf16", "fp16", "fp8", "int8"),
+                   default="fp32", help="output dist wire format the cost model (and the "
+                   "simulation) count: values, plus fp8's / int8's row scales (default fp32)")
+    p.add_argument("--backward-wire-dtype", choices=("fp32", "bf16", "fp16", "fp8", "int8"),
+                   default=None, help="the gradients' wire format (default: --wire-dtype)")
     p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
                    help="Zipf ids as the estimate assumes (planner, default) or as a training "
                         "job's synthetic data draws them (job: train.data.power_law_rows)")

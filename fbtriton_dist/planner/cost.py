@@ -62,6 +62,10 @@ INT32_ROWS = 2**31
 """Ids of a shard with at least this many rows travel as int64 (else int32)."""
 TIME_QUANTUM = 1e-8
 """Per-rank times closer than this (seconds) count as equal when the planner compares them."""
+WIRE_FORMATS = {"fp32": (4, 0), "bf16": (2, 0), "fp16": (2, 0), "fp8": (1, 4), "int8": (1, 8)}
+"""Bytes per value and per row of each wire format of the output dist: a row is one sample's
+(sequence: one id's) columns of one shard-feature; fp8 sends an fp32 scale per row, int8 an
+fp32 scale and bias (``fbtriton_dist.sharding.comm.wire``)."""
 REPLICA_GRAD_BYTES = 4
 """Bytes per gradient value of a data-parallel table's all-gather (fp32 whatever the wire
 dtype of the pooled values: every replica takes the same exact update)."""
@@ -79,7 +83,14 @@ class CostModel:
     length_bytes: int = 4
     """l, bytes per bag length sent by input dist (int32)."""
     output_bytes: int = 4
-    """o, bytes per pooled value and per gradient value sent by output dist (fp32)."""
+    """o, bytes per pooled value sent by output dist, forward (fp32)."""
+    output_row_bytes: int = 0
+    """Bytes per row (one sample's columns of one shard; sequence: one id's) the forward output
+    dist adds: the scales of an 8-bit wire (``WIRE_FORMATS``)."""
+    grad_bytes: int | None = None
+    """Bytes per gradient value sent by output dist (backward); None: ``output_bytes``."""
+    grad_row_bytes: int | None = None
+    """Bytes per gradient row (backward); None: ``output_row_bytes``."""
     hbm_bandwidth: float = 1.5e12
     """Effective bytes/s of random row gathers (about a third of an H100/H200's peak)."""
     intra_host_bandwidth: float = 300e9
@@ -91,9 +102,45 @@ class CostModel:
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
-        for name in ("index_bytes", "length_bytes", "output_bytes"):
-            if getattr(self, name) is not None or name != "index_bytes":
+        for name in ("index_bytes", "length_bytes", "output_bytes", "grad_bytes"):
+            if getattr(self, name) is not None or name not in ("index_bytes", "grad_bytes"):
                 check_int(name, getattr(self, name), 1)
+        check_int("output_row_bytes", self.output_row_bytes, 0)
+        if self.grad_row_bytes is not None:
+            check_int("grad_row_bytes", self.grad_row_bytes, 0)
+
+    @classmethod
+    def with_wire(cls, forward: str = "fp32", backward: str | None = None, **kw) -> "CostModel":
+        """A model whose output dist sends ``forward`` (and ``backward``, default the same)
+        wire formats, ``WIRE_FORMATS`` names."""
+        for key, name in (("wire_dtype", forward), ("backward_wire_dtype", backward)):
+            if name is not None and name not in WIRE_FORMATS:
+                raise ValueError(f"{key}: expected one of [{', '.join(WIRE_FORMATS)}], got "
+                                 f"{name!r}")
+        (o, s), (g, t) = WIRE_FORMATS[forward], WIRE_FORMATS[backward or forward]
+        return cls(output_bytes=o, output_row_bytes=s, grad_bytes=g, grad_row_bytes=t, **kw)
+
+    def wire(self) -> tuple[str, str]:
+        """The (forward, backward) ``WIRE_FORMATS`` names these byte counts describe (bf16 for
+        2 bytes a value: fp16 counts the same)."""
+        def name(o, s):
+            for k, v in WIRE_FORMATS.items():
+                if v == (o, s):
+                    return k
+            raise ValueError(f"CostModel: no wire format has {o} bytes per value and {s} per "
+                             f"row (WIRE_FORMATS: {WIRE_FORMATS})")
+        fwd = name(self.output_bytes, self.output_row_bytes)
+        g = self.output_bytes if self.grad_bytes is None else self.grad_bytes
+        t = self.output_row_bytes if self.grad_row_bytes is None else self.grad_row_bytes
+        return fwd, name(g, t)
+
+    def row_bytes(self, columns, backward: bool = False):
+        """Bytes of one row of ``columns`` values on the output dist's wire, scales included."""
+        if backward:
+            g = self.output_bytes if self.grad_bytes is None else self.grad_bytes
+            t = self.output_row_bytes if self.grad_row_bytes is None else self.grad_row_bytes
+            return columns * g + t
+        return columns * self.output_bytes + self.output_row_bytes
         for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             check_number(name, getattr(self, name), 0.0, strict=True)
         check_number("backward_factor", self.backward_factor, 0.0)
@@ -433,7 +480,7 @@ class CostAccumulator:
         inp = (R - 1) * B * (L * m.id_bytes(spec.num_embeddings, self.wide[rank])
                              + F * m.length_bytes)
         per_sample = self._pooled(spec)  # values per sample and column on the wire
-        grads = (R - 1) * B * per_sample * c * m.output_bytes
+        grads = (R - 1) * B * per_sample * m.row_bytes(c, backward=True)
         dist = "sequence_dist" if spec.pooling == "none" else "output_dist"
         self.add(
             rank,
@@ -444,7 +491,7 @@ class CostAccumulator:
             output_dist_bytes=grads,
             inter_host_bytes=(inp + grads) * self._from_all(),
         )
-        pooled = B * per_sample * c * m.output_bytes
+        pooled = B * per_sample * m.row_bytes(c)
         others = np.ones(R)
         others[rank] = 0.0  # every other rank receives its samples' pooled slice
         self.add(slice(None), out_via=f"{dist}.forward", output_dist_bytes=pooled * others,
@@ -462,13 +509,14 @@ class CostAccumulator:
         the terms come out as arrays). A pooled table's output dist does not depend on the ids
         (``_add_pooled_slices``)."""
         m, R, B = self.model, self.R, self.model.batch_size
-        L, F, o = spec.ids_per_sample, len(spec.features), m.output_bytes
+        L, F = spec.ids_per_sample, len(spec.features)
         D = spec.embedding_dim if cols is None else cols
         lookups = R * B * L * p
         rows = spec.num_embeddings / k if rows is None else rows
         wide = False if ranks is None else self.wide[ranks]
         inp = (R - 1) * B * (L * p * m.id_bytes(rows, wide) + F * m.length_bytes)
-        out = (R - 1) * B * L * p * D * o if spec.pooling == "none" else 0.0 * p
+        out = ((R - 1) * B * L * p * m.row_bytes(D, backward=True) if spec.pooling == "none"
+               else 0.0 * p)
         return {
             "lookups": lookups,
             "lookup_bytes": lookups * D * spec.dtype_bytes,
@@ -487,16 +535,18 @@ class CostAccumulator:
         self, spec: TableSpec, holders: Sequence[int], c: int, sharding: str
     ) -> None:
         """Output dist of one column slice (``c`` columns) of a pooled row-sharded table held
-        by ``holders``, forward and backward, for every rank; ``u`` = B·F·c·o, one rank's
-        pooled slice. Row-wise: every rank gets ``u`` from each holder but itself, a holder the
-        gradients of all R-1 other ranks' samples. Table-row-wise: holder h is responsible for
+        by ``holders``, forward and backward, for every rank; ``u`` = B·F·(c·o + s), one rank's
+        pooled slice with its row scales (``g``: its gradient). Row-wise: every rank gets
+        ``u`` from each holder but itself, a holder the gradients of all R-1 other ranks'
+        samples. Table-row-wise: holder h is responsible for
         its own samples and for the ranks d outside the holders with ``holders[d % k] == h``
         (``ShardLayout.responsible``), n_h ranks in all; inside the host it gets the other
         k-1 holders' partials of those n_h ranks (reduce-scatter) and, backward, their gradients
         of the rest (all-gather: R - n_h), and from across, the gradients of its n_h - 1 other
         ranks; a rank outside the holders gets ``u`` from the one responsible for it."""
         m, B, R, H = self.model, self.model.batch_size, self.R, self.H
-        u = B * len(spec.features) * c * m.output_bytes
+        u = B * len(spec.features) * m.row_bytes(c)  # forward; backward: ``g``
+        g = B * len(spec.features) * m.row_bytes(c, backward=True)
         holders = np.asarray(holders, dtype=np.int64)
         held = np.zeros(R)
         held[holders] = 1.0
@@ -506,8 +556,8 @@ class CostAccumulator:
             k = len(holders)
             self.add(slice(None), out_via="output_dist.forward",  # from each holder but itself
                      output_dist_bytes=u * (k - held), inter_host_bytes=u * (k - per_host[hosts]))
-            self.add(holders, out_via="output_dist.backward", output_dist_bytes=(R - 1) * u,
-                     inter_host_bytes=(R - H) * u)
+            self.add(holders, out_via="output_dist.backward", output_dist_bytes=(R - 1) * g,
+                     inter_host_bytes=(R - H) * g)
             return
         unique = np.unique(holders)
         k, ranks = len(unique), np.arange(R)
@@ -516,10 +566,10 @@ class CostAccumulator:
         n = np.bincount(resp, minlength=R)[unique].astype(float)
         back_far = np.bincount(resp, weights=far, minlength=R)[unique]
         self.add(unique, out_via={"output_dist.host_reduce_scatter": (k - 1) * n * u,
-                                  "output_dist.host_all_gather": (R - n) * u,
-                                  "output_dist.backward": (n - 1) * u},
-                 output_dist_bytes=((k - 1) * n + (R - n) + (n - 1)) * u,
-                 inter_host_bytes=back_far * u)
+                                  "output_dist.host_all_gather": (R - n) * g,
+                                  "output_dist.backward": (n - 1) * g},
+                 output_dist_bytes=(k - 1) * n * u + ((R - n) + (n - 1)) * g,
+                 inter_host_bytes=back_far * g)
         rest = 1.0 - held
         self.add(slice(None), out_via="output_dist.forward", output_dist_bytes=u * rest,
                  inter_host_bytes=u * rest * far)
@@ -529,7 +579,7 @@ class CostAccumulator:
     ) -> None:
         """Forward rows every rank receives for its B·L ids of a row-sharded sequence table
         (one column slice): from each holder h other than itself, the p_h share of them."""
-        rows = self.model.batch_size * spec.ids_per_sample * c * self.model.output_bytes
+        rows = self.model.batch_size * spec.ids_per_sample * self.model.row_bytes(c)
         share = np.zeros(self.R)
         np.add.at(share, np.asarray(holders), p)
         hosts = self._hosts

@@ -26,8 +26,9 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
     sharding: {plan: null, hbm_gb: 80, reserved: 0.1, row_cuts: balanced, local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
-               comm: {wire_dtype: fp32, dedup: false,     # fp32 | bf16 | fp16 on the wire
-                      fixed_shapes: false, max_ids: null}}   # no host sync per step
+               comm: {wire_dtype: fp32,   # fp32 | bf16 | fp16 | fp8 | int8 on the wire
+                      backward_wire_dtype: null,   # the gradients' (null: as wire_dtype)
+                      dedup: false, fixed_shapes: false, max_ids: null}}  # no host sync
     optimizer:
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
@@ -254,13 +255,20 @@ class DataConfig:
                                           f"got {self.num_dense}")
 
 
+WIRE_CHOICES = ("fp32", "bf16", "fp16", "fp8", "int8")
+"""``sharding.comm.wire_dtype``'s choices (``planner.cost.WIRE_FORMATS``)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class CommConfig:
     """How the sharded collections talk (``fbtriton_dist.sharding.CommOptions``); exact by
     default."""
 
-    wire_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Pooled embeddings and their gradients on the wire (summed in fp32)."""
+    wire_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = "fp32"
+    """Pooled embeddings (sequence: rows) and their gradients on the wire (decoded and summed
+    in fp32); fp8 and int8 add an fp32 scale (int8: and min) per row (``CommOptions``)."""
+    backward_wire_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8"] | None = None
+    """The gradients' wire format (null: ``wire_dtype``)."""
     dedup: bool = False
     """Each destination gets its distinct ids once plus an inverse map (bit-identical)."""
     fixed_shapes: bool = False
@@ -272,7 +280,9 @@ class CommConfig:
     count, which a later batch with more ids then exceeds: an error naming it)."""
 
     def __post_init__(self) -> None:
-        check_choice("wire_dtype", self.wire_dtype, ("fp32", "bf16", "fp16"))
+        check_choice("wire_dtype", self.wire_dtype, WIRE_CHOICES)
+        if self.backward_wire_dtype is not None:
+            check_choice("backward_wire_dtype", self.backward_wire_dtype, WIRE_CHOICES)
         _check_bool("dedup", self.dedup)
         _check_bool("fixed_shapes", self.fixed_shapes)
         _check_optional(check_int, "max_ids", self.max_ids, 1)

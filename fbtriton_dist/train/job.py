@@ -378,9 +378,12 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
         from fbtriton_dist.sharding import CommOptions
 
         c = cfg.sharding.comm
-        wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[c.wire_dtype]
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp8, int8: names
+        back = c.backward_wire_dtype
         graph = mode == "graph"
-        comm = CommOptions(wire_dtype=wire, dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
+        comm = CommOptions(wire_dtype=dtypes.get(c.wire_dtype, c.wire_dtype),
+                           backward_wire_dtype="same" if back is None else dtypes.get(back, back),
+                           dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
                            max_ids=max_ids_bound(cfg) if graph else c.max_ids,
                            gradient_division=cfg.sharding.gradient_division)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,

@@ -210,3 +210,23 @@ def test_the_collectives_split_the_comm_terms():
     seen = {k for r in sim.ranks for k, v in r.collectives.items() if v}
     assert seen <= set(split.collectives), seen - set(split.collectives)
     assert {"input_dist.header", "input_dist.data", "sequence_dist.forward"} <= seen
+
+
+@pytest.mark.parametrize("sharding", ["table_row_wise", "column_wise", "row_wise"])
+def test_8bit_wire_formats_agree_with_simulation(sharding):
+    """fp8 forward (1 byte a value + a 4-byte scale a row), int8 backward (+ 8 bytes a row):
+    the cost model and the simulated output dist count the same bytes, pooled and sequence."""
+    model = CostModel.with_wire("fp8", "int8", batch_size=B)
+    assert model.wire() == ("fp8", "int8")
+    assert (model.row_bytes(64), model.row_bytes(64, backward=True)) == (68, 72)
+    tables = (*TABLES, TableSpec(name="clicks", num_embeddings=30_000, embedding_dim=64,
+                                 features=("clicks",), pooling_factors=(6.0,), pooling="none"))
+    plan = plan_for(tables, sharding)
+    worst, text = check(plan, tables, model=model, wire=model.wire())
+    assert max(worst.values()) < TOLERANCE, text
+    fp32 = evaluate(plan, tables, STATS, CostModel(batch_size=B))
+    q = evaluate(plan, tables, STATS, model)
+    assert sum(q.ranks[r].output_dist_bytes for r in range(R)) < 0.5 * sum(
+        fp32.ranks[r].output_dist_bytes for r in range(R))
+    with pytest.raises(ValueError, match=r"wire_dtype: expected one of \[.*fp8, int8\]"):
+        CostModel.with_wire("int4")

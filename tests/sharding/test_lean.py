@@ -434,13 +434,15 @@ def _job_comm(rank, world, comm=None):
 def test_job_yaml_sharding_comm_reaches_the_sharded_collections():
     from fbtriton_dist.sharding import CommOptions
 
-    for default, fixed in run_ranks(_job_comms, 2):  # one start-up of the ranks for both
+    for default, fixed, eight in run_ranks(_job_comms, 2):  # one start-up of the ranks
         # the job says sharding.gradient_division (default true) explicitly
         assert default == [CommOptions(wire_dtype=torch.bfloat16, dedup=True,
                                        gradient_division=True)]
         assert fixed == [CommOptions(fixed_shapes=True, max_ids=5000, gradient_division=True)]
+        assert [c.name for c in eight[0].wire] == ["fp8", "int8"]
 
 
 def _job_comms(rank, world):
     return (_job_comm(rank, world),
-            _job_comm(rank, world, {"fixed_shapes": True, "max_ids": 5000}))
+            _job_comm(rank, world, {"fixed_shapes": True, "max_ids": 5000}),
+            _job_comm(rank, world, {"wire_dtype": "fp8", "backward_wire_dtype": "int8"}))

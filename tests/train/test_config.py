@@ -38,6 +38,9 @@ def test_defaults_and_paths(tmp_path):
     assert (cfg.sharding.comm.wire_dtype, cfg.sharding.comm.dedup) == ("fp32", False)
     cfg = job_from_dict(job(sharding={"comm": {"wire_dtype": "bf16", "dedup": True}}))
     assert (cfg.sharding.comm.wire_dtype, cfg.sharding.comm.dedup) == ("bf16", True)
+    cfg = job_from_dict(job(sharding={"comm": {"wire_dtype": "fp8",
+                                               "backward_wire_dtype": "int8"}}))
+    assert (cfg.sharding.comm.wire_dtype, cfg.sharding.comm.backward_wire_dtype) == ("fp8", "int8")
     cfg = job_from_dict(job(), str(tmp_path / "j.yaml"), str(tmp_path))
     assert cfg.checkpoint_dir == "runs/j/checkpoints"
     assert cfg.path("a/b.tsv") == str(tmp_path / "a" / "b.tsv")
@@ -98,8 +101,10 @@ def test_bad_choice_lists_choices():
         ({"data": {"synthetic": {"user_features": "a"}}}, "data.synthetic.user_features",
          "expected a list of feature names"),
         ({"sharding": {"reserved": 1.5}}, "sharding.reserved", "expected a number < 1"),
-        ({"sharding": {"comm": {"wire_dtype": "int8"}}}, "sharding.comm.wire_dtype",
-         "expected one of [fp32, bf16, fp16], got 'int8'"),
+        ({"sharding": {"comm": {"wire_dtype": "int4"}}}, "sharding.comm.wire_dtype",
+         "expected one of [fp32, bf16, fp16, fp8, int8], got 'int4'"),
+        ({"sharding": {"comm": {"backward_wire_dtype": "e5m2"}}},
+         "sharding.comm.backward_wire_dtype", "expected one of [fp32, bf16, fp16, fp8, int8]"),
         ({"sharding": {"comm": {"dedup": "yes"}}}, "sharding.comm.dedup", "expected true or false"),
         ({"sharding": {"comm": {"fixed_shapes": True, "dedup": True}}},
          "sharding.comm.fixed_shapes", "does not combine with dedup"),

@@ -10,17 +10,33 @@ from dataclasses import dataclass
 
 import torch
 
+from fbtriton_dist.sharding.comm.wire import WireFormat, format_name
+
+SAME = "same"
+"""``backward_wire_dtype``'s default: the forward's format."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class CommOptions:
     """Communication options of a sharded collection (``shard(..., comm=CommOptions(...))``)."""
 
-    wire_dtype: torch.dtype | None = None
-    """Pooled embeddings (output dist, forward) and their gradients (backward) travel in this
-    dtype (torch.bfloat16 or torch.float16) and are summed in fp32: one rounding per hop,
-    ``|error| <= hops * u * sum|terms|`` (u = 2^-8 bf16, 2^-11 fp16; one hop, two for
-    table-row-wise / grid, which sum inside the host first). Data-parallel gradients stay
-    exact. None: fp32 on the wire (exact)."""
+    wire_dtype: "torch.dtype | str | None | object" = None
+    """The wire format of pooled embeddings (output dist, forward; an EmbeddingCollection's
+    rows) and, unless ``backward_wire_dtype`` says otherwise, of their gradients (backward):
+    None or "fp32" (exact), torch.bfloat16 / "bf16", torch.float16 / "fp16", "fp8" (e4m3 with
+    an fp32 scale amax/448 per row) or "int8" (255 levels between the row's min and max, an
+    fp32 scale and min per row); a row is one sample's (sequence: one id's) columns of one
+    shard-feature. Rounding to nearest, decoded and summed in fp32, one rounding per hop (two
+    for table-row-wise / grid, which sum inside the host first); per element x of a row and
+    hop ``|error| <= 2^-8|x|`` bf16, ``2^-11|x|`` fp16, ``2^-4|x| + 2^-10 amax/448`` fp8,
+    ``(max - min)/510`` int8 (``fbtriton_dist.sharding.comm.wire``). A row holding a NaN or
+    an infinity decodes to NaN in fp8 / int8; other rows are untouched. Ids never lose
+    precision; data-parallel gradients stay exact. TorchRec's ``QCommsConfig`` is taken
+    too: its ``forward_precision`` / ``backward_precision`` (FP32, BF16, FP16, FP8, INT8)
+    set both directions."""
+    backward_wire_dtype: "torch.dtype | str | None" = SAME
+    """The gradients' wire format (choices as ``wire_dtype``); "same" (default): the
+    forward's."""
     dedup: bool = False
     """Send each destination its distinct ids once plus an inverse map (int16 up to 32,768
     distinct ids, else int32) in the input all-to-all, per message only where that is smaller
@@ -52,6 +68,16 @@ class CommOptions:
     model is sharded)."""
 
     def __post_init__(self) -> None:
+        if hasattr(self.wire_dtype, "forward_precision"):  # TorchRec's QCommsConfig
+            if self.backward_wire_dtype != SAME:
+                raise ValueError("CommOptions: a QCommsConfig sets both directions; leave "
+                                 "backward_wire_dtype out")
+            fwd, bwd = _from_qcomms(self.wire_dtype)
+            object.__setattr__(self, "wire_dtype", fwd)
+            object.__setattr__(self, "backward_wire_dtype", bwd)
+        format_name(self.wire_dtype, "wire_dtype")
+        if self.backward_wire_dtype != SAME:
+            format_name(self.backward_wire_dtype, "backward_wire_dtype")
         if self.gradient_division is not None and not isinstance(self.gradient_division, bool):
             raise ValueError(f"gradient_division: expected True, False or None, got "
                              f"{self.gradient_division!r}")
@@ -61,8 +87,44 @@ class CommOptions:
         if self.max_ids is not None and not self.fixed_shapes:
             raise ValueError("CommOptions: max_ids is the capacity of fixed_shapes; set "
                              "fixed_shapes=True with it")
-        if self.wire_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"wire_dtype: expected one of [None, torch.bfloat16, torch.float16], "
-                f"got {self.wire_dtype}"
-            )
+
+    @property
+    def wire(self) -> tuple[WireFormat, WireFormat]:
+        """The (forward, backward) ``WireFormat``s of the output dist."""
+        fwd = WireFormat(format_name(self.wire_dtype))
+        if self.backward_wire_dtype == SAME:
+            return fwd, fwd
+        return fwd, WireFormat(format_name(self.backward_wire_dtype))
+
+
+_QCOMMS_UNSET = {"forward_loss_scale": None, "backward_loss_scale": None,
+                 "fp8_quantize_dim": None, "fp8_quantize_dim_bwd": None,
+                 "mx4_quantize_dim": None, "mx4_quantize_dim_bwd": None,
+                 "mx4_rounding_mode": None, "fp8_output_dtype": None}
+
+
+def _from_qcomms(q) -> tuple[str, str]:
+    """(forward, backward) format names of TorchRec's ``QCommsConfig`` ``q``; an error naming
+    each field that has no counterpart here."""
+    names = []
+    for key in ("forward_precision", "backward_precision"):
+        value = getattr(q, key)
+        name = str(getattr(value, "value", value)).lower()
+        if name == "mx4":
+            raise ValueError(f"QCommsConfig.{key}: MX4 is not a wire format here (choices: "
+                             f"FP32, BF16, FP16, FP8, INT8)")
+        names.append(format_name(value, f"QCommsConfig.{key}"))
+    for key, want in _QCOMMS_UNSET.items():
+        if getattr(q, key, want) != want:
+            raise ValueError(f"QCommsConfig.{key}: expected None, got {getattr(q, key)!r} (our "
+                             f"fp8 and int8 always scale each row: no loss scales, no quantize "
+                             f"dims, no MX4 options)")
+    out = getattr(q, "output_dtype", None)
+    if out is not None and str(getattr(out, "value", out)).lower() != "fp32":
+        raise ValueError(f"QCommsConfig.output_dtype: expected None or FP32 (the receiver "
+                         f"decodes into fp32), got {out!r}")
+    if names[1] == "fp8" and not getattr(q, "fp8_bwd_uses_143", True):
+        raise ValueError("QCommsConfig.backward_precision: FP8 with fp8_bwd_uses_143=False is "
+                         "e5m2, not a wire format here (ours is e4m3 with a row scale): set "
+                         "fp8_bwd_uses_143=True")
+    return names[0], names[1]

@@ -15,7 +15,8 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
     ShardedEmbeddingBagCollection ``ebc``, per collective (``input_dist.header``,
     ``input_dist.data``, ``output_dist.*``, ``data_parallel.grad_all_gather``), next to the
     planner's estimate of what it receives (``fbtriton_dist.planner`` cost model at the
-    measured batch size and pooling factors, the wire's id, length and value sizes),
+    measured batch size and pooling factors, the wire's id, length and value sizes; pooled
+    values in the wire format, an 8-bit format's row scales included),
     ``output_dist.forward.inter_host`` (the part of the output dist that crossed hosts) and
     ``input_dist.dedup`` (data bytes without dedup and the bytes it saved)."""
     last = ebc.last_step_stats
@@ -29,8 +30,9 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
                for f, n in zip(ebc.layout.feature_names, per_feature, strict=True)}
     specs = to_table_specs(ebc.table_configs(), pooling_factors=pooling)
     id_bytes = max(d.itemsize for d in ebc.input_dist_.id_dtype)
-    model = CostModel(batch_size=max(B, 1), index_bytes=id_bytes, length_bytes=4,
-                      output_bytes=ebc.output_dist_.value_bytes)
+    fwd, bwd = ebc.output_dist_.formats
+    model = CostModel.with_wire(fwd.name, bwd.name, batch_size=max(B, 1), index_bytes=id_bytes,
+                                length_bytes=4)
     cost = evaluate(ebc.plan, specs, model=model).ranks[ebc.rank]
     report = {k: {"sent": float(s), "received": float(r)} for k, (s, r) in traffic.items()}
     ids_sent, ids_received = _value(last["ids"])

@@ -30,6 +30,7 @@ from itertools import accumulate
 import torch
 
 from fbtriton_dist.sharding.comm.collectives import all_to_all, exchange_sum, own_rows
+from fbtriton_dist.sharding.comm.wire import Rows, wire_all_to_all, wire_formats
 from fbtriton_dist.sharding.dist.layout import ShardLayout
 
 
@@ -43,6 +44,15 @@ class Block:
     dst: tuple[int, ...]
     features: tuple[int, ...] = ()
     """The feature of each column (a VBE step sends each feature's own rows)."""
+    segments: tuple[int, ...] = ()
+    """The columns of each shard-feature in the block, in order: the rows an 8-bit wire
+    scales one by one (empty: the whole block row is one)."""
+
+    def widths(self) -> tuple[int, ...]:
+        return self.segments or (len(self.src),)
+
+    def shard_of_column(self) -> list[int]:
+        return [i for i, w in enumerate(self.widths()) for _ in range(w)]
 
 
 class BlockExchange:
@@ -52,10 +62,15 @@ class BlockExchange:
     in the global batch on the sending side, and on the receiving side too if ``global_rows``
     (else the receiver's own batch, rows 0..B)."""
 
-    def __init__(self, peers, send, recv, widths, global_rows, device, wire_dtype=None) -> None:
+    def __init__(self, peers, send, recv, widths, global_rows, device, wire=None) -> None:
         self.peers, self.send, self.recv = list(peers), send, recv
         self.widths, self.global_rows, self.device = widths, global_rows, device
-        self.wire_dtype = wire_dtype  # values (and, through autograd, gradients) on the wire
+        self.formats = wire_formats(wire)  # (forward, backward) ``WireFormat``s
+        fwd, bwd = self.formats
+        # one unscaled format both ways: a cast (autograd casts the gradient the same way)
+        self.cast_only = fwd == bwd and not fwd.scaled
+        self.wire_dtype = fwd.dtype if self.cast_only and fwd.name != "fp32" else None
+        self._rows_cache: dict = {}
         self._cached = (None, None)  # (batch sizes, flat indices): a step repeats its sizes
         self._slice_cache: dict = {}
         self._vbe_cut = None  # the pieces a VBE step cuts the blocks into (``_feature_pieces``)
@@ -63,15 +78,17 @@ class BlockExchange:
     @staticmethod
     def _feature_pieces(blocks) -> list[list[tuple[int, int, int, int, int]]]:
         """Per peer, the pieces a VBE step cuts its blocks into: ``(destination, feature, source
-        column, target column, columns)`` for each run of one feature's columns where source
-        and target columns both go up by one (both sides cut a block the same way)."""
+        column, target column, columns)`` for each run of one shard-feature's columns where
+        source and target columns both go up by one (both sides cut a block the same way)."""
         out = []
         for per_peer in blocks:
             pieces = []
             for b in per_peer:
-                start = 0
+                start, shard = 0, b.shard_of_column()
                 for i in range(1, len(b.features) + 1):
-                    if i < len(b.features) and b.features[i] == b.features[start]:
+                    if i < len(b.features) and b.features[i] == b.features[start] and (
+                        shard[i] == shard[start]
+                    ):
                         continue
                     pieces += [(b.dest, b.features[start], a, c, k) for a, c, k in
                                _runs(b.src[start:i], b.dst[start:i])]
@@ -92,6 +109,29 @@ class BlockExchange:
         count = [[sum(batch_sizes[b.dest] * len(b.src) for b in bl) for bl in side]
                  for side in (self.send, self.recv)]
         return count[0], count[1]
+
+    def rows(self, batch_sizes: list[int], strides=None) -> tuple[Rows, Rows]:
+        """The rows (one sample's columns of one shard-feature) sent to / received from each
+        peer, as the wire formats scale them; a VBE step's: each feature's rows at its
+        stride, in the merged pieces' order (``_merged``)."""
+        if strides is not None:
+            return tuple(Rows([[(m, w) for _, m, _, _, _, w in _merged(peer, strides)]
+                               for peer in side], self.device) for side in self._vbe_static())
+        key = tuple(batch_sizes)
+        if key not in self._rows_cache:
+            self._rows_cache[key] = tuple(
+                Rows([[(batch_sizes[b.dest], b.widths()) for b in bl] for bl in side],
+                     self.device) for side in (self.send, self.recv))
+        return self._rows_cache[key]
+
+    def _exchange(self, values, send_n, recv_n, group, batch_sizes, strides=None):
+        """``values`` (fp32, flat) on the wire: received values, fp32."""
+        if self.cast_only:
+            if self.wire_dtype is not None:  # backward: the gradient is cast the same way
+                values = values.to(self.wire_dtype)
+            return all_to_all(values, send_n, recv_n, group).float()
+        send, recv = self.rows(batch_sizes, strides)
+        return wire_all_to_all(values, send, recv, self.formats, group)
 
     def _flat(self, blocks, batch_sizes, width, global_rows, receiving):
         """Flat indices (row * width + column) of every block's values, peer by peer."""
@@ -116,17 +156,15 @@ class BlockExchange:
         from batch to batch)."""
         starts = [0, *accumulate(batch_sizes)]
         send_cut, recv_cut = self._vbe_static()
-        send = [[(starts[d], m, a, k) for d, m, a, _, k in _merged(peer, strides)]
+        send = [[(starts[d], m, a, k) for d, m, a, _, k, _ in _merged(peer, strides)]
                 for peer in send_cut]
         g = self.global_rows
-        recv = [[(starts[d] if g else 0, m, c, k) for d, m, _, c, k in _merged(peer, strides)]
-                for peer in recv_cut]
+        recv = [[(starts[d] if g else 0, m, c, k) for d, m, _, c, k, _ in
+                 _merged(peer, strides)] for peer in recv_cut]
         values = _TakePieces.apply(x, [p for peer in send for p in peer])
-        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
-            values = values.to(self.wire_dtype)
         send_n = [sum(m * k for _, m, _, k in peer) for peer in send]
         recv_n = [sum(m * k for _, m, _, k in peer) for peer in recv]
-        got = all_to_all(values, send_n, recv_n, group)
+        got = self._exchange(values, send_n, recv_n, group, batch_sizes, strides)
         B, width = target.shape if target is not None else (rows, self.widths[1])
         dtype = target.dtype if target is not None else x.dtype
         out = _PlacePieces.apply(got.to(dtype), [p for peer in recv for p in peer], B, width)
@@ -188,9 +226,9 @@ class BlockExchange:
         n = parts[0][1]
         return all(p == (j * n * W, n, W, 0) for j, p in enumerate(parts))
 
-    def _sliced(self, x, target, plan, group, rows: int) -> torch.Tensor:
+    def _sliced(self, x, target, plan, group, rows: int, batch_sizes) -> torch.Tensor:
         send, recv, send_n, recv_n, whole, summed = plan
-        if summed:
+        if summed and self.cast_only:
             out = exchange_sum(x, self._row_splits(send), self.wire_dtype, group)
             return out if target is None else target + out
         if whole:  # the blocks are x's rows in order (row-wise): send x as it is
@@ -201,9 +239,7 @@ class BlockExchange:
                 parts = [x[r0:r1, a:b] for r0, r1, a, b in block]
                 blocks.append((parts[0] if len(parts) == 1 else torch.cat(parts, 1)).reshape(-1))
             values = torch.cat(blocks) if len(blocks) != 1 else blocks[0]
-        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
-            values = values.to(self.wire_dtype)
-        got = all_to_all(values, send_n, recv_n, group)
+        got = self._exchange(values, send_n, recv_n, group, batch_sizes)
         B, out_width = target.shape if target is not None else (rows, self.widths[1])
         dtype = target.dtype if target is not None else x.dtype
         out = _Place.apply(got.to(dtype), recv, B, out_width)
@@ -222,14 +258,12 @@ class BlockExchange:
             return self._vbe(x, target, batch_sizes, strides, group, rows)
         plan = self._slices(batch_sizes)
         if plan is not None:
-            return self._sliced(x, target, plan, group, rows)
+            return self._sliced(x, target, plan, group, rows, batch_sizes)
         if target is None:
             target = x.new_zeros((rows, self.widths[1]))
         send_idx, recv_idx, send_n, recv_n = self._indices(batch_sizes)
         values = x.reshape(-1).index_select(0, send_idx)
-        if self.wire_dtype is not None:  # backward: the gradient is cast the same way
-            values = values.to(self.wire_dtype)
-        got = all_to_all(values, send_n, recv_n, group).to(target.dtype)  # summed in fp32
+        got = self._exchange(values, send_n, recv_n, group, batch_sizes).to(target.dtype)
         return target.reshape(-1).index_add(0, recv_idx, got).view(target.shape)
 
 
@@ -279,12 +313,12 @@ class _Place(torch.autograd.Function):
         return out, None, None, None
 
 
-def _merged(pieces, strides) -> list[tuple[int, int, int, int, int]]:
+def _merged(pieces, strides) -> list[tuple[int, int, int, int, int, tuple[int, ...]]]:
     """A VBE step's pieces of one peer as ``(destination, rows, source column, target column,
-    columns)``, empty ones dropped and neighbours merged where the rows agree and both column
-    ranges continue (the features of one stride side by side travel as one slice); both sides
-    see the same pieces and strides, so they merge alike."""
-    out: list[list[int]] = []
+    columns, widths of the pieces merged)``, empty ones dropped and neighbours merged where
+    the rows agree and both column ranges continue (the features of one stride side by side
+    travel as one slice); both sides see the same pieces and strides, so they merge alike."""
+    out: list[list] = []
     for d, f, a, c, k in pieces:
         m = strides[d][f]
         if m <= 0:
@@ -293,8 +327,9 @@ def _merged(pieces, strides) -> list[tuple[int, int, int, int, int]]:
             out[-1][3] + out[-1][4] == c
         ):
             out[-1][4] += k
+            out[-1][5] += (k,)
         else:
-            out.append([d, m, a, c, k])
+            out.append([d, m, a, c, k, (k,)])
     return [tuple(p) for p in out]
 
 
@@ -363,15 +398,16 @@ def host_blocks(layout: ShardLayout, q: int, p: int) -> list[Block]:
         at_p.setdefault(sf.slice_key, j)
     blocks = []
     for dest in range(layout.world_size):
-        src, dst, features = [], [], []
+        src, dst, features, segments = [], [], [], []
         for i, sf in enumerate(layout.local[q]):
             if sf.in_host and layout.responsible(sf, dest) == p:
                 j = at_p[sf.slice_key]
                 src += range(starts_q[i], starts_q[i] + sf.dim)
                 dst += range(starts_p[j], starts_p[j] + sf.dim)
                 features += [sf.feature] * sf.dim
+                segments.append(sf.dim)
         if src:
-            blocks.append(Block(dest, tuple(src), tuple(dst), tuple(features)))
+            blocks.append(Block(dest, tuple(src), tuple(dst), tuple(features), tuple(segments)))
     return blocks
 
 
@@ -379,7 +415,7 @@ def out_blocks(layout: ShardLayout, q: int, r: int) -> list[Block]:
     """Step 2, rank ``q`` to rank ``r``: r's rows of q's shard-features (an in-host one only if
     q is responsible for r), added into the feature's columns of r's pooled output."""
     starts = layout.local_columns(q)
-    src, dst, features = [], [], []
+    src, dst, features, segments = [], [], [], []
     for i, sf in enumerate(layout.local[q]):
         if sf.data_parallel or (sf.in_host and layout.responsible(sf, r) != q):
             continue
@@ -387,19 +423,21 @@ def out_blocks(layout: ShardLayout, q: int, r: int) -> list[Block]:
         first = layout.feature_cols[sf.feature] + sf.col_start
         dst += range(first, first + sf.dim)
         features += [sf.feature] * sf.dim
-    return [Block(r, tuple(src), tuple(dst), tuple(features))] if src else []
+        segments.append(sf.dim)
+    return [Block(r, tuple(src), tuple(dst), tuple(features), tuple(segments))] if src else []
 
 
 class OutputDist:
-    """Both exchanges of one rank, fixed by the plan. ``wire_dtype`` (bf16 / fp16): the
-    pooled blocks and their gradients travel in it and are added in fp32; data-parallel
-    gradients stay exact."""
+    """Both exchanges of one rank, fixed by the plan. ``wire``: the wire formats of the pooled
+    blocks (forward) and their gradients (backward), a ``(forward, backward)`` pair of
+    ``WireFormat``s or one format name / dtype for both (``comm.wire``; None: fp32); the
+    receiver adds them in fp32. Data-parallel gradients stay exact."""
 
     def __init__(
-        self, layout: ShardLayout, rank: int, device: torch.device, wire_dtype=None
+        self, layout: ShardLayout, rank: int, device: torch.device, wire=None
     ) -> None:
         self.layout, self.rank = layout, rank
-        self.value_bytes = (wire_dtype or torch.float32).itemsize  # per pooled value, on the wire
+        self.formats = wire_formats(wire)
         R, me = layout.world_size, rank
         W = layout.local_columns(me)[-1]
         self.total_D = layout.feature_cols[-1]
@@ -411,7 +449,7 @@ class OutputDist:
             (W, W),
             True,
             device,
-            wire_dtype,
+            self.formats,
         )
         self.has_host_step = any(sf.in_host for p in host for sf in layout.local[p])
         self.out = BlockExchange(
@@ -421,18 +459,22 @@ class OutputDist:
             (W, self.total_D),
             False,
             device,
-            wire_dtype,
+            self.formats,
         )
         dp_src, dp_dst = layout.output_columns(rank, data_parallel=True)
         self.dp_src = torch.tensor(dp_src, dtype=torch.int64, device=device)
         self.dp_dst = torch.tensor(dp_dst, dtype=torch.int64, device=device)
 
     def _bytes(self, ex: BlockExchange, batch_sizes: list[int], keep,
-               strides=None) -> tuple[int, int]:
-        """Bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks."""
+               strides=None, backward: bool = False) -> tuple[int, int]:
+        """Bytes (sent, received) of ``ex``'s forward to / from the peers ``keep`` picks (its
+        backward's received / sent), values and row scales in the direction's format."""
+        fmt = self.formats[int(backward)]
+        rows = ex.rows(batch_sizes, strides) if fmt.scaled else None
         return tuple(
-            self.value_bytes * sum(n for p, n in zip(ex.peers, side, strict=True) if keep(p))
-            for side in ex.elements(batch_sizes, strides)
+            sum(fmt.nbytes(n, rows[i].rows[j] if rows else 0)
+                for j, (p, n) in enumerate(zip(ex.peers, side, strict=True)) if keep(p))
+            for i, side in enumerate(ex.elements(batch_sizes, strides))
         )
 
     def traffic(self, batch_sizes: list[int], strides=None) -> dict[str, tuple[int, int]]:
@@ -440,25 +482,30 @@ class OutputDist:
         (it mirrors the forward), pooled values in the wire dtype (``strides``: a VBE
         step's)."""
         me, B = self.rank, batch_sizes[self.rank]
-        host_sent, host_recv = self._bytes(self.host, batch_sizes, lambda p: p != me, strides)
-        sent, recv = self._bytes(self.out, batch_sizes, lambda p: p != me, strides)
+        other = lambda p: p != me  # noqa: E731
+        host_sent, host_recv = self._bytes(self.host, batch_sizes, other, strides)
+        host_back = self._bytes(self.host, batch_sizes, other, strides, backward=True)
+        sent, recv = self._bytes(self.out, batch_sizes, other, strides)
+        back_recv, back_sent = self._bytes(self.out, batch_sizes, other, strides, backward=True)
         others = [q for q in range(len(batch_sizes)) if q != me]
         dp = 4 * self.dp_src.numel()
         return {
             "output_dist.host_reduce_scatter": (host_sent, host_recv),
-            "output_dist.host_all_gather": (host_recv, host_sent),
+            "output_dist.host_all_gather": (host_back[1], host_back[0]),
             "output_dist.forward": (sent, recv),
-            "output_dist.backward": (recv, sent),
+            "output_dist.backward": (back_sent, back_recv),
             "data_parallel.grad_all_gather": (
                 dp * B * len(others), dp * sum(batch_sizes[q] for q in others)
             ),
         }
 
-    def inter_host(self, batch_sizes: list[int], strides=None) -> tuple[int, int]:
-        """Bytes (sent, received) of the forward output dist that cross hosts (the backward
-        mirrors them)."""
+    def inter_host(self, batch_sizes: list[int], strides=None,
+                   backward: bool = False) -> tuple[int, int]:
+        """Bytes (sent, received) of the forward output dist that cross hosts (``backward``:
+        the same messages in the backward's format, so backward received / sent)."""
         H = self.layout.local_world_size
-        return self._bytes(self.out, batch_sizes, lambda p: p // H != self.rank // H, strides)
+        return self._bytes(self.out, batch_sizes, lambda p: p // H != self.rank // H, strides,
+                           backward)
 
     def __call__(
         self, local: torch.Tensor, batch_sizes: list[int], group=None, host_group=None,

@@ -25,21 +25,24 @@ the gradient rows back to their owners.
 import torch
 
 from fbtriton_dist.sharding.comm.collectives import all_to_all, own_rows
+from fbtriton_dist.sharding.comm.wire import Rows, wire_all_to_all, wire_formats
 from fbtriton_dist.sharding.dist.layout import ShardLayout
 
 
 class SequenceDist:
     """The sequence output dist of one rank, fixed by the plan (``layout``).
 
-    ``wire_dtype`` (bf16 / fp16): the rows and their gradients travel in it; the output is
-    fp32."""
+    ``wire``: the wire formats of the rows (forward) and their gradients (backward), a
+    ``(forward, backward)`` pair of ``WireFormat``s or one format name / dtype for both
+    (None: fp32; fp8 / int8 scale each id's row of a shard-feature); the output is fp32."""
 
     def __init__(self, layout: ShardLayout, rank: int, device, group_sizes: list[int],
-                 wire_dtype=None) -> None:
+                 wire=None) -> None:
         self.layout, self.rank, self.device = layout, rank, torch.device(device)
         self.group_sizes = list(group_sizes)  # local shard-features of each TBE group
-        self.wire_dtype = wire_dtype
-        self.value_bytes = (wire_dtype or torch.float32).itemsize
+        self.formats = wire_formats(wire)
+        fwd, bwd = self.formats
+        self.cast_only = fwd == bwd and not fwd.scaled  # a cast both ways (or none)
         R = layout.world_size
         self.local = layout.local[rank]
         # for each feature, its column slices in column order, each its row blocks in row
@@ -56,7 +59,7 @@ class SequenceDist:
              for cols, blocks in sorted(per.items())]
             for per in slices
         ]
-        self._last: tuple | None = None  # (values sent, received) per peer, last step
+        self._last: tuple | None = None  # (values, rows) sent and received per peer, last step
         dims = {cols[1] - cols[0] for per in self.slices for cols, _ in per}
         self.one_slice_of_one_dim = len(dims) == 1 and all(len(per) == 1 for per in self.slices)
         """Every feature one column slice, all of one D (row-, table-wise, data-parallel
@@ -72,18 +75,25 @@ class SequenceDist:
         backward (it mirrors the forward); the rows are counted per id, so the batch sizes
         (the pooled output dist's arguments) are not needed."""
         sent, received = self._bytes(lambda q: q != self.rank)
-        return {"output_dist.forward": (sent, received), "output_dist.backward": (received, sent)}
+        back_received, back_sent = self._bytes(lambda q: q != self.rank, backward=True)
+        return {"output_dist.forward": (sent, received),
+                "output_dist.backward": (back_sent, back_received)}
 
-    def inter_host(self, batch_sizes=None, strides=None) -> tuple[int, int]:
-        """Bytes (sent, received) of the last forward that crossed hosts."""
+    def inter_host(self, batch_sizes=None, strides=None,
+                   backward: bool = False) -> tuple[int, int]:
+        """Bytes (sent, received) of the last forward that crossed hosts (``backward``: its
+        messages in the backward's format)."""
         H = self.layout.local_world_size
-        return self._bytes(lambda q: q // H != self.rank // H)
+        return self._bytes(lambda q: q // H != self.rank // H, backward)
 
-    def _bytes(self, keep) -> tuple[int, int]:
+    def _bytes(self, keep, backward: bool = False) -> tuple[int, int]:
+        """Bytes (sent, received) of the last forward's messages to / from the peers ``keep``
+        picks, in the forward's format (``backward``: the backward's, received / sent)."""
         if self._last is None:
             return 0, 0
-        return tuple(self.value_bytes * sum(n for q, n in enumerate(side) if keep(q))
-                     for side in self._last)
+        fmt = self.formats[int(backward)]
+        return tuple(sum(fmt.nbytes(n, m) for q, (n, m) in enumerate(zip(*side, strict=True))
+                         if keep(q)) for side in self._last)
 
     def __call__(self, rows: list[torch.Tensor], received, sent, ids: list[torch.Tensor],
                  group=None) -> list[torch.Tensor]:
@@ -103,14 +113,24 @@ class SequenceDist:
             send_n.append(sum(p.numel() for p in mine))
         recv_n = [sum(n * sf.dim for n, sf in zip(sent[q], layout.local[q], strict=True)
                       if not sf.data_parallel) for q in range(R)]
-        self._last = (send_n, recv_n)
+        send_rows = [[(received[r][i], (sf.dim,)) for i, sf in enumerate(self.local)
+                      if not sf.data_parallel] for r in range(R)]
+        recv_rows = [[(n, (sf.dim,)) for n, sf in zip(sent[q], layout.local[q], strict=True)
+                      if not sf.data_parallel] for q in range(R)]
+        count = [[sum(n for n, _ in peer) for peer in side] for side in (send_rows, recv_rows)]
+        self._last = ((send_n, count[0]), (recv_n, count[1]))
         if pieces:
             values = torch.cat(pieces)
         else:  # still a node of the graph: every rank takes part in the backward all-to-all
             values = torch.zeros(0, device=self.device, requires_grad=torch.is_grad_enabled())
-        if self.wire_dtype is not None:
-            values = values.to(self.wire_dtype)
-        got = all_to_all(values, send_n, recv_n, group).float()
+        if self.cast_only:
+            fwd = self.formats[0]
+            if fwd.name != "fp32":
+                values = values.to(fwd.dtype)
+            got = all_to_all(values, send_n, recv_n, group).float()
+        else:
+            got = wire_all_to_all(values.float(), Rows(send_rows, self.device),
+                                  Rows(recv_rows, self.device), self.formats, group)
         # 2. cut into blocks: (owner q, its shard-feature j) -> [ids sent, dim] (one split)
         where = [(q, j, n, sf.dim) for q in range(R)
                  for j, (n, sf) in enumerate(zip(sent[q], layout.local[q], strict=True))

@@ -47,7 +47,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _make_output_dist(self) -> None:
         """The output dist and the MEAN index tensors, on ``self.device``."""
-        self.output_dist_ = OutputDist(self.layout, self.rank, self.device, self.comm.wire_dtype)
+        self.output_dist_ = OutputDist(self.layout, self.rank, self.device, self.comm.wire)
         self._mean = torch.tensor(self.layout.feature_mean, device=self.device)[:, None]
         self._col_feature = torch.repeat_interleave(
             torch.arange(len(self._dims)), torch.tensor(self._dims, dtype=torch.int64)

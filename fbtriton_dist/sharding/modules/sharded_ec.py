@@ -37,9 +37,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
         optimizer: the fused optimizer applied in backward to every local shard.
         need_indices: each output JaggedTensor carries its feature's ids as ``weights()``.
         weights, process_group, device, backend: as ``ShardedEmbeddingBagCollection``.
-        comm: ``CommOptions``: ``wire_dtype`` (rows in bf16/fp16 on the wire), ``dedup`` (ids
-            deduplicated on the wire); ``fixed_shapes`` is not supported here (the row
-            messages are sized by the header's counts).
+        comm: ``CommOptions``: ``wire_dtype`` (rows in bf16/fp16/fp8/int8 on the wire),
+            ``dedup`` (ids deduplicated on the wire); ``fixed_shapes`` is not supported here
+            (the row messages are sized by the header's counts).
 
     The stages::
 
@@ -75,7 +75,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def _make_output_dist(self) -> None:
         self.output_dist_ = SequenceDist(self.layout, self.rank, self.device,
-                                         self._group_features, self.comm.wire_dtype)
+                                         self._group_features, self.comm.wire)
 
     def embedding_configs(self) -> list:
         return self._configs
