@@ -57,6 +57,7 @@ from fbtriton_dist.sharding.dist.input_dist import InputDistOut
 from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sharding.shard import shard
+from fbtriton_dist.storage import COMPUTE_KERNELS, Storage, storage_of_kernel
 
 __all__ = [
     "DMPShardedEmbeddingBagCollection",
@@ -103,7 +104,18 @@ def _table_sharding(cfg, ps: ParameterSharding, world_size: int) -> TableShardin
                                 col_start=c0, col_end=c0 + nc))
         shards.sort(key=lambda s: (s.col_start, s.row_start))  # our order: slice by slice, rows
     return TableSharding(name=name, sharding=kind, num_embeddings=E, embedding_dim=D,
-                         shards=tuple(shards))
+                         shards=tuple(shards), storage=_storage_of(name, ps))
+
+
+def _storage_of(name: str, ps: ParameterSharding) -> Storage | None:
+    """The tier of TorchRec's ``compute_kernel`` (``fbtriton_dist.storage.COMPUTE_KERNELS``):
+    ``fused_uvm`` -> ``host``, ``fused_uvm_caching`` -> ``cached`` with its
+    ``cache_params.load_factor``; ``fused`` (and any other) -> None, the module's own."""
+    kernel = getattr(ps, "compute_kernel", None)
+    if kernel not in COMPUTE_KERNELS or COMPUTE_KERNELS[kernel] == "device":
+        return None
+    load_factor = getattr(getattr(ps, "cache_params", None), "load_factor", None)
+    return storage_of_kernel(kernel, name, load_factor)
 
 
 def to_fbtd_plan(
