@@ -6,12 +6,14 @@ count memory the same way.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fbtriton_dist import optim
 
 from .shards import Shard
 from .tables import TableSpec
 
-__all__ = ["GiB", "block_bytes", "fmt_bytes", "host_block_bytes", "shard_equation",
+__all__ = ["GiB", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes", "shard_equation",
            "state_bytes"]
 
 GiB = 1024**3
@@ -28,11 +30,25 @@ def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     rows, or of its cache's slots on a ``cached`` / ``file`` tier (``Storage.slots(rows)``),
     none on ``host``; ``optimizer`` is the default for a table that does not name its own."""
     opt = spec.optimizer or optimizer
-    if spec.tier == "host":
-        return 0
-    if spec.storage is not None:
-        rows = spec.storage.slots(rows)
+    rows = device_rows(spec, rows)
     return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+
+
+def device_rows(spec: TableSpec, rows):
+    """Rows of a block (an int or a numpy array) that sit in device memory: all of them on
+    ``device``, none on ``host``, the cache's slots on ``cached`` / ``file``
+    (``Storage.slots``, elementwise)."""
+    st = spec.storage
+    if st is None or st.tier == "device":
+        return rows
+    if st.tier == "host":
+        return rows * 0
+    if np.ndim(rows) == 0:
+        return st.slots(int(rows))
+    r = np.asarray(rows, dtype=np.float64)
+    n = np.full_like(r, st.cache_slots) if st.cache_slots is not None else np.ceil(
+        st.cache_load_factor * r)
+    return np.clip(n, np.minimum(1, r), r)
 
 
 def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
