@@ -399,9 +399,16 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         return module.embedding_bag_configs()
 
     def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys."""
+        """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys
+        (a table on a cached tier: its whole rows, ``[E, D]``, not its cache's slots)."""
         tables = getattr(module, self._tables_attr)
-        return {c.name: tables[c.name].weight for c in self._configs(module)}
+        storage = module.table_storage() if hasattr(module, "table_storage") else {}
+        whole = {}
+        if any(st.cached for st in storage.values()):  # a cached table's weight is its cache
+            sd = module.state_dict()
+            whole = {n: nn.Parameter(sd[f"{self._tables_attr}.{n}.weight"], requires_grad=False)
+                     for n, st in storage.items() if st.cached}
+        return {c.name: whole.get(c.name, tables[c.name].weight) for c in self._configs(module)}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SHARDING_TYPES)

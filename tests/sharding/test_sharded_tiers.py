@@ -310,3 +310,59 @@ def test_plan_yaml_keeps_each_table_storage(tmp_path):
     plan.save_yaml(tmp_path / "plan.yaml")
     assert ShardingPlan.load_yaml(tmp_path / "plan.yaml") == plan
     assert "storage" not in _plan("mixed", 2).to_yaml()  # old plans: unchanged
+
+
+# -- TorchRec's DMP -----------------------------------------------------------------------------
+def _dmp(rank, world, folder):
+    """DMP with our sharder over a device collection, the same collection with its tables on
+    ``cached`` (``storage=``; TorchRec's planning helper reads their whole shapes), and the
+    device collection under a TorchRec plan whose compute kernels are ``fused_uvm_caching``:
+    the same outputs and weights."""
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import CacheParams, ShardingPlan
+
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
+
+    configs = _configs(False)
+    storage = _storage("cached", "lru", folder, rank)
+    per_table = {"a": sp.table_wise(rank=1), "b": sp.column_wise(ranks=[0, 1]),
+                 "c": sp.row_wise(), "d": sp.table_row_wise(host_index=0),
+                 "dp": sp.data_parallel()}
+    dmps = []
+    for case in ("device", "module", "kernel"):
+        own = {c.name: storage for c in configs if c.name != "dp"} if case == "module" else None
+        ebc = _collection(configs, False, "rowwise_adagrad", own)
+        sharder = EmbeddingBagCollectionSharder(local_world_size=world)
+        module_plan = sp.construct_module_sharding_plan(
+            ebc, per_table, sharder=sharder, local_size=world, world_size=world,
+            device_type="cpu")
+        if case == "kernel":
+            for name in "abcd":
+                module_plan[name] = dataclasses.replace(
+                    module_plan[name], compute_kernel="fused_uvm_caching",
+                    cache_params=CacheParams(load_factor=0.5))
+        dmp = DistributedModelParallel(ebc, sharders=[sharder],
+                                       plan=ShardingPlan({"": module_plan}))
+        dmps.append(dmp)
+    lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+    same = True
+    for step in range(4):
+        kjt = _batch(configs, lo, hi, step)
+        outs = []
+        for dmp in dmps:
+            out = dmp(kjt).values()
+            (out * (step + 1.0)).sum().backward()
+            outs.append(out.detach())
+        same &= torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    inner = [d.module.sharded for d in dmps]
+    full = [m.gather_full_state_dict() for m in inner]
+    same &= all(torch.equal(full[0][k], f[k]) for f in full[1:] for k in full[0])
+    return same, [m.tiered() for m in inner], [sorted(m.cache_stats()) for m in inner]
+
+
+def test_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(tmp_path):
+    for rank, (same, tiered, caches) in enumerate(run_ranks(_dmp, 2, str(tmp_path))):
+        assert same, rank
+        assert tiered == [False, True, True], (rank, tiered)
+        assert caches[1] == caches[2], rank  # the same shards are cached either way
