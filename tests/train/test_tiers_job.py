@@ -110,3 +110,21 @@ def test_job_on_two_ranks_with_a_cached_table(tmp_path):
                                             "policy": "lru"}
     assert "storage" not in plan["tables"][1]
     assert "caches" not in records(tmp_path / "device", "train")[0]
+
+
+def test_job_in_one_process_with_a_file_table(tmp_path):
+    from fbtriton_dist.train.job import main
+
+    paths = []
+    for name, storage in (("device", None), ("file", {"tier": "file", "cache_load_factor": 0.3,
+                                                      "path": str(tmp_path / "rows")})):
+        path = _job(tmp_path, name, storage)
+        data = yaml.safe_load(path.read_text())
+        del data["sharding"]  # one process: no plan file for 2 ranks
+        path.write_text(yaml.safe_dump(data))
+        assert main(["--config", str(path)]) == 0
+        paths.append(tmp_path / name)
+    assert losses(paths[1]) == losses(paths[0])
+    (summary,) = records(paths[1], "summary")
+    assert summary["caches"]["t_a"]["steps"] == 8
+    assert (tmp_path / "rows" / "t_a.weight").exists()
