@@ -123,7 +123,7 @@ def _subset_or_all(plan: ShardingPlan, names: list[str]) -> ShardingPlan:
     return plan.subset([n for n in names if n in planned])
 
 
-def _storage_of(collection, plan: ShardingPlan, name: str) -> dict:
+def _storage_of(collection, plan: ShardingPlan) -> dict:
     """Each table's storage tier: the plan's where it names one (``TableSharding.storage``),
     else the collection's (``storage=`` of ours; ``device`` for TorchRec's)."""
     own = collection.table_storage() if hasattr(collection, "table_storage") else {}
@@ -140,11 +140,14 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
     configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
     tables = collection.embedding_bags if ebc else collection.embeddings
     first = next(iter(collection.parameters()), None)
-    storage = _storage_of(collection, plan, name)
+    storage = _storage_of(collection, plan)
     weights = None
     if first is not None and not first.is_meta:
-        whole = collection.state_dict() if any(s.cached for s in storage.values()) else {}
-        key = "embedding_bags" if ebc else "embeddings"  # a cached table's parameter: its slots
+        # a table the collection itself caches: its parameter is the cache's slots, its
+        # state dict entry the whole table
+        own = collection.table_storage() if hasattr(collection, "table_storage") else {}
+        whole = collection.state_dict() if any(s.cached for s in own.values()) else {}
+        key = "embedding_bags" if ebc else "embeddings"
         weights = {c.name: whole[f"{key}.{c.name}.weight"] if f"{key}.{c.name}.weight" in whole
                    else tables[c.name].weight.detach() for c in configs}
     common = {

@@ -366,3 +366,20 @@ def test_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(tmp_path):
         assert same, rank
         assert tiered == [False, True, True], (rank, tiered)
         assert caches[1] == caches[2], rank  # the same shards are cached either way
+
+
+def _plan_puts_cached_tables_on_device(rank, world, folder):
+    import fbtriton_dist
+    from fbtriton_dist.storage import Storage
+
+    configs = _configs(False)
+    own = {c.name: _storage("cached", "lru", folder, rank) for c in configs if c.name != "dp"}
+    ref = fbtriton_dist.shard(_collection(configs, False, "sgd"), _plan("mixed", world))
+    m = fbtriton_dist.shard(_collection(configs, False, "sgd", own),
+                            _plan("mixed", world, Storage()))
+    a, b = ref.gather_full_state_dict(), m.gather_full_state_dict()
+    return not m.tiered() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_plan_storage_wins_over_the_collection_and_the_whole_tables_are_copied(tmp_path):
+    assert all(run_ranks(_plan_puts_cached_tables_on_device, 2, str(tmp_path)))
