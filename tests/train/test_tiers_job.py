@@ -128,3 +128,20 @@ def test_job_in_one_process_with_a_file_table(tmp_path):
     (summary,) = records(paths[1], "summary")
     assert summary["caches"]["t_a"]["steps"] == 8
     assert (tmp_path / "rows" / "t_a.weight").exists()
+
+
+def test_plan_command_writes_storage_and_checks_the_host_budget(tmp_path, capsys):
+    from fbtriton_dist.cli import main
+
+    tables = tmp_path / "tables.yaml"
+    tables.write_text(yaml.safe_dump({"tables": [
+        {"name": "t_user", "num_embeddings": 1_000_000, "embedding_dim": 64,
+         "features": ["user"], "storage": {"tier": "cached", "cache_load_factor": 0.1}},
+        {"name": "t_item", "num_embeddings": 20_000, "embedding_dim": 64, "features": ["item"]},
+    ]}))
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", str(tables), "--world-size", "2", "--out", str(out)]) == 0
+    plan = yaml.safe_load(out.read_text())
+    assert plan["tables"][0]["storage"]["tier"] == "cached"
+    assert main(["plan", str(tables), "--world-size", "2", "--host-budget-gb", "0.1"]) != 0
+    assert "of host memory, budget 102.4 MiB: 't_user'" in capsys.readouterr().err
