@@ -145,3 +145,24 @@ def test_plan_command_writes_storage_and_checks_the_host_budget(tmp_path, capsys
     assert plan["tables"][0]["storage"]["tier"] == "cached"
     assert main(["plan", str(tables), "--world-size", "2", "--host-budget-gb", "0.1"]) != 0
     assert "of host memory, budget 102.4 MiB: 't_user'" in capsys.readouterr().err
+
+
+def test_job_with_a_cached_table_resumes_exactly_on_two_ranks(tmp_path):
+    from tests.train.test_multirank import ok, torchrun
+
+    storage = {"tier": "cached", "cache_load_factor": 0.3, "policy": "lfu"}
+    paths = {}
+    for name in ("full", "half"):
+        path = _job(tmp_path, name, storage)
+        data = yaml.safe_load(path.read_text())
+        data["logging"]["log_every"] = 1
+        data["checkpoint"] = {"every": 4, "keep": 2}
+        path.write_text(yaml.safe_dump(data))
+        paths[name] = str(path)
+    args = ["fbtriton_dist.train", "--config"]
+    ok(torchrun(2, *args, paths["full"]))
+    ok(torchrun(2, *args, paths["half"], "--steps", "4"))
+    ok(torchrun(2, *args, paths["half"], "--resume"))
+    want, got = losses(tmp_path / "full"), losses(tmp_path / "half")
+    assert sorted(got) == list(range(1, 9))
+    assert all(got[s] == want[s] for s in range(5, 9))
