@@ -45,7 +45,7 @@ PLAN_DEFAULTS = {"hbm_gb": 80.0, "reserved": 0.1, "batch_size": 512,
 JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
             "batch_size": "train.batch_size", "optimizer": "optimizer.embedding.type",
             "row_cuts": "sharding.row_cuts", "local_world_size": "sharding.local_world_size",
-            "zipf": "data.synthetic.zipf"}
+            "zipf": "data.synthetic.zipf", "host_budget_gb": "sharding.host_budget_gb"}
 """``plan``'s options given with a job file: the job key each one overrides."""
 
 
@@ -73,6 +73,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hbm-gb", type=_bounded(0, None, strict=True), default=None,
                    help="HBM per rank in GiB (default 80)")
+    p.add_argument("--host-budget-gb", type=_bounded(0, None, strict=True), default=None,
+                   help="host memory per rank in GiB for the backing stores of tables on the "
+                        "host / cached storage tiers (default: not checked)")
     p.add_argument(
         "--reserved",
         type=_bounded(0, 1, strict_high=True),
@@ -159,6 +162,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         row_cuts=args.row_cuts,
         memory_tolerance=args.memory_tolerance,
         progress=_progress,
+        host_bytes_per_rank=(args.host_budget_gb * GiB if args.host_budget_gb is not None
+                             else None),
     )
     if args.check:
         plan = ShardingPlan.load_yaml(args.check)
@@ -169,7 +174,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             )
     else:
         plan = planner.plan(specs, table_set.constraints, stats)
-    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=args.optimizer)
+    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=args.optimizer,
+                  host_budget_bytes=planner.host_bytes_per_rank)
     cost = planner.cost(plan, specs, stats)
     title = f"{args.check or args.tables}: {len(specs)} tables on {planner.describe()}"
     report = format_report(plan, specs, cost, stats, title=title)

@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["COMPUTE_KERNELS", "POLICIES", "TIERS", "Storage", "storage_of"]
+__all__ = ["COMPUTE_KERNELS", "POLICIES", "TIERS", "Storage", "storage_dict", "storage_of",
+           "storage_of_kernel"]
 
 Tier = Literal["device", "host", "cached", "file"]
 TIERS: tuple[str, ...] = ("device", "host", "cached", "file")
@@ -115,3 +116,32 @@ def storage_of(value: Any, table: str) -> Storage:
         return Storage(**dict(value))
     except ValueError as e:
         raise ValueError(f"table '{table}' {e}") from None
+
+
+def storage_dict(storage: Storage) -> dict[str, Any]:
+    """``storage`` as the plan and job YAML write it: ``tier``, and for ``cached`` / ``file``
+    the cache fields (``cache_slots`` only when set) and ``path``."""
+    out: dict[str, Any] = {"tier": storage.tier}
+    if storage.cached:
+        if storage.cache_slots is not None:
+            out["cache_slots"] = storage.cache_slots
+        else:
+            out["cache_load_factor"] = storage.cache_load_factor
+        out["policy"] = storage.policy
+    if storage.path is not None:
+        out["path"] = storage.path
+    return out
+
+
+def storage_of_kernel(kernel: str, table: str, cache_load_factor: float | None = None) -> Storage:
+    """The ``Storage`` of TorchRec's compute kernel ``kernel`` (``COMPUTE_KERNELS``; an
+    imported plan's ``ParameterSharding.compute_kernel``), with ``cache_load_factor`` (its
+    ``cache_params.load_factor``; None: ours) for ``fused_uvm_caching``; errors name the
+    table."""
+    if kernel not in COMPUTE_KERNELS:
+        raise ValueError(f"table '{table}': compute kernel {kernel!r} has no storage tier here, "
+                         f"expected one of {list(COMPUTE_KERNELS)}")
+    tier = COMPUTE_KERNELS[kernel]
+    if tier == "cached" and cache_load_factor is not None:
+        return storage_of({"tier": tier, "cache_load_factor": cache_load_factor}, table)
+    return Storage(tier=tier)

@@ -248,6 +248,11 @@ class TableGroups(nn.Module):
         for tbe in self._tbes:
             tbe.flush()
 
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per cached table: distinct rows looked up, misses, evictions, write-backs
+        (cumulative; ``TableBatchedEmbedding.cache_stats``)."""
+        return {k: v for tbe in self._tbes for k, v in tbe.cache_stats().items()}
+
     def table_storage(self) -> dict[str, Storage]:
         """Each table's storage tier (``storage=``), by name."""
         return {self._table_configs[t].name: tbe.storage[i]

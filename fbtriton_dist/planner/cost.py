@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ._yaml import check_int, check_number
-from .memory import state_bytes
+from .memory import device_rows, state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
@@ -419,8 +419,9 @@ class CostAccumulator:
         s = spec.dtype_bytes
         rows = (blocks.row_end - blocks.row_start).astype(np.float64)
         cols = (blocks.col_end - blocks.col_start).astype(np.float64)
-        self.add(blocks.rank, weight_bytes=rows * cols * s,
-                 state_bytes=state_bytes(opt, rows, cols))
+        held = device_rows(spec, rows)  # a cached tier: its caches' slots
+        self.add(blocks.rank, weight_bytes=held * cols * s,
+                 state_bytes=state_bytes(opt, held, cols))
         if sharding == "data_parallel":
             self._add_replicas(spec)
         elif sharding in ("table_wise", "column_wise"):

@@ -6,12 +6,15 @@ count memory the same way.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fbtriton_dist import optim
 
 from .shards import Shard
 from .tables import TableSpec
 
-__all__ = ["GiB", "block_bytes", "fmt_bytes", "shard_equation", "state_bytes"]
+__all__ = ["GiB", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes", "shard_equation",
+           "state_bytes"]
 
 GiB = 1024**3
 
@@ -23,8 +26,37 @@ def state_bytes(optimizer: str, rows: int, cols: int) -> int:
 
 
 def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
-    """Weights + optimizer state of a rows x cols block of ``spec``; ``optimizer`` is the
-    default for a table that does not name its own."""
+    """Device memory of a rows x cols block of ``spec``: weights + optimizer state of its
+    rows, or of its cache's slots on a ``cached`` / ``file`` tier (``Storage.slots(rows)``),
+    none on ``host``; ``optimizer`` is the default for a table that does not name its own."""
+    opt = spec.optimizer or optimizer
+    rows = device_rows(spec, rows)
+    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+
+
+def device_rows(spec: TableSpec, rows):
+    """Rows of a block (an int or a numpy array) that sit in device memory: all of them on
+    ``device``, none on ``host``, the cache's slots on ``cached`` / ``file``
+    (``Storage.slots``, elementwise)."""
+    st = spec.storage
+    if st is None or st.tier == "device":
+        return rows
+    if st.tier == "host":
+        return rows * 0
+    if np.ndim(rows) == 0:
+        return st.slots(int(rows))
+    r = np.asarray(rows, dtype=np.float64)
+    n = np.full_like(r, st.cache_slots) if st.cache_slots is not None else np.ceil(
+        st.cache_load_factor * r)
+    return np.clip(n, np.minimum(1, r), r)
+
+
+def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
+    """Host memory of a rows x cols block of ``spec``: every row and its optimizer state on
+    the ``host`` and ``cached`` tiers (the backing store), none on ``device`` and ``file``
+    (its rows are in files, on disk)."""
+    if spec.tier not in ("host", "cached"):
+        return 0
     opt = spec.optimizer or optimizer
     return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
 
@@ -39,9 +71,12 @@ def fmt_bytes(n: float) -> str:
 def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
     """``rows 0..1000 x 128 cols x 4 B + state 4.0 KiB (rowwise_adagrad) = 504.0 KiB``."""
     opt = spec.optimizer or optimizer
-    w = sh.num_rows * sh.num_cols * spec.dtype_bytes
-    st = state_bytes(opt, sh.num_rows, sh.num_cols)
+    rows = spec.storage.slots(sh.num_rows) if spec.storage is not None else sh.num_rows
+    w = rows * sh.num_cols * spec.dtype_bytes
+    st = state_bytes(opt, rows, sh.num_cols)
+    cache = (f" ({spec.tier} tier: a cache of {rows} slots)"
+             if spec.storage is not None and spec.storage.cached else "")
     return (
-        f"rows {sh.row_start}..{sh.row_end} x {sh.num_cols} cols x {spec.dtype_bytes} B"
+        f"rows {sh.row_start}..{sh.row_end}{cache} x {sh.num_cols} cols x {spec.dtype_bytes} B"
         f" + state {fmt_bytes(st)} ({opt}) = {fmt_bytes(w + st)}"
     )

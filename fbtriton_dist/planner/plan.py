@@ -35,11 +35,13 @@ from ._yaml import (
     check_int,
     read_yaml,
 )
-from .memory import block_bytes, fmt_bytes, shard_equation
+from fbtriton_dist.storage import Storage, storage_dict, storage_of
+
+from .memory import block_bytes, fmt_bytes, host_block_bytes, shard_equation
 from .shards import Shard, TableSharding
 from .tables import TableSpec
 
-__all__ = ["PlanValidationError", "ShardingPlan", "memory_problems"]
+__all__ = ["PlanValidationError", "ShardingPlan", "host_memory_problems", "memory_problems"]
 
 PLAN_VERSION = 1
 
@@ -111,13 +113,16 @@ class ShardingPlan:
         *,
         budget_bytes: float | None = None,
         optimizer: str = "rowwise_adagrad",
+        host_budget_bytes: float | None = None,
     ) -> None:
         """Raise :class:`PlanValidationError` listing every problem found.
 
         Always: ranks in range, shards inside their table, the cut matches the sharding type,
         every cell covered exactly once (one full replica per rank for data-parallel). With
         ``tables``: the plan has exactly these tables with the same E and D. With
-        ``budget_bytes`` as well: weights + optimizer state on each rank fit the budget.
+        ``budget_bytes`` as well: weights + optimizer state on each rank fit the budget
+        (a ``cached`` / ``file`` table's shards: their caches). With ``host_budget_bytes``:
+        the backing stores of ``host`` / ``cached`` tables on each rank fit it.
         """
         problems = [
             p for t in self.tables for p in t.validate(self.world_size, self.local_world_size)
@@ -127,6 +132,8 @@ class ShardingPlan:
             problems += self._match_tables(specs)
         if specs is not None and budget_bytes is not None and not problems:
             problems += memory_problems(self, specs, budget_bytes, optimizer)
+        if specs is not None and host_budget_bytes is not None and not problems:
+            problems += host_memory_problems(self, specs, host_budget_bytes, optimizer)
         if problems:
             raise PlanValidationError(problems)
 
@@ -160,6 +167,7 @@ class ShardingPlan:
                     "sharding": t.sharding,
                     "num_embeddings": t.num_embeddings,
                     "embedding_dim": t.embedding_dim,
+                    **({"storage": storage_dict(t.storage)} if t.storage is not None else {}),
                     "shards": [
                         {
                             "rank": s.rank,
@@ -184,7 +192,12 @@ class ShardingPlan:
         for t in self.tables:
             lines += [f"- name: {_yaml_scalar(t.name)}", f"  sharding: {t.sharding}",
                       f"  num_embeddings: {t.num_embeddings}",
-                      f"  embedding_dim: {t.embedding_dim}", "  shards:"]
+                      f"  embedding_dim: {t.embedding_dim}"]
+            if t.storage is not None:
+                flow = yaml.dump(storage_dict(t.storage), Dumper=SAFE_DUMPER, sort_keys=False,
+                                 default_flow_style=True, width=10**6)
+                lines.append(f"  storage: {flow.strip()}")
+            lines.append("  shards:")
             for sh in t.shards:
                 lines += [f"  - rank: {sh.rank}", f"    rows: [{sh.row_start}, {sh.row_end}]",
                           f"    cols: [{sh.col_start}, {sh.col_end}]"]
@@ -201,9 +214,23 @@ class ShardingPlan:
         def tables(value: Any, key: str) -> tuple[TableSharding, ...]:
             items = _list(value, key)
             return tuple(
-                build(TableSharding, item, where, f"{key}[{i}]", convert={"shards": shards})
+                build(TableSharding, item, where, f"{key}[{i}]",
+                      convert={"shards": shards, "storage": _storage(item)})
                 for i, item in enumerate(items)
             )
+
+        def _storage(item: Any):
+            name = item.get("name") if isinstance(item, Mapping) else None
+
+            def convert(value: Any, key: str) -> Storage | None:
+                if value is None:
+                    return None
+                try:
+                    return storage_of(value, str(name))
+                except ValueError as e:
+                    raise FieldError(key, str(e)) from None
+
+            return convert
 
         def shards(value: Any, key: str) -> tuple[Shard, ...]:
             return tuple(_shard(item, f"{key}[{i}]") for i, item in enumerate(_list(value, key)))
@@ -275,6 +302,26 @@ def memory_problems(
             f"table '{name}' {shard_equation(by_name[name], big, optimizer)}{others}"
         )
     return problems
+
+
+def host_memory_problems(
+    plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
+) -> list[str]:
+    """One message per rank whose backing stores (every row and optimizer state of its
+    ``host`` / ``cached`` shards, ``memory.host_block_bytes``) exceed ``budget_bytes``."""
+    by_name = {t.name: t for t in tables}
+    need: dict[int, list[tuple[int, str]]] = {}
+    for t in plan.tables:
+        spec = by_name.get(t.name)
+        if spec is None or spec.tier not in ("host", "cached"):
+            continue
+        for s in t.shards:
+            n = host_block_bytes(spec, s.num_rows, s.num_cols, optimizer)
+            need.setdefault(s.rank, []).append((n, f"'{t.name}' rows {s.row_start}..{s.row_end}"
+                                                   f" x {s.num_cols} cols {fmt_bytes(n)}"))
+    return [f"rank {r} needs {fmt_bytes(sum(n for n, _ in items))} of host memory, budget "
+            f"{fmt_bytes(budget_bytes)}: " + " + ".join(text for _, text in items)
+            for r, items in sorted(need.items()) if sum(n for n, _ in items) > budget_bytes]
 
 
 def _without_version(data: Any, where: str) -> Any:

@@ -41,7 +41,7 @@ from ._yaml import check_choice, check_int, check_number
 from .balance import balance_memory
 from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator, CostModel, PlanCost, evaluate
 from .memory import block_bytes, fmt_bytes
-from .plan import ShardingPlan
+from .plan import ShardingPlan, host_memory_problems
 from .proposals import MIN_COLUMN_SLICE, Proposer, RowCuts
 from .shards import SHARDING_TYPES, TableSharding
 from .stats import IdDistribution
@@ -76,7 +76,14 @@ def _table_sharding(spec: TableSpec, sharding: str, blocks: Blocks) -> TableShar
         num_embeddings=spec.num_embeddings,
         embedding_dim=spec.embedding_dim,
         shards=blocks.shards(),
+        storage=spec.storage,
     )
+
+
+def _placeable(spec: TableSpec, types: list[str]) -> list[str]:
+    """``types`` the table may take: no data_parallel replica of a table on a tier other than
+    device (the sharded collections refuse a replica behind a cache)."""
+    return [t for t in types if t != "data_parallel" or spec.tier == "device"]
 
 
 
@@ -139,6 +146,10 @@ class ShardingPlanner:
         memory_tolerance: the memory pass may raise the step time (the slowest rank's) to at
             most ``1 + memory_tolerance`` times the time-balanced plan's (and never above the
             plan with equal row blocks); 0 only takes moves that keep the step time.
+        host_bytes_per_rank: host memory of one rank for the backing stores of tables on the
+            ``host`` and ``cached`` tiers (every row and its optimizer state; a ``cached`` /
+            ``file`` table's cache counts against the device budget); None: not checked. The
+            search does not balance it: a plan that exceeds it raises :class:`PlanError`.
         progress: called with a line of text (which pass, how many tables placed, seconds so
             far) about once a second once a plan has taken ``progress_after_s``; None: quiet.
     """
@@ -158,6 +169,7 @@ class ShardingPlanner:
         memory_tolerance: float = 0.01,
         progress: Callable[[str], None] | None = None,
         progress_after_s: float = 2.0,
+        host_bytes_per_rank: float | None = None,
     ) -> None:
         check_int("world_size", world_size, 1)
         local_world_size = world_size if local_world_size is None else local_world_size
@@ -169,6 +181,9 @@ class ShardingPlanner:
             )
         check_number("hbm_bytes_per_rank", hbm_bytes_per_rank, 0.0, strict=True)
         check_number("reserved_fraction", reserved_fraction, 0.0)
+        if host_bytes_per_rank is not None:
+            check_number("host_bytes_per_rank", host_bytes_per_rank, 0.0, strict=True)
+        self.host_bytes_per_rank = host_bytes_per_rank
         if reserved_fraction >= 1.0:
             raise ValueError(f"reserved_fraction: expected a number < 1, got {reserved_fraction}")
         check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -228,12 +243,18 @@ class ShardingPlanner:
         specs = to_table_specs(tables)
         draft = self._plan(specs, constraints, stats)
         by_name = {t.name: t for t in specs}
-        return ShardingPlan(
+        plan = ShardingPlan(
             world_size=self.world_size,
             local_world_size=self.local_world_size,
             tables=tuple(_table_sharding(by_name[name], *draft.choices[draft.order.index(name)])
                          for name in (t.name for t in specs)),
         )
+        if self.host_bytes_per_rank is not None:
+            problems = host_memory_problems(plan, specs, self.host_bytes_per_rank,
+                                            self.optimizer)
+            if problems:
+                raise PlanError("host memory: " + "; ".join(problems))
+        return plan
 
     def _plan(self, specs, constraints, stats) -> _Draft:
         """``plan`` without restarting the progress clock, as a draft."""
@@ -391,11 +412,12 @@ class ShardingPlanner:
                 f"constraints['{spec.name}'].ranks: expected ranks < world_size="
                 f"{self.world_size}, got {bad}"
             )
-        types = self._allowed_types(c)
+        types = _placeable(spec, self._allowed_types(c))
         if not types:
             raise ValueError(
                 f"constraints['{spec.name}'].sharding: {list(c.sharding or ())} leaves no usable "
-                f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more)"
+                f"sharding type on {self.num_hosts} host(s) (table_row_wise needs 2 or more; "
+                "a table on a tier other than device is never data_parallel)"
             )
         proposer = self._proposer()
         D, n = spec.embedding_dim, len(proposer.candidate_ranks(c))  # no cut of D: bad input
@@ -416,7 +438,7 @@ class ShardingPlanner:
 
     def _check_total_memory(self, specs: Sequence[TableSpec]) -> None:
         need = sum(self._table_bytes(t, t.num_embeddings, t.embedding_dim) for t in specs)
-        weights = sum(t.num_embeddings * t.embedding_dim * t.dtype_bytes for t in specs)
+        weights = sum(block_bytes(t, t.num_embeddings, t.embedding_dim, "none") for t in specs)
         have = self.world_size * self.budget_bytes
         if need <= have:
             return
@@ -474,7 +496,7 @@ class ShardingPlanner:
         best, best_score, failures = None, None, []
         base = acc.time_array()
         proposer = self._proposer()
-        for sharding in self._allowed_types(c, grid):
+        for sharding in _placeable(spec, self._allowed_types(c, grid)):
             proposals = list(proposer.proposals(spec, sharding, c, dist, acc))
             if not proposals:
                 failures.append(sharding)

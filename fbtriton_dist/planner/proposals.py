@@ -288,6 +288,14 @@ class Proposer:
         """Rows of ``cols`` columns each rank of ``members`` still has memory for."""
         per_row = self.table_bytes(spec, 1, cols)
         free = self.room_bytes - acc.memories()[members]
+        st = spec.storage
+        if st is not None and st.tier == "host":  # nothing on the device
+            return np.full(len(members), spec.num_embeddings, dtype=np.int64)
+        if st is not None and st.cached:  # a cache of a share of the rows (or of N slots)
+            if st.cache_slots is not None:
+                fits = free >= self.table_bytes(spec, st.cache_slots, cols)
+                return np.where(fits, spec.num_embeddings, 0).astype(np.int64)
+            return np.maximum(0, free // (per_row * st.cache_load_factor)).astype(np.int64)
         return np.maximum(0, free // per_row).astype(np.int64)
 
     def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:

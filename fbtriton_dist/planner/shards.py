@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fbtriton_dist.storage import Storage
+
 from ._yaml import FieldError, check_choice, check_int, check_name
 
 __all__ = ["SHARDING_TYPES", "Shard", "ShardingType", "TableSharding"]
@@ -75,9 +77,15 @@ class TableSharding:
     """D, the table's columns."""
     shards: tuple[Shard, ...]
     """The blocks; row-wise kinds in increasing row order, data-parallel one per rank."""
+    storage: Storage | None = None
+    """Where every shard of the table lives (``fbtriton_dist.storage.Storage``: a tier and,
+    for ``cached`` / ``file``, a cache of ``cache_load_factor`` x the shard's rows). None: not
+    said by the plan (the module's own storage; ``device`` unless it has one)."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
+        if self.storage is not None and not isinstance(self.storage, Storage):
+            raise FieldError("storage", f"expected a Storage or None, got {self.storage!r}")
         check_choice("sharding", self.sharding, SHARDING_TYPES)
         check_int("num_embeddings", self.num_embeddings, 1)
         check_int("embedding_dim", self.embedding_dim, 1)

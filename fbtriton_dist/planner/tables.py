@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from fbtriton_dist import optim
 from fbtriton_dist.id_manager import IdManagerConfig, IdManagerError, config_from_dict
+from fbtriton_dist.storage import Storage, storage_of
 
 from ._yaml import (
     ConfigError,
@@ -90,6 +91,11 @@ class TableSpec:
     """L, mean ids per bag, one per feature; empty means 1.0 for every feature."""
     optimizer: Optimizer | None = None
     """Fused optimizer of this table; None takes the planner's ``optimizer``."""
+    storage: Storage | None = None
+    """Where its shards live (``fbtriton_dist.storage.Storage``; YAML: a mapping of its fields
+    or a tier name); None: ``device``. A ``cached`` / ``file`` shard holds a cache of
+    ``Storage.slots(its rows)`` rows (+ their optimizer state) in device memory, every row in
+    host memory (``cached``) or files (``file``)."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -112,6 +118,13 @@ class TableSpec:
             check_number(f"pooling_factors[{i}]", L, 0.0)
         if self.optimizer is not None:
             check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.storage is not None and not isinstance(self.storage, Storage):
+            raise FieldError("storage", f"expected a Storage or None, got {self.storage!r}")
+
+    @property
+    def tier(self) -> str:
+        """Its storage tier (``device`` without ``storage``)."""
+        return self.storage.tier if self.storage is not None else "device"
 
     @property
     def dtype_bytes(self) -> int:
@@ -195,6 +208,7 @@ _TABLE_KEYS = (
     "dtype",
     "pooling_factors",
     "optimizer",
+    "storage",
 )
 
 
@@ -210,6 +224,20 @@ def _ints(value: Any, key: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise FieldError(key, f"expected a list of integers, got {value!r}")
     return tuple(value)
+
+
+def _storage(table: Any):
+    """The converter of a table entry's ``storage`` (errors name the table)."""
+
+    def convert(value: Any, key: str) -> Storage | None:
+        if value is None:
+            return None
+        try:
+            return storage_of(value, str(table))
+        except ValueError as e:
+            raise FieldError(key, str(e)) from None
+
+    return convert
 
 
 def load_tables(path: str | os.PathLike[str]) -> TableSet:
@@ -252,7 +280,8 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
             spec_part,
             where,
             key,
-            convert={"features": _names, "pooling_factors": _floats},
+            convert={"features": _names, "pooling_factors": _floats,
+                     "storage": _storage(entry.get("name"))},
         )
         tables.append(spec)
         cons_part = {k: v for k, v in entry.items() if k in _CONSTRAINT_KEYS}
@@ -274,6 +303,10 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
             )
         if entry.get("id_manager") is not None:
             managers[spec.name] = _id_manager(entry["id_manager"], spec, where, key)
+            if spec.tier != "device":
+                raise ConfigError(where, f"{key}.storage",
+                                  f"table '{spec.name}' is managed (id_manager): managed tables "
+                                  f"live on 'device', got tier '{spec.tier}'")
     try:
         return TableSet(tables=tuple(tables), constraints=constraints, stats=stats,
                         id_managers=managers)

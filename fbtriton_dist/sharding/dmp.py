@@ -57,6 +57,7 @@ from fbtriton_dist.sharding.dist.input_dist import InputDistOut
 from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sharding.shard import shard
+from fbtriton_dist.storage import COMPUTE_KERNELS, Storage, storage_of_kernel
 
 __all__ = [
     "DMPShardedEmbeddingBagCollection",
@@ -103,7 +104,18 @@ def _table_sharding(cfg, ps: ParameterSharding, world_size: int) -> TableShardin
                                 col_start=c0, col_end=c0 + nc))
         shards.sort(key=lambda s: (s.col_start, s.row_start))  # our order: slice by slice, rows
     return TableSharding(name=name, sharding=kind, num_embeddings=E, embedding_dim=D,
-                         shards=tuple(shards))
+                         shards=tuple(shards), storage=_storage_of(name, ps))
+
+
+def _storage_of(name: str, ps: ParameterSharding) -> Storage | None:
+    """The tier of TorchRec's ``compute_kernel`` (``fbtriton_dist.storage.COMPUTE_KERNELS``):
+    ``fused_uvm`` -> ``host``, ``fused_uvm_caching`` -> ``cached`` with its
+    ``cache_params.load_factor``; ``fused`` (and any other) -> None, the module's own."""
+    kernel = getattr(ps, "compute_kernel", None)
+    if kernel not in COMPUTE_KERNELS or COMPUTE_KERNELS[kernel] == "device":
+        return None
+    load_factor = getattr(getattr(ps, "cache_params", None), "load_factor", None)
+    return storage_of_kernel(kernel, name, load_factor)
 
 
 def to_fbtd_plan(
@@ -387,9 +399,16 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         return module.embedding_bag_configs()
 
     def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys."""
+        """``{table name: weight}``, as TorchRec's sharder: the planner's and the plan's keys
+        (a table on a cached tier: its whole rows, ``[E, D]``, not its cache's slots)."""
         tables = getattr(module, self._tables_attr)
-        return {c.name: tables[c.name].weight for c in self._configs(module)}
+        storage = module.table_storage() if hasattr(module, "table_storage") else {}
+        whole = {}
+        if any(st.cached for st in storage.values()):  # a cached table's weight is its cache
+            sd = module.state_dict()
+            whole = {n: nn.Parameter(sd[f"{self._tables_attr}.{n}.weight"], requires_grad=False)
+                     for n, st in storage.items() if st.cached}
+        return {c.name: whole.get(c.name, tables[c.name].weight) for c in self._configs(module)}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SHARDING_TYPES)

@@ -8,6 +8,7 @@ from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.comm.options import CommOptions
 from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
+from fbtriton_dist.storage import storage_of
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -122,22 +123,33 @@ def _subset_or_all(plan: ShardingPlan, names: list[str]) -> ShardingPlan:
     return plan.subset([n for n in names if n in planned])
 
 
+def _storage_of(collection, plan: ShardingPlan) -> dict:
+    """Each table's storage tier: the plan's where it names one (``TableSharding.storage``),
+    else the collection's (``storage=`` of ours; ``device`` for TorchRec's)."""
+    own = collection.table_storage() if hasattr(collection, "table_storage") else {}
+    out = {}
+    for cfg in _configs_of(collection):
+        planned = next((t.storage for t in plan.tables if t.name == cfg.name), None)
+        out[cfg.name] = planned if planned is not None else storage_of(own.get(cfg.name), cfg.name)
+    return out
+
+
 def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None):
     kind = _kind(collection)
-    storage = collection.table_storage() if hasattr(collection, "table_storage") else {}
-    tiered = sorted(t for t, s in storage.items() if s.tier != "device")
-    if tiered:
-        raise NotImplementedError(
-            f"{name}: table(s) {tiered} have a storage tier other than 'device' "
-            f"({[storage[t].tier for t in tiered]}); sharding tiered tables is not supported "
-            "yet: shard them on 'device' (docs/storage.md)")
     ebc = kind == "ebc"
     configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
     tables = collection.embedding_bags if ebc else collection.embeddings
     first = next(iter(collection.parameters()), None)
+    storage = _storage_of(collection, plan)
     weights = None
     if first is not None and not first.is_meta:
-        weights = {c.name: tables[c.name].weight.detach() for c in configs}
+        # a table the collection itself caches: its parameter is the cache's slots, its
+        # state dict entry the whole table
+        own = collection.table_storage() if hasattr(collection, "table_storage") else {}
+        whole = collection.state_dict() if any(s.cached for s in own.values()) else {}
+        key = "embedding_bags" if ebc else "embeddings"
+        weights = {c.name: whole[f"{key}.{c.name}.weight"] if f"{key}.{c.name}.weight" in whole
+                   else tables[c.name].weight.detach() for c in configs}
     common = {
         "optimizer": optimizer if optimizer is not None else _optimizer_of(collection, name),
         "weights": weights,
@@ -148,6 +160,8 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
         "backend": backend,
         "comm": comm,
     }
+    if any(s.tier != "device" for s in storage.values()):
+        common["storage"] = storage
     ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
     if getattr(collection, "id_managers", None) is not None:  # managed tables
         from fbtriton_dist.sharding.managed import sharded as managed

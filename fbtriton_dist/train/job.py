@@ -201,7 +201,12 @@ def _collection(cls, configs, cfg: JobConfig, where: torch.device):
     whole table's map is allocated once on every rank meanwhile)."""
     names = {c.name for c in configs}
     managed = {n: m for n, m in cfg.tables.id_managers.items() if n in names} or None
-    collection = cls(tables=configs, device=where, backend=cfg.backend, managed=managed)
+    # the tables' storage tiers (``storage:``); on meta (several ranks) the plan carries them
+    # to ``shard()`` (train/planning.py ``with_storage``): a cache is never built on meta
+    storage = {t.name: t.storage for t in cfg.tables.tables
+               if t.name in names and t.storage is not None and where.type != "meta"} or None
+    collection = cls(tables=configs, device=where, backend=cfg.backend, managed=managed,
+                     storage=storage)
     if managed and where.type == "meta":
         collection.id_managers = ManagedCollisionCollection(
             managed, configs, device=torch.device("cpu"), backend=cfg.backend)

@@ -21,7 +21,15 @@ from .checkpoint import latest_checkpoint, nonfinite_weights, save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
-from .metrics import STAGES, IdManagerMetrics, MetricsWriter, StageTimer, Throughput, auc
+from .metrics import (
+    STAGES,
+    CacheMetrics,
+    IdManagerMetrics,
+    MetricsWriter,
+    StageTimer,
+    Throughput,
+    auc,
+)
 from .modes import resolve_pipeline
 from .resume import job_identity
 
@@ -234,6 +242,9 @@ class Trainer:
         self.throughput = Throughput(cfg.train.batch_size * env.world_size)
         self.id_metrics = IdManagerMetrics([model.get_submodule(f) for f in embedding_fqns])
         """Managed tables' occupancy, hit rate, admissions and evictions per step."""
+        self.cache_metrics = CacheMetrics([model.get_submodule(f) for f in embedding_fqns],
+                                          env.process_group)
+        """Cached tables' hit rate and rows fetched / written back per step."""
         self.step, self.position = 0, DataPosition()
         self.steps_run = 0
         self.last_loss = math.nan
@@ -322,6 +333,8 @@ class Trainer:
         sps = self.throughput.window()
         ms = split_dense(self.timer.take())
         managed = {"id_managers": self.id_metrics.take()} if self.id_metrics else {}
+        if self.cache_metrics:
+            managed["caches"] = self.cache_metrics.take(self.step)
         skipped = ({"skipped": self._window_skipped} if self.cfg.train.nonfinite == "skip"
                    else {})
         metrics.write(
@@ -476,6 +489,8 @@ class Trainer:
         self._step_t.fill_(step)
         if self.id_metrics:
             self.id_metrics.begin()
+        if self.cache_metrics:
+            self.cache_metrics.begin(self.step)
         rank0 = self.env.rank == 0
         metrics = MetricsWriter(
             os.path.join(cfg.run_dir, cfg.logging.metrics) if rank0 else None,
@@ -583,4 +598,5 @@ class Trainer:
             and os.path.isdir(self.last_checkpoint) else "-",
             "run_dir": self.cfg.run_dir,
             **({"id_managers": self.id_metrics.run()} if self.id_metrics else {}),
+            **({"caches": self.cache_metrics.run(self.step)} if self.cache_metrics else {}),
         }

@@ -247,6 +247,85 @@ class IdManagerMetrics:
         return out
 
 
+class CacheMetrics:
+    """The tables on a cached storage tier (``cached`` / ``file``) of the job's embedding
+    modules, over each logging window: per table ``hit_rate`` (distinct rows of a lookup
+    found in the cache / distinct rows looked up; eval lookups count too),
+    ``fetched_per_step`` (rows loaded into the cache), ``written_back_per_step`` (dirty rows
+    and their optimizer state written to the backing store) and ``evicted_per_step``, summed
+    over the table's shards on every rank (``cache_stats()`` of the modules; an all-reduce
+    when sharded: every rank calls :meth:`take` and :meth:`run` at the same steps)."""
+
+    KEYS = ("lookups", "misses", "evictions", "writebacks")
+
+    def __init__(self, modules: Sequence[Any], group: Any = None) -> None:
+        self.modules = [m for m in modules if callable(getattr(m, "cache_stats", None))]
+        self.group = group
+        self.tables = sorted(self._local())
+        if group is not None:  # every rank the same list: shards of a table may be elsewhere
+            import torch.distributed as dist
+
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, self.tables, group=group)
+            self.tables = sorted({t for ts in everyone for t in ts})
+        self._start: tuple[int, dict] | None = None
+        self._first: tuple[int, dict] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def _local(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for m in self.modules:
+            for name, v in m.cache_stats().items():
+                table = name.split("[", 1)[0]  # a shard: "table[rows, cols]"
+                acc = out.setdefault(table, dict.fromkeys(self.KEYS, 0))
+                for k in self.KEYS:
+                    acc[k] += int(v[k])
+        return out
+
+    def _read(self) -> dict[str, dict[str, int]]:
+        local = self._local()
+        flat = torch.tensor([[local.get(t, {}).get(k, 0) for k in self.KEYS]
+                             for t in self.tables], dtype=torch.int64)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(flat, group=self.group)
+        return {t: dict(zip(self.KEYS, map(int, row), strict=True))
+                for t, row in zip(self.tables, flat.tolist(), strict=True)}
+
+    def begin(self, step: int) -> None:
+        self._first = self._start = (step, self._read())
+
+    @staticmethod
+    def _window(now: dict, since: tuple[int, dict] | None, step: int) -> dict[str, dict]:
+        s0, before = since if since is not None else (0, {})
+        steps = step - s0
+        out = {}
+        for t, v in now.items():
+            d = {k: v[k] - before.get(t, {}).get(k, 0) for k in v}
+            out[t] = {
+                "hit_rate": round(1 - d["misses"] / d["lookups"], 4) if d["lookups"] else math.nan,
+                "fetched_per_step": round(d["misses"] / steps, 3) if steps else math.nan,
+                "written_back_per_step": round(d["writebacks"] / steps, 3) if steps else math.nan,
+                "evicted_per_step": round(d["evictions"] / steps, 3) if steps else math.nan,
+                "steps": int(steps),
+            }
+        return out
+
+    def take(self, step: int) -> dict[str, dict[str, float]]:
+        """Per table, the numbers since the last call (or :meth:`begin`)."""
+        now = self._read()
+        out = self._window(now, self._start, step)
+        self._start = (step, now)
+        return out
+
+    def run(self, step: int) -> dict[str, dict[str, float]]:
+        """Per table, the numbers since :meth:`begin`."""
+        return self._window(self._read(), self._first, step)
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (rank 0 only; others pass ``path=None``),
     and mirrors numbers to TensorBoard when ``tensorboard_dir`` is set and it is installed."""
@@ -300,7 +379,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-job summary, one ``key: value`` per line."""
     lines = ["training summary"]
     for k, v in summary.items():
-        if k == "id_managers":  # per managed table, its numbers
+        if k in ("id_managers", "caches"):  # per managed / cached table, its numbers
             for table, m in v.items():
                 text = ", ".join(f"{s} {x:.4g}" if isinstance(x, float) else f"{s} {x}"
                                  for s, x in m.items())

@@ -97,6 +97,7 @@ def plan_job(
         optimizer=optimizer,
         row_cuts=s.row_cuts,
         progress=progress,
+        host_bytes_per_rank=s.host_budget_gb * GiB if s.host_budget_gb is not None else None,
     )
     path = plan_path or (cfg.path(s.plan) if s.plan is not None else None)
     if path is not None:
@@ -108,11 +109,29 @@ def plan_job(
             )
     else:
         plan = planner.plan(specs, job_constraints(cfg), stats)
-    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer)
+    plan = with_storage(plan, specs)
+    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=optimizer,
+                  host_budget_bytes=planner.host_bytes_per_rank)
     cost = planner.cost(plan, specs, stats)
     title = f"job {cfg.name}: {len(specs)} tables on {planner.describe()}"
     return JobPlan(plan, planner, specs, stats, cost,
                    format_report(plan, specs, cost, stats, title=title))
+
+
+def with_storage(plan: ShardingPlan, specs) -> ShardingPlan:
+    """``plan`` with each table's ``storage`` from the table set where the plan names none (a
+    plan file written before tiers, or by hand); one that names another is an error."""
+    by_name = {t.name: t for t in specs}
+    tables = []
+    for t in plan.tables:
+        spec = by_name.get(t.name)
+        want = spec.storage if spec is not None else None
+        if t.storage is not None and want is not None and t.storage != want:
+            raise ValueError(f"table '{t.name}': the plan's storage {t.storage} differs from "
+                             f"the table set's {want}")
+        tables.append(t if t.storage is not None or want is None
+                      else dataclasses.replace(t, storage=want))
+    return dataclasses.replace(plan, tables=tuple(tables))
 
 
 def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:

@@ -498,15 +498,3 @@ def test_extra_keys_shared_features_and_non_finite_weights():
             assert "per-sample weight nan of feature 'u' (sample 0)" in text, text
         else:
             assert kind == "RuntimeError" and "rank(s) [1]" in text, text
-
-
-def test_a_tiered_table_is_refused_before_any_collective():
-    """shard() of a collection with a cached table names the table and its tier (the sharded
-    collections read the weight, which on a tier is the cache)."""
-    import fbtriton_dist
-
-    tables = _configs(weighted=False)
-    ebc = fbtriton_dist.EmbeddingBagCollection(
-        tables=tables, storage={tables[0].name: {"tier": "cached", "cache_load_factor": 0.5}})
-    with pytest.raises(NotImplementedError, match=rf"\['{tables[0].name}'\].*\['cached'\]"):
-        fbtriton_dist.shard(ebc, _plan("table_wise", 2), process_group=None)

@@ -8,7 +8,7 @@ dtype, the input dist that feeds them, the fused optimizer, the state dict.
 dist is the same for both: each id goes to the shards whose rows hold it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from fbtriton_dist.sharding.dist.fixed import FixedInputDist
 from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
 from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sharding.modules import state_dict as states
+from fbtriton_dist.storage import Storage, storage_of
 
 
 class ShardedCollection(nn.Module):
@@ -36,6 +37,11 @@ class ShardedCollection(nn.Module):
         weights: optional full weights ``{table name: [E, D]}`` to copy this rank's shards
             from; otherwise each shard is initialised with its table's ``init_fn``.
         comm: how it talks to the other ranks (``CommOptions``); kept as ``self.comm``.
+        storage: optional ``{table name: Storage}`` (``fbtriton_dist.storage``; a mapping of
+            its fields or a tier name too): every shard of the table lives on that tier, a
+            ``cached`` / ``file`` shard with ``Storage.slots(its rows)`` cache slots. Tables
+            not named, and all without it, are on ``device``. The state dict and the fused
+            optimizer's state give the whole shards (flushed), as on ``device``.
 
     ``input_group`` (default: the process group) carries the input dist; a pipeline may give
     it a group of its own so the next batch's ids do not queue behind this batch's output
@@ -59,6 +65,7 @@ class ShardedCollection(nn.Module):
         device: torch.device | str | None = None,
         backend: str = "auto",
         comm: CommOptions | None = None,
+        storage: Mapping[str, Storage | Mapping | str | None] | None = None,
     ) -> None:
         super().__init__()
         if comm is not None and not isinstance(comm, CommOptions):
@@ -89,6 +96,8 @@ class ShardedCollection(nn.Module):
         self._is_weighted = is_weighted
         self._configs = list(configs)
         self._check_plan()
+        self.storage = self._table_storage(storage)
+        """Each table's ``Storage`` (every one of its shards lives on that tier)."""
         self._optimizer = optimizer
         self.plan = plan
         self.backend = backend
@@ -119,6 +128,7 @@ class ShardedCollection(nn.Module):
                 backend=backend,
                 bounds_check="ignore",  # checked on the sending rank, before the collectives
                 table_names=[self._shard_name(local[i]) for i in members],
+                storage=[self.storage[self._configs[local[i].table].name] for i in members],
                 init_weights=False,
                 seed=(base + 7919 * self.rank + 104729 * len(self.tbes)) % (2**31 - 1),
             )
@@ -131,6 +141,47 @@ class ShardedCollection(nn.Module):
 
     def _check_plan(self) -> None:
         """Refuse what this kind of collection cannot shard (a subclass's rule)."""
+
+    def _table_storage(self, storage) -> dict[str, Storage]:
+        """``storage`` per table name, checked: known tables; no replicated (data-parallel)
+        table behind a cache: each rank would train its own cache of the same rows and keep
+        a whole backing store (and files of the same names) for a table small enough to
+        replicate; put it on ``device``."""
+        names = [c.name for c in self._configs]
+        given = dict(storage or {})
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"storage: unknown table(s) {unknown}; the collection holds {names}")
+        out = {n: storage_of(given.get(n), n) for n in names}
+        bad = [n for t, n in enumerate(names)
+               if out[n].tier != "device" and self.layout.table_data_parallel[t]]
+        if bad:
+            raise ValueError(
+                f"table(s) {bad}: data_parallel tables live on 'device' (storage tier(s) "
+                f"{[out[n].tier for n in bad]} given): a replica on every rank behind its own "
+                "cache is not supported; shard the table (table_wise, row_wise, ...) to put it "
+                "on a tier, or keep it data_parallel on 'device' (docs/storage.md)")
+        return out
+
+    def tiered(self) -> bool:
+        """Some local shard lives behind a row cache (``cached`` / ``file``)."""
+        return any(tbe.tiered for tbe in self.tbes)
+
+    def flush(self) -> None:
+        """Write every dirty cached row of the local shards back to its backing store."""
+        for tbe in self.tbes:
+            tbe.flush()
+
+    def invalidate(self) -> None:
+        """Forget the cached rows of the local shards without writing them back (after their
+        backing stores were written in place, e.g. by torch.distributed.checkpoint)."""
+        for tbe in self.tbes:
+            tbe.invalidate()
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per cached local shard (``table[rows, cols]``): distinct rows looked up, misses,
+        evictions, write-backs (cumulative; ``TableBatchedEmbedding.cache_stats``)."""
+        return {k: v for tbe in self.tbes for k, v in tbe.cache_stats().items()}
 
     def _make_dists(self) -> None:
         """The input dist and the subclass's output dist, on ``self.device``."""

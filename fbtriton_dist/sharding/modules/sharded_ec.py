@@ -13,7 +13,7 @@ all-gathered). Per step: the input dist's host sync, one more host read (the KJT
 key, to cut its values by feature) and one all-to-all of rows each way.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -63,6 +63,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         device: torch.device | str | None = None,
         backend: str = "auto",
         comm: CommOptions | None = None,
+        storage: Mapping | None = None,
     ) -> None:
         if comm is not None and getattr(comm, "fixed_shapes", False):
             raise ValueError(
@@ -71,7 +72,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
             )
         self._need_indices = need_indices
         super().__init__(configs, plan, optimizer=optimizer, weights=weights,
-                         process_group=process_group, device=device, backend=backend, comm=comm)
+                         process_group=process_group, device=device, backend=backend, comm=comm,
+                         storage=storage)
 
     def _make_output_dist(self) -> None:
         self.output_dist_ = SequenceDist(self.layout, self.rank, self.device,

@@ -111,6 +111,7 @@ def load_fused_optimizer_state_dict(ebc, state: dict) -> None:
     into it in place, only the step count is left to set)."""
     for tbe in ebc.tbes:
         tbe.step = int(state["step"])
+        tbe.invalidate()  # cached shards: their backing stores were loaded in place
 
 
 def load_weights(ebc, state_dict, prefix, missing_keys, unexpected_keys, errors) -> None:
@@ -151,6 +152,8 @@ def load_weights(ebc, state_dict, prefix, missing_keys, unexpected_keys, errors)
             if piece.data_ptr() != view.data_ptr():
                 with torch.no_grad():
                     view.copy_(piece)
+    for tbe in ebc.tbes:  # cached shards: the backing stores were written (here or in place)
+        tbe.invalidate()
     known = {f"{prefix}{ebc.tables_key}.{c.name}.weight" for c in ebc.table_configs()}
     unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in known
                         and k[len(prefix):].split(".")[0] == ebc.tables_key]

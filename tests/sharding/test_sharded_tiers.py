@@ -1,0 +1,385 @@
+"""Sharded tables on storage tiers vs the same plan on ``device``, on gloo groups of 2 and 3.
+
+Every rank builds the same collection and shards it twice with one plan: once on ``device``
+and once with its tables' shards on ``cached`` (LRU, LFU) or ``file`` (the tier given by the
+plan's ``TableSharding.storage`` or by the collection's ``storage=``). Each step shifts the
+window of ids the batch draws from, so every shard's small cache evicts (dirty rows written
+back) nearly every step. Outputs, the full weights and every rank's fused optimizer state
+must be bit-for-bit those of ``device`` (SGD, rowwise Adagrad, Adam), for every sharding type
+alone and mixed, pooled (EmbeddingBagCollection) and sequence (EmbeddingCollection). Then:
+DCP checkpoints from a tiered model load into a device model on another world size and the
+other way round; a data-parallel table on a cached tier is refused naming it."""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from tests.sharding.harness import run_ranks
+
+BATCH = [3, 5, 2]  # local batch sizes of ranks 0, 1, 2 (uneven)
+E, W, SLOTS = 60, 12, 12  # rows per table; ids of a step in a window of W rows; cache slots
+KINDS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "grid_shard"]
+
+
+def _configs(sequence: bool):
+    from torchrec import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+
+    dims = {"a": 4, "b": 6, "c": 5, "d": 4, "dp": 2}
+    if sequence:
+        return [EmbeddingConfig(name=n, num_embeddings=E, embedding_dim=D,
+                                feature_names=[f"f_{n}"]) for n, D in dims.items()]
+    pooling = {"b": PoolingType.MEAN}
+    return [EmbeddingBagConfig(name=n, num_embeddings=E, embedding_dim=D,
+                               feature_names=[f"f_{n}"],
+                               pooling=pooling.get(n, PoolingType.SUM))
+            for n, D in dims.items()]
+
+
+def _plan(kind: str, world: int, storage=None):
+    """Tables a..d sharded ``kind`` ("mixed": a table-wise, b row-wise, c column-wise, d
+    grid), 'dp' data-parallel on device; ``storage``: every sharded table's, in the plan."""
+    from tests.sharding.test_sharded_ebc import _plan as plan_of
+
+    mixed = {"a": "table_wise", "b": "row_wise", "c": "column_wise", "d": "grid_shard"}
+    base = {k: plan_of(k, world) for k in {*KINDS, "data_parallel"}}
+    tables = []
+    for name, D in (("a", 4), ("b", 6), ("c", 5), ("d", 4), ("dp", 2)):
+        k = "data_parallel" if name == "dp" else (mixed[name] if kind == "mixed" else kind)
+        src = base[k].table("rw")  # 13 x 4 in the helper's plan: scale to E x D
+        scale = lambda v, n, m: v * m // n  # noqa: E731
+        shards = tuple(dataclasses.replace(
+            s, row_start=scale(s.row_start, 13, E), row_end=scale(s.row_end, 13, E),
+            col_start=scale(s.col_start, 4, D), col_end=scale(s.col_end, 4, D))
+            for s in src.shards)
+        tables.append(dataclasses.replace(
+            src, name=name, sharding=k, num_embeddings=E, embedding_dim=D, shards=shards,
+            storage=storage if name != "dp" else None))
+    return dataclasses.replace(base["row_wise"], tables=tuple(tables))
+
+
+def _batch(configs, lo, hi, step):
+    """Samples [lo, hi) of the step's global batch: bags of 0..2 ids from rows
+    [7 * step, 7 * step + W) (mod E)."""
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(step)
+    B = sum(BATCH)
+    keys, lengths, values = [], [], []
+    for c in configs:
+        ls = torch.randint(0, 3, (B,), generator=g)
+        vs = (7 * step + torch.randint(0, W, (int(ls.sum()),), generator=g)) % E
+        a, b = int(ls[:lo].sum()), int(ls[:hi].sum())
+        keys.append(c.feature_names[0])
+        lengths.append(ls[lo:hi])
+        values.append(vs[a:b])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _optimizer(name):
+    from torchrec.optim import RowWiseAdagrad
+
+    return {"sgd": (torch.optim.SGD, {"lr": 0.3}),
+            "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.3, "eps": 1e-8}),
+            "adam": (torch.optim.Adam, {"lr": 0.05, "eps": 1e-8})}[name]
+
+
+def _collection(configs, sequence, opt, storage=None):
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+
+    cls = fbtriton_dist.EmbeddingCollection if sequence else fbtriton_dist.EmbeddingBagCollection
+    torch.manual_seed(0)
+    m = cls(tables=configs, storage=storage)
+    cls, kwargs = _optimizer(opt)
+    apply_optimizer_in_backward(cls, m.parameters(), kwargs)
+    return m
+
+
+def _flat(out, sequence):
+    if sequence:
+        return torch.cat([out[k].values().flatten() for k in sorted(out)])
+    return out.values().flatten()
+
+
+def _local_states(sharded):
+    """Every tensor of this rank's fused optimizer state, in key order."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = []
+    for k, v in sorted(sharded.fused_optimizer_state_dict().items()):
+        out += [s.tensor for s in v.local_shards()] if isinstance(v, ShardedTensor) else [v]
+    return out
+
+
+def _storage(tier, policy, folder, rank):
+    from fbtriton_dist.storage import Storage
+
+    path = f"{folder}/rank{rank}" if tier == "file" else None
+    return Storage(tier=tier, cache_slots=SLOTS, policy=policy, path=path)
+
+
+def _tiered_vs_device(rank, world, cases, folder):
+    import fbtriton_dist
+
+    report = []
+    for kind, opt, tier, policy, sequence, via in cases:
+        configs = _configs(sequence)
+        storage = _storage(tier, policy, folder, rank)
+        dev = fbtriton_dist.shard(_collection(configs, sequence, opt), _plan(kind, world))
+        if via == "plan":
+            tiered = fbtriton_dist.shard(_collection(configs, sequence, opt),
+                                         _plan(kind, world, storage))
+        else:  # the collection's own storage= (its weights: the whole tables, not the caches)
+            own = {c.name: storage for c in configs if c.name != "dp"}
+            tiered = fbtriton_dist.shard(_collection(configs, sequence, opt, own),
+                                         _plan(kind, world))
+        lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+        same, evicted = True, 0
+        for step in range(5):
+            kjt = _batch(configs, lo, hi, step)
+            outs = []
+            for m in (dev, tiered):
+                out = _flat(m(kjt), sequence)
+                g = torch.Generator().manual_seed(100 + step)
+                (out * torch.randn(out.shape, generator=g)).sum().backward()
+                outs.append(out.detach())
+            same &= torch.equal(*outs)
+            evicted += sum(s["evictions"] for s in tiered.cache_stats().values())
+        full = [m.gather_full_state_dict() for m in (dev, tiered)]
+        same &= all(torch.equal(full[0][k], full[1][k]) for k in full[0])
+        states = [_local_states(m) for m in (dev, tiered)]
+        same &= len(states[0]) == len(states[1]) and all(
+            torch.equal(a, b) for a, b in zip(*states, strict=True))
+        report.append((kind, opt, tier, policy, sequence, via, same, evicted))
+    return report
+
+
+def _cases(sequence, opts=("sgd", "rowwise_adagrad", "adam")):
+    tiers = [("cached", "lru", "plan"), ("file", "lfu", "module"), ("cached", "lfu", "module")]
+    out = []
+    for i, kind in enumerate([*KINDS, "mixed"]):
+        for j, opt in enumerate(opts):
+            tier, policy, via = tiers[(i + j) % len(tiers)]
+            out.append((kind, opt, tier, policy, sequence, via))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_tiers_match_device_bit_for_bit(world, tmp_path):
+    reports = run_ranks(_tiered_vs_device, world, _cases(False), str(tmp_path), timeout=500)
+    for rank, report in enumerate(reports):
+        for *case, same, _ in report:
+            assert same, (rank, case)
+    for i, case in enumerate(_cases(False)):  # the caches evicted somewhere
+        assert sum(r[i][-1] for r in reports) > 0, case
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_sequence_tiers_match_device_bit_for_bit(world, tmp_path):
+    cases = _cases(True, ("rowwise_adagrad", "adam"))
+    reports = run_ranks(_tiered_vs_device, world, cases, str(tmp_path), timeout=500)
+    for rank, report in enumerate(reports):
+        for *case, same, _ in report:
+            assert same, (rank, case)
+    for i, case in enumerate(cases):
+        assert sum(r[i][-1] for r in reports) > 0, case
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+def _model(world, tier, folder, rank):
+    import fbtriton_dist
+
+    storage = _storage(tier, "lru", folder, rank) if tier != "device" else None
+    return fbtriton_dist.shard(_collection(_configs(False), False, "adam"),
+                               _plan("mixed", world, storage))
+
+
+def _train(m, rank, world, steps):
+    lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+    for step in steps:
+        out = m(_batch(_configs(False), lo, hi, step)).values()
+        # times R: the gradients are divided by R, so every world size takes the same step
+        (out * world).sum().backward()
+
+
+def _full(m):
+    """Full weights and optimizer states on rank 0 (ShardedTensor.gather)."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = dict(m.gather_full_state_dict())
+    for k, v in m.fused_optimizer_state_dict().items():
+        if isinstance(v, ShardedTensor):
+            full = torch.empty(v.size(), dtype=v.dtype) if dist.get_rank() == 0 else None
+            v.gather(0, full)
+            v = full
+        out[f"opt.{k}"] = v
+    # numpy: pickled by value (a tensor would travel as a shared-memory handle of a process
+    # that is gone when the parent reads it)
+    return {k: v.numpy().copy() for k, v in out.items()} if dist.get_rank() == 0 else None
+
+
+def _save(rank, world, tier, folder, path):
+    import torch.distributed.checkpoint as dcp
+
+    m = _model(world, tier, folder, rank)
+    _train(m, rank, world, range(3))
+    dcp.save({"model": m.state_dict(), "fused": m.fused_optimizer_state_dict()},
+             checkpoint_id=path)
+    full = _full(m)
+    _train(m, rank, world, range(3, 5))  # trained on after the save: the load must not see it
+    return full if rank == 0 else None
+
+
+def _load(rank, world, tier, folder, path):
+    import torch.distributed.checkpoint as dcp
+
+    m = _model(world, tier, folder, rank)
+    _train(m, rank, world, range(1))  # the load replaces this (and what the caches hold)
+    state = {"model": m.state_dict(), "fused": m.fused_optimizer_state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    m.load_state_dict(state["model"])
+    m.load_fused_optimizer_state_dict(state["fused"])
+    loaded = _full(m)
+    _train(m, rank, world, range(3, 5))
+    after = _full(m)  # a collective: every rank
+    return (loaded, after) if rank == 0 else None
+
+
+@pytest.mark.parametrize("save_tier, load_tier", [("cached", "device"), ("device", "file"),
+                                                  ("file", "cached")])
+def test_checkpoint_moves_between_tiers_and_from_2_to_3_ranks(save_tier, load_tier, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(_save, 2, save_tier, str(tmp_path / "save"), ckpt)[0]
+    loaded, after = run_ranks(_load, 3, load_tier, str(tmp_path / "load"), ckpt)[0]
+    assert sorted(saved) == sorted(loaded)
+    for k in saved:
+        assert np.array_equal(saved[k], loaded[k]), k
+    # two more steps on 3 ranks from the loaded state = two more on device from the saved one
+    ref = run_ranks(_load, 3, "device", str(tmp_path / "ref"), ckpt)[0][1]
+    for k in ref:
+        assert np.array_equal(ref[k], after[k]), k
+
+
+# -- refused ------------------------------------------------------------------------------------
+def _dp_on_a_tier(rank, world):
+    import fbtriton_dist
+    from fbtriton_dist.storage import Storage
+
+    configs = _configs(False)
+    m = _collection(configs, False, "sgd", {"dp": Storage(tier="cached")})
+    try:
+        fbtriton_dist.shard(m, _plan("mixed", world))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_data_parallel_table_on_a_cached_tier_is_refused_naming_it():
+    for text in run_ranks(_dp_on_a_tier, 2):
+        assert text is not None and "['dp']" in text and "data_parallel" in text, text
+
+
+def test_torchrec_compute_kernels_map_to_tiers():
+    from torchrec.distributed.types import CacheParams, ParameterSharding
+
+    from fbtriton_dist.sharding.dmp import _storage_of
+    from fbtriton_dist.storage import Storage
+
+    def ps(kernel, **kw):
+        return ParameterSharding(sharding_type="table_wise", compute_kernel=kernel, ranks=[0],
+                                 **kw)
+
+    assert _storage_of("t", ps("fused")) is None
+    assert _storage_of("t", ps("fused_uvm")) == Storage(tier="host")
+    assert _storage_of("t", ps("fused_uvm_caching", cache_params=CacheParams(
+        load_factor=0.25))) == Storage(tier="cached", cache_load_factor=0.25)
+    assert _storage_of("t", ps("fused_uvm_caching")) == Storage(tier="cached")
+
+
+def test_plan_yaml_keeps_each_table_storage(tmp_path):
+    from fbtriton_dist.planner import ShardingPlan
+    from fbtriton_dist.storage import Storage
+
+    plan = _plan("mixed", 2, Storage(tier="file", path=str(tmp_path / "a b,c"), policy="lfu",
+                                     cache_load_factor=0.125))
+    plan.save_yaml(tmp_path / "plan.yaml")
+    assert ShardingPlan.load_yaml(tmp_path / "plan.yaml") == plan
+    assert "storage" not in _plan("mixed", 2).to_yaml()  # old plans: unchanged
+
+
+# -- TorchRec's DMP -----------------------------------------------------------------------------
+def _dmp(rank, world, folder):
+    """DMP with our sharder over a device collection, the same collection with its tables on
+    ``cached`` (``storage=``; TorchRec's planning helper reads their whole shapes), and the
+    device collection under a TorchRec plan whose compute kernels are ``fused_uvm_caching``:
+    the same outputs and weights."""
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import CacheParams, ShardingPlan
+
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
+
+    configs = _configs(False)
+    storage = _storage("cached", "lru", folder, rank)
+    per_table = {"a": sp.table_wise(rank=1), "b": sp.column_wise(ranks=[0, 1]),
+                 "c": sp.row_wise(), "d": sp.table_row_wise(host_index=0),
+                 "dp": sp.data_parallel()}
+    dmps = []
+    for case in ("device", "module", "kernel"):
+        own = {c.name: storage for c in configs if c.name != "dp"} if case == "module" else None
+        ebc = _collection(configs, False, "rowwise_adagrad", own)
+        sharder = EmbeddingBagCollectionSharder(local_world_size=world)
+        module_plan = sp.construct_module_sharding_plan(
+            ebc, per_table, sharder=sharder, local_size=world, world_size=world,
+            device_type="cpu")
+        if case == "kernel":
+            for name in "abcd":
+                module_plan[name] = dataclasses.replace(
+                    module_plan[name], compute_kernel="fused_uvm_caching",
+                    cache_params=CacheParams(load_factor=0.5))
+        dmp = DistributedModelParallel(ebc, sharders=[sharder],
+                                       plan=ShardingPlan({"": module_plan}))
+        dmps.append(dmp)
+    lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+    same = True
+    for step in range(4):
+        kjt = _batch(configs, lo, hi, step)
+        outs = []
+        for dmp in dmps:
+            out = dmp(kjt).values()
+            (out * (step + 1.0)).sum().backward()
+            outs.append(out.detach())
+        same &= torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    inner = [d.module.sharded for d in dmps]
+    full = [m.gather_full_state_dict() for m in inner]
+    same &= all(torch.equal(full[0][k], f[k]) for f in full[1:] for k in full[0])
+    return same, [m.tiered() for m in inner], [sorted(m.cache_stats()) for m in inner]
+
+
+def test_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(tmp_path):
+    for rank, (same, tiered, caches) in enumerate(run_ranks(_dmp, 2, str(tmp_path))):
+        assert same, rank
+        assert tiered == [False, True, True], (rank, tiered)
+        assert caches[1] == caches[2], rank  # the same shards are cached either way
+
+
+def _plan_puts_cached_tables_on_device(rank, world, folder):
+    import fbtriton_dist
+    from fbtriton_dist.storage import Storage
+
+    configs = _configs(False)
+    own = {c.name: _storage("cached", "lru", folder, rank) for c in configs if c.name != "dp"}
+    ref = fbtriton_dist.shard(_collection(configs, False, "sgd"), _plan("mixed", world))
+    m = fbtriton_dist.shard(_collection(configs, False, "sgd", own),
+                            _plan("mixed", world, Storage()))
+    a, b = ref.gather_full_state_dict(), m.gather_full_state_dict()
+    return not m.tiered() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_plan_storage_wins_over_the_collection_and_the_whole_tables_are_copied(tmp_path):
+    assert all(run_ranks(_plan_puts_cached_tables_on_device, 2, str(tmp_path)))
