@@ -110,7 +110,7 @@ class CostModel:
             check_int("grad_row_bytes", self.grad_row_bytes, 0)
 
     @classmethod
-    def with_wire(cls, forward: str = "fp32", backward: str | None = None, **kw) -> "CostModel":
+    def with_wire(cls, forward: str = "fp32", backward: str | None = None, **kw) -> CostModel:
         """A model whose output dist sends ``forward`` (and ``backward``, default the same)
         wire formats, ``WIRE_FORMATS`` names."""
         for key, name in (("wire_dtype", forward), ("backward_wire_dtype", backward)):

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from fbtriton_dist.storage import Storage, storage_dict, storage_of
+
 from ._yaml import (
     SAFE_DUMPER,
     ConfigError,
@@ -35,8 +37,6 @@ from ._yaml import (
     check_int,
     read_yaml,
 )
-from fbtriton_dist.storage import Storage, storage_dict, storage_of
-
 from .memory import block_bytes, fmt_bytes, host_block_bytes, shard_equation
 from .shards import Shard, TableSharding
 from .tables import TableSpec

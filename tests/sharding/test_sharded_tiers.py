@@ -10,7 +10,6 @@ alone and mixed, pooled (EmbeddingBagCollection) and sequence (EmbeddingCollecti
 DCP checkpoints from a tiered model load into a device model on another world size and the
 other way round; a data-parallel table on a cached tier is refused naming it."""
 
-import copy
 import dataclasses
 
 import numpy as np
@@ -110,7 +109,7 @@ def _local_states(sharded):
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     out = []
-    for k, v in sorted(sharded.fused_optimizer_state_dict().items()):
+    for _k, v in sorted(sharded.fused_optimizer_state_dict().items()):
         out += [s.tensor for s in v.local_shards()] if isinstance(v, ShardedTensor) else [v]
     return out
 
