@@ -529,6 +529,18 @@ def in_backward_annotation(param: Any) -> tuple[type, dict[str, Any]] | None:
     return (classes[0], param._optimizer_kwargs[0]) if classes else None
 
 
+def set_in_backward_lr(param: Any, lr: float) -> None:
+    """Change the learning rate of ``param``'s ``apply_optimizer_in_backward`` annotation (its
+    first; the one place that writes it), and of its in-backward optimizer's param groups."""
+    if not getattr(param, "_optimizer_classes", None):
+        raise ValueError("set_in_backward_lr: the parameter has no apply_optimizer_in_backward "
+                         "annotation")
+    param._optimizer_kwargs[0]["lr"] = lr
+    for opt in getattr(param, "_in_backward_optimizers", ())[:1]:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
 def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     """``(class, kwargs)`` for ``apply_optimizer_in_backward`` that ``from_torch`` maps back
     to ``optimizer`` (for a TorchRec-shaped model that reads the annotation). Raises where a

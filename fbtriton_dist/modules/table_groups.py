@@ -242,6 +242,24 @@ class TableGroups(nn.Module):
                         out[t] = (tbe, whole[i])
         return out
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the learning rate of every table's fused optimizer (a scheduler's hook):
+        the ``apply_optimizer_in_backward`` annotations and the TBEs alike, so the next
+        forward keeps it. ValueError when no table has a fused optimizer."""
+        tables = self._modules[self._tables_attr]._modules
+        fused = 0
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
+            if self._fused_optimizer(members) is None:
+                continue
+            for t in members:
+                weight = tables[self._table_configs[t].name]._parameters["weight"]
+                optim.set_in_backward_lr(weight, lr)
+            self.sync_optimizer(tbe, members)
+            fused += 1
+        if not fused:
+            raise ValueError("set_learning_rate: no table of this collection has a fused "
+                             "optimizer (apply_optimizer_in_backward)")
+
     def flush(self) -> None:
         """Write every dirty row of the cached tables (and its optimizer state) back to its
         backing store (``state_dict`` does it first)."""

@@ -19,10 +19,11 @@ fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in b
 What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` (the
 optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
 is ``fused``); ``table_column_wise`` is taken as column-wise (the ranks as given);
-``reshard()``; the ``param_groups`` of the fused optimizer are read-only (changing ``lr``
-there does not reach the kernels). ``named_parameters()`` lists every table's local weights
-under TorchRec's names (``embedding_bags.<table>.weight``, views of the live shards, marked
-``_in_backward_optimizers`` as TorchRec marks its fused ones, left out of DDP through
+``reshard()``; of the fused optimizer's ``param_groups`` only ``lr`` reaches the kernels
+(at ``step()``, as TorchRec's: a scheduler works). ``named_parameters()`` lists every
+table's local weights under TorchRec's names (``embedding_bags.<table>.weight``, views of
+the live shards, marked ``_in_backward_optimizers`` as TorchRec marks its fused ones, left
+out of DDP through
 ``sharded_parameter_names``); a rank holding several column slices of one table lists the
 others as ``weight_1``, ... (TorchRec keeps one).
 """
@@ -184,8 +185,8 @@ class _FusedOptimizer(FusedOptimizer):
     """The sharded tables' optimizer as TorchRec's ``KeyedOptimizer``: params are the weights
     (``embedding_bags.<table>.weight``, ShardedTensor views of the live shards), state the
     fused optimizer's state (``momentum1``, ...: ShardedTensor views too) and ``step``;
-    ``step()``/``zero_grad()`` are no-ops (the update runs in
-    backward)."""
+    ``step()`` hands a changed ``lr`` of the param group to the kernels (the update runs in
+    backward), ``zero_grad()`` is a no-op."""
 
     def __init__(self, ebc: ShardedEmbeddingBagCollection | ShardedEmbeddingCollection) -> None:
         self._ebc = ebc
@@ -210,7 +211,11 @@ class _FusedOptimizer(FusedOptimizer):
         return super().state_dict()
 
     def step(self, closure: Any = None) -> None:
-        pass
+        """The update ran in backward; here, as TorchRec's fused optimizers do, the group's
+        ``lr`` (changed by a scheduler since) goes to the kernels for the next backward."""
+        lr = self.param_groups[0]["lr"]
+        if lr != self._ebc.optimizer.lr:
+            self._ebc.set_learning_rate(lr)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass

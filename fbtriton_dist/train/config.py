@@ -33,6 +33,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
     optimizer:
       embedding: {type: rowwise_adagrad, lr: 0.05}     # fused into the TBE backward
       dense: {type: adagrad, lr: 0.01}                 # a torch optimizer on the dense params
+      schedule: {warmup_steps: 0, decay_start: 0, decay_steps: 0,   # both rates: lr_schedule.py
+                 decay_power: 2.0, end_factor: 0.0}
     train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4,
             nonfinite: error,          # error | skip: a step with a nan/inf loss or gradient
             pipeline: auto}            # auto | plain | overlap | graph (the step loop)
@@ -80,6 +82,7 @@ from .config_values import (
     _strings,
 )
 from .drift_config import DriftConfig, check_drift, drift_section
+from .lr_schedule import LrSchedule
 from .mlperf_config import MultiHotConfig
 
 __all__ = [
@@ -411,6 +414,9 @@ class OptimizerConfig:
     """Fused embedding optimizer."""
     dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     """Dense optimizer."""
+    schedule: LrSchedule = field(default_factory=LrSchedule)
+    """Warm-up and decay of both optimizers' learning rates (``train/lr_schedule.py``);
+    default: constant."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -692,6 +698,7 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
             {
                 "embedding": _section(EmbeddingOptimizerConfig, where, {"betas": _pair}),
                 "dense": _section(DenseOptimizerConfig, where, {"betas": _pair}),
+                "schedule": _section(LrSchedule, where),
             },
         ),
         "train": _section(TrainConfig, where),

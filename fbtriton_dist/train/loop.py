@@ -21,6 +21,7 @@ from .checkpoint import latest_checkpoint, nonfinite_weights, save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
 from .env import Env
+from .lr_schedule import apply_learning_rates
 from .metrics import (
     STAGES,
     CacheMetrics,
@@ -263,8 +264,25 @@ class Trainer:
         self.skipped = 0  # steps dropped by train.nonfinite: skip
         self.target: dict[str, float] = {}
         """``train.target_auc`` reached: the step and seconds since the loop began."""
+        self._embedding_modules = [model.get_submodule(f) for f in embedding_fqns]
+        self.lr_factor = 1.0
+        """``optimizer.schedule``'s factor of the base learning rates at the last step."""
 
     # -- one step --------------------------------------------------------------------------
+    def _schedule_rates(self, k: int) -> None:
+        """Set both optimizers' rates for the ``k``-th step (``optimizer.schedule``); nothing
+        when the schedule is constant or the factor did not change."""
+        schedule = self.cfg.optimizer.schedule
+        if schedule.constant:
+            return
+        f = schedule.factor(k)
+        if f == self.lr_factor and k > 1:
+            return
+        o = self.cfg.optimizer
+        apply_learning_rates(self._embedding_modules, self.optimizer.param_groups,
+                             o.embedding.lr * f, o.dense.lr * f)
+        self.lr_factor = f
+
     def train_step(self, batch: Batch) -> torch.Tensor | None:
         """One step; returns its loss (detached), or None when ``train.nonfinite: skip``
         dropped it."""
@@ -337,9 +355,13 @@ class Trainer:
             managed["caches"] = self.cache_metrics.take(self.step)
         skipped = ({"skipped": self._window_skipped} if self.cfg.train.nonfinite == "skip"
                    else {})
+        o = self.cfg.optimizer  # the rates of the window's last step
+        rates = ({} if o.schedule.constant else
+                 {"lr": {"embedding": o.embedding.lr * self.lr_factor,
+                         "dense": o.dense.lr * self.lr_factor}})
         metrics.write(
             "train", self.step, loss=self.last_loss, samples_per_s=sps,
-            epoch=self.position.epoch, ms=ms, **skipped, **managed,
+            epoch=self.position.epoch, ms=ms, **skipped, **managed, **rates,
         )  # fmt: skip
         bar.set_postfix(loss=f"{self.last_loss:.4f}", samples_s=f"{sps:,.0f}")
         if getattr(self, "_plain_lines", False):
@@ -413,6 +435,7 @@ class Trainer:
         mode = self.mode
         if mode == "plain":
             for batch, position in self._batches():
+                self._schedule_rates(self.step + 1)
                 yield self.train_step(batch), position
             return
         pipe = self._pipeline(mode)
@@ -428,6 +451,7 @@ class Trainer:
         while t.steps is None or self.step < t.steps:
             if whole:
                 self.timer.start("step")
+            self._schedule_rates(self.step + 1)  # the step progress() trains
             try:
                 loss = pipe.progress(batches)
             except StopIteration:

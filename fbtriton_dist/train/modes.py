@@ -85,6 +85,9 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
                    "(run it under torchrun, also with --nproc-per-node 1)")
     if cfg.train.nonfinite != "error":
         why.append("train.nonfinite: skip checks every step on the host")
+    if not cfg.optimizer.schedule.constant:
+        why.append("optimizer.schedule changes the dense learning rate every step (a CUDA "
+                   "graph replays the captured one)")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
     if cfg.model.kind == "sequence":

@@ -3,7 +3,8 @@ DMP (TorchRec's EmbeddingBagCollection and sharder) on 2 gloo ranks, one plan fo
 table of each sharding type), even local batches: the same parameter names, the same local weight shapes, the
 embedding weights left out of DMP's DDP and marked as updated in backward; and 3 training
 steps of a dense optimizer over the non-embedding parameters plus the fused embedding
-optimizer leave every parameter (local shards included) the same on both.
+optimizer, both rates halved by a torch scheduler after each step, leave every parameter
+(local shards included) the same on both.
 
 TorchRec's data-parallel table on CPU is not fused (its dense kernel): the dense optimizer
 (SGD, as the fused one) updates it there, the fused one here, so one learning rate for both.
@@ -71,6 +72,8 @@ def _dmp(rank, world, which):
     dense_opt = torch.optim.SGD(
         dmp.parameters() if which == "ours"
         else [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], LR)
+    schedules = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+                 for opt in (dmp.fused_optimizer, dense_opt)]  # lr halves every step
     B = sum(BATCH) // world  # even local batches: TorchRec's row-wise output dist on gloo
     lo, hi = rank * B, (rank + 1) * B  # takes no uneven ones
     outs = []
@@ -81,6 +84,12 @@ def _dmp(rank, world, which):
         dense_opt.step()
         dense_opt.zero_grad()
         outs.append(out.detach())
+        # a fused rate reaches the kernels at the next step(), one step after a dense one:
+        # the dense schedule starts a step later, so TorchRec's data-parallel table (dense
+        # on CPU) gets the rates the fused tables get
+        for i, sched in enumerate(schedules):
+            if i == 0 or step >= 1:
+                sched.step()
     grads = {n: p.grad is not None for n, p in params.items()}
     moved = {n: (p.detach() - before[n]).abs().max().item() if p.numel() else 0.0
              for n, p in params.items()}

@@ -8,6 +8,7 @@ dtype, the input dist that feeds them, the fused optimizer, the state dict.
 dist is the same for both: each id goes to the shards whose rows hold it.
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -239,6 +240,15 @@ class ShardedCollection(nn.Module):
     def optimizer(self) -> optim.Optimizer:
         """The fused optimizer every local shard is updated with in backward."""
         return self._optimizer
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the fused optimizer's learning rate of every local shard (a scheduler's
+        hook; ``TableBatchedEmbedding.set_learning_rate``)."""
+        if self._optimizer is None:
+            raise ValueError("set_learning_rate: this collection has no fused optimizer")
+        self._optimizer = dataclasses.replace(self._optimizer, lr=lr)
+        for tbe in self.tbes:
+            tbe.set_learning_rate(lr)
 
     def local_shards(self):
         """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
