@@ -59,7 +59,7 @@ from .tables import TableConstraints, TableSpec, to_table_specs
 __all__ = ["GroupCandidate", "GroupProposal", "GroupedCost", "ShardSync", "evaluate_grouped",
            "expected_unique_rows", "format_candidates", "format_grouped", "group_planner",
            "group_size_candidates", "parse_group_size", "parse_replica_sync", "plan_grouped",
-           "propose_group_size", "replica_syncs"]
+           "propose_group_size", "replica_syncs", "sync_inter_share"]
 
 SYNC_VALUE_BYTES = 4
 """Bytes per gradient value of the ``step`` sync (fp32: every replica takes the same update)."""
@@ -161,7 +161,7 @@ class ShardSync:
     """Bytes this rank receives per step (amortised over N for ``average``)."""
 
 
-def _sync_inter_share(S: int, G: int, H: int) -> float:
+def sync_inter_share(S: int, G: int, H: int) -> float:
     """Share of a shard's G-1 other replicas on other hosts."""
     if G <= 1:
         return 0.0
@@ -299,7 +299,7 @@ def evaluate_grouped(plan: ShardingPlan, tables: Iterable[Any],
     for s in syncs:
         sync[s.rank] += s.bytes
         ledger.setdefault(s.collective, np.zeros(S))[s.rank] += s.bytes
-    far = sync * _sync_inter_share(S, G, H)
+    far = sync * sync_inter_share(S, G, H)
     times = np.array([r.time_s for r in ranks]) + (sync - far) * inv_intra + far * inv_inter
     return GroupedCost(world_size=R, group_size=S, local_world_size=H,
                        replica_sync=plan.replica_sync, group=PlanCost(ranks=tuple(ranks)),
@@ -320,7 +320,7 @@ def group_planner(planner: ShardingPlanner, group_size: int, replica_sync: str |
     G = planner.world_size // S
     m = planner.cost_model
     if replica_sync != "step" and G > 1:
-        far = _sync_inter_share(S, G, H)
+        far = sync_inter_share(S, G, H)
         per_byte = 2.0 * (G - 1) / G / replica_sync
         m = dataclasses.replace(m, held_byte_seconds=per_byte * (
             far / m.inter_host_bandwidth + (1.0 - far) / m.intra_host_bandwidth))
