@@ -661,7 +661,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         plan = planner.plan(table_set.tables, table_set.constraints, stats)
     planned = time.process_time() - start
-    cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer, collectives=True)
+    if plan.group_world != plan.world_size:  # a grouped plan (--plan): its own cost
+        cost = evaluate_grouped(plan, table_set.tables, stats, model, planner.optimizer)
+    else:
+        cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer,
+                        collectives=True)
     print(f"{args.plan or args.tables}: {len(table_set.tables)} tables on {planner.describe()}; "
           f"{'loaded' if args.plan else 'planned'} in {planned:.1f} s CPU")
     print(run(plan, table_set.tables, stats, cost, model, args))
