@@ -479,7 +479,7 @@ def simulate_grouped(
     same_host = max(H - S, 0)
     for t in sim.ranks:
         for x in (x for x in syncs if x.rank == t.rank):
-            if x.table in drawn:
+            if x.collective.endswith("sparse_all_gather"):
                 unique = np.mean([np.searchsorted(u, x.row_end) - np.searchsorted(u, x.row_start)
                                   for u in drawn[x.table]])
                 nbytes = (G - 1) * float(unique) * x.row_bytes

@@ -192,6 +192,27 @@ def test_simulation_agrees_per_collective():
         "replica_sync.sparse_all_gather"] > 0.5
 
 
+def test_simulation_of_a_table_with_both_step_collectives():
+    """A hot block all-reduces its dense gradient (cheaper than its distinct rows from 3
+    replicas), the cold block of the same table all-gathers its distinct rows."""
+    table = TableSpec(name="c", num_embeddings=1000, embedding_dim=4, features=("fc",),
+                      pooling_factors=(4.0,))
+    stats = {"c": IdDistribution(kind="zipf", alpha=1.1)}
+    shards = (Shard(rank=0, row_start=0, row_end=10, col_start=0, col_end=4),
+              Shard(rank=1, row_start=10, row_end=1000, col_start=0, col_end=4))
+    plan = grouped((TableSharding(name="c", sharding="row_wise", num_embeddings=1000,
+                                  embedding_dim=4, shards=shards),), world=8, group=2)
+    model = CostModel(batch_size=64)
+    cost = evaluate_grouped(plan, [table], stats, model)
+    assert [x.collective for x in cost.syncs] == ["replica_sync.all_reduce",
+                                                  "replica_sync.sparse_all_gather"]
+    assert cost.collectives["replica_sync.all_reduce"] == (2 * 3 / 4 * 10 * 4 * 4, 0.0)
+    sim = simulate.simulate_grouped(plan, [table], stats, batch_size=64, estimate=cost,
+                                    sync_groups=4)
+    errors = simulate.max_collective_errors(sim, cost.as_plan_cost())
+    assert max(errors.values()) < 0.10, errors
+
+
 def test_expected_unique_rows_buckets_match_the_exact_sum():
     dist = IdDistribution(kind="zipf", alpha=1.1)
     E, n = 20_000, 8_000
