@@ -171,6 +171,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                              else None),
     )
     if args.check:
+        if args.group_size is not None:
+            raise ValueError("--group-size: --check evaluates the plan's own group_size")
         plan = ShardingPlan.load_yaml(args.check)
         if (plan.world_size, plan.local_world_size) != (args.world_size, H):
             raise ValueError(

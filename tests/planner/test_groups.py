@@ -243,6 +243,9 @@ def test_bad_inputs(capsys):
     with pytest.raises(SystemExit):
         main(["plan", CRITEO, "--world-size", "16", "--replica-sync", "never"])
     assert "expected 'step' or an integer >= 1, got never" in capsys.readouterr().err
+    assert main(["plan", CRITEO, "--world-size", "16", "--check", "p.yaml", "--group-size",
+                 "8"]) == 2
+    assert "--check evaluates the plan's own group_size" in capsys.readouterr().err
     # auto where no group size fits: exit 1, every candidate's reason
     assert main(["plan", CRITEO, "--world-size", "16", "--group-size", "auto",
                  "--hbm-gb", "4"]) == 1
