@@ -200,15 +200,22 @@ def test_simulation_of_a_table_with_both_step_collectives():
     stats = {"c": IdDistribution(kind="zipf", alpha=1.1)}
     shards = (Shard(rank=0, row_start=0, row_end=10, col_start=0, col_end=4),
               Shard(rank=1, row_start=10, row_end=1000, col_start=0, col_end=4))
+    # and a data-parallel table: no replica sync, its gradients all-gathered over all 8 ranks
+    replicated = TableSpec(name="d", num_embeddings=5, embedding_dim=4, features=("fd",))
+    replicas = tuple(Shard(rank=r, row_start=0, row_end=5, col_start=0, col_end=4)
+                     for r in (0, 1))
     plan = grouped((TableSharding(name="c", sharding="row_wise", num_embeddings=1000,
-                                  embedding_dim=4, shards=shards),), world=8, group=2)
+                                  embedding_dim=4, shards=shards),
+                    TableSharding(name="d", sharding="data_parallel", num_embeddings=5,
+                                  embedding_dim=4, shards=replicas)), world=8, group=2)
     model = CostModel(batch_size=64)
-    cost = evaluate_grouped(plan, [table], stats, model)
+    cost = evaluate_grouped(plan, [table, replicated], stats, model)
     assert [x.collective for x in cost.syncs] == ["replica_sync.all_reduce",
                                                   "replica_sync.sparse_all_gather"]
     assert cost.collectives["replica_sync.all_reduce"] == (2 * 3 / 4 * 10 * 4 * 4, 0.0)
-    sim = simulate.simulate_grouped(plan, [table], stats, batch_size=64, estimate=cost,
-                                    sync_groups=4)
+    assert cost.collectives["data_parallel.grad_all_gather"] == (7 * 64 * 4 * 4,) * 2
+    sim = simulate.simulate_grouped(plan, [table, replicated], stats, batch_size=64,
+                                    estimate=cost, sync_groups=4)
     errors = simulate.max_collective_errors(sim, cost.as_plan_cost())
     assert max(errors.values()) < 0.10, errors
 
