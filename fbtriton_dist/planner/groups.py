@@ -58,8 +58,8 @@ from .tables import TableConstraints, TableSpec, to_table_specs
 
 __all__ = ["GroupCandidate", "GroupProposal", "GroupedCost", "ShardSync", "evaluate_grouped",
            "expected_unique_rows", "format_candidates", "format_grouped", "group_planner",
-           "group_size_candidates", "parse_group_size", "parse_replica_sync", "plan_grouped",
-           "propose_group_size", "replica_syncs", "sync_inter_share"]
+           "group_size_candidates", "hot_row_bound", "parse_group_size", "parse_replica_sync",
+           "plan_grouped", "propose_group_size", "replica_syncs", "sync_inter_share"]
 
 SYNC_VALUE_BYTES = 4
 """Bytes per gradient value of the ``step`` sync (fp32: every replica takes the same update)."""
@@ -352,6 +352,26 @@ def plan_grouped(planner: ShardingPlanner, tables: Iterable[Any],
                                group_size=group_size, replica_sync=replica_sync)
 
 
+def hot_row_bound(tables: Sequence[TableSpec], stats: Mapping[str, IdDistribution] | None,
+                  model: CostModel, group_size: int, local_world_size: int) -> float:
+    """A lower bound on the step of any plan of ``tables`` on ``group_size`` ranks, without
+    planning: whichever rank holds a table's row 0 (one row is never split) receives at least
+    its share of the other ranks' ids of the table, (S-1)·B·L·P(0)·i, at the cost model's
+    bandwidths (the largest over the tables)."""
+    S, H = group_size, min(local_world_size, group_size)
+    if S <= 1:
+        return 0.0
+    far = (S - H) / (S - 1)
+    per_byte = (1.0 - far) / model.intra_host_bandwidth + far / model.inter_host_bandwidth
+    i = float(np.min(model.id_bytes(np.array([1]))))
+    best = 0.0
+    for t in tables:
+        p0 = float(cdf_array((stats or {}).get(t.name, UNIFORM), t.num_embeddings,
+                             np.array([1]))[0])
+        best = max(best, (S - 1) * model.batch_size * t.ids_per_sample * p0 * i * per_byte)
+    return best
+
+
 @dataclass(frozen=True)
 class GroupCandidate:
     """One group size ``auto`` tried."""
@@ -365,7 +385,8 @@ class GroupCandidate:
     seconds: float
     """Wall seconds its plan took."""
     reason: str = ""
-    """Why it does not fit (the planner's message)."""
+    """Why it does not fit (the planner's message), or why it was not planned (its
+    ``hot_row_bound`` is above a step already found)."""
 
 
 @dataclass(frozen=True)
@@ -382,12 +403,15 @@ def propose_group_size(planner: ShardingPlanner, tables: Iterable[Any],
                        constraints: Mapping[str, TableConstraints] | None = None,
                        stats: Mapping[str, IdDistribution] | None = None, *,
                        replica_sync: str | int = "step",
-                       candidates: Sequence[int] | None = None) -> GroupProposal:
+                       candidates: Sequence[int] | None = None,
+                       prune: bool = True) -> GroupProposal:
     """Plan ``tables`` for every candidate group size (default ``group_size_candidates``)
     and return the one with the lowest estimated step among those that fit (ties: the larger
-    group). Candidates are planned without the memory pass; the chosen size is planned again
-    with ``planner``'s own setting. Raises :class:`PlanError` when no candidate fits,
-    ValueError for a candidate that does not divide R."""
+    group). Candidates are planned without the memory pass, smallest first; with ``prune``,
+    one whose ``hot_row_bound`` is above the best step found so far is not planned (it cannot
+    win). The chosen size is planned again with ``planner``'s own setting. Raises
+    :class:`PlanError` when no candidate fits, ValueError for a candidate that does not
+    divide R."""
     check_replica_sync(replica_sync)
     R, H = planner.world_size, planner.local_world_size
     sizes = list(candidates) if candidates is not None else group_size_candidates(R, H)
@@ -396,9 +420,16 @@ def propose_group_size(planner: ShardingPlanner, tables: Iterable[Any],
     for s in sizes:
         check_group_size(R, H, s)
     specs = to_table_specs(tables)
-    tried = []
-    for S in sizes:
+    tried: list[GroupCandidate] = []
+    for S in sorted(sizes):
         start = time.perf_counter()
+        steps = [c.step_s for c in tried if c.step_s is not None]
+        bound = hot_row_bound(specs, stats, planner.cost_model, S, H) if prune else 0.0
+        if steps and bound > min(steps):
+            tried.append(GroupCandidate(S, None, 0.0, 0.0, 0.0, time.perf_counter() - start,
+                                        f"not planned: its hottest row's ids alone take "
+                                        f"{bound * 1e3:.3f} ms"))
+            continue
         try:
             plan = plan_grouped(planner, specs, constraints, stats, group_size=S,
                                 replica_sync=replica_sync, balance_memory=False)
@@ -411,7 +442,7 @@ def propose_group_size(planner: ShardingPlanner, tables: Iterable[Any],
         tried.append(GroupCandidate(S, cost.step_s, float(comm.max()), float(comm.mean()),
                                     max(cost.sync_bytes), time.perf_counter() - start))
     fits = [c for c in tried if c.step_s is not None]
-    if not fits:
+    if not fits:  # (nothing is pruned before a candidate fits)
         why = "; ".join(f"S={c.group_size}: {c.reason}" for c in tried)
         raise PlanError(f"no group size in {sizes} fits: {why}")
     best = min(fits, key=lambda c: (c.step_s, -c.group_size))
@@ -455,7 +486,8 @@ def format_candidates(proposal: GroupProposal) -> str:
     for c in proposal.candidates:
         mark = "  <- chosen" if c.group_size == proposal.group_size else ""
         if c.step_s is None:
-            lines.append(f"{c.group_size:>6} {R // c.group_size:>7}  does not fit: {c.reason}")
+            why = c.reason if c.reason.startswith("not planned") else f"does not fit: {c.reason}"
+            lines.append(f"{c.group_size:>6} {R // c.group_size:>7}  {why}")
             continue
         lines.append(f"{c.group_size:>6} {R // c.group_size:>7} {c.step_s * 1e3:>9.3f} "
                      f"{c.max_comm_bytes / 1e6:>12,.2f} {c.mean_comm_bytes / 1e6:>13,.2f} "

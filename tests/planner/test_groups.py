@@ -25,7 +25,11 @@ from fbtriton_dist.planner import (
     propose_group_size,
 )
 from fbtriton_dist.planner._yaml import ConfigError
-from fbtriton_dist.planner.groups import expected_unique_rows, group_size_candidates
+from fbtriton_dist.planner.groups import (
+    expected_unique_rows,
+    group_size_candidates,
+    hot_row_bound,
+)
 
 CRITEO = str(pathlib.Path(__file__).resolve().parents[2] / "configs/tables/criteo_terabyte.yaml")
 
@@ -275,3 +279,23 @@ def test_cli_grouped_plan_out_and_check(tmp_path, capsys):
     line = [x for x in text.splitlines() if x.startswith("step estimate with the sync")]
     assert line and line == [x for x in again.splitlines()
                              if x.startswith("step estimate with the sync")]
+
+
+def test_auto_skips_what_its_hottest_row_rules_out():
+    """One table of 100 ids per sample with a hot row: in groups of 32 ranks or more, the
+    holder of row 0 receives (S-1)·B·100·P(0)·4 bytes of ids, more than the group of 8's whole
+    step, so auto does not plan them, and the choice is the one it makes planning all."""
+    tables = [TableSpec(name="hot", num_embeddings=100_000, embedding_dim=32,
+                        features=("h",), pooling_factors=(100.0,))]
+    stats = {"hot": IdDistribution(kind="zipf", alpha=1.5)}
+    planner = ShardingPlanner(world_size=128, local_world_size=8, balance_memory=False,
+                              cost_model=CostModel(batch_size=512))
+    pruned = propose_group_size(planner, tables, None, stats, replica_sync=10**6)
+    full = propose_group_size(planner, tables, None, stats, replica_sync=10**6, prune=False)
+    skipped = [c.group_size for c in pruned.candidates if c.reason.startswith("not planned")]
+    assert skipped == [32, 64, 128]
+    assert pruned.group_size == full.group_size == 8
+    best = min(c.step_s for c in full.candidates)
+    for c in full.candidates:  # the bound was right to skip them
+        assert (c.group_size in skipped) == (c.step_s > hot_row_bound(
+            tables, stats, planner.cost_model, c.group_size, 8) > best)
