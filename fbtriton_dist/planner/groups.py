@@ -34,8 +34,9 @@ plan (S = R) costs exactly what ``cost.evaluate`` says. Not modelled: the HBM wo
 applying the other replicas' gradients, the sync overlapping anything, tiers (a cached
 table's sync counts all its rows).
 
-``propose_group_size`` plans every candidate S (powers of two from ``MIN_AUTO_GROUP`` up to R
-that divide R, and R) and returns the one with the lowest estimated step that fits.
+``propose_group_size`` plans the candidate S (powers of two from ``MIN_AUTO_GROUP`` up to R
+that divide R, and R; those ``hot_row_bound`` rules out are skipped) and returns the one with
+the lowest estimated step that fits.
 """
 
 from __future__ import annotations
