@@ -50,7 +50,11 @@ JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from fbtriton_dist.planner.arguments import add_simulate_arguments, positive_int
+    from fbtriton_dist.planner.arguments import (
+        add_group_arguments,
+        add_simulate_arguments,
+        positive_int,
+    )
     from fbtriton_dist.planner.tables import OPTIMIZERS
 
     p = sub.add_parser(
@@ -116,6 +120,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "count every rank's lookups and traffic; print them next to the "
                         "estimate (needs torch; python -m fbtriton_dist.bench simulate)")
     add_simulate_arguments(p)
+    add_group_arguments(p)
     p.set_defaults(func=_run_plan)
 
 
@@ -166,14 +171,20 @@ def _run_plan(args: argparse.Namespace) -> int:
                              else None),
     )
     if args.check:
+        if args.group_size is not None:
+            raise ValueError("--group-size: --check evaluates the plan's own group_size")
         plan = ShardingPlan.load_yaml(args.check)
         if (plan.world_size, plan.local_world_size) != (args.world_size, H):
             raise ValueError(
                 f"{args.check}: plan is for world_size={plan.world_size}, local_world_size="
                 f"{plan.local_world_size}; the command line says {args.world_size}, {H}"
             )
+    elif args.group_size is not None:
+        plan = _plan_groups(args, planner, specs, table_set.constraints, stats)
     else:
         plan = planner.plan(specs, table_set.constraints, stats)
+    if plan.group_size is not None:
+        return _grouped_outputs(args, plan, planner, specs, stats)
     plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=args.optimizer,
                   host_budget_bytes=planner.host_bytes_per_rank)
     cost = planner.cost(plan, specs, stats)
@@ -182,12 +193,44 @@ def _run_plan(args: argparse.Namespace) -> int:
     return _plan_outputs(args, plan, planner, specs, stats, cost, report)
 
 
+def _plan_groups(args, planner, specs, constraints, stats):
+    """``plan --group-size S|auto``: a grouped plan (``planner/groups.py``); auto prints
+    every candidate's estimate first."""
+    from fbtriton_dist.planner import groups
+
+    if args.group_size != "auto":
+        return groups.plan_grouped(planner, specs, constraints, stats,
+                                   group_size=args.group_size, replica_sync=args.replica_sync)
+    proposal = groups.propose_group_size(planner, specs, constraints, stats,
+                                         replica_sync=args.replica_sync)
+    print(groups.format_candidates(proposal))
+    return proposal.plan
+
+
+def _grouped_outputs(args, plan, planner, specs, stats) -> int:
+    """The report of a grouped plan: one group's plan, then the groups, sync and step."""
+    from fbtriton_dist.planner import groups
+    from fbtriton_dist.planner.report import format_report
+
+    plan.validate(specs, budget_bytes=planner.budget_bytes, optimizer=planner.optimizer,
+                  host_budget_bytes=planner.host_bytes_per_rank)
+    cost = groups.evaluate_grouped(plan, specs, stats, planner.cost_model, planner.optimizer)
+    sub = groups.group_planner(planner, plan.group_world, plan.replica_sync)
+    title = (f"{args.check or args.tables}: {len(specs)} tables on {plan.world_size} ranks, "
+             f"{plan.num_groups} group(s) of {sub.describe()}")
+    report = format_report(plan.group_plan(), specs, cost.group, stats, title=title)
+    return _plan_outputs(args, plan, planner, specs, stats, cost,
+                         f"{report}\n{groups.format_grouped(cost)}")
+
+
 def _run_plan_job(args: argparse.Namespace) -> int:
     """``plan JOB.yaml``: the plan the job makes on ``--world-size`` ranks (the job's own
     planning function, ``train/planning.py``), options overriding the job's keys."""
     from fbtriton_dist.train.config import load_job  # torch-free
     from fbtriton_dist.train.planning import plan_job
 
+    if args.group_size is not None:
+        raise ValueError("--group-size: a job file plans flat; give the table set instead")
     if args.memory_tolerance is not None:
         raise ValueError("--memory-tolerance: a job plans with the planner's default "
                          "(the job file has no such key); drop it to see the job's plan")
@@ -209,16 +252,17 @@ def _progress(line: str) -> None:
 def _plan_outputs(args, plan, planner, specs, stats, cost, report: str) -> int:
     """Print the report; write ``--out``, draw ``--png``, run ``--simulate``."""
     print(report)
+    flat = cost.as_plan_cost() if hasattr(cost, "as_plan_cost") else cost  # grouped: S ranks
     if args.out:
         header = (
             f"fbtriton_dist sharding plan for {args.tables}\n{planner.describe()}\n"
-            f"estimated step {cost.max() * 1e3:.3f} ms, imbalance (max/mean) {cost.imbalance():.3f}"
+            f"estimated step {flat.max() * 1e3:.3f} ms, imbalance (max/mean) {flat.imbalance():.3f}"
         )
         plan.save_yaml(args.out, header=header)
         print(f"wrote {args.out}")
     if args.png:
         title = report.splitlines()[0] if report else args.tables
-        _plan_png(args.png, cost, title, planner.budget_bytes)
+        _plan_png(args.png, flat, title, planner.budget_bytes)
     if args.simulate:
         # torch and sharding/: loaded only when asked, the plan command stays torch-free
         simulate = importlib.import_module("fbtriton_dist.bench.simulate")

@@ -31,6 +31,7 @@ features (``CommOptions`` defaults: fp32 pooled values, no dedup). Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,13 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.arguments import add_simulate_arguments
 from fbtriton_dist.planner.cost import CostAccumulator
+from fbtriton_dist.planner.groups import (
+    GroupedCost,
+    data_parallel_world_bytes,
+    evaluate_grouped,
+    replica_syncs,
+    sync_inter_share,
+)
 from fbtriton_dist.sharding.comm.wire import WireFormat
 from fbtriton_dist.sharding.dist.input_dist import InputDist, message
 from fbtriton_dist.sharding.dist.layout import ShardLayout
@@ -63,7 +71,7 @@ from fbtriton_dist.train.data import power_law_rows
 FP32 = WireFormat("fp32")
 
 __all__ = ["RankTraffic", "Simulation", "compare", "compare_collectives", "format_comparison",
-           "max_collective_errors", "sample_ranks", "simulate"]
+           "max_collective_errors", "sample_ranks", "simulate", "simulate_grouped"]
 
 UNIFORM = IdDistribution()
 ALL_SOURCES_UP_TO = 64
@@ -400,6 +408,94 @@ def simulate(
                       cpu_seconds=time.process_time() - cpu)
 
 
+SYNC_GROUPS = 2
+"""Groups whose ids are drawn for the ``step`` replica sync (every group's batch comes from
+the same distributions: a replica receives (G-1) x their mean distinct rows)."""
+
+
+def _group_ids(spec: TableSpec, dist: IdDistribution, n_samples: int, rng: np.random.Generator,
+               ids: str) -> np.ndarray:
+    """The distinct ids one group's ``n_samples`` samples look up in table ``spec`` (each
+    feature's bags of floor(L) or ceil(L) ids, as ``_draw``), sorted."""
+    out = []
+    for i in range(len(spec.features)):
+        L = float(spec.pooling_factors[i]) if spec.pooling_factors else 1.0
+        base, frac = math.floor(L), L - math.floor(L)
+        n = int(base * n_samples + (rng.random(n_samples) < frac).sum())
+        u = rng.random(n)
+        if ids == "job" and dist.kind == "zipf":
+            out.append(power_law_rows(torch.from_numpy(u), spec.num_embeddings,
+                                      dist.alpha).numpy())
+        else:
+            out.append(inverse_cdf_array(dist, spec.num_embeddings, u))
+    return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
+
+
+def simulate_grouped(
+    plan: ShardingPlan,
+    tables: Sequence[TableSpec],
+    stats: Mapping[str, IdDistribution] | None = None,
+    *,
+    batch_size: int = 512,
+    ranks: Sequence[int] | None = None,
+    sources: int | None = None,
+    seed: int = 0,
+    backend: str = "reference",
+    estimate: GroupedCost | None = None,
+    ids: str = "planner",
+    wire: tuple[str, str] = ("fp32", "fp32"),
+    optimizer: str = "rowwise_adagrad",
+    sync_groups: int = SYNC_GROUPS,
+) -> Simulation:
+    """One step of a grouped plan (``planner/groups.py``) for local ``ranks`` of one group:
+    :func:`simulate` of the group's plan on S ranks (its input and output dists), then each
+    rank's replica sync: for the ``step`` sync's sparse all-gather, the distinct ids that
+    ``sync_groups`` drawn groups' batches put in each of its shards, times G-1 other replicas,
+    times the row's bytes; the dense all-reduce and the every-N average (which do not depend
+    on the ids) by their ring sizes; data-parallel tables' gradient all-gather over the whole
+    world scaled from the group's. A flat plan: :func:`simulate`."""
+    S, R, G = plan.group_world, plan.world_size, plan.num_groups
+    flat = estimate.as_plan_cost() if estimate is not None else None
+    sim = simulate(plan.group_plan(), tables, stats, batch_size=batch_size, ranks=ranks,
+                   sources=sources, seed=seed, backend=backend, estimate=flat, ids=ids,
+                   wire=wire)
+    if G == 1:
+        return sim
+    start, cpu = time.perf_counter(), time.process_time()
+    H = plan.local_world_size
+    by_name = {t.name: (i, t) for i, t in enumerate(tables)}
+    simulated = {r.rank for r in sim.ranks}
+    syncs = [x for x in replica_syncs(plan, tables, stats, CostModel(batch_size=batch_size),
+                                      optimizer) if x.rank in simulated]
+    drawn: dict[str, list[np.ndarray]] = {}
+    for name in sorted({x.table for x in syncs if x.collective.endswith("sparse_all_gather")}):
+        i, spec = by_name[name]
+        dist = (stats or {}).get(name, UNIFORM)
+        drawn[name] = [_group_ids(spec, dist, S * batch_size,
+                                  np.random.default_rng([seed, 7919, g, i]), ids)
+                       for g in range(sync_groups)]
+    far = sync_inter_share(S, G, H)
+    dp_extra = data_parallel_world_bytes(plan, tables, batch_size)
+    same_host = max(H - S, 0)
+    for t in sim.ranks:
+        for x in (x for x in syncs if x.rank == t.rank):
+            if x.collective.endswith("sparse_all_gather"):
+                unique = np.mean([np.searchsorted(u, x.row_end) - np.searchsorted(u, x.row_start)
+                                  for u in drawn[x.table]])
+                nbytes = (G - 1) * float(unique) * x.row_bytes
+            else:
+                nbytes = x.bytes
+            t.add(x.collective, nbytes)
+            t.inter_host_bytes += far * nbytes
+        dp = t.collectives.get("data_parallel.grad_all_gather", 0.0)
+        if dp_extra:  # the other groups' R-S ranks' rows, as many as each group rank's
+            extra = dp * (R - S) / (S - 1) if S > 1 else dp_extra
+            t.add("data_parallel.grad_all_gather", extra)
+            t.inter_host_bytes += extra * (R - S - same_host) / (R - S)
+    return dataclasses.replace(sim, seconds=sim.seconds + time.perf_counter() - start,
+                               cpu_seconds=sim.cpu_seconds + time.process_time() - cpu)
+
+
 def error(estimate: float, simulated: float) -> float:
     """(estimate - simulated) / simulated; 0 when both are 0, inf when only the estimate is
     not."""
@@ -509,7 +605,21 @@ def format_comparison(sim: Simulation, cost: PlanCost, model: CostModel | None =
 def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
         model: CostModel, args: argparse.Namespace) -> str:
     """Simulate ``plan`` with the options of ``planner.arguments.add_simulate_arguments`` and
-    format the comparison."""
+    format the comparison (a grouped plan: one group's ranks, its replica sync included;
+    ``cost`` may then be its ``GroupedCost``)."""
+    if plan.group_world != plan.world_size:
+        grouped = cost if isinstance(cost, GroupedCost) else evaluate_grouped(
+            plan, tables, stats, model, getattr(args, "optimizer", None) or "rowwise_adagrad")
+        sim = simulate_grouped(plan, tables, stats, batch_size=model.batch_size,
+                               ranks=args.sim_ranks, sources=args.sim_sources,
+                               seed=args.sim_seed, backend=args.sim_backend, estimate=grouped,
+                               ids=getattr(args, "sim_ids", "planner"), wire=model.wire(),
+                               optimizer=getattr(args, "optimizer", None) or "rowwise_adagrad")
+        head = (f"grouped plan: {plan.num_groups} groups of {plan.group_world} of "
+                f"{plan.world_size} ranks, replica sync {plan.replica_sync}; local ranks of "
+                f"one group simulated, the sync's distinct rows from {SYNC_GROUPS} drawn "
+                f"groups")
+        return head + "\n" + format_comparison(sim, grouped.as_plan_cost(), model)
     sim = simulate(plan, tables, stats, batch_size=model.batch_size, ranks=args.sim_ranks,
                    sources=args.sim_sources, seed=args.sim_seed, backend=args.sim_backend,
                    estimate=cost, ids=getattr(args, "sim_ids", "planner"), wire=model.wire())
@@ -551,7 +661,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         plan = planner.plan(table_set.tables, table_set.constraints, stats)
     planned = time.process_time() - start
-    cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer, collectives=True)
+    if plan.group_world != plan.world_size:  # a grouped plan (--plan): its own cost
+        cost = evaluate_grouped(plan, table_set.tables, stats, model, planner.optimizer)
+    else:
+        cost = evaluate(plan, table_set.tables, stats, model, planner.optimizer,
+                        collectives=True)
     print(f"{args.plan or args.tables}: {len(table_set.tables)} tables on {planner.describe()}; "
           f"{'loaded' if args.plan else 'planned'} in {planned:.1f} s CPU")
     print(run(plan, table_set.tables, stats, cost, model, args))

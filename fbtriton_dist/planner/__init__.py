@@ -6,6 +6,7 @@ TorchRec ``EmbeddingBagConfig`` objects are accepted by duck typing. See docs/pl
 
 from ._yaml import ConfigError, FieldError
 from .cost import CostModel, PlanCost, RankCost, evaluate, header_bytes
+from .groups import GroupedCost, evaluate_grouped, plan_grouped, propose_group_size
 from .memory import state_bytes
 from .plan import PlanValidationError, ShardingPlan
 from .planner import PlanError, ShardingPlanner
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "CostModel",
     "FieldError",
+    "GroupedCost",
     "IdDistribution",
     "PlanCost",
     "PlanError",
@@ -52,6 +54,9 @@ __all__ = [
     "equal_cuts",
     "inverse_cdf_array",
     "evaluate",
+    "evaluate_grouped",
+    "plan_grouped",
+    "propose_group_size",
     "generalized_harmonic",
     "header_bytes",
     "load_tables",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_simulate_arguments", "positive_int"]
+__all__ = ["add_group_arguments", "add_simulate_arguments", "group_size_arg", "positive_int",
+           "replica_sync_arg"]
 
 
 def positive_int(text: str) -> int:
@@ -36,3 +37,38 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-ids", choices=("planner", "job"), default="planner",
                    help="Zipf ids as the estimate assumes (planner, default) or as a training "
                         "job's synthetic data draws them (job: train.data.power_law_rows)")
+
+
+def group_size_arg(text: str) -> int | str:
+    """An argparse ``type``: ``auto`` or an integer >= 1 (whether it divides R is checked
+    with R)."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or an integer >= 1, got {text}") from None
+
+
+def replica_sync_arg(text: str) -> str | int:
+    """An argparse ``type``: ``step`` or an integer N >= 1 (every N steps)."""
+    if text == "step":
+        return text
+    try:
+        return positive_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"expected 'step' or an integer >= 1, got {text}") from None
+
+
+def add_group_arguments(p: argparse.ArgumentParser) -> None:
+    """Replica groups (2D parallel, ``planner/groups.py``): ``plan --group-size``."""
+    p.add_argument("--group-size", type=group_size_arg, default=None, metavar="S|auto",
+                   help="plan the tables for groups of S consecutive ranks, each group holding "
+                        "all tables and syncing its shards' replicas (S must divide R); auto: "
+                        "try powers of two from 8 up to R and R, keep the fastest that fits "
+                        "(default: flat, one group of R)")
+    p.add_argument("--replica-sync", type=replica_sync_arg, default="step", metavar="step|N",
+                   help="with --group-size: the replicas exchange row gradients every step "
+                        "(step, default) or average weights and optimizer state every N steps")

@@ -99,6 +99,10 @@ class CostModel:
     """Bytes/s a rank receives from other hosts (one 400 Gb/s NIC per GPU)."""
     backward_factor: float = 2.0
     """Backward + optimizer HBM traffic as a multiple of the forward gather."""
+    held_byte_seconds: float = 0.0
+    """Seconds per step each byte a rank holds (weights + state) costs: the amortised replica
+    sync of a grouped plan that averages every N steps (``groups.py``), so that a group's
+    planner balances it; 0 for a flat plan."""
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
@@ -108,6 +112,10 @@ class CostModel:
         check_int("output_row_bytes", self.output_row_bytes, 0)
         if self.grad_row_bytes is not None:
             check_int("grad_row_bytes", self.grad_row_bytes, 0)
+        for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
+        check_number("backward_factor", self.backward_factor, 0.0)
+        check_number("held_byte_seconds", self.held_byte_seconds, 0.0)
 
     @classmethod
     def with_wire(cls, forward: str = "fp32", backward: str | None = None, **kw) -> CostModel:
@@ -141,10 +149,6 @@ class CostModel:
             t = self.output_row_bytes if self.grad_row_bytes is None else self.grad_row_bytes
             return columns * g + t
         return columns * self.output_bytes + self.output_row_bytes
-        for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
-            check_number(name, getattr(self, name), 0.0, strict=True)
-        check_number("backward_factor", self.backward_factor, 0.0)
-
 
     def id_bytes(self, rows, wide=False):
         """i for ids of a shard of ``rows`` rows (a number or an array): ``index_bytes``, or
@@ -288,6 +292,7 @@ class CostAccumulator:
         # inside the host at its bandwidth, the part that crosses hosts at the network's
         coef = np.zeros(len(self.TERMS))
         coef[self._ROW["lookup_bytes"]] = (1.0 + m.backward_factor) / m.hbm_bandwidth
+        coef[self._ROW["weight_bytes"]] = coef[self._ROW["state_bytes"]] = m.held_byte_seconds
         coef[self._ROW["input_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
         coef[self._ROW["output_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
         coef[self._ROW["inter_host_bytes"]] = (
@@ -599,7 +604,12 @@ def evaluate(
     collectives: bool = False,
 ) -> PlanCost:
     """The per-rank cost of ``plan`` for ``tables`` (any plan: ours, loaded, TorchRec's);
-    ``collectives``: also split the comm terms per collective (``PlanCost.collectives``)."""
+    ``collectives``: also split the comm terms per collective (``PlanCost.collectives``).
+    A grouped plan (``group_size`` < ``world_size``) is ``groups.evaluate_grouped``'s."""
+    if plan.group_world != plan.world_size:
+        raise ValueError(f"plan: expected a flat plan, got group_size={plan.group_size} of "
+                         f"world_size={plan.world_size} (planner.groups.evaluate_grouped costs "
+                         f"it; plan.group_plan() is one group's flat plan)")
     acc = CostAccumulator(plan.world_size, plan.local_world_size, model or CostModel())
     if collectives:
         acc.ledger = {}

@@ -41,9 +41,33 @@ from .memory import block_bytes, fmt_bytes, host_block_bytes, shard_equation
 from .shards import Shard, TableSharding
 from .tables import TableSpec
 
-__all__ = ["PlanValidationError", "ShardingPlan", "host_memory_problems", "memory_problems"]
+__all__ = ["PlanValidationError", "ShardingPlan", "check_group_size", "check_replica_sync",
+           "host_memory_problems", "memory_problems"]
 
 PLAN_VERSION = 1
+
+
+def check_group_size(world_size: int, local_world_size: int, group_size: int) -> None:
+    """Raise :class:`FieldError` unless ``group_size`` is an integer in [1, world_size] that
+    divides ``world_size`` and either divides ``local_world_size`` or is a multiple of it (a
+    group is whole hosts, or lies inside one)."""
+    check_int("group_size", group_size, 1)
+    if group_size > world_size or world_size % group_size:
+        raise FieldError("group_size", f"expected a divisor of world_size={world_size} "
+                                       f"(1 <= group_size <= {world_size}), got {group_size}")
+    if group_size % local_world_size and local_world_size % group_size:
+        raise FieldError("group_size", f"expected a multiple or a divisor of local_world_size="
+                                       f"{local_world_size} (whole hosts, or inside one), got "
+                                       f"{group_size}")
+
+
+def check_replica_sync(value: Any) -> None:
+    """Raise :class:`FieldError` unless ``value`` is ``"step"`` or an integer N >= 1."""
+    if value == "step":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FieldError("replica_sync", f"expected 'step' or an integer >= 1 (every N steps), "
+                                         f"got {value!r}")
 
 
 class PlanValidationError(ValueError):
@@ -65,6 +89,14 @@ class ShardingPlan:
     """Ranks per host; ranks ``h*H .. h*H+H-1`` form host ``h``. ``R`` must divide by it."""
     tables: tuple[TableSharding, ...]
     """One entry per table, in the order of the table set."""
+    group_size: int | None = None
+    """S, ranks per replica group (2D parallel, ``groups.py``): the world splits into R/S
+    groups of S consecutive ranks, the shards are those of one group (ranks ``0 .. S-1``, a
+    plan for S ranks; rank r holds the shards of local rank ``r % S``) and each group runs them
+    on its own share of the batch. None (older plans): flat, the same as S = R."""
+    replica_sync: str | int = "step"
+    """How the R/S replicas of a shard stay equal: ``step`` (their row gradients exchanged
+    before every update) or N (weights and optimizer state averaged every N steps)."""
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
@@ -74,10 +106,36 @@ class ShardingPlan:
                 "local_world_size",
                 f"expected a divisor of world_size={self.world_size}, got {self.local_world_size}",
             )
+        if self.group_size is not None:
+            check_group_size(self.world_size, self.local_world_size, self.group_size)
+        check_replica_sync(self.replica_sync)
         names = [t.name for t in self.tables]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise FieldError("tables", f"table name(s) {dup} appear more than once")
+
+    # -- replica groups -------------------------------------------------------------------
+    @property
+    def group_world(self) -> int:
+        """S, the ranks of one group (R for a flat plan): the shards' ranks are below it."""
+        return self.world_size if self.group_size is None else self.group_size
+
+    @property
+    def num_groups(self) -> int:
+        """R / S, the replicas of every shard."""
+        return self.world_size // self.group_world
+
+    @property
+    def group_local_world_size(self) -> int:
+        """Ranks per host inside one group (a group smaller than a host sits in one)."""
+        return min(self.local_world_size, self.group_world)
+
+    def group_plan(self) -> ShardingPlan:
+        """The flat plan of one group: these tables on S ranks (itself when flat)."""
+        if self.group_world == self.world_size:
+            return self
+        return ShardingPlan(world_size=self.group_world,
+                            local_world_size=self.group_local_world_size, tables=self.tables)
 
     # -- queries the sharded module needs -------------------------------------------------
     def table(self, name: str) -> TableSharding:
@@ -87,10 +145,12 @@ class ShardingPlan:
         raise KeyError(f"table {name!r} is not in the plan; known: {[t.name for t in self.tables]}")
 
     def shards_for_rank(self, rank: int) -> list[tuple[str, Shard]]:
-        """``(table name, shard)`` for every shard stored on ``rank``, in table order."""
+        """``(table name, shard)`` for every shard stored on ``rank``, in table order (a
+        grouped plan: the shards of its local rank ``rank % group_size``)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank: expected 0 <= rank < {self.world_size}, got {rank}")
-        return [(t.name, s) for t in self.tables for s in t.shards if s.rank == rank]
+        local = rank % self.group_world
+        return [(t.name, s) for t in self.tables for s in t.shards if s.rank == local]
 
     def subset(self, names: Iterable[str]) -> ShardingPlan:
         """The plan of tables ``names`` only (one collection of a model the plan covers);
@@ -125,7 +185,8 @@ class ShardingPlan:
         the backing stores of ``host`` / ``cached`` tables on each rank fit it.
         """
         problems = [
-            p for t in self.tables for p in t.validate(self.world_size, self.local_world_size)
+            p for t in self.tables
+            for p in t.validate(self.group_world, self.group_local_world_size)
         ]
         specs = list(tables) if tables is not None else None
         if specs is not None:
@@ -161,6 +222,7 @@ class ShardingPlan:
             "version": PLAN_VERSION,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
+            **self._group_dict(),
             "tables": [
                 {
                     "name": t.name,
@@ -181,6 +243,13 @@ class ShardingPlan:
             ],
         }
 
+    def _group_dict(self) -> dict[str, Any]:
+        """``group_size`` and ``replica_sync``, written only for a plan that has a group size
+        (a flat plan's YAML stays as older versions wrote it)."""
+        if self.group_size is None:
+            return {}
+        return {"group_size": self.group_size, "replica_sync": self.replica_sync}
+
     def to_yaml(self, header: str = "") -> str:
         """The plan as YAML: what ``yaml.safe_dump(self.to_dict(), sort_keys=False,
         default_flow_style=None)`` writes, line by line (PyYAML's representer takes seconds
@@ -188,6 +257,7 @@ class ShardingPlan:
         lines = [f"# {line}" for line in header.splitlines()]
         lines += [f"version: {PLAN_VERSION}", f"world_size: {self.world_size}",
                   f"local_world_size: {self.local_world_size}"]
+        lines += [f"{k}: {v}" for k, v in self._group_dict().items()]
         lines.append("tables:" if self.tables else "tables: []")
         for t in self.tables:
             lines += [f"- name: {_yaml_scalar(t.name)}", f"  sharding: {t.sharding}",
