@@ -1,0 +1,161 @@
+"""A row cache's hit rate measured: the runtime's own slot map on ids drawn from a table's
+distribution, against the planner's estimate (``planner/cache_model.py``).
+
+Each step draws ``ids_per_step`` ids independently with the shares the planner assumes
+(``cdf(r + 1) - cdf(r)`` for row r of the block), takes the distinct rows (as
+``modules/tiers.py``'s ``TieredTables.remap`` does) and maps them with ``ops.id_remap`` on an
+``IdTable`` of the cache's slots and policy: the map ``RowCache.assign`` uses, so the victims
+(least recent / least used not in this step, ties the least recent) and the counting (a miss
+is a row given a fresh slot) are the runtime's, without loading any row. The clock advances
+every step, as in training where each step's backward runs before the next forward.
+Steps before ``warmup`` are not counted. Usage::
+
+    python -m fbtriton_dist.bench cache_sim [--rows 100000] [--ids 512] [--steps 1500]
+        [--out FILE.json]
+
+prints estimate vs measurement for uniform and Zipf 0.8 / 1.1 / 1.4 ids, caches of 1 %, 10 %
+and 50 % of the rows, LRU and LFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from fbtriton_dist.id_manager import IdManagerConfig
+from fbtriton_dist.ops.id_remap import IdTable, id_remap
+from fbtriton_dist.planner import IdDistribution, cdf_array
+from fbtriton_dist.planner.cache_model import fill_steps, hit_rate
+
+__all__ = ["CacheRun", "compare", "main", "measure_hit_rate", "miss_error"]
+
+MIN_WARMUP = 100
+WARMUP_FILLS = 3
+"""Uncounted steps by default: ``WARMUP_FILLS`` times the steps an empty cache takes to fill
+(``cache_model.fill_steps``), at least ``MIN_WARMUP``."""
+
+
+@dataclass(frozen=True)
+class CacheRun:
+    """One measured cache: hits over the counted steps."""
+
+    hit_rate: float
+    distinct_per_step: float
+    misses_per_step: float
+    steps: int
+    warmup: int
+
+
+def _sampler(dist: IdDistribution, num_rows: int, row_start: int, row_end: int):
+    """A function drawing ``n`` rows of ``[row_start, row_end)`` with the table's shares."""
+    edges = cdf_array(dist, num_rows, np.arange(row_start, row_end + 1))
+    cum = edges - edges[0]
+    total = float(cum[-1])
+
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        u = rng.random(n) * total
+        r = np.searchsorted(cum, u, side="right") - 1
+        return row_start + np.clip(r, 0, row_end - row_start - 1)
+
+    return draw
+
+
+def measure_hit_rate(dist: IdDistribution, num_rows: int, ids_per_step: int, cache_rows: int,
+                     policy: str = "lru", *, steps: int = 1500, warmup: int | None = None,
+                     row_start: int = 0, row_end: int | None = None,
+                     seed: int = 0) -> CacheRun:
+    """The hit rate of a cache of ``cache_rows`` slots in front of rows ``[row_start,
+    row_end)`` of a table of ``num_rows`` rows, ``ids_per_step`` ids per step over the whole
+    table (those in the block reach its cache), counted over ``steps`` steps after
+    ``warmup`` (default ``WARMUP_FILLS`` x the fill time, at least ``MIN_WARMUP``)."""
+    row_end = num_rows if row_end is None else row_end
+    draw = _sampler(dist, num_rows, row_start, row_end)
+    share = float(dist.fraction(num_rows, row_start, row_end))
+    rng = np.random.default_rng(seed)
+    table = IdTable(IdManagerConfig(capacity=int(cache_rows), eviction=policy), "sim")
+    n = max(0, round(ids_per_step * share))
+    if warmup is None:
+        fill = fill_steps(dist, num_rows, ids_per_step, cache_rows)
+        warmup = MIN_WARMUP if math.isinf(fill) else max(MIN_WARMUP, math.ceil(WARMUP_FILLS * fill))
+    looked = missed = 0
+    for step in range(warmup + steps):
+        rows = torch.from_numpy(np.unique(draw(rng, n)))
+        if rows.numel() > cache_rows:
+            raise ValueError(f"cache_rows: a step reads {rows.numel()} distinct rows, expected "
+                             f"a cache of at least that many slots, got {cache_rows}")
+        _, fresh = id_remap(table, rows, step=step + 1, update=True)
+        if step >= warmup:
+            looked += int(rows.numel())
+            missed += int(fresh.numel())
+    hit = 1.0 - missed / looked if looked else 1.0
+    return CacheRun(hit, looked / steps, missed / steps, steps, warmup)
+
+
+def miss_error(estimate: float, measured: float) -> float:
+    """The estimate's error on the miss rate: relative (``|m_est - m_sim| / m_sim``) where
+    the measured miss rate is at least 0.05, else absolute divided by 0.05 (so 0.1 means a
+    miss rate off by 0.005)."""
+    m_est, m_sim = 1.0 - estimate, 1.0 - measured
+    return abs(m_est - m_sim) / max(m_sim, 0.05)
+
+
+def compare(num_rows: int, ids_per_step: int, dists: Sequence[IdDistribution],
+            fractions: Sequence[float], policies: Sequence[str], steps: int,
+            seed: int = 0) -> list[dict]:
+    """Estimate vs measurement for every combination (one dict each)."""
+    out = []
+    for dist in dists:
+        for frac in fractions:
+            C = max(1, math.ceil(frac * num_rows))
+            for policy in policies:
+                est = hit_rate(dist, num_rows, ids_per_step, C, policy)
+                t0 = time.perf_counter()
+                run = measure_hit_rate(dist, num_rows, ids_per_step, C, policy, steps=steps,
+                                       seed=seed)
+                out.append({"ids": dist.describe(), "cache_fraction": frac, "cache_rows": C,
+                            "policy": policy, "estimate": est.hit_rate,
+                            "estimate_distinct": est.distinct_rows, **asdict(run),
+                            "miss_error": miss_error(est.hit_rate, run.hit_rate),
+                            "seconds": time.perf_counter() - t0})
+    return out
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    lines = ["| ids | cache | policy | estimate | measured | miss rate est / sim | error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['ids']} | {r['cache_fraction']:.0%} | {r['policy']} | {r['estimate']:.4f} | "
+            f"{r['hit_rate']:.4f} | {1 - r['estimate']:.4f} / {1 - r['hit_rate']:.4f} | "
+            f"{r['miss_error']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fbtriton_dist.bench cache_sim",
+                                description="row cache hit rate: estimate vs the real map")
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--ids", type=int, default=512, help="ids per step (batch x pooling)")
+    p.add_argument("--steps", type=int, default=1500, help="counted steps after the warm-up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # small tensors: threads only add contention
+    dists = [IdDistribution(), *(IdDistribution(kind="zipf", alpha=a) for a in (0.8, 1.1, 1.4))]
+    rows = compare(args.rows, args.ids, dists, (0.01, 0.1, 0.5), ("lru", "lfu"), args.steps,
+                   args.seed)
+    print(f"{args.rows} rows, {args.ids} ids per step, {args.steps} counted steps")
+    print(format_table(rows))
+    worst = max(r["miss_error"] for r in rows)
+    print(f"largest miss-rate error: {worst:.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
