@@ -83,7 +83,8 @@ def measure_hit_rate(dist: IdDistribution, num_rows: int, ids_per_step: int, cac
     n = max(0, round(ids_per_step * share))
     if warmup is None:
         fill = fill_steps(dist, num_rows, ids_per_step, cache_rows)
-        warmup = MIN_WARMUP if math.isinf(fill) else max(MIN_WARMUP, math.ceil(WARMUP_FILLS * fill))
+        warmup = MIN_WARMUP if math.isinf(fill) else max(MIN_WARMUP,
+                                                         math.ceil(WARMUP_FILLS * fill))
     looked = missed = 0
     for step in range(warmup + steps):
         rows = torch.from_numpy(np.unique(draw(rng, n)))

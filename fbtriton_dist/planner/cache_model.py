@@ -47,10 +47,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .memory import state_bytes
 from .stats import IdDistribution, cdf_array
+from .tables import TableSpec
 
-__all__ = ["EXACT_ROWS", "GROWTH", "CacheEstimate", "estimate_hit_rates", "fill_steps",
-           "hit_rate", "row_buckets"]
+__all__ = ["EXACT_ROWS", "GROWTH", "CacheEstimate", "TierTraffic", "block_traffic",
+           "estimate_hit_rates", "fill_steps", "hit_rate", "row_buckets"]
 
 EXACT_ROWS = 1024
 """Rows ``[0, EXACT_ROWS)`` of a Zipf table are buckets of one row each."""
@@ -219,3 +221,47 @@ def fill_steps(dist: IdDistribution, num_rows: int, ids_per_step: float,
         return math.inf
     cap = np.array([max(float(cache_rows), float((rows * q).sum()))])
     return float(_fill_time(block, rows, np.log1p(-np.minimum(q, 1.0 - 1e-16)), cap, 1)[0])
+
+
+@dataclass(frozen=True)
+class TierTraffic:
+    """A cached table's misses and their traffic per training step, over its shards."""
+
+    tier: str
+    policy: str
+    hit_rate: float
+    """Hits / distinct rows looked up, over every shard's cache."""
+    distinct_rows: float
+    misses: float
+    """Rows loaded per step (each evicts a dirty row, written back: training updates every
+    row it looks up)."""
+    bytes: float
+    """Bytes moved per step: ``misses x 2 x (row + optimizer state) bytes``."""
+    fits: bool
+    """Every shard's cache holds a step's distinct rows."""
+
+
+def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
+                  row_start: np.ndarray, row_end: np.ndarray, cols: np.ndarray,
+                  optimizer: str) -> tuple[np.ndarray, TierTraffic]:
+    """Bytes each block (a ``cached`` / ``file`` shard: rows ``[row_start, row_end)`` x
+    ``cols`` columns, its own cache of ``Storage.slots(rows)`` slots) moves per step between
+    its cache and its backing store, and the table's summary. ``ids_per_step``: the table's
+    lookups per step over all ranks (R x B x L)."""
+    st = spec.storage
+    opt = spec.optimizer or optimizer
+    rows = np.asarray(row_end, dtype=np.int64) - np.asarray(row_start, dtype=np.int64)
+    slots = [st.slots(int(r)) if r > 0 else 0 for r in rows.tolist()]
+    est = estimate_hit_rates(dist, spec.num_embeddings, ids_per_step, list(row_start),
+                             list(row_end), slots, st.policy)
+    misses = np.array([e.misses for e in est])
+    distinct = np.array([e.distinct_rows for e in est])
+    cols = np.asarray(cols, dtype=np.float64)
+    row_bytes = cols * spec.dtype_bytes + np.array(
+        [state_bytes(opt, 1, int(c)) for c in cols.tolist()], dtype=np.float64)
+    moved = 2.0 * misses * row_bytes
+    U = float(distinct.sum())
+    summary = TierTraffic(st.tier, st.policy, 1.0 - float(misses.sum()) / U if U > 0 else 1.0,
+                          U, float(misses.sum()), float(moved.sum()),
+                          all(e.fits for e in est))
+    return moved, summary
