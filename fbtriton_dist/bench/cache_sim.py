@@ -31,10 +31,10 @@ import torch
 
 from fbtriton_dist.id_manager import IdManagerConfig
 from fbtriton_dist.ops.id_remap import IdTable, id_remap
-from fbtriton_dist.planner import IdDistribution, cdf_array
-from fbtriton_dist.planner.cache_model import fill_steps, hit_rate
+from fbtriton_dist.planner import IdDistribution, ShardingPlan, TableSpec, cdf_array
+from fbtriton_dist.planner.cache_model import estimate_hit_rates, fill_steps, hit_rate
 
-__all__ = ["CacheRun", "compare", "main", "measure_hit_rate", "miss_error"]
+__all__ = ["CacheRun", "compare", "main", "measure_hit_rate", "miss_error", "plan_comparison"]
 
 MIN_WARMUP = 100
 WARMUP_FILLS = 3
@@ -82,7 +82,7 @@ def measure_hit_rate(dist: IdDistribution, num_rows: int, ids_per_step: int, cac
     table = IdTable(IdManagerConfig(capacity=int(cache_rows), eviction=policy), "sim")
     n = max(0, round(ids_per_step * share))
     if warmup is None:
-        fill = fill_steps(dist, num_rows, ids_per_step, cache_rows)
+        fill = fill_steps(dist, num_rows, ids_per_step, cache_rows, row_start, row_end)
         warmup = MIN_WARMUP if math.isinf(fill) else max(MIN_WARMUP,
                                                          math.ceil(WARMUP_FILLS * fill))
     looked = missed = 0
@@ -136,6 +136,65 @@ def format_table(rows: Sequence[dict]) -> str:
             f"| {r['ids']} | {r['cache_fraction']:.0%} | {r['policy']} | {r['estimate']:.4f} | "
             f"{r['hit_rate']:.4f} | {1 - r['estimate']:.4f} / {1 - r['hit_rate']:.4f} | "
             f"{r['miss_error']:.3f} |")
+    return "\n".join(lines)
+
+
+PLAN_MAX_ROWS = 1_000_000
+PLAN_MAX_SLOTS = 100_000
+"""``plan --simulate`` simulates a shard of at most this many rows and cache slots (a cdf
+table per row, the map's work per step grows with the slots)."""
+PLAN_MAX_WARMUP = 2000
+"""... and warms its cache up for at most this many steps (the report says when capped)."""
+
+
+def plan_comparison(plan: ShardingPlan, specs: Sequence[TableSpec],
+                    stats: dict[str, IdDistribution] | None, batch_size: int, *,
+                    steps: int = 300, seed: int = 0) -> str:
+    """Per cached table of ``plan``: the estimated and the measured hit rate of its busiest
+    shard's cache (the most distinct rows per step), ids of R x ``batch_size`` samples per
+    step. A text table for ``fbtriton-dist plan --simulate``."""
+    by_name = {t.name: t for t in specs}
+    lines = ["cache hit rates, estimate vs the runtime's slot map on drawn ids (busiest shard "
+             "of each cached table; miss-rate error as cache_sim.miss_error):",
+             "| table | shard rows | slots | policy | estimate | measured | error | steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for ts in plan.tables:
+            spec = by_name[ts.name]
+            st = ts.storage or spec.storage
+            if st is None or not st.cached:
+                continue
+            dist = (stats or {}).get(ts.name, IdDistribution())
+            E, n = spec.num_embeddings, plan.world_size * batch_size * spec.ids_per_sample
+            shards = ts.shards
+            est = estimate_hit_rates(dist, E, n, [s.row_start for s in shards],
+                                     [s.row_end for s in shards],
+                                     [st.slots(s.num_rows) for s in shards], st.policy)
+            i = max(range(len(shards)), key=lambda k: est[k].distinct_rows)
+            sh, slots = shards[i], st.slots(shards[i].num_rows)
+            row = f"| {ts.name} | {sh.row_start}..{sh.row_end} | {slots} | {st.policy} | "
+            if sh.num_rows > PLAN_MAX_ROWS or slots > PLAN_MAX_SLOTS:
+                lines.append(row + f"{est[i].hit_rate:.4f} | not simulated (over "
+                             f"{PLAN_MAX_ROWS} rows or {PLAN_MAX_SLOTS} slots) | | |")
+                continue
+            fill = fill_steps(dist, E, n, slots, sh.row_start, sh.row_end)
+            warm = min(PLAN_MAX_WARMUP, MIN_WARMUP if math.isinf(fill) else
+                       max(MIN_WARMUP, math.ceil(WARMUP_FILLS * fill)))
+            try:
+                run = measure_hit_rate(dist, E, round(n), slots, st.policy, steps=steps,
+                                       warmup=warm, row_start=sh.row_start, row_end=sh.row_end,
+                                       seed=seed)
+            except ValueError as e:
+                lines.append(row + f"{est[i].hit_rate:.4f} | refused: {e} | | |")
+                continue
+            capped = " (warm-up capped)" if warm == PLAN_MAX_WARMUP else ""
+            lines.append(row + f"{est[i].hit_rate:.4f} | {run.hit_rate:.4f} | "
+                         f"{miss_error(est[i].hit_rate, run.hit_rate):.3f} | "
+                         f"{run.warmup} + {run.steps}{capped} |")
+    finally:
+        torch.set_num_threads(torch_threads)
     return "\n".join(lines)
 
 

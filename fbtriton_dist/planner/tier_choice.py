@@ -212,12 +212,15 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
 def cache_shortfalls(plan: ShardingPlan, specs: Sequence[TableSpec],
                      stats: Mapping[str, IdDistribution] | None,
                      batch_size: int) -> dict[str, float]:
-    """Cached tables of ``plan`` with a shard whose cache holds fewer than ``CACHE_MARGIN``
-    steps' distinct rows of that shard: ``{table: the load factor that would}`` (at most 1)."""
+    """Tables of ``specs`` cached in ``plan`` with a shard whose cache holds fewer than
+    ``CACHE_MARGIN`` steps' distinct rows of that shard: ``{table: the load factor that
+    would}`` (at most 1)."""
     by_name = {t.name: t for t in specs}
     out = {}
     for ts in plan.tables:
-        spec = by_name[ts.name]
+        spec = by_name.get(ts.name)
+        if spec is None:
+            continue
         st = ts.storage or spec.storage
         if st is None or not st.cached or not ts.shards:
             continue

@@ -1,0 +1,86 @@
+"""The row cache's hit-rate estimate (``planner/cache_model.py``) against the runtime's slot
+map on drawn ids (``bench/cache_sim.py``), and its limits."""
+
+import time
+
+import pytest
+import torch
+
+from fbtriton_dist.bench.cache_sim import measure_hit_rate, miss_error
+from fbtriton_dist.planner import IdDistribution
+from fbtriton_dist.planner.cache_model import estimate_hit_rates, hit_rate
+
+UNIFORM = IdDistribution()
+
+
+def zipf(a):
+    return IdDistribution(kind="zipf", alpha=a)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("dist, cache, policy", [
+    (UNIFORM, 400, "lru"),
+    (zipf(1.1), 400, "lru"),
+    (zipf(0.8), 400, "lfu"),
+    (zipf(1.4), 60, "lfu"),
+])
+def test_estimate_within_ten_percent_of_the_real_map(dist, cache, policy):
+    E, n = 4000, 64
+    est = hit_rate(dist, E, n, cache, policy)
+    run = measure_hit_rate(dist, E, n, cache, policy, steps=400, seed=3)
+    assert est.fits
+    assert est.distinct_rows == pytest.approx(run.distinct_per_step, rel=0.05)
+    assert miss_error(est.hit_rate, run.hit_rate) <= 0.10, (est, run)
+
+
+def test_the_policies_differ_and_each_estimate_matches_its_own():
+    # Zipf 0.8, a 10 % cache: LFU keeps the frequent rows, LRU the recent ones
+    E, n, C = 4000, 64, 400
+    lru, lfu = (hit_rate(zipf(0.8), E, n, C, p).hit_rate for p in ("lru", "lfu"))
+    sim_lfu = measure_hit_rate(zipf(0.8), E, n, C, "lfu", steps=400, seed=5).hit_rate
+    assert lfu > lru + 0.05
+    assert miss_error(lfu, sim_lfu) <= 0.10
+    assert miss_error(lru, sim_lfu) > 0.10  # the other policy's estimate would be wrong
+
+
+def test_a_row_block_sees_only_its_rows():
+    # rows 100..2100 of a Zipf table: a block's cache gets the ids that fall in it
+    E, n, C = 4000, 256, 300
+    est = estimate_hit_rates(zipf(1.1), E, n, [100], [2100], [C], "lru")[0]
+    run = measure_hit_rate(zipf(1.1), E, n, C, "lru", steps=300, row_start=100, row_end=2100,
+                           seed=1)
+    assert est.distinct_rows == pytest.approx(run.distinct_per_step, rel=0.05)
+    assert miss_error(est.hit_rate, run.hit_rate) <= 0.10
+
+
+def test_uniform_lru_is_the_cache_fraction_and_limits():
+    # uniform ids: Che's fill equation gives exactly C / E
+    for C in (100, 2500):
+        assert hit_rate(UNIFORM, 10_000, 50, C).hit_rate == pytest.approx(C / 10_000, rel=1e-6)
+    assert hit_rate(zipf(1.1), 1000, 50, 1000).hit_rate == 1.0  # every row fits
+    small = hit_rate(UNIFORM, 10_000, 500, 100)  # a step reads ~490 distinct rows
+    big = hit_rate(UNIFORM, 10_000, 500, 1000)
+    assert not small.fits and big.fits
+    assert big.misses == pytest.approx(big.distinct_rows * (1 - big.hit_rate))
+    with pytest.raises(ValueError, match="policy: expected one of"):
+        hit_rate(UNIFORM, 10, 1, 5, "fifo")
+
+
+def test_a_billion_rows_and_thousands_of_shards_are_fast():
+    E, shards = 10**9, 4096
+    cuts = [E * k // shards for k in range(shards + 1)]
+    t0 = time.perf_counter()
+    est = estimate_hit_rates(zipf(1.1), E, 4096 * 512 * 20, cuts[:-1], cuts[1:],
+                             [E // shards // 10] * shards, "lfu")
+    whole = [hit_rate(zipf(1.1), E, 512 * 20, C, "lru").hit_rate for C in (10**6, 10**7, 10**8)]
+    assert time.perf_counter() - t0 < 5.0
+    assert whole == sorted(whole) and 0 < whole[0] < whole[-1] < 1  # more cache, more hits
+    assert est[0].hit_rate > est[-1].hit_rate  # the hot block's cache hits more
+    assert est[-1].hit_rate == pytest.approx(0.1, abs=0.01)  # the coldest block: ~uniform
