@@ -130,3 +130,24 @@ def test_job_disk_budget_key():
     with pytest.raises(ValueError, match="disk_budget_gb"):
         ShardingConfig(disk_budget_gb=0)
     assert block_bytes(spec("x", 10), 10, 16, "rowwise_adagrad") == 10 * ROW
+
+
+def test_a_hot_short_shard_asks_for_a_larger_cache():
+    from fbtriton_dist.planner import IdDistribution, Shard, TableSharding
+    from fbtriton_dist.planner.tier_choice import cache_shortfalls
+
+    st = Storage(tier="cached", cache_load_factor=0.05)
+    z = spec("z", 20_000, storage=st)
+
+    def plan(cut):
+        shards = (Shard(rank=0, row_start=0, row_end=cut, col_start=0, col_end=16),
+                  Shard(rank=1, row_start=cut, row_end=20_000, col_start=0, col_end=16))
+        return ShardingPlan(world_size=2, local_world_size=2, tables=(TableSharding(
+            name="z", sharding="row_wise", num_embeddings=20_000, embedding_dim=16,
+            shards=shards, storage=st),))
+
+    stats = {"z": IdDistribution(kind="zipf", alpha=1.2)}
+    assert cache_shortfalls(plan(10_000), [z], stats, batch_size=64) == {}
+    # rows 0..50 get most lookups: a cache of ceil(0.05 x 50) = 3 slots holds no step
+    grow = cache_shortfalls(plan(50), [z], stats, batch_size=64)
+    assert set(grow) == {"z"} and grow["z"] > 0.5
