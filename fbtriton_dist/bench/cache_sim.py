@@ -70,11 +70,12 @@ def _sampler(dist: IdDistribution, num_rows: int, row_start: int, row_end: int):
 def measure_hit_rate(dist: IdDistribution, num_rows: int, ids_per_step: int, cache_rows: int,
                      policy: str = "lru", *, steps: int = 1500, warmup: int | None = None,
                      row_start: int = 0, row_end: int | None = None,
-                     seed: int = 0) -> CacheRun:
+                     seed: int = 0, warmup_fills: float = WARMUP_FILLS,
+                     min_warmup: int = MIN_WARMUP) -> CacheRun:
     """The hit rate of a cache of ``cache_rows`` slots in front of rows ``[row_start,
     row_end)`` of a table of ``num_rows`` rows, ``ids_per_step`` ids per step over the whole
     table (those in the block reach its cache), counted over ``steps`` steps after
-    ``warmup`` (default ``WARMUP_FILLS`` x the fill time, at least ``MIN_WARMUP``)."""
+    ``warmup`` (default ``warmup_fills`` x the fill time, at least ``min_warmup``)."""
     row_end = num_rows if row_end is None else row_end
     draw = _sampler(dist, num_rows, row_start, row_end)
     share = float(dist.fraction(num_rows, row_start, row_end))
@@ -83,8 +84,8 @@ def measure_hit_rate(dist: IdDistribution, num_rows: int, ids_per_step: int, cac
     n = max(0, round(ids_per_step * share))
     if warmup is None:
         fill = fill_steps(dist, num_rows, ids_per_step, cache_rows, row_start, row_end)
-        warmup = MIN_WARMUP if math.isinf(fill) else max(MIN_WARMUP,
-                                                         math.ceil(WARMUP_FILLS * fill))
+        warmup = min_warmup if math.isinf(fill) else max(min_warmup,
+                                                         math.ceil(warmup_fills * fill))
     looked = missed = 0
     for step in range(warmup + steps):
         rows = torch.from_numpy(np.unique(draw(rng, n)))
@@ -109,7 +110,8 @@ def miss_error(estimate: float, measured: float) -> float:
 
 def compare(num_rows: int, ids_per_step: int, dists: Sequence[IdDistribution],
             fractions: Sequence[float], policies: Sequence[str], steps: int,
-            seed: int = 0) -> list[dict]:
+            seed: int = 0, warmup_fills: float = WARMUP_FILLS,
+            min_warmup: int = MIN_WARMUP) -> list[dict]:
     """Estimate vs measurement for every combination (one dict each)."""
     out = []
     for dist in dists:
@@ -119,7 +121,8 @@ def compare(num_rows: int, ids_per_step: int, dists: Sequence[IdDistribution],
                 est = hit_rate(dist, num_rows, ids_per_step, C, policy)
                 t0 = time.perf_counter()
                 run = measure_hit_rate(dist, num_rows, ids_per_step, C, policy, steps=steps,
-                                       seed=seed)
+                                       seed=seed, warmup_fills=warmup_fills,
+                                       min_warmup=min_warmup)
                 out.append({"ids": dist.describe(), "cache_fraction": frac, "cache_rows": C,
                             "policy": policy, "estimate": est.hit_rate,
                             "estimate_distinct": est.distinct_rows, **asdict(run),
@@ -205,14 +208,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ids", type=int, default=512, help="ids per step (batch x pooling)")
     p.add_argument("--steps", type=int, default=1500, help="counted steps after the warm-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", nargs="+", choices=("lru", "lfu"), default=["lru", "lfu"])
+    p.add_argument("--warmup-fills", type=float, default=WARMUP_FILLS,
+                   help="uncounted steps: this many fill times of an empty cache")
+    p.add_argument("--min-warmup", type=int, default=MIN_WARMUP,
+                   help="uncounted steps: at least this many")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # small tensors: threads only add contention
     dists = [IdDistribution(), *(IdDistribution(kind="zipf", alpha=a) for a in (0.8, 1.1, 1.4))]
-    rows = compare(args.rows, args.ids, dists, (0.01, 0.1, 0.5), ("lru", "lfu"), args.steps,
-                   args.seed)
-    print(f"{args.rows} rows, {args.ids} ids per step, {args.steps} counted steps")
+    rows = compare(args.rows, args.ids, dists, (0.01, 0.1, 0.5), args.policies, args.steps,
+                   args.seed, args.warmup_fills, args.min_warmup)
+    print(f"{args.rows} rows, {args.ids} ids per step, {args.steps} counted steps after "
+          f"{args.warmup_fills:g} fill times (at least {args.min_warmup} steps)")
     print(format_table(rows))
+    print("warm-up steps: " + ", ".join(str(r["warmup"]) for r in rows))
     worst = max(r["miss_error"] for r in rows)
     print(f"largest miss-rate error: {worst:.3f}")
     if args.out:
