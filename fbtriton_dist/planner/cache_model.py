@@ -53,7 +53,7 @@ from .memory import state_bytes
 from .stats import IdDistribution, cdf_array
 from .tables import TableSpec
 
-__all__ = ["EXACT_ROWS", "GROWTH", "CacheEstimate", "TierTraffic", "block_traffic",
+__all__ = ["EXACT_ROWS", "GROWTH", "STEP_MARGIN", "CacheEstimate", "TierTraffic", "block_traffic",
            "estimate_hit_rates", "fill_steps", "hit_rate", "row_buckets"]
 
 EXACT_ROWS = 1024
@@ -61,6 +61,9 @@ EXACT_ROWS = 1024
 GROWTH = 1.01
 """Beyond, a bucket ends where its first row times ``GROWTH`` is."""
 _BISECTIONS = 64
+STEP_MARGIN = 2.0
+"""A cache should hold this many times a step's expected distinct rows (two training batches
+in flight pin both, and a step varies); the runtime refuses a step that does not fit."""
 LFU_MID, LFU_FAST, LFU_STEPS = 0.5, 0.4, 30.0
 """LFU's estimate is ``lower + w (upper - lower)`` with ``w = LFU_MID + LFU_FAST x
 exp(-T / LFU_STEPS)``, T the fill time in steps: fitted to the real map on 20,000 rows
@@ -250,7 +253,7 @@ class TierTraffic:
     bytes: float
     """Bytes moved per step: ``misses x 2 x (row + optimizer state) bytes``."""
     fits: bool
-    """Every shard's cache holds a step's distinct rows."""
+    """Every shard's cache holds ``STEP_MARGIN`` steps' distinct rows."""
 
 
 def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
@@ -259,7 +262,8 @@ def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
     """Bytes each block (a ``cached`` / ``file`` shard: rows ``[row_start, row_end)`` x
     ``cols`` columns, its own cache of ``Storage.slots(rows)`` slots) moves per step between
     its cache and its backing store, and the table's summary. ``ids_per_step``: the table's
-    lookups per step over all ranks (R x B x L)."""
+    lookups per step over all ranks (R x B x L). A block whose cache holds fewer than
+    ``STEP_MARGIN`` steps' distinct rows is charged its whole rows both ways."""
     st = spec.storage
     opt = spec.optimizer or optimizer
     rows = np.asarray(row_end, dtype=np.int64) - np.asarray(row_start, dtype=np.int64)
@@ -272,8 +276,12 @@ def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
     row_bytes = cols * spec.dtype_bytes + np.array(
         [state_bytes(opt, 1, int(c)) for c in cols.tolist()], dtype=np.float64)
     moved = 2.0 * misses * row_bytes
+    short = np.array(slots, dtype=np.float64) < STEP_MARGIN * distinct
+    # a cache that may not hold a step is refused at run time: costed as if the shard's every
+    # row moved both ways each step, so the search prefers cuts whose caches hold their rows
+    moved = np.where(short, 2.0 * rows * row_bytes, moved)
     U = float(distinct.sum())
     summary = TierTraffic(st.tier, st.policy, 1.0 - float(misses.sum()) / U if U > 0 else 1.0,
                           U, float(misses.sum()), float(moved.sum()),
-                          all(e.fits for e in est))
+                          not bool(short.any()))
     return moved, summary

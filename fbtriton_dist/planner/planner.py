@@ -269,7 +269,12 @@ class ShardingPlanner:
             specs = tuple(t if t.name not in small else dataclasses.replace(
                 t, storage=dataclasses.replace(t.storage, cache_load_factor=small[t.name]))
                 for t in specs)
-            plan = self._sharding_plan(specs, self._plan(specs, constraints, stats))
+            try:
+                plan = self._sharding_plan(specs, self._plan(specs, constraints, stats))
+            except PlanError as e:
+                raise PlanError(f"tables {sorted(small)} (tier 'cached'): a shard's cache holds "
+                                "fewer than two steps' distinct rows; with the load factors "
+                                f"{small} the plan does not fit: {e}") from None
         if self.host_bytes_per_rank is not None:
             problems = host_memory_problems(plan, specs, self.host_bytes_per_rank,
                                             self.optimizer)

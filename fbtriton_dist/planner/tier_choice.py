@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from fbtriton_dist.storage import Storage
 
-from .cache_model import estimate_hit_rates, hit_rate
+from .cache_model import STEP_MARGIN, estimate_hit_rates, hit_rate
 from .memory import fmt_bytes, state_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
@@ -42,9 +42,9 @@ __all__ = ["CACHE_MARGIN", "DEVICE_FILL", "TierBudgets", "auto_tables", "cache_s
 DEVICE_FILL = 0.95
 """Share of the world's device budget the chosen ``device`` tables may take: the search packs
 shards rank by rank and needs some slack (a table that would fill the last 5 % is cached)."""
-CACHE_MARGIN = 2.0
-"""A cache holds at least this many times a step's expected distinct rows (two training
-batches in flight pin both, and a step varies)."""
+CACHE_MARGIN = STEP_MARGIN
+"""A cache holds at least this many times a step's expected distinct rows
+(``cache_model.STEP_MARGIN``)."""
 UNIFORM = IdDistribution()
 
 
