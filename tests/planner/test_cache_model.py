@@ -100,3 +100,22 @@ def test_plan_comparison_simulates_each_cached_table():
     assert len(rows) == 1 and "| d |" not in text
     cells = [c.strip() for c in rows[0].split("|")]
     assert cells[4] == "lfu" and float(cells[7]) <= 0.10  # estimate vs measured miss rate
+
+
+def test_block_traffic_charges_a_cache_that_cannot_hold_two_steps():
+    import numpy as np
+
+    from fbtriton_dist.planner import TableSpec
+    from fbtriton_dist.planner.cache_model import block_traffic
+    from fbtriton_dist.storage import Storage
+
+    t = TableSpec(name="t", num_embeddings=10_000, embedding_dim=8, features=("f",),
+                  storage=Storage(tier="file", path="/rows", cache_load_factor=0.1))
+    row = 8 * 4 + 4  # weights + rowwise Adagrad's state
+    # two row blocks: 0..100 (10 slots) gets ~all of the hot ids, 100..10000 (990 slots)
+    moved, summary = block_traffic(t, zipf(1.2), 200.0, np.array([0, 100]),
+                                   np.array([100, 10_000]), np.array([8, 8]), "rowwise_adagrad")
+    assert moved[0] == 2 * 100 * row  # short: its whole rows both ways
+    est = estimate_hit_rates(zipf(1.2), 10_000, 200.0, [100], [10_000], [990], "lru")[0]
+    assert moved[1] == pytest.approx(2 * est.misses * row)
+    assert summary.tier == "file" and not summary.fits
