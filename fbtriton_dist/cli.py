@@ -45,7 +45,8 @@ PLAN_DEFAULTS = {"hbm_gb": 80.0, "reserved": 0.1, "batch_size": 512,
 JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
             "batch_size": "train.batch_size", "optimizer": "optimizer.embedding.type",
             "row_cuts": "sharding.row_cuts", "local_world_size": "sharding.local_world_size",
-            "zipf": "data.synthetic.zipf", "host_budget_gb": "sharding.host_budget_gb"}
+            "zipf": "data.synthetic.zipf", "host_budget_gb": "sharding.host_budget_gb",
+            "disk_budget_gb": "sharding.disk_budget_gb"}
 """``plan``'s options given with a job file: the job key each one overrides."""
 
 
@@ -80,6 +81,15 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host-budget-gb", type=_bounded(0, None, strict=True), default=None,
                    help="host memory per rank in GiB for the backing stores of tables on the "
                         "host / cached storage tiers (default: not checked)")
+    p.add_argument("--disk-budget-gb", type=_bounded(0, None, strict=True), default=None,
+                   help="disk per rank in GiB for the files of tables on the file storage tier "
+                        "(default: not checked)")
+    p.add_argument("--auto-tiers", action="store_true",
+                   help="choose the storage tier (device, cached, file) and cache size of every "
+                        "table without storage: (tables with storage: auto always get one)")
+    p.add_argument("--file-dir", metavar="DIR", default=None,
+                   help="directory of the files of tables the planner puts on the file tier "
+                        "(default: none, such a table is an error)")
     p.add_argument(
         "--reserved",
         type=_bounded(0, 1, strict_high=True),
@@ -169,6 +179,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         progress=_progress,
         host_bytes_per_rank=(args.host_budget_gb * GiB if args.host_budget_gb is not None
                              else None),
+        disk_bytes_per_rank=(args.disk_budget_gb * GiB if args.disk_budget_gb is not None
+                             else None),
+        auto_tiers=args.auto_tiers, file_dir=args.file_dir,
     )
     if args.check:
         if args.group_size is not None:
@@ -231,6 +244,9 @@ def _run_plan_job(args: argparse.Namespace) -> int:
 
     if args.group_size is not None:
         raise ValueError("--group-size: a job file plans flat; give the table set instead")
+    if args.auto_tiers or args.file_dir is not None:
+        raise ValueError("--auto-tiers / --file-dir: a job's tables say their storage; give them "
+                         "storage: auto (the planner chooses) or a file tier with its path")
     if args.memory_tolerance is not None:
         raise ValueError("--memory-tolerance: a job plans with the planner's default "
                          "(the job file has no such key); drop it to see the job's plan")
@@ -267,6 +283,10 @@ def _plan_outputs(args, plan, planner, specs, stats, cost, report: str) -> int:
         # torch and sharding/: loaded only when asked, the plan command stays torch-free
         simulate = importlib.import_module("fbtriton_dist.bench.simulate")
         print(simulate.run(plan, specs, stats, cost, planner.cost_model, args))
+        if cost.tiers:  # the caches' hit rates on drawn ids, the runtime's slot map
+            cache_sim = importlib.import_module("fbtriton_dist.bench.cache_sim")
+            print(cache_sim.plan_comparison(plan, specs, stats, planner.cost_model.batch_size,
+                                            seed=args.sim_seed))
     return 0
 
 

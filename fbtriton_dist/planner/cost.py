@@ -27,8 +27,13 @@ the table's :class:`IdDistribution`). Every term below is per rank, per step.
   no sum inside the host for table-row-wise and grid)
 * ``inter_host_bytes``  the part of the two comm terms that crosses hosts: traffic from all
   other ranks crosses with odds (R-H)/(R-1); traffic from a known rank crosses if its host differs
+* ``host_tier_bytes`` / ``disk_tier_bytes`` (a ``cached`` / ``file`` shard): the rows its
+  cache loads per step and the dirty rows it writes back (as many: training updates every row
+  it looks up), misses x 2 x (c·s + the state of one row), the misses from the table's id
+  distribution (``cache_model``: the steady-state hit rate of the shard's cache)
 * ``time_s`` = lookup_bytes·(1 + backward_factor)/hbm_bandwidth
   + intra-host bytes/intra_host_bandwidth + inter_host_bytes/inter_host_bandwidth
+  + host_tier_bytes/host_tier_bandwidth + disk_tier_bytes/disk_bandwidth
 
 Comm counts bytes *received*: links are full duplex and a step waits for the last arrival.
 ``evaluate(..., collectives=True)`` also files every comm byte under the collective that
@@ -42,6 +47,7 @@ is what makes the skew-aware row cuts (stats.balanced_cuts) exact bisections.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +55,8 @@ from typing import Any
 import numpy as np
 
 from ._yaml import check_int, check_number
-from .memory import device_rows, state_bytes
+from .cache_model import TierTraffic, block_traffic
+from .memory import as_planned, device_rows, state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
@@ -103,6 +110,12 @@ class CostModel:
     """Seconds per step each byte a rank holds (weights + state) costs: the amortised replica
     sync of a grouped plan that averages every N steps (``groups.py``), so that a group's
     planner balances it; 0 for a flat plan."""
+    host_tier_bandwidth: float = 25e9
+    """Bytes/s between a ``cached`` table's cache and its backing store in host memory (rows
+    in and dirty rows out: gathered copies over PCIe Gen5 x16, about 40 % of its 64 GB/s)."""
+    disk_bandwidth: float = 2e9
+    """Bytes/s between a ``file`` table's cache and its files (random row-sized reads and
+    write-backs through the page cache of one NVMe drive)."""
 
     def __post_init__(self) -> None:
         check_int("batch_size", self.batch_size, 1)
@@ -110,6 +123,8 @@ class CostModel:
             if getattr(self, name) is not None or name not in ("index_bytes", "grad_bytes"):
                 check_int(name, getattr(self, name), 1)
         check_int("output_row_bytes", self.output_row_bytes, 0)
+        for name in ("host_tier_bandwidth", "disk_bandwidth"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
         if self.grad_row_bytes is not None:
             check_int("grad_row_bytes", self.grad_row_bytes, 0)
         for name in ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
@@ -183,6 +198,10 @@ class RankCost:
     """Part of the comm bytes that crosses hosts."""
     time_s: float
     """Estimated seconds per step spent on embeddings by this rank."""
+    host_tier_bytes: float = 0.0
+    """Rows (+ state) its ``cached`` shards' caches load and write back per step."""
+    disk_tier_bytes: float = 0.0
+    """The same for its ``file`` shards."""
 
     @property
     def memory_bytes(self) -> int:
@@ -199,6 +218,9 @@ class PlanCost:
 
     ranks: tuple[RankCost, ...]
     """Indexed by rank."""
+    tiers: Mapping[str, TierTraffic] = field(default_factory=dict)
+    """Per ``cached`` / ``file`` table: its caches' estimated hit rate and the misses'
+    traffic per step (``cache_model.block_traffic``); only from ``evaluate``."""
     collectives: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     """Bytes each rank receives per collective (``input_dist.data``, ``input_dist.header``,
     ``output_dist.forward`` / ``backward`` / ``host_reduce_scatter`` / ``host_all_gather``,
@@ -281,6 +303,8 @@ class CostAccumulator:
         "input_dist_bytes",
         "output_dist_bytes",
         "inter_host_bytes",
+        "host_tier_bytes",
+        "disk_tier_bytes",
     )
     _ROW = {t: i for i, t in enumerate(TERMS)}
 
@@ -298,7 +322,12 @@ class CostAccumulator:
         coef[self._ROW["inter_host_bytes"]] = (
             1.0 / m.inter_host_bandwidth - 1.0 / m.intra_host_bandwidth
         )
+        coef[self._ROW["host_tier_bytes"]] = 1.0 / m.host_tier_bandwidth
+        coef[self._ROW["disk_tier_bytes"]] = 1.0 / m.disk_bandwidth
         self._coef = coef
+        self.tiers: dict[str, TierTraffic] | None = None
+        """``{table: its misses' traffic}`` of the cached tables added, when set to a dict
+        (``evaluate``)."""
         self._hosts = np.arange(world_size) // local_world_size  # [R] host of each rank
         self.wide = np.zeros(world_size, dtype=bool)
         """[R] ranks known to hold a shard of 2**31 rows or more (their ids are all int64);
@@ -318,6 +347,7 @@ class CostAccumulator:
         other.R, other.H, other.model, other._coef = self.R, self.H, self.model, self._coef
         other._hosts, other.wide = self._hosts, self.wide
         other.values = self.values.copy()
+        other.tiers = None if self.tiers is None else dict(self.tiers)
         other.ledger = None if self.ledger is None else {
             k: v.copy() for k, v in self.ledger.items()}
         return other
@@ -395,6 +425,8 @@ class CostAccumulator:
                     input_dist_bytes=float(v[4, r]),
                     output_dist_bytes=float(v[5, r]),
                     inter_host_bytes=float(v[6, r]),
+                    host_tier_bytes=float(v[7, r]),
+                    disk_tier_bytes=float(v[8, r]),
                     time_s=times[r],
                 )
                 for r in range(self.R)
@@ -427,6 +459,14 @@ class CostAccumulator:
         held = device_rows(spec, rows)  # a cached tier: its caches' slots
         self.add(blocks.rank, weight_bytes=held * cols * s,
                  state_bytes=state_bytes(opt, held, cols))
+        if spec.storage is not None and spec.storage.cached:  # the misses' rows in and out
+            n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
+            moved, summary = block_traffic(spec, dist, n * spec.ids_per_sample,
+                                           blocks.row_start, blocks.row_end, cols, optimizer)
+            term = "disk_tier_bytes" if spec.tier == "file" else "host_tier_bytes"
+            self.add(blocks.rank, **{term: moved})
+            if self.tiers is not None:
+                self.tiers[spec.name] = summary
         if sharding == "data_parallel":
             self._add_replicas(spec)
         elif sharding in ("table_wise", "column_wise"):
@@ -611,6 +651,8 @@ def evaluate(
                          f"world_size={plan.world_size} (planner.groups.evaluate_grouped costs "
                          f"it; plan.group_plan() is one group's flat plan)")
     acc = CostAccumulator(plan.world_size, plan.local_world_size, model or CostModel())
+    acc.tiers = {}
+    tables = as_planned(tables, plan.tables)  # a tier the planner chose is in the plan
     if collectives:
         acc.ledger = {}
     acc.wide[[sh.rank for ts in plan.tables for sh in ts.shards
@@ -621,11 +663,11 @@ def evaluate(
     header = header_bytes(plan, tables)
     acc.add(slice(None), in_via="input_dist.header", input_dist_bytes=header,
             inter_host_bytes=header * acc._from_all())
-    cost = acc.result()
+    cost = dataclasses.replace(acc.result(), tiers=acc.tiers)
     if acc.ledger is None:
         return cost
-    return PlanCost(ranks=cost.ranks,
-                    collectives={k: tuple(v.tolist()) for k, v in sorted(acc.ledger.items())})
+    return dataclasses.replace(
+        cost, collectives={k: tuple(v.tolist()) for k, v in sorted(acc.ledger.items())})
 
 
 def header_bytes(plan: ShardingPlan, tables: Sequence[TableSpec]) -> float:

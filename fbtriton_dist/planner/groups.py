@@ -334,7 +334,8 @@ def group_planner(planner: ShardingPlanner, group_size: int, replica_sync: str |
         balance_memory=planner.balance_memory if balance_memory is None else balance_memory,
         memory_tolerance=planner.memory_tolerance, progress=planner.progress,
         progress_after_s=planner.progress_after_s,
-        host_bytes_per_rank=planner.host_bytes_per_rank)
+        host_bytes_per_rank=planner.host_bytes_per_rank, auto_tiers=planner.auto_tiers,
+        disk_bytes_per_rank=planner.disk_bytes_per_rank, file_dir=planner.file_dir)
 
 
 def plan_grouped(planner: ShardingPlanner, tables: Iterable[Any],

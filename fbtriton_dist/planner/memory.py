@@ -6,15 +6,18 @@ count memory the same way.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from fbtriton_dist import optim
 
-from .shards import Shard
+from .shards import Shard, TableSharding
 from .tables import TableSpec
 
-__all__ = ["GiB", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes", "shard_equation",
-           "state_bytes"]
+__all__ = ["GiB", "as_planned", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes",
+           "shard_equation", "state_bytes"]
 
 GiB = 1024**3
 
@@ -80,3 +83,11 @@ def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
         f"rows {sh.row_start}..{sh.row_end}{cache} x {sh.num_cols} cols x {spec.dtype_bytes} B"
         f" + state {fmt_bytes(st)} ({opt}) = {fmt_bytes(w + st)}"
     )
+
+
+def as_planned(specs: Sequence[TableSpec], planned: Iterable[TableSharding]) -> list[TableSpec]:
+    """``specs`` with each table's storage as the plan says where it names one (the plan's
+    storage is the one the shards get: a tier the planner chose, ``storage: auto``)."""
+    storage = {t.name: t.storage for t in planned if t.storage is not None}
+    return [dataclasses.replace(t, storage=storage[t.name], auto_storage=False)
+            if t.name in storage and t.storage != storage[t.name] else t for t in specs]

@@ -37,7 +37,7 @@ from ._yaml import (
     check_int,
     read_yaml,
 )
-from .memory import block_bytes, fmt_bytes, host_block_bytes, shard_equation
+from .memory import as_planned, block_bytes, fmt_bytes, host_block_bytes, shard_equation
 from .shards import Shard, TableSharding
 from .tables import TableSpec
 
@@ -188,7 +188,7 @@ class ShardingPlan:
             p for t in self.tables
             for p in t.validate(self.group_world, self.group_local_world_size)
         ]
-        specs = list(tables) if tables is not None else None
+        specs = as_planned(list(tables), self.tables) if tables is not None else None
         if specs is not None:
             problems += self._match_tables(specs)
         if specs is not None and budget_bytes is not None and not problems:

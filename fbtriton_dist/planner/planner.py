@@ -29,6 +29,7 @@ The placements each sharding type proposes for a table (and why a type has none)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ from .proposals import MIN_COLUMN_SLICE, Proposer, RowCuts
 from .shards import SHARDING_TYPES, TableSharding
 from .stats import IdDistribution
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
+from .tier_choice import TierBudgets, auto_tables, cache_shortfalls, choose_tiers, disk_problems
 
 __all__ = ["PlanError", "ShardingPlanner"]
 
@@ -152,6 +154,12 @@ class ShardingPlanner:
             search does not balance it: a plan that exceeds it raises :class:`PlanError`.
         progress: called with a line of text (which pass, how many tables placed, seconds so
             far) about once a second once a plan has taken ``progress_after_s``; None: quiet.
+        auto_tiers: choose the storage tier of every table without ``storage`` (tables with
+            ``storage: auto`` always get one): ``tier_choice.choose_tiers``.
+        disk_bytes_per_rank: disk of one rank for the files of ``file`` tables; None: not
+            checked.
+        file_dir: the directory of the ``file`` tables the planner chooses (None: it chooses
+            none; a table that needs one is an error).
     """
 
     def __init__(
@@ -170,6 +178,9 @@ class ShardingPlanner:
         progress: Callable[[str], None] | None = None,
         progress_after_s: float = 2.0,
         host_bytes_per_rank: float | None = None,
+        auto_tiers: bool = False,
+        disk_bytes_per_rank: float | None = None,
+        file_dir: str | None = None,
     ) -> None:
         check_int("world_size", world_size, 1)
         local_world_size = world_size if local_world_size is None else local_world_size
@@ -184,6 +195,12 @@ class ShardingPlanner:
         if host_bytes_per_rank is not None:
             check_number("host_bytes_per_rank", host_bytes_per_rank, 0.0, strict=True)
         self.host_bytes_per_rank = host_bytes_per_rank
+        if disk_bytes_per_rank is not None:
+            check_number("disk_bytes_per_rank", disk_bytes_per_rank, 0.0, strict=True)
+        if not isinstance(auto_tiers, bool):
+            raise ValueError(f"auto_tiers: expected a bool, got {auto_tiers!r}")
+        self.auto_tiers, self.disk_bytes_per_rank = auto_tiers, disk_bytes_per_rank
+        self.file_dir = file_dir
         if reserved_fraction >= 1.0:
             raise ValueError(f"reserved_fraction: expected a number < 1, got {reserved_fraction}")
         check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -241,20 +258,47 @@ class ShardingPlanner:
         """
         self._clock = (time.monotonic(), -math.inf)
         specs = to_table_specs(tables)
-        draft = self._plan(specs, constraints, stats)
-        by_name = {t.name: t for t in specs}
-        plan = ShardingPlan(
-            world_size=self.world_size,
-            local_world_size=self.local_world_size,
-            tables=tuple(_table_sharding(by_name[name], *draft.choices[draft.order.index(name)])
-                         for name in (t.name for t in specs)),
-        )
+        auto = auto_tables(specs, self.auto_tiers)
+        if auto:  # storage tiers and cache sizes (tier_choice.py)
+            specs = choose_tiers(specs, stats, self.tier_budgets(), auto, self.optimizer,
+                                 self.cost_model.batch_size)
+        plan = self._sharding_plan(specs, self._plan(specs, constraints, stats))
+        small = cache_shortfalls(plan, [t for t in specs if t.name in auto], stats,
+                                 self.cost_model.batch_size) if auto else {}
+        if small:  # a shard's cache cannot hold a step's rows: larger caches, plan again
+            specs = tuple(t if t.name not in small else dataclasses.replace(
+                t, storage=dataclasses.replace(t.storage, cache_load_factor=small[t.name]))
+                for t in specs)
+            try:
+                plan = self._sharding_plan(specs, self._plan(specs, constraints, stats))
+            except PlanError as e:
+                raise PlanError(f"tables {sorted(small)} (tier 'cached'): a shard's cache holds "
+                                "fewer than two steps' distinct rows; with the load factors "
+                                f"{small} the plan does not fit: {e}") from None
         if self.host_bytes_per_rank is not None:
             problems = host_memory_problems(plan, specs, self.host_bytes_per_rank,
                                             self.optimizer)
             if problems:
                 raise PlanError("host memory: " + "; ".join(problems))
+        if self.disk_bytes_per_rank is not None:
+            problems = disk_problems(plan, specs, self.disk_bytes_per_rank, self.optimizer)
+            if problems:
+                raise PlanError("disk: " + "; ".join(problems))
         return plan
+
+    def tier_budgets(self) -> TierBudgets:
+        """What ``choose_tiers`` may use per rank."""
+        return TierBudgets(self.world_size, self.budget_bytes, self.host_bytes_per_rank,
+                           self.disk_bytes_per_rank, self.file_dir)
+
+    def _sharding_plan(self, specs: Sequence[TableSpec], draft: _Draft) -> ShardingPlan:
+        by_name = {t.name: t for t in specs}
+        return ShardingPlan(
+            world_size=self.world_size,
+            local_world_size=self.local_world_size,
+            tables=tuple(_table_sharding(by_name[name], *draft.choices[draft.order.index(name)])
+                         for name in (t.name for t in specs)),
+        )
 
     def _plan(self, specs, constraints, stats) -> _Draft:
         """``plan`` without restarting the progress clock, as a draft."""

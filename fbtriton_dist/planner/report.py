@@ -10,7 +10,7 @@ from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec
 
-__all__ = ["format_report", "rank_ranges"]
+__all__ = ["format_report", "rank_ranges", "tier_lines"]
 
 MB = 1e6
 
@@ -79,6 +79,7 @@ def format_report(
         "ranks",
     ]
     lines += _table(header, rows, right={1, 2, 4, 7})
+    lines += tier_lines(plan, cost)
     lines.append("")
     rows = [
         [
@@ -128,3 +129,26 @@ def format_report(
         f"comm {cost.imbalance('comm_bytes'):.3f}"
     )
     return "\n".join(lines)
+
+
+def tier_lines(plan: ShardingPlan, cost: PlanCost) -> list[str]:
+    """The tables on a cached tier: cache, estimated hit rate and the misses' traffic per step
+    (``PlanCost.tiers``); none when there are none."""
+    if not cost.tiers:
+        return []
+    rows = []
+    for ts in plan.tables:
+        t = cost.tiers.get(ts.name)
+        if t is None or ts.storage is None:
+            continue
+        st = ts.storage
+        cache = (f"{st.cache_slots} slots" if st.cache_slots is not None
+                 else f"{st.cache_load_factor:g} of rows")
+        rows.append([ts.name, st.tier, cache, t.policy, f"{t.distinct_rows:,.0f}",
+                     f"{t.hit_rate:.3f}" + ("" if t.fits else " (cache < a step!)"),
+                     f"{t.misses:,.0f}", f"{t.bytes / MB:.2f}"])
+    if not rows:
+        return []
+    header = ["cached table", "tier", "cache", "policy", "distinct rows/step", "est. hit rate",
+              "misses/step", "tier MB/step"]
+    return ["", *_table(header, rows, right={4, 5, 6, 7})]

@@ -62,6 +62,8 @@ __all__ = [
     "to_table_specs",
 ]
 
+AUTO_STORAGE = "auto"
+"""``storage: auto``: the planner chooses the table's tier (``TableSpec.auto_storage``)."""
 DType = Literal["fp32", "fp16", "bf16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 Pooling = Literal["sum", "mean", "none"]
@@ -96,6 +98,9 @@ class TableSpec:
     or a tier name); None: ``device``. A ``cached`` / ``file`` shard holds a cache of
     ``Storage.slots(its rows)`` rows (+ their optimizer state) in device memory, every row in
     host memory (``cached``) or files (``file``)."""
+    auto_storage: bool = False
+    """``storage: auto``: the planner chooses the tier and cache (``planner/tier_choice.py``);
+    ``storage`` is None until it has."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -120,6 +125,11 @@ class TableSpec:
             check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.storage is not None and not isinstance(self.storage, Storage):
             raise FieldError("storage", f"expected a Storage or None, got {self.storage!r}")
+        if not isinstance(self.auto_storage, bool):
+            raise FieldError("auto_storage", f"expected a bool, got {self.auto_storage!r}")
+        if self.auto_storage and self.storage is not None:
+            raise FieldError("storage", "expected None with auto_storage (the planner chooses), "
+                             f"got {self.storage!r}")
 
     @property
     def tier(self) -> str:
@@ -273,6 +283,8 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
                     where, f"{key}.{k}", f"unknown key, expected one of {choices_text(valid)}"
                 )
         spec_part = {k: v for k, v in entry.items() if k in _TABLE_KEYS}
+        if spec_part.get("storage") == AUTO_STORAGE:  # the planner chooses (tier_choice.py)
+            spec_part["storage"], spec_part["auto_storage"] = None, True
         if isinstance(spec_part.get("pooling_factors"), (Mapping, int, float)):
             spec_part["pooling_factors"] = _per_feature(entry, where, key)
         spec = build(
@@ -303,10 +315,11 @@ def table_set_from_dict(data: Any, where: str = "<tables>") -> TableSet:
             )
         if entry.get("id_manager") is not None:
             managers[spec.name] = _id_manager(entry["id_manager"], spec, where, key)
-            if spec.tier != "device":
+            if spec.tier != "device" or spec.auto_storage:
                 raise ConfigError(where, f"{key}.storage",
                                   f"table '{spec.name}' is managed (id_manager): managed tables "
-                                  f"live on 'device', got tier '{spec.tier}'")
+                                  f"live on 'device', got tier "
+                                  f"'{'auto' if spec.auto_storage else spec.tier}'")
     try:
         return TableSet(tables=tuple(tables), constraints=constraints, stats=stats,
                         id_managers=managers)

@@ -24,7 +24,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       random_rec: {ids_per_feature: null, num_generated_batches: 10}
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
       multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
-    sharding: {plan: null, hbm_gb: 80, host_budget_gb: null, reserved: 0.1, row_cuts: balanced,
+    sharding: {plan: null, hbm_gb: 80, host_budget_gb: null, disk_budget_gb: null, reserved: 0.1,
+               row_cuts: balanced,
                local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
                comm: {wire_dtype: fp32,   # fp32 | bf16 | fp16 | fp8 | int8 on the wire
@@ -309,6 +310,9 @@ class ShardingConfig:
     host_budget_gb: float | None = None
     """Host memory per rank in GiB for the backing stores of tables on the ``host`` and
     ``cached`` storage tiers (a table's ``storage:``); None: not checked."""
+    disk_budget_gb: float | None = None
+    """Disk per rank in GiB for the files of tables on the ``file`` storage tier; None: not
+    checked."""
     reserved: float = 0.1
     """Share of it kept for the dense model and buffers."""
     row_cuts: Literal["balanced", "equal"] = "balanced"
@@ -327,6 +331,8 @@ class ShardingConfig:
         check_number("hbm_gb", self.hbm_gb, 0.0, strict=True)
         if self.host_budget_gb is not None:
             check_number("host_budget_gb", self.host_budget_gb, 0.0, strict=True)
+        if self.disk_budget_gb is not None:
+            check_number("disk_budget_gb", self.disk_budget_gb, 0.0, strict=True)
         check_number("reserved", self.reserved, 0.0)
         if self.reserved >= 1:
             raise FieldError("reserved", f"expected a number < 1, got {self.reserved}")
