@@ -92,13 +92,39 @@ class Adagrad:
         _check_positive("Adagrad", lr=self.lr, eps=self.eps)
 
 
+WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
+"""Rowwise Adagrad's ``weight_decay_mode`` choices: FBGEMM's ``WeightDecayMode`` NONE, L2 and
+DECOUPLE (its COUNTER, COWCLIP and DECOUPLE_GLOBAL are not implemented)."""
+
+_FBGEMM_WEIGHT_DECAY_MODES = {0: "none", 1: "l2", 2: "decoupled"}
+"""FBGEMM's ``WeightDecayMode`` values (an ``IntEnum``) that have an equivalent here."""
+
+
+def _weight_decay_mode(value: Any) -> str:
+    """``value`` as one of ``WEIGHT_DECAY_MODES``: ours, or FBGEMM's ``WeightDecayMode`` (a
+    member, its name in any case, or its integer; DECOUPLE is our "decoupled")."""
+    key = value
+    if isinstance(value, int) and not isinstance(value, bool):
+        key = _FBGEMM_WEIGHT_DECAY_MODES.get(int(value), value)
+    elif isinstance(value, str):
+        key = value.lower()
+        key = "decoupled" if key == "decouple" else key
+    if key not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            "RowWiseAdagrad.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
+            f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}"
+        )
+    return key
+
+
 @dataclass(kw_only=True, frozen=True)
 class RowWiseAdagrad:
     """One Adagrad accumulator per row (FBGEMM EXACT_ROWWISE_ADAGRAD).
 
     ``m += mean(g'^2)`` over the row, ``w = c * w - lr / (sqrt(m) + eps) * g``, where with
     ``weight_decay_mode="l2"`` g' = g + weight_decay * w and c = 1 - weight_decay * lr /
-    (sqrt(m) + eps); with ``"decoupled"`` g' = g and c = 1 - lr * weight_decay.
+    (sqrt(m) + eps); with ``"decoupled"`` g' = g and c = 1 - lr * weight_decay; with
+    ``"none"`` g' = g and c = 1 (``weight_decay`` is ignored, as FBGEMM's NONE does).
     """
 
     lr: float = 0.01
@@ -107,16 +133,19 @@ class RowWiseAdagrad:
     """Added to sqrt(m) in the denominator."""
     weight_decay: float = 0.0
     """Weight decay coefficient (0 turns it off)."""
-    weight_decay_mode: Literal["l2", "decoupled"] = "l2"
-    """How weight decay enters: as an L2 term in the gradient, or decoupled (AdamW-like)."""
+    weight_decay_mode: Literal["none", "l2", "decoupled"] = "l2"
+    """How weight decay enters: not at all, as an L2 term in the gradient, or decoupled
+    (AdamW-like). FBGEMM's ``WeightDecayMode`` members (NONE, L2, DECOUPLE) are taken too and
+    stored as these names."""
 
     def __post_init__(self) -> None:
         _check_positive("RowWiseAdagrad", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
-        if self.weight_decay_mode not in ("l2", "decoupled"):
-            raise ValueError(
-                "RowWiseAdagrad.weight_decay_mode: expected one of ['l2', 'decoupled'], "
-                f"got {self.weight_decay_mode!r}"
-            )
+        object.__setattr__(self, "weight_decay_mode", _weight_decay_mode(self.weight_decay_mode))
+
+    @property
+    def applied_weight_decay(self) -> float:
+        """The decay coefficient the update uses: 0 with ``weight_decay_mode="none"``."""
+        return 0.0 if self.weight_decay_mode == "none" else self.weight_decay
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -285,6 +314,10 @@ class TorchClass:
     name, same meaning)."""
     fixed: Mapping[str, Any] = field(default_factory=dict)
     """Keywords with no fused equivalent unless left at this value (the class's default)."""
+    modes: Mapping[str, str] = field(default_factory=dict)
+    """Keywords that name a choice (a field of our config with the same name; the config
+    checks and normalises the value) -> our default, e.g. rowwise Adagrad's
+    ``weight_decay_mode`` (FBGEMM's fused-parameter name; TorchRec passes it to FBGEMM)."""
 
     def resolve(self) -> type | None:
         """The class, or None where its package is not installed."""
@@ -327,6 +360,12 @@ class OptimizerSpec:
         class's (``self.torch[0].kwargs``)."""
         return self.torch[0].kwargs
 
+    @property
+    def modes(self) -> Mapping[str, str]:
+        """The keywords that name a choice (the job's keys too), with our defaults: its torch
+        class's (``self.torch[0].modes``)."""
+        return self.torch[0].modes
+
     def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
         """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
         defaults where not given). Raises if a keyword has no fused equivalent."""
@@ -343,6 +382,8 @@ class OptimizerSpec:
         for key, default in tc.kwargs.items():
             value = kwargs.get(key, default)
             values[key] = tuple(value) if isinstance(default, tuple) else value
+        for key, default in tc.modes.items():
+            values[key] = kwargs.get(key, default)
         return self.config(**values)
 
 
@@ -397,10 +438,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
             states=(State("momentum1", per_row=True),),
             hyper=("lr", "eps", "weight_decay"),
             torch=(
-                TorchClass(  # TorchRec's decay is L2: our weight_decay_mode="l2" (the default)
+                TorchClass(  # TorchRec's own decay is L2: our weight_decay_mode="l2" (the default)
                     "torchrec.optim.RowWiseAdagrad",
                     kwargs={"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
                     fixed={"lr_decay": 0, "initial_accumulator_value": 0},
+                    modes={"weight_decay_mode": "l2"},
                 ),
             ),
             kernel_code=2,
@@ -536,7 +578,7 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     entry = spec_of(optimizer)
     tc = entry.torch[0]
     for f in dataclasses.fields(optimizer):
-        if f.name not in tc.kwargs and getattr(optimizer, f.name) != f.default:
+        if f.name not in {**tc.kwargs, **tc.modes} and getattr(optimizer, f.name) != f.default:
             raise ValueError(
                 f"optimizer: {optimizer!r} has no {tc.path} equivalent "
                 f"({f.name}={getattr(optimizer, f.name)!r} is not one of its arguments)"
@@ -544,7 +586,7 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     cls = tc.resolve()
     if cls is None:
         raise ValueError(f"optimizer: {tc.path} is not installed")
-    return cls, {key: getattr(optimizer, key) for key in tc.kwargs}
+    return cls, {key: getattr(optimizer, key) for key in (*tc.kwargs, *tc.modes)}
 
 
 HYPER_FIELDS = (
@@ -585,6 +627,8 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
     if optimizer is None:
         return [0.0] * len(HYPER_FIELDS)
     values = {name: getattr(optimizer, name) for name in spec_of(optimizer).hyper}
+    if "weight_decay" in values:  # rowwise Adagrad's "none" mode: no decay at all
+        values["weight_decay"] = getattr(optimizer, "applied_weight_decay", values["weight_decay"])
     b1, b2 = values.get("betas", (0.0, 0.0))
     return [
         float(values["lr"]),

@@ -99,8 +99,8 @@ def test_torch_class_maps_to_the_config_and_back(name):
 def test_unknown_torch_class_and_field_without_equivalent():
     with pytest.raises(ValueError, match="RMSprop has no fused equivalent; use torch.optim.SGD"):
         optim.from_torch(torch.optim.RMSprop, {}, "t")
-    with pytest.raises(ValueError, match="weight_decay_mode='decoupled' is not one of its"):
-        optim.torch_equivalent(optim.RowWiseAdagrad(weight_decay_mode="decoupled"))
+    with pytest.raises(ValueError, match="weight_decay=0.1 is not one of its"):
+        optim.torch_equivalent(optim.Adam(weight_decay=0.1))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -437,7 +437,7 @@ def _adagrad_step(opt: optim.Adagrad, g, w, t, rows, _, m1):
 
 
 def _rowwise_adagrad_step(opt: optim.RowWiseAdagrad, g, w, t, rows, state_rows, m1):
-    wd = opt.weight_decay
+    wd = opt.applied_weight_decay  # 0 with weight_decay_mode="none"
     decoupled = opt.weight_decay_mode == "decoupled"
     g_wd = g if decoupled or wd == 0 else g + wd * w
     m = m1.index_select(0, state_rows) + torch.linalg.vecdot(g_wd, g_wd) / g.shape[1]

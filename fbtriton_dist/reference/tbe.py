@@ -272,7 +272,7 @@ def _adagrad_update(opt: optim.Adagrad, w, g, t, momentum1, momentum2, state_row
 def _rowwise_adagrad_update(
     opt: optim.RowWiseAdagrad, w, g, t, momentum1, momentum2, state_rows, elems
 ):
-    wd = opt.weight_decay
+    wd = opt.applied_weight_decay  # 0 with weight_decay_mode="none"
     decoupled = opt.weight_decay_mode == "decoupled"
     g_wd = g if decoupled else g + wd * w
     m = momentum1[state_rows] + (g_wd * g_wd).mean(dim=1)

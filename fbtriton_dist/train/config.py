@@ -346,6 +346,9 @@ class EmbeddingOptimizerConfig:
     weight_decay: float = 0.0
     """Weight decay (only where the optimizer's torch class takes it: rowwise_adagrad (L2),
     partial_rowwise_adam, lamb, partial_rowwise_lamb (decoupled), lars_sgd)."""
+    weight_decay_mode: str | None = None
+    """rowwise_adagrad's ``none``, ``l2`` or ``decoupled`` (``optim.WEIGHT_DECAY_MODES``;
+    FBGEMM's ``weight_decay_mode``); None: its default, ``l2``."""
     betas: tuple[float, float] = (0.9, 0.999)
     """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
     eta: float | None = None
@@ -364,16 +367,19 @@ class EmbeddingOptimizerConfig:
         check_number("lr", self.lr, 0.0)
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
+        _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
+                        optim.WEIGHT_DECAY_MODES)
         for name in ("eta", "momentum", "beta", "l1", "l2"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
         # (optim.REGISTRY's ``keywords``)
         given = {"weight_decay": bool(self.weight_decay)}
         given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
-                                                                 "l2")})
+                                                                 "l2", "weight_decay_mode")})
         for key in (k for k, v in given.items() if v):
-            if key not in optim.spec(self.type).keywords:
-                takers = [n for n in optim.NAMES if key in optim.spec(n).keywords]
+            if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
+                takers = [n for n in optim.NAMES
+                          if key in {**optim.spec(n).keywords, **optim.spec(n).modes}]
                 raise FieldError(
                     key, f"only supported with type: {', '.join(takers)}, got type: {self.type}"
                 )

@@ -63,7 +63,7 @@ def _row_update(name, opt, w, g, t, m, v):
     return w - opt.lr * ratio * r, m, v
 
 
-def _table_grads(weights, batch, pooling):
+def table_grads(weights, batch, pooling):
     """Each table's [E, D] float64 gradient of the pooled output (embedding_bag, autograd)
     for upstream gradient ``up``, and the rows each table's features touched."""
     indices, offsets, psw, up = batch
@@ -89,7 +89,7 @@ def _expected(name, opt, w0, batches, pooling, dtype):
     m = [torch.zeros(E, D, dtype=torch.float64) for E, D in TABLES]
     v = [torch.zeros(E, 1 if per_row_v else D, dtype=torch.float64) for E, D in TABLES]
     for t_step, batch in enumerate(batches, start=1):
-        grads, touched = _table_grads(weights, batch, pooling)
+        grads, touched = table_grads(weights, batch, pooling)
         for t in range(len(TABLES)):
             for row in sorted(touched[t]):
                 w, mm, vv = _row_update(name, opt, weights[t][row], grads[t][row], t_step,

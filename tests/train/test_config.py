@@ -71,7 +71,8 @@ def test_unknown_top_level_key():
 def test_unknown_nested_key():
     msg = error(job(optimizer={"embedding": {"type": "sgd", "learning_rate": 0.1}}))
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
-    assert "[type, lr, eps, weight_decay, betas, eta, momentum, beta, l1, l2]" in msg
+    assert ("[type, lr, eps, weight_decay, weight_decay_mode, betas, eta, momentum, beta, l1, "
+            "l2]") in msg
 
 
 def test_bad_choice_lists_choices():
