@@ -44,9 +44,10 @@ new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU: ``NATIVE_HYPE
 nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD; FTRL is not FBGEMM's): the
-gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
-rows not in the batch are untouched (their moments too: "lazy" Adam). The formulas:
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
+FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are summed first, then each
+unique row gets one update; rows not in the batch are untouched (their moments too: "lazy"
+Adam; EMAINPLACE's moving average aside, which runs over whole tables). The formulas:
 ``docs/modules.md``, "Fused optimizers".
 
 This module never imports torch at import time (the planner and the job config read it); the
@@ -100,7 +101,7 @@ _FBGEMM_WEIGHT_DECAY_MODES = {0: "none", 1: "l2", 2: "decoupled"}
 """FBGEMM's ``WeightDecayMode`` values (an ``IntEnum``) that have an equivalent here."""
 
 
-def _weight_decay_mode(value: Any) -> str:
+def _weight_decay_mode(value: Any, owner: str = "RowWiseAdagrad") -> str:
     """``value`` as one of ``WEIGHT_DECAY_MODES``: ours, or FBGEMM's ``WeightDecayMode`` (a
     member, its name in any case, or its integer; DECOUPLE is our "decoupled")."""
     key = value
@@ -111,7 +112,7 @@ def _weight_decay_mode(value: Any) -> str:
         key = "decoupled" if key == "decouple" else key
     if key not in WEIGHT_DECAY_MODES:
         raise ValueError(
-            "RowWiseAdagrad.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
+            f"{owner}.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
             f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}"
         )
     return key
@@ -139,13 +140,48 @@ class RowWiseAdagrad:
     stored as these names."""
 
     def __post_init__(self) -> None:
-        _check_positive("RowWiseAdagrad", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
-        object.__setattr__(self, "weight_decay_mode", _weight_decay_mode(self.weight_decay_mode))
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        object.__setattr__(self, "weight_decay_mode",
+                           _weight_decay_mode(self.weight_decay_mode, owner))
 
     @property
     def applied_weight_decay(self) -> float:
         """The decay coefficient the update uses: 0 with ``weight_decay_mode="none"``."""
         return 0.0 if self.weight_decay_mode == "none" else self.weight_decay
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmaInplaceRowWiseAdagrad(RowWiseAdagrad):
+    """Rowwise Adagrad whose tables keep an exponential moving average of their first half
+    of columns in their second half (FBGEMM EMAINPLACE_ROWWISE_ADAGRAD, its
+    ``EmainplaceModeDefinition``): the update is ``RowWiseAdagrad``'s (every column, the
+    same state); before the lookup of training step k (k = the module's step + 1, FBGEMM's
+    ``iter``), when ``k % int(step_ema) == 0`` and ``k >= int(step_start)``, every row of
+    every table gets ``w[D/2:] += step_ema_coef * (w[:D/2] - w[D/2:])`` (rows outside the
+    batch too). Every table's D must be even."""
+
+    step_ema: float = 10
+    """The EMA runs every this many training steps (>= 1; FBGEMM keeps it a float and
+    truncates it)."""
+    step_start: float = 0
+    """No EMA before this step (>= 0)."""
+    step_ema_coef: float = 0.6
+    """The fraction of the way the second half moves toward the first (in [0, 1])."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        if not self.step_ema >= 1:
+            raise ValueError(f"{owner}.step_ema: expected a number >= 1, got {self.step_ema!r}")
+        _check_positive(owner, step_start=self.step_start)
+        if not 0.0 <= self.step_ema_coef <= 1.0:
+            raise ValueError(f"{owner}.step_ema_coef: expected a number in [0, 1], got "
+                             f"{self.step_ema_coef!r}")
+
+    def ema_due(self, k: int) -> bool:
+        """Whether the EMA runs before the lookup of training step k (1 at the first)."""
+        return k % int(self.step_ema) == 0 and k >= int(self.step_start)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -284,7 +320,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -292,7 +328,8 @@ Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | 
 
 @dataclass(frozen=True)
 class State:
-    """One fp32 state tensor of an optimizer."""
+    """One state tensor of an optimizer: fp32, or fp16 / bf16 where a module's
+    ``optimizer_state_dtypes`` says so (``STATE_DTYPE_BYTES``)."""
 
     name: str
     """The TableBatchedEmbedding buffer (and its state-dict key) holding it: state i is
@@ -350,9 +387,13 @@ class OptimizerSpec:
     kernel_code: int
     """The integer the kernels use for it (0 is no optimizer)."""
 
-    def state_bytes(self, rows: int, cols: int) -> int:
-        """Bytes of its states for a rows x cols block, fp32 as FBGEMM keeps them."""
-        return sum(4 * rows * (1 if s.per_row else cols) for s in self.states)
+    def state_bytes(self, rows: int, cols: int,
+                    state_dtypes: Mapping[str, Any] | None = None) -> int:
+        """Bytes of its states for a rows x cols block: fp32 as FBGEMM keeps them, or the
+        dtype ``state_dtypes`` (``optimizer_state_dtypes``) names for a state."""
+        dtypes = state_dtype_names(state_dtypes)
+        return sum(STATE_DTYPE_BYTES[dtypes.get(s.name, "fp32")] * rows
+                   * (1 if s.per_row else cols) for s in self.states)
 
     @property
     def keywords(self) -> Mapping[str, Any]:
@@ -517,6 +558,22 @@ REGISTRY: dict[str, OptimizerSpec] = {
             ),
             kernel_code=9,
         ),
+        OptimizerSpec(
+            name="emainplace_rowwise_adagrad",
+            fbgemm="EMAINPLACE_ROWWISE_ADAGRAD",
+            config=EmaInplaceRowWiseAdagrad,
+            states=(State("momentum1", per_row=True),),
+            hyper=("lr", "eps", "weight_decay"),  # the EMA's fields: the module's, not kernels'
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.EmaInplaceRowWiseAdagrad",
+                    kwargs={"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0, "step_ema": 10.0,
+                            "step_start": 0.0, "step_ema_coef": 0.6},
+                    modes={"weight_decay_mode": "l2"},
+                ),
+            ),
+            kernel_code=10,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -601,6 +658,34 @@ NATIVE_HYPER_FIELDS = (*HYPER_FIELDS[:5], "decoupled", "step")
 """What the native CPU backward reads from its ``double`` hyper-parameter array
 (``ops/csrc/tbe_cpu.h``'s ``HYPER_*`` slots, checked against this by a test): the fields in
 this order; ``decoupled`` is 1.0 for ``weight_decay_mode="decoupled"``, ``step`` the step t."""
+
+STATE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""The dtypes a state may be stored in (``optimizer_state_dtypes``, FBGEMM's option name) and
+their bytes per value. The update is computed in fp32 from the stored value and uses the
+unrounded result; only the stored state is rounded, to nearest (as FBGEMM's stores)."""
+
+_STATE_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+                        "bfloat16": "bf16"}
+
+
+def state_dtype_names(state_dtypes: Mapping[str, Any] | None) -> dict[str, str]:
+    """``optimizer_state_dtypes`` as ``{state buffer: "fp32" | "fp16" | "bf16"}``; a value may
+    be that name, a torch dtype (``torch.float16``) or FBGEMM's ``SparseType`` (FP16, BF16,
+    FP32). Raises on a key that is no state buffer or an unsupported dtype."""
+    names = {}
+    for key, value in (state_dtypes or {}).items():
+        if key not in STATE_BUFFERS:
+            raise ValueError(f"optimizer_state_dtypes: expected keys among "
+                             f"[{', '.join(STATE_BUFFERS)}], got {key!r}")
+        raw = getattr(value, "value", value)  # FBGEMM's SparseType: its value, e.g. "fp16"
+        name = str(raw).lower().removeprefix("torch.")
+        name = _STATE_DTYPE_ALIASES.get(name, name)
+        if name not in STATE_DTYPE_BYTES:
+            raise ValueError(f"optimizer_state_dtypes[{key!r}]: expected one of "
+                             f"[{', '.join(STATE_DTYPE_BYTES)}], got {value!r}")
+        names[key] = name
+    return names
+
 
 NO_OPTIMIZER_CODE = 0
 """The kernels' code for no optimizer (the summed row gradients are returned)."""

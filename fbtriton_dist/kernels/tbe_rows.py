@@ -91,7 +91,7 @@ def _run_rows(
     else:
         w = tl.zeros(dm.shape, dtype=tl.float32)
     if ROW_STATE:
-        m_row = tl.load(mom1_ptr + key, mask=live, other=0.0)
+        m_row = tl.load(mom1_ptr + key, mask=live, other=0.0).to(tl.float32)
     else:
         m_row = tl.zeros(key.shape, dtype=tl.float32)
     g0 = tl.load(

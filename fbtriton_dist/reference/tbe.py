@@ -362,6 +362,8 @@ UPDATES = {
     "partial_rowwise_lamb": _partial_rowwise_lamb_update,
     "lars_sgd": _lars_sgd_update,
     "ftrl": _ftrl_update,
+    # rowwise Adagrad's update; its moving average is the module's (modules/fused_optim.py)
+    "emainplace_rowwise_adagrad": _rowwise_adagrad_update,
 }
 """The update of each optimizer, by its registry name."""
 
@@ -376,6 +378,14 @@ def _apply_optimizer(
     state_rows: torch.Tensor,
     elems: torch.Tensor,
 ) -> torch.Tensor:
-    """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows."""
+    """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows.
+    States stored in fp16 / bf16 (``optimizer_state_dtypes``) are updated in fp32 copies, then
+    rounded back to nearest (values the update left are exact in their dtype)."""
     update = UPDATES[optim.spec_of(optimizer).name]
-    return update(optimizer, w, g, step, momentum1, momentum2, state_rows, elems)
+    stored = (momentum1, momentum2)
+    m1, m2 = (s.to(torch.float32) if s is not None else None for s in stored)
+    w = update(optimizer, w, g, step, m1, m2, state_rows, elems)
+    for state, fp32 in zip(stored, (m1, m2), strict=True):
+        if state is not None and state is not fp32:
+            state.copy_(fp32)
+    return w

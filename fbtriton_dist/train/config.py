@@ -361,6 +361,12 @@ class EmbeddingOptimizerConfig:
     """ftrl's L1 regularisation; None: its default."""
     l2: float | None = None
     """ftrl's L2 regularisation; None: its default."""
+    step_ema: float | None = None
+    """emainplace_rowwise_adagrad's moving-average period in steps; None: its default."""
+    step_start: float | None = None
+    """emainplace_rowwise_adagrad's first moving-average step; None: its default."""
+    step_ema_coef: float | None = None
+    """emainplace_rowwise_adagrad's moving-average coefficient; None: its default."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
@@ -369,13 +375,16 @@ class EmbeddingOptimizerConfig:
         check_number("weight_decay", self.weight_decay, 0.0)
         _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
                         optim.WEIGHT_DECAY_MODES)
-        for name in ("eta", "momentum", "beta", "l1", "l2"):
+        for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
+        _check_optional(check_number, "step_ema", self.step_ema, 1.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
         # (optim.REGISTRY's ``keywords``)
         given = {"weight_decay": bool(self.weight_decay)}
         given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
-                                                                 "l2", "weight_decay_mode")})
+                                                                 "l2", "weight_decay_mode",
+                                                                 "step_ema", "step_start",
+                                                                 "step_ema_coef")})
         for key in (k for k, v in given.items() if v):
             if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
                 takers = [n for n in optim.NAMES

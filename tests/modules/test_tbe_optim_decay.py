@@ -209,7 +209,8 @@ def test_annotation_and_job_take_the_mode():
     with pytest.raises(FieldError, match="weight_decay_mode: expected one of"):
         EmbeddingOptimizerConfig(weight_decay_mode="counter")
     with pytest.raises(FieldError, match="weight_decay_mode: only supported with type: "
-                                         "rowwise_adagrad, got type: adam"):
+                                         "rowwise_adagrad, emainplace_rowwise_adagrad, got "
+                                         "type: adam"):
         EmbeddingOptimizerConfig(type="adam", weight_decay_mode="l2")
 
     configs = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
