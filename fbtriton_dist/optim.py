@@ -185,6 +185,39 @@ class EmaInplaceRowWiseAdagrad(RowWiseAdagrad):
 
 
 @dataclass(kw_only=True, frozen=True)
+class RowWiseRMSpropAR:
+    """Rowwise RMSprop with adaptive regularisation (FBGEMM's ``rowwise_rmsprop_ar`` in its
+    public sources, newer than fbgemm-gpu 1.8.0; its frequency-adaptive rate ``falr`` off), on
+    the rows of the batch. With v and p per row (0 at first), t the step count:
+    ``v = ema_beta v + (1 - ema_beta) mean(g^2)``, the gap ``I = t - p`` (1 where p = 0, a
+    row's first update), ``lambda = clamp(lr ar_alpha I, 0, 1)``,
+    ``w = max(min_shrinkage, 1 - lambda) w - lr / (sqrt(v) + eps) g``, then ``p = t``: a
+    row's decay grows with the steps since it was last in a batch, paid when it is."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float = 1e-8
+    """Added to sqrt(v) in the denominator (> 0)."""
+    ar_alpha: float = 0.0
+    """Adaptive decay coefficient (0: plain rowwise RMSprop)."""
+    ema_beta: float = 0.99
+    """Decay of the mean squared gradient v, in [0, 1)."""
+    min_shrinkage: float = 0.1
+    """Floor of the decay factor, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, ar_alpha=self.ar_alpha)
+        _check_above_zero(owner, eps=self.eps)
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise ValueError(f"{owner}.ema_beta: expected a number in [0, 1), got "
+                             f"{self.ema_beta!r}")
+        if not 0.0 <= self.min_shrinkage <= 1.0:
+            raise ValueError(f"{owner}.min_shrinkage: expected a number in [0, 1], got "
+                             f"{self.min_shrinkage!r}")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Adam:
     """Adam with per-element moments, updated only on the rows of the batch (FBGEMM ADAM).
 
@@ -320,7 +353,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -574,6 +607,21 @@ REGISTRY: dict[str, OptimizerSpec] = {
             ),
             kernel_code=10,
         ),
+        OptimizerSpec(
+            name="rowwise_rmsprop_ar",
+            fbgemm=None,  # FBGEMM's sources have it, fbgemm-gpu 1.8.0's EmbOptimType not yet
+            config=RowWiseRMSpropAR,
+            states=(State("momentum1", per_row=True), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "ar_alpha", "ema_beta", "min_shrinkage"),
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.RowWiseRMSpropAR",
+                    kwargs={"lr": 0.01, "eps": 1e-8, "ar_alpha": 0.0, "ema_beta": 0.99,
+                            "min_shrinkage": 0.1},
+                ),
+            ),
+            kernel_code=11,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -648,7 +696,7 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
 
 HYPER_FIELDS = (
     "lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2", "eta", "momentum",
-    "beta", "l1", "l2",
+    "beta", "l1", "l2", "ar_alpha", "ema_beta", "min_shrinkage",
 )
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
@@ -725,4 +773,5 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
         float(values.get("eta", 0.0)),
         float(values.get("momentum", 0.0)),
         *(float(values.get(name, 0.0)) for name in ("beta", "l1", "l2")),
+        *(float(values.get(name, 0.0)) for name in ("ar_alpha", "ema_beta", "min_shrinkage")),
     ]

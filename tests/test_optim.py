@@ -24,7 +24,7 @@ def _off_default(value):
     """A valid value other than a default: for the round trips."""
     if isinstance(value, tuple):
         return tuple(0.9 * v for v in value)
-    return value + 0.05
+    return 0.9 * value if 0 < value < 1 else value + 0.05  # a fraction stays below 1
 
 
 def _example(entry: optim.OptimizerSpec) -> optim.Optimizer:

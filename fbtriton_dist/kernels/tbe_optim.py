@@ -27,13 +27,18 @@ _PARTIAL_ROWWISE_LAMB = tl.constexpr(optim.spec("partial_rowwise_lamb").kernel_c
 _LARS_SGD = tl.constexpr(optim.spec("lars_sgd").kernel_code)
 _FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
 _EMAINPLACE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("emainplace_rowwise_adagrad").kernel_code)
+_ROWWISE_RMSPROP_AR = tl.constexpr(optim.spec("rowwise_rmsprop_ar").kernel_code)
 # slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
 _ETA, _MOMENTUM, _BETA, _L1, _L2 = (
     tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
 )
+_AR_ALPHA, _EMA_BETA, _MIN_SHRINKAGE = (
+    tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("ar_alpha", "ema_beta", "min_shrinkage")
+)
 OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
     "partial_rowwise_lamb", "lars_sgd", "ftrl", "emainplace_rowwise_adagrad",
+    "rowwise_rmsprop_ar",
 )
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
@@ -205,6 +210,38 @@ def _ftrl_update(
 
 
 @triton.jit
+def _rowwise_rmsprop_ar_update(
+    w,
+    g,
+    m_row,  # [RUNS] fp32 the rows' v, loaded before the gradient loop
+    mom1_ptr,  # [sum(E_t)] v per row
+    mom2_ptr,  # [sum(E_t)] the step of each row's last update (0: none yet)
+    key,  # [RUNS] linear row of each run
+    live,  # [RUNS] runs that update a row
+    D,  # [RUNS] the rows' D
+    lr,
+    eps,
+    t,  # the step count
+    ar_alpha,
+    ema_beta,
+    min_shrinkage,
+):
+    """``v = ema_beta v + (1 - ema_beta) mean(g^2)``, ``lambda = clamp(lr ar_alpha (t - p),
+    0, 1)`` (gap 1 where p = 0), ``w = max(min_shrinkage, 1 - lambda) w - lr / (sqrt(v) + eps)
+    g``, ``p = t`` (``optim.RowWiseRMSpropAR``)."""
+    v = ema_beta * m_row + (1.0 - ema_beta) * tl.sum(g * g, axis=1) / D.to(tl.float32)
+    tl.store(mom1_ptr + key, cast_rne(v, mom1_ptr.dtype.element_ty), mask=live)
+    last = tl.load(mom2_ptr + key, mask=live, other=0.0).to(tl.float32)
+    tf = t.to(tl.float32)
+    gap = tl.where(last == 0.0, 1.0, tf - last)
+    decay = tl.minimum(tl.maximum(lr * ar_alpha * gap, 0.0), 1.0)
+    keep = tl.maximum(min_shrinkage, 1.0 - decay)
+    tl.store(mom2_ptr + key, cast_rne(last * 0.0 + tf, mom2_ptr.dtype.element_ty), mask=live)
+    rate = lr / (tl.sqrt(v) + eps)
+    return keep[:, None] * w - rate[:, None] * g
+
+
+@triton.jit
 def optimizer_update(
     w,  # [RUNS, BLOCK_D] fp32 the rows (masked columns 0)
     g,  # [RUNS, BLOCK_D] fp32 their gradients summed over the batch
@@ -223,6 +260,7 @@ def optimizer_update(
     beta2,
     bias_c1,
     bias_c2,
+    t,  # the step count (this update included)
     hyper_ptr,  # [len(optim.HYPER_FIELDS)] fp32: the slots load_hyper does not read
     OPTIMIZER: tl.constexpr,  # kernel code (optim.REGISTRY)
     WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
@@ -270,6 +308,12 @@ def optimizer_update(
         l1 = tl.load(hyper_ptr + _L1)
         l2 = tl.load(hyper_ptr + _L2)
         w = _ftrl_update(w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, beta, l1, l2)
+    elif OPTIMIZER == _ROWWISE_RMSPROP_AR:
+        ar_alpha = tl.load(hyper_ptr + _AR_ALPHA)
+        ema_beta = tl.load(hyper_ptr + _EMA_BETA)
+        min_shrinkage = tl.load(hyper_ptr + _MIN_SHRINKAGE)
+        w = _rowwise_rmsprop_ar_update(w, g, m_row, mom1_ptr, mom2_ptr, key, live, D, lr, eps,
+                                       t, ar_alpha, ema_beta, min_shrinkage)
     else:
         tl.static_assert(False, "unknown optimizer code")
     return w

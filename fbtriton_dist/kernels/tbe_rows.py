@@ -265,7 +265,7 @@ def _update_group(
         ptrs = elem[:, None] + d[None, :]
         w = optimizer_update(
             w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
-            beta1, beta2, bias_c1, bias_c2, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
+            beta1, beta2, bias_c1, bias_c2, t, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
         )
         store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP, RUNS,
                    BLOCK_D)

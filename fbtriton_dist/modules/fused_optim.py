@@ -45,6 +45,23 @@ class EmaInplaceRowWiseAdagrad(torch.optim.Optimizer):
         )
 
 
+class RowWiseRMSpropAR(torch.optim.Optimizer):
+    """Names ``fbtriton_dist.optim.RowWiseRMSpropAR`` (fused only): its keywords are that
+    config's fields, with its defaults."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-8, ar_alpha: float = 0.0,
+                 ema_beta: float = 0.99, min_shrinkage: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps, "ar_alpha": ar_alpha,
+                                  "ema_beta": ema_beta, "min_shrinkage": min_shrinkage})
+
+    def step(self, closure=None):
+        raise NotImplementedError(
+            "fbtriton_dist.modules.fused_optim.RowWiseRMSpropAR is applied fused in the TBE "
+            "backward (a collection or TableBatchedEmbedding reads the annotation); it has no "
+            "step"
+        )
+
+
 def check_ema_tables(optimizer, tiered: bool) -> None:
     """``optim.EmaInplaceRowWiseAdagrad`` runs over whole tables on the device (not with
     cached storage tiers)."""

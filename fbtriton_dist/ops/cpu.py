@@ -539,6 +539,22 @@ def _ftrl_step(opt: optim.FTRL, g, w, t, rows, _, m1, __, m2):
     return w_new.sub_(w)
 
 
+def _rowwise_rmsprop_ar_step(opt: optim.RowWiseRMSpropAR, g, w, t, rows, state_rows, m1,
+                             _, m2):
+    b = opt.ema_beta
+    v = m1.index_select(0, state_rows).mul_(b).add_(torch.linalg.vecdot(g, g) / g.shape[1],
+                                                    alpha=1.0 - b)
+    m1.index_copy_(0, state_rows, v)
+    last = m2.index_select(0, state_rows)
+    gap = torch.where(last == 0, torch.ones_like(last), t - last)
+    keep = (1.0 - (opt.lr * opt.ar_alpha * gap).clamp_(0.0, 1.0)).clamp_(min=opt.min_shrinkage)
+    m2.index_copy_(0, state_rows, torch.full_like(last, float(t)))
+    step = g * (-opt.lr / (v.sqrt_().add_(opt.eps)))[:, None]
+    if w is not None:  # ar_alpha > 0: w_new - w has the decay's part
+        step.add_(w * (keep - 1.0)[:, None])
+    return step
+
+
 _STEPS = {
     "sgd": _sgd_step,
     "adagrad": _adagrad_step,
@@ -550,6 +566,7 @@ _STEPS = {
     "lars_sgd": _lars_sgd_step,
     "ftrl": _ftrl_step,
     "emainplace_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average
+    "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
 }
 """The step of each optimizer, by its registry name."""
 
@@ -564,6 +581,7 @@ _NEEDS_ROWS = {
     "lars_sgd": lambda opt: True,
     "ftrl": lambda opt: True,  # sigma * w, and the new rows replace the old
     "emainplace_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
+    "rowwise_rmsprop_ar": lambda opt: opt.ar_alpha != 0,  # else the decay factor is 1
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

@@ -352,6 +352,21 @@ def _ftrl_update(opt: optim.FTRL, w, g, t, momentum1, momentum2, state_rows, ele
     return torch.where(z.abs() <= opt.l1, torch.zeros_like(w), w_new)
 
 
+def _rowwise_rmsprop_ar_update(
+    opt: optim.RowWiseRMSpropAR, w, g, t, momentum1, momentum2, state_rows, elems
+):
+    b = opt.ema_beta
+    v = b * momentum1[state_rows] + (1.0 - b) * (g * g).mean(dim=1)
+    momentum1[state_rows] = v
+    last = momentum2[state_rows]  # the step of the row's last update, 0 before its first
+    gap = torch.where(last == 0, torch.ones_like(last), t - last)
+    decay = (opt.lr * opt.ar_alpha * gap).clamp(0.0, 1.0)
+    keep = (1.0 - decay).clamp(min=opt.min_shrinkage)
+    momentum2[state_rows] = float(t)
+    rate = opt.lr / (torch.sqrt(v) + opt.eps)
+    return keep[:, None] * w - rate[:, None] * g
+
+
 UPDATES = {
     "sgd": _sgd_update,
     "adagrad": _adagrad_update,
@@ -364,6 +379,7 @@ UPDATES = {
     "ftrl": _ftrl_update,
     # rowwise Adagrad's update; its moving average is the module's (modules/fused_optim.py)
     "emainplace_rowwise_adagrad": _rowwise_adagrad_update,
+    "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_update,
 }
 """The update of each optimizer, by its registry name."""
 

@@ -367,6 +367,12 @@ class EmbeddingOptimizerConfig:
     """emainplace_rowwise_adagrad's first moving-average step; None: its default."""
     step_ema_coef: float | None = None
     """emainplace_rowwise_adagrad's moving-average coefficient; None: its default."""
+    ar_alpha: float | None = None
+    """rowwise_rmsprop_ar's adaptive decay coefficient; None: its default."""
+    ema_beta: float | None = None
+    """rowwise_rmsprop_ar's decay of the mean squared gradient; None: its default."""
+    min_shrinkage: float | None = None
+    """rowwise_rmsprop_ar's floor of the decay factor; None: its default."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
@@ -375,7 +381,8 @@ class EmbeddingOptimizerConfig:
         check_number("weight_decay", self.weight_decay, 0.0)
         _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
                         optim.WEIGHT_DECAY_MODES)
-        for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef"):
+        for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
+                     "ar_alpha", "ema_beta", "min_shrinkage"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
         _check_optional(check_number, "step_ema", self.step_ema, 1.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
@@ -384,7 +391,8 @@ class EmbeddingOptimizerConfig:
         given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
                                                                  "l2", "weight_decay_mode",
                                                                  "step_ema", "step_start",
-                                                                 "step_ema_coef")})
+                                                                 "step_ema_coef", "ar_alpha",
+                                                                 "ema_beta", "min_shrinkage")})
         for key in (k for k, v in given.items() if v):
             if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
                 takers = [n for n in optim.NAMES
