@@ -34,14 +34,15 @@ backend 3 (1, 2, ``ops/cpu.py``; 4 with its native C update, ``tbe_cpu_backward.
 
 Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``, each per
 row or per element) and hyper-parameters among ``HYPER_FIELDS``'s (``lr``, ``eps``, ``betas``,
-``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``); a Triton helper reads a
-slot ``load_hyper`` does not return from ``hyper_ptr`` itself. A new hyper-parameter is also a
-new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU: ``NATIVE_HYPER_FIELDS`` and
-``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's YAML, a field of
-``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in ``train/job.py``'s
-``_embedding_optimizer``); a new compile-time variant (like rowwise Adagrad's
-``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer neither torch
-nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
+``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``, ``ar_alpha``, ``ema_beta``,
+``min_shrinkage``); a Triton helper reads a slot ``load_hyper`` does not return from
+``hyper_ptr`` itself (and gets the step count t from ``optimizer_update``). A new
+hyper-parameter is also a new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU:
+``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
+YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in
+``train/job.py``'s ``_embedding_optimizer``); a new compile-time variant (like rowwise
+Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer
+neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
 ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
