@@ -34,19 +34,21 @@ backend 3 (1, 2, ``ops/cpu.py``; 4 with its native C update, ``tbe_cpu_backward.
 
 Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``, each per
 row or per element) and hyper-parameters among ``HYPER_FIELDS``'s (``lr``, ``eps``, ``betas``,
-``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``); a Triton helper reads a
-slot ``load_hyper`` does not return from ``hyper_ptr`` itself. A new hyper-parameter is also a
-new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU: ``NATIVE_HYPER_FIELDS`` and
-``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's YAML, a field of
-``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in ``train/job.py``'s
-``_embedding_optimizer``); a new compile-time variant (like rowwise Adagrad's
-``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer neither torch
-nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
+``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``, ``ar_alpha``, ``ema_beta``,
+``min_shrinkage``); a Triton helper reads a slot ``load_hyper`` does not return from
+``hyper_ptr`` itself (and gets the step count t from ``optimizer_update``). A new
+hyper-parameter is also a new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU:
+``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
+YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in
+``train/job.py``'s ``_embedding_optimizer``); a new compile-time variant (like rowwise
+Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer
+neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD; FTRL is not FBGEMM's): the
-gradients of duplicate ids in a batch are summed first, then each unique row gets one update;
-rows not in the batch are untouched (their moments too: "lazy" Adam). The formulas:
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
+FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are summed first, then each
+unique row gets one update; rows not in the batch are untouched (their moments too: "lazy"
+Adam; EMAINPLACE's moving average aside, which runs over whole tables). The formulas:
 ``docs/modules.md``, "Fused optimizers".
 
 This module never imports torch at import time (the planner and the job config read it); the
@@ -92,13 +94,39 @@ class Adagrad:
         _check_positive("Adagrad", lr=self.lr, eps=self.eps)
 
 
+WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
+"""Rowwise Adagrad's ``weight_decay_mode`` choices: FBGEMM's ``WeightDecayMode`` NONE, L2 and
+DECOUPLE (its COUNTER, COWCLIP and DECOUPLE_GLOBAL are not implemented)."""
+
+_FBGEMM_WEIGHT_DECAY_MODES = {0: "none", 1: "l2", 2: "decoupled"}
+"""FBGEMM's ``WeightDecayMode`` values (an ``IntEnum``) that have an equivalent here."""
+
+
+def _weight_decay_mode(value: Any, owner: str = "RowWiseAdagrad") -> str:
+    """``value`` as one of ``WEIGHT_DECAY_MODES``: ours, or FBGEMM's ``WeightDecayMode`` (a
+    member, its name in any case, or its integer; DECOUPLE is our "decoupled")."""
+    key = value
+    if isinstance(value, int) and not isinstance(value, bool):
+        key = _FBGEMM_WEIGHT_DECAY_MODES.get(int(value), value)
+    elif isinstance(value, str):
+        key = value.lower()
+        key = "decoupled" if key == "decouple" else key
+    if key not in WEIGHT_DECAY_MODES:
+        raise ValueError(
+            f"{owner}.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
+            f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}"
+        )
+    return key
+
+
 @dataclass(kw_only=True, frozen=True)
 class RowWiseAdagrad:
     """One Adagrad accumulator per row (FBGEMM EXACT_ROWWISE_ADAGRAD).
 
     ``m += mean(g'^2)`` over the row, ``w = c * w - lr / (sqrt(m) + eps) * g``, where with
     ``weight_decay_mode="l2"`` g' = g + weight_decay * w and c = 1 - weight_decay * lr /
-    (sqrt(m) + eps); with ``"decoupled"`` g' = g and c = 1 - lr * weight_decay.
+    (sqrt(m) + eps); with ``"decoupled"`` g' = g and c = 1 - lr * weight_decay; with
+    ``"none"`` g' = g and c = 1 (``weight_decay`` is ignored, as FBGEMM's NONE does).
     """
 
     lr: float = 0.01
@@ -107,16 +135,87 @@ class RowWiseAdagrad:
     """Added to sqrt(m) in the denominator."""
     weight_decay: float = 0.0
     """Weight decay coefficient (0 turns it off)."""
-    weight_decay_mode: Literal["l2", "decoupled"] = "l2"
-    """How weight decay enters: as an L2 term in the gradient, or decoupled (AdamW-like)."""
+    weight_decay_mode: Literal["none", "l2", "decoupled"] = "l2"
+    """How weight decay enters: not at all, as an L2 term in the gradient, or decoupled
+    (AdamW-like). FBGEMM's ``WeightDecayMode`` members (NONE, L2, DECOUPLE) are taken too and
+    stored as these names."""
 
     def __post_init__(self) -> None:
-        _check_positive("RowWiseAdagrad", lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
-        if self.weight_decay_mode not in ("l2", "decoupled"):
-            raise ValueError(
-                "RowWiseAdagrad.weight_decay_mode: expected one of ['l2', 'decoupled'], "
-                f"got {self.weight_decay_mode!r}"
-            )
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        object.__setattr__(self, "weight_decay_mode",
+                           _weight_decay_mode(self.weight_decay_mode, owner))
+
+    @property
+    def applied_weight_decay(self) -> float:
+        """The decay coefficient the update uses: 0 with ``weight_decay_mode="none"``."""
+        return 0.0 if self.weight_decay_mode == "none" else self.weight_decay
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmaInplaceRowWiseAdagrad(RowWiseAdagrad):
+    """Rowwise Adagrad whose tables keep an exponential moving average of their first half
+    of columns in their second half (FBGEMM EMAINPLACE_ROWWISE_ADAGRAD, its
+    ``EmainplaceModeDefinition``): the update is ``RowWiseAdagrad``'s (every column, the
+    same state); before the lookup of training step k (k = the module's step + 1, FBGEMM's
+    ``iter``), when ``k % int(step_ema) == 0`` and ``k >= int(step_start)``, every row of
+    every table gets ``w[D/2:] += step_ema_coef * (w[:D/2] - w[D/2:])`` (rows outside the
+    batch too). Every table's D must be even."""
+
+    step_ema: float = 10
+    """The EMA runs every this many training steps (>= 1; FBGEMM keeps it a float and
+    truncates it)."""
+    step_start: float = 0
+    """No EMA before this step (>= 0)."""
+    step_ema_coef: float = 0.6
+    """The fraction of the way the second half moves toward the first (in [0, 1])."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        owner = type(self).__name__
+        if not self.step_ema >= 1:
+            raise ValueError(f"{owner}.step_ema: expected a number >= 1, got {self.step_ema!r}")
+        _check_positive(owner, step_start=self.step_start)
+        if not 0.0 <= self.step_ema_coef <= 1.0:
+            raise ValueError(f"{owner}.step_ema_coef: expected a number in [0, 1], got "
+                             f"{self.step_ema_coef!r}")
+
+    def ema_due(self, k: int) -> bool:
+        """Whether the EMA runs before the lookup of training step k (1 at the first)."""
+        return k % int(self.step_ema) == 0 and k >= int(self.step_start)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RowWiseRMSpropAR:
+    """Rowwise RMSprop with adaptive regularisation (FBGEMM's ``rowwise_rmsprop_ar`` in its
+    public sources, newer than fbgemm-gpu 1.8.0; its frequency-adaptive rate ``falr`` off), on
+    the rows of the batch. With v and p per row (0 at first), t the step count:
+    ``v = ema_beta v + (1 - ema_beta) mean(g^2)``, the gap ``I = t - p`` (1 where p = 0, a
+    row's first update), ``lambda = clamp(lr ar_alpha I, 0, 1)``,
+    ``w = max(min_shrinkage, 1 - lambda) w - lr / (sqrt(v) + eps) g``, then ``p = t``: a
+    row's decay grows with the steps since it was last in a batch, paid when it is."""
+
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float = 1e-8
+    """Added to sqrt(v) in the denominator (> 0)."""
+    ar_alpha: float = 0.0
+    """Adaptive decay coefficient (0: plain rowwise RMSprop)."""
+    ema_beta: float = 0.99
+    """Decay of the mean squared gradient v, in [0, 1)."""
+    min_shrinkage: float = 0.1
+    """Floor of the decay factor, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_positive(owner, lr=self.lr, ar_alpha=self.ar_alpha)
+        _check_above_zero(owner, eps=self.eps)
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise ValueError(f"{owner}.ema_beta: expected a number in [0, 1), got "
+                             f"{self.ema_beta!r}")
+        if not 0.0 <= self.min_shrinkage <= 1.0:
+            raise ValueError(f"{owner}.min_shrinkage: expected a number in [0, 1], got "
+                             f"{self.min_shrinkage!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -255,7 +354,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -263,7 +362,8 @@ Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | 
 
 @dataclass(frozen=True)
 class State:
-    """One fp32 state tensor of an optimizer."""
+    """One state tensor of an optimizer: fp32, or fp16 / bf16 where a module's
+    ``optimizer_state_dtypes`` says so (``STATE_DTYPE_BYTES``)."""
 
     name: str
     """The TableBatchedEmbedding buffer (and its state-dict key) holding it: state i is
@@ -285,6 +385,10 @@ class TorchClass:
     name, same meaning)."""
     fixed: Mapping[str, Any] = field(default_factory=dict)
     """Keywords with no fused equivalent unless left at this value (the class's default)."""
+    modes: Mapping[str, str] = field(default_factory=dict)
+    """Keywords that name a choice (a field of our config with the same name; the config
+    checks and normalises the value) -> our default, e.g. rowwise Adagrad's
+    ``weight_decay_mode`` (FBGEMM's fused-parameter name; TorchRec passes it to FBGEMM)."""
 
     def resolve(self) -> type | None:
         """The class, or None where its package is not installed."""
@@ -317,15 +421,25 @@ class OptimizerSpec:
     kernel_code: int
     """The integer the kernels use for it (0 is no optimizer)."""
 
-    def state_bytes(self, rows: int, cols: int) -> int:
-        """Bytes of its states for a rows x cols block, fp32 as FBGEMM keeps them."""
-        return sum(4 * rows * (1 if s.per_row else cols) for s in self.states)
+    def state_bytes(self, rows: int, cols: int,
+                    state_dtypes: Mapping[str, Any] | None = None) -> int:
+        """Bytes of its states for a rows x cols block: fp32 as FBGEMM keeps them, or the
+        dtype ``state_dtypes`` (``optimizer_state_dtypes``) names for a state."""
+        dtypes = state_dtype_names(state_dtypes)
+        return sum(STATE_DTYPE_BYTES[dtypes.get(s.name, "fp32")] * rows
+                   * (1 if s.per_row else cols) for s in self.states)
 
     @property
     def keywords(self) -> Mapping[str, Any]:
         """The keywords that configure it (the job's keys), with their defaults: its torch
         class's (``self.torch[0].kwargs``)."""
         return self.torch[0].kwargs
+
+    @property
+    def modes(self) -> Mapping[str, str]:
+        """The keywords that name a choice (the job's keys too), with our defaults: its torch
+        class's (``self.torch[0].modes``)."""
+        return self.torch[0].modes
 
     def from_kwargs(self, kwargs: Mapping[str, Any], where: str, cls_name: str = "") -> Optimizer:
         """Our config from the keyword arguments of its torch class (``self.torch[0]``; its
@@ -343,6 +457,8 @@ class OptimizerSpec:
         for key, default in tc.kwargs.items():
             value = kwargs.get(key, default)
             values[key] = tuple(value) if isinstance(default, tuple) else value
+        for key, default in tc.modes.items():
+            values[key] = kwargs.get(key, default)
         return self.config(**values)
 
 
@@ -397,10 +513,11 @@ REGISTRY: dict[str, OptimizerSpec] = {
             states=(State("momentum1", per_row=True),),
             hyper=("lr", "eps", "weight_decay"),
             torch=(
-                TorchClass(  # TorchRec's decay is L2: our weight_decay_mode="l2" (the default)
+                TorchClass(  # TorchRec's own decay is L2: our weight_decay_mode="l2" (the default)
                     "torchrec.optim.RowWiseAdagrad",
                     kwargs={"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
                     fixed={"lr_decay": 0, "initial_accumulator_value": 0},
+                    modes={"weight_decay_mode": "l2"},
                 ),
             ),
             kernel_code=2,
@@ -475,6 +592,37 @@ REGISTRY: dict[str, OptimizerSpec] = {
             ),
             kernel_code=9,
         ),
+        OptimizerSpec(
+            name="emainplace_rowwise_adagrad",
+            fbgemm="EMAINPLACE_ROWWISE_ADAGRAD",
+            config=EmaInplaceRowWiseAdagrad,
+            states=(State("momentum1", per_row=True),),
+            hyper=("lr", "eps", "weight_decay"),  # the EMA's fields: the module's, not kernels'
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.EmaInplaceRowWiseAdagrad",
+                    kwargs={"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0, "step_ema": 10.0,
+                            "step_start": 0.0, "step_ema_coef": 0.6},
+                    modes={"weight_decay_mode": "l2"},
+                ),
+            ),
+            kernel_code=10,
+        ),
+        OptimizerSpec(
+            name="rowwise_rmsprop_ar",
+            fbgemm=None,  # FBGEMM's sources have it, fbgemm-gpu 1.8.0's EmbOptimType not yet
+            config=RowWiseRMSpropAR,
+            states=(State("momentum1", per_row=True), State("momentum2", per_row=True)),
+            hyper=("lr", "eps", "ar_alpha", "ema_beta", "min_shrinkage"),
+            torch=(  # neither torch nor TorchRec has one: our placeholder
+                TorchClass(
+                    "fbtriton_dist.modules.fused_optim.RowWiseRMSpropAR",
+                    kwargs={"lr": 0.01, "eps": 1e-8, "ar_alpha": 0.0, "ema_beta": 0.99,
+                            "min_shrinkage": 0.1},
+                ),
+            ),
+            kernel_code=11,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -548,7 +696,7 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     entry = spec_of(optimizer)
     tc = entry.torch[0]
     for f in dataclasses.fields(optimizer):
-        if f.name not in tc.kwargs and getattr(optimizer, f.name) != f.default:
+        if f.name not in {**tc.kwargs, **tc.modes} and getattr(optimizer, f.name) != f.default:
             raise ValueError(
                 f"optimizer: {optimizer!r} has no {tc.path} equivalent "
                 f"({f.name}={getattr(optimizer, f.name)!r} is not one of its arguments)"
@@ -556,12 +704,12 @@ def torch_equivalent(optimizer: Optimizer) -> tuple[type, dict[str, Any]]:
     cls = tc.resolve()
     if cls is None:
         raise ValueError(f"optimizer: {tc.path} is not installed")
-    return cls, {key: getattr(optimizer, key) for key in tc.kwargs}
+    return cls, {key: getattr(optimizer, key) for key in (*tc.kwargs, *tc.modes)}
 
 
 HYPER_FIELDS = (
     "lr", "eps", "beta1", "beta2", "weight_decay", "log_beta1", "log_beta2", "eta", "momentum",
-    "beta", "l1", "l2",
+    "beta", "l1", "l2", "ar_alpha", "ema_beta", "min_shrinkage",
 )
 """What the fused backward reads from a small fp32 device tensor (not from launch arguments,
 so that a CUDA-graph-captured step sees a changed learning rate): the fields in this order."""
@@ -571,6 +719,34 @@ NATIVE_HYPER_FIELDS = (*HYPER_FIELDS[:5], "decoupled", "step")
 """What the native CPU backward reads from its ``double`` hyper-parameter array
 (``ops/csrc/tbe_cpu.h``'s ``HYPER_*`` slots, checked against this by a test): the fields in
 this order; ``decoupled`` is 1.0 for ``weight_decay_mode="decoupled"``, ``step`` the step t."""
+
+STATE_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""The dtypes a state may be stored in (``optimizer_state_dtypes``, FBGEMM's option name) and
+their bytes per value. The update is computed in fp32 from the stored value and uses the
+unrounded result; only the stored state is rounded, to nearest (as FBGEMM's stores)."""
+
+_STATE_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+                        "bfloat16": "bf16"}
+
+
+def state_dtype_names(state_dtypes: Mapping[str, Any] | None) -> dict[str, str]:
+    """``optimizer_state_dtypes`` as ``{state buffer: "fp32" | "fp16" | "bf16"}``; a value may
+    be that name, a torch dtype (``torch.float16``) or FBGEMM's ``SparseType`` (FP16, BF16,
+    FP32). Raises on a key that is no state buffer or an unsupported dtype."""
+    names = {}
+    for key, value in (state_dtypes or {}).items():
+        if key not in STATE_BUFFERS:
+            raise ValueError(f"optimizer_state_dtypes: expected keys among "
+                             f"[{', '.join(STATE_BUFFERS)}], got {key!r}")
+        raw = getattr(value, "value", value)  # FBGEMM's SparseType: its value, e.g. "fp16"
+        name = str(raw).lower().removeprefix("torch.")
+        name = _STATE_DTYPE_ALIASES.get(name, name)
+        if name not in STATE_DTYPE_BYTES:
+            raise ValueError(f"optimizer_state_dtypes[{key!r}]: expected one of "
+                             f"[{', '.join(STATE_DTYPE_BYTES)}], got {value!r}")
+        names[key] = name
+    return names
+
 
 NO_OPTIMIZER_CODE = 0
 """The kernels' code for no optimizer (the summed row gradients are returned)."""
@@ -597,6 +773,8 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
     if optimizer is None:
         return [0.0] * len(HYPER_FIELDS)
     values = {name: getattr(optimizer, name) for name in spec_of(optimizer).hyper}
+    if "weight_decay" in values:  # rowwise Adagrad's "none" mode: no decay at all
+        values["weight_decay"] = getattr(optimizer, "applied_weight_decay", values["weight_decay"])
     b1, b2 = values.get("betas", (0.0, 0.0))
     return [
         float(values["lr"]),
@@ -608,4 +786,5 @@ def hyper_parameters(optimizer: Optimizer | None) -> list[float]:
         float(values.get("eta", 0.0)),
         float(values.get("momentum", 0.0)),
         *(float(values.get(name, 0.0)) for name in ("beta", "l1", "l2")),
+        *(float(values.get(name, 0.0)) for name in ("ar_alpha", "ema_beta", "min_shrinkage")),
     ]

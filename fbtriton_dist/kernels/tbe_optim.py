@@ -26,13 +26,19 @@ _LAMB = tl.constexpr(optim.spec("lamb").kernel_code)
 _PARTIAL_ROWWISE_LAMB = tl.constexpr(optim.spec("partial_rowwise_lamb").kernel_code)
 _LARS_SGD = tl.constexpr(optim.spec("lars_sgd").kernel_code)
 _FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
+_EMAINPLACE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("emainplace_rowwise_adagrad").kernel_code)
+_ROWWISE_RMSPROP_AR = tl.constexpr(optim.spec("rowwise_rmsprop_ar").kernel_code)
 # slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
 _ETA, _MOMENTUM, _BETA, _L1, _L2 = (
     tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
 )
+_AR_ALPHA, _EMA_BETA, _MIN_SHRINKAGE = (
+    tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("ar_alpha", "ema_beta", "min_shrinkage")
+)
 OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
-    "partial_rowwise_lamb", "lars_sgd", "ftrl",
+    "partial_rowwise_lamb", "lars_sgd", "ftrl", "emainplace_rowwise_adagrad",
+    "rowwise_rmsprop_ar",
 )
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
@@ -64,8 +70,8 @@ def _adagrad_update(
     eps,
 ):
     """``m += g^2``, ``w - lr * g / (sqrt(m) + eps)``."""
-    m = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + g * g
-    tl.store(mom1_ptr + ptrs, m, mask=dm)
+    m = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0).to(tl.float32) + g * g
+    tl.store(mom1_ptr + ptrs, cast_rne(m, mom1_ptr.dtype.element_ty), mask=dm)
     return w - lr * g / (tl.sqrt(m) + eps)
 
 
@@ -93,7 +99,7 @@ def _rowwise_adagrad_update(
         g_wd = tl.where(dm, g + weight_decay * w, 0.0)
         g_sq = tl.sum(g_wd * g_wd, axis=1) / Df
     m = m_row + g_sq
-    tl.store(mom1_ptr + key, m, mask=live)
+    tl.store(mom1_ptr + key, cast_rne(m, mom1_ptr.dtype.element_ty), mask=live)
     mult = lr / (tl.sqrt(m) + eps)
     if WD_DECOUPLED:
         corr = 1.0 - lr * weight_decay
@@ -127,16 +133,19 @@ def _adam_update(
     (``optim.PartialRowWiseAdam``) and LAMB (``optim.LAMB``, ``optim.PartialRowWiseLAMB``):
     ``r = m / bias_c1 / (sqrt(v / bias_c2) + eps) + weight_decay * w``, ``w - lr * r``, or
     with TRUST ``w - lr * ||w|| / ||r|| * r`` (0 where ||r|| = 0)."""
-    m1 = beta1 * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta1) * g
-    tl.store(mom1_ptr + ptrs, m1, mask=dm)
+    m1 = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)  # fp16/bf16 state: fp32
+    m1 = beta1 * m1 + (1.0 - beta1) * g
+    tl.store(mom1_ptr + ptrs, cast_rne(m1, mom1_ptr.dtype.element_ty), mask=dm)
     if ROWWISE_V:
         g_sq = tl.sum(g * g, axis=1) / D.to(tl.float32)
-        m2 = beta2 * tl.load(mom2_ptr + key, mask=live, other=0.0) + (1.0 - beta2) * g_sq
-        tl.store(mom2_ptr + key, m2, mask=live)
+        m2 = tl.load(mom2_ptr + key, mask=live, other=0.0).to(tl.float32)
+        m2 = beta2 * m2 + (1.0 - beta2) * g_sq
+        tl.store(mom2_ptr + key, cast_rne(m2, mom2_ptr.dtype.element_ty), mask=live)
         r = (m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps)[:, None] + weight_decay * w
     else:
-        m2 = beta2 * tl.load(mom2_ptr + ptrs, mask=dm, other=0.0) + (1.0 - beta2) * g * g
-        tl.store(mom2_ptr + ptrs, m2, mask=dm)
+        m2 = tl.load(mom2_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
+        m2 = beta2 * m2 + (1.0 - beta2) * g * g
+        tl.store(mom2_ptr + ptrs, cast_rne(m2, mom2_ptr.dtype.element_ty), mask=dm)
         r = (m1 / bias_c1) / (tl.sqrt(m2 / bias_c2) + eps) + weight_decay * w
     if TRUST:
         r = tl.where(dm, r, 0.0)
@@ -165,10 +174,10 @@ def _lars_sgd_update(
     w_norm = tl.sqrt(tl.sum(w * w, axis=1))
     denom = tl.sqrt(tl.sum(g * g, axis=1)) + weight_decay * w_norm
     rate = tl.where(denom > 0, lr * eta * w_norm / tl.where(denom > 0, denom, 1.0), 0.0)
-    m = momentum * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0) + rate[:, None] * (
+    m = momentum * tl.load(mom1_ptr + ptrs, mask=dm, other=0.0).to(tl.float32) + rate[:, None] * (
         g + weight_decay * w
     )
-    tl.store(mom1_ptr + ptrs, m, mask=dm)
+    tl.store(mom1_ptr + ptrs, cast_rne(m, mom1_ptr.dtype.element_ty), mask=dm)
     return w - m
 
 
@@ -188,16 +197,48 @@ def _ftrl_update(
     """FTRL-Proximal (``optim.FTRL``): ``n' = n + g^2``, ``z += g - (sqrt(n') - sqrt(n)) /
     lr * w``, ``w = 0`` where ``|z| <= l1``, else ``-(z - sign(z) l1) / ((beta + sqrt(n')) /
     lr + l2)``."""
-    z = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0)
-    n = tl.load(mom2_ptr + ptrs, mask=dm, other=0.0)
+    z = tl.load(mom1_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
+    n = tl.load(mom2_ptr + ptrs, mask=dm, other=0.0).to(tl.float32)
     n_new = n + g * g
     z = z + g - (tl.sqrt(n_new) - tl.sqrt(n)) / lr * w
-    tl.store(mom1_ptr + ptrs, z, mask=dm)
-    tl.store(mom2_ptr + ptrs, n_new, mask=dm)
+    tl.store(mom1_ptr + ptrs, cast_rne(z, mom1_ptr.dtype.element_ty), mask=dm)
+    tl.store(mom2_ptr + ptrs, cast_rne(n_new, mom2_ptr.dtype.element_ty), mask=dm)
     denom = (beta + tl.sqrt(n_new)) / lr + l2
     shrunk = tl.where(z < 0, z + l1, z - l1)
     keep = tl.abs(z) > l1
     return tl.where(keep, -shrunk / tl.where(keep, denom, 1.0), 0.0)
+
+
+@triton.jit
+def _rowwise_rmsprop_ar_update(
+    w,
+    g,
+    m_row,  # [RUNS] fp32 the rows' v, loaded before the gradient loop
+    mom1_ptr,  # [sum(E_t)] v per row
+    mom2_ptr,  # [sum(E_t)] the step of each row's last update (0: none yet)
+    key,  # [RUNS] linear row of each run
+    live,  # [RUNS] runs that update a row
+    D,  # [RUNS] the rows' D
+    lr,
+    eps,
+    t,  # the step count
+    ar_alpha,
+    ema_beta,
+    min_shrinkage,
+):
+    """``v = ema_beta v + (1 - ema_beta) mean(g^2)``, ``lambda = clamp(lr ar_alpha (t - p),
+    0, 1)`` (gap 1 where p = 0), ``w = max(min_shrinkage, 1 - lambda) w - lr / (sqrt(v) + eps)
+    g``, ``p = t`` (``optim.RowWiseRMSpropAR``)."""
+    v = ema_beta * m_row + (1.0 - ema_beta) * tl.sum(g * g, axis=1) / D.to(tl.float32)
+    tl.store(mom1_ptr + key, cast_rne(v, mom1_ptr.dtype.element_ty), mask=live)
+    last = tl.load(mom2_ptr + key, mask=live, other=0.0).to(tl.float32)
+    tf = t.to(tl.float32)
+    gap = tl.where(last == 0.0, 1.0, tf - last)
+    decay = tl.minimum(tl.maximum(lr * ar_alpha * gap, 0.0), 1.0)
+    keep = tl.maximum(min_shrinkage, 1.0 - decay)
+    tl.store(mom2_ptr + key, cast_rne(last * 0.0 + tf, mom2_ptr.dtype.element_ty), mask=live)
+    rate = lr / (tl.sqrt(v) + eps)
+    return keep[:, None] * w - rate[:, None] * g
 
 
 @triton.jit
@@ -219,6 +260,7 @@ def optimizer_update(
     beta2,
     bias_c1,
     bias_c2,
+    t,  # the step count (this update included)
     hyper_ptr,  # [len(optim.HYPER_FIELDS)] fp32: the slots load_hyper does not read
     OPTIMIZER: tl.constexpr,  # kernel code (optim.REGISTRY)
     WD_DECOUPLED: tl.constexpr,  # rowwise adagrad: decoupled weight decay, else L2
@@ -230,6 +272,10 @@ def optimizer_update(
     elif OPTIMIZER == _ADAGRAD:
         w = _adagrad_update(w, g, mom1_ptr, ptrs, dm, lr, eps)
     elif OPTIMIZER == _ROWWISE_ADAGRAD:
+        w = _rowwise_adagrad_update(
+            w, g, m_row, mom1_ptr, key, live, dm, D, lr, eps, weight_decay, WD_DECOUPLED
+        )
+    elif OPTIMIZER == _EMAINPLACE_ROWWISE_ADAGRAD:  # its moving average is the module's
         w = _rowwise_adagrad_update(
             w, g, m_row, mom1_ptr, key, live, dm, D, lr, eps, weight_decay, WD_DECOUPLED
         )
@@ -262,6 +308,12 @@ def optimizer_update(
         l1 = tl.load(hyper_ptr + _L1)
         l2 = tl.load(hyper_ptr + _L2)
         w = _ftrl_update(w, g, mom1_ptr, mom2_ptr, ptrs, dm, lr, beta, l1, l2)
+    elif OPTIMIZER == _ROWWISE_RMSPROP_AR:
+        ar_alpha = tl.load(hyper_ptr + _AR_ALPHA)
+        ema_beta = tl.load(hyper_ptr + _EMA_BETA)
+        min_shrinkage = tl.load(hyper_ptr + _MIN_SHRINKAGE)
+        w = _rowwise_rmsprop_ar_update(w, g, m_row, mom1_ptr, mom2_ptr, key, live, D, lr, eps,
+                                       t, ar_alpha, ema_beta, min_shrinkage)
     else:
         tl.static_assert(False, "unknown optimizer code")
     return w

@@ -91,7 +91,7 @@ def _run_rows(
     else:
         w = tl.zeros(dm.shape, dtype=tl.float32)
     if ROW_STATE:
-        m_row = tl.load(mom1_ptr + key, mask=live, other=0.0)
+        m_row = tl.load(mom1_ptr + key, mask=live, other=0.0).to(tl.float32)
     else:
         m_row = tl.zeros(key.shape, dtype=tl.float32)
     g0 = tl.load(
@@ -265,7 +265,7 @@ def _update_group(
         ptrs = elem[:, None] + d[None, :]
         w = optimizer_update(
             w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
-            beta1, beta2, bias_c1, bias_c2, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
+            beta1, beta2, bias_c1, bias_c2, t, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
         )
         store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP, RUNS,
                    BLOCK_D)

@@ -2,14 +2,15 @@
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules.fused_optim import check_ema_tables, ema_inplace
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
 from fbtriton_dist.ops.tbe import (
@@ -26,6 +27,7 @@ from fbtriton_dist.pooling import LABELS, PoolingMode
 from fbtriton_dist.storage import Storage, storage_of
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TableBatchedEmbedding(nn.Module):
@@ -62,6 +64,10 @@ class TableBatchedEmbedding(nn.Module):
         max_norm: rows looked up whose L2 norm exceeds it are renormalised to it in place
             before the lookup, as ``torch.nn.Embedding(max_norm=)`` (scale
             ``max_norm / (norm + 1e-7)``); None: off.
+        optimizer_state_dtypes: FBGEMM's option: ``{"momentum1" | "momentum2": dtype}``, the
+            storage of a fused optimizer's state (``"fp16"``, ``"bf16"``, ``"fp32"``, a torch
+            dtype or FBGEMM's ``SparseType``); the update is computed in fp32 and only the
+            stored state rounded (to nearest). Default fp32. Not with cached storage tiers.
         feature_names: a name per feature, for error messages.
         plan_ahead: a training batch's backward plan (sorted row keys) is made on a side
             stream beside the forward (``ops.tbe.tbe_lookup``); None: on CUDA unless
@@ -109,8 +115,10 @@ class TableBatchedEmbedding(nn.Module):
         storage: Sequence[Storage | dict | str | None] | None = None,
         max_gradient: float | None = None,
         max_norm: float | None = None,
+        optimizer_state_dtypes: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        self.optimizer_state_dtypes = optim.state_dtype_names(optimizer_state_dtypes)
         for name, value in (("max_gradient", max_gradient), ("max_norm", max_norm)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
@@ -271,6 +279,7 @@ class TableBatchedEmbedding(nn.Module):
         if optimizer is not None:
             backends.check_supported(self.backend, device=self.weights.device,
                                      optimizer=optim.spec_of(optimizer).name)
+            check_ema_tables(optimizer, self._tiers is not None)
         same_kind = type(optimizer) is type(self.optimizer)
         self.optimizer = optimizer
         # a fused module's weights are updated in backward, not by torch optimizers
@@ -280,19 +289,36 @@ class TableBatchedEmbedding(nn.Module):
         self._anchor = torch.zeros(0, requires_grad=True) if optimizer is not None else None
         if same_kind:
             return
-        # each state fp32, one value per row or per element (optim.REGISTRY); unused buffers
-        # stay empty
+        # each state fp32 (or its optimizer_state_dtypes entry), one value per row or per
+        # element (optim.REGISTRY); unused buffers stay empty
         sizes = {
             s.name: self.table_row_offsets[-1] if s.per_row else self.table_offsets[-1]
             for s in states
         }
+        self._check_state_dtypes(optimizer, sizes)
         for name in optim.STATE_BUFFERS:
             numel = sizes.get(name, 0)
-            setattr(self, name, torch.zeros(numel, dtype=torch.float32, device=self.weights.device))
+            dtype = _STATE_DTYPES[self.optimizer_state_dtypes.get(name, "fp32")]
+            setattr(self, name, torch.zeros(numel, dtype=dtype, device=self.weights.device))
         if self._tiers is not None:
             for cache in self._tiers.caches.values():
                 cache.backing.set_states(states)
         self.step = 0
+
+    def _check_state_dtypes(self, optimizer, sizes) -> None:
+        """``optimizer_state_dtypes`` names only states ``optimizer`` has, and none of a
+        module with cached tables (their backing store keeps fp32 states)."""
+        low = {k: v for k, v in self.optimizer_state_dtypes.items() if v != "fp32"}
+        if optimizer is None or not low:
+            return
+        name = optim.spec_of(optimizer).name
+        extra = sorted(set(low) - set(sizes))
+        if extra:
+            raise ValueError(f"optimizer_state_dtypes: expected keys among {sorted(sizes)} (the "
+                             f"states of {name}), got {extra}")
+        if self._tiers is not None:
+            raise ValueError("optimizer_state_dtypes: expected fp32 states with cached storage "
+                             f"tiers (their backing store keeps fp32), got {low}")
 
     @property
     def num_features(self) -> int:
@@ -434,15 +460,43 @@ class TableBatchedEmbedding(nn.Module):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        feature_requires_grad: torch.Tensor | None = None,
         batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """``indices`` [N], ``offsets`` [T*B+1] feature-major -> pooled ``[B, sum(D)]``.
 
-        With ``batch_size_per_feature_per_rank`` (FBGEMM's VBE: ``B[t][r]`` bags of feature
-        ``t`` from rank ``r``), ``offsets`` has ``sum(B) + 1`` entries and the output is
-        FBGEMM's 1-D VBE layout (``ops.vbe``)."""
+        ``feature_requires_grad`` (FBGEMM's): a ``[T]`` tensor, one flag per feature; the
+        ``per_sample_weights`` of a feature whose flag is 0 get no gradient (0 in their
+        ``.grad``), as FBGEMM's ``grad_indice_weights``; the rows' gradients and the fused
+        update are unchanged. With ``batch_size_per_feature_per_rank`` (FBGEMM's VBE:
+        ``B[t][r]`` bags of feature ``t`` from rank ``r``), ``offsets`` has ``sum(B) + 1``
+        entries and the output is FBGEMM's 1-D VBE layout (``ops.vbe``)."""
+        if feature_requires_grad is not None and per_sample_weights is not None:
+            per_sample_weights = self._weights_without_grad(
+                indices, offsets, per_sample_weights, feature_requires_grad,
+                batch_size_per_feature_per_rank)
         return self.lookup(indices, offsets, per_sample_weights,
                            batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
+
+    def _weights_without_grad(self, indices, offsets, per_sample_weights, feature_requires_grad,
+                              batch_size_per_feature_per_rank) -> torch.Tensor:
+        """``per_sample_weights`` whose entries of the features flagged 0 in
+        ``feature_requires_grad`` are detached (no gradient flows to them)."""
+        T = len(self.feature_table_map)
+        if feature_requires_grad.dim() != 1 or feature_requires_grad.numel() != T:
+            raise ValueError(f"feature_requires_grad: expected a 1-D tensor of {T} flags (one "
+                             f"per feature), got shape {tuple(feature_requires_grad.shape)}")
+        if not per_sample_weights.requires_grad:
+            return per_sample_weights
+        if batch_size_per_feature_per_rank is None:
+            bags = [(offsets.numel() - 1) // T] * T
+        else:
+            bags = [sum(b) for b in batch_size_per_feature_per_rank]
+        bounds = torch.tensor([0, *accumulate(bags)], device=offsets.device)
+        per_feature = offsets[bounds].diff()
+        flags = feature_requires_grad.to(offsets.device, torch.bool)
+        keep = flags.repeat_interleave(per_feature, output_size=indices.numel())
+        return torch.where(keep, per_sample_weights, per_sample_weights.detach())
 
     def vbe_layout(self, batch_size_per_feature_per_rank: Sequence[Sequence[int]]) -> VBELayout:
         """The padded layout of these batch sizes (kept for the last few seen)."""
@@ -491,6 +545,8 @@ class TableBatchedEmbedding(nn.Module):
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
                 train,
             )
+        if train and self.training and isinstance(self.optimizer, optim.EmaInplaceRowWiseAdagrad):
+            ema_inplace(self.optimizer, self.split_slot_weights(), self.step + 1)
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         out = tbe_lookup(

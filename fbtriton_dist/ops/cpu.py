@@ -354,22 +354,33 @@ def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
     in fp32, add it and round back."""
     spec = optim.spec_of(optimizer)
     view = group.view(weights)
-    states = []
+    places = []  # (the state, where the rows' values are in it), per state
     for state, buffer in zip(spec.states, buffers, strict=False):
-        if state.per_row:
-            if isinstance(shift, int):
-                state_rows = rows + shift
-            else:
-                key_bases, shifts = shift
-                state_rows = rows + shifts[torch.searchsorted(key_bases, rows, right=True) - 1]
-            states += [state_rows, buffer]
+        if not state.per_row:
+            places.append((group.view(buffer), rows))
+        elif isinstance(shift, int):
+            places.append((buffer, rows + shift))
         else:
-            states += [None, group.view(buffer)]
+            key_bases, shifts = shift
+            places.append((buffer, rows + shifts[torch.searchsorted(key_bases, rows,
+                                                                    right=True) - 1]))
+    gathered = any(full.dtype != torch.float32 for full, _ in places)
+    if gathered:  # fp16 / bf16 states: the rows' values in fp32, updated, rounded back
+        local = torch.arange(rows.numel(), device=rows.device)
+        work = [(full[where].float(), local) for full, where in places]
+    else:
+        local, work = rows, places
+    states = []
+    for state, (full, where) in zip(spec.states, work, strict=False):
+        states += [where if state.per_row else None, full]
     fast = weights.dtype == torch.float32 and generator is None
     w = None
     if not fast or _NEEDS_ROWS[spec.name](optimizer):
         w = view.index_select(0, rows).to(torch.float32)
-    delta = _STEPS[spec.name](optimizer, grad, w, t, rows, *states)
+    delta = _STEPS[spec.name](optimizer, grad, w, t, local, *states)
+    if gathered:
+        for (full, where), (values, _) in zip(places, work, strict=True):
+            full.index_copy_(0, where, values.to(full.dtype))
     if fast:
         view.index_add_(0, rows, delta)
         return
@@ -437,7 +448,7 @@ def _adagrad_step(opt: optim.Adagrad, g, w, t, rows, _, m1):
 
 
 def _rowwise_adagrad_step(opt: optim.RowWiseAdagrad, g, w, t, rows, state_rows, m1):
-    wd = opt.weight_decay
+    wd = opt.applied_weight_decay  # 0 with weight_decay_mode="none"
     decoupled = opt.weight_decay_mode == "decoupled"
     g_wd = g if decoupled or wd == 0 else g + wd * w
     m = m1.index_select(0, state_rows) + torch.linalg.vecdot(g_wd, g_wd) / g.shape[1]
@@ -528,6 +539,22 @@ def _ftrl_step(opt: optim.FTRL, g, w, t, rows, _, m1, __, m2):
     return w_new.sub_(w)
 
 
+def _rowwise_rmsprop_ar_step(opt: optim.RowWiseRMSpropAR, g, w, t, rows, state_rows, m1,
+                             _, m2):
+    b = opt.ema_beta
+    v = m1.index_select(0, state_rows).mul_(b).add_(torch.linalg.vecdot(g, g) / g.shape[1],
+                                                    alpha=1.0 - b)
+    m1.index_copy_(0, state_rows, v)
+    last = m2.index_select(0, state_rows)
+    gap = torch.where(last == 0, torch.ones_like(last), t - last)
+    keep = (1.0 - (opt.lr * opt.ar_alpha * gap).clamp_(0.0, 1.0)).clamp_(min=opt.min_shrinkage)
+    m2.index_copy_(0, state_rows, torch.full_like(last, float(t)))
+    step = g * (-opt.lr / (v.sqrt_().add_(opt.eps)))[:, None]
+    if w is not None:  # ar_alpha > 0: w_new - w has the decay's part
+        step.add_(w * (keep - 1.0)[:, None])
+    return step
+
+
 _STEPS = {
     "sgd": _sgd_step,
     "adagrad": _adagrad_step,
@@ -538,19 +565,23 @@ _STEPS = {
     "partial_rowwise_lamb": _partial_rowwise_lamb_step,
     "lars_sgd": _lars_sgd_step,
     "ftrl": _ftrl_step,
+    "emainplace_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average
+    "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
 }
 """The step of each optimizer, by its registry name."""
 
 _NEEDS_ROWS = {
     "sgd": lambda opt: False,
     "adagrad": lambda opt: False,
-    "rowwise_adagrad": lambda opt: opt.weight_decay != 0,
+    "rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
     "adam": lambda opt: opt.weight_decay != 0,
     "partial_rowwise_adam": lambda opt: opt.weight_decay != 0,
     "lamb": lambda opt: True,  # the trust ratio
     "partial_rowwise_lamb": lambda opt: True,
     "lars_sgd": lambda opt: True,
     "ftrl": lambda opt: True,  # sigma * w, and the new rows replace the old
+    "emainplace_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
+    "rowwise_rmsprop_ar": lambda opt: opt.ar_alpha != 0,  # else the decay factor is 1
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

@@ -272,7 +272,7 @@ def _adagrad_update(opt: optim.Adagrad, w, g, t, momentum1, momentum2, state_row
 def _rowwise_adagrad_update(
     opt: optim.RowWiseAdagrad, w, g, t, momentum1, momentum2, state_rows, elems
 ):
-    wd = opt.weight_decay
+    wd = opt.applied_weight_decay  # 0 with weight_decay_mode="none"
     decoupled = opt.weight_decay_mode == "decoupled"
     g_wd = g if decoupled else g + wd * w
     m = momentum1[state_rows] + (g_wd * g_wd).mean(dim=1)
@@ -352,6 +352,21 @@ def _ftrl_update(opt: optim.FTRL, w, g, t, momentum1, momentum2, state_rows, ele
     return torch.where(z.abs() <= opt.l1, torch.zeros_like(w), w_new)
 
 
+def _rowwise_rmsprop_ar_update(
+    opt: optim.RowWiseRMSpropAR, w, g, t, momentum1, momentum2, state_rows, elems
+):
+    b = opt.ema_beta
+    v = b * momentum1[state_rows] + (1.0 - b) * (g * g).mean(dim=1)
+    momentum1[state_rows] = v
+    last = momentum2[state_rows]  # the step of the row's last update, 0 before its first
+    gap = torch.where(last == 0, torch.ones_like(last), t - last)
+    decay = (opt.lr * opt.ar_alpha * gap).clamp(0.0, 1.0)
+    keep = (1.0 - decay).clamp(min=opt.min_shrinkage)
+    momentum2[state_rows] = float(t)
+    rate = opt.lr / (torch.sqrt(v) + opt.eps)
+    return keep[:, None] * w - rate[:, None] * g
+
+
 UPDATES = {
     "sgd": _sgd_update,
     "adagrad": _adagrad_update,
@@ -362,6 +377,9 @@ UPDATES = {
     "partial_rowwise_lamb": _partial_rowwise_lamb_update,
     "lars_sgd": _lars_sgd_update,
     "ftrl": _ftrl_update,
+    # rowwise Adagrad's update; its moving average is the module's (modules/fused_optim.py)
+    "emainplace_rowwise_adagrad": _rowwise_adagrad_update,
+    "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_update,
 }
 """The update of each optimizer, by its registry name."""
 
@@ -376,6 +394,14 @@ def _apply_optimizer(
     state_rows: torch.Tensor,
     elems: torch.Tensor,
 ) -> torch.Tensor:
-    """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows."""
+    """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows.
+    States stored in fp16 / bf16 (``optimizer_state_dtypes``) are updated in fp32 copies, then
+    rounded back to nearest (values the update left are exact in their dtype)."""
     update = UPDATES[optim.spec_of(optimizer).name]
-    return update(optimizer, w, g, step, momentum1, momentum2, state_rows, elems)
+    stored = (momentum1, momentum2)
+    m1, m2 = (s.to(torch.float32) if s is not None else None for s in stored)
+    w = update(optimizer, w, g, step, m1, m2, state_rows, elems)
+    for state, fp32 in zip(stored, (m1, m2), strict=True):
+        if state is not None and state is not fp32:
+            state.copy_(fp32)
+    return w

@@ -355,6 +355,9 @@ class EmbeddingOptimizerConfig:
     weight_decay: float = 0.0
     """Weight decay (only where the optimizer's torch class takes it: rowwise_adagrad (L2),
     partial_rowwise_adam, lamb, partial_rowwise_lamb (decoupled), lars_sgd)."""
+    weight_decay_mode: str | None = None
+    """rowwise_adagrad's ``none``, ``l2`` or ``decoupled`` (``optim.WEIGHT_DECAY_MODES``;
+    FBGEMM's ``weight_decay_mode``); None: its default, ``l2``."""
     betas: tuple[float, float] = (0.9, 0.999)
     """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
     eta: float | None = None
@@ -367,22 +370,42 @@ class EmbeddingOptimizerConfig:
     """ftrl's L1 regularisation; None: its default."""
     l2: float | None = None
     """ftrl's L2 regularisation; None: its default."""
+    step_ema: float | None = None
+    """emainplace_rowwise_adagrad's moving-average period in steps; None: its default."""
+    step_start: float | None = None
+    """emainplace_rowwise_adagrad's first moving-average step; None: its default."""
+    step_ema_coef: float | None = None
+    """emainplace_rowwise_adagrad's moving-average coefficient; None: its default."""
+    ar_alpha: float | None = None
+    """rowwise_rmsprop_ar's adaptive decay coefficient; None: its default."""
+    ema_beta: float | None = None
+    """rowwise_rmsprop_ar's decay of the mean squared gradient; None: its default."""
+    min_shrinkage: float | None = None
+    """rowwise_rmsprop_ar's floor of the decay factor; None: its default."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
         check_number("lr", self.lr, 0.0)
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
-        for name in ("eta", "momentum", "beta", "l1", "l2"):
+        _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
+                        optim.WEIGHT_DECAY_MODES)
+        for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
+                     "ar_alpha", "ema_beta", "min_shrinkage"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
+        _check_optional(check_number, "step_ema", self.step_ema, 1.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
         # (optim.REGISTRY's ``keywords``)
         given = {"weight_decay": bool(self.weight_decay)}
         given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
-                                                                 "l2")})
+                                                                 "l2", "weight_decay_mode",
+                                                                 "step_ema", "step_start",
+                                                                 "step_ema_coef", "ar_alpha",
+                                                                 "ema_beta", "min_shrinkage")})
         for key in (k for k, v in given.items() if v):
-            if key not in optim.spec(self.type).keywords:
-                takers = [n for n in optim.NAMES if key in optim.spec(n).keywords]
+            if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
+                takers = [n for n in optim.NAMES
+                          if key in {**optim.spec(n).keywords, **optim.spec(n).modes}]
                 raise FieldError(
                     key, f"only supported with type: {', '.join(takers)}, got type: {self.type}"
                 )

@@ -170,8 +170,12 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     takes (``optim.REGISTRY``), that class's defaults for those not given."""
     entry = optim.spec(c.type)
     given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay,
-             "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2}
-    kwargs = {k: v for k, v in given.items() if k in entry.keywords and v is not None}
+             "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2,
+             "weight_decay_mode": c.weight_decay_mode, "step_ema": c.step_ema,
+             "step_start": c.step_start, "step_ema_coef": c.step_ema_coef,
+             "ar_alpha": c.ar_alpha, "ema_beta": c.ema_beta, "min_shrinkage": c.min_shrinkage}
+    takes = {**entry.keywords, **entry.modes}
+    kwargs = {k: v for k, v in given.items() if k in takes and v is not None}
     return entry.from_kwargs(kwargs, "optimizer.embedding")
 
 

@@ -34,7 +34,7 @@ OPTS = {
 }
 
 
-def _row_update(name, opt, w, g, t, m, v):
+def row_update(name, opt, w, g, t, m, v):
     """One row's update by the formula (float64 rows ``w``, ``g`` [D]; states ``m`` [D] and
     ``v`` [D] or a one-element tensor); returns (w, m, v)."""
     if name.startswith("ftrl"):  # m is z, v is n, per coordinate
@@ -63,7 +63,7 @@ def _row_update(name, opt, w, g, t, m, v):
     return w - opt.lr * ratio * r, m, v
 
 
-def _table_grads(weights, batch, pooling):
+def table_grads(weights, batch, pooling):
     """Each table's [E, D] float64 gradient of the pooled output (embedding_bag, autograd)
     for upstream gradient ``up``, and the rows each table's features touched."""
     indices, offsets, psw, up = batch
@@ -83,16 +83,16 @@ def _table_grads(weights, batch, pooling):
 
 
 def _expected(name, opt, w0, batches, pooling, dtype):
-    """The tables' weights and states after the batches, by ``_row_update``."""
+    """The tables' weights and states after the batches, by ``row_update``."""
     weights = [w.double() for w in w0]
     per_row_v = name.startswith("partial_rowwise")
     m = [torch.zeros(E, D, dtype=torch.float64) for E, D in TABLES]
     v = [torch.zeros(E, 1 if per_row_v else D, dtype=torch.float64) for E, D in TABLES]
     for t_step, batch in enumerate(batches, start=1):
-        grads, touched = _table_grads(weights, batch, pooling)
+        grads, touched = table_grads(weights, batch, pooling)
         for t in range(len(TABLES)):
             for row in sorted(touched[t]):
-                w, mm, vv = _row_update(name, opt, weights[t][row], grads[t][row], t_step,
+                w, mm, vv = row_update(name, opt, weights[t][row], grads[t][row], t_step,
                                         m[t][row], v[t][row])
                 weights[t][row], m[t][row], v[t][row] = w, mm, vv
             # the module's rows are rounded to its dtype after every step

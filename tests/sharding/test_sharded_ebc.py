@@ -147,6 +147,7 @@ def _optimizer(name):
         "partial_rowwise_adam": optim.PartialRowWiseAdam(lr=0.05, weight_decay=0.01),
         "lamb": optim.LAMB(lr=0.05),
         "ftrl": optim.FTRL(lr=0.2, l1=0.01, l2=0.1),
+        "rowwise_rmsprop_ar": optim.RowWiseRMSpropAR(lr=0.1, ar_alpha=2.0, ema_beta=0.9),
     }
     if name in fused:
         return optim.torch_equivalent(fused[name])
@@ -235,6 +236,7 @@ CASES = [
     ("row_wise", "lamb", False),
     ("table_wise", "partial_rowwise_adam", True),
     ("table_row_wise", "ftrl", False),
+    ("row_wise", "rowwise_rmsprop_ar", True),  # two per-row states (v, the last step)
 ]
 
 

@@ -71,7 +71,8 @@ def test_unknown_top_level_key():
 def test_unknown_nested_key():
     msg = error(job(optimizer={"embedding": {"type": "sgd", "learning_rate": 0.1}}))
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
-    assert "[type, lr, eps, weight_decay, betas, eta, momentum, beta, l1, l2]" in msg
+    assert ("[type, lr, eps, weight_decay, weight_decay_mode, betas, eta, momentum, beta, l1, "
+            "l2, step_ema, step_start, step_ema_coef, ar_alpha, ema_beta, min_shrinkage]") in msg
 
 
 def test_bad_choice_lists_choices():
@@ -79,7 +80,8 @@ def test_bad_choice_lists_choices():
     assert msg == (
         "jobs/x.yaml: optimizer.embedding.type: expected one of "
         "[sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb, "
-        "partial_rowwise_lamb, lars_sgd, ftrl], got 'ada'"
+        "partial_rowwise_lamb, lars_sgd, ftrl, emainplace_rowwise_adagrad, "
+        "rowwise_rmsprop_ar], got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
     assert ("data.source: expected one of [synthetic, random_rec, criteo, multihot], got "
