@@ -238,10 +238,9 @@ INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, 
                 d0 += 8, first = 0;                                                              \
     } while (0)
 
-/* PLAIN: fp32 rows, no per-sample weights (the other cases are not built in) */
-INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
-                    int64_t pf_end, int PLAIN) {
-    const int64_t D = a->dims[f];
+/* PLAIN: fp32 rows, no per-sample weights (the other cases are not built in); D: a->dims[f] */
+INLINE int pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
+                        int64_t pf_end, int PLAIN, const int64_t D) {
     const uint64_t E = (uint64_t)a->rows[f];
     const char *tab = (const char *)a->weights + a->w_offsets[f] * (a->dtype == F32 ? 4 : 2);
     int bad = 0, first = 1;
@@ -256,6 +255,17 @@ INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o
     else POOL_PASSES(BF16, 2, IDANY, 0);
     if (D > d0) bad |= pool_tail(a, tab, D, E, s, e, d0, o, pf_end, first);
     return bad;
+}
+
+/* fp32 rows of D = 64 or 128 without weights get their own copy, D a constant: the passes
+ * unrolled, each id's prefetches and row address without a loop or a multiply (C1, D = 128:
+ * ~10% less CPU time per forward on an AMD EPYC; the same sums) */
+INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
+                    int64_t pf_end, int PLAIN) {
+    const int64_t D = a->dims[f];
+    if (PLAIN && D == 128) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 128);
+    if (PLAIN && D == 64) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 64);
+    return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, D);
 }
 
 /* Bags k0 .. k1 (feature-major: bag k of feature k / B); returns BAD_* bits (bad bags and ids
