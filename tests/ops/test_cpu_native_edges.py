@@ -7,6 +7,8 @@ random-batch comparison of ``test_cpu_native.py`` passing:
 * the forward's id guard, for every D around the kernels' vector widths (8 floats a pass,
   16, 32, 64 per cache line pass, a tail below 8): an id equal to its table's row count
   under ``bounds_check="ignore"`` is refused, never read from the next table;
+* the forward's fp32 sums for D = 64 and 128 (constant-D copies of its code) and another D:
+  rows added in id order, bit for bit, at 1, 2 and 3 threads, int64 and int32 ids;
 * fp16 / bf16 row writes round to nearest even: updates landing a quarter, a half (a tie)
   and three quarters of an ulp past a representable value."""
 
@@ -140,6 +142,42 @@ def test_an_id_equal_to_the_rows_is_refused_not_read_from_the_next_table(D, vari
     want = rows[1] + rows[E - 1] if pooling == "sum" else torch.stack([rows[1], rows[E - 1]])
     got = good[0, :D] if pooling == "sum" else good[:2, :D]
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_fixed_width_rows_sum_in_id_order_at_any_thread_count(native):
+    """fp32 rows of D 128 and 64 (the forward's constant-D copies) and 96 (its general code),
+    int64 and int32 ids, bags of 0 .. 40 ids (past the 20-id prefetch distance): each bag is its
+    rows added in id order in fp32, bit for bit, at 1, 2 and 3 threads."""
+    assert cpu_native.library() is not None
+    g = torch.Generator().manual_seed(3)
+    tables, B = [(300, 128), (200, 64), (100, 96), (50, 128)], 24
+    m = TableBatchedEmbedding(tables, backend="cpu")
+    with torch.no_grad():
+        m.weights.copy_(torch.randn(m.weights.shape, generator=g))
+    lengths = torch.randint(0, 41, (len(tables) * B,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    indices = torch.cat([torch.randint(0, tables[k // B][0], (int(n),), generator=g)
+                         for k, n in enumerate(lengths)])
+    w, want, base = m.weights.detach().view(-1), [], 0
+    for f, (E, D) in enumerate(tables):
+        rows = w[base: base + E * D].view(E, D)
+        for b in range(B):
+            acc = torch.zeros(D)
+            for i in indices[offsets[f * B + b]: offsets[f * B + b + 1]]:
+                acc = acc + rows[i]
+            want.append(acc)
+        base += E * D
+    want = torch.cat([torch.stack(want[f * B: (f + 1) * B]) for f in range(len(tables))], 1)
+    before = torch.get_num_threads()
+    try:
+        for idt in (torch.int64, torch.int32):
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with torch.no_grad():
+                    got = m(indices.to(idt), offsets.to(idt))
+                assert torch.equal(got, want), (idt, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- fp16 / bf16 row writes
