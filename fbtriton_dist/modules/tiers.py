@@ -20,13 +20,14 @@ The map and the bookkeeping live on the host: ids of a batch are read there (a s
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fbtriton_dist.id_manager import IdManagerConfig
-from fbtriton_dist.ops.id_remap import IdTable, id_remap
+from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
 
 Views = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -113,88 +114,193 @@ class Backing:
         self.states = {k: v.pin_memory() for k, v in self.states.items()}
 
 
+class Staged:
+    """Rows of one cached table read from its backing store ahead of the lookup that needs
+    them (``TieredTables.prefetch``): ``rows`` ``[P]`` ascending, ``weight`` ``[P, D]`` and
+    each optimizer state ``[P]`` / ``[P, D]``. Read on a worker thread while the cache may
+    write rows back: ``RowCache`` records what it writes back meanwhile (``written``) and
+    never uses a staged copy of such a row."""
+
+    def __init__(self, rows: torch.Tensor, weight: torch.Tensor,
+                 states: dict[str, torch.Tensor]) -> None:
+        self.rows, self.weight, self.states = rows, weight, states
+
+
 class RowCache:
-    """One cached table's slot map (``ops.id_remap``'s ``IdTable``, LRU or LFU), the row in
-    each slot (``row_of_slot``, -1: free), which slots are dirty, and its ``Backing``."""
+    """One cached table's slot map, LRU or LFU (the managed tables' rules: ``ops.id_remap``),
+    and its ``Backing``. Per slot: the row in it (``row_of_slot``, -1: free), the map clock
+    when a batch last used it (``last_seen``, -1: free), in how many batches it was used since
+    it was loaded (``counts``, LFU), whether it is ``dirty``; per row, its slot
+    (``slot_of_row`` ``[E]`` int32, C: not cached): a lookup is one gather, whatever the
+    number of slots. The map costs 4 bytes per row of the table, next to its ``D`` elements
+    and optimizer state in the backing store."""
+
+    STATS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
+             "prefetch_us", "prefetch_wait_us")
+    """``cache_stats()`` keys: distinct rows looked up, rows loaded (misses), rows evicted,
+    rows written back; prefetch: rows read ahead, rows loaded from what was read ahead,
+    microseconds the worker spent, microseconds lookups waited for it."""
 
     def __init__(self, name: str, storage: Storage, rows: int, dim: int, dtype: torch.dtype,
                  pin: bool) -> None:
         self.name, self.storage, self.rows, self.dim = name, storage, rows, dim
         self.slots = storage.slots(rows)
         self.backing = Backing(name, storage, rows, dim, dtype, pin)
-        self.map = IdTable(IdManagerConfig(capacity=self.slots, eviction=storage.policy), name)
+        self.lfu = storage.policy == "lfu"
         self.row_of_slot = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.last_seen = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.counts = torch.zeros(self.slots, dtype=torch.int64)
         self.dirty = torch.zeros(self.slots, dtype=torch.bool)
-        self.stats = dict.fromkeys(("lookups", "misses", "evictions", "writebacks"), 0)
+        self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
+        self.stats = dict.fromkeys(self.STATS, 0)
+        self.written: list[torch.Tensor] | None = None  # rows written back while staging
 
     def invalidate(self) -> None:
         """Forget every slot (nothing written back): the backing store was rewritten."""
-        for b in (self.map.keys, self.map.counts):
-            b.zero_()
-        self.map.last_seen.fill_(-1)
-        self.map.reindex()
         self.row_of_slot.fill_(-1)
+        self.last_seen.fill_(-1)
+        self.counts.zero_()
         self.dirty.zero_()
+        self.slot_of_row.fill_(self.slots)
 
     def resident(self) -> list[int]:
         """The rows in the cache, ascending."""
         return sorted(int(r) for r in self.row_of_slot[self.row_of_slot >= 0])
 
+    def _pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(backing store, cache) of the weights and of each optimizer state."""
+        weight, states = views
+        return [(self.backing.weight, weight),
+                *((b, states[n]) for n, b in self.backing.states.items())]
+
     def _write_back(self, slots: torch.Tensor, views: Views) -> None:
         rows = self.row_of_slot.index_select(0, slots)
-        weight, states = views
-        dev = slots.to(weight.device)
-        pairs = [(self.backing.weight, weight), *((b, states[n])
-                                                  for n, b in self.backing.states.items())]
-        for backing, cache in pairs:
+        dev = slots.to(views[0].device)
+        for backing, cache in self._pairs(views):
             backing.index_copy_(0, rows, cache.index_select(0, dev).to("cpu", backing.dtype))
+        if self.written is not None:
+            self.written.append(rows)
         self.stats["writebacks"] += int(slots.numel())
 
-    def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views) -> None:
-        weight, states = views
-        dev = slots.to(weight.device)
-        pairs = [(self.backing.weight, weight), *((b, states[n])
-                                                  for n, b in self.backing.states.items())]
+    def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views,
+              staged: Staged | None) -> None:
+        """Rows ``rows`` ``[M]`` (ascending) and their state into ``slots``: from ``staged``
+        where it holds a copy that no write-back has made stale, else from the backing."""
+        pairs = self._pairs(views)
+        if staged is not None and staged.rows.numel():
+            pos = torch.searchsorted(staged.rows, rows).clamp_(max=staged.rows.numel() - 1)
+            ok = staged.rows[pos] == rows
+            if self.written:
+                stale = torch.isin(staged.rows, torch.cat(self.written))
+                ok &= ~stale[pos]
+            used = int(ok.sum())
+            if used:
+                self.stats["prefetch_used"] += used
+                at = ok.nonzero().squeeze(1)
+                dev = slots[at].to(views[0].device)
+                copies = [staged.weight, *(staged.states[n] for n in self.backing.states)]
+                for (_, cache), copy in zip(pairs, copies, strict=True):
+                    cache.index_copy_(0, dev, copy.index_select(0, pos[at]).to(
+                        cache.device, cache.dtype))
+                if used == rows.numel():
+                    return
+                rest = (~ok).nonzero().squeeze(1)
+                slots, rows = slots[rest], rows[rest]
+        dev = slots.to(views[0].device)
         for backing, cache in pairs:
             cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device,
                                                                          cache.dtype))
 
-    def assign(self, rows: torch.Tensor, clock: int, views: Views, train: bool,
-               pinned: bool) -> torch.Tensor:
-        """Slots ``[U]`` of the distinct rows ``rows`` ``[U]`` (int64, host), loading the
-        misses (after writing back the dirty rows they evict). ``train``: the slots become
-        dirty. ``pinned``: earlier batches' slots are still pinned (for the message)."""
-        U = int(rows.numel())
-        if U > self.slots:
+    def stage(self, ids: torch.Tensor) -> Staged:
+        """Read ahead the rows of ``ids`` (any int64, repeats allowed) that are not cached now
+        (ids out of range are left to the lookup's check). Runs on the prefetch worker."""
+        rows = torch.unique(ids[(ids >= 0) & (ids < self.rows)])
+        rows = rows[self.slot_of_row.index_select(0, rows) >= self.slots]
+        weight = self.backing.weight.index_select(0, rows)
+        states = {n: b.index_select(0, rows) for n, b in self.backing.states.items()}
+        return Staged(rows, weight, states)
+
+    def _distinct(self, ids: torch.Tensor) -> torch.Tensor:
+        """The distinct values of ``ids`` (rows not cached, repeats allowed), ascending,
+        without sorting all of them: each writes its position into its (free) entry of
+        ``slot_of_row``, the one whose position stayed there is kept; the entries are put
+        back."""
+        C = self.slots
+        at = torch.arange(C + 1, C + 1 + ids.numel(), dtype=torch.int32)
+        self.slot_of_row.index_put_((ids,), at)
+        first = ids.masked_select(self.slot_of_row.index_select(0, ids) == at)
+        self.slot_of_row.index_fill_(0, first, C)
+        return first.sort().values
+
+    def assign(self, ids: torch.Tensor, clock: int, views: Views, train: bool,
+               pinned: bool, staged: Staged | None = None) -> torch.Tensor:
+        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, in range,
+        repeats allowed), loading the misses (after writing back the dirty rows they evict;
+        from ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``:
+        earlier batches' slots are still pinned (for the message)."""
+        C = self.slots
+        slot = self.slot_of_row.index_select(0, ids)  # C: not cached
+        used = torch.zeros(C + 1, dtype=torch.bool)
+        used.index_fill_(0, slot.long(), True)
+        used = used[:C]
+        new = self._distinct(ids.masked_select(slot == C))  # the order misses take slots in
+        H, M = int(used.sum()), int(new.numel())
+        U = H + M
+        if U > C:
             raise ValueError(
                 f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
-                f"rows, its cache has {self.slots} slots (of {self.rows} rows); raise "
+                f"rows, its cache has {C} slots (of {self.rows} rows); raise "
                 f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
             )
-        slots, fresh = id_remap(self.map, rows, step=clock, update=True)
         self.stats["lookups"] += U
-        if fresh.numel():
-            old = self.row_of_slot[fresh]
-            out = fresh[(old >= 0) & self.dirty[fresh]]
+        if H:
+            self.last_seen.masked_fill_(used, clock)
+            self.counts += used
+        if M:
+            self._take_slots(new, clock, views, staged, pinned, U)
+            slot = self.slot_of_row.index_select(0, ids)
+        slots = slot.long()
+        if train:
+            self.dirty.index_fill_(0, slots, True)
+        return slots
+
+    def _take_slots(self, new: torch.Tensor, clock: int, views: Views, staged: Staged | None,
+                    pinned: bool, U: int) -> None:
+        """Slots for the rows ``new`` (ascending, not cached): free ones (ascending), then the
+        victims (LRU / LFU order) among the slots not used at ``clock``; load them."""
+        M = int(new.numel())
+        free = (self.last_seen < 0).nonzero().squeeze(1)
+        victims = free[:0]
+        if M > free.numel():
+            cand = ((self.last_seen >= 0) & (self.last_seen < clock)).nonzero().squeeze(1)
+            need = min(M - free.numel(), cand.numel())
+            if need:
+                victims = pick_victims(cand, self.last_seen, self.counts if self.lfu else None,
+                                       need)
+        targets = torch.cat([free[:M], victims])
+        if victims.numel():
+            out = victims[self.dirty[victims]]
             if out.numel():
                 self._write_back(out, views)
-            self.stats["evictions"] += int((old >= 0).sum())
-            self.stats["misses"] += int(fresh.numel())
-            new = self.map.keys[fresh]
-            self._load(fresh, new, views)
-            self.row_of_slot[fresh] = new
-            self.dirty[fresh] = False
-        if bool((slots >= self.slots).any()):  # the slots given stay consistent: loaded above
-            missing = int((slots >= self.slots).sum())
+            self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims),
+                                         self.slots)
+            self.stats["evictions"] += int(victims.numel())
+        got = new[: targets.numel()]
+        self.stats["misses"] += int(targets.numel())
+        self._load(targets, got, views, staged)
+        self.row_of_slot[targets] = got
+        self.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
+        self.last_seen[targets] = clock
+        self.counts[targets] = 1
+        self.dirty[targets] = False
+        if targets.numel() < M:  # the slots given stay consistent: loaded above
             raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): {missing} of the batch's {U} "
-                f"distinct rows found no slot of {self.slots}: the others hold rows of this batch"
+                f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "
+                f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
+                "rows of this batch"
                 + (" or rows pinned by training batches whose backward has not run" if pinned
                    else "") + "; raise cache_load_factor or cache_slots"
             )
-        if train:
-            self.dirty[slots] = True
-        return slots
 
     def flush(self, views: Views) -> None:
         """Write every dirty slot back; they are clean afterwards."""
@@ -206,12 +312,22 @@ class RowCache:
 
 class TieredTables:
     """The row caches of one TableBatchedEmbedding's cached tables (table index -> its
-    ``RowCache``), the map clock and the training batches whose backward is pending."""
+    ``RowCache``), the map clock, the training batches whose backward is pending and the
+    prefetch in flight (``prefetch``: one worker thread reads the next batch's missing rows
+    from the backing stores while the current step computes)."""
 
     def __init__(self, caches: dict[int, RowCache]) -> None:
         self.caches = caches
         self.clock = 0
         self._pending: list[tuple[weakref.ref, list[bool]]] = []
+        self._worker: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, Future] = {}  # table -> its prefetch
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
+        flight behind."""
+        self.cancel_prefetch()
+        return {**self.__dict__, "_worker": None, "_ahead": {}}
 
     def _pending_now(self) -> bool:
         """Drop the batches whose backward ran or whose graph is gone; any left?"""
@@ -219,30 +335,49 @@ class TieredTables:
                          if not done[0] and node() is not None]
         return bool(self._pending)
 
-    def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
-              names: Callable[[int], str], views: Callable[[int], Views],
-              train: bool) -> torch.Tensor:
-        """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
-        loading misses. ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
-        for errors; ``views(t)``: table t's slots."""
-        pinned = self._pending_now()
-        if not pinned:  # while a batch is pending, its slots stay "used now": no tick
-            self.clock += 1
+    @staticmethod
+    def _table_ids(indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
+                   tables) -> dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
+        """Per table of ``tables``: its ids of the batch (int64 host) and the (feature, start,
+        end) ranges of ``indices`` they come from; tables without ids are left out."""
         T = len(feature_table_map)
         B = (offsets.numel() - 1) // T
         if B == 0 or indices.numel() == 0:
-            return indices
+            return {}
         bounds = offsets[::B].tolist()
-        out = indices.clone()
-        for t, cache in self.caches.items():
+        out = {}
+        for t in tables:
             parts = [(f, bounds[f], bounds[f + 1]) for f in range(T)
                      if feature_table_map[f] == t and bounds[f + 1] > bounds[f]]
             if not parts:
                 continue
-            ids = torch.cat([indices[a:b] for _, a, b in parts]).to("cpu", torch.int64)
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= cache.rows:
-                bad = lo if lo < 0 else hi
+            if len(parts) == 1:
+                ids = indices[parts[0][1] : parts[0][2]]
+            else:
+                ids = torch.cat([indices[a:b] for _, a, b in parts])
+            out[t] = (ids.to("cpu", torch.int64), parts)
+        return out
+
+    def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
+              names: Callable[[int], str], views: Callable[[int], Views],
+              train: bool) -> torch.Tensor:
+        """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
+        loading misses (from the prefetch in flight, if any: waited for here; its error is
+        raised here). ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
+        for errors; ``views(t)``: table t's slots."""
+        pinned = self._pending_now()
+        if not pinned:  # while a batch is pending, its slots stay "used now": no tick
+            self.clock += 1
+        staged = self._collect()
+        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
+        if not per_table:
+            return indices
+        out = indices.clone()
+        for t, (ids, parts) in per_table.items():
+            cache = self.caches[t]
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= cache.rows:
+                bad = int(lo) if int(lo) < 0 else int(hi)
                 f = next(f for f, a, b in parts
                          if bool(((indices[a:b] < 0) | (indices[a:b] >= cache.rows)).any()))
                 raise ValueError(
@@ -250,14 +385,71 @@ class TieredTables:
                     f"{cache.storage.tier!r}): id {bad} out of range [0, {cache.rows}) "
                     "(cached tiers always check ids)"
                 )
-            rows, inverse = torch.unique(ids, return_inverse=True)
-            slots = cache.assign(rows, self.clock, views(t), train, pinned)[inverse]
+            try:
+                slots = cache.assign(ids, self.clock, views(t), train, pinned, staged.get(t))
+            finally:
+                cache.written = None
             slots = slots.to(indices.device, indices.dtype)
             at = 0
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
         return out
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
+                 feature_table_map: list[int]) -> None:
+        """Start reading the rows of the batch ``indices`` / ``offsets`` that are not cached
+        now, on the worker thread: the next ``remap`` loads them from there (waiting for what
+        is not read yet). A prefetch not used by a lookup yet is replaced. Exact whatever
+        happens meanwhile: a row written back after its copy was read is loaded from the
+        backing store."""
+        self._collect()  # an earlier one: finished (its error raised) and dropped
+        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
+        if not per_table:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier-prefetch")
+        for t, (ids, _) in per_table.items():
+            cache = self.caches[t]
+            cache.written = []
+            self._ahead[t] = self._worker.submit(self._stage, cache, ids)
+
+    @staticmethod
+    def _stage(cache: RowCache, ids: torch.Tensor) -> Staged:
+        t0 = time.perf_counter()
+        staged = cache.stage(ids)
+        cache.stats["prefetched"] += int(staged.rows.numel())
+        cache.stats["prefetch_us"] += int(1e6 * (time.perf_counter() - t0))
+        return staged
+
+    def _collect(self) -> dict[int, Staged]:
+        """Wait for the prefetch in flight (the wait is counted per table) and take what it
+        read; its worker's error is raised here, naming the table."""
+        ahead, self._ahead = self._ahead, {}
+        out, error = {}, None
+        for t, future in ahead.items():
+            cache = self.caches[t]
+            t0 = time.perf_counter()
+            try:
+                out[t] = future.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every wait
+                error = error or (cache.name, e)
+            cache.stats["prefetch_wait_us"] += int(1e6 * (time.perf_counter() - t0))
+        if error is not None:
+            for cache in self.caches.values():
+                cache.written = None
+            name, e = error
+            raise RuntimeError(f"table '{name}': the prefetch of its rows failed on the worker "
+                               f"thread: {type(e).__name__}: {e}") from e
+        return out
+
+    def cancel_prefetch(self) -> None:
+        """Wait for the prefetch in flight, if any, and drop it (its error too)."""
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            future.exception()
+        for cache in self.caches.values():
+            cache.written = None
 
     def track(self, out: torch.Tensor) -> None:
         """``out``, the lookup of a training batch: its slots stay pinned until the backward
@@ -278,6 +470,7 @@ class TieredTables:
             cache.flush(views(t))
 
     def invalidate(self) -> None:
+        self.cancel_prefetch()
         for cache in self.caches.values():
             cache.invalidate()
         self._pending = []
