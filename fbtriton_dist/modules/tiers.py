@@ -114,6 +114,24 @@ class Backing:
         self.states = {k: v.pin_memory() for k, v in self.states.items()}
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64)
+
+
+def copy_rows(dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,
+              src_at: torch.Tensor | None) -> None:
+    """``dst[dst_at] = src[src_at]`` (``src_at`` None: every row of ``src``, in order), rows
+    of ``[n, D]`` or elements of ``[n]``; converted to ``dst``'s device and dtype. Host tensors
+    of one dtype go through numpy (a ``memcpy`` per row: about twice torch's ``index_copy_``
+    on the CPU)."""
+    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.dtype in _NUMPY_DTYPES):
+        d, s = dst.detach().numpy(), src.detach().numpy()
+        d[dst_at.numpy()] = s if src_at is None else s[src_at.numpy()]
+        return
+    rows = src if src_at is None else src.index_select(0, src_at.to(src.device))
+    dst.index_copy_(0, dst_at.to(dst.device), rows.to(dst.device, dst.dtype))
+
+
 class Staged:
     """Rows of one cached table read from its backing store ahead of the lookup that needs
     them (``TieredTables.prefetch``): ``rows`` ``[P]`` ascending, ``weight`` ``[P, D]`` and
@@ -175,9 +193,8 @@ class RowCache:
 
     def _write_back(self, slots: torch.Tensor, views: Views) -> None:
         rows = self.row_of_slot.index_select(0, slots)
-        dev = slots.to(views[0].device)
         for backing, cache in self._pairs(views):
-            backing.index_copy_(0, rows, cache.index_select(0, dev).to("cpu", backing.dtype))
+            copy_rows(backing, rows, cache, slots)
         if self.written is not None:
             self.written.append(rows)
         self.stats["writebacks"] += int(slots.numel())
@@ -197,19 +214,15 @@ class RowCache:
             if used:
                 self.stats["prefetch_used"] += used
                 at = ok.nonzero().squeeze(1)
-                dev = slots[at].to(views[0].device)
                 copies = [staged.weight, *(staged.states[n] for n in self.backing.states)]
                 for (_, cache), copy in zip(pairs, copies, strict=True):
-                    cache.index_copy_(0, dev, copy.index_select(0, pos[at]).to(
-                        cache.device, cache.dtype))
+                    copy_rows(cache, slots.index_select(0, at), copy, pos.index_select(0, at))
                 if used == rows.numel():
                     return
                 rest = (~ok).nonzero().squeeze(1)
-                slots, rows = slots[rest], rows[rest]
-        dev = slots.to(views[0].device)
+                slots, rows = slots.index_select(0, rest), rows.index_select(0, rest)
         for backing, cache in pairs:
-            cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device,
-                                                                         cache.dtype))
+            copy_rows(cache, slots, backing, rows)
 
     def stage(self, ids: torch.Tensor) -> Staged:
         """Read ahead the rows of ``ids`` (any int64, repeats allowed) that are not cached now
@@ -277,9 +290,9 @@ class RowCache:
             if need:
                 victims = pick_victims(cand, self.last_seen, self.counts if self.lfu else None,
                                        need)
-        targets = torch.cat([free[:M], victims])
+        targets = torch.cat([free[:M], victims]) if victims.numel() else free[:M]
         if victims.numel():
-            out = victims[self.dirty[victims]]
+            out = victims.masked_select(self.dirty.index_select(0, victims))
             if out.numel():
                 self._write_back(out, views)
             self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims),
@@ -288,11 +301,11 @@ class RowCache:
         got = new[: targets.numel()]
         self.stats["misses"] += int(targets.numel())
         self._load(targets, got, views, staged)
-        self.row_of_slot[targets] = got
+        self.row_of_slot.index_copy_(0, targets, got)
         self.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
-        self.last_seen[targets] = clock
-        self.counts[targets] = 1
-        self.dirty[targets] = False
+        self.last_seen.index_fill_(0, targets, clock)
+        self.counts.index_fill_(0, targets, 1)
+        self.dirty.index_fill_(0, targets, False)
         if targets.numel() < M:  # the slots given stay consistent: loaded above
             raise ValueError(
                 f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "
