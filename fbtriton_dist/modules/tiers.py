@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from fbtriton_dist.ops import tier_native
 from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
 
@@ -121,8 +122,11 @@ def copy_rows(dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,
               src_at: torch.Tensor | None) -> None:
     """``dst[dst_at] = src[src_at]`` (``src_at`` None: every row of ``src``, in order), rows
     of ``[n, D]`` or elements of ``[n]``; converted to ``dst``'s device and dtype. Host tensors
-    of one dtype go through numpy (a ``memcpy`` per row: about twice torch's ``index_copy_``
-    on the CPU)."""
+    go through the native helper (``ops/tier_native.py``: a ``memcpy`` per row), else numpy
+    (about twice torch's ``index_copy_`` on the CPU), else torch."""
+    lib = tier_native.library() if dst.device.type == src.device.type == "cpu" else None
+    if lib is not None and tier_native.copy_rows(lib, dst, dst_at, src, src_at):
+        return
     if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
             and dst.dtype in _NUMPY_DTYPES):
         d, s = dst.detach().numpy(), src.detach().numpy()
@@ -170,6 +174,8 @@ class RowCache:
         self.counts = torch.zeros(self.slots, dtype=torch.int64)
         self.dirty = torch.zeros(self.slots, dtype=torch.bool)
         self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
+        self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
+        self.batches = 0
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
 
@@ -227,8 +233,8 @@ class RowCache:
     def stage(self, ids: torch.Tensor) -> Staged:
         """Read ahead the rows of ``ids`` (any int64, repeats allowed) that are not cached now
         (ids out of range are left to the lookup's check). Runs on the prefetch worker."""
-        rows = torch.unique(ids[(ids >= 0) & (ids < self.rows)])
-        rows = rows[self.slot_of_row.index_select(0, rows) >= self.slots]
+        ids = ids.masked_select((ids >= 0) & (ids < self.rows))
+        rows = torch.unique(ids.masked_select(self.slot_of_row.index_select(0, ids) >= self.slots))
         weight = self.backing.weight.index_select(0, rows)
         states = {n: b.index_select(0, rows) for n, b in self.backing.states.items()}
         return Staged(rows, weight, states)
@@ -252,12 +258,24 @@ class RowCache:
         from ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``:
         earlier batches' slots are still pinned (for the message)."""
         C = self.slots
-        slot = self.slot_of_row.index_select(0, ids)  # C: not cached
-        used = torch.zeros(C + 1, dtype=torch.bool)
-        used.index_fill_(0, slot.long(), True)
-        used = used[:C]
-        new = self._distinct(ids.masked_select(slot == C))  # the order misses take slots in
-        H, M = int(used.sum()), int(new.numel())
+        lib = tier_native.library()
+        if lib is not None:  # one pass in C
+            ids = ids.contiguous()
+            self.batches += 1
+            mapped = tier_native.map_ids(lib, ids, self.slot_of_row, C, self.stamp,
+                                         self.batches)
+            if mapped is None:
+                raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
+            H, new = mapped
+            new = new.sort().values  # the order misses take slots in
+        else:
+            slot = self.slot_of_row.index_select(0, ids)  # C: not cached
+            used = torch.zeros(C + 1, dtype=torch.bool)
+            used.index_fill_(0, slot.long(), True)
+            used = used[:C]
+            new = self._distinct(ids.masked_select(slot == C))  # the order misses take slots in
+            H = int(used.sum())
+        M = int(new.numel())
         U = H + M
         if U > C:
             raise ValueError(
@@ -266,13 +284,16 @@ class RowCache:
                 f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
             )
         self.stats["lookups"] += U
-        if H:
+        if H and lib is not None:
+            tier_native.touch(lib, self.stamp, self.batches, self.last_seen, self.counts, clock)
+        elif H:
             self.last_seen.masked_fill_(used, clock)
             self.counts += used
         if M:
             self._take_slots(new, clock, views, staged, pinned, U)
-            slot = self.slot_of_row.index_select(0, ids)
-        slots = slot.long()
+        if lib is not None:
+            return tier_native.slots_of(lib, ids, self.slot_of_row, self.dirty, train)
+        slots = (self.slot_of_row.index_select(0, ids) if M else slot).long()
         if train:
             self.dirty.index_fill_(0, slots, True)
         return slots

@@ -102,3 +102,35 @@ def test_a_worker_error_is_raised_by_the_next_lookup(monkeypatch):
     monkeypatch.undo()
     tbe(indices, offsets).sum().backward()  # the module goes on
     assert tbe.cache_stats()["table_0"]["lookups"] > 0
+
+
+def test_native_and_torch_paths_agree(monkeypatch):
+    """The row cache's C helpers (``ops/tier_native.py``) and its torch ops (no compiler, or
+    ``FBTD_CPU_NATIVE=0``) give the same slots, evictions and weights: both train as device."""
+    from fbtriton_dist.ops import tier_native
+
+    if tier_native.library() is None:
+        pytest.skip("no C compiler here: only the torch ops run")
+    g = torch.Generator().manual_seed(4)
+    batches = [make_batch(TABLES, FTM, 4, 3, hot=True, generator=g)[:2] for _ in range(6)]
+    device = build(None)
+    runs = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(tier_native, "library", lambda: None)
+        tiered = build([Storage(tier="cached", cache_slots=14, policy="lfu"), None])
+        tiered.load_state_dict(device.state_dict())
+        rows = []
+        for step, batch in enumerate(batches):
+            out = tiered(*batch)
+            (out * upstream_grad(out, step)).sum().backward()
+            rows.append(tiered.resident_rows())
+        runs[native] = (rows, tiered.cache_stats(), tiered.state_dict())
+    for step, batch in enumerate(batches):
+        out = device(*batch)
+        (out * upstream_grad(out, step)).sum().backward()
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    assert runs[True][1]["table_0"]["evictions"] > 0
+    want = device.state_dict()
+    for _, _, got in runs.values():
+        assert all(torch.equal(want[k], got[k]) for k in want if isinstance(want[k], torch.Tensor))

@@ -1,0 +1,82 @@
+/* The row cache of the storage tiers (modules/tiers.py) on the host: the slot map's pass over a
+ * batch's ids and row copies between the cache and its backing store. Called through ctypes
+ * (ops/tier_native.py); one thread, no allocation. */
+#include <stdint.h>
+#include <string.h>
+
+#define AHEAD 16 /* ids ahead whose map entries are prefetched (the map's reads are random) */
+
+/* One pass of a batch's ids [n] (each in [0, rows)) through slot_of_row [rows] (int32; slots:
+ * not cached). A cached id stamps its slot with `batch` (stamp [slots]); the first occurrence
+ * of an id not cached is appended to new_rows (first-occurrence order; slot_of_row is marked
+ * meanwhile and put back before returning). Returns the distinct misses, -1 on an id out of
+ * range (nothing changed then but stamps); *hits: the distinct cached ids. */
+int64_t tier_map(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t rows,
+                 int64_t slots, int64_t *stamp, int64_t batch, int64_t *new_rows,
+                 int64_t *hits) {
+    const int32_t C = (int32_t)slots, MARK = (int32_t)slots + 1;
+    int64_t m = 0, h = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if (i + AHEAD < n && ids[i + AHEAD] >= 0 && ids[i + AHEAD] < rows)
+            __builtin_prefetch(&slot_of_row[ids[i + AHEAD]], 1);
+        if (id < 0 || id >= rows) {
+            for (int64_t j = 0; j < m; j++) slot_of_row[new_rows[j]] = C;
+            return -1;
+        }
+        const int32_t s = slot_of_row[id];
+        if (s < C) {
+            if (stamp[s] != batch) {
+                stamp[s] = batch;
+                h++;
+            }
+        } else if (s == C) {
+            slot_of_row[id] = MARK;
+            new_rows[m++] = id;
+        }
+    }
+    for (int64_t j = 0; j < m; j++) slot_of_row[new_rows[j]] = C;
+    *hits = h;
+    return m;
+}
+
+/* The slots stamped with `batch`: last_seen = clock, counts += 1. */
+void tier_touch(const int64_t *stamp, int64_t slots, int64_t batch, int64_t *last_seen,
+                int64_t *counts, int64_t clock) {
+    for (int64_t s = 0; s < slots; s++) {
+        if (stamp[s] == batch) {
+            last_seen[s] = clock;
+            counts[s] += 1;
+        }
+    }
+}
+
+/* out [n] = slot_of_row[ids]; dirty (bool [slots]) of each set when `train`. */
+void tier_slots(const int64_t *ids, int64_t n, const int32_t *slot_of_row, int64_t *out,
+                uint8_t *dirty, int32_t train) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&slot_of_row[ids[i + AHEAD]]);
+        const int64_t s = slot_of_row[ids[i]];
+        out[i] = s;
+        if (train) dirty[s] = 1;
+    }
+}
+
+/* dst row dst_at[i] = src row src_at[i] (src_at NULL: row i), rows of row_bytes bytes; dst has
+ * dst_rows rows, src src_rows. Returns -1 (before copying anything) on an index out of range. */
+int32_t tier_copy_rows(char *dst, const int64_t *dst_at, int64_t dst_rows, const char *src,
+                       const int64_t *src_at, int64_t src_rows, int64_t n, int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t from = src_at ? src_at[i] : i;
+        if (dst_at[i] < 0 || dst_at[i] >= dst_rows || from < 0 || from >= src_rows) return -1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t from = src_at ? src_at[i] : i;
+        if (i + 4 < n) {
+            __builtin_prefetch(src + (src_at ? src_at[i + 4] : i + 4) * row_bytes);
+            __builtin_prefetch(dst + dst_at[i + 4] * row_bytes, 1);
+        }
+        memcpy(dst + dst_at[i] * row_bytes, src + from * row_bytes, (size_t)row_bytes);
+    }
+    return 0;
+}
