@@ -176,6 +176,7 @@ class RowCache:
         self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
         self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
         self.batches = 0
+        self.scratch: torch.Tensor | None = None  # native LRU victims' counting sort
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
 
@@ -207,7 +208,7 @@ class RowCache:
 
     def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views,
               staged: Staged | None) -> None:
-        """Rows ``rows`` ``[M]`` (ascending) and their state into ``slots``: from ``staged``
+        """Rows ``rows`` ``[M]`` and their state into ``slots``: from ``staged``
         where it holds a copy that no write-back has made stale, else from the backing."""
         pairs = self._pairs(views)
         if staged is not None and staged.rows.numel():
@@ -240,16 +241,17 @@ class RowCache:
         return Staged(rows, weight, states)
 
     def _distinct(self, ids: torch.Tensor) -> torch.Tensor:
-        """The distinct values of ``ids`` (rows not cached, repeats allowed), ascending,
-        without sorting all of them: each writes its position into its (free) entry of
-        ``slot_of_row``, the one whose position stayed there is kept; the entries are put
-        back."""
+        """The distinct values of ``ids`` (rows not cached, repeats allowed) in the order they
+        first occur (as the native pass gives them), without a sort: every occurrence writes
+        a code of its position into its row's (free) entry of ``slot_of_row``, the largest
+        code (the first position) stays, and the occurrences that find their own code are
+        kept; the entries are put back."""
         C = self.slots
-        at = torch.arange(C + 1, C + 1 + ids.numel(), dtype=torch.int32)
-        self.slot_of_row.index_put_((ids,), at)
-        first = ids.masked_select(self.slot_of_row.index_select(0, ids) == at)
+        code = torch.arange(C + 1 + ids.numel(), C + 1, -1, dtype=torch.int32)
+        self.slot_of_row.scatter_reduce_(0, ids, code, "amax")
+        first = ids.masked_select(self.slot_of_row.index_select(0, ids) == code)
         self.slot_of_row.index_fill_(0, first, C)
-        return first.sort().values
+        return first
 
     def assign(self, ids: torch.Tensor, clock: int, views: Views, train: bool,
                pinned: bool, staged: Staged | None = None) -> torch.Tensor:
@@ -267,13 +269,12 @@ class RowCache:
             if mapped is None:
                 raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
             H, new = mapped
-            new = new.sort().values  # the order misses take slots in
         else:
             slot = self.slot_of_row.index_select(0, ids)  # C: not cached
             used = torch.zeros(C + 1, dtype=torch.bool)
             used.index_fill_(0, slot.long(), True)
             used = used[:C]
-            new = self._distinct(ids.masked_select(slot == C))  # the order misses take slots in
+            new = self._distinct(ids.masked_select(slot == C))
             H = int(used.sum())
         M = int(new.numel())
         U = H + M
@@ -300,33 +301,46 @@ class RowCache:
 
     def _take_slots(self, new: torch.Tensor, clock: int, views: Views, staged: Staged | None,
                     pinned: bool, U: int) -> None:
-        """Slots for the rows ``new`` (ascending, not cached): free ones (ascending), then the
-        victims (LRU / LFU order) among the slots not used at ``clock``; load them."""
+        """Slots for the rows ``new`` (not cached, in the order they first occur in the batch):
+        free ones (ascending), then the victims (LRU / LFU order) among the slots not used at
+        ``clock``; load them."""
         M = int(new.numel())
+        lib = tier_native.library()
         free = (self.last_seen < 0).nonzero().squeeze(1)
-        victims = free[:0]
-        if M > free.numel():
+        victims = None
+        if M > free.numel() and lib is not None and not self.lfu:
+            if self.scratch is None:
+                self.scratch = torch.empty(4 * self.slots + 64, dtype=torch.int64)
+            victims = tier_native.lru_victims(lib, self.last_seen, clock, M - free.numel(),
+                                              self.scratch)
+        if victims is None and M > free.numel():
             cand = ((self.last_seen >= 0) & (self.last_seen < clock)).nonzero().squeeze(1)
             need = min(M - free.numel(), cand.numel())
-            if need:
-                victims = pick_victims(cand, self.last_seen, self.counts if self.lfu else None,
-                                       need)
+            victims = pick_victims(cand, self.last_seen, self.counts if self.lfu else None,
+                                   need) if need else free[:0]
+        if victims is None:
+            victims = free[:0]
         targets = torch.cat([free[:M], victims]) if victims.numel() else free[:M]
         if victims.numel():
             out = victims.masked_select(self.dirty.index_select(0, victims))
             if out.numel():
                 self._write_back(out, views)
-            self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims),
-                                         self.slots)
             self.stats["evictions"] += int(victims.numel())
         got = new[: targets.numel()]
         self.stats["misses"] += int(targets.numel())
         self._load(targets, got, views, staged)
-        self.row_of_slot.index_copy_(0, targets, got)
-        self.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
-        self.last_seen.index_fill_(0, targets, clock)
-        self.counts.index_fill_(0, targets, 1)
-        self.dirty.index_fill_(0, targets, False)
+        if lib is not None:
+            tier_native.install(lib, victims, targets, got, self.row_of_slot, self.slot_of_row,
+                                self.last_seen, self.counts, self.dirty, clock)
+        else:
+            if victims.numel():
+                self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims),
+                                             self.slots)
+            self.row_of_slot.index_copy_(0, targets, got)
+            self.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
+            self.last_seen.index_fill_(0, targets, clock)
+            self.counts.index_fill_(0, targets, 1)
+            self.dirty.index_fill_(0, targets, False)
         if targets.numel() < M:  # the slots given stay consistent: loaded above
             raise ValueError(
                 f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "

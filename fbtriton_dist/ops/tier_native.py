@@ -34,6 +34,8 @@ _SIGNATURES = {
     "tier_touch": (None, [_P, _I64, _I64, _P, _P, _I64]),
     "tier_slots": (None, [_P, _I64, _P, _P, _P, _I32]),
     "tier_copy_rows": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64]),
+    "tier_lru_victims": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64]),
+    "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
 }
 _lock = threading.Lock()
 _state: dict = {}
@@ -114,6 +116,29 @@ def slots_of(lib, ids: torch.Tensor, slot_of_row: torch.Tensor, dirty: torch.Ten
     lib.tier_slots(ids.data_ptr(), ids.numel(), slot_of_row.data_ptr(), out.data_ptr(),
                    dirty.data_ptr(), int(train))
     return out
+
+
+def lru_victims(lib, last_seen: torch.Tensor, clock: int, need: int,
+                scratch: torch.Tensor) -> torch.Tensor | None:
+    """The first ``need`` slots in ascending ``(last_seen, slot)`` order among those with
+    ``0 <= last_seen < clock`` (fewer if fewer are), as ``ops.id_remap.pick_victims`` orders
+    LRU victims; None where their ``last_seen`` span more than ``scratch`` holds."""
+    out = torch.empty(need, dtype=torch.int64)
+    k = lib.tier_lru_victims(last_seen.data_ptr(), last_seen.numel(), clock, need,
+                             out.data_ptr(), scratch.data_ptr(), scratch.numel())
+    return None if k < 0 else out[:k]
+
+
+def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor,
+            row_of_slot: torch.Tensor, slot_of_row: torch.Tensor, last_seen: torch.Tensor,
+            counts: torch.Tensor, dirty: torch.Tensor, clock: int) -> None:
+    """Unmap the victims' rows, then rows ``got`` into slots ``targets`` (clean, used at
+    ``clock``, count 1)."""
+    victims, targets, got = victims.contiguous(), targets.contiguous(), got.contiguous()
+    lib.tier_install(victims.data_ptr(), victims.numel(), targets.data_ptr(), got.data_ptr(),
+                     targets.numel(), row_of_slot.data_ptr(), slot_of_row.data_ptr(),
+                     last_seen.data_ptr(), counts.data_ptr(), dirty.data_ptr(), clock,
+                     row_of_slot.numel())
 
 
 def copy_rows(lib, dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,

@@ -104,7 +104,8 @@ def test_a_worker_error_is_raised_by_the_next_lookup(monkeypatch):
     assert tbe.cache_stats()["table_0"]["lookups"] > 0
 
 
-def test_native_and_torch_paths_agree(monkeypatch):
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_native_and_torch_paths_agree(monkeypatch, policy):
     """The row cache's C helpers (``ops/tier_native.py``) and its torch ops (no compiler, or
     ``FBTD_CPU_NATIVE=0``) give the same slots, evictions and weights: both train as device."""
     from fbtriton_dist.ops import tier_native
@@ -118,7 +119,7 @@ def test_native_and_torch_paths_agree(monkeypatch):
     for native in (True, False):
         if not native:
             monkeypatch.setattr(tier_native, "library", lambda: None)
-        tiered = build([Storage(tier="cached", cache_slots=14, policy="lfu"), None])
+        tiered = build([Storage(tier="cached", cache_slots=14, policy=policy), None])
         tiered.load_state_dict(device.state_dict())
         rows = []
         for step, batch in enumerate(batches):

@@ -80,3 +80,58 @@ int32_t tier_copy_rows(char *dst, const int64_t *dst_at, int64_t dst_rows, const
     }
     return 0;
 }
+
+/* LRU victims: the first `need` slots in ascending (last_seen, slot) order among those with
+ * 0 <= last_seen < clock, into out; returns how many (fewer when fewer are candidates), or -1
+ * when the candidates' last_seen span more than scratch_len values (the caller sorts then).
+ * A counting sort over the span: O(slots + span). */
+int64_t tier_lru_victims(const int64_t *last_seen, int64_t slots, int64_t clock, int64_t need,
+                         int64_t *out, int64_t *scratch, int64_t scratch_len) {
+    int64_t lo = clock, n = 0;
+    for (int64_t s = 0; s < slots; s++) {
+        const int64_t ls = last_seen[s];
+        if (ls >= 0 && ls < clock) {
+            if (ls < lo) lo = ls;
+            n++;
+        }
+    }
+    if (n == 0 || need <= 0) return 0;
+    const int64_t span = clock - lo;
+    if (span > scratch_len) return -1;
+    if (need > n) need = n;
+    memset(scratch, 0, (size_t)span * sizeof(int64_t));
+    for (int64_t s = 0; s < slots; s++) {
+        const int64_t ls = last_seen[s];
+        if (ls >= 0 && ls < clock) scratch[ls - lo]++;
+    }
+    int64_t at = 0;
+    for (int64_t b = 0; b < span; b++) {
+        const int64_t c = scratch[b];
+        scratch[b] = at;
+        at += c;
+    }
+    for (int64_t s = 0; s < slots; s++) {
+        const int64_t ls = last_seen[s];
+        if (ls >= 0 && ls < clock) {
+            const int64_t pos = scratch[ls - lo]++;
+            if (pos < need) out[pos] = s;
+        }
+    }
+    return need;
+}
+
+/* Unmap the rows of the victims [v], then put rows got [t] in slots targets [t]: the row of
+ * each slot, the slot of each row, last_seen = clock, counts = 1, clean. */
+void tier_install(const int64_t *victims, int64_t v, const int64_t *targets, const int64_t *got,
+                  int64_t t, int64_t *row_of_slot, int32_t *slot_of_row, int64_t *last_seen,
+                  int64_t *counts, uint8_t *dirty, int64_t clock, int64_t slots) {
+    for (int64_t i = 0; i < v; i++) slot_of_row[row_of_slot[victims[i]]] = (int32_t)slots;
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t s = targets[i];
+        row_of_slot[s] = got[i];
+        slot_of_row[got[i]] = (int32_t)s;
+        last_seen[s] = clock;
+        counts[s] = 1;
+        dirty[s] = 0;
+    }
+}
