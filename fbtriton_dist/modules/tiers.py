@@ -321,14 +321,24 @@ class RowCache:
         if victims is None:
             victims = free[:0]
         targets = torch.cat([free[:M], victims]) if victims.numel() else free[:M]
-        if victims.numel():
-            out = victims.masked_select(self.dirty.index_select(0, victims))
-            if out.numel():
-                self._write_back(out, views)
-            self.stats["evictions"] += int(victims.numel())
         got = new[: targets.numel()]
+        self.stats["evictions"] += int(victims.numel())
         self.stats["misses"] += int(targets.numel())
-        self._load(targets, got, views, staged)
+        pairs = self._pairs(views)
+        if (lib is not None and staged is None and self.written is None
+                and all(tier_native.swappable(c, b) for b, c in pairs)):
+            # one pass per tensor: each dirty victim's row out, then the new row in
+            for i, (backing, cache) in enumerate(pairs):
+                n = tier_native.swap_rows(lib, cache, backing, targets, got, self.row_of_slot,
+                                          self.dirty)
+                if i == 0:
+                    self.stats["writebacks"] += n
+        else:
+            if victims.numel():
+                out = victims.masked_select(self.dirty.index_select(0, victims))
+                if out.numel():
+                    self._write_back(out, views)
+            self._load(targets, got, views, staged)
         if lib is not None:
             tier_native.install(lib, victims, targets, got, self.row_of_slot, self.slot_of_row,
                                 self.last_seen, self.counts, self.dirty, clock)

@@ -35,6 +35,7 @@ _SIGNATURES = {
     "tier_slots": (None, [_P, _I64, _P, _P, _P, _I32]),
     "tier_copy_rows": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64]),
     "tier_lru_victims": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64]),
+    "tier_swap_rows": (_I64, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64]),
     "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
 }
 _lock = threading.Lock()
@@ -139,6 +140,29 @@ def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor
                      targets.numel(), row_of_slot.data_ptr(), slot_of_row.data_ptr(),
                      last_seen.data_ptr(), counts.data_ptr(), dirty.data_ptr(), clock,
                      row_of_slot.numel())
+
+
+def swappable(cache: torch.Tensor, back: torch.Tensor) -> bool:
+    """``swap_rows`` applies: contiguous host tensors of one dtype and row shape."""
+    return (cache.device.type == back.device.type == "cpu" and cache.dtype == back.dtype
+            and cache.is_contiguous() and back.is_contiguous()
+            and cache.shape[1:] == back.shape[1:])
+
+
+def swap_rows(lib, cache: torch.Tensor, back: torch.Tensor, targets: torch.Tensor,
+              got: torch.Tensor, row_of_slot: torch.Tensor, dirty: torch.Tensor) -> int:
+    """For each slot ``targets[i]`` of ``cache`` (``swappable`` with ``back``): its row back
+    to ``back`` when dirty (``row_of_slot``, ``dirty``: before the slots are taken), then row
+    ``got[i]`` of ``back`` into it. Returns the rows written back."""
+    targets, got = targets.contiguous(), got.contiguous()
+    row_bytes = math.prod(cache.shape[1:]) * cache.element_size()
+    n = lib.tier_swap_rows(cache.data_ptr(), cache.shape[0], back.data_ptr(), back.shape[0],
+                           targets.data_ptr(), got.data_ptr(), targets.numel(),
+                           row_of_slot.data_ptr(), dirty.data_ptr(), row_bytes)
+    if n < 0:
+        raise IndexError(f"swap_rows: an index out of range (cache {tuple(cache.shape)}, "
+                         f"backing {tuple(back.shape)})")
+    return int(n)
 
 
 def copy_rows(lib, dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,
