@@ -206,30 +206,36 @@ class RowCache:
             self.written.append(rows)
         self.stats["writebacks"] += int(slots.numel())
 
-    def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views,
-              staged: Staged | None) -> None:
-        """Rows ``rows`` ``[M]`` and their state into ``slots``: from ``staged``
-        where it holds a copy that no write-back has made stale, else from the backing."""
+    def _sources(self, rows: torch.Tensor, staged: Staged | None
+                 ) -> list[tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor]]:
+        """Where rows ``rows`` ``[M]`` are read from: ``(positions in rows, None: all; per
+        tensor (weights, each state) its source; the rows of the sources)``. ``staged``'s
+        copies where it has one that no write-back has made stale, else the backing store."""
+        backing = [self.backing.weight, *self.backing.states.values()]
+        if staged is None or not staged.rows.numel():
+            return [(None, backing, rows)]
+        pos = torch.searchsorted(staged.rows, rows).clamp_(max=staged.rows.numel() - 1)
+        ok = staged.rows[pos] == rows
+        if self.written:
+            ok &= ~torch.isin(staged.rows, torch.cat(self.written))[pos]
+        used = int(ok.sum())
+        if not used:
+            return [(None, backing, rows)]
+        self.stats["prefetch_used"] += used
+        at, rest = ok.nonzero().squeeze(1), (~ok).nonzero().squeeze(1)
+        copies = [staged.weight, *(staged.states[n] for n in self.backing.states)]
+        out = [(at, copies, pos.index_select(0, at))]
+        if rest.numel():
+            out.append((rest, backing, rows.index_select(0, rest)))
+        return out
+
+    def _load(self, slots: torch.Tensor, views: Views, sources) -> None:
+        """Rows and their state into ``slots``, from ``_sources``."""
         pairs = self._pairs(views)
-        if staged is not None and staged.rows.numel():
-            pos = torch.searchsorted(staged.rows, rows).clamp_(max=staged.rows.numel() - 1)
-            ok = staged.rows[pos] == rows
-            if self.written:
-                stale = torch.isin(staged.rows, torch.cat(self.written))
-                ok &= ~stale[pos]
-            used = int(ok.sum())
-            if used:
-                self.stats["prefetch_used"] += used
-                at = ok.nonzero().squeeze(1)
-                copies = [staged.weight, *(staged.states[n] for n in self.backing.states)]
-                for (_, cache), copy in zip(pairs, copies, strict=True):
-                    copy_rows(cache, slots.index_select(0, at), copy, pos.index_select(0, at))
-                if used == rows.numel():
-                    return
-                rest = (~ok).nonzero().squeeze(1)
-                slots, rows = slots.index_select(0, rest), rows.index_select(0, rest)
-        for backing, cache in pairs:
-            copy_rows(cache, slots, backing, rows)
+        for at, srcs, src_at in sources:
+            into = slots if at is None else slots.index_select(0, at)
+            for (_, cache), src in zip(pairs, srcs, strict=True):
+                copy_rows(cache, into, src, src_at)
 
     def stage(self, ids: torch.Tensor) -> Staged:
         """Read ahead the rows of ``ids`` (any int64, repeats allowed) that are not cached now
@@ -325,20 +331,27 @@ class RowCache:
         self.stats["evictions"] += int(victims.numel())
         self.stats["misses"] += int(targets.numel())
         pairs = self._pairs(views)
-        if (lib is not None and staged is None and self.written is None
-                and all(tier_native.swappable(c, b) for b, c in pairs)):
+        sources = self._sources(got, staged)
+        if lib is not None and all(tier_native.swappable(c, b) for b, c in pairs) and all(
+                tier_native.swappable(c, src) for _, srcs, _ in sources
+                for (_, c), src in zip(pairs, srcs, strict=True)):
             # one pass per tensor: each dirty victim's row out, then the new row in
-            for i, (backing, cache) in enumerate(pairs):
-                n = tier_native.swap_rows(lib, cache, backing, targets, got, self.row_of_slot,
-                                          self.dirty)
-                if i == 0:
-                    self.stats["writebacks"] += n
+            if self.written is not None and victims.numel():
+                self.written.append(self.row_of_slot.index_select(
+                    0, victims.masked_select(self.dirty.index_select(0, victims))))
+            for at, srcs, src_at in sources:
+                into = targets if at is None else targets.index_select(0, at)
+                for i, ((backing, cache), src) in enumerate(zip(pairs, srcs, strict=True)):
+                    n = tier_native.swap_rows(lib, cache, backing, into, src_at,
+                                              self.row_of_slot, self.dirty, src)
+                    if i == 0:
+                        self.stats["writebacks"] += n
         else:
             if victims.numel():
                 out = victims.masked_select(self.dirty.index_select(0, victims))
                 if out.numel():
                     self._write_back(out, views)
-            self._load(targets, got, views, staged)
+            self._load(targets, views, sources)
         if lib is not None:
             tier_native.install(lib, victims, targets, got, self.row_of_slot, self.slot_of_row,
                                 self.last_seen, self.counts, self.dirty, clock)

@@ -35,7 +35,7 @@ _SIGNATURES = {
     "tier_slots": (None, [_P, _I64, _P, _P, _P, _I32]),
     "tier_copy_rows": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64]),
     "tier_lru_victims": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64]),
-    "tier_swap_rows": (_I64, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64]),
+    "tier_swap_rows": (_I64, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64]),
     "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
 }
 _lock = threading.Lock()
@@ -150,18 +150,22 @@ def swappable(cache: torch.Tensor, back: torch.Tensor) -> bool:
 
 
 def swap_rows(lib, cache: torch.Tensor, back: torch.Tensor, targets: torch.Tensor,
-              got: torch.Tensor, row_of_slot: torch.Tensor, dirty: torch.Tensor) -> int:
-    """For each slot ``targets[i]`` of ``cache`` (``swappable`` with ``back``): its row back
-    to ``back`` when dirty (``row_of_slot``, ``dirty``: before the slots are taken), then row
-    ``got[i]`` of ``back`` into it. Returns the rows written back."""
+              got: torch.Tensor, row_of_slot: torch.Tensor, dirty: torch.Tensor,
+              src: torch.Tensor | None = None) -> int:
+    """For each slot ``targets[i]`` of ``cache`` (``swappable`` with ``back`` and ``src``):
+    its row back to ``back`` when dirty (``row_of_slot``, ``dirty``: before the slots are
+    taken), then row ``got[i]`` of ``src`` (None: ``back``) into it. Returns the rows
+    written back."""
+    src = back if src is None else src
     targets, got = targets.contiguous(), got.contiguous()
     row_bytes = math.prod(cache.shape[1:]) * cache.element_size()
     n = lib.tier_swap_rows(cache.data_ptr(), cache.shape[0], back.data_ptr(), back.shape[0],
-                           targets.data_ptr(), got.data_ptr(), targets.numel(),
-                           row_of_slot.data_ptr(), dirty.data_ptr(), row_bytes)
+                           src.data_ptr(), src.shape[0], targets.data_ptr(), got.data_ptr(),
+                           targets.numel(), row_of_slot.data_ptr(), dirty.data_ptr(),
+                           row_bytes)
     if n < 0:
         raise IndexError(f"swap_rows: an index out of range (cache {tuple(cache.shape)}, "
-                         f"backing {tuple(back.shape)})")
+                         f"backing {tuple(back.shape)}, source {tuple(src.shape)})")
     return int(n)
 
 

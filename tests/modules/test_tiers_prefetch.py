@@ -9,6 +9,7 @@ import torch
 from fbtriton_dist import optim
 from fbtriton_dist.modules import tiers
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.ops import tier_native
 from fbtriton_dist.storage import Storage
 from tests.helpers import make_batch, upstream_grad
 
@@ -62,9 +63,13 @@ def test_a_row_updated_in_flight_is_not_read_stale():
     assert torch.equal(a["weights"], b["weights"]) and torch.equal(a["momentum1"], b["momentum1"])
 
 
-def test_a_copy_read_before_its_row_was_written_back_is_not_used():
+@pytest.mark.parametrize("native", [True, False])
+def test_a_copy_read_before_its_row_was_written_back_is_not_used(native, monkeypatch):
     """The rule itself, on one cache: row 5's copy is read, then row 5 is loaded, updated and
-    written back (evicted); a later miss of row 5 must load the written-back row."""
+    written back (evicted); a later miss of row 5 must load the written-back row. With the C
+    helpers and with the torch ops."""
+    if not native:
+        monkeypatch.setattr(tier_native, "library", lambda: None)
     cache = tiers.RowCache("t", Storage(tier="cached", cache_slots=2), 10, 3, torch.float32,
                            pin=False)
     cache.backing.weight.copy_(torch.arange(30.0).view(10, 3))
@@ -108,8 +113,6 @@ def test_a_worker_error_is_raised_by_the_next_lookup(monkeypatch):
 def test_native_and_torch_paths_agree(monkeypatch, policy):
     """The row cache's C helpers (``ops/tier_native.py``) and its torch ops (no compiler, or
     ``FBTD_CPU_NATIVE=0``) give the same slots, evictions and weights: both train as device."""
-    from fbtriton_dist.ops import tier_native
-
     if tier_native.library() is None:
         pytest.skip("no C compiler here: only the torch ops run")
     g = torch.Generator().manual_seed(4)

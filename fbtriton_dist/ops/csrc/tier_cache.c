@@ -137,27 +137,29 @@ void tier_install(const int64_t *victims, int64_t v, const int64_t *targets, con
 }
 
 /* One tensor of a table (rows of row_bytes bytes): for each target slot targets[i], first its
- * row back to the backing store when the slot is dirty and holds one (row_of_slot, dirty: as
- * before the slots are taken), then row got[i] from the backing store into it. Returns the
- * rows written back, or -1 (nothing copied) on an index out of range. */
+ * row back to the backing store `back` when the slot is dirty and holds one (row_of_slot,
+ * dirty: as before the slots are taken), then row got[i] of `src` (the backing store, or
+ * copies read ahead) into it. Returns the rows written back, or -1 (nothing copied) on an
+ * index out of range. */
 int64_t tier_swap_rows(char *cache, int64_t cache_rows, char *back, int64_t back_rows,
-                       const int64_t *targets, const int64_t *got, int64_t t,
-                       const int64_t *row_of_slot, const uint8_t *dirty, int64_t row_bytes) {
+                       const char *src, int64_t src_rows, const int64_t *targets,
+                       const int64_t *got, int64_t t, const int64_t *row_of_slot,
+                       const uint8_t *dirty, int64_t row_bytes) {
     for (int64_t i = 0; i < t; i++) {
         const int64_t s = targets[i];
-        if (s < 0 || s >= cache_rows || got[i] < 0 || got[i] >= back_rows) return -1;
+        if (s < 0 || s >= cache_rows || got[i] < 0 || got[i] >= src_rows) return -1;
         if (dirty[s] && (row_of_slot[s] < -1 || row_of_slot[s] >= back_rows)) return -1;
     }
     int64_t written = 0;
     for (int64_t i = 0; i < t; i++) {
         const int64_t s = targets[i];
-        if (i + 2 < t) __builtin_prefetch(back + got[i + 2] * row_bytes);
+        if (i + 2 < t) __builtin_prefetch(src + got[i + 2] * row_bytes);
         char *slot = cache + s * row_bytes;
         if (dirty[s] && row_of_slot[s] >= 0) {
             memcpy(back + row_of_slot[s] * row_bytes, slot, (size_t)row_bytes);
             written++;
         }
-        memcpy(slot, back + got[i] * row_bytes, (size_t)row_bytes);
+        memcpy(slot, src + got[i] * row_bytes, (size_t)row_bytes);
     }
     return written;
 }
