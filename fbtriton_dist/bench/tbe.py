@@ -5,6 +5,8 @@
     python -m fbtriton_dist.bench tbe --device cpu --zipf 0,1.1 # each with uniform, Zipf ids
     python -m fbtriton_dist.bench tbe --tiny --device cpu       # CI: tiny shapes, CPU providers
     python -m fbtriton_dist.bench tbe --plot tbe.json --png tbe.png   # chart, no GPU needed
+    python -m fbtriton_dist.bench tbe --storage device,cached,file --cache-load-factor 0.1
+                                                                 # tiers: bench/storage.py
 
 Providers: ``ours`` (backend "auto": Triton on CUDA, the fast CPU path on CPU;
 bounds_check="warn"), ``ours_graph`` (the same module's whole
@@ -750,7 +752,12 @@ def _write(report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--storage" or a.startswith("--storage=") for a in argv):
+        from fbtriton_dist.bench import storage  # the tiers against device: bench/storage.py
+
+        return storage.main(argv)
+    args = parse_args(argv)
     if args.plot:
         from fbtriton_dist.bench.plot import plot
 

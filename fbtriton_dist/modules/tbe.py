@@ -420,8 +420,25 @@ class TableBatchedEmbedding(nn.Module):
             return {}
         return {self.table_names[t]: c.resident() for t, c in self._tiers.caches.items()}
 
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
+                 batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
+                 ) -> None:
+        """Start reading the rows of a coming batch (``forward``'s arguments) that the cached
+        tables do not hold, with their optimizer state, from the backing stores on a worker
+        thread while this step computes; the next lookup loads them from there, waiting only
+        for what is not read yet (``modules/tiers.py``). Exact whatever happens in between: a
+        row written back after its copy was read is loaded from the backing store. Nothing to
+        do without cached tables."""
+        if self._tiers is None:
+            return
+        if batch_size_per_feature_per_rank is not None:
+            layout = self.vbe_layout(batch_size_per_feature_per_rank)
+            offsets = vbe.padded_offsets(offsets, layout)
+        self._tiers.prefetch(indices, offsets, self.feature_table_map)
+
     def cache_stats(self) -> dict[str, dict[str, int]]:
-        """Per cached table: distinct rows looked up, misses, evictions, write-backs."""
+        """Per cached table: distinct rows looked up, misses, evictions, write-backs, and the
+        prefetch's rows and microseconds (``RowCache.STATS``)."""
         if self._tiers is None:
             return {}
         return {self.table_names[t]: v for t, v in self._tiers.stats().items()}

@@ -20,13 +20,15 @@ The map and the bookkeeping live on the host: ids of a batch are read there (a s
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fbtriton_dist.id_manager import IdManagerConfig
-from fbtriton_dist.ops.id_remap import IdTable, id_remap
+from fbtriton_dist.ops import tier_native
+from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
 
 Views = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -113,88 +115,263 @@ class Backing:
         self.states = {k: v.pin_memory() for k, v in self.states.items()}
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64)
+
+
+def copy_rows(dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,
+              src_at: torch.Tensor | None) -> None:
+    """``dst[dst_at] = src[src_at]`` (``src_at`` None: every row of ``src``, in order), rows
+    of ``[n, D]`` or elements of ``[n]``; converted to ``dst``'s device and dtype. Host tensors
+    go through the native helper (``ops/tier_native.py``: a ``memcpy`` per row), else numpy
+    (about twice torch's ``index_copy_`` on the CPU), else torch."""
+    lib = tier_native.library() if dst.device.type == src.device.type == "cpu" else None
+    if lib is not None and tier_native.copy_rows(lib, dst, dst_at, src, src_at):
+        return
+    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.dtype in _NUMPY_DTYPES):
+        d, s = dst.detach().numpy(), src.detach().numpy()
+        d[dst_at.numpy()] = s if src_at is None else s[src_at.numpy()]
+        return
+    rows = src if src_at is None else src.index_select(0, src_at.to(src.device))
+    dst.index_copy_(0, dst_at.to(dst.device), rows.to(dst.device, dst.dtype))
+
+
+class Staged:
+    """Rows of one cached table read from its backing store ahead of the lookup that needs
+    them (``TieredTables.prefetch``): ``rows`` ``[P]`` ascending, ``weight`` ``[P, D]`` and
+    each optimizer state ``[P]`` / ``[P, D]``. Read on a worker thread while the cache may
+    write rows back: ``RowCache`` records what it writes back meanwhile (``written``) and
+    never uses a staged copy of such a row."""
+
+    def __init__(self, rows: torch.Tensor, weight: torch.Tensor,
+                 states: dict[str, torch.Tensor]) -> None:
+        self.rows, self.weight, self.states = rows, weight, states
+
+
 class RowCache:
-    """One cached table's slot map (``ops.id_remap``'s ``IdTable``, LRU or LFU), the row in
-    each slot (``row_of_slot``, -1: free), which slots are dirty, and its ``Backing``."""
+    """One cached table's slot map, LRU or LFU (the managed tables' rules: ``ops.id_remap``),
+    and its ``Backing``. Per slot: the row in it (``row_of_slot``, -1: free), the map clock
+    when a batch last used it (``last_seen``, -1: free), in how many batches it was used since
+    it was loaded (``counts``, LFU), whether it is ``dirty``; per row, its slot
+    (``slot_of_row`` ``[E]`` int32, C: not cached): a lookup is one gather, whatever the
+    number of slots. The map costs 4 bytes per row of the table, next to its ``D`` elements
+    and optimizer state in the backing store."""
+
+    STATS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
+             "prefetch_us", "prefetch_wait_us")
+    """``cache_stats()`` keys: distinct rows looked up, rows loaded (misses), rows evicted,
+    rows written back; prefetch: rows read ahead, rows loaded from what was read ahead,
+    microseconds the worker spent, microseconds lookups waited for it."""
 
     def __init__(self, name: str, storage: Storage, rows: int, dim: int, dtype: torch.dtype,
                  pin: bool) -> None:
         self.name, self.storage, self.rows, self.dim = name, storage, rows, dim
         self.slots = storage.slots(rows)
         self.backing = Backing(name, storage, rows, dim, dtype, pin)
-        self.map = IdTable(IdManagerConfig(capacity=self.slots, eviction=storage.policy), name)
+        self.lfu = storage.policy == "lfu"
         self.row_of_slot = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.last_seen = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.counts = torch.zeros(self.slots, dtype=torch.int64)
         self.dirty = torch.zeros(self.slots, dtype=torch.bool)
-        self.stats = dict.fromkeys(("lookups", "misses", "evictions", "writebacks"), 0)
+        self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
+        self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
+        self.batches = 0
+        self.scratch: torch.Tensor | None = None  # native LRU victims' counting sort
+        self.stats = dict.fromkeys(self.STATS, 0)
+        self.written: list[torch.Tensor] | None = None  # rows written back while staging
 
     def invalidate(self) -> None:
         """Forget every slot (nothing written back): the backing store was rewritten."""
-        for b in (self.map.keys, self.map.counts):
-            b.zero_()
-        self.map.last_seen.fill_(-1)
-        self.map.reindex()
         self.row_of_slot.fill_(-1)
+        self.last_seen.fill_(-1)
+        self.counts.zero_()
         self.dirty.zero_()
+        self.slot_of_row.fill_(self.slots)
 
     def resident(self) -> list[int]:
         """The rows in the cache, ascending."""
         return sorted(int(r) for r in self.row_of_slot[self.row_of_slot >= 0])
 
+    def _pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(backing store, cache) of the weights and of each optimizer state."""
+        weight, states = views
+        return [(self.backing.weight, weight),
+                *((b, states[n]) for n, b in self.backing.states.items())]
+
     def _write_back(self, slots: torch.Tensor, views: Views) -> None:
         rows = self.row_of_slot.index_select(0, slots)
-        weight, states = views
-        dev = slots.to(weight.device)
-        pairs = [(self.backing.weight, weight), *((b, states[n])
-                                                  for n, b in self.backing.states.items())]
-        for backing, cache in pairs:
-            backing.index_copy_(0, rows, cache.index_select(0, dev).to("cpu", backing.dtype))
+        for backing, cache in self._pairs(views):
+            copy_rows(backing, rows, cache, slots)
+        if self.written is not None:
+            self.written.append(rows)
         self.stats["writebacks"] += int(slots.numel())
 
-    def _load(self, slots: torch.Tensor, rows: torch.Tensor, views: Views) -> None:
-        weight, states = views
-        dev = slots.to(weight.device)
-        pairs = [(self.backing.weight, weight), *((b, states[n])
-                                                  for n, b in self.backing.states.items())]
-        for backing, cache in pairs:
-            cache.index_copy_(0, dev, backing.index_select(0, rows).to(cache.device,
-                                                                         cache.dtype))
+    def _sources(self, rows: torch.Tensor, staged: Staged | None
+                 ) -> list[tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor]]:
+        """Where rows ``rows`` ``[M]`` are read from: ``(positions in rows, None: all; per
+        tensor (weights, each state) its source; the rows of the sources)``. ``staged``'s
+        copies where it has one that no write-back has made stale, else the backing store."""
+        backing = [self.backing.weight, *self.backing.states.values()]
+        if staged is None or not staged.rows.numel():
+            return [(None, backing, rows)]
+        pos = torch.searchsorted(staged.rows, rows).clamp_(max=staged.rows.numel() - 1)
+        ok = staged.rows[pos] == rows
+        if self.written:
+            ok &= ~torch.isin(staged.rows, torch.cat(self.written))[pos]
+        used = int(ok.sum())
+        if not used:
+            return [(None, backing, rows)]
+        self.stats["prefetch_used"] += used
+        at, rest = ok.nonzero().squeeze(1), (~ok).nonzero().squeeze(1)
+        copies = [staged.weight, *(staged.states[n] for n in self.backing.states)]
+        out = [(at, copies, pos.index_select(0, at))]
+        if rest.numel():
+            out.append((rest, backing, rows.index_select(0, rest)))
+        return out
 
-    def assign(self, rows: torch.Tensor, clock: int, views: Views, train: bool,
-               pinned: bool) -> torch.Tensor:
-        """Slots ``[U]`` of the distinct rows ``rows`` ``[U]`` (int64, host), loading the
-        misses (after writing back the dirty rows they evict). ``train``: the slots become
-        dirty. ``pinned``: earlier batches' slots are still pinned (for the message)."""
-        U = int(rows.numel())
-        if U > self.slots:
+    def _load(self, slots: torch.Tensor, views: Views, sources) -> None:
+        """Rows and their state into ``slots``, from ``_sources``."""
+        pairs = self._pairs(views)
+        for at, srcs, src_at in sources:
+            into = slots if at is None else slots.index_select(0, at)
+            for (_, cache), src in zip(pairs, srcs, strict=True):
+                copy_rows(cache, into, src, src_at)
+
+    def stage(self, ids: torch.Tensor) -> Staged:
+        """Read ahead the rows of ``ids`` (any int64, repeats allowed) that are not cached now
+        (ids out of range are left to the lookup's check). Runs on the prefetch worker."""
+        ids = ids.masked_select((ids >= 0) & (ids < self.rows))
+        rows = torch.unique(ids.masked_select(self.slot_of_row.index_select(0, ids) >= self.slots))
+        weight = self.backing.weight.index_select(0, rows)
+        states = {n: b.index_select(0, rows) for n, b in self.backing.states.items()}
+        return Staged(rows, weight, states)
+
+    def _distinct(self, ids: torch.Tensor) -> torch.Tensor:
+        """The distinct values of ``ids`` (rows not cached, repeats allowed) in the order they
+        first occur (as the native pass gives them), without a sort: every occurrence writes
+        a code of its position into its row's (free) entry of ``slot_of_row``, the largest
+        code (the first position) stays, and the occurrences that find their own code are
+        kept; the entries are put back."""
+        C = self.slots
+        code = torch.arange(C + 1 + ids.numel(), C + 1, -1, dtype=torch.int32)
+        self.slot_of_row.scatter_reduce_(0, ids, code, "amax")
+        first = ids.masked_select(self.slot_of_row.index_select(0, ids) == code)
+        self.slot_of_row.index_fill_(0, first, C)
+        return first
+
+    def assign(self, ids: torch.Tensor, clock: int, views: Views, train: bool,
+               pinned: bool, staged: Staged | None = None) -> torch.Tensor:
+        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, in range,
+        repeats allowed), loading the misses (after writing back the dirty rows they evict;
+        from ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``:
+        earlier batches' slots are still pinned (for the message)."""
+        C = self.slots
+        lib = tier_native.library()
+        if lib is not None:  # one pass in C
+            ids = ids.contiguous()
+            self.batches += 1
+            mapped = tier_native.map_ids(lib, ids, self.slot_of_row, C, self.stamp,
+                                         self.batches)
+            if mapped is None:
+                raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
+            H, new = mapped
+        else:
+            slot = self.slot_of_row.index_select(0, ids)  # C: not cached
+            used = torch.zeros(C + 1, dtype=torch.bool)
+            used.index_fill_(0, slot.long(), True)
+            used = used[:C]
+            new = self._distinct(ids.masked_select(slot == C))
+            H = int(used.sum())
+        M = int(new.numel())
+        U = H + M
+        if U > C:
             raise ValueError(
                 f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
-                f"rows, its cache has {self.slots} slots (of {self.rows} rows); raise "
+                f"rows, its cache has {C} slots (of {self.rows} rows); raise "
                 f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
             )
-        slots, fresh = id_remap(self.map, rows, step=clock, update=True)
         self.stats["lookups"] += U
-        if fresh.numel():
-            old = self.row_of_slot[fresh]
-            out = fresh[(old >= 0) & self.dirty[fresh]]
-            if out.numel():
-                self._write_back(out, views)
-            self.stats["evictions"] += int((old >= 0).sum())
-            self.stats["misses"] += int(fresh.numel())
-            new = self.map.keys[fresh]
-            self._load(fresh, new, views)
-            self.row_of_slot[fresh] = new
-            self.dirty[fresh] = False
-        if bool((slots >= self.slots).any()):  # the slots given stay consistent: loaded above
-            missing = int((slots >= self.slots).sum())
+        if H and lib is not None:
+            tier_native.touch(lib, self.stamp, self.batches, self.last_seen, self.counts, clock)
+        elif H:
+            self.last_seen.masked_fill_(used, clock)
+            self.counts += used
+        if M:
+            self._take_slots(new, clock, views, staged, pinned, U)
+        if lib is not None:
+            return tier_native.slots_of(lib, ids, self.slot_of_row, self.dirty, train)
+        slots = (self.slot_of_row.index_select(0, ids) if M else slot).long()
+        if train:
+            self.dirty.index_fill_(0, slots, True)
+        return slots
+
+    def _take_slots(self, new: torch.Tensor, clock: int, views: Views, staged: Staged | None,
+                    pinned: bool, U: int) -> None:
+        """Slots for the rows ``new`` (not cached, in the order they first occur in the batch):
+        free ones (ascending), then the victims (LRU / LFU order) among the slots not used at
+        ``clock``; load them."""
+        M = int(new.numel())
+        lib = tier_native.library()
+        free = (self.last_seen < 0).nonzero().squeeze(1)
+        victims = None
+        if M > free.numel() and lib is not None and not self.lfu:
+            if self.scratch is None:
+                self.scratch = torch.empty(4 * self.slots + 64, dtype=torch.int64)
+            victims = tier_native.lru_victims(lib, self.last_seen, clock, M - free.numel(),
+                                              self.scratch)
+        if victims is None and M > free.numel():
+            cand = ((self.last_seen >= 0) & (self.last_seen < clock)).nonzero().squeeze(1)
+            need = min(M - free.numel(), cand.numel())
+            victims = pick_victims(cand, self.last_seen, self.counts if self.lfu else None,
+                                   need) if need else free[:0]
+        if victims is None:
+            victims = free[:0]
+        targets = torch.cat([free[:M], victims]) if victims.numel() else free[:M]
+        got = new[: targets.numel()]
+        self.stats["evictions"] += int(victims.numel())
+        self.stats["misses"] += int(targets.numel())
+        pairs = self._pairs(views)
+        sources = self._sources(got, staged)
+        if lib is not None and all(tier_native.swappable(c, b) for b, c in pairs) and all(
+                tier_native.swappable(c, src) for _, srcs, _ in sources
+                for (_, c), src in zip(pairs, srcs, strict=True)):
+            # one pass per tensor: each dirty victim's row out, then the new row in
+            if self.written is not None and victims.numel():
+                self.written.append(self.row_of_slot.index_select(
+                    0, victims.masked_select(self.dirty.index_select(0, victims))))
+            for at, srcs, src_at in sources:
+                into = targets if at is None else targets.index_select(0, at)
+                for i, ((backing, cache), src) in enumerate(zip(pairs, srcs, strict=True)):
+                    n = tier_native.swap_rows(lib, cache, backing, into, src_at,
+                                              self.row_of_slot, self.dirty, src)
+                    if i == 0:
+                        self.stats["writebacks"] += n
+        else:
+            if victims.numel():
+                out = victims.masked_select(self.dirty.index_select(0, victims))
+                if out.numel():
+                    self._write_back(out, views)
+            self._load(targets, views, sources)
+        if lib is not None:
+            tier_native.install(lib, victims, targets, got, self.row_of_slot, self.slot_of_row,
+                                self.last_seen, self.counts, self.dirty, clock)
+        else:
+            if victims.numel():
+                self.slot_of_row.index_fill_(0, self.row_of_slot.index_select(0, victims),
+                                             self.slots)
+            self.row_of_slot.index_copy_(0, targets, got)
+            self.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
+            self.last_seen.index_fill_(0, targets, clock)
+            self.counts.index_fill_(0, targets, 1)
+            self.dirty.index_fill_(0, targets, False)
+        if targets.numel() < M:  # the slots given stay consistent: loaded above
             raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): {missing} of the batch's {U} "
-                f"distinct rows found no slot of {self.slots}: the others hold rows of this batch"
+                f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "
+                f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
+                "rows of this batch"
                 + (" or rows pinned by training batches whose backward has not run" if pinned
                    else "") + "; raise cache_load_factor or cache_slots"
             )
-        if train:
-            self.dirty[slots] = True
-        return slots
 
     def flush(self, views: Views) -> None:
         """Write every dirty slot back; they are clean afterwards."""
@@ -206,12 +383,22 @@ class RowCache:
 
 class TieredTables:
     """The row caches of one TableBatchedEmbedding's cached tables (table index -> its
-    ``RowCache``), the map clock and the training batches whose backward is pending."""
+    ``RowCache``), the map clock, the training batches whose backward is pending and the
+    prefetch in flight (``prefetch``: one worker thread reads the next batch's missing rows
+    from the backing stores while the current step computes)."""
 
     def __init__(self, caches: dict[int, RowCache]) -> None:
         self.caches = caches
         self.clock = 0
         self._pending: list[tuple[weakref.ref, list[bool]]] = []
+        self._worker: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, Future] = {}  # table -> its prefetch
+
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
+        flight behind."""
+        self.cancel_prefetch()
+        return {**self.__dict__, "_worker": None, "_ahead": {}}
 
     def _pending_now(self) -> bool:
         """Drop the batches whose backward ran or whose graph is gone; any left?"""
@@ -219,30 +406,49 @@ class TieredTables:
                          if not done[0] and node() is not None]
         return bool(self._pending)
 
-    def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
-              names: Callable[[int], str], views: Callable[[int], Views],
-              train: bool) -> torch.Tensor:
-        """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
-        loading misses. ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
-        for errors; ``views(t)``: table t's slots."""
-        pinned = self._pending_now()
-        if not pinned:  # while a batch is pending, its slots stay "used now": no tick
-            self.clock += 1
+    @staticmethod
+    def _table_ids(indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
+                   tables) -> dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
+        """Per table of ``tables``: its ids of the batch (int64 host) and the (feature, start,
+        end) ranges of ``indices`` they come from; tables without ids are left out."""
         T = len(feature_table_map)
         B = (offsets.numel() - 1) // T
         if B == 0 or indices.numel() == 0:
-            return indices
+            return {}
         bounds = offsets[::B].tolist()
-        out = indices.clone()
-        for t, cache in self.caches.items():
+        out = {}
+        for t in tables:
             parts = [(f, bounds[f], bounds[f + 1]) for f in range(T)
                      if feature_table_map[f] == t and bounds[f + 1] > bounds[f]]
             if not parts:
                 continue
-            ids = torch.cat([indices[a:b] for _, a, b in parts]).to("cpu", torch.int64)
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= cache.rows:
-                bad = lo if lo < 0 else hi
+            if len(parts) == 1:
+                ids = indices[parts[0][1] : parts[0][2]]
+            else:
+                ids = torch.cat([indices[a:b] for _, a, b in parts])
+            out[t] = (ids.to("cpu", torch.int64), parts)
+        return out
+
+    def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
+              names: Callable[[int], str], views: Callable[[int], Views],
+              train: bool) -> torch.Tensor:
+        """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
+        loading misses (from the prefetch in flight, if any: waited for here; its error is
+        raised here). ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
+        for errors; ``views(t)``: table t's slots."""
+        pinned = self._pending_now()
+        if not pinned:  # while a batch is pending, its slots stay "used now": no tick
+            self.clock += 1
+        staged = self._collect()
+        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
+        if not per_table:
+            return indices
+        out = indices.clone()
+        for t, (ids, parts) in per_table.items():
+            cache = self.caches[t]
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= cache.rows:
+                bad = int(lo) if int(lo) < 0 else int(hi)
                 f = next(f for f, a, b in parts
                          if bool(((indices[a:b] < 0) | (indices[a:b] >= cache.rows)).any()))
                 raise ValueError(
@@ -250,14 +456,71 @@ class TieredTables:
                     f"{cache.storage.tier!r}): id {bad} out of range [0, {cache.rows}) "
                     "(cached tiers always check ids)"
                 )
-            rows, inverse = torch.unique(ids, return_inverse=True)
-            slots = cache.assign(rows, self.clock, views(t), train, pinned)[inverse]
+            try:
+                slots = cache.assign(ids, self.clock, views(t), train, pinned, staged.get(t))
+            finally:
+                cache.written = None
             slots = slots.to(indices.device, indices.dtype)
             at = 0
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
         return out
+
+    def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
+                 feature_table_map: list[int]) -> None:
+        """Start reading the rows of the batch ``indices`` / ``offsets`` that are not cached
+        now, on the worker thread: the next ``remap`` loads them from there (waiting for what
+        is not read yet). A prefetch not used by a lookup yet is replaced. Exact whatever
+        happens meanwhile: a row written back after its copy was read is loaded from the
+        backing store."""
+        self._collect()  # an earlier one: finished (its error raised) and dropped
+        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
+        if not per_table:
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier-prefetch")
+        for t, (ids, _) in per_table.items():
+            cache = self.caches[t]
+            cache.written = []
+            self._ahead[t] = self._worker.submit(self._stage, cache, ids)
+
+    @staticmethod
+    def _stage(cache: RowCache, ids: torch.Tensor) -> Staged:
+        t0 = time.perf_counter()
+        staged = cache.stage(ids)
+        cache.stats["prefetched"] += int(staged.rows.numel())
+        cache.stats["prefetch_us"] += int(1e6 * (time.perf_counter() - t0))
+        return staged
+
+    def _collect(self) -> dict[int, Staged]:
+        """Wait for the prefetch in flight (the wait is counted per table) and take what it
+        read; its worker's error is raised here, naming the table."""
+        ahead, self._ahead = self._ahead, {}
+        out, error = {}, None
+        for t, future in ahead.items():
+            cache = self.caches[t]
+            t0 = time.perf_counter()
+            try:
+                out[t] = future.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every wait
+                error = error or (cache.name, e)
+            cache.stats["prefetch_wait_us"] += int(1e6 * (time.perf_counter() - t0))
+        if error is not None:
+            for cache in self.caches.values():
+                cache.written = None
+            name, e = error
+            raise RuntimeError(f"table '{name}': the prefetch of its rows failed on the worker "
+                               f"thread: {type(e).__name__}: {e}") from e
+        return out
+
+    def cancel_prefetch(self) -> None:
+        """Wait for the prefetch in flight, if any, and drop it (its error too)."""
+        ahead, self._ahead = self._ahead, {}
+        for future in ahead.values():
+            future.exception()
+        for cache in self.caches.values():
+            cache.written = None
 
     def track(self, out: torch.Tensor) -> None:
         """``out``, the lookup of a training batch: its slots stay pinned until the backward
@@ -278,6 +541,7 @@ class TieredTables:
             cache.flush(views(t))
 
     def invalidate(self) -> None:
+        self.cancel_prefetch()
         for cache in self.caches.values():
             cache.invalidate()
         self._pending = []

@@ -146,7 +146,7 @@ def _remap(table: IdTable, index, ids: torch.Tensor, *, step: int, policy: int, 
             cand = ((last_seen >= 0) & (last_seen < step)).nonzero().squeeze(1)
             need = min(A - F, cand.numel())
             if need:
-                victims = _victims(cand, last_seen, counts if policy == LFU else None, need)
+                victims = pick_victims(cand, last_seen, counts if policy == LFU else None, need)
             targets = torch.cat([free, victims])
         got = admitted[: targets.numel()]
         index.replace(keys[victims], victims, uniq[got], targets)
@@ -170,7 +170,7 @@ def _smallest(keys: torch.Tensor, k: int) -> torch.Tensor:
     return (keys <= keys.kthvalue(k).values).nonzero().squeeze(1)
 
 
-def _victims(cand: torch.Tensor, last_seen: torch.Tensor, counts: torch.Tensor | None,
+def pick_victims(cand: torch.Tensor, last_seen: torch.Tensor, counts: torch.Tensor | None,
              need: int) -> torch.Tensor:
     """The ``need`` first of the candidate slots ``cand`` (ascending) in ascending ``(counts,
     last_seen, slot)`` order (lru: ``counts`` None), in that order: selected in ``O(C)``,
