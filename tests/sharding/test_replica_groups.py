@@ -1,0 +1,263 @@
+"""Replica groups (2D parallel) on real gloo process groups: a world of R ranks split into
+groups of S ranks, each group sharding the tables by a plan for S ranks.
+
+``replica_sync="step"`` must equal the flat plan on the same R ranks (outputs every step, and
+after 3 fused steps the weights and optimizer state) for every sharding type, with rowwise
+Adagrad (all types in one plan) and Adagrad; ``replica_sync=N`` must equal, after the N-th
+step, the average of the replicas' weights and state computed here; a checkpoint of a grouped
+run loads into flat plans on 2 and 3 ranks; bad group sizes raise on every rank."""
+
+import torch
+
+from tests.sharding.harness import run_ranks
+from tests.sharding.test_sharded_ebc import _configs, _global_batch, _kjt, _plan
+
+BATCH = [3, 2, 4, 1, 2, 3]  # local batch sizes of ranks 0, 1, 2, ...
+STEPS = 3
+
+
+def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None):
+    import fbtriton_dist
+
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
+    S = group_size or world
+    return fbtriton_dist.shard(ebc, _plan("mixed", S), process_group, optimizer=optimizer,
+                               group_size=group_size, replica_sync=replica_sync)
+
+
+def _train(sharded, rank, world, steps, first=0):
+    """``steps`` steps on this rank's slice of the global batch; the outputs of each."""
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    outs = []
+    for step in range(first, first + steps):
+        batch = _global_batch(_configs(False), sum(sizes), step, False)
+        out = sharded(_kjt(*batch, lo, lo + sizes[rank])).values()
+        g = torch.Generator().manual_seed(100 + step)
+        grad = torch.randn(sum(sizes), out.shape[1], generator=g)[lo : lo + sizes[rank]]
+        out.backward(grad)
+        outs.append(out.detach().clone())
+    return outs
+
+
+def _local(sharded):
+    """This rank's shards: ``{(table, row_start, col_start): (weight, [states])}``."""
+    names = [c.name for c in sharded.table_configs()]
+    return {
+        (names[lt.table], lt.row_start, lt.col_start): (w.numpy().copy(),
+                                                        [s.numpy().copy() for s in st])
+        for lt, w, st in sharded.local_shards()
+    }
+
+
+def _full(locals_, configs):
+    """The whole tables and per-row / per-element states from every rank's ``_local``."""
+    weights = {c.name: torch.full((c.num_embeddings, c.embedding_dim), float("nan"))
+               for c in configs}
+    states = {}
+    for pieces in locals_:
+        for (name, r0, c0), (w, st) in pieces.items():
+            w, st = torch.from_numpy(w), [torch.from_numpy(s) for s in st]
+            weights[name][r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w
+            for i, s in enumerate(st):
+                key = (name, c0, i) if s.dim() == 1 else (name, 0, i)
+                E = weights[name].shape[0]
+                full = states.setdefault(key, torch.full((E, *s.shape[1:]), float("nan")) if
+                                         s.dim() == 1 else torch.full(weights[name].shape,
+                                                                      float("nan")))
+                if s.dim() == 1:
+                    full[r0 : r0 + s.shape[0]] = s
+                else:
+                    full[r0 : r0 + s.shape[0], c0 : c0 + s.shape[1]] = s
+    return weights, states
+
+
+def _every_n(rank, world, group_size):
+    """Replicas averaged every 2 steps: this rank's shards after step 1 and 2, and, for a twin
+    that never syncs by itself, before and after ``sync_replicas()`` at step 2."""
+    from fbtriton_dist import optim
+
+    opt = optim.RowWiseAdagrad(lr=0.3, eps=1e-8)
+    every2 = _shard(world, opt, group_size, replica_sync=2)
+    _train(every2, rank, world, 1)
+    after1 = _local(every2)
+    _train(every2, rank, world, 1, first=1)
+    after2 = _local(every2)
+    report = every2.comm_report()["replica_sync"]
+    manual = _shard(world, opt, group_size, replica_sync=1000)
+    _train(manual, rank, world, 2)
+    before = _local(manual)
+    manual.sync_replicas()
+    return {"after1": after1, "after2": after2, "before": before, "synced": _local(manual),
+            "report": report}
+
+
+def _save_grouped(rank, world, group_size, path):
+    """A grouped run (sync every step) saved with torch.distributed.checkpoint after 2 steps,
+    and the whole tables after a 3rd (``test_checkpoint._load`` checks them)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fbtriton_dist import optim
+
+    sharded = _shard(world, optim.RowWiseAdagrad(lr=0.2), group_size)
+    for step in range(3):
+        if step == 2:
+            sd = sharded.state_dict()
+            assert list(sd) == [f"embedding_bags.{c.name}.weight" for c in _configs(False)]
+            dcp.save({"model": sd, "fused": sharded.fused_optimizer_state_dict()},
+                     checkpoint_id=path)
+        _ckpt_step(sharded, rank, world, step)
+    full = {k: v.cpu() for k, v in sharded.gather_full_state_dict().items()}
+    if rank == 0:
+        torch.save(full, f"{path}/expected.pt")
+
+
+def _ckpt_step(sharded, rank, world, step):
+    """``test_checkpoint._step`` for 4 ranks: the same global batch of 10, any split."""
+    from tests.sharding.test_checkpoint import GLOBAL_B
+
+    sizes = {4: [3, 2, 3, 2]}[world]
+    lo = sum(sizes[:rank])
+    batch = _global_batch(_configs(False), GLOBAL_B, step, False)
+    out = sharded(_kjt(*batch, lo, lo + sizes[rank])).values()
+    g = torch.Generator().manual_seed(50 + step)
+    grad = torch.randn(GLOBAL_B, out.shape[1], generator=g)[lo : lo + sizes[rank]]
+    out.backward(grad * world)
+
+
+def _load_flat(rank, world, path, process_group):
+    """``test_checkpoint._load`` on the first ``world`` ranks (``process_group``): the grouped
+    checkpoint into a flat plan, one more step, the whole tables' largest difference from the
+    grouped run's."""
+    import torch.distributed.checkpoint as dcp
+
+    from fbtriton_dist import optim
+    from tests.sharding.test_checkpoint import _step
+
+    sharded = _shard(world, optim.RowWiseAdagrad(lr=0.2), process_group=process_group)
+    state = {"model": sharded.state_dict(), "fused": sharded.fused_optimizer_state_dict()}
+    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    sharded.load_state_dict(state["model"])
+    sharded.load_fused_optimizer_state_dict(state["fused"])
+    _step(sharded, rank, world, 2)
+    expected = torch.load(f"{path}/expected.pt", weights_only=True)
+    full = sharded.gather_full_state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in expected.items())
+
+
+def _four_ranks(rank, world, group_size, path):
+    """Everything on one set of 4 ranks (starting ranks costs more than a case); the flat
+    plans that load the checkpoint run on the first 2 and 3 of them."""
+    import torch.distributed as dist
+
+    flat = _grouped_vs_flat(rank, world, group_size)
+    every = _every_n(rank, world, group_size)
+    _save_grouped(rank, world, group_size, path)
+    dist.barrier()
+    loaded = {}
+    for ranks in (2, 3):
+        pg = dist.new_group(list(range(ranks)))
+        if rank < ranks:
+            loaded[ranks] = _load_flat(rank, ranks, path, pg)
+    return flat, every, loaded
+
+
+def _grouped_vs_flat(rank, world, group_size):
+    """Flat plan on ``world`` ranks and grouped (``group_size``, sync every step), rowwise
+    Adagrad and Adagrad; then bad group sizes."""
+    import fbtriton_dist
+    from fbtriton_dist import optim
+
+    out = {}
+    for name, opt in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8)),
+                      ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8))]:
+        flat = _shard(world, opt)
+        grouped = _shard(world, opt, group_size)
+        outs_flat = _train(flat, rank, world, STEPS)
+        outs_grouped = _train(grouped, rank, world, STEPS)
+        out[name] = {
+            "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs_grouped,
+                                                                   strict=True)),
+            "flat": _local(flat),
+            "grouped": _local(grouped),
+            "report": grouped.comm_report()["replica_sync"],
+        }
+    errors = []
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
+    for S, plan_for in [(world - 1, world - 1), (group_size, world)]:
+        try:
+            fbtriton_dist.shard(ebc, _plan("mixed", plan_for),
+                                optimizer=optim.SGD(lr=0.1), group_size=S)
+        except ValueError as e:
+            errors.append(str(e))
+    return out, errors
+
+
+def _check_grouped_vs_flat(results, world, group_size):
+    configs = _configs(False)
+    for name in ["rowwise_adagrad", "adagrad"]:
+        assert max(r[0][name]["out"] for r in results) < 1e-5, name
+        flat_w, flat_s = _full([r[0][name]["flat"] for r in results], configs)
+        # each group holds every shard: group 0's ranks make the whole tables
+        grp_w, grp_s = _full([r[0][name]["grouped"] for r in results[:group_size]], configs)
+        for k in flat_w:
+            assert not flat_w[k].isnan().any() and not grp_w[k].isnan().any()
+            torch.testing.assert_close(grp_w[k], flat_w[k], atol=1e-5, rtol=1e-5, msg=k)
+        assert set(grp_s) == set(flat_s)
+        for k in flat_s:
+            torch.testing.assert_close(grp_s[k], flat_s[k], atol=1e-5, rtol=1e-5, msg=str(k))
+        # the replicas (same local rank) stay identical
+        for r in range(group_size, world):
+            mine, first = results[r][0][name]["grouped"], results[r % group_size][0][name]["grouped"]
+            assert mine.keys() == first.keys()
+            for key, (w, _) in mine.items():
+                assert (w == first[key][0]).all(), key
+        assert all(r[0][name]["report"]["received"] > 0 for r in results)
+    for rank, (_, errors) in enumerate(results):
+        assert len(errors) == 2, (rank, errors)
+        assert "divisor of the world size" in errors[0] and str(world) in errors[0], errors[0]
+        assert f"group size {group_size}" in errors[1] and f"for {world} ranks" in errors[1]
+    return results
+
+
+def _replicas(world, group_size):
+    return [list(range(local, world, group_size)) for local in range(group_size)]
+
+
+def _check_every_n(results, world, group_size):
+    for ranks in _replicas(world, group_size):
+        one = [results[r] for r in ranks]
+        for key in one[0]["before"]:
+            # after step 1 the replicas differ (each group trained on its own batch) ...
+            assert any((o["after1"][key][0] != one[0]["after1"][key][0]).any() for o in one)
+            # ... sync_replicas() gives their average, weights and optimizer state ...
+            def tensors(o, name, key=key):
+                w, states = o[name][key]
+                return [w, *states]
+
+            for i, _ in enumerate(tensors(one[0], "before")):
+                mean = torch.from_numpy(sum(tensors(o, "before")[i] for o in one) / len(one))
+                for o in one:
+                    got = tensors(o, "synced")[i]
+                    torch.testing.assert_close(torch.from_numpy(got), mean, atol=1e-6,
+                                               rtol=1e-6, msg=str(key))
+                    # ... and replica_sync=2 did the same by itself after step 2
+                    assert (tensors(o, "after2")[i] == got).all(), key
+    assert all(r["report"]["received"] > 0 and r["report"]["per_step"] > 0 for r in results)
+
+
+def test_replica_groups_2x2(tmp_path):
+    """4 ranks as 2 groups of 2: sync every step equals the flat plan; sync every 2 steps
+    averages the replicas; the grouped checkpoint loads into flat plans on 2 and 3 ranks."""
+    results = run_ranks(_four_ranks, 4, 2, str(tmp_path), timeout=300)
+    _check_grouped_vs_flat([r[0] for r in results], 4, 2)
+    _check_every_n([r[1] for r in results], 4, 2)
+    for world in (2, 3):
+        errors = [r[2][world] for r in results[:world]]
+        assert max(errors) < 1e-6, (world, errors)
+
+
+def test_grouped_step_equals_flat_3x2():
+    _check_grouped_vs_flat(run_ranks(_grouped_vs_flat, 6, 2, timeout=300), 6, 2)
