@@ -114,10 +114,10 @@ def _save_grouped(rank, world, group_size, path):
 
 
 def _ckpt_step(sharded, rank, world, step):
-    """``test_checkpoint._step`` for 4 ranks: the same global batch of 10, any split."""
+    """``test_checkpoint._step`` for 6 ranks: the same global batch of 10, any split."""
     from tests.sharding.test_checkpoint import GLOBAL_B
 
-    sizes = {4: [3, 2, 3, 2]}[world]
+    sizes = {6: [2, 2, 2, 2, 1, 1]}[world]
     lo = sum(sizes[:rank])
     batch = _global_batch(_configs(False), GLOBAL_B, step, False)
     out = sharded(_kjt(*batch, lo, lo + sizes[rank])).values()
@@ -146,80 +146,87 @@ def _load_flat(rank, world, path, process_group):
     return max((full[k] - v).abs().max().item() for k, v in expected.items())
 
 
-def _four_ranks(rank, world, group_size, path):
-    """Everything on one set of 4 ranks (starting ranks costs more than a case); the flat
-    plans that load the checkpoint run on the first 2 and 3 of them."""
+def _grouped_vs_flat(rank, world):
+    """The flat plan on ``world`` ranks and, on the same batches, groups of 2 and of 3 synced
+    every step: rowwise Adagrad (groups of 2 and 3) and Adagrad (groups of 2)."""
+    from fbtriton_dist import optim
+
+    out = {}
+    for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8), (2, 3)),
+                             ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,))]:
+        flat = _shard(world, opt)
+        outs_flat = _train(flat, rank, world, STEPS)
+        out[name] = {"flat": _local(flat)}
+        for S in sizes:
+            grouped = _shard(world, opt, S)
+            outs = _train(grouped, rank, world, STEPS)
+            out[name][S] = {
+                "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs,
+                                                                       strict=True)),
+                "local": _local(grouped),
+                "report": grouped.comm_report()["replica_sync"],
+            }
+    return out
+
+
+def _bad_group_sizes(world):
+    """The errors of a group size that does not divide the world and of a plan for another
+    size than the group's."""
+    import fbtriton_dist
+    from fbtriton_dist import optim
+
+    errors = []
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
+    for S, plan_for in [(world - 2, world - 2), (2, world)]:
+        try:
+            fbtriton_dist.shard(ebc, _plan("mixed", plan_for), optimizer=optim.SGD(lr=0.1),
+                                group_size=S)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _six_ranks(rank, world, path):
+    """Everything on one set of 6 ranks (starting a rank costs more than all the cases):
+    bad group sizes first (every rank raises, nothing hangs), then groups of 2 and 3 vs the
+    flat plan, every-2-steps averaging in 3 groups of 2, and a checkpoint of 3 groups of 2
+    loaded into flat plans on the first 2 and 3 ranks."""
     import torch.distributed as dist
 
-    flat = _grouped_vs_flat(rank, world, group_size)
-    every = _every_n(rank, world, group_size)
-    _save_grouped(rank, world, group_size, path)
+    errors = _bad_group_sizes(world)
+    flat = _grouped_vs_flat(rank, world)
+    every = _every_n(rank, world, 2)
+    _save_grouped(rank, world, 2, path)
     dist.barrier()
     loaded = {}
     for ranks in (2, 3):
         pg = dist.new_group(list(range(ranks)))
         if rank < ranks:
             loaded[ranks] = _load_flat(rank, ranks, path, pg)
-    return flat, every, loaded
+    return errors, flat, every, loaded
 
 
-def _grouped_vs_flat(rank, world, group_size):
-    """Flat plan on ``world`` ranks and grouped (``group_size``, sync every step), rowwise
-    Adagrad and Adagrad; then bad group sizes."""
-    import fbtriton_dist
-    from fbtriton_dist import optim
-
-    out = {}
-    for name, opt in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8)),
-                      ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8))]:
-        flat = _shard(world, opt)
-        grouped = _shard(world, opt, group_size)
-        outs_flat = _train(flat, rank, world, STEPS)
-        outs_grouped = _train(grouped, rank, world, STEPS)
-        out[name] = {
-            "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs_grouped,
-                                                                   strict=True)),
-            "flat": _local(flat),
-            "grouped": _local(grouped),
-            "report": grouped.comm_report()["replica_sync"],
-        }
-    errors = []
-    torch.manual_seed(0)
-    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
-    for S, plan_for in [(world - 1, world - 1), (group_size, world)]:
-        try:
-            fbtriton_dist.shard(ebc, _plan("mixed", plan_for),
-                                optimizer=optim.SGD(lr=0.1), group_size=S)
-        except ValueError as e:
-            errors.append(str(e))
-    return out, errors
-
-
-def _check_grouped_vs_flat(results, world, group_size):
+def _check_grouped_vs_flat(results, world, name, group_size):
     configs = _configs(False)
-    for name in ["rowwise_adagrad", "adagrad"]:
-        assert max(r[0][name]["out"] for r in results) < 1e-5, name
-        flat_w, flat_s = _full([r[0][name]["flat"] for r in results], configs)
-        # each group holds every shard: group 0's ranks make the whole tables
-        grp_w, grp_s = _full([r[0][name]["grouped"] for r in results[:group_size]], configs)
-        for k in flat_w:
-            assert not flat_w[k].isnan().any() and not grp_w[k].isnan().any()
-            torch.testing.assert_close(grp_w[k], flat_w[k], atol=1e-5, rtol=1e-5, msg=k)
-        assert set(grp_s) == set(flat_s)
-        for k in flat_s:
-            torch.testing.assert_close(grp_s[k], flat_s[k], atol=1e-5, rtol=1e-5, msg=str(k))
-        # the replicas (same local rank) stay identical
-        for r in range(group_size, world):
-            mine, first = results[r][0][name]["grouped"], results[r % group_size][0][name]["grouped"]
-            assert mine.keys() == first.keys()
-            for key, (w, _) in mine.items():
-                assert (w == first[key][0]).all(), key
-        assert all(r[0][name]["report"]["received"] > 0 for r in results)
-    for rank, (_, errors) in enumerate(results):
-        assert len(errors) == 2, (rank, errors)
-        assert "divisor of the world size" in errors[0] and str(world) in errors[0], errors[0]
-        assert f"group size {group_size}" in errors[1] and f"for {world} ranks" in errors[1]
-    return results
+    assert max(r[name][group_size]["out"] for r in results) < 1e-5, name
+    flat_w, flat_s = _full([r[name]["flat"] for r in results], configs)
+    # each group holds every shard: group 0's ranks make the whole tables
+    grp_w, grp_s = _full([r[name][group_size]["local"] for r in results[:group_size]], configs)
+    for k in flat_w:
+        assert not flat_w[k].isnan().any() and not grp_w[k].isnan().any()
+        torch.testing.assert_close(grp_w[k], flat_w[k], atol=1e-5, rtol=1e-5, msg=k)
+    assert set(grp_s) == set(flat_s)
+    for k in flat_s:
+        torch.testing.assert_close(grp_s[k], flat_s[k], atol=1e-5, rtol=1e-5, msg=str(k))
+    # the replicas (same local rank) stay identical
+    for r in range(group_size, world):
+        mine = results[r][name][group_size]["local"]
+        first = results[r % group_size][name][group_size]["local"]
+        assert mine.keys() == first.keys()
+        for key, (w, _) in mine.items():
+            assert (w == first[key][0]).all(), key
+    assert all(r[name][group_size]["report"]["received"] > 0 for r in results)
 
 
 def _replicas(world, group_size):
@@ -233,6 +240,7 @@ def _check_every_n(results, world, group_size):
             # after step 1 the replicas differ (each group trained on its own batch) ...
             assert any((o["after1"][key][0] != one[0]["after1"][key][0]).any() for o in one)
             # ... sync_replicas() gives their average, weights and optimizer state ...
+
             def tensors(o, name, key=key):
                 w, states = o[name][key]
                 return [w, *states]
@@ -248,16 +256,18 @@ def _check_every_n(results, world, group_size):
     assert all(r["report"]["received"] > 0 and r["report"]["per_step"] > 0 for r in results)
 
 
-def test_replica_groups_2x2(tmp_path):
-    """4 ranks as 2 groups of 2: sync every step equals the flat plan; sync every 2 steps
-    averages the replicas; the grouped checkpoint loads into flat plans on 2 and 3 ranks."""
-    results = run_ranks(_four_ranks, 4, 2, str(tmp_path), timeout=300)
-    _check_grouped_vs_flat([r[0] for r in results], 4, 2)
-    _check_every_n([r[1] for r in results], 4, 2)
+def test_replica_groups_on_6_ranks(tmp_path):
+    """6 ranks as 3 groups of 2 and 2 groups of 3 (one launch: starting ranks dominates)."""
+    results = run_ranks(_six_ranks, 6, str(tmp_path), timeout=400)
+    for rank, (errors, *_) in enumerate(results):
+        assert len(errors) == 2, (rank, errors)
+        assert "divisor of the world size 6" in errors[0] and "got 4" in errors[0], errors[0]
+        assert "group size 2" in errors[1] and "for 6 ranks" in errors[1], errors[1]
+    flat = [r[1] for r in results]
+    _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 2)
+    _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 3)
+    _check_grouped_vs_flat(flat, 6, "adagrad", 2)
+    _check_every_n([r[2] for r in results], 6, 2)
     for world in (2, 3):
-        errors = [r[2][world] for r in results[:world]]
+        errors = [r[3][world] for r in results[:world]]
         assert max(errors) < 1e-6, (world, errors)
-
-
-def test_grouped_step_equals_flat_3x2():
-    _check_grouped_vs_flat(run_ranks(_grouped_vs_flat, 6, 2, timeout=300), 6, 2)
