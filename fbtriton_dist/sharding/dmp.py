@@ -387,10 +387,22 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         self._backend = backend
         self._comm = comm
         self._module_type = module_type
+        self._replicas = None
 
     @property
     def module_type(self) -> type:
         return self._module_type
+
+    @property
+    def local_world_size(self) -> int | None:
+        """Ranks per host of the plan, as given (None: TorchRec's ``get_local_size``)."""
+        return self._local_world_size
+
+    def use_replica_groups(self, replicas) -> None:
+        """Shard in these replica groups (``sharding.replicas.ReplicaGroups``;
+        ``DMPCollection`` sets them): the plan is for one group's ranks, and each module is
+        sharded inside this rank's group."""
+        self._replicas = replicas
 
     _tables_attr = "embedding_bags"
     _wrapper = DMPShardedEmbeddingBagCollection
@@ -429,6 +441,12 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
                 f"{module_fqn or 'module'}: expected a {self._module_type.__name__}, "
                 f"got {type(module).__name__}"
             )
+        if self._replicas is not None:  # DMPCollection: a plan for one group
+            r = self._replicas
+            plan = to_fbtd_plan(self._configs(module), params, r.group_size, r.local_world_size)
+            sharded = shard(module, plan, None, device, optimizer=self._optimizer,
+                            backend=self._backend, comm=self._comm_options(), replica_groups=r)
+            return self._wrapper(sharded, type(module))
         H = self._local_world_size
         if H is None:
             from torchrec.distributed.comm import get_local_size

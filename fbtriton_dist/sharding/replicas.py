@@ -7,6 +7,10 @@ their copies in step.
     sharding group of r:  ranks [S*(r//S), S*(r//S) + S)       (every input/output dist)
     replica group of r:   ranks {r % S, r % S + S, ..., r % S + R - S}
 
+``layout="strided"`` (TorchRec's ``DMPCollection`` default, ``use_inter_host_allreduce=False``)
+puts rank r in group r % (R/S) at local rank r // (R/S) instead: a group's ranks are R/S apart
+and the replicas of a shard are consecutive ranks (on one host, where R/S ranks fit on it).
+
 Two ways to keep replicas in step (``replica_sync``):
 
 - ``"step"``: every training step each shard is looked up once for the batches of all its
@@ -78,6 +82,8 @@ class ReplicaGroups:
     """The process group of this rank's sharding group (S ranks)."""
     replica_group: object
     """The process group of this rank's replicas (R / S ranks, one per group)."""
+    local_world_size: int
+    """Ranks per host of the plan (divides S)."""
     host_groups: dict
     """``{first local rank of a host: process group}`` of this rank's sharding group, for
     plans with several hosts per group (made on every rank); empty otherwise."""
@@ -89,41 +95,56 @@ class ReplicaGroups:
         return self.world_size // self.group_size
 
 
-def make_replica_groups(process_group, group_size: int, replica_sync, plan) -> ReplicaGroups:
-    """Check ``group_size`` and ``replica_sync`` (ValueError on every rank, before any
+GROUP_LAYOUTS = ("consecutive", "strided")
+
+
+def make_replica_groups(process_group, group_size: int, replica_sync, plan_world_size: int,
+                        local_world_size: int, layout: str = "consecutive") -> ReplicaGroups:
+    """Check ``group_size`` (against the plan's ``plan_world_size`` and ``local_world_size``
+    ranks per host), ``replica_sync`` and ``layout`` (ValueError on every rank, before any
     collective), then make every sharding group, every replica group and every per-host
     group inside a sharding group with ``dist.new_group`` in the same order on every rank."""
     sync = check_replica_sync(replica_sync)
+    if layout not in GROUP_LAYOUTS:
+        raise ValueError(f"group_layout: expected one of {list(GROUP_LAYOUTS)}, got {layout!r}")
     R = dist.get_world_size(process_group)
-    S = check_group_size(group_size, R, plan.world_size)
-    H = plan.local_world_size
+    S = check_group_size(group_size, R, plan_world_size)
+    H, K = local_world_size, R // S
     if S % H:
         raise ValueError(f"plan: expected local_world_size dividing the group size {S}, got {H}")
+    if layout == "strided" and H < S:
+        raise ValueError(f"group_layout='strided': expected a plan with one host per group "
+                         f"(local_world_size {S}), got local_world_size {H}")
     rank = dist.get_rank(process_group)
+
+    def member(g: int, local: int) -> int:  # the rank at local rank ``local`` of group g
+        return g * S + local if layout == "consecutive" else local * K + g
 
     def world(ranks):
         if process_group is None:
-            return list(ranks)
-        return [dist.get_global_rank(process_group, r) for r in ranks]
+            return sorted(ranks)
+        return sorted(dist.get_global_rank(process_group, r) for r in ranks)
 
+    mine = next((g, local) for g in range(K) for local in range(S) if member(g, local) == rank)
     mine_group = mine_replicas = None
     hosts: dict = {}
-    for g in range(R // S):
-        pg = dist.new_group(world(range(g * S, g * S + S)))
-        if g == rank // S:
+    for g in range(K):
+        pg = dist.new_group(world([member(g, local) for local in range(S)]))
+        if g == mine[0]:
             mine_group = pg
     for local in range(S):
-        pg = dist.new_group(world(range(local, R, S)))
-        if local == rank % S:
+        pg = dist.new_group(world([member(g, local) for g in range(K)]))
+        if local == mine[1]:
             mine_replicas = pg
     if H < S:
-        for g in range(R // S):
+        for g in range(K):
             for first in range(0, S, H):
-                pg = dist.new_group(world(range(g * S + first, g * S + first + H)))
-                if g == rank // S:
+                pg = dist.new_group(world([member(g, first + i) for i in range(H)]))
+                if g == mine[0]:
                     hosts[first] = pg
-    return ReplicaGroups(world_size=R, group_size=S, group_index=rank // S, local_rank=rank % S,
-                         group=mine_group, replica_group=mine_replicas, host_groups=hosts,
+    return ReplicaGroups(world_size=R, group_size=S, group_index=mine[0], local_rank=mine[1],
+                         group=mine_group, replica_group=mine_replicas, local_world_size=H,
+                         host_groups=hosts,
                          sync=sync)
 
 
@@ -227,12 +248,16 @@ def replica_lookup(tbe, indices: torch.Tensor, offsets: torch.Tensor, psw, batch
 
 
 @torch.no_grad()
-def average_replicas(tbes, groups: ReplicaGroups, traffic: ReplicaTraffic) -> None:
-    """Average the weights and the optimizer state of every TBE over the replica group (an
-    fp32 all-reduce of each flat tensor, divided by the number of replicas)."""
+def average_replicas(tbes, groups: ReplicaGroups, traffic: ReplicaTraffic,
+                     include_optimizer_state: bool = True) -> None:
+    """Average the weights and (``include_optimizer_state``) the optimizer state of every TBE
+    over the replica group (an fp32 all-reduce of each flat tensor, divided by the number of
+    replicas)."""
     K = groups.num_groups
     for tbe in tbes:
         states = optim.spec_of(tbe.optimizer).states if tbe.optimizer is not None else ()
+        if not include_optimizer_state:
+            states = ()
         for t in [tbe.weights.detach(), *(getattr(tbe, s.name) for s in states)]:
             if not t.numel():
                 continue

@@ -57,6 +57,8 @@ def shard(
     comm: CommOptions | None = None,
     group_size: int | None = None,
     replica_sync: str | int = "step",
+    group_layout: str = "consecutive",
+    replica_groups=None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection and EmbeddingCollection in ``module`` (ours or
     TorchRec's, at any depth) by a ShardedEmbeddingBagCollection / ShardedEmbeddingCollection
@@ -77,7 +79,10 @@ def shard(
     the same local rank hold the same shards and are kept in step by ``replica_sync``:
     ``"step"`` (every step one fused update of all their ids: equals the flat plan on R ranks)
     or an int N (weights and optimizer state averaged every N steps; each group's gradients
-    divided by S). ``sharding/replicas.py``; docs/sharding.md "Replica groups (2D)"."""
+    divided by S). ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
+    ``DMPCollection`` default). ``sharding/replicas.py``; docs/sharding.md "Replica groups
+    (2D)". ``replica_groups``: groups already made (``sharding.replicas.make_replica_groups``,
+    e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``."""
     from fbtriton_dist.modules.managed import ManagedLookup
     from fbtriton_dist.sharding.replicas import check_replica_sync, make_replica_groups
 
@@ -88,10 +93,16 @@ def shard(
                 "supported yet; build the collection with managed=... instead "
                 "(sharding/managed/sharded.py)"
             )
-    replicas = None
+    replicas = replica_groups
     check_replica_sync(replica_sync)
-    if group_size is not None:
-        replicas = make_replica_groups(process_group, group_size, replica_sync, plan)
+    if replicas is not None:
+        if plan.world_size != replicas.group_size:
+            raise ValueError(f"plan: expected a plan for the group size {replicas.group_size} "
+                             f"ranks, got a plan for {plan.world_size} ranks")
+        process_group = replicas.group
+    elif group_size is not None:
+        replicas = make_replica_groups(process_group, group_size, replica_sync, plan.world_size,
+                                       plan.local_world_size, group_layout)
         if replicas.num_groups == 1:
             replicas = None  # S = R: the flat plan
         else:

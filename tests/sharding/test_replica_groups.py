@@ -7,6 +7,8 @@ Adagrad (all types in one plan) and Adagrad; ``replica_sync=N`` must equal, afte
 step, the average of the replicas' weights and state computed here; a checkpoint of a grouped
 run loads into flat plans on 2 and 3 ranks; bad group sizes raise on every rank."""
 
+import copy
+
 import torch
 
 from tests.sharding.harness import run_ranks
@@ -16,14 +18,16 @@ BATCH = [3, 2, 4, 1, 2, 3]  # local batch sizes of ranks 0, 1, 2, ...
 STEPS = 3
 
 
-def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None):
+def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None,
+           group_layout="consecutive"):
     import fbtriton_dist
 
     torch.manual_seed(0)
     ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
     S = group_size or world
     return fbtriton_dist.shard(ebc, _plan("mixed", S), process_group, optimizer=optimizer,
-                               group_size=group_size, replica_sync=replica_sync)
+                               group_size=group_size, replica_sync=replica_sync,
+                               group_layout=group_layout)
 
 
 def _train(sharded, rank, world, steps, first=0):
@@ -148,17 +152,21 @@ def _load_flat(rank, world, path, process_group):
 
 def _grouped_vs_flat(rank, world):
     """The flat plan on ``world`` ranks and, on the same batches, groups of 2 and of 3 synced
-    every step: rowwise Adagrad (groups of 2 and 3) and Adagrad (groups of 2)."""
+    every step: rowwise Adagrad (groups of 2 and 3, and of 2 strided: ranks 0, 3 / 1, 4 /
+    2, 5) and Adagrad (groups of 2)."""
     from fbtriton_dist import optim
 
     out = {}
-    for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8), (2, 3)),
+    for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8),
+                              (2, 3, "2 strided")),
                              ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,))]:
         flat = _shard(world, opt)
         outs_flat = _train(flat, rank, world, STEPS)
         out[name] = {"flat": _local(flat)}
         for S in sizes:
-            grouped = _shard(world, opt, S)
+            strided = S == "2 strided"
+            grouped = _shard(world, opt, 2 if strided else S,
+                             group_layout="strided" if strided else "consecutive")
             outs = _train(grouped, rank, world, STEPS)
             out[name][S] = {
                 "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs,
@@ -187,6 +195,63 @@ def _bad_group_sizes(world):
     return errors
 
 
+def _dmp_collection(rank, world):
+    """TorchRec's DMPCollection arguments (strided groups of 2, TorchRec's plan for 2 ranks,
+    torch's Adagrad through apply_optimizer_in_backward, the dense layer under DDP) against
+    the unsharded model on the global batch: outputs, then weights and the dense layer after
+    2 steps."""
+    import torchrec
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
+    from fbtriton_dist.sharding.dmp_collection import DMPCollection
+    from tests.sharding.test_dmp import _batch, _configs, _Model, _torchrec_plan
+
+    sizes = [2, 1, 2, 1, 1, 1]  # test_dmp's global batch of 8
+    configs = _configs()
+    torch.manual_seed(0)
+    ours = _Model(fbtriton_dist.EmbeddingBagCollection(tables=configs))
+    ref = _Model(torchrec.EmbeddingBagCollection(tables=[copy.deepcopy(c) for c in configs]))
+    ref.load_state_dict(ours.state_dict())
+    for m in (ours, ref):
+        apply_optimizer_in_backward(torch.optim.Adagrad, m.ebc.parameters(),
+                                    {"lr": 0.3, "eps": 1e-8})
+    sharder = EmbeddingBagCollectionSharder(local_world_size=2)
+    errors = []
+    for bad in ({"node_group_size": 2}, {"plan": None}):
+        try:
+            DMPCollection(ours, **{"plan": _torchrec_plan(ours.ebc, sharder, 2), **bad},
+                          world_size=world, sharding_group_size=2, sharders=[sharder])
+        except ValueError as e:
+            errors.append(str(e))
+    dmp = DMPCollection(ours, torch.device("cpu"), _torchrec_plan(ours.ebc, sharder, 2), world,
+                        2, None, sharders=[sharder])
+    dense_opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "top" in n], 0.1)
+    ref_opt = torch.optim.SGD(ref.top.parameters(), 0.1)
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    report = {}
+    for step in range(2):
+        out_ref = ref(_batch(configs, step, 0, sum(sizes)))
+        (out_ref.sum() / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out = dmp(_batch(configs, step, lo, hi))
+        out.sum().backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        report[f"step{step}.out"] = (out - out_ref[lo:hi]).abs().max().item()
+    dmp.sync()  # replicas already equal: averaging keeps them
+    [sharded] = dmp.sharded_collections()
+    full = sharded.gather_full_state_dict()
+    report["weights"] = max(
+        (full[f"embedding_bags.{c.name}.weight"] - ref.ebc.embedding_bags[c.name].weight)
+        .abs().max().item() for c in configs)
+    report["top"] = max((a - b).abs().max().item() for a, b in
+                        zip(dmp.module.top.parameters(), ref.top.parameters(), strict=True))
+    return report, errors, dmp.replica_groups.group_index
+
+
 def _six_ranks(rank, world, path):
     """Everything on one set of 6 ranks (starting a rank costs more than all the cases):
     bad group sizes first (every rank raises, nothing hangs), then groups of 2 and 3 vs the
@@ -195,6 +260,7 @@ def _six_ranks(rank, world, path):
     import torch.distributed as dist
 
     errors = _bad_group_sizes(world)
+    dmp = _dmp_collection(rank, world)
     flat = _grouped_vs_flat(rank, world)
     every = _every_n(rank, world, 2)
     _save_grouped(rank, world, 2, path)
@@ -204,15 +270,22 @@ def _six_ranks(rank, world, path):
         pg = dist.new_group(list(range(ranks)))
         if rank < ranks:
             loaded[ranks] = _load_flat(rank, ranks, path, pg)
-    return errors, flat, every, loaded
+    return errors, flat, every, loaded, dmp
 
 
-def _check_grouped_vs_flat(results, world, name, group_size):
+def _check_grouped_vs_flat(results, world, name, case):
     configs = _configs(False)
-    assert max(r[name][group_size]["out"] for r in results) < 1e-5, name
+    group_size = 2 if case == "2 strided" else case
+    K = world // group_size
+
+    def local_rank(r):  # consecutive: group r // S; strided: group r % (R / S)
+        return r // K if case == "2 strided" else r % group_size
+
+    assert max(r[name][case]["out"] for r in results) < 1e-5, name
     flat_w, flat_s = _full([r[name]["flat"] for r in results], configs)
     # each group holds every shard: group 0's ranks make the whole tables
-    grp_w, grp_s = _full([r[name][group_size]["local"] for r in results[:group_size]], configs)
+    group0 = [0, K] if case == "2 strided" else list(range(group_size))
+    grp_w, grp_s = _full([results[r][name][case]["local"] for r in group0], configs)
     for k in flat_w:
         assert not flat_w[k].isnan().any() and not grp_w[k].isnan().any()
         torch.testing.assert_close(grp_w[k], flat_w[k], atol=1e-5, rtol=1e-5, msg=k)
@@ -220,13 +293,13 @@ def _check_grouped_vs_flat(results, world, name, group_size):
     for k in flat_s:
         torch.testing.assert_close(grp_s[k], flat_s[k], atol=1e-5, rtol=1e-5, msg=str(k))
     # the replicas (same local rank) stay identical
-    for r in range(group_size, world):
-        mine = results[r][name][group_size]["local"]
-        first = results[r % group_size][name][group_size]["local"]
+    for r in range(world):
+        mine = results[r][name][case]["local"]
+        first = results[group0[local_rank(r)]][name][case]["local"]
         assert mine.keys() == first.keys()
         for key, (w, _) in mine.items():
             assert (w == first[key][0]).all(), key
-    assert all(r[name][group_size]["report"]["received"] > 0 for r in results)
+    assert all(r[name][case]["report"]["received"] > 0 for r in results)
 
 
 def _replicas(world, group_size):
@@ -266,8 +339,13 @@ def test_replica_groups_on_6_ranks(tmp_path):
     flat = [r[1] for r in results]
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 2)
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 3)
+    _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", "2 strided")
     _check_grouped_vs_flat(flat, 6, "adagrad", 2)
     _check_every_n([r[2] for r in results], 6, 2)
     for world in (2, 3):
         errors = [r[3][world] for r in results[:world]]
         assert max(errors) < 1e-6, (world, errors)
+    for rank, (report, errors, group) in enumerate(r[4] for r in results):
+        assert group == rank % 3  # TorchRec's default groups: strided
+        assert all(err < 2e-5 for err in report.values()), (rank, report)
+        assert "node_group_size" in errors[0] and "plan" in errors[1], errors

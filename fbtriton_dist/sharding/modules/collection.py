@@ -209,14 +209,14 @@ class ShardedCollection(nn.Module):
         if self._steps_since_sync >= self.replicas.sync:
             self.sync_replicas()
 
-    def sync_replicas(self) -> None:
-        """Average the weights and the fused optimizer's state of every local shard over its
-        replicas (every rank calls it; ``replica_sync=N`` does after every N-th backward).
-        A no-op without replica groups."""
+    def sync_replicas(self, include_optimizer_state: bool = True) -> None:
+        """Average the weights and (``include_optimizer_state``) the fused optimizer's state
+        of every local shard over its replicas (every rank calls it; ``replica_sync=N`` does
+        after every N-th backward). A no-op without replica groups."""
         if self.replicas is None or self.replicas.num_groups == 1:
             return
         self.replica_traffic.reset()
-        average_replicas(self.tbes, self.replicas, self.replica_traffic)
+        average_replicas(self.tbes, self.replicas, self.replica_traffic, include_optimizer_state)
         self._steps_since_sync = 0
 
     def _check_plan(self) -> None:
