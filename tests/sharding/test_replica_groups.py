@@ -9,6 +9,7 @@ run loads into flat plans on 2 and 3 ranks; bad group sizes raise on every rank.
 
 import copy
 
+import pytest
 import torch
 
 from tests.sharding.harness import run_ranks
@@ -349,3 +350,29 @@ def test_replica_groups_on_6_ranks(tmp_path):
         assert group == rank % 3  # TorchRec's default groups: strided
         assert all(err < 2e-5 for err in report.values()), (rank, report)
         assert "node_group_size" in errors[0] and "plan" in errors[1], errors
+
+
+def test_job_keys_group_size_and_replica_sync(tmp_path):
+    """``sharding.group_size`` / ``replica_sync``: read, checked, and the job plans for the
+    group size (``auto`` is the planner's command's, refused here with a pointer to it)."""
+    from fbtriton_dist.planner import ConfigError
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.planning import plan_job
+    from tests.train.test_job import write_job
+
+    flat = load_job(write_job(tmp_path))
+    assert (flat.sharding.group_size, flat.sharding.replica_sync) == (None, "step")
+    assert plan_job(flat, 4, 4).plan.world_size == 4
+    cfg = load_job(write_job(tmp_path, sharding={"group_size": 2, "replica_sync": 3}))
+    assert (cfg.sharding.group_size, cfg.sharding.replica_sync) == (2, 3)
+    plan = plan_job(cfg, 4, 4).plan
+    assert (plan.world_size, plan.local_world_size) == (2, 2)
+    with pytest.raises(ConfigError, match=r"group_size.*divisor of the world size 4.*got 3"):
+        plan_job(load_job(write_job(tmp_path, sharding={"group_size": 3})), 4, 4)
+    bad = [({"group_size": "auto"}, "plan --group-size auto"),
+           ({"group_size": 0}, "group_size: expected an integer >= 1"),
+           ({"replica_sync": "often"}, "replica_sync: expected step or an integer >= 1"),
+           ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1")]
+    for sharding, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_job(write_job(tmp_path, sharding=sharding))
