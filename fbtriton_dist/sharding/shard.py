@@ -80,11 +80,11 @@ def shard(
     ``"step"`` (every step one fused update of all their ids: equals the flat plan on R ranks)
     or an int N (weights and optimizer state averaged every N steps; each group's gradients
     divided by S). ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
-    ``DMPCollection`` default). ``sharding/replicas.py``; docs/sharding.md "Replica groups
-    (2D)". ``replica_groups``: groups already made (``sharding.replicas.make_replica_groups``,
+    ``DMPCollection`` default). ``sharding/comm/replicas.py``; docs/sharding.md "Replica groups
+    (2D)". ``replica_groups``: groups already made (``sharding.comm.replicas.make_replica_groups``,
     e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``."""
     from fbtriton_dist.modules.managed import ManagedLookup
-    from fbtriton_dist.sharding.replicas import check_replica_sync, make_replica_groups
+    from fbtriton_dist.sharding.comm.replicas import check_replica_sync, make_replica_groups
 
     for name, m in module.named_modules():
         if isinstance(m, ManagedLookup):

@@ -205,8 +205,7 @@ def _dmp_collection(rank, world):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
-    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
-    from fbtriton_dist.sharding.dmp_collection import DMPCollection
+    from fbtriton_dist.sharding.dmp import DMPCollection, EmbeddingBagCollectionSharder
     from tests.sharding.test_dmp import _batch, _configs, _Model, _torchrec_plan
 
     sizes = [2, 1, 2, 1, 1, 1]  # test_dmp's global batch of 8

@@ -18,18 +18,18 @@ from fbtriton_dist import optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.comm.options import CommOptions
-from fbtriton_dist.sharding.comm.report import comm_report
-from fbtriton_dist.sharding.dist.fixed import FixedInputDist
-from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
-from fbtriton_dist.sharding.dist.layout import ShardLayout
-from fbtriton_dist.sharding.modules import state_dict as states
-from fbtriton_dist.sharding.replicas import (
+from fbtriton_dist.sharding.comm.replicas import (
     AfterBackward,
     ReplicaGroups,
     ReplicaTraffic,
     average_replicas,
     replica_lookup,
 )
+from fbtriton_dist.sharding.comm.report import comm_report
+from fbtriton_dist.sharding.dist.fixed import FixedInputDist
+from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
+from fbtriton_dist.sharding.dist.layout import ShardLayout
+from fbtriton_dist.sharding.modules import state_dict as states
 from fbtriton_dist.storage import Storage, storage_of
 
 
@@ -50,7 +50,7 @@ class ShardedCollection(nn.Module):
             not named, and all without it, are on ``device``. The state dict and the fused
             optimizer's state give the whole shards (flushed), as on ``device``.
 
-    ``replicas`` (``sharding.replicas.ReplicaGroups``, made by ``shard(group_size=...)``):
+    ``replicas`` (``sharding.comm.replicas.ReplicaGroups``, made by ``shard(group_size=...)``):
     this collection is one group's copy of the tables in a world split into replica groups;
     ``process_group`` is then the group's, and the replicas are kept in step by
     ``replicas.sync`` (``"step"``: one fused update of every replica's ids; N: weights and
@@ -179,7 +179,7 @@ class ShardedCollection(nn.Module):
     # -- replica groups ------------------------------------------------------------------
     def _lookup(self, tbe, indices, offsets, psw, batch_size: int) -> torch.Tensor:
         """``tbe(indices, offsets, psw)``, or with replica groups synced every step the
-        lookup of every replica's batch at once (``sharding.replicas.replica_lookup``)."""
+        lookup of every replica's batch at once (``sharding.comm.replicas.replica_lookup``)."""
         r = self.replicas
         if r is None or r.sync != "step" or r.num_groups == 1 or not torch.is_grad_enabled():
             return tbe(indices, offsets, psw)
