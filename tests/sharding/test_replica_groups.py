@@ -252,6 +252,38 @@ def _dmp_collection(rank, world):
     return report, errors, dmp.replica_groups.group_index
 
 
+def _sequence_grouped_vs_flat(rank, world):
+    """EmbeddingCollections (a row per id, every sharding type) in 3 groups of 2 synced every
+    step against the flat plan on ``world`` ranks: the rows of 2 steps, then the weights."""
+    import fbtriton_dist
+    from fbtriton_dist import optim
+    from tests.sharding.test_sharded_ec import _configs as ec_configs
+    from tests.sharding.test_sharded_ec import _feature_batch, _plan_for
+
+    configs = ec_configs()
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    torch.manual_seed(0)
+    ec = fbtriton_dist.EmbeddingCollection(tables=configs)
+    opt = optim.RowWiseAdagrad(lr=0.3, eps=1e-8)
+    flat = fbtriton_dist.shard(copy.deepcopy(ec), _plan_for("mixed", world, False), optimizer=opt)
+    grouped = fbtriton_dist.shard(ec, _plan_for("mixed", 2, False), optimizer=opt,
+                                  group_size=2)
+    err = 0.0
+    for step in range(2):
+        batch = _feature_batch(configs, sum(sizes), step)
+        rows = []
+        for sharded in (flat, grouped):
+            out = sharded(_kjt(*batch, lo, lo + sizes[rank]))
+            values = torch.cat([out[k].values().reshape(-1) for k in sorted(out)])
+            g = torch.Generator().manual_seed(7 + step + rank)
+            values.backward(torch.randn(values.shape, generator=g))
+            rows.append(values.detach())
+        err = max(err, (rows[0] - rows[1]).abs().max().item())
+    full = [m.gather_full_state_dict() for m in (flat, grouped)]
+    return max([err, *((full[0][k] - full[1][k]).abs().max().item() for k in full[0])])
+
+
 def _six_ranks(rank, world, path):
     """Everything on one set of 6 ranks (starting a rank costs more than all the cases):
     bad group sizes first (every rank raises, nothing hangs), then groups of 2 and 3 vs the
@@ -261,6 +293,7 @@ def _six_ranks(rank, world, path):
 
     errors = _bad_group_sizes(world)
     dmp = _dmp_collection(rank, world)
+    sequence = _sequence_grouped_vs_flat(rank, world)
     flat = _grouped_vs_flat(rank, world)
     every = _every_n(rank, world, 2)
     _save_grouped(rank, world, 2, path)
@@ -270,7 +303,7 @@ def _six_ranks(rank, world, path):
         pg = dist.new_group(list(range(ranks)))
         if rank < ranks:
             loaded[ranks] = _load_flat(rank, ranks, path, pg)
-    return errors, flat, every, loaded, dmp
+    return errors, flat, every, loaded, dmp, sequence
 
 
 def _check_grouped_vs_flat(results, world, name, case):
@@ -349,6 +382,7 @@ def test_replica_groups_on_6_ranks(tmp_path):
         assert group == rank % 3  # TorchRec's default groups: strided
         assert all(err < 2e-5 for err in report.values()), (rank, report)
         assert "node_group_size" in errors[0] and "plan" in errors[1], errors
+    assert max(r[5] for r in results) < 1e-5, [r[5] for r in results]
 
 
 def test_job_keys_group_size_and_replica_sync(tmp_path):
