@@ -20,24 +20,24 @@ STEPS = 2
 
 
 def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None,
-           group_layout="consecutive"):
+           group_layout="consecutive", weighted=False):
     import fbtriton_dist
 
     torch.manual_seed(0)
-    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(weighted), is_weighted=weighted)
     S = group_size or world
     return fbtriton_dist.shard(ebc, _plan("mixed", S), process_group, optimizer=optimizer,
                                group_size=group_size, replica_sync=replica_sync,
                                group_layout=group_layout)
 
 
-def _train(sharded, rank, world, steps, first=0):
+def _train(sharded, rank, world, steps, first=0, weighted=False):
     """``steps`` steps on this rank's slice of the global batch; the outputs of each."""
     sizes = BATCH[:world]
     lo = sum(sizes[:rank])
     outs = []
     for step in range(first, first + steps):
-        batch = _global_batch(_configs(False), sum(sizes), step, False)
+        batch = _global_batch(_configs(weighted), sum(sizes), step, weighted)
         out = sharded(_kjt(*batch, lo, lo + sizes[rank])).values()
         g = torch.Generator().manual_seed(100 + step)
         grad = torch.randn(sum(sizes), out.shape[1], generator=g)[lo : lo + sizes[rank]]
@@ -154,21 +154,24 @@ def _load_flat(rank, world, path, process_group):
 def _grouped_vs_flat(rank, world):
     """The flat plan on ``world`` ranks and, on the same batches, groups of 2 and of 3 synced
     every step: rowwise Adagrad (groups of 2 and 3, and of 2 strided: ranks 0, 3 / 1, 4 /
-    2, 5) and Adagrad (groups of 2)."""
+    2, 5), Adagrad (groups of 2) and SGD with per-sample weights (groups of 2)."""
     from fbtriton_dist import optim
 
     out = {}
     for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8),
                               (2, 3, "2 strided")),
-                             ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,))]:
-        flat = _shard(world, opt)
-        outs_flat = _train(flat, rank, world, STEPS)
+                             ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,)),
+                             ("sgd_weighted", optim.SGD(lr=0.3), (2,))]:
+        weighted = name == "sgd_weighted"
+        flat = _shard(world, opt, weighted=weighted)
+        outs_flat = _train(flat, rank, world, STEPS, weighted=weighted)
         out[name] = {"flat": _local(flat)}
         for S in sizes:
             strided = S == "2 strided"
             grouped = _shard(world, opt, 2 if strided else S,
-                             group_layout="strided" if strided else "consecutive")
-            outs = _train(grouped, rank, world, STEPS)
+                             group_layout="strided" if strided else "consecutive",
+                             weighted=weighted)
+            outs = _train(grouped, rank, world, STEPS, weighted=weighted)
             out[name][S] = {
                 "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs,
                                                                        strict=True)),
@@ -284,6 +287,39 @@ def _sequence_grouped_vs_flat(rank, world):
     return max([err, *((full[0][k] - full[1][k]).abs().max().item() for k in full[0])])
 
 
+def _pipeline_grouped(rank, world):
+    """TrainPipeline (its own input-dist group per sharding group) over 3 groups of 2 trains
+    as the plain loop: the whole tables after 2 steps."""
+    from fbtriton_dist import optim
+    from fbtriton_dist.sharding.pipeline import TrainPipeline
+
+    sizes = BATCH[:world]
+    lo = sum(sizes[:rank])
+    batches, grads = [], []
+    for step in range(2):
+        batch = _global_batch(_configs(False), sum(sizes), step, False)
+        batches.append(_kjt(*batch, lo, lo + sizes[rank]))
+        g = torch.Generator().manual_seed(100 + step)
+        D = sum(c.embedding_dim * len(c.feature_names) for c in _configs(False))
+        grads.append(torch.randn(sum(sizes), D, generator=g)[lo : lo + sizes[rank]])
+    opt = optim.RowWiseAdagrad(lr=0.3, eps=1e-8)
+    plain = _shard(world, opt, 2)
+    _train(plain, rank, world, 2)
+    piped = _shard(world, opt, 2)
+    upstream = iter(grads)  # the loss of the batches in order
+
+    def loss(model, kjt):
+        return (model(kjt).values() * next(upstream)).sum()
+
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    pipe = TrainPipeline(piped, dummy, "cpu", loss_fn=loss, sparse=lambda b: b)
+    it = iter(batches)
+    for _ in range(2):
+        pipe.progress(it)
+    full = [m.gather_full_state_dict() for m in (plain, piped)]
+    return max((full[0][k] - full[1][k]).abs().max().item() for k in full[0])
+
+
 def _six_ranks(rank, world, path):
     """Everything on one set of 6 ranks (starting a rank costs more than all the cases):
     bad group sizes first (every rank raises, nothing hangs), then groups of 2 and 3 vs the
@@ -294,6 +330,7 @@ def _six_ranks(rank, world, path):
     errors = _bad_group_sizes(world)
     dmp = _dmp_collection(rank, world)
     sequence = _sequence_grouped_vs_flat(rank, world)
+    pipeline = _pipeline_grouped(rank, world)
     flat = _grouped_vs_flat(rank, world)
     every = _every_n(rank, world, 2)
     _save_grouped(rank, world, 2, path)
@@ -303,7 +340,7 @@ def _six_ranks(rank, world, path):
         pg = dist.new_group(list(range(ranks)))
         if rank < ranks:
             loaded[ranks] = _load_flat(rank, ranks, path, pg)
-    return errors, flat, every, loaded, dmp, sequence
+    return errors, flat, every, loaded, dmp, sequence, pipeline
 
 
 def _check_grouped_vs_flat(results, world, name, case):
@@ -374,6 +411,7 @@ def test_replica_groups_on_6_ranks(tmp_path):
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 3)
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", "2 strided")
     _check_grouped_vs_flat(flat, 6, "adagrad", 2)
+    _check_grouped_vs_flat(flat, 6, "sgd_weighted", 2)
     _check_every_n([r[2] for r in results], 6, 2)
     for world in (2, 3):
         errors = [r[3][world] for r in results[:world]]
@@ -383,6 +421,7 @@ def test_replica_groups_on_6_ranks(tmp_path):
         assert all(err < 2e-5 for err in report.values()), (rank, report)
         assert "node_group_size" in errors[0] and "plan" in errors[1], errors
     assert max(r[5] for r in results) < 1e-5, [r[5] for r in results]
+    assert max(r[6] for r in results) < 1e-6, [r[6] for r in results]
 
 
 def test_job_keys_group_size_and_replica_sync(tmp_path):

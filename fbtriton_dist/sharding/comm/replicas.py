@@ -14,7 +14,7 @@ and the replicas of a shard are consecutive ranks (on one host, where R/S ranks 
 Two ways to keep replicas in step (``replica_sync``):
 
 - ``"step"``: every training step each shard is looked up once for the batches of all its
-  replicas (their lookup batches, a few ids each, are all-gathered over the replica group in
+  replicas (their lookup batches, ids and bag lengths, are all-gathered over the replica group in
   forward, the gradients of the looked-up rows all-gathered in backward), so each replica
   applies the one fused update of the flat plan on R ranks to the same rows: weights and
   optimizer state equal the flat plan's (fp32 reduction order aside), and stay identical
@@ -89,10 +89,23 @@ class ReplicaGroups:
     plans with several hosts per group (made on every rank); empty otherwise."""
     sync: ReplicaSync
     """``"step"`` or every how many steps the replicas are averaged."""
+    group_ranks: tuple = ()
+    """The global ranks of every sharding group, in group order."""
 
     @property
     def num_groups(self) -> int:
         return self.world_size // self.group_size
+
+    def new_sharding_group(self):
+        """A new process group over this rank's sharding group (e.g. a pipeline's own group
+        for the input dist): one ``dist.new_group`` per group, made on every rank in the same
+        order; every rank calls it."""
+        mine = None
+        for g, ranks in enumerate(self.group_ranks):
+            pg = dist.new_group(list(ranks))
+            if g == self.group_index:
+                mine = pg
+        return mine
 
 
 GROUP_LAYOUTS = ("consecutive", "strided")
@@ -128,8 +141,9 @@ def make_replica_groups(process_group, group_size: int, replica_sync, plan_world
     mine = next((g, local) for g in range(K) for local in range(S) if member(g, local) == rank)
     mine_group = mine_replicas = None
     hosts: dict = {}
+    group_ranks = tuple(tuple(world([member(g, local) for local in range(S)])) for g in range(K))
     for g in range(K):
-        pg = dist.new_group(world([member(g, local) for local in range(S)]))
+        pg = dist.new_group(list(group_ranks[g]))
         if g == mine[0]:
             mine_group = pg
     for local in range(S):
@@ -144,8 +158,7 @@ def make_replica_groups(process_group, group_size: int, replica_sync, plan_world
                     hosts[first] = pg
     return ReplicaGroups(world_size=R, group_size=S, group_index=mine[0], local_rank=mine[1],
                          group=mine_group, replica_group=mine_replicas, local_world_size=H,
-                         host_groups=hosts,
-                         sync=sync)
+                         host_groups=hosts, sync=sync, group_ranks=group_ranks)
 
 
 # -- "step": one lookup for the batches of all replicas -------------------------------------
