@@ -188,8 +188,8 @@ class _ReplicaRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         parts = _gather_padded(grad.contiguous(), ctx.sizes, ctx.group)
-        bytes_each = max(ctx.sizes) * grad[:1].numel() * grad.element_size()
-        ctx.traffic.add(bytes_each, bytes_each * (len(ctx.sizes) - 1))
+        bytes_each = max(1, *ctx.sizes) * grad[:1].numel() * grad.element_size()
+        ctx.traffic.add_all_gather(bytes_each, len(ctx.sizes))
         rows = torch.cat(parts)
         if ctx.order is not None:
             rows = rows.index_select(0, ctx.order)
@@ -206,9 +206,18 @@ class ReplicaTraffic:
     def reset(self) -> None:
         self.sent = self.received = 0
 
-    def add(self, bytes_sent: int, bytes_received: int) -> None:
-        self.sent += int(bytes_sent)
-        self.received += int(bytes_received)
+    def add_all_gather(self, message_bytes: int, ranks: int) -> None:
+        """An all-gather of one ``message_bytes`` message per rank over ``ranks`` ranks: each
+        rank's message reaches the ``ranks - 1`` others, and theirs reach it."""
+        self.sent += int(message_bytes) * (ranks - 1)
+        self.received += int(message_bytes) * (ranks - 1)
+
+    def add_all_reduce(self, tensor_bytes: int, ranks: int) -> None:
+        """An all-reduce of ``tensor_bytes`` over ``ranks`` ranks, counted as a ring moves it
+        (reduce-scatter then all-gather): 2 (ranks - 1) / ranks of it each way."""
+        moved = 2 * int(tensor_bytes) * (ranks - 1) // ranks
+        self.sent += moved
+        self.received += moved
 
 
 def replica_lookup(tbe, indices: torch.Tensor, offsets: torch.Tensor, psw, batch_size: int,
@@ -228,9 +237,9 @@ def replica_lookup(tbe, indices: torch.Tensor, offsets: torch.Tensor, psw, batch
     all_lengths = _gather_padded(lengths, [n * b for b in batches], group)
     all_ids = _gather_padded(indices, counts, group)
     all_psw = _gather_padded(psw, counts, group) if psw is not None else None
-    sent = (2 * 8 + max(batches) * n * lengths.element_size()
-            + max(counts) * (indices.element_size() + (4 if psw is not None else 0)))
-    traffic.add(sent, sent * (K - 1))
+    message = (2 * 8 + max(1, *batches) * n * lengths.element_size()
+               + max(1, *counts) * (indices.element_size() + (4 if psw is not None else 0)))
+    traffic.add_all_gather(message, K)
     union_lengths = torch.cat([x.view(n, b) for x, b in zip(all_lengths, batches, strict=True)],
                               dim=1)
     # ids of replica k, feature f go to union feature f after those of replicas < k
@@ -277,7 +286,7 @@ def average_replicas(tbes, groups: ReplicaGroups, traffic: ReplicaTraffic,
             x = t.float() if t.dtype != torch.float32 else t.clone()
             dist.all_reduce(x, group=groups.replica_group)
             t.copy_(x / K)
-            traffic.add(x.numel() * 4, x.numel() * 4)
+            traffic.add_all_reduce(x.numel() * 4, K)
 
 
 class AfterBackward(torch.autograd.Function):

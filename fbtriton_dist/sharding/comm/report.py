@@ -20,8 +20,9 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
     ``output_dist.forward.inter_host`` (the part of the output dist that crossed hosts) and
     ``input_dist.dedup`` (data bytes without dedup and the bytes it saved); with replica
     groups, ``replica_sync``: the bytes sent to / received from the replica group
-    (``replica_sync="step"``: the last step's lookup batches and row gradients; N: the last
-    average of weights and optimizer state, and ``per_step``: that divided by N)."""
+    (``replica_sync="step"``: the last step's lookup batches and row gradients, padded to the
+    largest replica's, as all-gathers; N: the last average of weights and optimizer state,
+    as a ring all-reduce moves it, and ``per_step``: that divided by N)."""
     last = ebc.last_step_stats
     if last is None:
         raise RuntimeError("comm_report: no step has run yet")
