@@ -90,6 +90,10 @@ def _every_n(rank, world, group_size):
     _train(every2, rank, world, 1, first=1)
     after2 = _local(every2)
     report = every2.comm_report()["replica_sync"]
+    # the average: an fp32 all-reduce of each TBE's weights and rowwise state over 3 replicas,
+    # 2 (3 - 1) / 3 of its bytes each way in a ring
+    report["expected"] = sum(2 * 4 * t.numel() * 2 // 3 for tbe in every2.tbes
+                             for t in (tbe.weights, tbe.momentum1) if t.numel())
     manual = _shard(world, opt, group_size, replica_sync=1000)
     _train(manual, rank, world, 2)
     before = _local(manual)
@@ -396,7 +400,10 @@ def _check_every_n(results, world, group_size):
                                                rtol=1e-6, msg=str(key))
                     # ... and replica_sync=2 did the same by itself after step 2
                     assert (tensors(o, "after2")[i] == got).all(), key
-    assert all(r["report"]["received"] > 0 and r["report"]["per_step"] > 0 for r in results)
+    for r in results:
+        report = r["report"]
+        assert report["received"] == report["sent"] == report["expected"] > 0, report
+        assert report["per_step"] == report["received"] / 2
 
 
 def test_replica_groups_on_6_ranks(tmp_path):
