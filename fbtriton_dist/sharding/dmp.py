@@ -26,6 +26,9 @@ the live shards, marked ``_in_backward_optimizers`` as TorchRec marks its fused 
 out of DDP through
 ``sharded_parameter_names``); a rank holding several column slices of one table lists the
 others as ``weight_1``, ... (TorchRec keeps one).
+
+``DMPCollection`` (at the end): TorchRec's 2D-parallel DMP (its ``DMPCollection``
+arguments), sharding ours in replica groups (``sharding/comm/replicas.py``).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import (
     LazyNoWait,
     ModuleSharder,
@@ -54,13 +59,16 @@ from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.comm.replicas import make_replica_groups
 from fbtriton_dist.sharding.dist.input_dist import InputDistOut
+from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
 from fbtriton_dist.sharding.modules.sharded_ec import ShardedEmbeddingCollection
 from fbtriton_dist.sharding.shard import shard
 from fbtriton_dist.storage import COMPUTE_KERNELS, Storage, storage_of_kernel
 
 __all__ = [
+    "DMPCollection",
     "DMPShardedEmbeddingBagCollection",
     "DMPShardedEmbeddingCollection",
     "EmbeddingBagCollectionSharder",
@@ -392,10 +400,22 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         self._backend = backend
         self._comm = comm
         self._module_type = module_type
+        self._replicas = None
 
     @property
     def module_type(self) -> type:
         return self._module_type
+
+    @property
+    def local_world_size(self) -> int | None:
+        """Ranks per host of the plan, as given (None: TorchRec's ``get_local_size``)."""
+        return self._local_world_size
+
+    def use_replica_groups(self, replicas) -> None:
+        """Shard in these replica groups (``sharding.comm.replicas.ReplicaGroups``;
+        ``DMPCollection`` sets them): the plan is for one group's ranks, and each module is
+        sharded inside this rank's group."""
+        self._replicas = replicas
 
     _tables_attr = "embedding_bags"
     _wrapper = DMPShardedEmbeddingBagCollection
@@ -434,6 +454,12 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
                 f"{module_fqn or 'module'}: expected a {self._module_type.__name__}, "
                 f"got {type(module).__name__}"
             )
+        if self._replicas is not None:  # DMPCollection: a plan for one group
+            r = self._replicas
+            plan = to_fbtd_plan(self._configs(module), params, r.group_size, r.local_world_size)
+            sharded = shard(module, plan, None, device, optimizer=self._optimizer,
+                            backend=self._backend, comm=self._comm_options(), replica_groups=r)
+            return self._wrapper(sharded, type(module))
         H = self._local_world_size
         if H is None:
             from torchrec.distributed.comm import get_local_size
@@ -471,3 +497,119 @@ class EmbeddingCollectionSharder(EmbeddingBagCollectionSharder):
 
     def _configs(self, module: nn.Module) -> list:
         return module.embedding_configs()
+
+
+# -- 2D parallel: TorchRec's DMPCollection ----------------------------------------------------
+_REFUSED = {
+    "node_group_size": "pass local_world_size= to our sharder instead",
+    "custom_all_reduce": "the replicas are averaged by our own fp32 all-reduce",
+    "submodule_configs": "one plan and one group size for the whole model",
+    "rs_awaitable_hook_module": "only the DEFAULT sharding strategy is supported",
+}
+
+
+class DMPCollection(DistributedModelParallel):
+    """TorchRec's ``DMPCollection`` arguments where they map (``module``, ``device``, ``plan``,
+    ``world_size``, ``sharding_group_size``, ``global_pg``, ``sharders``,
+    ``init_data_parallel``, ``init_parameters``, ``data_parallel_wrapper``,
+    ``use_inter_host_allreduce``), plus ``replica_sync``: ``"step"`` (default: every step one
+    fused update of all replicas' ids, exactly the flat plan on ``world_size`` ranks) or an
+    int N (TorchRec's behaviour: replicas train apart and are averaged every N steps; ``sync``
+    averages on demand). Sharders default to ours for ``fbtriton_dist``'s EBC and EC.
+
+        model = DMPCollection(module=m, device=device, plan=plan_for_S_ranks, world_size=R,
+                              sharding_group_size=S, global_pg=dist.group.WORLD)
+        model.sync()   # average the replicas (replica_sync=N does it every N steps itself)
+
+    The plan is TorchRec's ``ShardingPlan`` made for ``sharding_group_size`` ranks (ranks
+    0..S-1 of one group, as TorchRec's). The groups are TorchRec's: by default
+    (``use_inter_host_allreduce=False``) strided, group r % (R/S); with
+    ``use_inter_host_allreduce=True`` consecutive, group r // S. The dense rest of the model
+    is wrapped in DDP over ``global_pg`` (DMP's data-parallel wrapper).
+
+    Refused (ValueError naming the argument): ``sharding_strategy`` other than ``DEFAULT``,
+    ``node_group_size`` (pass ``local_world_size`` to our sharder instead),
+    ``custom_all_reduce``, ``submodule_configs``, ``rs_awaitable_hook_module``,
+    ``use_sharded_relay=True``, sharders other than ours, and ``plan=None`` (plan for the
+    group size with ``EmbeddingShardingPlanner`` or our planner)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | None = None,
+        plan=None,
+        world_size: int | None = None,
+        sharding_group_size: int | None = None,
+        global_pg=None,
+        sharding_strategy=None,
+        node_group_size: int | None = None,
+        sharders: list | None = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper=None,
+        use_inter_host_allreduce: bool = False,
+        custom_all_reduce=None,
+        submodule_configs=None,
+        rs_awaitable_hook_module: str | None = None,
+        use_sharded_relay: bool = False,
+        *,
+        replica_sync: str | int = "step",
+    ) -> None:
+        given = {"node_group_size": node_group_size, "custom_all_reduce": custom_all_reduce,
+                 "submodule_configs": submodule_configs,
+                 "rs_awaitable_hook_module": rs_awaitable_hook_module}
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(f"DMPCollection: {name} is not supported ({_REFUSED[name]}); "
+                                 f"got {value!r}")
+        if use_sharded_relay:
+            raise ValueError("DMPCollection: use_sharded_relay is not supported; got True")
+        if sharding_strategy is not None and getattr(sharding_strategy, "name",
+                                                     sharding_strategy) != "DEFAULT":
+            raise ValueError(f"DMPCollection: sharding_strategy: expected DEFAULT (replicas "
+                             f"hold whole shards), got {sharding_strategy!r}")
+        if plan is None:
+            raise ValueError("DMPCollection: plan: expected a ShardingPlan made for "
+                             "sharding_group_size ranks, got None")
+        if sharding_group_size is None:
+            raise ValueError("DMPCollection: sharding_group_size: expected an int, got None")
+        R = dist.get_world_size(global_pg)
+        if world_size is not None and world_size != R:
+            raise ValueError(f"DMPCollection: world_size: expected the size of global_pg, {R}, "
+                             f"got {world_size}")
+        if sharders is None:
+            sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+        ours = [s for s in sharders if isinstance(s, EmbeddingBagCollectionSharder)]
+        if len(ours) != len(sharders):
+            raise ValueError("DMPCollection: sharders: expected fbtriton_dist's sharders "
+                             "(fbtriton_dist.sharding.dmp; module_type=torchrec's collections "
+                             f"shards those), got {[type(s).__name__ for s in sharders]}")
+        hosts = {s.local_world_size for s in ours if s.local_world_size is not None}
+        if len(hosts) > 1:
+            raise ValueError(f"DMPCollection: sharders: expected one local_world_size, got "
+                             f"{sorted(hosts)}")
+        replicas = make_replica_groups(
+            global_pg, sharding_group_size, replica_sync, sharding_group_size,
+            hosts.pop() if hosts else sharding_group_size,
+            "consecutive" if use_inter_host_allreduce else "strided",
+        )
+        for s in ours:
+            s.use_replica_groups(replicas)
+        self.replica_groups = replicas
+        """The ``ReplicaGroups`` of this rank (its group's and its replicas' process groups)."""
+        pg = global_pg if global_pg is not None else dist.GroupMember.WORLD
+        env = ShardingEnv(world_size=R, rank=dist.get_rank(pg), pg=pg)
+        super().__init__(module, env=env, device=device, plan=plan, sharders=sharders,
+                         init_data_parallel=init_data_parallel, init_parameters=init_parameters,
+                         data_parallel_wrapper=data_parallel_wrapper)
+
+    def sharded_collections(self) -> list[ShardedCollection]:
+        """Our sharded collections in the model (each sharded module's ``.sharded``)."""
+        return [m.sharded for m in self.modules()
+                if isinstance(getattr(m, "sharded", None), ShardedCollection)]
+
+    def sync(self, include_optimizer_state: bool = True) -> None:
+        """Average every shard's weights and (``include_optimizer_state``) optimizer state over
+        its replicas (TorchRec's ``DMPCollection.sync``; every rank calls it)."""
+        for collection in self.sharded_collections():
+            collection.sync_replicas(include_optimizer_state)

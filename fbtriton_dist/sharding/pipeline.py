@@ -114,6 +114,9 @@ class TrainPipeline:
         ]
         if own_group:
             for m in self.sharded:
+                if m.replicas is not None:  # new_group wants the same call on every rank
+                    m.input_group = m.replicas.new_sharding_group()
+                    continue
                 ranks = None
                 if m.group is not None:
                     ranks = dist.get_process_group_ranks(m.group)

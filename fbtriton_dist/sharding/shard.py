@@ -55,6 +55,10 @@ def shard(
     optimizer: optim.Optimizer | None = None,
     backend: str = "auto",
     comm: CommOptions | None = None,
+    group_size: int | None = None,
+    replica_sync: str | int = "step",
+    group_layout: str = "consecutive",
+    replica_groups=None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection and EmbeddingCollection in ``module`` (ours or
     TorchRec's, at any depth) by a ShardedEmbeddingBagCollection / ShardedEmbeddingCollection
@@ -67,8 +71,20 @@ def shard(
     world size R in backward (``gradient_division``, default yes, as TorchRec and DDP do:
     with each rank's loss the mean over its samples, a step on R ranks equals the unsharded
     module's step on the global batch, so a learning rate means the same on any R). Returns
-    the module (the sharded collection itself if ``module`` was one)."""
+    the module (the sharded collection itself if ``module`` was one).
+
+    ``group_size`` S (replica groups, 2D parallel; default: the world size R, flat): the R
+    ranks of ``process_group`` split into R/S groups of S consecutive ranks, each sharding
+    the tables by ``plan`` (a plan for S ranks) inside its own process group; the ranks of
+    the same local rank hold the same shards and are kept in step by ``replica_sync``:
+    ``"step"`` (every step one fused update of all their ids: equals the flat plan on R ranks)
+    or an int N (weights and optimizer state averaged every N steps; each group's gradients
+    divided by S). ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
+    ``DMPCollection`` default). ``sharding/comm/replicas.py``; docs/sharding.md "Replica groups
+    (2D)". ``replica_groups``: groups already made (``sharding.comm.replicas.make_replica_groups``,
+    e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``."""
     from fbtriton_dist.modules.managed import ManagedLookup
+    from fbtriton_dist.sharding.comm.replicas import check_replica_sync, make_replica_groups
 
     for name, m in module.named_modules():
         if isinstance(m, ManagedLookup):
@@ -77,8 +93,23 @@ def shard(
                 "supported yet; build the collection with managed=... instead "
                 "(sharding/managed/sharded.py)"
             )
+    replicas = replica_groups
+    check_replica_sync(replica_sync)
+    if replicas is not None:
+        if plan.world_size != replicas.group_size:
+            raise ValueError(f"plan: expected a plan for the group size {replicas.group_size} "
+                             f"ranks, got a plan for {plan.world_size} ranks")
+        process_group = replicas.group
+    elif group_size is not None:
+        replicas = make_replica_groups(process_group, group_size, replica_sync, plan.world_size,
+                                       plan.local_world_size, group_layout)
+        if replicas.num_groups == 1:
+            replicas = None  # S = R: the flat plan
+        else:
+            process_group = replicas.group
     if _kind(module) is not None:
-        return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm)
+        return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm,
+                          replicas)
     found = [(name, child) for name, child in module.named_modules()
              if name and _kind(child) is not None]
     plans = _plans_per_collection(found, plan)
@@ -86,7 +117,7 @@ def shard(
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, _shard_one(child, name, sub, process_group, device, optimizer,
-                                         backend, comm))
+                                         backend, comm, replicas))
     return module
 
 
@@ -134,7 +165,8 @@ def _storage_of(collection, plan: ShardingPlan) -> dict:
     return out
 
 
-def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None):
+def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None,
+               replicas=None):
     kind = _kind(collection)
     ebc = kind == "ebc"
     configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
@@ -163,7 +195,12 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
     if any(s.tier != "device" for s in storage.values()):
         common["storage"] = storage
     ebc_cls, ec_cls = ShardedEmbeddingBagCollection, ShardedEmbeddingCollection
+    if replicas is not None:
+        common["replicas"] = replicas
     if getattr(collection, "id_managers", None) is not None:  # managed tables
+        if replicas is not None:
+            raise ValueError(f"{name}: managed (id-managed) tables are not supported with "
+                             f"group_size={replicas.group_size}; use a flat plan")
         from fbtriton_dist.sharding.managed import sharded as managed
 
         ebc_cls = managed.ManagedShardedEmbeddingBagCollection

@@ -28,7 +28,8 @@ from fbtriton_dist.planner.report import format_report
 
 from .config import JobConfig
 
-__all__ = ["MANAGED_SHARDINGS", "JobPlan", "job_constraints", "make_plan", "plan_job"]
+__all__ = ["MANAGED_SHARDINGS", "JobPlan", "group_size", "job_constraints", "make_plan",
+           "plan_job"]
 
 GiB = 1024**3
 
@@ -64,6 +65,17 @@ def job_constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
     return out
 
 
+def group_size(cfg: JobConfig, world_size: int) -> int:
+    """The ranks one plan is for: ``sharding.group_size`` (replica groups), else the world;
+    a size that does not divide ``world_size`` is an error naming both."""
+    S = cfg.sharding.group_size or world_size
+    if world_size % S:
+        raise ConfigError("<job>", "sharding.group_size", (
+            f"expected a divisor of the world size {world_size} (groups of consecutive ranks), "
+            f"got {S}"))
+    return S
+
+
 def plan_job(
     cfg: JobConfig,
     world_size: int,
@@ -74,9 +86,11 @@ def plan_job(
 ) -> JobPlan:
     """The job's plan for ``world_size`` ranks, ``local_world_size`` per host unless
     ``sharding.local_world_size`` says otherwise: planned, or read from ``plan_path`` (else
-    ``sharding.plan``) and checked."""
+    ``sharding.plan``) and checked. With ``sharding.group_size`` S the plan is for S ranks
+    (each replica group's; hosts of at most S ranks)."""
     s = cfg.sharding
-    H = s.local_world_size or local_world_size
+    world_size = group_size(cfg, world_size)
+    H = min(s.local_world_size or local_world_size, world_size)
     if world_size % H:
         H = world_size
     specs = cfg.tables.tables
@@ -105,8 +119,9 @@ def plan_job(
         plan = ShardingPlan.load_yaml(path)
         if plan.world_size != world_size:
             raise ValueError(
-                f"{path}: plan is for world_size={plan.world_size}, this job runs on "
-                f"{world_size} rank(s); plan again or drop sharding.plan"
+                f"{path}: plan is for world_size={plan.world_size}, this job plans for "
+                f"{world_size} rank(s) (the world, or sharding.group_size); plan again or "
+                "drop sharding.plan"
             )
     else:
         plan = planner.plan(specs, job_constraints(cfg), stats)

@@ -18,7 +18,11 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
     measured batch size and pooling factors, the wire's id, length and value sizes; pooled
     values in the wire format, an 8-bit format's row scales included),
     ``output_dist.forward.inter_host`` (the part of the output dist that crossed hosts) and
-    ``input_dist.dedup`` (data bytes without dedup and the bytes it saved)."""
+    ``input_dist.dedup`` (data bytes without dedup and the bytes it saved); with replica
+    groups, ``replica_sync``: the bytes sent to / received from the replica group
+    (``replica_sync="step"``: the last step's lookup batches and row gradients, padded to the
+    largest replica's, as all-gathers; N: the last average of weights and optimizer state,
+    as a ring all-reduce moves it, and ``per_step``: that divided by N)."""
     last = ebc.last_step_stats
     if last is None:
         raise RuntimeError("comm_report: no step has run yet")
@@ -54,4 +58,11 @@ def comm_report(ebc) -> dict[str, dict[str, float]]:
                                    "planner_estimate": float(cost.output_dist_bytes)}
     sent, received = ebc.output_dist_.inter_host(sizes, strides)  # a part of output_dist.forward
     report["output_dist.forward.inter_host"] = {"sent": float(sent), "received": float(received)}
+    replicas = getattr(ebc, "replicas", None)
+    if replicas is not None:
+        traffic = ebc.replica_traffic
+        entry = {"sent": float(traffic.sent), "received": float(traffic.received)}
+        if replicas.sync != "step":
+            entry["per_step"] = float(traffic.received) / replicas.sync
+        report["replica_sync"] = entry
     return report

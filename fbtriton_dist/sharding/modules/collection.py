@@ -19,6 +19,13 @@ from fbtriton_dist import optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.comm.options import CommOptions
+from fbtriton_dist.sharding.comm.replicas import (
+    AfterBackward,
+    ReplicaGroups,
+    ReplicaTraffic,
+    average_replicas,
+    replica_lookup,
+)
 from fbtriton_dist.sharding.comm.report import comm_report
 from fbtriton_dist.sharding.dist.fixed import FixedInputDist
 from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
@@ -44,6 +51,12 @@ class ShardedCollection(nn.Module):
             not named, and all without it, are on ``device``. The state dict and the fused
             optimizer's state give the whole shards (flushed), as on ``device``.
 
+    ``replicas`` (``sharding.comm.replicas.ReplicaGroups``, made by ``shard(group_size=...)``):
+    this collection is one group's copy of the tables in a world split into replica groups;
+    ``process_group`` is then the group's, and the replicas are kept in step by
+    ``replicas.sync`` (``"step"``: one fused update of every replica's ids; N: weights and
+    optimizer state averaged every N steps, ``sync_replicas``).
+
     ``input_group`` (default: the process group) carries the input dist; a pipeline may give
     it a group of its own so the next batch's ids do not queue behind this batch's output
     dist on one NCCL stream.
@@ -67,6 +80,7 @@ class ShardedCollection(nn.Module):
         backend: str = "auto",
         comm: CommOptions | None = None,
         storage: Mapping[str, Storage | Mapping | str | None] | None = None,
+        replicas: ReplicaGroups | None = None,
     ) -> None:
         super().__init__()
         if comm is not None and not isinstance(comm, CommOptions):
@@ -90,10 +104,21 @@ class ShardedCollection(nn.Module):
         self.rank = dist.get_rank(process_group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
+        self.replicas = replicas
+        """The replica groups this collection is one group's copy in, or None (flat)."""
+        self._check_replicas(storage)
+        self.replica_traffic = ReplicaTraffic()
+        """Bytes sent / received over the replica group (``comm_report``'s
+        ``replica_sync``)."""
+        self._steps_since_sync = 0
         divide = self.comm.gradient_division is not False  # None: TorchRec's default, divide
-        self.grad_scale = 1.0 / self.layout.world_size if divide else 1.0
+        ranks = self.layout.world_size
+        if replicas is not None and replicas.sync == "step":
+            ranks = replicas.world_size  # the flat plan's step on all R ranks
+        self.grad_scale = 1.0 / ranks if divide else 1.0
         """What backward multiplies the gradient of every local lookup output by: 1/R with
-        ``CommOptions.gradient_division`` (the default), else 1."""
+        ``CommOptions.gradient_division`` (the default; replica groups synced every N steps:
+        1/S, each group's own step), else 1."""
         self._is_weighted = is_weighted
         self._configs = list(configs)
         self._check_plan()
@@ -139,6 +164,61 @@ class ShardedCollection(nn.Module):
         self._embedding_names = self.layout.output_names
         self._dims = self.layout.feature_dims
         self._make_dists()
+
+    def _check_replicas(self, storage) -> None:
+        """What replica groups do not support: fixed shapes, storage tiers."""
+        if self.replicas is None:
+            return
+        if self.comm.fixed_shapes:
+            raise ValueError("group_size: replica groups need the default input dist; got "
+                             "CommOptions(fixed_shapes=True)")
+        tiers = {n: storage_of(s, n).tier for n, s in dict(storage or {}).items()}
+        if any(t != "device" for t in tiers.values()):
+            raise ValueError(f"group_size: replica groups keep every table on 'device'; got "
+                             f"storage tiers {tiers}")
+
+    # -- replica groups ------------------------------------------------------------------
+    def _lookup(self, tbe, indices, offsets, psw, batch_size: int) -> torch.Tensor:
+        """``tbe(indices, offsets, psw)``, or with replica groups synced every step the
+        lookup of every replica's batch at once (``sharding.comm.replicas.replica_lookup``)."""
+        r = self.replicas
+        if r is None or r.sync != "step" or r.num_groups == 1 or not torch.is_grad_enabled():
+            return tbe(indices, offsets, psw)
+        if psw is not None and psw.requires_grad:
+            raise ValueError("replica_sync='step': per-sample weights that require grad (a "
+                             "feature processor) are not supported with replica groups; use "
+                             "replica_sync=N or a flat plan")
+        return replica_lookup(tbe, indices, offsets, psw, batch_size, r, self.replica_traffic)
+
+    def _count_step(self, x: torch.Tensor) -> torch.Tensor:
+        """With ``replica_sync=N``: ``x`` itself, its backward counting the step once the
+        whole backward is done and averaging the replicas every N steps."""
+        r = self.replicas
+        if (r is None or r.sync == "step" or r.num_groups == 1 or not x.requires_grad
+                or not torch.is_grad_enabled()):
+            return x
+        return AfterBackward.apply(x, self._step_done)
+
+    def _start_step(self) -> None:
+        """A training step's lookup begins: with ``replica_sync="step"`` the replica bytes are
+        counted afresh (``comm_report``)."""
+        if self.replicas is not None and self.replicas.sync == "step" and torch.is_grad_enabled():
+            self.replica_traffic.reset()
+
+    def _step_done(self) -> None:
+        self._steps_since_sync += 1
+        if self._steps_since_sync >= self.replicas.sync:
+            self.sync_replicas()
+
+    def sync_replicas(self, include_optimizer_state: bool = True) -> None:
+        """Average the weights and (``include_optimizer_state``) the fused optimizer's state
+        of every local shard over its replicas (every rank calls it; ``replica_sync=N`` does
+        after every N-th backward). A no-op without replica groups."""
+        if self.replicas is None or self.replicas.num_groups == 1:
+            return
+        self.replica_traffic.reset()
+        average_replicas(self.tbes, self.replicas, self.replica_traffic, include_optimizer_state)
+        self._steps_since_sync = 0
 
     def _check_plan(self) -> None:
         """Refuse what this kind of collection cannot shard (a subclass's rule)."""
@@ -223,6 +303,8 @@ class ShardedCollection(nn.Module):
         H, R = self.layout.local_world_size, self.layout.world_size
         if H == R:
             return group
+        if self.replicas is not None:  # made for every group on every rank
+            return self.replicas.host_groups[self.rank // H * H]
         mine = None
         for first in range(0, R, H):
             ranks = [r if group is None else dist.get_global_rank(group, r)

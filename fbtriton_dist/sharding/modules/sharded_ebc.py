@@ -72,6 +72,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             if w is not None and w.requires_grad:  # and of the weights' all-to-all backward
                 return (w.sum() * 0).expand(B, 0)
             return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
+        self._start_step()
         outs, first = [], 0
         single = len(self.tbes) == 1
         weights = self._undivided_weights_grad(lookup.per_sample_weights)
@@ -84,9 +85,9 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
                 indices = indices[a:b]
                 offsets = offsets[first * B : (first + n) * B + 1] - a
                 psw = psw[a:b] if psw is not None else None
-            outs.append(tbe(indices, offsets, psw))
+            outs.append(self._lookup(tbe, indices, offsets, psw, B))
             first += n
-        return self._scale_grad(outs[0] if single else torch.cat(outs, dim=1))
+        return self._count_step(self._scale_grad(outs[0] if single else torch.cat(outs, dim=1)))
 
     def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int],
                     vbe: VBEStep | None = None):

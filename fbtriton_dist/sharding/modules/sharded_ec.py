@@ -64,6 +64,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         backend: str = "auto",
         comm: CommOptions | None = None,
         storage: Mapping | None = None,
+        replicas=None,
     ) -> None:
         if comm is not None and getattr(comm, "fixed_shapes", False):
             raise ValueError(
@@ -73,7 +74,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self._need_indices = need_indices
         super().__init__(configs, plan, optimizer=optimizer, weights=weights,
                          process_group=process_group, device=device, backend=backend, comm=comm,
-                         storage=storage)
+                         storage=storage, replicas=replicas)
 
     def _make_output_dist(self) -> None:
         self.output_dist_ = SequenceDist(self.layout, self.rank, self.device,
@@ -90,6 +91,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         gradient is divided by the world size in backward (``CommOptions.gradient_division``)."""
         if lookup.stats is not None:
             self.last_step_stats = lookup.stats
+        self._start_step()
         rows, single = [], len(self.tbes) == 1
         B, first = lookup.batch_size, 0
         for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
@@ -98,8 +100,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
                 indices = indices[a:b]
                 offsets = offsets[first * B : (first + n) * B + 1] - a
-            rows.append(self._scale_grad(tbe(indices, offsets, None)))
+            rows.append(self._scale_grad(self._lookup(tbe, indices, offsets, None, B)))
             first += n
+        if rows:  # one step counted per backward
+            rows[0] = self._count_step(rows[0])
         return rows
 
     def output_dist(self, rows: list[torch.Tensor], lookup: LookupBatch,

@@ -27,6 +27,8 @@ def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: 
     kind = ebc.device.type
     metas = []
     for sf_rank, offsets, sizes in _global_pieces(ebc, t, rowwise):
+        if ebc.group is not None:  # a placement names a global rank (replica groups: a group's)
+            sf_rank = dist.get_global_rank(ebc.group, sf_rank)
         local_rank = sf_rank % ebc.layout.local_world_size
         where = (f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda"
                  else f"rank:{sf_rank}/{'meta' if kind == 'meta' else 'cpu'}")
