@@ -1,6 +1,7 @@
 """``shard()``: replace the embedding collections of a model by their sharded counterparts."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
@@ -75,7 +76,8 @@ def shard(
 
     ``group_size`` S (replica groups, 2D parallel; default: the world size R, flat): the R
     ranks of ``process_group`` split into R/S groups of S consecutive ranks, each sharding
-    the tables by ``plan`` (a plan for S ranks) inside its own process group; the ranks of
+    the tables by ``plan`` (a plan for S ranks, or the planner's grouped plan for R ranks,
+    ``group_size`` S and ``replica_sync`` in it) inside its own process group; the ranks of
     the same local rank hold the same shards and are kept in step by ``replica_sync``:
     ``"step"`` (every step one fused update of all their ids: equals the flat plan on R ranks)
     or an int N (weights and optimizer state averaged every N steps; each group's gradients
@@ -93,6 +95,16 @@ def shard(
                 "supported yet; build the collection with managed=... instead "
                 "(sharding/managed/sharded.py)"
             )
+    if plan.group_world != plan.world_size:  # a grouped plan (planner.groups): R and S
+        if group_size not in (None, plan.group_size):
+            raise ValueError(f"group_size: the plan is grouped with group_size="
+                             f"{plan.group_size}, got group_size={group_size}")
+        if dist.is_initialized() and dist.get_world_size(process_group) != plan.world_size:
+            raise ValueError(f"plan: expected a plan for the world of "
+                             f"{dist.get_world_size(process_group)} ranks, got a grouped plan "
+                             f"for {plan.world_size}")
+        group_size, replica_sync = plan.group_size, plan.replica_sync
+        plan = plan.group_plan()
     replicas = replica_groups
     check_replica_sync(replica_sync)
     if replicas is not None:

@@ -334,7 +334,8 @@ class ShardingConfig:
     replica_sync: Literal["step"] | int = "step"
     """With ``group_size``: ``step``: the replicas of a shard make one fused update of all
     their ids every step (equals the flat plan on R ranks); an int N: each group trains on its
-    own and weights and optimizer state are averaged over the replicas every N steps."""
+    own and weights and optimizer state are averaged over the replicas every N steps (and
+    before each checkpoint, which saves one copy)."""
 
     def __post_init__(self) -> None:
         _check_optional(check_name, "plan", self.plan)

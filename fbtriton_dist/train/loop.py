@@ -380,6 +380,11 @@ class Trainer:
         metrics.write("eval", self.step, **self.last_eval)
 
     def _checkpoint(self) -> None:
+        if self.cfg.sharding.replica_sync != "step":  # replicas averaged every N steps: one
+            for m in self._embedding_modules:         # copy of each shard is what DCP saves
+                sync = getattr(m, "sync_replicas", None)
+                if sync is not None:
+                    sync()
         bad = nonfinite_weights(self.model, self.env.process_group)
         if bad:  # never a checkpoint of nan/inf weights: the last good one stays
             kept = latest_checkpoint(self.cfg.checkpoint_dir) or "none"

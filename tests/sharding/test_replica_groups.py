@@ -20,13 +20,21 @@ STEPS = 2
 
 
 def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None,
-           group_layout="consecutive", weighted=False):
+           group_layout="consecutive", weighted=False, planned=False):
+    """``planned``: the planner's grouped plan (world R, ``group_size`` S in the plan)
+    instead of a plan for S ranks and ``group_size=``."""
     import fbtriton_dist
+    from fbtriton_dist.planner import ShardingPlan
 
     torch.manual_seed(0)
     ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(weighted), is_weighted=weighted)
     S = group_size or world
-    return fbtriton_dist.shard(ebc, _plan("mixed", S), process_group, optimizer=optimizer,
+    plan = _plan("mixed", S)
+    if planned:
+        plan = ShardingPlan(world_size=world, local_world_size=S, tables=plan.tables,
+                            group_size=S, replica_sync=replica_sync)
+        group_size = None
+    return fbtriton_dist.shard(ebc, plan, process_group, optimizer=optimizer,
                                group_size=group_size, replica_sync=replica_sync,
                                group_layout=group_layout)
 
@@ -163,7 +171,7 @@ def _grouped_vs_flat(rank, world):
 
     out = {}
     for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8),
-                              (2, 3, "2 strided")),
+                              (2, 3, "2 strided", "2 planned")),
                              ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,)),
                              ("sgd_weighted", optim.SGD(lr=0.3), (2,))]:
         weighted = name == "sgd_weighted"
@@ -172,9 +180,9 @@ def _grouped_vs_flat(rank, world):
         out[name] = {"flat": _local(flat)}
         for S in sizes:
             strided = S == "2 strided"
-            grouped = _shard(world, opt, 2 if strided else S,
+            grouped = _shard(world, opt, S if isinstance(S, int) else 2,
                              group_layout="strided" if strided else "consecutive",
-                             weighted=weighted)
+                             weighted=weighted, planned=S == "2 planned")
             outs = _train(grouped, rank, world, STEPS, weighted=weighted)
             out[name][S] = {
                 "out": max((a - b).abs().max().item() for a, b in zip(outs_flat, outs,
@@ -349,7 +357,7 @@ def _six_ranks(rank, world, path):
 
 def _check_grouped_vs_flat(results, world, name, case):
     configs = _configs(False)
-    group_size = 2 if case == "2 strided" else case
+    group_size = case if isinstance(case, int) else 2
     K = world // group_size
 
     def local_rank(r):  # consecutive: group r // S; strided: group r % (R / S)
@@ -417,6 +425,7 @@ def test_replica_groups_on_6_ranks(tmp_path):
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 2)
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", 3)
     _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", "2 strided")
+    _check_grouped_vs_flat(flat, 6, "rowwise_adagrad", "2 planned")  # the planner's plan
     _check_grouped_vs_flat(flat, 6, "adagrad", 2)
     _check_grouped_vs_flat(flat, 6, "sgd_weighted", 2)
     _check_every_n([r[2] for r in results], 6, 2)
