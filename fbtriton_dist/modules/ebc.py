@@ -13,6 +13,7 @@ from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface sp
 import torch
 from torch import nn
 
+from fbtriton_dist import optim
 from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import (
@@ -69,6 +70,10 @@ class EmbeddingBagCollection(TableGroups):
             cache slots; ``state_dict()`` gives its whole table (flushed, a host tensor) under
             that key, and a load writes there; ``flush()`` writes dirty rows back. Training it
             needs a fused optimizer (``apply_optimizer_in_backward``).
+        optimizer_state_dtypes: FBGEMM's option (TorchRec passes it in ``fused_params``):
+            ``{"momentum1" | "momentum2": "fp32" | "fp16" | "bf16"}`` (or torch dtypes,
+            FBGEMM's ``SparseType``), the storage of the fused optimizer's state of every
+            table; the update runs in fp32 (``TableBatchedEmbedding``'s). Default fp32.
 
     ``forward(features: KeyedJaggedTensor) -> KeyedTensor`` with one key per (table, feature),
     in config order (``feature@table`` where tables share a feature name), ``[B, sum(D)]`` fp32
@@ -80,7 +85,7 @@ class EmbeddingBagCollection(TableGroups):
 
     # host-side state torch.jit.script need not type (the scripted forward reads none of it)
     __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_bag_configs", "_table_configs",
-                                  "_op_layout"]
+                                  "_op_layout", "optimizer_state_dtypes"]
 
     def __init__(
         self,
@@ -92,8 +97,12 @@ class EmbeddingBagCollection(TableGroups):
         bounds_check: str = "error",
         managed: Mapping | None = None,
         storage: Mapping | None = None,
+        optimizer_state_dtypes: Mapping | None = None,
     ) -> None:
         super().__init__()
+        self.optimizer_state_dtypes = optim.state_dtype_names(optimizer_state_dtypes)
+        """``{state buffer: dtype name}``: how every group's fused-optimizer state is stored
+        (``shard()`` keeps it)."""
         names = [t.name for t in tables]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -139,6 +148,7 @@ class EmbeddingBagCollection(TableGroups):
                 init_weights=False,
                 seed=seed,
                 storage=[tiers[t] for t in members],
+                optimizer_state_dtypes=self.optimizer_state_dtypes,
             )
             tbe.weights.requires_grad_(False)
             views.update(zip(members, tbe.split_slot_weights(), strict=True))

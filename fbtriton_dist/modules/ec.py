@@ -14,6 +14,7 @@ from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface sp
 import torch
 from torch import nn
 
+from fbtriton_dist import optim
 from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
@@ -44,6 +45,10 @@ class EmbeddingCollection(TableGroups):
             ``modules/managed.py``), as EmbeddingBagCollection's.
         storage: table name -> ``fbtriton_dist.storage.Storage``: storage tiers, as
             EmbeddingBagCollection's.
+        optimizer_state_dtypes: FBGEMM's option (TorchRec passes it in ``fused_params``):
+            ``{"momentum1" | "momentum2": "fp32" | "fp16" | "bf16"}`` (or torch dtypes,
+            FBGEMM's ``SparseType``), the storage of the fused optimizer's state of every
+            table; the update runs in fp32 (``TableBatchedEmbedding``'s). Default fp32.
 
     ``forward(features: KeyedJaggedTensor) -> dict[str, JaggedTensor]``: one key per (table,
     feature) in config order (``feature@table`` where tables share a feature name), values
@@ -55,7 +60,8 @@ class EmbeddingCollection(TableGroups):
 
     # host-side state torch.jit.script need not type (the scripted forward reads none of it)
     __jit_ignored_attributes__ = ["_groups", "_tbes", "_embedding_configs", "_table_configs",
-                                  "_embedding_names_by_table", "_op_layout"]
+                                  "_embedding_names_by_table", "_op_layout",
+                                  "optimizer_state_dtypes"]
     _tables_attr = "embeddings"
     _group_what = "dtype"
 
@@ -71,8 +77,12 @@ class EmbeddingCollection(TableGroups):
         bounds_check: str = "error",
         managed: Mapping | None = None,
         storage: Mapping | None = None,
+        optimizer_state_dtypes: Mapping | None = None,
     ) -> None:
         super().__init__()
+        self.optimizer_state_dtypes = optim.state_dtype_names(optimizer_state_dtypes)
+        """``{state buffer: dtype name}``: how every group's fused-optimizer state is stored
+        (``shard()`` keeps it)."""
         names = [t.name for t in tables]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -117,6 +127,7 @@ class EmbeddingCollection(TableGroups):
                 init_weights=False,
                 seed=seed,
                 storage=[tiers[t] for t in members],
+                optimizer_state_dtypes=self.optimizer_state_dtypes,
             )
             tbe.weights.requires_grad_(False)
             views.update(zip(members, tbe.split_slot_weights(), strict=True))

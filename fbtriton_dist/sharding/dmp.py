@@ -16,8 +16,8 @@ sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagC
 (so DDP leaves it alone) and ``FusedOptimizerModule`` (so ``dmp.fused_optimizer`` holds its
 fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in backward).
 
-What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` (the
-optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
+What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` other
+than ``optimizer_state_dtypes`` (refused, naming the key; the optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
 is ``fused``); ``table_column_wise`` is taken as column-wise (the ranks as given);
 ``reshard()``; of the fused optimizer's ``param_groups`` only ``lr`` reaches the kernels
 (at ``step()``, as TorchRec's: a scheduler works). ``named_parameters()`` lists every
@@ -370,6 +370,10 @@ class DMPShardedEmbeddingCollection(DMPShardedEmbeddingBagCollection):
         return self.sharded.need_indices()
 
 
+FUSED_PARAMS = ("optimizer_state_dtypes",)
+"""The keys of TorchRec's sharder ``fused_params`` (FBGEMM's TBE options) that map to ours."""
+
+
 class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     """Shards ``fbtriton_dist.EmbeddingBagCollection`` (``module_type``; pass
     ``torchrec.EmbeddingBagCollection`` to shard TorchRec's into ours) under TorchRec's DMP.
@@ -383,6 +387,10 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             divided by the world size unless ``comm.gradient_division`` is False or, with it
             None (the default), TorchRec's ``comm_ops.set_gradient_division(False)`` was
             called before DMP sharded the model: the same rule as TorchRec's own modules.
+        fused_params: TorchRec's sharder argument (FBGEMM's TBE options). Of its keys only
+            ``optimizer_state_dtypes`` maps (``{"momentum1" | "momentum2": SparseType.BF16
+            | "bf16" | torch.bfloat16 ...}``: passed to ``shard()``, overriding the
+            collection's own); any other key raises ValueError naming it.
     """
 
     def __init__(
@@ -393,8 +401,18 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         backend: str = "auto",
         comm: CommOptions | None = None,
         module_type: type = EmbeddingBagCollection,
+        fused_params: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        fused = dict(fused_params or {})
+        for key in fused:
+            if key not in FUSED_PARAMS:
+                raise ValueError(f"fused_params: expected keys among {list(FUSED_PARAMS)} (the "
+                                 f"fused optimizer comes from apply_optimizer_in_backward or "
+                                 f"optimizer=), got {key!r}")
+        self._state_dtypes = (optim.state_dtype_names(fused["optimizer_state_dtypes"])
+                              if "optimizer_state_dtypes" in fused else None)
+        self._fused_params = fused
         self._optimizer = optimizer
         self._local_world_size = local_world_size
         self._backend = backend
@@ -405,6 +423,11 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     @property
     def module_type(self) -> type:
         return self._module_type
+
+    @property
+    def fused_params(self) -> dict[str, Any] | None:
+        """The ``fused_params`` given (TorchRec's sharder property), or None."""
+        return dict(self._fused_params) or None
 
     @property
     def local_world_size(self) -> int | None:
@@ -458,7 +481,8 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             r = self._replicas
             plan = to_fbtd_plan(self._configs(module), params, r.group_size, r.local_world_size)
             sharded = shard(module, plan, None, device, optimizer=self._optimizer,
-                            backend=self._backend, comm=self._comm_options(), replica_groups=r)
+                            backend=self._backend, comm=self._comm_options(), replica_groups=r,
+                            optimizer_state_dtypes=self._state_dtypes)
             return self._wrapper(sharded, type(module))
         H = self._local_world_size
         if H is None:
@@ -469,6 +493,7 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         sharded = shard(
             module, plan, env.process_group, device,
             optimizer=self._optimizer, backend=self._backend, comm=self._comm_options(),
+            optimizer_state_dtypes=self._state_dtypes,
         )
         return self._wrapper(sharded, type(module))
 

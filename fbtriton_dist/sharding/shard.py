@@ -60,6 +60,7 @@ def shard(
     replica_sync: str | int = "step",
     group_layout: str = "consecutive",
     replica_groups=None,
+    optimizer_state_dtypes=None,
 ) -> nn.Module:
     """Replace every EmbeddingBagCollection and EmbeddingCollection in ``module`` (ours or
     TorchRec's, at any depth) by a ShardedEmbeddingBagCollection / ShardedEmbeddingCollection
@@ -84,7 +85,11 @@ def shard(
     divided by S). ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
     ``DMPCollection`` default). ``sharding/comm/replicas.py``; docs/sharding.md "Replica groups
     (2D)". ``replica_groups``: groups already made (``sharding.comm.replicas.make_replica_groups``,
-    e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``."""
+    e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``.
+
+    ``optimizer_state_dtypes`` (FBGEMM's option, ``{"momentum1" | "momentum2": dtype}``): the
+    storage of the fused optimizer's state of every shard; None: each collection's own
+    (``EmbeddingBagCollection(optimizer_state_dtypes=...)``; fp32 for TorchRec's)."""
     from fbtriton_dist.modules.managed import ManagedLookup
     from fbtriton_dist.sharding.comm.replicas import check_replica_sync, make_replica_groups
 
@@ -121,7 +126,7 @@ def shard(
             process_group = replicas.group
     if _kind(module) is not None:
         return _shard_one(module, "module", plan, process_group, device, optimizer, backend, comm,
-                          replicas)
+                          replicas, optimizer_state_dtypes)
     found = [(name, child) for name, child in module.named_modules()
              if name and _kind(child) is not None]
     plans = _plans_per_collection(found, plan)
@@ -129,7 +134,7 @@ def shard(
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, _shard_one(child, name, sub, process_group, device, optimizer,
-                                         backend, comm, replicas))
+                                         backend, comm, replicas, optimizer_state_dtypes))
     return module
 
 
@@ -178,7 +183,7 @@ def _storage_of(collection, plan: ShardingPlan) -> dict:
 
 
 def _shard_one(collection, name, plan, process_group, device, optimizer, backend, comm=None,
-               replicas=None):
+               replicas=None, state_dtypes=None):
     kind = _kind(collection)
     ebc = kind == "ebc"
     configs = collection.embedding_bag_configs() if ebc else collection.embedding_configs()
@@ -203,6 +208,8 @@ def _shard_one(collection, name, plan, process_group, device, optimizer, backend
         ),
         "backend": backend,
         "comm": comm,
+        "optimizer_state_dtypes": (state_dtypes if state_dtypes is not None
+                                   else getattr(collection, "optimizer_state_dtypes", None)),
     }
     if any(s.tier != "device" for s in storage.values()):
         common["storage"] = storage

@@ -50,6 +50,9 @@ class ShardedCollection(nn.Module):
             ``cached`` / ``file`` shard with ``Storage.slots(its rows)`` cache slots. Tables
             not named, and all without it, are on ``device``. The state dict and the fused
             optimizer's state give the whole shards (flushed), as on ``device``.
+        optimizer_state_dtypes: FBGEMM's option, ``{"momentum1" | "momentum2": dtype}``: the
+            fused optimizer's state of every shard stored in fp16 / bf16 (the update in fp32,
+            ``TableBatchedEmbedding``'s); the state dict keeps that dtype.
 
     ``replicas`` (``sharding.comm.replicas.ReplicaGroups``, made by ``shard(group_size=...)``):
     this collection is one group's copy of the tables in a world split into replica groups;
@@ -81,8 +84,12 @@ class ShardedCollection(nn.Module):
         comm: CommOptions | None = None,
         storage: Mapping[str, Storage | Mapping | str | None] | None = None,
         replicas: ReplicaGroups | None = None,
+        optimizer_state_dtypes: Mapping | None = None,
     ) -> None:
         super().__init__()
+        self.optimizer_state_dtypes = optim.state_dtype_names(optimizer_state_dtypes)
+        """``{state buffer: dtype name}``: the storage of every local TBE's optimizer state
+        (FBGEMM's ``optimizer_state_dtypes``; default fp32)."""
         if comm is not None and not isinstance(comm, CommOptions):
             raise ValueError(f"comm: expected a CommOptions, got {type(comm).__name__}")
         self.comm = comm if comm is not None else CommOptions()
@@ -157,6 +164,7 @@ class ShardedCollection(nn.Module):
                 storage=[self.storage[self._configs[local[i].table].name] for i in members],
                 init_weights=False,
                 seed=(base + 7919 * self.rank + 104729 * len(self.tbes)) % (2**31 - 1),
+                optimizer_state_dtypes=self.optimizer_state_dtypes,
             )
             self.tbes.append(tbe)
             self._group_features.append(len(sfs))

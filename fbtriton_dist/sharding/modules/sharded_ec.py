@@ -65,6 +65,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         comm: CommOptions | None = None,
         storage: Mapping | None = None,
         replicas=None,
+        optimizer_state_dtypes: Mapping | None = None,
     ) -> None:
         if comm is not None and getattr(comm, "fixed_shapes", False):
             raise ValueError(
@@ -74,7 +75,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self._need_indices = need_indices
         super().__init__(configs, plan, optimizer=optimizer, weights=weights,
                          process_group=process_group, device=device, backend=backend, comm=comm,
-                         storage=storage, replicas=replicas)
+                         storage=storage, replicas=replicas,
+                         optimizer_state_dtypes=optimizer_state_dtypes)
 
     def _make_output_dist(self) -> None:
         self.output_dist_ = SequenceDist(self.layout, self.rank, self.device,

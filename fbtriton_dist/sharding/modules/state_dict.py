@@ -13,10 +13,16 @@ import torch.distributed as dist
 
 from fbtriton_dist import optim
 
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""``optimizer_state_dtypes``' names -> the dtype a state is kept, saved and loaded in."""
 
-def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: bool = False):
+
+def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: bool = False,
+             dtype: torch.dtype | None = None):
     """A ShardedTensor of global ``size`` for table ``t`` from this rank's ``(offsets,
-    local tensor)`` pieces; the global metadata comes from the plan (no collective)."""
+    local tensor)`` pieces; the global metadata comes from the plan (no collective).
+    ``dtype``: its dtype (default the table's weights'), the same on every rank, those
+    holding no shard of it included."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -37,7 +43,7 @@ def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: 
         Shard(tensor, next(m for m in metas if list(m.shard_offsets) == list(offsets)))
         for offsets, tensor in tensors
     ]
-    dtype = tensors[0][1].dtype if tensors else ebc.layout.dtypes[t]
+    dtype = dtype if dtype is not None else ebc.layout.dtypes[t]
     meta = ShardedTensorMetadata(metas, torch.Size(size), TensorProperties(dtype=dtype))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local, meta, process_group=ebc.group
@@ -104,7 +110,9 @@ def fused_optimizer_state_dict(ebc) -> dict:
                 else ((lt.row_start, lt.col_start), st[i])
                 for lt, st in mine
             ]
-            out[key] = _sharded(ebc, t, pieces, size, rowwise)
+            out[key] = _sharded(ebc, t, pieces, size, rowwise,
+                                dtype=STATE_DTYPES[ebc.optimizer_state_dtypes.get(state.name,
+                                                                                  "fp32")])
     return out
 
 
