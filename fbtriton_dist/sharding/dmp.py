@@ -17,10 +17,11 @@ sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagC
 fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in backward).
 
 What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` other
-than ``optimizer_state_dtypes`` (refused, naming the key; the optimizer comes from ``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel
-is ``fused``); ``table_column_wise`` is taken as column-wise (the ranks as given);
-``reshard()``; of the fused optimizer's ``param_groups`` only ``lr`` reaches the kernels
-(at ``step()``, as TorchRec's: a scheduler works). ``named_parameters()`` lists every
+than ``optimizer_state_dtypes`` (refused, naming the key; the optimizer comes from
+``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel is ``fused``);
+``table_column_wise`` is taken as column-wise (the ranks as given); ``reshard()``; of the
+fused optimizer's ``param_groups`` only ``lr`` reaches the kernels (at ``step()``, as
+TorchRec's: a scheduler works). ``named_parameters()`` lists every
 table's local weights under TorchRec's names (``embedding_bags.<table>.weight``, views of
 the live shards, marked ``_in_backward_optimizers`` as TorchRec marks its fused ones, left
 out of DDP through
