@@ -22,10 +22,14 @@ __all__ = ["GiB", "as_planned", "block_bytes", "device_rows", "fmt_bytes", "host
 GiB = 1024**3
 
 
-def state_bytes(optimizer: str, rows: int, cols: int) -> int:
-    """Optimizer state of a rows x cols block, fp32 as FBGEMM keeps it (``optim.REGISTRY``'s
-    state layout; ``none``: 0)."""
-    return 0 if optimizer == "none" else optim.spec(optimizer).state_bytes(rows, cols)
+def state_bytes(optimizer: str, rows: int, cols: int, state_dtype: str = "fp32") -> int:
+    """Optimizer state of a rows x cols block (``optim.REGISTRY``'s state layout; ``none``:
+    0), every state stored in ``state_dtype`` (``TableSpec.state_dtype``; default fp32, as
+    FBGEMM keeps it; bf16 / fp16 halve it)."""
+    if optimizer == "none":
+        return 0
+    entry = optim.spec(optimizer)
+    return entry.state_bytes(rows, cols, {s.name: state_dtype for s in entry.states})
 
 
 def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
@@ -34,7 +38,7 @@ def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     none on ``host``; ``optimizer`` is the default for a table that does not name its own."""
     opt = spec.optimizer or optimizer
     rows = device_rows(spec, rows)
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols, spec.state_dtype)
 
 
 def device_rows(spec: TableSpec, rows):
@@ -61,7 +65,7 @@ def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> i
     if spec.tier not in ("host", "cached"):
         return 0
     opt = spec.optimizer or optimizer
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols, spec.state_dtype)
 
 
 def fmt_bytes(n: float) -> str:
@@ -76,12 +80,13 @@ def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
     opt = spec.optimizer or optimizer
     rows = spec.storage.slots(sh.num_rows) if spec.storage is not None else sh.num_rows
     w = rows * sh.num_cols * spec.dtype_bytes
-    st = state_bytes(opt, rows, sh.num_cols)
+    st = state_bytes(opt, rows, sh.num_cols, spec.state_dtype)
+    state = f", {spec.state_dtype}" if spec.state_dtype != "fp32" else ""
     cache = (f" ({spec.tier} tier: a cache of {rows} slots)"
              if spec.storage is not None and spec.storage.cached else "")
     return (
         f"rows {sh.row_start}..{sh.row_end}{cache} x {sh.num_cols} cols x {spec.dtype_bytes} B"
-        f" + state {fmt_bytes(st)} ({opt}) = {fmt_bytes(w + st)}"
+        f" + state {fmt_bytes(st)} ({opt}{state}) = {fmt_bytes(w + st)}"
     )
 
 

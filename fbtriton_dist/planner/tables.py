@@ -12,6 +12,7 @@ A table set file (``configs/tables/*.yaml``)::
         pooling: sum
         pooling_factors: 3        # one number for all features, a list, or {feature: L}
         optimizer: adam           # optional, else the planner's
+        state_dtype: bf16         # optional: its optimizer states' storage (default fp32)
         id_distribution: {kind: zipf, alpha: 1.1}   # optional, else uniform
         sharding: [row_wise, table_row_wise]        # optional constraints (TableConstraints)
         ranks: [0, 1, 2, 3]
@@ -101,6 +102,10 @@ class TableSpec:
     auto_storage: bool = False
     """``storage: auto``: the planner chooses the tier and cache (``planner/tier_choice.py``);
     ``storage`` is None until it has."""
+    state_dtype: DType = "fp32"
+    """Storage of its fused optimizer's states (every state: FBGEMM's
+    ``optimizer_state_dtypes``), ``fp32``, ``fp16`` or ``bf16``: the memory model counts 4 or 2
+    bytes per state value (``optim.OptimizerSpec.state_bytes``)."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -114,6 +119,7 @@ class TableSpec:
             check_name(f"features[{i}]", f)
         check_choice("pooling", self.pooling, Pooling.__args__)  # type: ignore[attr-defined]
         check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        check_choice("state_dtype", self.state_dtype, tuple(optim.STATE_DTYPE_BYTES))
         if self.pooling_factors and len(self.pooling_factors) != len(self.features):
             raise FieldError(
                 "pooling_factors",
@@ -219,6 +225,7 @@ _TABLE_KEYS = (
     "pooling_factors",
     "optimizer",
     "storage",
+    "state_dtype",
 )
 
 

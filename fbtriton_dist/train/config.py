@@ -52,6 +52,7 @@ Never imports torch: ``fbtriton-dist plan`` and argument parsing stay light.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -402,6 +403,10 @@ class EmbeddingOptimizerConfig:
     """rowwise_rmsprop_ar's decay of the mean squared gradient; None: its default."""
     min_shrinkage: float | None = None
     """rowwise_rmsprop_ar's floor of the decay factor; None: its default."""
+    state_dtype: str = "fp32"
+    """Storage of every table's optimizer states, ``fp32``, ``fp16`` or ``bf16`` (FBGEMM's
+    ``optimizer_state_dtypes`` for each state; the update runs in fp32); the planner counts
+    it (``TableSpec.state_dtype``)."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
@@ -413,6 +418,7 @@ class EmbeddingOptimizerConfig:
         for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
                      "ar_alpha", "ema_beta", "min_shrinkage"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
+        check_choice("state_dtype", self.state_dtype, tuple(optim.STATE_DTYPE_BYTES))
         _check_optional(check_number, "step_ema", self.step_ema, 1.0)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
         # (optim.REGISTRY's ``keywords``)
@@ -638,6 +644,7 @@ class JobConfig:
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
         check_choice("backend", self.backend, backends.choices())
         self._check_model()
+        self._apply_state_dtype()
         features = [f for t in self.tables.tables for f in t.features]
         unknown = [f for f in self.data.synthetic.zipf_per_feature if f not in features]
         if unknown:
@@ -677,6 +684,20 @@ class JobConfig:
         mlperf.check_multihot_only(self.train, self.data.source)
         if self.train.steps is None and self.data.source not in ("criteo", "multihot"):
             raise FieldError("train.steps", f"required with data.source: {self.data.source}")
+
+    def _apply_state_dtype(self) -> None:
+        """Every table takes ``optimizer.embedding.state_dtype`` (the collections store one
+        for all tables); a table set's ``state_dtype`` other than fp32 must say the same."""
+        sd = self.optimizer.embedding.state_dtype
+        wrong = {t.name: t.state_dtype for t in self.tables.tables
+                 if t.state_dtype not in ("fp32", sd)}
+        if wrong:
+            raise FieldError("optimizer.embedding.state_dtype",
+                             f"expected the tables' state_dtype {wrong} (one for all tables), "
+                             f"got {sd!r}")
+        if any(t.state_dtype != sd for t in self.tables.tables):
+            specs = tuple(dataclasses.replace(t, state_dtype=sd) for t in self.tables.tables)
+            object.__setattr__(self, "tables", dataclasses.replace(self.tables, tables=specs))
 
     def path(self, p: str) -> str:
         """``p`` relative to the job file's folder (absolute paths unchanged)."""

@@ -179,6 +179,13 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     return entry.from_kwargs(kwargs, "optimizer.embedding")
 
 
+def _state_dtypes(cfg: JobConfig) -> dict[str, str]:
+    """``optimizer.embedding.state_dtype`` as the collections' ``optimizer_state_dtypes``:
+    that dtype for every state of the fused optimizer."""
+    c = cfg.optimizer.embedding
+    return {s.name: c.state_dtype for s in optim.spec(c.type).states}
+
+
 def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
                      capturable: bool = False):
     """The torch optimizer of ``optimizer.dense``; ``capturable``: its step count on the
@@ -210,7 +217,7 @@ def _collection(cls, configs, cfg: JobConfig, where: torch.device):
     storage = {t.name: t.storage for t in cfg.tables.tables
                if t.name in names and t.storage is not None and where.type != "meta"} or None
     collection = cls(tables=configs, device=where, backend=cfg.backend, managed=managed,
-                     storage=storage)
+                     storage=storage, optimizer_state_dtypes=_state_dtypes(cfg))
     if managed and where.type == "meta":
         collection.id_managers = ManagedCollisionCollection(
             managed, configs, device=torch.device("cpu"), backend=cfg.backend)
