@@ -9,6 +9,13 @@ two: the step waits for its batch's input dist; tensors made on the side stream 
 on the current one before use. On the CPU the same stages run one after the other. Results
 are the plain loop's: the input dist of a batch does not depend on the weights.
 
+Collections with shards on a cached storage tier (``cached`` / ``file``, docs/storage.md) also
+get batch i + 1's rows read ahead (``prefetch_rows``): once batch i's forward has run (its
+lookups have mapped and loaded their rows), each tiered TBE's worker thread reads the rows of
+batch i + 1's ids that its cache does not hold, while batch i's backward and optimizer step
+and batch i + 2's input dist run; batch i + 1's lookup loads them from there. Exact: a copy
+made stale by a later write-back is never used (``modules/tiers.py``).
+
 Usage::
 
     pipe = TrainPipeline(model, optimizer, device,
@@ -89,6 +96,9 @@ class TrainPipeline:
             the eager pipeline, inside the graph; the default: 0.1-0.2 ms less per step on two
             H200s, results equal; needs ``own_group``, without it one batch per graph);
             False: one batch per graph, in order.
+        prefetch_rows: read the next batch's missing rows of the tiered shards ahead (after
+            this batch's forward; see above). Only where some sharded collection has a tiered
+            local shard; eager steps only (a CUDA graph step with cached tables is refused).
     """
 
     def __init__(
@@ -104,6 +114,7 @@ class TrainPipeline:
         cuda_graph: bool = False,
         warmup: int = 3,
         overlap_input: bool = True,
+        prefetch_rows: bool = True,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.loss_fn = loss_fn or _default_loss
@@ -121,6 +132,8 @@ class TrainPipeline:
                 if m.group is not None:
                     ranks = dist.get_process_group_ranks(m.group)
                 m.input_group = dist.new_group(ranks)
+        self.tiered = [m for m in self.sharded if m.tiered()] if prefetch_rows else []
+        """The sharded collections whose rows ``progress`` reads ahead."""
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if cuda else None
         self._next = None  # (batch on the device, CUDA event of its input dist)
@@ -141,9 +154,7 @@ class TrainPipeline:
         """Copy ``batch`` to the device and run its input dist (side stream on CUDA)."""
         if self.side is None:
             batch = batch.to(self.device)
-            for m in self.sharded:
-                m.prefetch(self.sparse(batch))
-            return batch, None, []
+            return batch, None, [m.prefetch(self.sparse(batch)) for m in self.sharded]
         with torch.cuda.stream(self.side):
             batch = batch.to(self.device, non_blocking=True)
             outs = [m.prefetch(self.sparse(batch)) for m in self.sharded]
@@ -151,9 +162,12 @@ class TrainPipeline:
             event.record(self.side)
         return batch, event, outs
 
-    def _step(self, batch) -> torch.Tensor:
-        """Forward, backward, optimizer: the part a CUDA graph captures."""
+    def _step(self, batch, after_forward: Callable[[], None] | None = None) -> torch.Tensor:
+        """Forward, backward, optimizer: the part a CUDA graph captures (``after_forward``:
+        called between forward and backward)."""
         loss = self.loss_fn(self.model, batch)
+        if after_forward is not None:
+            after_forward()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # the embedding rows are updated here, by the fused optimizer
@@ -185,7 +199,23 @@ class TrainPipeline:
             upcoming = None
         if upcoming is not None:  # the next batch's input dist, before this step's compute
             self._next = self._start(upcoming)
-        return self._step(batch)
+        ahead = self._read_rows_ahead if self._next is not None and self.tiered else None
+        return self._step(batch, ahead)
+
+    def _read_rows_ahead(self) -> None:
+        """After this step's forward (its lookups have taken their rows): start reading the
+        next batch's missing rows of every tiered collection (``prefetch_rows``; the ids go
+        to the host on the side stream, behind the input dist that made them)."""
+        _, _, outs = self._next
+        tiered = [(m, out) for m, out in zip(self.sharded, outs, strict=True)
+                  if m in self.tiered]
+        if self.side is None:
+            for m, out in tiered:
+                m.prefetch_rows(out)
+            return
+        with torch.cuda.stream(self.side):
+            for m, out in tiered:
+                m.prefetch_rows(out)
 
 
 class GraphedTrainStep:

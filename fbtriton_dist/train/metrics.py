@@ -254,17 +254,27 @@ class CacheMetrics:
     ``fetched_per_step`` (rows loaded into the cache), ``written_back_per_step`` (dirty rows
     and their optimizer state written to the backing store) and ``evicted_per_step``, summed
     over the table's shards on every rank (``cache_stats()`` of the modules; an all-reduce
-    when sharded: every rank calls :meth:`take` and :meth:`run` at the same steps)."""
+    when sharded: every rank calls :meth:`take` and :meth:`run` at the same steps).
 
-    KEYS = ("lookups", "misses", "evictions", "writebacks")
+    The prefetch (the pipeline reads the next batch's missing rows on a worker thread while
+    this step computes): ``prefetched_per_step`` (rows read ahead), ``prefetch_used_per_step``
+    (rows loaded from them), ``prefetch_hidden_ms`` (the worker's time the step did not wait
+    for) and ``prefetch_exposed_ms`` (the time lookups waited for it), per step and rank:
+    summed over the table's shards, divided by the steps and the ranks. All 0 without a
+    prefetch (one process, ``train.pipeline: plain``)."""
+
+    KEYS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
+            "prefetch_us", "prefetch_wait_us")
 
     def __init__(self, modules: Sequence[Any], group: Any = None) -> None:
         self.modules = [m for m in modules if callable(getattr(m, "cache_stats", None))]
         self.group = group
         self.tables = sorted(self._local())
+        self.ranks = 1
         if group is not None:  # every rank the same list: shards of a table may be elsewhere
             import torch.distributed as dist
 
+            self.ranks = dist.get_world_size(group)
             everyone: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, self.tables, group=group)
             self.tables = sorted({t for ts in everyone for t in ts})
@@ -298,18 +308,24 @@ class CacheMetrics:
     def begin(self, step: int) -> None:
         self._first = self._start = (step, self._read())
 
-    @staticmethod
-    def _window(now: dict, since: tuple[int, dict] | None, step: int) -> dict[str, dict]:
+    def _window(self, now: dict, since: tuple[int, dict] | None, step: int) -> dict[str, dict]:
         s0, before = since if since is not None else (0, {})
         steps = step - s0
+        ms = 1e-3 / (steps * self.ranks) if steps else math.nan  # us -> ms per step and rank
         out = {}
         for t, v in now.items():
             d = {k: v[k] - before.get(t, {}).get(k, 0) for k in v}
+            hidden = max(d["prefetch_us"] - d["prefetch_wait_us"], 0)
             out[t] = {
                 "hit_rate": round(1 - d["misses"] / d["lookups"], 4) if d["lookups"] else math.nan,
                 "fetched_per_step": round(d["misses"] / steps, 3) if steps else math.nan,
                 "written_back_per_step": round(d["writebacks"] / steps, 3) if steps else math.nan,
                 "evicted_per_step": round(d["evictions"] / steps, 3) if steps else math.nan,
+                "prefetched_per_step": round(d["prefetched"] / steps, 3) if steps else math.nan,
+                "prefetch_used_per_step": (round(d["prefetch_used"] / steps, 3) if steps
+                                           else math.nan),
+                "prefetch_hidden_ms": round(hidden * ms, 4),
+                "prefetch_exposed_ms": round(d["prefetch_wait_us"] * ms, 4),
                 "steps": int(steps),
             }
         return out

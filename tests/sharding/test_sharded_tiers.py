@@ -188,6 +188,65 @@ def test_sharded_sequence_tiers_match_device_bit_for_bit(world, tmp_path):
         assert sum(r[i][-1] for r in reports) > 0, case
 
 
+# -- the pipeline reads the next batch's rows ahead ----------------------------------------------
+def _pipeline_vs_plain(rank, world, folder):
+    """A plain loop and ``TrainPipeline`` (the next batch's input dist and, after this
+    batch's forward, its missing rows read ahead) from the same start on 5 batches whose
+    caches evict every step: per case, whether outputs, full weights and fused optimizer
+    states are equal bit for bit, and the piped model's rows taken from the prefetch."""
+    import fbtriton_dist
+    from fbtriton_dist.sharding import TrainPipeline
+    from tests.sharding.test_lean import _Batch
+
+    lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+    report = []
+    for kind, opt, tier, policy, sequence in (("mixed", "rowwise_adagrad", "cached", "lru", False),
+                                              ("table_row_wise", "adam", "file", "lfu", True)):
+        configs = _configs(sequence)
+        storage = _storage(tier, policy, f"{folder}/{int(sequence)}", rank)
+        plain, piped = (fbtriton_dist.shard(_collection(configs, sequence, opt),
+                                            _plan(kind, world, storage)) for _ in range(2))
+        outs = {id(plain): [], id(piped): []}
+
+        def loss_fn(m, b, outs=outs, sequence=sequence):
+            out = _flat(m(b.sparse), sequence)
+            outs[id(m)].append(out.detach())
+            g = torch.Generator().manual_seed(100 + int(b.dense))
+            return (out * torch.randn(out.shape, generator=g)).sum()
+
+        batches = [_Batch(torch.tensor(step), _batch(configs, lo, hi, step), torch.zeros(1))
+                   for step in range(5)]
+        for b in batches:
+            loss_fn(plain, b).backward()
+        pipe = TrainPipeline(piped, None, "cpu", loss_fn=loss_fn)
+        it = iter(batches)
+        for _ in batches:
+            pipe.progress(it)
+        same = len(outs[id(piped)]) == 5 and all(
+            torch.equal(a, b) for a, b in zip(outs[id(plain)], outs[id(piped)], strict=True))
+        full = [m.gather_full_state_dict() for m in (plain, piped)]
+        same &= all(torch.equal(full[0][k], full[1][k]) for k in full[0])
+        same &= all(torch.equal(a, b) for a, b in zip(
+            _local_states(plain), _local_states(piped), strict=True))
+        stats = [sum(s[k] for s in piped.cache_stats().values())
+                 for k in ("evictions", "prefetched", "prefetch_used")]
+        plain_prefetched = sum(s["prefetched"] for s in plain.cache_stats().values())
+        report.append((kind, sequence, same, *stats, plain_prefetched))
+    return report
+
+
+def test_train_pipeline_reads_rows_ahead_and_matches_the_plain_loop_bit_for_bit(tmp_path):
+    reports = run_ranks(_pipeline_vs_plain, 2, str(tmp_path), timeout=300)
+    for rank, report in enumerate(reports):
+        for kind, sequence, same, *_ in report:
+            assert same, (rank, kind, sequence)
+    for i, (kind, sequence, *_) in enumerate(reports[0]):
+        evicted, prefetched, used, plain_prefetched = (
+            sum(r[i][j] for r in reports) for j in range(3, 7))
+        assert evicted > 0 and prefetched > 0 and used > 0, (kind, sequence)
+        assert plain_prefetched == 0, (kind, sequence)
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 def _model(world, tier, folder, rank):
     import fbtriton_dist

@@ -1,8 +1,9 @@
 """The job with tables on storage tiers: the table set's ``storage:`` key (checked, errors
 naming the table and key), the planner's memory model of a cached table (its caches on the
 device, its backing store against the host budget), and a short job on 2 gloo ranks with a
-cached table, whose losses are those of the same job on ``device`` and whose metrics report
-the cache's hit rate and rows fetched / written back per step."""
+cached table, whose losses are those of the same job on ``device`` (its pipeline reads the
+next batch's rows ahead) and whose metrics report the cache's hit rate, rows fetched / written
+back per step and the prefetch's rows and hidden / exposed time."""
 
 import json
 
@@ -104,7 +105,16 @@ def test_job_on_two_ranks_with_a_cached_table(tmp_path):
         c = r["caches"][name]
         assert name == "t_a" and 0 < c["hit_rate"] < 1 and c["steps"] == 4
         assert c["fetched_per_step"] > 0 and c["written_back_per_step"] >= 0
+        # the overlap pipeline (auto on 2 ranks) read rows ahead and the lookups used them
+        # (a step's prefetch is used by the next step, maybe in the next window)
+        assert c["prefetched_per_step"] > 0
+        assert 0 < c["prefetch_used_per_step"] <= c["fetched_per_step"]
+        assert c["prefetch_hidden_ms"] >= 0 and c["prefetch_exposed_ms"] >= 0
+        assert c["prefetch_hidden_ms"] + c["prefetch_exposed_ms"] > 0
     assert sum(r["caches"]["t_a"]["written_back_per_step"] for r in train) > 0
+    (summary,) = records(tmp_path / "cached", "summary")
+    whole = summary["caches"]["t_a"]
+    assert 0 < whole["prefetch_used_per_step"] <= whole["prefetched_per_step"]
     plan = yaml.safe_load((tmp_path / "cached" / "plan.yaml").read_text())
     assert plan["tables"][0]["storage"] == {"tier": "cached", "cache_load_factor": 0.3,
                                             "policy": "lru"}
@@ -127,6 +137,7 @@ def test_job_in_one_process_with_a_file_table(tmp_path):
     assert losses(paths[1]) == losses(paths[0])
     (summary,) = records(paths[1], "summary")
     assert summary["caches"]["t_a"]["steps"] == 8
+    assert summary["caches"]["t_a"]["prefetched_per_step"] == 0  # plain loop: no prefetch
     assert (tmp_path / "rows" / "t_a.weight").exists()
 
 

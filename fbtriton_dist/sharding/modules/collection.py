@@ -28,7 +28,7 @@ from fbtriton_dist.sharding.comm.replicas import (
 )
 from fbtriton_dist.sharding.comm.report import comm_report
 from fbtriton_dist.sharding.dist.fixed import FixedInputDist
-from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut
+from fbtriton_dist.sharding.dist.input_dist import InputDist, InputDistOut, LookupBatch
 from fbtriton_dist.sharding.dist.layout import ShardLayout
 from fbtriton_dist.sharding.modules import state_dict as states
 from fbtriton_dist.storage import Storage, storage_of
@@ -269,8 +269,46 @@ class ShardedCollection(nn.Module):
 
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Per cached local shard (``table[rows, cols]``): distinct rows looked up, misses,
-        evictions, write-backs (cumulative; ``TableBatchedEmbedding.cache_stats``)."""
+        evictions, write-backs and the prefetch's rows and microseconds (cumulative;
+        ``TableBatchedEmbedding.cache_stats``)."""
         return {k: v for tbe in self.tbes for k, v in tbe.cache_stats().items()}
+
+    def group_batches(self, lookup: LookupBatch, weights: torch.Tensor | None = None
+                      ) -> list[tuple[TableBatchedEmbedding, torch.Tensor, torch.Tensor,
+                                      torch.Tensor | None]]:
+        """``(tbe, indices, offsets, per-sample weights)`` per local TBE: its part of
+        ``lookup`` (``weights``: the lookup's per-sample weights as ``compute`` passes them),
+        exactly what ``compute`` looks up in it. Fixed shapes: each group's padded tensors;
+        one TBE: the lookup's own; else the group's slice of the ids (host numbers, no sync)
+        and its offsets rebased."""
+        B, first, single = lookup.batch_size, 0, len(self.tbes) == 1
+        out = []
+        for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
+            indices, offsets, psw = lookup.indices, lookup.offsets, weights
+            if lookup.groups:  # fixed shapes: each group padded to its own slots
+                indices, offsets, psw = lookup.groups[g]
+            elif not single:
+                a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]
+                indices = indices[a:b]
+                offsets = offsets[first * B : (first + n) * B + 1] - a
+                psw = psw[a:b] if psw is not None else None
+            out.append((tbe, indices, offsets, psw))
+            first += n
+        return out
+
+    def prefetch_rows(self, dist_out: InputDistOut) -> None:
+        """Start reading the rows a coming batch's lookup needs that the local shards' caches
+        do not hold (``TableBatchedEmbedding.prefetch`` of every tiered local TBE, with the
+        ids ``compute`` will give it), on each TBE's worker thread; that batch's lookup loads
+        them from there. ``dist_out``: the batch's ``input_dist`` (``prefetch``). Call it
+        after the current batch's lookup: a lookup takes the prefetch in flight, so one
+        started before it would be used by it instead (exact either way: ``modules/tiers.py``
+        never uses a copy made stale by a write-back). A no-op without tiered shards."""
+        if not self.tiered():
+            return
+        for tbe, indices, offsets, _ in self.group_batches(dist_out.lookup):
+            if tbe.tiered:
+                tbe.prefetch(indices, offsets)
 
     def _make_dists(self) -> None:
         """The input dist and the subclass's output dist, on ``self.device``."""

@@ -73,20 +73,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
                 return (w.sum() * 0).expand(B, 0)
             return torch.zeros((B, 0), device=self.device, requires_grad=torch.is_grad_enabled())
         self._start_step()
-        outs, first = [], 0
-        single = len(self.tbes) == 1
         weights = self._undivided_weights_grad(lookup.per_sample_weights)
-        for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
-            indices, offsets, psw = lookup.indices, lookup.offsets, weights
-            if lookup.groups:  # fixed shapes: each group padded to its own slots
-                indices, offsets, psw = lookup.groups[g]
-            elif not single:
-                a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
-                indices = indices[a:b]
-                offsets = offsets[first * B : (first + n) * B + 1] - a
-                psw = psw[a:b] if psw is not None else None
-            outs.append(self._lookup(tbe, indices, offsets, psw, B))
-            first += n
+        outs = [self._lookup(tbe, indices, offsets, psw, B)
+                for tbe, indices, offsets, psw in self.group_batches(lookup, weights)]
+        single = len(outs) == 1
         return self._count_step(self._scale_grad(outs[0] if single else torch.cat(outs, dim=1)))
 
     def output_dist(self, local: torch.Tensor, lengths: torch.Tensor, sizes: list[int],

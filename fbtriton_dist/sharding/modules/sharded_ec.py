@@ -94,16 +94,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         if lookup.stats is not None:
             self.last_step_stats = lookup.stats
         self._start_step()
-        rows, single = [], len(self.tbes) == 1
-        B, first = lookup.batch_size, 0
-        for g, (tbe, n) in enumerate(zip(self.tbes, self._group_features, strict=True)):
-            indices, offsets = lookup.indices, lookup.offsets
-            if not single:
-                a, b = lookup.id_bounds[g], lookup.id_bounds[g + 1]  # host numbers, no sync
-                indices = indices[a:b]
-                offsets = offsets[first * B : (first + n) * B + 1] - a
-            rows.append(self._scale_grad(self._lookup(tbe, indices, offsets, None, B)))
-            first += n
+        rows = [self._scale_grad(self._lookup(tbe, indices, offsets, None, lookup.batch_size))
+                for tbe, indices, offsets, _ in self.group_batches(lookup)]
         if rows:  # one step counted per backward
             rows[0] = self._count_step(rows[0])
         return rows
