@@ -60,7 +60,6 @@ from typing import Any, Literal
 
 import yaml
 
-from fbtriton_dist import optim
 from fbtriton_dist.ops import backends
 from fbtriton_dist.planner import ConfigError, FieldError, TableSet, load_tables
 from fbtriton_dist.planner._yaml import (
@@ -86,8 +85,13 @@ from .config_values import (
     _strings,
 )
 from .drift_config import DriftConfig, check_drift, drift_section
-from .lr_schedule import LrSchedule
 from .mlperf_config import MultiHotConfig
+from .optim_config import (
+    DenseOptimizerConfig,
+    EmbeddingOptimizerConfig,
+    LrSchedule,
+    OptimizerConfig,
+)
 
 __all__ = [
     "CheckpointConfig",
@@ -108,7 +112,6 @@ __all__ = [
     "load_job",
 ]
 
-DenseOptimizer = Literal["sgd", "adagrad", "adam", "adamw"]
 DataSource = Literal["synthetic", "random_rec", "criteo", "multihot"]
 ModelKind = Literal["dlrm", "dcnv2", "sequence"]
 CRITEO_DENSE, CRITEO_SPARSE = 13, 26
@@ -360,118 +363,6 @@ class ShardingConfig:
         if sync != "step" and (isinstance(sync, bool) or not isinstance(sync, int) or sync < 1):
             raise FieldError("replica_sync", f"expected step or an integer >= 1 (average the "
                              f"replicas every N steps), got {sync!r}")
-
-
-@dataclass(kw_only=True, frozen=True)
-class EmbeddingOptimizerConfig:
-    """The fused optimizer of every table (``apply_optimizer_in_backward``)."""
-
-    type: str = "rowwise_adagrad"
-    """A name of ``optim.REGISTRY`` (``optim.NAMES``: sgd, adagrad, rowwise_adagrad, ...)."""
-    lr: float = 0.01
-    """Learning rate."""
-    eps: float | None = None
-    """Denominator epsilon; None: the default of the optimizer's torch / TorchRec class (its
-    registry entry's), as with ``apply_optimizer_in_backward``."""
-    weight_decay: float = 0.0
-    """Weight decay (only where the optimizer's torch class takes it: rowwise_adagrad (L2),
-    partial_rowwise_adam, lamb, partial_rowwise_lamb (decoupled), lars_sgd)."""
-    weight_decay_mode: str | None = None
-    """rowwise_adagrad's ``none``, ``l2`` or ``decoupled`` (``optim.WEIGHT_DECAY_MODES``;
-    FBGEMM's ``weight_decay_mode``); None: its default, ``l2``."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
-    eta: float | None = None
-    """lars_sgd's trust coefficient; None: its default."""
-    momentum: float | None = None
-    """lars_sgd's momentum; None: its default."""
-    beta: float | None = None
-    """ftrl's beta; None: its default."""
-    l1: float | None = None
-    """ftrl's L1 regularisation; None: its default."""
-    l2: float | None = None
-    """ftrl's L2 regularisation; None: its default."""
-    step_ema: float | None = None
-    """emainplace_rowwise_adagrad's moving-average period in steps; None: its default."""
-    step_start: float | None = None
-    """emainplace_rowwise_adagrad's first moving-average step; None: its default."""
-    step_ema_coef: float | None = None
-    """emainplace_rowwise_adagrad's moving-average coefficient; None: its default."""
-    ar_alpha: float | None = None
-    """rowwise_rmsprop_ar's adaptive decay coefficient; None: its default."""
-    ema_beta: float | None = None
-    """rowwise_rmsprop_ar's decay of the mean squared gradient; None: its default."""
-    min_shrinkage: float | None = None
-    """rowwise_rmsprop_ar's floor of the decay factor; None: its default."""
-    state_dtype: str = "fp32"
-    """Storage of every table's optimizer states, ``fp32``, ``fp16`` or ``bf16`` (FBGEMM's
-    ``optimizer_state_dtypes`` for each state; the update runs in fp32); the planner counts
-    it (``TableSpec.state_dtype``)."""
-
-    def __post_init__(self) -> None:
-        check_choice("type", self.type, optim.NAMES)
-        check_number("lr", self.lr, 0.0)
-        _check_optional(check_number, "eps", self.eps, 0.0)
-        check_number("weight_decay", self.weight_decay, 0.0)
-        _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
-                        optim.WEIGHT_DECAY_MODES)
-        for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
-                     "ar_alpha", "ema_beta", "min_shrinkage"):
-            _check_optional(check_number, name, getattr(self, name), 0.0)
-        check_choice("state_dtype", self.state_dtype, tuple(optim.STATE_DTYPE_BYTES))
-        _check_optional(check_number, "step_ema", self.step_ema, 1.0)
-        # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
-        # (optim.REGISTRY's ``keywords``)
-        given = {"weight_decay": bool(self.weight_decay)}
-        given.update({k: getattr(self, k) is not None for k in ("eta", "momentum", "beta", "l1",
-                                                                 "l2", "weight_decay_mode",
-                                                                 "step_ema", "step_start",
-                                                                 "step_ema_coef", "ar_alpha",
-                                                                 "ema_beta", "min_shrinkage")})
-        for key in (k for k, v in given.items() if v):
-            if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
-                takers = [n for n in optim.NAMES
-                          if key in {**optim.spec(n).keywords, **optim.spec(n).modes}]
-                raise FieldError(
-                    key, f"only supported with type: {', '.join(takers)}, got type: {self.type}"
-                )
-
-
-@dataclass(kw_only=True, frozen=True)
-class DenseOptimizerConfig:
-    """The torch optimizer of the dense parameters."""
-
-    type: DenseOptimizer = "adagrad"
-    """``sgd``, ``adagrad``, ``adam`` or ``adamw``."""
-    lr: float = 0.01
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Weight decay."""
-    momentum: float = 0.0
-    """SGD momentum."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam's moment decays."""
-    eps: float | None = None
-    """Denominator epsilon; None: the optimizer's default."""
-
-    def __post_init__(self) -> None:
-        check_choice("type", self.type, _choices(DenseOptimizer))
-        for name in ("lr", "weight_decay", "momentum"):
-            check_number(name, getattr(self, name), 0.0)
-        _check_optional(check_number, "eps", self.eps, 0.0)
-
-
-@dataclass(kw_only=True, frozen=True)
-class OptimizerConfig:
-    """The two optimizers of a job: fused for the tables, torch for the dense layers."""
-
-    embedding: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
-    """Fused embedding optimizer."""
-    dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
-    """Dense optimizer."""
-    schedule: LrSchedule = field(default_factory=LrSchedule)
-    """Warm-up and decay of both optimizers' learning rates (``train/lr_schedule.py``);
-    default: constant."""
 
 
 @dataclass(kw_only=True, frozen=True)
