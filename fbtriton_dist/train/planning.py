@@ -83,7 +83,11 @@ def job_constraints(cfg: JobConfig) -> dict[str, TableConstraints]:
 
 def group_size(cfg: JobConfig, world_size: int) -> int:
     """The ranks one plan is for: ``sharding.group_size`` (replica groups), else the world;
-    a size that does not divide ``world_size`` is an error naming both."""
+    a size that does not divide ``world_size`` is an error naming both. ``auto`` is planned:
+    :func:`plan_job`'s ``JobPlan.group_size`` is the job's S."""
+    if cfg.sharding.group_size == "auto":
+        raise ValueError("sharding.group_size: expected an integer for group_size(), got auto "
+                         "(plan_job(...).group_size is the size auto plans)")
     S = cfg.sharding.group_size or world_size
     if world_size % S:
         raise ConfigError("<job>", "sharding.group_size", (

@@ -2,18 +2,21 @@
 ``propose_group_size`` (no process group: ``plan_job`` alone), and the plan it saves carries
 it."""
 
+import pytest
 import yaml
 
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.planner.groups import group_size_candidates
 from fbtriton_dist.train.config import load_job
-from fbtriton_dist.train.planning import plan_job
+from fbtriton_dist.train.planning import group_size, plan_job
 from tests.train.test_job import write_job
 
 
 def test_auto_group_size_is_planned_saved_and_reloaded(tmp_path):
     cfg = load_job(write_job(tmp_path, sharding={"group_size": "auto", "replica_sync": 5}))
     assert cfg.sharding.group_size == "auto"
+    with pytest.raises(ValueError, match="plan_job"):  # S is planned, not read off the config
+        group_size(cfg, 4)
     # 4 ranks: one candidate (the world), planned once, flat
     small = plan_job(cfg, 4, 4)
     assert small.group_size == 4 and small.plan.group_size is None
