@@ -28,7 +28,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                row_cuts: balanced,
                local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
-               group_size: null,     # S: replica groups of S ranks (null: the world, flat)
+               group_size: null,     # S: replica groups of S ranks (null: the world, flat; auto)
                replica_sync: step,   # step (= the flat plan) | N: average replicas every N
                comm: {wire_dtype: fp32,   # fp32 | bf16 | fp16 | fp8 | int8 on the wire
                       backward_wire_dtype: null,   # the gradients' (null: as wire_dtype)
@@ -331,10 +331,11 @@ class ShardingConfig:
     """Divide the embedding gradients by the world size in backward (TorchRec's default; the
     dense gradients are averaged over the ranks): a learning rate means the same on any
     number of ranks. false: the ranks' embedding gradients are summed (R times larger)."""
-    group_size: int | None = None
+    group_size: int | Literal["auto"] | None = None
     """Replica groups (2D parallel): the R ranks split into R/S groups of S consecutive ranks,
     each sharding the tables by a plan for S ranks, replicated across groups (S must divide
-    R); None: S = R, the flat plan. ``auto`` is the planner's (``plan --group-size auto``)."""
+    R); None: S = R, the flat plan; ``auto``: the planner proposes S
+    (``planner.groups.propose_group_size``, as ``plan --group-size auto``)."""
     replica_sync: Literal["step"] | int = "step"
     """With ``group_size``: ``step``: the replicas of a shard make one fused update of all
     their ids every step (equals the flat plan on R ranks); an int N: each group trains on its
@@ -354,11 +355,10 @@ class ShardingConfig:
         check_choice("row_cuts", self.row_cuts, ("balanced", "equal"))
         _check_optional(check_int, "local_world_size", self.local_world_size, 1)
         _check_bool("gradient_division", self.gradient_division)
-        if self.group_size == "auto":
-            raise FieldError("group_size", "expected an int >= 1 dividing the world size, got "
-                             "'auto': an automatic group size is planned by `fbtriton-dist plan "
-                             "--group-size auto`; write the size it picks (or the plan file)")
-        _check_optional(check_int, "group_size", self.group_size, 1)
+        S = self.group_size  # auto: the planner proposes S (train/planning.py)
+        if S not in (None, "auto") and (isinstance(S, bool) or not isinstance(S, int) or S < 1):
+            raise FieldError("group_size", f"expected an integer >= 1 dividing the world size, "
+                             f"or auto (the planner proposes it), got {S!r}")
         sync = self.replica_sync
         if sync != "step" and (isinstance(sync, bool) or not isinstance(sync, int) or sync < 1):
             raise FieldError("replica_sync", f"expected step or an integer >= 1 (average the "

@@ -404,8 +404,7 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
                            gradient_division=cfg.sharding.gradient_division)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
                                     optimizer=_embedding_optimizer(cfg.optimizer.embedding),
-                                    backend=cfg.backend, group_size=cfg.sharding.group_size,
-                                    replica_sync=cfg.sharding.replica_sync)
+                                    backend=cfg.backend)  # groups: in a grouped plan
     dense_params = [
         p
         for n, p in model.named_parameters()
@@ -449,7 +448,7 @@ def _check_cpu_job(cfg: JobConfig, env: Env, plan: ShardingPlan) -> None:
     need = sum(block_bytes(specs[t.name], s.row_end - s.row_start, s.col_end - s.col_start,
                            optimizer)
                for t in plan.tables for s in t.shards
-               if s.rank in {r % plan.world_size for r in mine})  # replica groups: r % S
+               if s.rank in {r % plan.group_world for r in mine})  # replica groups: r % S
     free = available_host_bytes()
     if free is not None and need > free:
         raise PlanError(

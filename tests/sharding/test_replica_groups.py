@@ -441,8 +441,9 @@ def test_replica_groups_on_6_ranks(tmp_path):
 
 
 def test_job_keys_group_size_and_replica_sync(tmp_path):
-    """``sharding.group_size`` / ``replica_sync``: read, checked, and the job plans for the
-    group size (``auto`` is the planner's command's, refused here with a pointer to it)."""
+    """``sharding.group_size`` / ``replica_sync``: read, checked, and the job's plan is the
+    grouped plan (world R, one group's plan for S ranks; ``auto``: tests/train/
+    test_group_size_auto.py)."""
     from fbtriton_dist.planner import ConfigError
     from fbtriton_dist.train.config import load_job
     from fbtriton_dist.train.planning import plan_job
@@ -450,14 +451,19 @@ def test_job_keys_group_size_and_replica_sync(tmp_path):
 
     flat = load_job(write_job(tmp_path))
     assert (flat.sharding.group_size, flat.sharding.replica_sync) == (None, "step")
-    assert plan_job(flat, 4, 4).plan.world_size == 4
+    assert plan_job(flat, 4, 4).plan.world_size == 4 and plan_job(flat, 4, 4).group_size == 4
     cfg = load_job(write_job(tmp_path, sharding={"group_size": 2, "replica_sync": 3}))
     assert (cfg.sharding.group_size, cfg.sharding.replica_sync) == (2, 3)
-    plan = plan_job(cfg, 4, 4).plan
-    assert (plan.world_size, plan.local_world_size) == (2, 2)
+    planned = plan_job(cfg, 4, 4)
+    plan = planned.plan
+    assert planned.group_size == 2 and "groups: 2 x 2 ranks" in planned.report
+    assert (plan.world_size, plan.group_size, plan.replica_sync) == (4, 2, 3)
+    assert (plan.group_plan().world_size, plan.group_plan().local_world_size) == (2, 2)
+    assert load_job(write_job(tmp_path, sharding={"group_size": "auto"})).sharding.group_size \
+        == "auto"
     with pytest.raises(ConfigError, match=r"group_size.*divisor of the world size 4.*got 3"):
         plan_job(load_job(write_job(tmp_path, sharding={"group_size": 3})), 4, 4)
-    bad = [({"group_size": "auto"}, "plan --group-size auto"),
+    bad = [({"group_size": "often"}, "group_size: expected an integer >= 1 .* or auto"),
            ({"group_size": 0}, "group_size: expected an integer >= 1"),
            ({"replica_sync": "often"}, "replica_sync: expected step or an integer >= 1"),
            ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1")]
