@@ -242,8 +242,6 @@ def _run_plan_job(args: argparse.Namespace) -> int:
     from fbtriton_dist.train.config import load_job  # torch-free
     from fbtriton_dist.train.planning import plan_job
 
-    if args.group_size is not None:
-        raise ValueError("--group-size: a job file plans flat; give the table set instead")
     if args.auto_tiers or args.file_dir is not None:
         raise ValueError("--auto-tiers / --file-dir: a job's tables say their storage; give them "
                          "storage: auto (the planner chooses) or a file tier with its path")
@@ -252,6 +250,9 @@ def _run_plan_job(args: argparse.Namespace) -> int:
                          "(the job file has no such key); drop it to see the job's plan")
     overrides = [f"{JOB_KEYS[k]}={getattr(args, k)}" for k in JOB_KEYS
                  if getattr(args, k) is not None]
+    if args.group_size is not None:  # the job's replica groups (train/planning.py)
+        overrides += [f"sharding.group_size={args.group_size}",
+                      f"sharding.replica_sync={args.replica_sync}"]
     cfg = load_job(args.tables, overrides)
     if args.zipf is not None and cfg.data.source != "synthetic":
         raise ValueError(f"--zipf: the job's ids come from data.source={cfg.data.source}, "

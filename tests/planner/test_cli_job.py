@@ -47,6 +47,20 @@ def test_plan_of_a_job_file_is_the_jobs_plan(tmp_path, capsys):
     assert ShardingPlan.load_yaml(defaults).to_dict() == overridden.to_dict()
 
 
+def test_group_size_of_a_job_file_is_the_jobs_key(tmp_path, capsys):
+    """``--group-size`` / ``--replica-sync`` override the job's replica-group keys: the plan
+    written is the job's grouped plan for the world."""
+    job = _job(tmp_path)
+    out = tmp_path / "grouped.yaml"
+    assert main(["plan", str(job), "--world-size", "4", "--group-size", "2", "--hbm-gb", "1",
+                 "--replica-sync", "5", "--out", str(out)]) == 0
+    planned = ShardingPlan.load_yaml(out)
+    assert (planned.world_size, planned.group_size, planned.replica_sync) == (4, 2, 5)
+    expected, _ = make_plan(load_job(job, ["sharding.group_size=2", "sharding.hbm_gb=1",
+                                           "sharding.replica_sync=5"]), 4, 4)
+    assert planned.to_dict() == expected.to_dict()
+
+
 def test_plan_of_a_job_file_refuses_what_the_job_cannot_say(tmp_path, capsys):
     job = _job(tmp_path)
     assert main(["plan", str(job), "--world-size", "4", "--memory-tolerance", "0.05"]) == 2
