@@ -23,7 +23,13 @@ grad), ``fbgemm`` (SplitTableBatchedEmbeddingBagsCodegen, when importable: its C
 on ``--device cpu`` its CPU TBE).
 Phases: ``fwd`` (a training forward), ``fwd_bwd_sgd``, ``fwd_bwd_rowwise_adagrad`` (fused
 providers update inside backward; torch ones run backward + step + zero_grad; torch's Adagrad is
-per-element). ``bwd`` = fwd_bwd - fwd is printed as derived.
+per-element): the default ``--phases``. Named in ``--phases``, ``fwd_bwd_<optimizer>`` for every
+other fused optimizer of ours (``fwd_bwd_adagrad``, ``_adam``, ``_partial_rowwise_adam``,
+``_lamb``, ``_partial_rowwise_lamb``, ``_lars_sgd``, ``_ftrl``, ``_emainplace_rowwise_adagrad``,
+``_rowwise_rmsprop_ar``; their hyper-parameters, FBGEMM's ``EmbOptimType`` and bytes:
+``bench/tbe_optims.py``), timed for ours (and ours_graph, but the EMA one) and fbgemm, whose
+row says ``fbgemm: not offered (why)`` where FBGEMM lacks it (its CPU TBE runs only SGD and
+the Adagrads). ``bwd`` = fwd_bwd - fwd is printed as derived.
 
 Threads (``--threads 1,2``; on CPU by default 1 up to the usable cores, 1 with ``--tiny``): every
 provider is timed at each count in the same run, switched by ``torch.set_num_threads`` in this
@@ -51,9 +57,10 @@ bandwidth measured in this process, speedup against every other provider, peak m
 
 Correctness comes before timing, per shape: ``--check`` (each timed provider of ours, with the
 backend it is timed on, vs the reference on the timed batch at the shape's size, for each timed
-phase: the forward, 3 fused SGD or rowwise-Adagrad steps; ``tbe_cases.check``) and, when
-``fbgemm`` is a provider, ours vs FBGEMM on the same weights (forward, one SGD step;
-``--no-compare`` leaves it out). A check that differs beyond its tolerance, or raises, stops
+phase: the forward, 3 fused steps of the phase's optimizer, weights and states;
+``tbe_cases.check``) and, when ``fbgemm`` is a provider, ours vs FBGEMM on the same weights
+(forward, one SGD step; then one step of each other timed optimizer on table 0, rows and
+states; ``--no-compare`` leaves it out). A check that differs beyond its tolerance, or raises, stops
 the run with exit status 1 before that shape is timed, naming the shape, the provider, what
 differs and by how much.
 """
@@ -70,6 +77,7 @@ import torch
 
 from fbtriton_dist.bench.tbe_cases import (
     ALIASES,
+    DEFAULT_PHASES,
     DEFAULT_PROVIDERS,
     DEFAULT_SHAPES,
     FWD_OF,
@@ -168,7 +176,7 @@ def run_shape(ctx: Context, providers: list[str], timer: Timer, copy_gbs: float,
                     runs.setdefault((provider, phase, threads), []).append(r)
                     util = r.get("cpu_util")
                     print(
-                        f"  {provider:<18} {phase:<24} {threads:>2} thr  rep {rep + 1}/{repeats}"
+                        f"  {provider:<18} {phase:<36} {threads:>2} thr  rep {rep + 1}/{repeats}"
                         f"  busy {r['busy_ms']:9.3f} ms  median {r['median_ms']:9.3f} ms"
                         + (f"  cpu {util:.2f}" if util is not None else "")
                         + f"  ({r['wall_s']:.1f} s)"
@@ -298,14 +306,14 @@ def _spread(r: dict) -> str:
 def print_shape_table(rows: list[dict], derived: list[dict], source: str) -> None:
     busy = "GPU-busy" if source == "profiler" else "busy=wall"
     print(
-        f"  {'phase':<30} {'provider':<18} {'thr':>3} {'median ms':>9} {'spread':>7} "
+        f"  {'phase':<36} {'provider':<18} {'thr':>3} {'median ms':>9} {'spread':>7} "
         f"{'pipe ms':>8} {busy + ' ms':>12} "
         f"{'bytes MB':>9} {'GB/s@busy':>9} {'%copy':>6} {'GB/s@med':>8} {'%copy':>6} "
         f"{'peak GB':>7}  speedup vs others at this count (busy/median)"
     )
     for phase in PHASES:
         for r in [r for r in rows if r["phase"] == phase]:
-            head = f"  {phase:<30} {r['provider']:<18} {_fmt(r.get('threads'), '>3')}"
+            head = f"  {phase:<36} {r['provider']:<18} {_fmt(r.get('threads'), '>3')}"
             if not r.get("busy_ms"):
                 print(f"{head} {r.get('error') or r.get('skipped')}")
                 continue
@@ -320,7 +328,7 @@ def print_shape_table(rows: list[dict], derived: list[dict], source: str) -> Non
             )
     for d in derived:
         print(
-            f"  {d['phase'] + ' (derived)':<30} {d['provider']:<18} "
+            f"  {d['phase'] + ' (derived)':<36} {d['provider']:<18} "
             f"{_fmt(d.get('threads'), '>3')} {d['median_ms']:9.3f} "
             f"{'':>7} {'':>8} {d['busy_ms']:12.3f}  = fwd_bwd - fwd"
         )
@@ -445,7 +453,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma list of {list(SHAPES)} (default: S* on CUDA, C* on CPU; every one --tiny)",
     )
     p.add_argument("--providers", default=None, help=f"comma list of {list(PROVIDERS)} or torch")
-    p.add_argument("--phases", default=None, help=f"comma list of {list(PHASES)}")
+    p.add_argument("--phases", default=None,
+                   help=f"comma list of {list(PHASES)} (default {list(DEFAULT_PHASES)}; "
+                   "fwd_bwd_<optimizer>: bench/tbe_optims.py)")
     p.add_argument("--tiny", action="store_true", help="E<=1000, B<=8, T<=2 (CPU, CI)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument(
@@ -556,7 +566,7 @@ def _run(args: argparse.Namespace) -> dict:
     if args.zipf:
         shapes = [_with_ids(s, z) for s in shapes for z in _exponents(args.zipf)]
     providers = _select(args.providers, DEFAULT_PROVIDERS[device.type], PROVIDERS, "providers")
-    phases = _select(args.phases, list(PHASES), PHASES, "phases")
+    phases = _select(args.phases, list(DEFAULT_PHASES), PHASES, "phases")
     cpu = device.type == "cpu"
     usable = usable_cores()
     if args.threads:
@@ -640,7 +650,7 @@ def _run(args: argparse.Namespace) -> dict:
         elif args.check:
             checked = [p for p in providers if p in OURS_MODULES]
             try:
-                res = check(shape, batch, device, providers, phases)
+                res = check(shape, batch, device, providers, phases, args.dense_limit_gb)
             except Exception as e:
                 msg = f"{type(e).__name__}: {str(e)[:500]}"
                 res = {"error": msg, "ok": False, "failures": [f"the check raised {msg}"]}

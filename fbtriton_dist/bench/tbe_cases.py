@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from fbtriton_dist import optim
+from fbtriton_dist.bench import tbe_optims
+from fbtriton_dist.bench.tbe_optims import DEFAULT_PHASES, EPS, LR, PHASES, optimizer_of
 from fbtriton_dist.graphs import GraphedStep
 from fbtriton_dist.modules import TableBatchedEmbedding
 
-LR, EPS = 0.01, 1e-8
-PHASES = ("fwd", "fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad")
+__all__ = ["DEFAULT_PHASES", "EPS", "LR", "PHASES"]  # the phases: bench/tbe_optims.py
 PROVIDERS = (
     "ours",
     "ours_graph",
@@ -169,8 +170,9 @@ def make_batch(shape: Shape, device: torch.device, seed: int = 0) -> Batch:
 def model_bytes(shape: Shape, batch: Batch, phase: str, out_size: int) -> int:
     """BASELINES.md's useful bytes: fwd = every looked-up row read + pooled output written;
     fwd_bwd adds the output gradient read and each unique row read and written once (+ its
-    fp32 rowwise-Adagrad state). Ids and offsets are not counted. Without pooling the output
-    (and its gradient) is one row per id."""
+    fp32 optimizer states, read and written: ``tbe_optims.OptimPhase.row_state_bytes``, and
+    EMA-in-place's amortised whole-table average). Ids and offsets are not counted. Without
+    pooling the output (and its gradient) is one row per id."""
     w = _esize(shape.dtype)
     dims = [D for _, D in shape.tables]
     out = shape.B * sum(dims) * out_size
@@ -179,8 +181,10 @@ def model_bytes(shape: Shape, batch: Batch, phase: str, out_size: int) -> int:
     nbytes = sum(n * D * w for n, D in zip(batch.lookups, dims, strict=True)) + out
     if phase != "fwd":
         nbytes += out + sum(2 * u * D * w for u, D in zip(batch.unique, dims, strict=True))
-        if phase == "fwd_bwd_rowwise_adagrad":
-            nbytes += sum(2 * u * 4 for u in batch.unique)
+        entry = tbe_optims.phase(phase)
+        nbytes += sum(u * entry.row_state_bytes(D) for u, D in zip(batch.unique, dims,
+                                                                   strict=True))
+        nbytes += int(entry.ema_bytes(shape.tables, w))
     return nbytes
 
 
@@ -218,11 +222,26 @@ def _ours_cases(ctx: Context, backend: str, bounds_check: str) -> Iterator[tuple
     )
     if "fwd" in ctx.phases:  # an inference lookup, as FBGEMM's forward (no backward plan)
         yield "fwd", torch.no_grad()(lambda: m(idx, off))
-    if "fwd_bwd_sgd" in ctx.phases:
-        yield "fwd_bwd_sgd", lambda: m(idx, off).backward(grad)
-    if "fwd_bwd_rowwise_adagrad" in ctx.phases:
-        m.set_optimizer(optim.RowWiseAdagrad(lr=LR, eps=EPS))
-        yield "fwd_bwd_rowwise_adagrad", lambda: m(idx, off).backward(grad)
+    for phase in _train_phases(ctx):
+        why = _switch_optimizer(m, phase)
+        yield phase, why or (lambda: m(idx, off).backward(grad))
+
+
+def _train_phases(ctx: Context) -> list[str]:
+    """The timed ``fwd_bwd_*`` phases, in ``PHASES``' order."""
+    return [p for p in PHASES if p != "fwd" and p in ctx.phases]
+
+
+def _switch_optimizer(m: TableBatchedEmbedding, phase: str) -> str | None:
+    """Give ``m`` the phase's optimizer (new states at zero); None, or why the phase is
+    skipped: the states do not fit in device memory (the module keeps SGD, no states)."""
+    try:
+        m.set_optimizer(optimizer_of(phase))
+    except torch.OutOfMemoryError as e:
+        m.set_optimizer(optimizer_of("fwd_bwd_sgd"))
+        _free()
+        return f"skipped: the {phase} states do not fit: {str(e).splitlines()[0]}"
+    return None
 
 
 def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
@@ -249,11 +268,15 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
     def train_step(indices, offsets):
         m(indices, offsets).backward(grad)
 
-    for phase in PHASES:
-        if phase not in ctx.phases:
+    for phase in [p for p in PHASES if p in ctx.phases]:
+        if phase == "fwd_bwd_emainplace_rowwise_adagrad":
+            yield phase, ("skipped: its moving average is scheduled on the host by the step "
+                          "count: a captured graph would bake in one step's choice")
             continue
-        if phase == "fwd_bwd_rowwise_adagrad":
-            m.set_optimizer(optim.RowWiseAdagrad(lr=LR, eps=EPS))
+        why = _switch_optimizer(m, phase) if phase != "fwd" else None
+        if why:
+            yield phase, why
+            continue
         step = GraphedStep(forward if phase == "fwd" else train_step)
         for _ in range(step.warmup + 1):  # eager warm-up calls, then the capture
             step(idx, off)
@@ -293,25 +316,34 @@ def import_fbgemm():
 
 
 def fbgemm_tbe(shape: Shape, optimizer: str, device: torch.device):
-    """BASELINES.md's construction: EXACT_SGD / EXACT_ROWWISE_ADAGRAD, lr 0.01, eps 1e-8, fp32
-    output, SUM pooling (NONE for the shape's ``pooling="none"``), all else default; weights
-    uniform(-0.1, 0.1). On CPU: FBGEMM's CPU TBE."""
+    """BASELINES.md's construction: the optimizer's ``EmbOptimType`` (``optimizer`` a registry
+    name: EXACT_SGD, EXACT_ROWWISE_ADAGRAD, ADAM, ...) with the hyper-parameters of its phase
+    (``tbe_optims``: lr 0.01, eps 1e-8, FBGEMM's defaults else), fp32 output, SUM pooling (NONE
+    for the shape's ``pooling="none"``), all else default; weights uniform(-0.1, 0.1). On CPU:
+    FBGEMM's CPU TBE. Raises ``tbe_optims.NotOffered`` where FBGEMM (this build, this device)
+    lacks the optimizer."""
     fb = import_fbgemm()
     if device.type == "cuda":
         where = (fb["EmbeddingLocation"].DEVICE, fb["ComputeDevice"].CUDA)
     else:
         where = (fb["EmbeddingLocation"].HOST, fb["ComputeDevice"].CPU)
-    kind = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}[optimizer]
+    entry = tbe_optims.phase(f"fwd_bwd_{optimizer}")
+    kwargs = tbe_optims.fbgemm_optimizer(entry, fb)
     precision = {torch.float32: "FP32", torch.float16: "FP16"}[shape.dtype]
-    emb = fb["TBE"](
-        embedding_specs=[(E, D, *where) for E, D in shape.tables],
-        optimizer=getattr(fb["OptimType"], kind),
-        learning_rate=LR,
-        eps=EPS,
-        weights_precision=getattr(fb["SparseType"], precision),
-        output_dtype=fb["SparseType"].FP32,
-        pooling_mode=fb["PoolingMode"].NONE if shape.pooling == "none" else fb["PoolingMode"].SUM,
-    )
+    try:
+        emb = fb["TBE"](
+            embedding_specs=[(E, D, *where) for E, D in shape.tables],
+            weights_precision=getattr(fb["SparseType"], precision),
+            output_dtype=fb["SparseType"].FP32,
+            pooling_mode=(fb["PoolingMode"].NONE if shape.pooling == "none"
+                          else fb["PoolingMode"].SUM),
+            **kwargs,
+        )
+    except (AssertionError, TypeError) as e:
+        if tbe_optims.refused(e):
+            raise tbe_optims.NotOffered(
+                f"FBGEMM's {'CUDA' if device.type == 'cuda' else 'CPU'} TBE: {e}") from e
+        raise
     emb.init_embedding_weights_uniform(-0.1, 0.1)
     return emb
 
@@ -330,9 +362,22 @@ def _fbgemm_cases(ctx: Context) -> Iterator[tuple[str, object]]:
             yield "fwd_bwd_sgd", lambda: emb(idx, off).backward(grad)
         del emb
         _free()
-    if "fwd_bwd_rowwise_adagrad" in ctx.phases:
-        emb2 = fbgemm_tbe(ctx.shape, "rowwise_adagrad", ctx.device)
-        yield "fwd_bwd_rowwise_adagrad", lambda: emb2(idx, off).backward(grad)
+    for phase in _train_phases(ctx):
+        if phase == "fwd_bwd_sgd":
+            continue
+        held = []  # emptied after the phase: the step's module freed before the next is built
+        try:
+            held.append(fbgemm_tbe(ctx.shape, tbe_optims.phase(phase).name, ctx.device))
+        except tbe_optims.NotOffered as e:
+            yield phase, f"fbgemm: not offered ({e})"
+            continue
+        except torch.OutOfMemoryError as e:
+            _free()
+            yield phase, f"skipped: does not fit: {str(e).splitlines()[0]}"
+            continue
+        yield phase, lambda held=held: held[0](idx, off).backward(grad)
+        held.clear()
+        _free()
 
 
 def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
@@ -367,6 +412,7 @@ def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
 
     if "fwd" in ctx.phases:
         yield "fwd", torch.no_grad()(forward)
+    yield from _torch_not_offered(ctx)
     for phase in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
         if phase not in ctx.phases:
             continue
@@ -474,6 +520,13 @@ def _torch_lookup(ctx: Context, fused: bool, sparse: bool):
     return params, forward_fused
 
 
+def _torch_not_offered(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The torch and TorchRec providers time SGD and (per-element) Adagrad only."""
+    for phase in _train_phases(ctx):
+        if phase not in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
+            yield phase, "skipped: the torch providers time fwd_bwd_sgd and _rowwise_adagrad only"
+
+
 def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str, object]]:
     shape = ctx.shape
     if shape.pooling == "none" and fused and shape.mixed_D:
@@ -490,6 +543,7 @@ def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str,
     grad = ctx.batch.grad.to(shape.dtype)
     if "fwd" in ctx.phases and not sparse:  # a sparse=True forward is the same kernel
         yield "fwd", forward
+    yield from _torch_not_offered(ctx)
     for phase in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
         if phase not in ctx.phases:
             continue
@@ -557,7 +611,9 @@ def output_size(provider: str, shape: Shape) -> int:
 def compare_with_fbgemm(ctx: Context, backend: str) -> dict:
     """Same weights in FBGEMM's TBE and ours: forward outputs, then table 0's rows after one
     EXACT_SGD step (touched rows vs each other and vs the exact w - lr * sum(grad rows), plus
-    4096 random untouched rows that must not move)."""
+    4096 random untouched rows that must not move); then each other timed ``fwd_bwd_*`` phase
+    on table 0 alone (``tbe_optims.compare_with_fbgemm``: rows and states after one step;
+    ``"fbgemm: not offered (why)"`` where FBGEMM lacks the optimizer)."""
     shape, batch, dev = ctx.shape, ctx.batch, ctx.device
     idx, off, grad = batch.indices, batch.offsets, batch.grad
     fb = fbgemm_tbe(shape, "sgd", dev)
@@ -614,10 +670,22 @@ def compare_with_fbgemm(ctx: Context, backend: str) -> dict:
             "untouched_max_abs_change_ours": (0.0, "rows no id looked up moved"),
         },
     )
-    result["ok"] = not result["failures"]
-    result["tolerance"] = {"fwd": tol_fwd, "sgd": tol_sgd}
     del fb, ours, out_f, out_o, w_f, w_o, before, d_f, d_o, exact
     _free()
+
+    def build_ours(one: Shape, optimizer: optim.Optimizer) -> TableBatchedEmbedding:
+        return TableBatchedEmbedding(one.tables, optimizer=optimizer, weights_dtype=one.dtype,
+                                     bounds_check="warn", backend=backend, device=dev,
+                                     init_weights=False)
+
+    values, limits = tbe_optims.compare_with_fbgemm(shape, batch, dev, ctx.phases, backend,
+                                                    fbgemm_tbe, build_ours)
+    _free()
+    result.update(values)
+    result["failures"] += failures(result, limits)
+    result["ok"] = not result["failures"]
+    result["tolerance"] = {"fwd": tol_fwd, "sgd": tol_sgd,
+                           "optimizers": {k: v[0] for k, v in limits.items()}}
     return result
 
 
@@ -647,15 +715,16 @@ OURS_MODULES = {"ours": ("auto", "warn"), "ours_graph": ("auto", "warn"),
 
 
 def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str],
-          phases: list[str]) -> dict:
+          phases: list[str], dense_limit_gb: float | None = None) -> dict:
     """What the run times, against the reference: for each timed provider of ours (one check
     per distinct module: ``OURS_MODULES``) and each timed phase, the module as timed (its
     backend: Triton on CUDA, the native kernels on the CPU; the shape's weights dtype; the
     phase's optimizer, ``LR``, ``EPS``) vs the same module on the reference backend, same
-    weights. ``fwd``: the timed batch's inference forward. ``fwd_bwd_sgd`` /
-    ``fwd_bwd_rowwise_adagrad``: 3 fused steps (the timed batch and its gradient, then two
-    batches of bag sizes 0..2L so empty bags are covered): each step's forward, then the
-    weights and the optimizer state."""
+    weights. ``fwd``: the timed batch's inference forward. ``fwd_bwd_<optimizer>``: 3 fused
+    steps (the timed batch and its gradient, then two batches of bag sizes 0..2L so empty bags
+    are covered): each step's forward, then the weights and every optimizer state. A phase
+    whose two modules (weights + states) need more than ``dense_limit_gb`` is skipped, said in
+    ``<providers>.<phase>.skipped``."""
     configs: dict[tuple[str, str], list[str]] = {}
     for p in providers:
         if p in OURS_MODULES:
@@ -669,6 +738,13 @@ def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str]
     for (backend, bounds), names in configs.items():
         label = "/".join(names)
         for phase in [ph for ph in PHASES if ph in phases]:
+            need = 2 * (shape.weight_bytes + sum(optim.spec_of(optimizer_of(phase)).state_bytes(
+                E, D) for E, D in shape.tables))
+            if dense_limit_gb is not None and need > dense_limit_gb * 1e9:
+                result[f"{label}.{phase}.skipped"] = (
+                    f"two modules with their states need {need / 1e9:.1f} GB > "
+                    f"--dense-limit-gb {dense_limit_gb:g}")
+                continue
             got = _check_phase(shape, batch, device, backend, bounds, phase)
             result["checked"].append({"providers": names, "backend": backend,
                                       "bounds_check": bounds, "phase": phase})
@@ -685,6 +761,10 @@ def check(shape: Shape, batch: Batch, device: torch.device, providers: list[str]
             if phase == "fwd_bwd_rowwise_adagrad":
                 limits[f"{label}.{phase}.momentum_max_rel_err"] = (
                     1e-4, f"{what}: rowwise-Adagrad state (momentum1) after 3 steps")
+            for key in [k for k in got if k.endswith("_state_rel_err")]:
+                limits[f"{label}.{phase}.{key}"] = (
+                    4e-3 if half else 1e-4, f"{what}: {key[:9]} (max err / max |ref|) after 3 "
+                    "steps")
     result["failures"] = failures(result, limits)
     result["ok"] = not result["failures"]
     return result
@@ -694,9 +774,8 @@ def _check_phase(shape: Shape, batch: Batch, device: torch.device, backend: str,
                  phase: str) -> dict:
     """One module of ours (``backend``, ``bounds``) vs the reference on one phase:
     ``check``'s numbers (forward errors relative to the largest output, weights, state)."""
-    opt = optim.RowWiseAdagrad(lr=LR, eps=EPS) if phase == "fwd_bwd_rowwise_adagrad" else (
-        optim.SGD(lr=LR))
-    kw = dict(optimizer=opt, weights_dtype=shape.dtype, device=device, pooling=shape.pooling)
+    kw = dict(optimizer=optimizer_of(phase), weights_dtype=shape.dtype, device=device,
+              pooling=shape.pooling)
     ours = TableBatchedEmbedding(shape.tables, backend=backend, bounds_check=bounds, **kw)
     ref = TableBatchedEmbedding(shape.tables, backend="reference", **kw)
     ref.load_state_dict(ours.state_dict())
@@ -727,6 +806,11 @@ def _check_phase(shape: Shape, batch: Batch, device: torch.device, backend: str,
         out["momentum_max_rel_err"] = (
             ((m_o - m_r).abs() / m_r.abs().clamp(min=1e-12)).max().item())
         out["rows_touched"] = int((m_r > 0).sum())
+    elif phase != "fwd":  # momentum1_state_rel_err, momentum2_...: max err / max |reference's|
+        for state in optim.spec_of(optimizer_of(phase)).states:
+            s_o, s_r = getattr(ours, state.name).float(), getattr(ref, state.name).float()
+            out[f"{state.name}_state_rel_err"] = (
+                (s_o - s_r).abs().max() / s_r.abs().max().clamp(min=1e-30)).item()
     del ours, ref
     _free()
     return out

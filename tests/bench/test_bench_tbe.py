@@ -32,7 +32,7 @@ def test_tiny_cpu_rows(report):
         (s, p, ph)
         for s in SHAPES
         for p in providers
-        for ph in tbe.PHASES
+        for ph in tbe.DEFAULT_PHASES  # what runs without --phases
         if not (ph == "fwd" and p in tbe.FWD_OF)  # sparse variants share the dense forward
     }
     assert set(got) == expected
@@ -60,7 +60,7 @@ def test_check_and_fbgemm_comparison_pass_then_the_shape_is_timed(tmp_path):
     check = data["check"]["S0"]
     assert check["ok"] and check["failures"] == [] and check["rows_touched"] > 0, check
     assert [(c["providers"], c["backend"], c["phase"]) for c in check["checked"]] == [
-        (["ours"], "auto", phase) for phase in tbe.PHASES]
+        (["ours"], "auto", phase) for phase in tbe.DEFAULT_PHASES]
     assert check["ours.fwd_bwd_rowwise_adagrad.weights_max_abs_err"] < 1e-5
     compared = data["correctness"]["S0"]
     if "skipped" in compared:  # FBGEMM is a peer: without it there is nothing to compare with
@@ -69,7 +69,7 @@ def test_check_and_fbgemm_comparison_pass_then_the_shape_is_timed(tmp_path):
         assert compared["ok"] and compared["failures"] == [] and compared["rows_compared"] > 0
     for provider in ("ours", "reference"):
         timed = {r["phase"] for r in data["rows"] if r["provider"] == provider and r["median_ms"]}
-        assert timed == set(tbe.PHASES) and "failed" not in data
+        assert timed == set(tbe.DEFAULT_PHASES) and "failed" not in data
 
 
 def _spy_native(monkeypatch, bug=None):
@@ -298,7 +298,7 @@ def test_pooling_none_rows_and_the_sequence_check(tmp_path):
     rows = {(r["shape"], r["provider"], r["phase"]): r for r in data["rows"]}
     for shape in ("S0", "S5"):
         for provider in ("ours", "reference"):
-            for phase in tbe.PHASES:
+            for phase in tbe.DEFAULT_PHASES:
                 r = rows[(shape, provider, phase)]
                 assert "error" not in r and r["median_ms"] > 0, (shape, provider, phase, r)
         assert any(p.startswith("torch") and "error" not in r and r.get("median_ms")

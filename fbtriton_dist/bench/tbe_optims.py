@@ -1,0 +1,235 @@
+"""The fused-optimizer phases of ``bench tbe``: one ``fwd_bwd_<name>`` phase per optimizer of
+``optim.REGISTRY``, each with our config (the hyper-parameters every provider of the phase
+uses), FBGEMM's ``EmbOptimType`` member and constructor keywords with the same values (or why
+FBGEMM offers none), and its bytes per unique row.
+
+    phase("fwd_bwd_adam").config            # optim.Adam(lr=0.01, eps=1e-8, ...)
+    phase("fwd_bwd_adam").fbgemm_kwargs()   # {"learning_rate": 0.01, "eps": 1e-8,
+                                            #  "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0}
+    fbgemm_optimizer(phase("fwd_bwd_ftrl"), fb)   # raises NotOffered("FBGEMM has no ...")
+
+``fwd_bwd_sgd`` and ``fwd_bwd_rowwise_adagrad`` are the phases ``bench tbe`` always had (its
+default ``--phases``); the others are timed when named. A provider that lacks an optimizer
+prints ``fbgemm: not offered (why)`` for its phase instead of failing the run: FBGEMM lacks
+FTRL and rowwise RMSprop AR everywhere, and its CPU TBE (fbgemm-gpu-cpu) runs only EXACT_SGD,
+EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD and EMAINPLACE_ROWWISE_ADAGRAD (it refuses the others when
+built: "Optimizer ... is not supported in CPU mode").
+
+Bytes (``row_state_bytes``): per unique row of a step, its optimizer states read and written
+once (fp32, one value per row or per element as the registry says: Adam's two moments are
+``2 * 2 * 4 * D`` bytes). EMA-in-place rowwise Adagrad adds its moving average over whole
+tables every ``step_ema`` steps, amortised per step (``ema_bytes``: each row's first half read,
+its second half read and written)."""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fbtriton_dist import optim
+
+LR, EPS = 0.01, 1e-8
+"""The learning rate and eps of every phase (and of every provider, ours and FBGEMM's)."""
+
+CONFIGS: dict[str, optim.Optimizer] = {
+    "sgd": optim.SGD(lr=LR),
+    "rowwise_adagrad": optim.RowWiseAdagrad(lr=LR, eps=EPS),
+    "adagrad": optim.Adagrad(lr=LR, eps=EPS),
+    "adam": optim.Adam(lr=LR, eps=EPS),
+    "partial_rowwise_adam": optim.PartialRowWiseAdam(lr=LR, eps=EPS),
+    "lamb": optim.LAMB(lr=LR, eps=EPS),
+    "partial_rowwise_lamb": optim.PartialRowWiseLAMB(lr=LR, eps=EPS),
+    "lars_sgd": optim.LarsSGD(lr=LR),
+    "ftrl": optim.FTRL(lr=LR),
+    "emainplace_rowwise_adagrad": optim.EmaInplaceRowWiseAdagrad(lr=LR, eps=EPS),
+    "rowwise_rmsprop_ar": optim.RowWiseRMSpropAR(lr=LR, eps=EPS),
+}
+"""Our config per registry name: the hyper-parameters of its phase (FBGEMM's defaults where
+the config has them, ``LR`` and ``EPS``)."""
+
+_FBGEMM_FIELDS = {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_decay",
+                  "eta": "eta", "momentum": "momentum"}
+"""Our config field -> FBGEMM's TBE constructor keyword of the same meaning (``betas`` is its
+``beta1`` / ``beta2``; the EMA fields its ``EmainplaceModeDefinition``)."""
+_EMA_FIELDS = ("step_ema", "step_start", "step_ema_coef")
+_WEIGHT_DECAY_MODES = {"none": "NONE", "l2": "L2", "decoupled": "DECOUPLE"}
+
+
+class NotOffered(Exception):
+    """FBGEMM (this build, on this device) has no TBE with this optimizer."""
+
+
+@dataclass(frozen=True)
+class OptimPhase:
+    """One ``fwd_bwd_<name>`` phase."""
+
+    phase: str
+    """``fwd_bwd_<name>``."""
+    name: str
+    """The registry name (``optim.REGISTRY``)."""
+    config: optim.Optimizer
+    """Ours, with the hyper-parameters of the phase."""
+    fbgemm: str | None
+    """FBGEMM's ``EmbOptimType`` member, None where FBGEMM has none."""
+
+    def fbgemm_kwargs(self) -> dict[str, Any]:
+        """FBGEMM's TBE constructor keywords with our config's values (the optimizer itself
+        aside): ``learning_rate``, ``eps``, ``beta1``/``beta2``, ``weight_decay``, ``eta``,
+        ``momentum``; ``weight_decay_mode`` as a ``WeightDecayMode`` member name where a
+        rowwise Adagrad's decay applies; ``emainplace_mode`` as a dict of
+        ``EmainplaceModeDefinition``'s fields. A field with no FBGEMM keyword raises."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self.config):
+            value = getattr(self.config, f.name)
+            if f.name in _FBGEMM_FIELDS:
+                out[_FBGEMM_FIELDS[f.name]] = value
+            elif f.name == "betas":
+                out["beta1"], out["beta2"] = value
+            elif f.name in _EMA_FIELDS:
+                out.setdefault("emainplace_mode", {})[f.name] = value
+            elif f.name == "weight_decay_mode":
+                if self.config.applied_weight_decay > 0:
+                    out["weight_decay_mode"] = _WEIGHT_DECAY_MODES[value]
+            else:
+                raise ValueError(f"{self.phase}: expected fields of {sorted(_FBGEMM_FIELDS)}, "
+                                 f"betas, {list(_EMA_FIELDS)} or weight_decay_mode, got "
+                                 f"{type(self.config).__name__}.{f.name}")
+        return out
+
+    def row_state_bytes(self, D: int) -> int:
+        """Optimizer-state bytes read and written for one unique row of dim D (fp32 states)."""
+        return 2 * optim.spec(self.name).state_bytes(1, D)
+
+    def ema_bytes(self, tables: list[tuple[int, int]], weight_size: int) -> float:
+        """Bytes per step of the whole-table moving average (EMA-in-place only, else 0): every
+        row's D/2 + D/2 read and D/2 written, once every ``step_ema`` steps."""
+        if not isinstance(self.config, optim.EmaInplaceRowWiseAdagrad):
+            return 0.0
+        per_run = sum(E * D * weight_size * 3 / 2 for E, D in tables)
+        return per_run / int(self.config.step_ema)
+
+
+OPTIM_PHASES: dict[str, OptimPhase] = {
+    f"fwd_bwd_{name}": OptimPhase(f"fwd_bwd_{name}", name, CONFIGS[name],
+                                  optim.spec(name).fbgemm)
+    for name in optim.REGISTRY
+}
+"""Every fused optimizer's phase, in the registry's order."""
+
+DEFAULT_PHASES = ("fwd", "fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad")
+"""``bench tbe``'s phases when ``--phases`` is not given (what it always timed)."""
+PHASES = (*DEFAULT_PHASES, *(p for p in OPTIM_PHASES if p not in DEFAULT_PHASES))
+"""Every phase: the defaults first, then the other optimizers in the registry's order."""
+
+
+def phase(name: str) -> OptimPhase:
+    """The phase ``fwd_bwd_<optimizer>``; a ValueError naming the choices otherwise."""
+    if name not in OPTIM_PHASES:
+        raise ValueError(f"expected a phase of {list(OPTIM_PHASES)}, got {name!r}")
+    return OPTIM_PHASES[name]
+
+
+def optimizer_of(phase_name: str) -> optim.Optimizer:
+    """Our optimizer for a phase: the phase's, SGD for ``fwd`` (a module needs one)."""
+    return CONFIGS["sgd"] if phase_name == "fwd" else phase(phase_name).config
+
+
+def fbgemm_optimizer(entry: OptimPhase, fb: dict) -> dict[str, Any]:
+    """The keywords of FBGEMM's TBE for ``entry``: ``optimizer`` (its ``EmbOptimType``
+    member) and ``fbgemm_kwargs()`` with FBGEMM's types (``WeightDecayMode``,
+    ``EmainplaceModeDefinition``). ``fb``: ``tbe_cases.import_fbgemm()``. Raises
+    ``NotOffered`` where FBGEMM has no such optimizer or this fbgemm_gpu lacks it."""
+    if entry.fbgemm is None:
+        raise NotOffered(f"FBGEMM has no {entry.name} (our {type(entry.config).__name__})")
+    kind = getattr(fb["OptimType"], entry.fbgemm, None)
+    if kind is None:
+        raise NotOffered(f"this fbgemm_gpu's EmbOptimType has no {entry.fbgemm}")
+    kwargs = entry.fbgemm_kwargs()
+    if "weight_decay_mode" in kwargs:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: PLC0415
+            WeightDecayMode,
+        )
+
+        kwargs["weight_decay_mode"] = getattr(WeightDecayMode, kwargs["weight_decay_mode"])
+    if "emainplace_mode" in kwargs:
+        try:
+            from fbgemm_gpu.tbe.config import EmainplaceModeDefinition  # noqa: PLC0415
+        except ImportError as e:
+            raise NotOffered(f"this fbgemm_gpu has no EmainplaceModeDefinition "
+                             f"({entry.fbgemm}'s schedule): {e}") from e
+        kwargs["emainplace_mode"] = EmainplaceModeDefinition(**kwargs["emainplace_mode"])
+    return dict(optimizer=kind, **kwargs)
+
+
+def refused(error: BaseException) -> bool:
+    """Whether FBGEMM's constructor refused an optimizer it lacks on this device (its CPU TBE
+    asserts "Optimizer ... is not supported in CPU mode"; an older build may not know a
+    keyword), as opposed to failing for another reason."""
+    text = str(error)
+    return (isinstance(error, AssertionError) and "not supported" in text) or (
+        isinstance(error, TypeError) and "unexpected keyword" in text)
+
+
+def compare_with_fbgemm(shape, batch, device, phases: list[str], backend: str, build_fbgemm,
+                        build_ours) -> tuple[dict, dict[str, tuple[float, str]]]:
+    """Ours vs FBGEMM after one step of each timed ``fwd_bwd_*`` phase but SGD's (which
+    ``tbe_cases.compare_with_fbgemm`` checks on the whole shape), on table 0 alone (its ids
+    of the timed batch, its columns of the gradient; one table keeps the two modules and
+    their states small): the same weights in both, one forward + fused backward, then the
+    rows the batch touched and, per state, the state at those rows.
+
+    ``build_fbgemm(shape, name, device)``: FBGEMM's TBE for the registry name (raises
+    ``NotOffered``); ``build_ours(shape, optimizer)``: ours with uninitialised weights.
+    Returns (values, limits) for ``tbe_cases.failures``: ``<phase>.weights_err`` (fp32: max
+    error over the largest update FBGEMM made; half: max abs error, both round),
+    ``<phase>.<state>_rel_err`` (max error / max |FBGEMM's|), or ``<phase>`` = "fbgemm: not
+    offered (why)"."""
+    import torch  # noqa: PLC0415 (this module's table is read without torch by its tests)
+
+    E0, D0 = shape.tables[0]
+    one = dataclasses.replace(shape, groups=((1, E0, D0),))
+    n0 = batch.lookups[0]
+    idx, off = batch.indices[:n0], batch.offsets[: shape.B + 1]
+    grad = batch.grad[:, :D0].contiguous()
+    touched = torch.unique(idx)
+    half = shape.dtype != torch.float32
+    values: dict = {}
+    limits: dict[str, tuple[float, str]] = {}
+    for name in [p for p in PHASES if p in phases and p not in ("fwd", "fwd_bwd_sgd")]:
+        entry = phase(name)
+        try:
+            fb = build_fbgemm(one, entry.name, device)
+        except NotOffered as e:
+            values[name] = f"fbgemm: not offered ({e})"
+            continue
+        ours = build_ours(one, entry.config)
+        with torch.no_grad():
+            ours.split_embedding_weights()[0].copy_(fb.split_embedding_weights()[0].view(E0, D0))
+        w_f, w_o = fb.split_embedding_weights()[0].view(E0, D0), ours.split_embedding_weights()[0]
+        before = w_f[touched].double()
+        fb(idx, off).backward(grad)
+        ours(idx, off).backward(grad)
+        after_f, after_o = w_f[touched].double(), w_o[touched].double()
+        err = (after_o - after_f).abs().max()
+        if not half:
+            err = err / (after_f - before).abs().max().clamp(min=1e-30)
+        values[f"{name}.weights_err"] = err.item()
+        what = f"{name}: table 0's touched rows after one step vs FBGEMM"
+        limits[f"{name}.weights_err"] = (2e-3 if half else 1e-4, what + (
+            " (max abs err)" if half else " (max err / max update)"))
+        states_f, states_o = fb.split_optimizer_states()[0], ours.split_optimizer_states()[0]
+        for state, s_f, s_o in zip(optim.spec(entry.name).states, states_f, states_o,
+                                   strict=True):
+            if s_f.numel() != s_o.numel():
+                values[f"{name}.{state.name}_rel_err"] = float("nan")  # fails, with the sizes
+                limits[f"{name}.{state.name}_rel_err"] = (0.0, f"{name}: {state.name} has "
+                                                          f"{s_o.numel()} values, FBGEMM's "
+                                                          f"{s_f.numel()}")
+                continue
+            a, b = s_o[touched].double(), s_f.reshape(s_o.shape)[touched].double()
+            values[f"{name}.{state.name}_rel_err"] = (
+                (a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+            limits[f"{name}.{state.name}_rel_err"] = (
+                1e-2 if half else 1e-4, f"{name}: {state.name} at the touched rows vs FBGEMM "
+                "(max err / max |FBGEMM's|)")
+        del fb, ours, w_f, w_o, states_f, states_o
+    return values, limits
