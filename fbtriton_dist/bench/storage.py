@@ -4,6 +4,7 @@ tier against the same tables on ``device``, in one process.
     python -m fbtriton_dist.bench tbe --storage device,cached,file --cache-load-factor 0.1
     python -m fbtriton_dist.bench tbe --storage device,cached --prefetch --zipf 1.1 \\
         --tables 4 --rows 100000 --dim 64 --batch 1024 --bag 20
+    python -m fbtriton_dist.bench tbe --storage device,host,cached --device cuda --fbgemm
 
 Every tier's module starts from the device module's weights; first each tier trains
 ``--check-steps`` batches and its weights, optimizer state and step are compared with the
@@ -17,6 +18,19 @@ keeps their median. A tier's time is the median of its repeats' medians, with th
 (misses) and written back per step, and with ``--prefetch`` (the next batch's misses read on
 a worker thread during the step: ``TableBatchedEmbedding.prefetch``) the worker's time per
 step, the part of it the lookups waited for (exposed) and the rows taken from it.
+
+``--device cuda``: our modules on the GPU (the Triton kernels; a cached tier keeps its slots in
+device memory and its rows in pinned host memory); a tier our module refuses on the device
+(``host`` on CUDA today) gets a row saying so and the run goes on; each timed step is
+bracketed by ``torch.cuda.synchronize()``. ``--fbgemm`` (CUDA only) adds FBGEMM's tiers,
+``fbgemm_device``, ``fbgemm_managed`` (UVM) and ``fbgemm_managed_caching`` (its HBM cache,
+``--cache-load-factor``, LRU/LFU as ``--policy``; its forward prefetches its own batch, no
+``--prefetch`` for it), from our initial weights on the same batches
+(``bench/storage_fbgemm.py``); before timing, ``fbgemm_device`` and our ``device`` train one
+step from the same weights and must agree within 1e-5 relative (else exit status 1). Every
+row's ``ratio`` is its time over our ``device``'s; the pairs ours ``device`` / ``cached`` /
+``host`` against ``fbgemm_device`` / ``fbgemm_managed_caching`` / ``fbgemm_managed`` print
+fbgemm ms / ours ms (> 1: ours faster).
 """
 
 import argparse
@@ -32,6 +46,7 @@ import time
 import torch
 
 from fbtriton_dist import optim
+from fbtriton_dist.bench import storage_fbgemm
 from fbtriton_dist.bench.timing import SPREAD_FLAG, spread
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import TIERS, Storage
@@ -81,9 +96,15 @@ def make_batches(setup: Setup) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+LR, EPS = 0.05, 1e-8
+"""Rowwise Adagrad's rate and eps, ours and FBGEMM's."""
+
+
 def build(setup: Setup, tier: str, load_factor: float, policy: str, folder: str,
-          lr: float = 0.05) -> TableBatchedEmbedding:
-    """The tables on ``tier`` (rowwise Adagrad, the CPU kernels), the same init each time."""
+          lr: float = LR, device: str = "cpu") -> TableBatchedEmbedding:
+    """The tables on ``tier`` (rowwise Adagrad; the CPU kernels, or the Triton kernels on
+    CUDA), the same init each time. Raises ValueError where the module refuses the tier on
+    ``device``."""
     storage = None
     if tier != "device":
         path = os.path.join(folder, tier) if tier == "file" else None
@@ -91,11 +112,12 @@ def build(setup: Setup, tier: str, load_factor: float, policy: str, folder: str,
                            path=path) if tier in ("cached", "file") else Storage(tier=tier)
                    ] * setup.tables
     return TableBatchedEmbedding([(setup.rows, setup.dim)] * setup.tables,
-                                 optimizer=optim.RowWiseAdagrad(lr=lr), seed=setup.seed + 1,
-                                 storage=storage, bounds_check="ignore")
+                                 optimizer=optim.RowWiseAdagrad(lr=lr, eps=EPS),
+                                 seed=setup.seed + 1, storage=storage, bounds_check="ignore",
+                                 device=device)
 
 
-def train_step(module: TableBatchedEmbedding, batch, upcoming=None) -> None:
+def train_step(module, batch, upcoming=None) -> None:
     """One training step; ``upcoming``: the next batch, prefetched before the backward."""
     out = module(*batch)
     if upcoming is not None:
@@ -130,8 +152,11 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def time_tiers(modules: dict[str, TableBatchedEmbedding], batches, *, steps: int, warmup: int,
-               repeats: int, prefetch: bool, start: int = 0) -> dict[str, list[float]]:
-    """Per tier, each repeat's median step in ms; the tiers in an order rotated per repeat."""
+               repeats: int, prefetch: bool, start: int = 0,
+               device: torch.device | None = None) -> dict[str, list[float]]:
+    """Per tier, each repeat's median step in ms; the tiers in an order rotated per repeat.
+    Each step is timed between two ``sync(device)``s (CUDA: ``torch.cuda.synchronize``).
+    FBGEMM's modules never get ``prefetch`` (their forward fetches their own misses)."""
     tiers = list(modules)
     runs: dict[str, list[float]] = {t: [] for t in tiers}
     i = start
@@ -139,16 +164,25 @@ def time_tiers(modules: dict[str, TableBatchedEmbedding], batches, *, steps: int
         k = rep % len(tiers)
         for tier in tiers[k:] + tiers[:k]:
             m = modules[tier]
+            ahead = prefetch and isinstance(m, TableBatchedEmbedding)
             times = []
             for s in range(warmup + steps):
-                nxt = batches[(i + 1) % len(batches)] if prefetch else None
+                nxt = batches[(i + 1) % len(batches)] if ahead else None
+                sync(device)
                 t0 = time.perf_counter()
                 train_step(m, batches[i % len(batches)], nxt)
+                sync(device)
                 if s >= warmup:
                     times.append(1e3 * (time.perf_counter() - t0))
                 i += 1
             runs[tier].append(statistics.median(times))
     return runs
+
+
+def sync(device: torch.device | None) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU (or None)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarise(runs: dict[str, list[float]], stats: dict[str, dict], steps: dict[str, int]
@@ -182,10 +216,14 @@ def summarise(runs: dict[str, list[float]], stats: dict[str, dict], steps: dict[
 
 
 def print_rows(rows: list[dict]) -> None:
-    """The table: each tier's median ms and its ratio over device (> 1: slower)."""
-    print(f"  {'tier':<8} {'median ms':>9} {'spread':>7} {'tier/device':>11} {'hit rate':>8} "
+    """The table: each tier's median ms and its ratio over device (> 1: slower); a tier the
+    module refused on this device, why."""
+    print(f"  {'tier':<22} {'median ms':>9} {'spread':>7} {'tier/device':>11} {'hit rate':>8} "
           f"{'fetched/step':>12} {'written/step':>12}  prefetch per step")
     for r in rows:
+        if "refused" in r:
+            print(f"  {r['tier']:<22} refused: {r['refused']}")
+            continue
         sp = "-" if r["spread"] is None else (
             f"±{100 * r['spread']:.0f}%" + ("!" if r["spread"] > SPREAD_FLAG else ""))
         hit = "-" if r.get("hit_rate") is None else f"{100 * r['hit_rate']:.1f}%"
@@ -198,7 +236,7 @@ def print_rows(rows: list[dict]) -> None:
                    f"{r['prefetch_used_per_step']:.0f} used; worker "
                    f"{r['prefetch_ms_per_step']:.3f} ms, waited for "
                    f"{r['prefetch_exposed_ms_per_step']:.3f} ms (hidden {hidden:.3f} ms)")
-        print(f"  {r['tier']:<8} {r['median_ms']:9.3f} {sp:>7} {r['ratio']:10.2f}x {hit:>8} "
+        print(f"  {r['tier']:<22} {r['median_ms']:9.3f} {sp:>7} {r['ratio']:10.2f}x {hit:>8} "
               f"{fetched:>12} {written:>12}  {pre}")
 
 
@@ -221,6 +259,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--check-steps", type=int, default=4,
                    help="steps trained and compared with device before timing")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where our modules live (cuda: the Triton kernels, HBM slots)")
+    p.add_argument("--fbgemm", action="store_true",
+                   help="add FBGEMM's fbgemm_device, fbgemm_managed (UVM) and "
+                   "fbgemm_managed_caching (--device cuda only)")
     p.add_argument("--path", default=None,
                    help="directory of the file tier's files (default: a temporary one)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
@@ -235,6 +278,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  "batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is "
+                         "False); expected --device cpu")
+    if args.fbgemm and args.device != "cuda":
+        raise SystemExit(storage_fbgemm.unavailable(torch.device(args.device)))
     if not 0 < args.cache_load_factor <= 1:
         raise SystemExit(f"--cache-load-factor: expected a number in (0, 1], got "
                          f"{args.cache_load_factor}")
@@ -255,47 +303,119 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(args, setup: Setup, folder: str) -> dict:
-    print(f"tiers {args.tiers}: T={setup.tables} tables of E={setup.rows:,} x D={setup.dim}, "
-          f"B={setup.batch} bags of L={setup.bag} ids, Zipf({setup.zipf}), cache "
+    device = torch.device(args.device)
+    print(f"tiers {args.tiers} on {args.device}: T={setup.tables} tables of E={setup.rows:,} x "
+          f"D={setup.dim}, B={setup.batch} bags of L={setup.bag} ids, Zipf({setup.zipf}), cache "
           f"{args.cache_load_factor:g} of the rows ({args.policy}), rowwise Adagrad, fused "
-          f"fwd+bwd, {args.threads} thread(s), prefetch {'on' if args.prefetch else 'off'}",
-          flush=True)
-    batches = make_batches(setup)
-    device = build(setup, "device", args.cache_load_factor, args.policy, folder)
-    modules = {"device": device}
-    for tier in args.tiers[1:]:
-        m = build(setup, tier, args.cache_load_factor, args.policy, folder)
-        m.load_state_dict(device.state_dict())
-        modules[tier] = m
+          f"fwd+bwd, {args.threads} thread(s), prefetch {'on' if args.prefetch else 'off'}"
+          f"{', and FBGEMM' if args.fbgemm else ''}", flush=True)
+    batches = [tuple(t.to(device) for t in b) for b in make_batches(setup)]
+    modules, refused = _build_ours(args, setup, folder)
+    initial = [w.detach().clone() for w in modules["device"].split_embedding_weights()]
     report = {"args": dict(vars(args)), "setup": dataclasses.asdict(setup),
-              "torch": torch.__version__, "loadavg_before": _loadavg()}
+              "torch": torch.__version__, "loadavg_before": _loadavg(), "refused": refused}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
     failures = check(setup, modules, batches, args.check_steps, args.prefetch)
     report["check"] = failures
     bad = {t: f for t, f in failures.items() if f}
     if bad:
         msg = "bench tbe --storage: tiers differ from device, nothing timed:" + "".join(
             f"\n  {t}: " + "; ".join(f) for t, f in bad.items())
-        print(msg, file=sys.stderr, flush=True)
-        if args.out:
-            _write(report, args.out)
-        raise SystemExit(1)
-    print(f"  check: {', '.join(args.tiers[1:]) or 'nothing'} equal device bit for bit after "
-          f"{args.check_steps} steps", flush=True)
-    before = {t: dict(_sum_stats(m)) for t, m in modules.items()}
-    runs = time_tiers(modules, batches, steps=args.steps, warmup=args.warmup,
-                      repeats=args.repeats, prefetch=args.prefetch, start=args.check_steps)
+        _stop(report, args, msg)
+    print(f"  check: {', '.join(t for t in modules if t != 'device') or 'nothing'} equal device "
+          f"bit for bit after {args.check_steps} steps", flush=True)
+    timed: dict = dict(modules)
+    if args.fbgemm:
+        timed.update(_build_fbgemm(args, setup, folder, batches, initial, report))
+    ours = {t: m for t, m in timed.items() if isinstance(m, TableBatchedEmbedding)}
+    before = {t: dict(_sum_stats(m)) for t, m in ours.items()}
+    for m in timed.values():
+        storage_fbgemm.reset_stats(m)
+    runs = time_tiers(timed, batches, steps=args.steps, warmup=args.warmup,
+                      repeats=args.repeats, prefetch=args.prefetch, start=args.check_steps,
+                      device=device)
     stats = {t: {k: v - before[t].get(k, 0) for k, v in _sum_stats(m).items()}
-             for t, m in modules.items() if m.tiered}
+             for t, m in ours.items() if m.tiered}
     n = args.repeats * (args.warmup + args.steps)
     rows = summarise(runs, stats, {t: n for t in stats})
-    report.update(rows=rows, loadavg_after=_loadavg())
+    for r in rows:
+        if r["tier"] in timed and r["tier"] not in ours:
+            r["hit_rate"] = storage_fbgemm.hit_rate(timed[r["tier"]])
+    rows += [{"tier": t, "refused": why} for t, why in refused.items()]
+    pairs = storage_fbgemm.pair_ratios(rows)
+    report.update(rows=rows, pairs=pairs, loadavg_after=_loadavg())
     print_rows(rows)
+    storage_fbgemm.print_pairs(pairs)
     print(f"  load average (1 min) {report['loadavg_before']} before, "
           f"{report['loadavg_after']} after")
     if args.out:
         _write(report, args.out)
         print(f"wrote {args.out}")
     return report
+
+
+def _build_ours(args, setup: Setup, folder: str) -> tuple[dict, dict[str, str]]:
+    """Our module per tier, each from the device module's state; the tiers the module refuses
+    on ``args.device`` (tier -> why) instead of a module."""
+    device = build(setup, "device", args.cache_load_factor, args.policy, folder,
+                   device=args.device)
+    modules, refused = {"device": device}, {}
+    for tier in args.tiers[1:]:
+        try:
+            m = build(setup, tier, args.cache_load_factor, args.policy, folder,
+                      device=args.device)
+        except ValueError as e:
+            refused[tier] = str(e)
+            print(f"  {tier}: refused on {args.device}: {e}", flush=True)
+            continue
+        m.load_state_dict(device.state_dict())
+        modules[tier] = m
+    return modules, refused
+
+
+def _build_fbgemm(args, setup: Setup, folder: str, batches, initial, report) -> dict:
+    """FBGEMM's tiers from our initial weights, each trained the check steps' batches (as
+    ours were: warm caches alike), after ``fbgemm_device`` matched our ``device`` module over
+    one step (else the run stops, exit 1). None where fbgemm_gpu does not import (said so in
+    the report and printed)."""
+    device = torch.device(args.device)
+    why = storage_fbgemm.unavailable(device)
+    if why:
+        print(f"  fbgemm: skipped: {why}", flush=True)
+        report["fbgemm"] = {"skipped": why}
+        return {}
+    tables = [(setup.rows, setup.dim)] * setup.tables
+    kw = dict(lr=LR, eps=EPS, load_factor=args.cache_load_factor, policy=args.policy,
+              device=device)
+    ours = build(setup, "device", args.cache_load_factor, args.policy, folder,
+                 device=args.device)
+    with torch.no_grad():  # a new module draws new weights: the timed modules' initial ones
+        for w, w0 in zip(ours.split_embedding_weights(), initial, strict=True):
+            w.copy_(w0)
+    res = storage_fbgemm.compare(ours, storage_fbgemm.build("fbgemm_device", tables, initial,
+                                                            **kw), batches[0])
+    report["fbgemm"] = {"compare": res}
+    if res["failures"]:
+        _stop(report, args, "bench tbe --storage: fbgemm_device vs our device after one step "
+              "differ, nothing timed: " + "; ".join(res["failures"]))
+    print(f"  fbgemm_device vs our device after one step: weights {res['weights_rel_err']:.2g}, "
+          f"state {res['state_rel_err']:.2g} (max |diff| / max, tolerance "
+          f"{storage_fbgemm.REL_TOL:g})", flush=True)
+    del ours
+    out = {}
+    for name in storage_fbgemm.PROVIDERS:
+        out[name] = storage_fbgemm.build(name, tables, initial, **kw)
+        for i in range(args.check_steps):
+            train_step(out[name], batches[i % len(batches)])
+    return out
+
+
+def _stop(report: dict, args, msg: str):
+    print(msg, file=sys.stderr, flush=True)
+    if args.out:
+        _write(report, args.out)
+    raise SystemExit(1)
 
 
 def _sum_stats(module: TableBatchedEmbedding) -> dict[str, int]:
