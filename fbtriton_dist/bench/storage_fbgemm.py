@@ -29,6 +29,9 @@ PROVIDERS = {
 PAIRS = (("device", "fbgemm_device"), ("cached", "fbgemm_managed_caching"),
          ("host", "fbgemm_managed"))
 """(our tier, FBGEMM's provider) compared in the printed pairs: fbgemm ms / ours ms."""
+UNIQUE_INDICES, UNIQUE_MISSES = 2, 3
+"""Positions in FBGEMM's ``get_uvm_cache_stats()`` (its ``UVMCacheStatsIndex``:
+num_calls, num_requested_indices, num_unique_indices, num_unique_misses, ...)."""
 REL_TOL = 1e-5
 """Ours vs FBGEMM on device after one step: max |diff| / max |FBGEMM's|."""
 
@@ -96,6 +99,9 @@ def build(provider: str, tables: list[tuple[int, int]], weights: list[torch.Tens
     with torch.no_grad():
         for theirs, ours in zip(emb.split_embedding_weights(), weights, strict=True):
             theirs.copy_(ours.reshape(theirs.shape))
+    for t, (theirs, ours) in enumerate(zip(emb.split_embedding_weights(), weights, strict=True)):
+        if not torch.equal(theirs, ours.reshape(theirs.shape)):  # views of its rows, read back
+            raise RuntimeError(f"{provider}: table {t}'s rows did not take our weights")
     return emb
 
 
@@ -104,13 +110,9 @@ def hit_rate(emb) -> float | None:
     its lookups (None for the other locations)."""
     if not getattr(emb, "gather_uvm_cache_stats", False):
         return None
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: PLC0415
-        UVMCacheStatsIndex,
-    )
-
     stats = emb.get_uvm_cache_stats().tolist()
-    unique = stats[UVMCacheStatsIndex.num_unique_indices]
-    return 1 - stats[UVMCacheStatsIndex.num_unique_misses] / unique if unique else None
+    unique = stats[UNIQUE_INDICES]
+    return 1 - stats[UNIQUE_MISSES] / unique if unique else None
 
 
 def reset_stats(emb) -> None:

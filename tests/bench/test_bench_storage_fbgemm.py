@@ -41,6 +41,22 @@ def test_pairs_are_fbgemms_time_over_ours(capsys):
     assert lines[2].split() == ["cached", "fbgemm_managed_caching", "2.000", "6.000", "3.00x"]
 
 
+def test_hit_rate_reads_fbgemms_unique_ids_and_misses():
+    class Caching:  # FBGEMM's counters: calls, ids, unique ids, unique misses, ...
+        gather_uvm_cache_stats = True
+
+        def get_uvm_cache_stats(self):
+            return torch.tensor([5, 100, 40, 10, 0, 0])
+
+    assert storage_fbgemm.hit_rate(Caching()) == 0.75
+    try:
+        from fbgemm_gpu.tbe.cache.cache_config import UVMCacheStatsIndex as Index
+    except ImportError:
+        return
+    assert (Index.num_unique_indices, Index.num_unique_misses) == (
+        storage_fbgemm.UNIQUE_INDICES, storage_fbgemm.UNIQUE_MISSES)
+
+
 def test_a_refused_tier_gets_a_row_and_the_run_goes_on(monkeypatch, capsys):
     build = storage.build
 
