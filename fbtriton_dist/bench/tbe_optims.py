@@ -253,4 +253,6 @@ def compare_with_fbgemm(shape, batch, device, phases: list[str], backend: str, b
                 1e-2 if half else 1e-4, f"{name}: {state.name} at the touched rows vs FBGEMM "
                 "(max err / max |FBGEMM's|)")
         del fb, ours, w_f, w_o, states_f, states_o
+        if torch.cuda.is_available():  # the next phase's two modules start from free memory
+            torch.cuda.empty_cache()
     return values, limits
