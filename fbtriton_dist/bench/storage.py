@@ -311,7 +311,8 @@ def _run(args, setup: Setup, folder: str) -> dict:
           f"{', and FBGEMM' if args.fbgemm else ''}", flush=True)
     batches = [tuple(t.to(device) for t in b) for b in make_batches(setup)]
     modules, refused = _build_ours(args, setup, folder)
-    initial = [w.detach().clone() for w in modules["device"].split_embedding_weights()]
+    initial = [w.detach().clone() for w in modules["device"].split_embedding_weights()] if (
+        args.fbgemm) else None  # FBGEMM's modules start from these
     report = {"args": dict(vars(args)), "setup": dataclasses.asdict(setup),
               "torch": torch.__version__, "loadavg_before": _loadavg(), "refused": refused}
     if device.type == "cuda":
@@ -328,6 +329,7 @@ def _run(args, setup: Setup, folder: str) -> dict:
     timed: dict = dict(modules)
     if args.fbgemm:
         timed.update(_build_fbgemm(args, setup, folder, batches, initial, report))
+    del initial
     ours = {t: m for t, m in timed.items() if isinstance(m, TableBatchedEmbedding)}
     before = {t: dict(_sum_stats(m)) for t, m in ours.items()}
     for m in timed.values():

@@ -797,6 +797,7 @@ def _check_phase(shape: Shape, batch: Batch, device: torch.device, backend: str,
             (out_o.float() - out_r.float()).abs().max() / scale).item()
         if phase != "fwd":
             grad = torch.randn(out_r.shape, generator=gen).to(device) if grad is None else grad
+            grad = tbe_optims.exact_sum_grad(grad)  # both sides sum the same row gradients
             out_o.backward(grad)
             out_r.backward(grad)
     if phase != "fwd":

@@ -184,6 +184,16 @@ def refused(error: BaseException) -> bool:
         isinstance(error, TypeError) and "unexpected keyword" in text)
 
 
+def exact_sum_grad(grad):
+    """``grad`` rounded to multiples of 2^-10: a row's gradient, a sum of such values below
+    2^14 in magnitude, is then exact in fp32 in any order, so two implementations that sum in
+    different orders (sorted runs, chunks, atomics) update from the same gradient. Per-element
+    Adagrad's and Adam's ``g / (sqrt(v) + eps)`` turns a rounding difference of a gradient
+    near 0 (|g| ~ 1e-7, eps 1e-8) into a step difference of ``lr``: with these gradients
+    |g| is 0 or at least 2^-10, where the update is well conditioned."""
+    return (grad * 1024).round() / 1024
+
+
 def compare_with_fbgemm(shape, batch, device, phases: list[str], backend: str, build_fbgemm,
                         build_ours) -> tuple[dict, dict[str, tuple[float, str]]]:
     """Ours vs FBGEMM after one step of each timed ``fwd_bwd_*`` phase but SGD's (which
@@ -205,7 +215,7 @@ def compare_with_fbgemm(shape, batch, device, phases: list[str], backend: str, b
     one = dataclasses.replace(shape, groups=((1, E0, D0),))
     n0 = batch.lookups[0]
     idx, off = batch.indices[:n0], batch.offsets[: shape.B + 1]
-    grad = batch.grad[:, :D0].contiguous()
+    grad = exact_sum_grad(batch.grad[:, :D0].contiguous())
     touched = torch.unique(idx)
     half = shape.dtype != torch.float32
     values: dict = {}
