@@ -44,7 +44,8 @@ CONFIGS: dict[str, optim.Optimizer] = {
     "rowwise_rmsprop_ar": optim.RowWiseRMSpropAR(lr=LR, eps=EPS),
 }
 """Our config per registry name: the hyper-parameters of its phase (FBGEMM's defaults where
-the config has them, ``LR`` and ``EPS``)."""
+the config has them, ``LR`` and ``EPS``). A registry entry missing here gets its config's
+defaults with ``lr=LR`` (``_config``), so a new optimizer has a phase at once."""
 
 _FBGEMM_FIELDS = {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_decay",
                   "eta": "eta", "momentum": "momentum"}
@@ -108,8 +109,16 @@ class OptimPhase:
         return per_run / int(self.config.step_ema)
 
 
+def _config(name: str) -> optim.Optimizer:
+    if name in CONFIGS:
+        return CONFIGS[name]
+    config = optim.spec(name).config
+    has_lr = any(f.name == "lr" for f in dataclasses.fields(config))
+    return config(lr=LR) if has_lr else config()
+
+
 OPTIM_PHASES: dict[str, OptimPhase] = {
-    f"fwd_bwd_{name}": OptimPhase(f"fwd_bwd_{name}", name, CONFIGS[name],
+    f"fwd_bwd_{name}": OptimPhase(f"fwd_bwd_{name}", name, _config(name),
                                   optim.spec(name).fbgemm)
     for name in optim.REGISTRY
 }

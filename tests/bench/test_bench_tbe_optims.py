@@ -132,3 +132,9 @@ def test_check_gradients_sum_exactly_in_any_order():
     assert in_order(g) != in_order(g.flip(0))
     assert in_order(q) == in_order(q.flip(0))
     assert (q - g).abs().max() <= 2**-11
+
+
+def test_an_optimizer_without_a_config_here_gets_its_defaults_at_our_rate(monkeypatch):
+    monkeypatch.delitem(tbe_optims.CONFIGS, "lars_sgd")
+    assert tbe_optims._config("lars_sgd") == optim.LarsSGD(lr=tbe_optims.LR)
+    assert tbe_optims._config("adam") == tbe_optims.CONFIGS["adam"]
