@@ -223,25 +223,13 @@ def _ours_cases(ctx: Context, backend: str, bounds_check: str) -> Iterator[tuple
     if "fwd" in ctx.phases:  # an inference lookup, as FBGEMM's forward (no backward plan)
         yield "fwd", torch.no_grad()(lambda: m(idx, off))
     for phase in _train_phases(ctx):
-        why = _switch_optimizer(m, phase)
+        why = tbe_optims.switch_optimizer(m, phase)
         yield phase, why or (lambda: m(idx, off).backward(grad))
 
 
 def _train_phases(ctx: Context) -> list[str]:
     """The timed ``fwd_bwd_*`` phases, in ``PHASES``' order."""
     return [p for p in PHASES if p != "fwd" and p in ctx.phases]
-
-
-def _switch_optimizer(m: TableBatchedEmbedding, phase: str) -> str | None:
-    """Give ``m`` the phase's optimizer (new states at zero); None, or why the phase is
-    skipped: the states do not fit in device memory (the module keeps SGD, no states)."""
-    try:
-        m.set_optimizer(optimizer_of(phase))
-    except torch.OutOfMemoryError as e:
-        m.set_optimizer(optimizer_of("fwd_bwd_sgd"))
-        _free()
-        return f"skipped: the {phase} states do not fit: {str(e).splitlines()[0]}"
-    return None
 
 
 def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
@@ -273,7 +261,7 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
             yield phase, ("skipped: its moving average is scheduled on the host by the step "
                           "count: a captured graph would bake in one step's choice")
             continue
-        why = _switch_optimizer(m, phase) if phase != "fwd" else None
+        why = tbe_optims.switch_optimizer(m, phase) if phase != "fwd" else None
         if why:
             yield phase, why
             continue
@@ -412,7 +400,7 @@ def _torchrec_cases(ctx: Context) -> Iterator[tuple[str, object]]:
 
     if "fwd" in ctx.phases:
         yield "fwd", torch.no_grad()(forward)
-    yield from _torch_not_offered(ctx)
+    yield from tbe_optims.torch_not_offered(_train_phases(ctx))
     for phase in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
         if phase not in ctx.phases:
             continue
@@ -520,13 +508,6 @@ def _torch_lookup(ctx: Context, fused: bool, sparse: bool):
     return params, forward_fused
 
 
-def _torch_not_offered(ctx: Context) -> Iterator[tuple[str, str]]:
-    """The torch and TorchRec providers time SGD and (per-element) Adagrad only."""
-    for phase in _train_phases(ctx):
-        if phase not in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
-            yield phase, "skipped: the torch providers time fwd_bwd_sgd and _rowwise_adagrad only"
-
-
 def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str, object]]:
     shape = ctx.shape
     if shape.pooling == "none" and fused and shape.mixed_D:
@@ -543,7 +524,7 @@ def _torch_cases(ctx: Context, fused: bool, sparse: bool) -> Iterator[tuple[str,
     grad = ctx.batch.grad.to(shape.dtype)
     if "fwd" in ctx.phases and not sparse:  # a sparse=True forward is the same kernel
         yield "fwd", forward
-    yield from _torch_not_offered(ctx)
+    yield from tbe_optims.torch_not_offered(_train_phases(ctx))
     for phase in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
         if phase not in ctx.phases:
             continue

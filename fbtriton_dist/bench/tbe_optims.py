@@ -142,6 +142,29 @@ def optimizer_of(phase_name: str) -> optim.Optimizer:
     return CONFIGS["sgd"] if phase_name == "fwd" else phase(phase_name).config
 
 
+def switch_optimizer(module, phase_name: str) -> str | None:
+    """Give a ``TableBatchedEmbedding`` the phase's optimizer (new states at zero); None, or
+    why the phase is skipped: the states do not fit in device memory (the module is left
+    with SGD, no states)."""
+    import torch  # noqa: PLC0415
+
+    try:
+        module.set_optimizer(optimizer_of(phase_name))
+    except torch.OutOfMemoryError as e:
+        module.set_optimizer(CONFIGS["sgd"])
+        torch.cuda.empty_cache()
+        return f"skipped: the {phase_name} states do not fit: {str(e).splitlines()[0]}"
+    return None
+
+
+def torch_not_offered(phases: list[str]):
+    """(phase, why) for each training phase the torch and TorchRec providers do not time: they
+    time SGD and (per-element) Adagrad only."""
+    for name in phases:
+        if name not in ("fwd_bwd_sgd", "fwd_bwd_rowwise_adagrad"):
+            yield name, "skipped: the torch providers time fwd_bwd_sgd and _rowwise_adagrad only"
+
+
 def fbgemm_optimizer(entry: OptimPhase, fb: dict) -> dict[str, Any]:
     """The keywords of FBGEMM's TBE for ``entry``: ``optimizer`` (its ``EmbOptimType``
     member) and ``fbgemm_kwargs()`` with FBGEMM's types (``WeightDecayMode``,

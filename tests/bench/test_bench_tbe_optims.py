@@ -138,3 +138,23 @@ def test_an_optimizer_without_a_config_here_gets_its_defaults_at_our_rate(monkey
     monkeypatch.delitem(tbe_optims.CONFIGS, "lars_sgd")
     assert tbe_optims._config("lars_sgd") == optim.LarsSGD(lr=tbe_optims.LR)
     assert tbe_optims._config("adam") == tbe_optims.CONFIGS["adam"]
+
+
+def test_states_that_do_not_fit_skip_the_phase_and_leave_sgd():
+    import torch  # noqa: PLC0415
+
+    class Module:  # a TableBatchedEmbedding whose device has no room for Adam's moments
+        optimizer = None
+
+        def set_optimizer(self, optimizer):
+            if isinstance(optimizer, optim.Adam):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32 GiB\nmore")
+            self.optimizer = optimizer
+
+    m = Module()
+    assert tbe_optims.switch_optimizer(m, "fwd_bwd_lamb") is None
+    assert m.optimizer == tbe_optims.CONFIGS["lamb"]
+    why = tbe_optims.switch_optimizer(m, "fwd_bwd_adam")
+    assert why == ("skipped: the fwd_bwd_adam states do not fit: CUDA out of memory. Tried to "
+                   "allocate 32 GiB")
+    assert m.optimizer == optim.SGD(lr=tbe_optims.LR)
