@@ -215,8 +215,8 @@ def make_batches(
     bags = [L] * len(tables) if isinstance(L, int) else list(L)
     if len(bags) != len(tables) or min(bags) < 0:
         raise ValueError(f"L: expected one bag size >= 0 per table ({len(tables)}), got {L}")
-    lengths = torch.cat([torch.full((s,), n, dtype=torch.int32, device=device)
-                         for s, n in zip(strides, bags, strict=True)])
+    lengths = torch.cat([torch.full((s,), bag, dtype=torch.int32, device=device)
+                         for s, bag in zip(strides, bags, strict=True)])
     vbe = {}
     if K > 1:
         arange = torch.arange(B, device=device)
@@ -225,8 +225,8 @@ def make_batches(
                "inverse_indices": (keys, inverse)}
     out = []
     for _ in range(n):
-        values = torch.cat([zipf_rows(t.num_embeddings, s * n, alpha, g, device, scatter)
-                            for t, s, n in zip(tables, strides, bags, strict=True)])
+        values = torch.cat([zipf_rows(t.num_embeddings, s * bag, alpha, g, device, scatter)
+                            for t, s, bag in zip(tables, strides, bags, strict=True)])
         kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, **vbe)
         dense = torch.randn(B, num_dense, generator=g, device=device)
         labels = (torch.rand(B, generator=g, device=device) < 0.5).float()
