@@ -3,12 +3,16 @@
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --out dist.json
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny   # CPU, gloo
     torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny --vbe 8
+    torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny --models dcnv2
     python -m fbtriton_dist.bench dist --plot dist.json --png dist.png            # no torchrun
 
 The default setup: the 26 Criteo tables scaled to ~20 GB fp32 (D=128), B=8192 samples
 per rank, L=20 ids per bag, Zipf(1.1) ids, rowwise Adagrad (lr 0.01, eps 1e-8); plans
 ``row_wise`` and ``table_wise``; models ``ebc`` (embeddings alone), ``dlrm`` and ``ec`` (the
-tables as an EmbeddingCollection, a row per id; ``--models ec``); providers
+tables as an EmbeddingCollection, a row per id; ``--models ec``) and ``dcnv2`` (MLPerf's
+DLRM-dcnv2, ``dist_dcnv2``: TorchRec's ``DLRM_DCN`` against our ``DCNv2Model``, the same initial
+weights; with it among the models the defaults are MLPerf's: the tables
+``configs/tables/mlperf_dcnv2.yaml``, each feature's bags of its multi-hot size); providers
 ``torchrec``, ``ours_plain``, ``ours_lean``, ``ours_lean_bf16``, ``ours_dedup``,
 ``ours_fixed``, ``ours_graph`` (see ``dist_setup`` and ``dist_providers``). Every provider
 trains on the same pre-generated batches (each rank its own), one provider's model at a time;
@@ -43,8 +47,9 @@ from .dist_report import PROVIDERS, format_table, line, plot, vbe_table
 DEFAULT_TABLES = os.path.join(
     os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
 )
+MLPERF_TABLES = os.path.join(os.path.dirname(DEFAULT_TABLES), "mlperf_dcnv2.yaml")
 PLANS = ("row_wise", "table_wise")
-MODELS = ("ebc", "dlrm", "ec")
+MODELS = ("ebc", "dlrm", "ec", "dcnv2")
 FULL = {
     "total_gb": 20.0,
     "dim": 128,
@@ -57,6 +62,7 @@ FULL = {
     "split_steps": 5,
     "dense_arch": None,
     "over_arch": "1024,1024,512,256,1",
+    "low_rank": 512,
 }
 TINY = {
     "total_gb": 0.004,
@@ -70,6 +76,7 @@ TINY = {
     "split_steps": 2,
     "dense_arch": None,
     "over_arch": "32,1",
+    "low_rank": 8,
 }
 
 
@@ -84,7 +91,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="small tables, B=64, a few steps, on the CPU with gloo (CI)",
     )
-    p.add_argument("--tables", default=DEFAULT_TABLES, help="table-set YAML (rows are scaled)")
+    p.add_argument("--tables", help="table-set YAML, rows scaled (default criteo_terabyte.yaml; "
+                   "with --models dcnv2 mlperf_dcnv2.yaml)")
     p.add_argument("--total-gb", type=float, help="weights in fp32 GB (default 20; tiny 0.004)")
     p.add_argument(
         "--scale",
@@ -94,7 +102,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dim", type=int, help="D of every table (default 128; tiny 16)")
     p.add_argument("--batch-size", type=int, help="B per rank (default 8192; tiny 64)")
-    p.add_argument("--bag-size", type=int, help="L ids per bag (default 20; tiny 4)")
+    p.add_argument("--bag-size", type=_bag_size,
+                   help="L ids per bag, or 'tables': each feature's pooling factor in the table "
+                   "set (MLPerf's multi-hot sizes; the default with --models dcnv2; else 20, "
+                   "tiny 4)")
     p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids (0: uniform)")
     p.add_argument(
         "--hot-rows",
@@ -108,6 +119,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="DLRM dense arch, comma separated, ending in D (default 512,256,D; tiny 32,D)",
     )
     p.add_argument("--over-arch", help="DLRM over arch (default 1024,1024,512,256,1; tiny 32,1)")
+    p.add_argument("--cross-layers", type=int, default=3, help="dcnv2: cross layers (default 3)")
+    p.add_argument("--low-rank", type=int, help="dcnv2: cross rank (default 512; tiny 8)")
     p.add_argument("--lr", type=float, default=0.01, help="rowwise Adagrad learning rate")
     p.add_argument("--eps", type=float, default=1e-8, help="rowwise Adagrad eps")
     p.add_argument("--dense-lr", type=float, default=0.01, help="dense SGD learning rate")
@@ -120,7 +133,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
     p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     p.add_argument("--models", nargs="+", choices=MODELS, default=["ebc", "dlrm"],
-                   help="ebc, dlrm (default both), ec (an EmbeddingCollection: a row per id)")
+                   help="ebc, dlrm (default both), ec (an EmbeddingCollection: a row per id), "
+                   "dcnv2 (MLPerf's DLRM-dcnv2)")
     p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
     p.add_argument(
         "--comm",
@@ -153,6 +167,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
     p.add_argument("--png", default="dist.png", help="where --plot writes its chart")
     args = p.parse_args(argv)
+    mlperf = "dcnv2" in args.models
+    if args.tables is None:
+        args.tables = MLPERF_TABLES if mlperf else DEFAULT_TABLES
+    if args.bag_size is None and mlperf:
+        args.bag_size = "tables"
     preset = TINY if args.tiny else FULL
     for key, value in preset.items():
         if getattr(args, key) is None:
@@ -165,12 +184,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         else ([32, args.dim] if args.tiny else [512, 256, args.dim])
     )
     args.over_arch = _ints(args.over_arch)
+    if args.cross_layers < 0 or args.low_rank < 1:
+        p.error(f"--cross-layers, --low-rank: expected >= 0 and >= 1, got {args.cross_layers}, "
+                f"{args.low_rank}")
     if args.vbe < 1:
         p.error(f"--vbe: expected K >= 1 candidates per user, got {args.vbe}")
     if args.dense_arch[-1] != args.dim:
         p.error(f"--dense-arch must end in D={args.dim}, got {args.dense_arch}")
     args.comm_extra = dict(_comm_item(p, item) for item in args.comm)
     return args
+
+
+def _bag_size(text: str) -> int | str:
+    if text == "tables":
+        return text
+    try:
+        L = int(text)
+    except ValueError:
+        L = -1
+    if L < 0:
+        raise argparse.ArgumentTypeError(f"expected ids per bag >= 0 or 'tables', got {text!r}")
+    return L
 
 
 def _ints(text: str) -> list[int]:
@@ -238,12 +272,14 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     H = env.local_world_size if R % env.local_world_size == 0 else R
     tables = scaled_tables(args.tables, args.dim, args.total_gb, args.scale)
     configs = torchrec_configs(tables)
+    bags = [t.bag_size for t in tables] if args.bag_size == "tables" else [args.bag_size] * len(
+        tables)
     t0 = time.perf_counter()
     batches = make_batches(
         tables,
         n=args.batches,
         B=args.batch_size,
-        L=args.bag_size,
+        L=bags,
         alpha=args.zipf,
         num_dense=args.num_dense,
         seed=args.seed,
@@ -270,6 +306,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "scale": args.scale,
             "batch_size_per_rank": args.batch_size,
             "bag_size": args.bag_size,
+            "bag_sizes": bags,
+            "ids_per_sample": sum(bags),
             "zipf": args.zipf,
             "hot_rows": args.hot_rows,
             "candidates_per_user": args.vbe,
@@ -279,6 +317,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 "num_dense": args.num_dense,
                 "dense_arch": args.dense_arch,
                 "over_arch": args.over_arch,
+                "cross_layers": args.cross_layers,
+                "low_rank": args.low_rank,
                 "optimizer": f"sgd lr {args.dense_lr}",
             },
             "warmup": args.warmup,
@@ -296,7 +336,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     _say(
         env,
         f"bench dist: {len(tables)} tables, {weights_gb:.3g} GB fp32, D={args.dim}, "
-        f"B={args.batch_size}/rank, L={args.bag_size}, zipf {args.zipf}, {R} ranks on "
+        f"B={args.batch_size}/rank, L={args.bag_size} ({sum(bags)} ids a sample), "
+        f"zipf {args.zipf}, {R} ranks on "
         f"{device.type}; {args.warmup} warm-up + {args.steps} timed steps",
     )
     for plan_name in args.plans:
@@ -307,11 +348,13 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 num_dense=args.num_dense,
                 dense_arch=tuple(args.dense_arch),
                 over_arch=tuple(args.over_arch),
+                cross_layers=args.cross_layers,
+                low_rank=args.low_rank,
             )
             if kind == "ec" and batch_kind == "vbe":
                 continue  # a sequence collection's batches have one stride
-            row_grad = fixed_row_grad(tables, args.batch_size, args.bag_size, args.seed, rank,
-                                      device)
+            row_grad = fixed_row_grad(tables, args.batch_size, max(1, sum(bags) // len(bags)),
+                                      args.seed, rank, device)
             ctx = Context(
                 tables=tables,
                 configs=torchrec_sequence_configs(tables) if kind == "ec" else configs,
@@ -475,6 +518,7 @@ def merge(
     elapsed = max(r["elapsed_s"] for r in ranks)
     row.update(status="ok", loop=r0.get("loop"), seconds=max(r["seconds"] for r in ranks))
     row["samples_per_s"] = samples_per_step * steps / elapsed if elapsed > 0 else None
+    row["samples_per_s_per_rank"] = row["samples_per_s"] and row["samples_per_s"] / len(ranks)
     row["ms_per_step"] = max(r["ms_per_step_median"] for r in ranks)
     row["ms_per_step_per_rank"] = [r["ms_per_step_median"] for r in ranks]
     row["stages_ms"] = r0.get("stages_ms", {})
@@ -502,6 +546,7 @@ def merge(
         row["model_mem_gb"] = max(r.get("model_mem_gb", 0.0) for r in ranks)
     row["losses"] = r0["losses"]
     row["losses_per_rank"] = [r["losses"] for r in ranks]
+    row["warmup_losses_per_rank"] = [r.get("warmup_losses", []) for r in ranks]
     row["step_ms_rank0"] = r0["step_ms"]
     return row
 

@@ -1,6 +1,7 @@
 """How ``bench dist`` measures one provider on this rank: four phases on the same batch stream.
 
-1. warm-up steps (compilation, autotuning, allocation): not counted;
+1. warm-up steps (compilation, autotuning, allocation): not counted (their losses kept: the
+   first is the loss of the initial weights);
 2. timed steps: step boundaries marked with CUDA events (CPU: ``perf_counter``), the whole
    phase between two synchronisations -> ms/step (median) and samples/s;
 3. profiled steps (CUDA only): ``torch.profiler`` device activity -> GPU-busy time per step
@@ -173,8 +174,8 @@ def measure(
 ) -> dict[str, Any]:
     """This rank's numbers for ``runner`` (see the module docstring)."""
     out: dict[str, Any] = {}
-    for _ in range(warmup):
-        runner.step()
+    warm = [runner.step() for _ in range(warmup)]
+    out["warmup_losses"] = [float(x) for x in torch.stack(warm).float().cpu()] if warm else []
     _sync(device)
     dist.barrier(group=group)
     marks, losses = _Marks(device), []

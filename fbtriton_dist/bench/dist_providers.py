@@ -18,8 +18,10 @@
 A peer that is not importable here (TorchRec, FBGEMM) raises :class:`Skip` with the reason; our
 own providers never skip: an error in our code (an import error included) is the provider's
 error, and fails the run (``bench dist`` exits non-zero). The dense optimizer is
-SGD for everyone; ours all-reduces (averages) dense gradients in an optimizer pre-step hook,
-so a pipeline that calls ``optimizer.step()`` itself does it too (averaging twice is harmless).
+SGD for everyone (model ``dcnv2`` too: ``dist_dcnv2`` says how its TorchRec and our models
+start from the same weights); ours all-reduces (averages) dense gradients in an optimizer
+pre-step hook, so a pipeline that calls ``optimizer.step()`` itself does it too (averaging twice
+is harmless).
 """
 
 from __future__ import annotations
@@ -166,11 +168,15 @@ def build_ours(name: str, ctx: Context) -> Runner:
         collection = EmbeddingCollection(tables=ctx.configs, device=torch.device("meta"))
     else:
         collection = EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
-    model = build_model(ctx.spec, collection, ctx.device, ctx.grad)
+    model = build_model(ctx.spec, collection, ctx.device, ctx.grad, ours=True, seed=ctx.seed)
     model = fbtriton_dist.shard(model, ctx.plan, ctx.group, ctx.device, **kwargs)
     model = model.to(ctx.device)  # buffers the model made on the CPU (DLRM's triu_indices)
-    fqn = embedding_fqn(ctx.spec.kind)
+    fqn = embedding_fqn(ctx.spec.kind, ours=True)
     sharded = model.get_submodule(fqn)
+    if ctx.spec.kind == "dcnv2":  # TorchRec's initial rows too
+        from .dist_dcnv2 import fill_ours
+
+        fill_ours(sharded, ctx.tables, ctx.seed)
     params = [
         p for n, p in model.named_parameters() if p.requires_grad and not n.startswith(fqn + ".")
     ]
@@ -217,7 +223,7 @@ def build_torchrec(ctx: Context) -> Runner:
     else:
         ebc = torchrec.EmbeddingBagCollection(tables=ctx.configs, device=torch.device("meta"))
         sharder = EmbeddingBagCollectionSharder(fused_params=fused)
-    model = build_model(ctx.spec, ebc, ctx.device, ctx.grad)
+    model = build_model(ctx.spec, ebc, ctx.device, ctx.grad, seed=ctx.seed)
     module_plan = torchrec_module_plan(ebc, ctx.plan, sharder, ctx.device.type)
     fqn = embedding_fqn(ctx.spec.kind)
     dmp = DistributedModelParallel(
@@ -227,6 +233,10 @@ def build_torchrec(ctx: Context) -> Runner:
         plan=TorchRecPlan({fqn: module_plan}),
         sharders=[sharder],
     )
+    if ctx.spec.kind == "dcnv2":  # ours start from the same rows
+        from .dist_dcnv2 import fill_torchrec
+
+        fill_torchrec(dmp, fqn, ctx.tables, ctx.seed)
     params = [
         p
         for n, p in in_backward_optimizer_filter(dmp.named_parameters())

@@ -16,6 +16,7 @@ COLUMNS = (
     ("model", 5),
     ("provider", 14),
     ("samples/s", 11),
+    ("per rank", 10),
     ("ms/step", 8),
     ("x torchrec", 10),
     ("fwd", 7),
@@ -46,9 +47,10 @@ def _cells(r: dict) -> list[str]:
     if r.get("status") != "ok":
         return head
     st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
-    sps = r.get("samples_per_s")
+    sps, per_rank = r.get("samples_per_s"), r.get("samples_per_s_per_rank")
     return head + [
         f"{sps:,.0f}" if sps else "-",
+        f"{per_rank:,.0f}" if per_rank else "-",
         _fmt(r["ms_per_step"]),
         _fmt(r.get("vs_torchrec")),
         *(
@@ -71,7 +73,8 @@ def line(r: dict) -> str:
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The results as a fixed-width table (stage times: ms per step, rank 0; bytes: sent by
+    """The results as a fixed-width table (samples/s: all ranks, and per rank; stage times: ms
+    per step, rank 0; bytes: sent by
     all ranks per step); failed or skipped providers listed under it with the reason."""
     lines = ["  ".join(f"{name:>{w}}" for name, w in COLUMNS)]
     notes = []

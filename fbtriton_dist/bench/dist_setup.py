@@ -8,12 +8,14 @@ this module builds them (see ``fbtriton_dist.bench.dist`` for the measurement).
 * plans: ``row_wise`` (every table in blocks of ceil(E/R) rows, TorchRec's cut) and
   ``table_wise`` (tables placed greedily: largest first, on the rank with the fewest bytes among
   those with fewer than ceil(T/R) tables). TorchRec gets the same placement, shard for shard.
-* batches: B samples per rank, L ids per bag, Zipf(alpha) ids (hot rows scattered over the
+* batches: B samples per rank, L ids per bag (or each feature its own fixed L: the tables'
+  pooling factors, MLPerf's multi-hot sizes), Zipf(alpha) ids (hot rows scattered over the
   table by a fixed bijection, or the first rows), dense features and labels; on the device.
 * models: ``ebc`` (the collection alone; loss = sum(pooled * a fixed random gradient)),
   ``dlrm`` (TorchRec's DLRM over the collection, as the training job builds it; BCE loss) and
   ``ec`` (the same tables as an EmbeddingCollection, a row per id; loss = sum over features of
-  rows @ a fixed random [D] vector).
+  rows @ a fixed random [D] vector) and ``dcnv2`` (MLPerf's DLRM-dcnv2: TorchRec's ``DLRM_DCN``
+  for TorchRec, our ``DCNv2Model`` for ours, the same weights; ``dist_dcnv2``; BCE loss).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Table:
     feature: str
     num_embeddings: int
     embedding_dim: int
+    bag_size: int = 1
+    """The feature's pooling factor in the table set (rounded): its ids per bag when the
+    batches take the tables' bag sizes."""
 
 
 def scaled_tables(
@@ -54,7 +59,7 @@ def scaled_tables(
         scale = min(1.0, total_gb * GB / full)
     out = []
     for t in specs:
-        for f in t.features:
+        for i, f in enumerate(t.features):
             E = t.num_embeddings
             rows = max(min(E, min_rows), int(E * scale))
             out.append(
@@ -63,6 +68,7 @@ def scaled_tables(
                     feature=f,
                     num_embeddings=rows,
                     embedding_dim=dim,
+                    bag_size=round(t.pooling_factors[i]) if t.pooling_factors else 1,
                 )
             )
     return out
@@ -184,7 +190,7 @@ def make_batches(
     *,
     n: int,
     B: int,
-    L: int,
+    L: int | Sequence[int],
     alpha: float,
     num_dense: int,
     seed: int,
@@ -194,7 +200,8 @@ def make_batches(
     candidates_per_user: int = 1,
 ) -> list[Batch]:
     """``n`` batches of this rank (a function of ``seed`` and ``rank``), on ``device``: fixed
-    bags of L ids (int64; lengths int32, as TorchRec's datasets), [B, num_dense] dense
+    bags of L ids (int64; lengths int32, as TorchRec's datasets; ``L`` one number, or one per
+    table: MLPerf's multi-hot bags), [B, num_dense] dense
     features, 0/1 labels. ``candidates_per_user`` K > 1: VBE batches, the first half of the
     tables' features one bag per user (ceil(B / K) users, K consecutive samples each), the
     others one per sample (``fixed_copies`` gives the same samples as fixed batches)."""
@@ -205,7 +212,11 @@ def make_batches(
     K = candidates_per_user
     # K > 1: the first half of the tables are user features, one bag per user (VBE)
     strides = [-(-B // K) if K > 1 and i < len(tables) // 2 else B for i in range(len(tables))]
-    lengths = torch.full((sum(strides),), L, dtype=torch.int32, device=device)
+    bags = [L] * len(tables) if isinstance(L, int) else list(L)
+    if len(bags) != len(tables) or min(bags) < 0:
+        raise ValueError(f"L: expected one bag size >= 0 per table ({len(tables)}), got {L}")
+    lengths = torch.cat([torch.full((s,), bag, dtype=torch.int32, device=device)
+                         for s, bag in zip(strides, bags, strict=True)])
     vbe = {}
     if K > 1:
         arange = torch.arange(B, device=device)
@@ -214,8 +225,8 @@ def make_batches(
                "inverse_indices": (keys, inverse)}
     out = []
     for _ in range(n):
-        values = torch.cat([zipf_rows(t.num_embeddings, s * L, alpha, g, device, scatter)
-                            for t, s in zip(tables, strides, strict=True)])
+        values = torch.cat([zipf_rows(t.num_embeddings, s * bag, alpha, g, device, scatter)
+                            for t, s, bag in zip(tables, strides, bags, strict=True)])
         kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, **vbe)
         dense = torch.randn(B, num_dense, generator=g, device=device)
         labels = (torch.rand(B, generator=g, device=device) < 0.5).float()
@@ -274,7 +285,7 @@ class TrainModel(nn.Module):
         self._grad = grad
 
     def forward(self, batch: Batch):
-        if self.kind == "dlrm":
+        if self.kind in ("dlrm", "dcnv2"):
             logits = self.model(batch.dense, batch.sparse).squeeze(-1)
             loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
             return loss, (loss.detach(), logits.detach(), batch.labels)
@@ -289,22 +300,35 @@ class TrainModel(nn.Module):
 
 @dataclass(kw_only=True, frozen=True)
 class ModelSpec:
-    """The model kind and its dense sizes (``dense_arch[-1]`` = D)."""
+    """The model kind and its dense sizes (``dense_arch[-1]`` = D); ``dcnv2``: the cross
+    network's layers and rank too."""
 
     kind: str
     num_dense: int
     dense_arch: tuple[int, ...]
     over_arch: tuple[int, ...]
+    cross_layers: int = 3
+    low_rank: int = 512
 
 
-def embedding_fqn(kind: str) -> str:
-    """Where the collection sits in ``TrainModel``."""
-    return "model.sparse_arch.embedding_bag_collection" if kind == "dlrm" else "model.ebc"
+def embedding_fqn(kind: str, ours: bool = False) -> str:
+    """Where the collection sits in ``TrainModel`` (``dcnv2``: TorchRec's ``DLRM_DCN`` keeps it
+    where its DLRM does, our ``DCNv2Model`` in ``ebc``)."""
+    if kind == "dlrm" or (kind == "dcnv2" and not ours):
+        return "model.sparse_arch.embedding_bag_collection"
+    return "model.ebc"
 
 
-def build_model(spec: ModelSpec, ebc: nn.Module, device: torch.device, grad) -> TrainModel:
-    """``TrainModel`` of ``spec.kind`` over ``ebc`` (ours or TorchRec's, on the meta device)."""
-    if spec.kind == "dlrm":
+def build_model(spec: ModelSpec, ebc: nn.Module, device: torch.device, grad, *,
+                ours: bool = False, seed: int = 0) -> TrainModel:
+    """``TrainModel`` of ``spec.kind`` over ``ebc`` (ours or TorchRec's, on the meta device);
+    ``dcnv2``: our ``DCNv2Model`` when ``ours``, else TorchRec's ``DLRM_DCN``, the same dense
+    weights either way (drawn from ``seed``)."""
+    if spec.kind == "dcnv2":
+        from .dist_dcnv2 import build_dcnv2
+
+        inner = build_dcnv2(spec, ebc, device, ours=ours, seed=seed)
+    elif spec.kind == "dlrm":
         from torchrec.models.dlrm import DLRM
 
         inner = DLRM(
@@ -317,7 +341,7 @@ def build_model(spec: ModelSpec, ebc: nn.Module, device: torch.device, grad) -> 
     elif spec.kind in ("ebc", "ec"):
         inner = EmbeddingsOnly(ebc)
     else:
-        raise ValueError(f"model: expected one of [ebc, dlrm, ec], got {spec.kind!r}")
+        raise ValueError(f"model: expected one of [ebc, dlrm, ec, dcnv2], got {spec.kind!r}")
     return TrainModel(inner, spec.kind, grad)
 
 
