@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from fbtriton_dist.storage import Storage
 
 from .cache_model import STEP_MARGIN, estimate_hit_rates, hit_rate
-from .memory import fmt_bytes, state_bytes
+from .memory import fmt_bytes, table_state_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec
@@ -69,16 +69,15 @@ def auto_tables(specs: Sequence[TableSpec], all_unset: bool) -> set[str]:
 
 def _row_bytes(spec: TableSpec, optimizer: str) -> int:
     """Bytes of one whole row: weights + its optimizer state."""
-    opt = spec.optimizer or optimizer
-    return spec.embedding_dim * spec.dtype_bytes + state_bytes(opt, 1, spec.embedding_dim)
+    return (spec.embedding_dim * spec.dtype_bytes
+            + table_state_bytes(spec, 1, spec.embedding_dim, optimizer))
 
 
 def disk_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Disk bytes of a rows x cols block: every row and state of a ``file`` table, else 0."""
     if spec.tier != "file":
         return 0
-    opt = spec.optimizer or optimizer
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+    return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
 
 
 def _min_factor(spec: TableSpec, dist: IdDistribution, ids_per_step: float) -> float:
