@@ -67,11 +67,16 @@ def device_rows(spec: TableSpec, rows):
 
 def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Host memory of a rows x cols block of ``spec``: every row and its optimizer state on
-    the ``host`` and ``cached`` tiers (the backing store), none on ``device`` and ``file``
-    (its rows are in files, on disk)."""
-    if spec.tier not in ("host", "cached"):
+    the ``host`` and ``cached`` tiers (the backing store; ``file`` keeps them in files, on
+    disk), and the slot map of ``cached`` and ``file`` (``Storage.slot_map_bytes``: 4 B per
+    row of the block, which has a cache of its own); none on ``device``."""
+    if spec.storage is None:
         return 0
-    return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
+    slot_map = spec.storage.slot_map_bytes(rows)
+    if spec.tier not in ("host", "cached"):
+        return slot_map
+    return (rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
+            + slot_map)
 
 
 def fmt_bytes(n: float) -> str:
