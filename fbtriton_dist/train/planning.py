@@ -33,11 +33,12 @@ from fbtriton_dist.planner import (
 from fbtriton_dist.planner.groups import format_candidates, format_grouped, group_size_candidates
 from fbtriton_dist.planner.plan import check_group_size
 from fbtriton_dist.planner.report import format_report
+from fbtriton_dist.storage import Storage
 
 from .config import JobConfig
 
 __all__ = ["MANAGED_SHARDINGS", "JobPlan", "group_size", "job_constraints", "make_plan",
-           "plan_job"]
+           "plan_job", "plan_storage"]
 
 GiB = 1024**3
 
@@ -229,6 +230,12 @@ def with_storage(plan: ShardingPlan, specs) -> ShardingPlan:
         tables.append(t if t.storage is not None or want is None
                       else dataclasses.replace(t, storage=want))
     return dataclasses.replace(plan, tables=tuple(tables))
+
+
+def plan_storage(plan: ShardingPlan) -> dict[str, Storage]:
+    """The storage of every table ``plan`` names one for (the table set's, or the tier the
+    planner chose for ``storage: auto``): what a job in one process builds its tables on."""
+    return {t.name: t.storage for t in plan.tables if t.storage is not None}
 
 
 def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:
