@@ -63,6 +63,7 @@ from .config import (
 from .data import DataPosition
 from .dense_optim import CapturableAdagrad
 from .env import Env
+from .file_tier import check_file_dirs, with_run_folders
 from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
 from .models import DCNv2Model, TargetAttentionModel
@@ -524,7 +525,11 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
     _check_cpu_job(cfg, env, plan)
-    built = build(cfg, env, plan, mode)
+    # file-tier tables: this run's own folder in their directory, checked writable
+    run_plan = with_run_folders(plan, run_dir)
+    check_file_dirs(run_plan, {t.name: "sharding.file_dir" for t in cfg.tables.tables
+                               if t.auto_storage})
+    built = build(cfg, env, run_plan, mode)
     model, optimizer = built.model, built.optimizer
 
     source = make_source(

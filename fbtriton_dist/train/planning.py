@@ -140,6 +140,7 @@ def plan_job(
         progress=progress,
         host_bytes_per_rank=s.host_budget_gb * GiB if s.host_budget_gb is not None else None,
         disk_bytes_per_rank=s.disk_budget_gb * GiB if s.disk_budget_gb is not None else None,
+        file_dir=cfg.path(s.file_dir) if s.file_dir is not None else None,
     )
     path = plan_path or (cfg.path(s.plan) if s.plan is not None else None)
     lines = []

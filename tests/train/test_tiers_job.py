@@ -138,7 +138,8 @@ def test_job_in_one_process_with_a_file_table(tmp_path):
     (summary,) = records(paths[1], "summary")
     assert summary["caches"]["t_a"]["steps"] == 8
     assert summary["caches"]["t_a"]["prefetched_per_step"] == 0  # plain loop: no prefetch
-    assert (tmp_path / "rows" / "t_a.weight").exists()
+    (folder,) = (tmp_path / "rows").iterdir()  # the run's own folder (train/file_tier.py)
+    assert folder.name.startswith("file-") and (folder / "t_a.weight").exists()
 
 
 def test_plan_command_writes_storage_and_checks_the_host_budget(tmp_path, capsys):
