@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["COMPUTE_KERNELS", "POLICIES", "TIERS", "Storage", "storage_dict", "storage_of",
-           "storage_of_kernel"]
+__all__ = ["COMPUTE_KERNELS", "POLICIES", "SLOT_MAP_BYTES", "TIERS", "Storage", "storage_dict",
+           "storage_of", "storage_of_kernel"]
 
 Tier = Literal["device", "host", "cached", "file"]
 TIERS: tuple[str, ...] = ("device", "host", "cached", "file")
@@ -43,6 +43,10 @@ COMPUTE_KERNELS: dict[str, str] = {
     "fused_uvm_caching": "cached",
 }
 """TorchRec's ``EmbeddingComputeKernel`` values -> our tiers."""
+SLOT_MAP_BYTES = 4
+"""Host bytes per row of a ``cached`` / ``file`` table (or shard) for its slot map, the
+runtime's ``[E]`` int32 row -> slot array (``modules/tiers.py`` ``RowCache.slot_of_row``);
+the planner's host-memory model counts it (``planner/memory.py`` ``host_block_bytes``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,6 +97,11 @@ class Storage:
         n = self.cache_slots if self.cache_slots is not None else math.ceil(
             self.cache_load_factor * rows)
         return max(1, min(rows, n))
+
+    def slot_map_bytes(self, rows):
+        """Host bytes of the slot map of a table of ``rows`` rows (an int or a numpy array):
+        ``SLOT_MAP_BYTES`` per row on ``cached`` / ``file``, else 0."""
+        return rows * SLOT_MAP_BYTES if self.cached else rows * 0
 
 
 def storage_of(value: Any, table: str) -> Storage:

@@ -356,10 +356,8 @@ class EmbeddingBagCollection(TableGroups):
         its fused optimizer or None, its indices, offsets, per-sample weights, (a, b): where
         its ids are in ``batch.indices``). ``bound``: (parameters, fused optimizer) of each
         group, the TBEs already bound to them (``op_spec.bind``); default: this module's."""
-        sizes = batch.batch_sizes or [batch.batch_size] * len(self._feature_order)
-        bag_start = [0, *accumulate(sizes)]  # first bag of each feature (VBE or not)
-        T_seen, ids_at = 0, None
-        for g, (tbe, members) in enumerate(zip(self._tbes, self._groups.values(), strict=True)):
+        for g, (members, tbe, indices, offsets, psw, span) in enumerate(
+                self._group_slices(batch)):
             if bound is not None:
                 params, fused = bound[g]
             else:
@@ -368,6 +366,15 @@ class EmbeddingBagCollection(TableGroups):
                 fused = self.sync_optimizer(tbe, members)
                 if fused is not None:
                     refuse_data_parallel("EmbeddingBagCollection")
+            yield tbe, params, fused, indices, offsets, psw, span
+
+    def _group_slices(self, batch: JaggedBatch):
+        """Per (dtype, pooling) group: (its table indices, tbe, its indices, offsets,
+        per-sample weights, (a, b): where its ids are in ``batch.indices``)."""
+        sizes = batch.batch_sizes or [batch.batch_size] * len(self._feature_order)
+        bag_start = [0, *accumulate(sizes)]  # first bag of each feature (VBE or not)
+        T_seen, ids_at = 0, None
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             T = tbe.num_features
             indices, offsets, psw = batch.indices, batch.offsets, batch.per_sample_weights
             a, b = 0, indices.numel()
@@ -379,8 +386,35 @@ class EmbeddingBagCollection(TableGroups):
                 indices = indices[a:b]
                 offsets = offsets[bag_start[T_seen] : bag_start[T_seen + T] + 1] - a
                 psw = psw[a:b] if psw is not None else None
-            yield tbe, params, fused, indices, offsets, psw, (a, b)
+            yield members, tbe, indices, offsets, psw, (a, b)
             T_seen += T
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start reading the rows of a coming batch ``features`` (``forward``'s argument) that
+        the cached tables do not hold, with their optimizer state, on each tiered TBE's worker
+        thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
+        there. Call it after the current batch's forward, e.g. before its backward: a lookup
+        takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
+        Nothing to do without cached tables; managed tables (``managed=``) stay on
+        ``device``, so their raw ids are not mapped here."""
+        if not any(tbe.tiered for tbe in self._tbes):
+            return
+        sizes = None
+        if features.variable_stride_per_key():
+            batch, rows = vbe_kjt_to_batch(features, self._feature_order, self._is_weighted)
+            if rows is None:  # one batch size for all: the fixed batch the forward looks up
+                batch = JaggedBatch(batch.indices, batch.offsets, None, batch.batch_size)
+            else:
+                sizes = batch.batch_sizes
+        else:
+            batch = kjt_to_batch(features, self._feature_order, self._is_weighted)
+        f0 = 0
+        for _, tbe, indices, offsets, _, _ in self._group_slices(batch):
+            T = tbe.num_features
+            if tbe.tiered:
+                tbe.prefetch(indices, offsets, None if sizes is None
+                             else [[n] for n in sizes[f0:f0 + T]])
+            f0 += T
 
     def lookup(self, batch: JaggedBatch, bound: list | None = None) -> torch.Tensor:
         """Pooled ``[B, sum(D)]`` of a batch in ``_feature_order``, columns in config order

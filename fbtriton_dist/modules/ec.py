@@ -267,8 +267,7 @@ class EmbeddingCollection(TableGroups):
         fused optimizer or None, indices, offsets (one bag per feature), first position of
         each of its features in ``ids``' order). ``bound``: (parameters, fused optimizer) of
         each group, the TBEs already bound to them (``op_spec.bind``); default: this module's."""
-        f0 = 0
-        for g, (tbe, members) in enumerate(zip(self._tbes, self._groups.values(), strict=True)):
+        for g, (tbe, members, indices, offsets, starts, f0) in enumerate(self._group_ids(ids)):
             if bound is not None:
                 params, fused = bound[g]
             else:
@@ -277,13 +276,35 @@ class EmbeddingCollection(TableGroups):
                 fused = self.sync_optimizer(tbe, members)
                 if fused is not None:
                     refuse_data_parallel("EmbeddingCollection")
+            yield tbe, members, params, fused, indices, offsets, starts, f0
+
+    def _group_ids(self, ids: list[torch.Tensor]):
+        """Per dtype group: (tbe, its members, indices, offsets (one bag per feature), first
+        position of each of its features in ``ids``' order)."""
+        f0 = 0
+        for tbe, members in zip(self._tbes, self._groups.values(), strict=True):
             mine = ids[f0 : f0 + tbe.num_features]
             indices = mine[0] if len(mine) == 1 else torch.cat(mine)
             # one bag per feature: without pooling only which ids are whose matters
             starts = [0, *accumulate(int(t.numel()) for t in mine)]
             offsets = torch.tensor(starts, dtype=indices.dtype, device=indices.device)
-            yield tbe, members, params, fused, indices, offsets, starts, f0
+            yield tbe, members, indices, offsets, starts, f0
             f0 += tbe.num_features
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start reading the rows of a coming batch ``features`` (``forward``'s argument) that
+        the cached tables do not hold, with their optimizer state, on each tiered TBE's worker
+        thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
+        there. Call it after the current batch's forward, e.g. before its backward: a lookup
+        takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
+        Nothing to do without cached tables; managed tables stay on ``device``."""
+        if not any(tbe.tiered for tbe in self._tbes):
+            return
+        seqs = kjt_sequences(features, self._feature_order)
+        ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]
+        for tbe, _, indices, offsets, _, _ in self._group_ids(ids):
+            if tbe.tiered:
+                tbe.prefetch(indices, offsets)
 
     def lookup(self, ids: list[torch.Tensor], autograd: bool = True,
                bound: list | None = None) -> list[torch.Tensor]:

@@ -300,14 +300,15 @@ class TableBatchedEmbedding(nn.Module):
             numel = sizes.get(name, 0)
             dtype = _STATE_DTYPES[self.optimizer_state_dtypes.get(name, "fp32")]
             setattr(self, name, torch.zeros(numel, dtype=dtype, device=self.weights.device))
-        if self._tiers is not None:
+        if self._tiers is not None:  # the backing stores keep each state in its dtype too
+            dtypes = {s.name: _STATE_DTYPES[self.optimizer_state_dtypes.get(s.name, "fp32")]
+                      for s in states}
             for cache in self._tiers.caches.values():
-                cache.backing.set_states(states)
+                cache.backing.set_states(states, dtypes)
         self.step = 0
 
     def _check_state_dtypes(self, optimizer, sizes) -> None:
-        """``optimizer_state_dtypes`` names only states ``optimizer`` has, and none of a
-        module with cached tables (their backing store keeps fp32 states)."""
+        """``optimizer_state_dtypes`` names only states ``optimizer`` has."""
         low = {k: v for k, v in self.optimizer_state_dtypes.items() if v != "fp32"}
         if optimizer is None or not low:
             return
@@ -316,9 +317,6 @@ class TableBatchedEmbedding(nn.Module):
         if extra:
             raise ValueError(f"optimizer_state_dtypes: expected keys among {sorted(sizes)} (the "
                              f"states of {name}), got {extra}")
-        if self._tiers is not None:
-            raise ValueError("optimizer_state_dtypes: expected fp32 states with cached storage "
-                             f"tiers (their backing store keeps fp32), got {low}")
 
     @property
     def num_features(self) -> int:

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -74,7 +74,8 @@ def _file_tensor(path: str, numel: int, dtype: torch.dtype, what: str) -> torch.
 
 class Backing:
     """Every row of one cached table and its optimizer state: ``weight`` ``[E, D]`` and
-    ``states`` (name -> ``[E]`` or ``[E, D]`` fp32), in host memory or files
+    ``states`` (name -> ``[E]`` or ``[E, D]``, each in its dtype: fp32, or the module's
+    ``optimizer_state_dtypes``), in host memory or files
     ``<path>/<table>.<weight|state name>``."""
 
     def __init__(self, name: str, storage: Storage, rows: int, dim: int, dtype: torch.dtype,
@@ -97,12 +98,17 @@ class Backing:
         t = torch.zeros(numel, dtype=dtype)
         return t.pin_memory() if self.pin and numel else t
 
-    def set_states(self, states: Sequence) -> None:
-        """Optimizer states (``optim.REGISTRY``'s ``StateSpec``s) at zero."""
+    def set_states(self, states: Sequence,
+                   dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+        """Optimizer states (``optim.REGISTRY``'s ``StateSpec``s) at zero, each in its dtype
+        of ``dtypes`` (name -> dtype; fp32 where it names none), as the cache's slots keep
+        it: the copies between them are exact."""
+        dtypes = dtypes or {}
         self.states = {
-            s.name: (self._tensor(s.name, self.rows, torch.float32) if s.per_row else
-                     self._tensor(s.name, self.rows * self.dim, torch.float32)
-                     .view(self.rows, self.dim))
+            s.name: (self._tensor(s.name, self.rows, dtypes.get(s.name, torch.float32))
+                     if s.per_row else
+                     self._tensor(s.name, self.rows * self.dim,
+                                  dtypes.get(s.name, torch.float32)).view(self.rows, self.dim))
             for s in states
         }
 

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator
-from .memory import state_bytes
+from .memory import block_bytes
 from .stats import IdDistribution
 from .tables import TableConstraints, TableSpec
 
-__all__ = ["balance_memory"]
+__all__ = ["balance_memory", "blocks_bytes"]
 
 FIRST_RATIO = 0.5
 """The first cap tried is this share of the largest rank's memory (never below the mean)."""
@@ -53,6 +53,15 @@ TIGHTEN_MOVES = 8
 reached."""
 ONE_HOST = ("table_row_wise", "grid_shard")
 """Their shards (a grid's column slice's) stay on one host: traded only inside it."""
+
+
+def blocks_bytes(spec: TableSpec, blocks: Blocks, optimizer: str) -> np.ndarray:
+    """Device bytes of each of ``blocks`` (shards of ``spec``) as the search counts them
+    (``memory.block_bytes``: weights + optimizer state in the table's ``state_dtype``, a
+    ``cached`` / ``file`` shard's cache slots only); ``optimizer``: the planner's default."""
+    rows = blocks.row_end - blocks.row_start
+    cols = blocks.col_end - blocks.col_start
+    return np.asarray(block_bytes(spec, rows, cols, optimizer), dtype=np.float64)
 
 
 def balance_memory(
@@ -117,11 +126,7 @@ def balance_memory(
         for j, (sharding, blocks) in enumerate(choices):
             if sharding == "data_parallel":
                 continue
-            spec = by_name[order[j]]
-            rows = blocks.row_end - blocks.row_start
-            cols = blocks.col_end - blocks.col_start
-            mem = rows * cols * spec.dtype_bytes + state_bytes(
-                spec.optimizer or planner.optimizer, rows, cols)
+            mem = blocks_bytes(by_name[order[j]], blocks, planner.optimizer)
             parts.append((np.full(len(blocks), j), np.arange(len(blocks)), blocks.rank, mem,
                           (coef @ adds[j])[blocks.rank]))
         return [np.concatenate(x) for x in zip(*parts, strict=True)]

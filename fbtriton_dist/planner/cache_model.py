@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .memory import state_bytes
+from .memory import table_state_bytes
 from .stats import IdDistribution, cdf_array
 from .tables import TableSpec
 
@@ -265,7 +265,6 @@ def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
     lookups per step over all ranks (R x B x L). A block whose cache holds fewer than
     ``STEP_MARGIN`` steps' distinct rows is charged its whole rows both ways."""
     st = spec.storage
-    opt = spec.optimizer or optimizer
     rows = np.asarray(row_end, dtype=np.int64) - np.asarray(row_start, dtype=np.int64)
     slots = [st.slots(int(r)) if r > 0 else 0 for r in rows.tolist()]
     est = estimate_hit_rates(dist, spec.num_embeddings, ids_per_step, list(row_start),
@@ -274,7 +273,7 @@ def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
     distinct = np.array([e.distinct_rows for e in est])
     cols = np.asarray(cols, dtype=np.float64)
     row_bytes = cols * spec.dtype_bytes + np.array(
-        [state_bytes(opt, 1, int(c)) for c in cols.tolist()], dtype=np.float64)
+        [table_state_bytes(spec, 1, int(c), optimizer) for c in cols.tolist()], dtype=np.float64)
     moved = 2.0 * misses * row_bytes
     short = np.array(slots, dtype=np.float64) < STEP_MARGIN * distinct
     # a cache that may not hold a step is refused at run time: costed as if the shard's every

@@ -7,8 +7,9 @@ i bytes per id, l bytes per bag length, o bytes per pooled value; for a shard: i
 the table's :class:`IdDistribution`). Every term below is per rank, per step.
 
 * ``weight_bytes`` = rows x c x s
-* ``state_bytes``  (optimizer state, fp32 as in FBGEMM, from ``optim.REGISTRY``): none/sgd 0,
-  rowwise_adagrad rows x 4, adagrad rows x c x 4, adam 2 x rows x c x 4
+* ``state_bytes``  (optimizer state, from ``optim.REGISTRY``, in the table's ``state_dtype``:
+  4 B a value in fp32 as in FBGEMM, 2 in bf16 / fp16; ``memory.table_state_bytes``): none/sgd
+  0, rowwise_adagrad rows x 4, adagrad rows x c x 4, adam 2 x rows x c x 4 (fp32)
 * ``lookups``      ids gathered in the forward: row-wise kinds R·B·L·p, table-/column-wise
   R·B·L, data-parallel B·L
 * ``lookup_bytes`` = lookups x c x s (the forward gather; backward costs ``backward_factor``
@@ -56,7 +57,7 @@ import numpy as np
 
 from ._yaml import check_int, check_number
 from .cache_model import TierTraffic, block_traffic
-from .memory import as_planned, device_rows, state_bytes
+from .memory import as_planned, device_rows, table_state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
@@ -452,13 +453,12 @@ class CostAccumulator:
         optimizer: str
     ) -> None:
         """:meth:`add_table` for shards given as :class:`Blocks`."""
-        opt = spec.optimizer or optimizer
         s = spec.dtype_bytes
         rows = (blocks.row_end - blocks.row_start).astype(np.float64)
         cols = (blocks.col_end - blocks.col_start).astype(np.float64)
         held = device_rows(spec, rows)  # a cached tier: its caches' slots
         self.add(blocks.rank, weight_bytes=held * cols * s,
-                 state_bytes=state_bytes(opt, held, cols))
+                 state_bytes=table_state_bytes(spec, held, cols, optimizer))
         if spec.storage is not None and spec.storage.cached:  # the misses' rows in and out
             n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
             moved, summary = block_traffic(spec, dist, n * spec.ids_per_sample,

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .cost import REPLICA_GRAD_BYTES, UNIFORM, CostModel, PlanCost, evaluate
-from .memory import state_bytes
+from .memory import table_state_bytes
 from .plan import ShardingPlan, check_group_size, check_replica_sync
 from .planner import PlanError, ShardingPlanner
 from .stats import IdDistribution, cdf_array
@@ -191,7 +191,6 @@ def replica_syncs(plan: ShardingPlan, tables: Sequence[TableSpec],
         unique = (expected_unique_rows((stats or {}).get(ts.name, UNIFORM), spec.num_embeddings,
                                        draws, starts, ends)
                   if plan.replica_sync == "step" else np.zeros(len(starts)))
-        opt = spec.optimizer or optimizer
         for sh, u in zip(ts.shards, unique.tolist(), strict=True):
             rows, c = sh.num_rows, sh.num_cols
             row_bytes = c * SYNC_VALUE_BYTES + float(m.id_bytes(rows))
@@ -201,7 +200,7 @@ def replica_syncs(plan: ShardingPlan, tables: Sequence[TableSpec],
                                 else (SYNC_KINDS[1], dense))
             else:
                 kind, u = SYNC_KINDS[2], 0.0
-                held = rows * c * spec.dtype_bytes + state_bytes(opt, rows, c)
+                held = rows * c * spec.dtype_bytes + table_state_bytes(spec, rows, c, optimizer)
                 nbytes = ring * held / plan.replica_sync
             out.append(ShardSync(table=ts.name, rank=sh.rank, row_start=sh.row_start,
                                  row_end=sh.row_end, cols=c, collective=kind, unique_rows=u,

@@ -17,7 +17,7 @@ from .shards import Shard, TableSharding
 from .tables import TableSpec
 
 __all__ = ["GiB", "as_planned", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes",
-           "shard_equation", "state_bytes"]
+           "shard_equation", "state_bytes", "table_state_bytes"]
 
 GiB = 1024**3
 
@@ -32,13 +32,20 @@ def state_bytes(optimizer: str, rows: int, cols: int, state_dtype: str = "fp32")
     return entry.state_bytes(rows, cols, {s.name: state_dtype for s in entry.states})
 
 
+def table_state_bytes(spec: TableSpec, rows, cols, optimizer: str):
+    """Optimizer state of a rows x cols block of ``spec`` (ints or numpy arrays): its own
+    optimizer, else ``optimizer`` (the planner's default), every state in the table's
+    ``state_dtype``. The one price of a table's state: every part of the planner (budgets,
+    cost model, balance, replica groups, tier choice, the caches' traffic) calls it."""
+    return state_bytes(spec.optimizer or optimizer, rows, cols, spec.state_dtype)
+
+
 def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Device memory of a rows x cols block of ``spec``: weights + optimizer state of its
     rows, or of its cache's slots on a ``cached`` / ``file`` tier (``Storage.slots(rows)``),
     none on ``host``; ``optimizer`` is the default for a table that does not name its own."""
-    opt = spec.optimizer or optimizer
     rows = device_rows(spec, rows)
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols, spec.state_dtype)
+    return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
 
 
 def device_rows(spec: TableSpec, rows):
@@ -60,12 +67,16 @@ def device_rows(spec: TableSpec, rows):
 
 def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Host memory of a rows x cols block of ``spec``: every row and its optimizer state on
-    the ``host`` and ``cached`` tiers (the backing store), none on ``device`` and ``file``
-    (its rows are in files, on disk)."""
-    if spec.tier not in ("host", "cached"):
+    the ``host`` and ``cached`` tiers (the backing store; ``file`` keeps them in files, on
+    disk), and the slot map of ``cached`` and ``file`` (``Storage.slot_map_bytes``: 4 B per
+    row of the block, which has a cache of its own); none on ``device``."""
+    if spec.storage is None:
         return 0
-    opt = spec.optimizer or optimizer
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols, spec.state_dtype)
+    slot_map = spec.storage.slot_map_bytes(rows)
+    if spec.tier not in ("host", "cached"):
+        return slot_map
+    return (rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
+            + slot_map)
 
 
 def fmt_bytes(n: float) -> str:
@@ -80,7 +91,7 @@ def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
     opt = spec.optimizer or optimizer
     rows = spec.storage.slots(sh.num_rows) if spec.storage is not None else sh.num_rows
     w = rows * sh.num_cols * spec.dtype_bytes
-    st = state_bytes(opt, rows, sh.num_cols, spec.state_dtype)
+    st = table_state_bytes(spec, rows, sh.num_cols, optimizer)
     state = f", {spec.state_dtype}" if spec.state_dtype != "fp32" else ""
     cache = (f" ({spec.tier} tier: a cache of {rows} slots)"
              if spec.storage is not None and spec.storage.cached else "")

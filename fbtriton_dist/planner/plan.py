@@ -182,7 +182,8 @@ class ShardingPlan:
         ``tables``: the plan has exactly these tables with the same E and D. With
         ``budget_bytes`` as well: weights + optimizer state on each rank fit the budget
         (a ``cached`` / ``file`` table's shards: their caches). With ``host_budget_bytes``:
-        the backing stores of ``host`` / ``cached`` tables on each rank fit it.
+        the backing stores of ``host`` / ``cached`` tables and the slot maps of ``cached`` /
+        ``file`` tables on each rank fit it.
         """
         problems = [
             p for t in self.tables
@@ -377,13 +378,14 @@ def memory_problems(
 def host_memory_problems(
     plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
 ) -> list[str]:
-    """One message per rank whose backing stores (every row and optimizer state of its
-    ``host`` / ``cached`` shards, ``memory.host_block_bytes``) exceed ``budget_bytes``."""
+    """One message per rank whose host memory (every row and optimizer state of its ``host``
+    / ``cached`` shards, the slot maps of its ``cached`` / ``file`` shards:
+    ``memory.host_block_bytes``) exceeds ``budget_bytes``."""
     by_name = {t.name: t for t in tables}
     need: dict[int, list[tuple[int, str]]] = {}
     for t in plan.tables:
         spec = by_name.get(t.name)
-        if spec is None or spec.tier not in ("host", "cached"):
+        if spec is None or spec.tier == "device":
             continue
         for s in t.shards:
             n = host_block_bytes(spec, s.num_rows, s.num_cols, optimizer)

@@ -295,7 +295,9 @@ class Proposer:
             if st.cache_slots is not None:
                 fits = free >= self.table_bytes(spec, st.cache_slots, cols)
                 return np.where(fits, spec.num_embeddings, 0).astype(np.int64)
-            return np.maximum(0, free // (per_row * st.cache_load_factor)).astype(np.int64)
+            # r rows take ceil(f x r) slots: at most floor(free / row) of them
+            slots = np.maximum(0, free // per_row)
+            return np.floor(slots / st.cache_load_factor).astype(np.int64)
         return np.maximum(0, free // per_row).astype(np.int64)
 
     def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:

@@ -11,9 +11,10 @@ tier that fits, counted over the world (``R`` ranks):
 2. else ``cached``: one ``cache_load_factor`` for all such tables, the largest whose caches
    (slots x (row + state)) fill the device room left, each table's at least what holds a
    step's distinct rows ``CACHE_MARGIN`` times over (``cache_model``); its backing store (every
-   row + state) counts against ``R x host budget`` (None: not checked);
+   row + state) and its slot map (``SLOT_MAP_BYTES`` per row) count against ``R x host
+   budget`` (None: not checked);
 3. else ``file`` (the host budget is short): the same cache, the rows in files under
-   ``file_dir`` within ``R x disk budget`` (None: not checked).
+   ``file_dir`` within ``R x disk budget`` (None: not checked), the slot map in host memory.
 
 A table that fits nowhere raises ``ValueError`` naming the table, the tier and the bound.
 Tables with an explicit ``storage:`` keep it and are checked the same way. The per-rank
@@ -28,10 +29,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fbtriton_dist.storage import Storage
+from fbtriton_dist.storage import SLOT_MAP_BYTES, Storage
 
 from .cache_model import STEP_MARGIN, estimate_hit_rates, hit_rate
-from .memory import fmt_bytes, state_bytes
+from .memory import fmt_bytes, host_block_bytes, table_state_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec
@@ -69,16 +70,15 @@ def auto_tables(specs: Sequence[TableSpec], all_unset: bool) -> set[str]:
 
 def _row_bytes(spec: TableSpec, optimizer: str) -> int:
     """Bytes of one whole row: weights + its optimizer state."""
-    opt = spec.optimizer or optimizer
-    return spec.embedding_dim * spec.dtype_bytes + state_bytes(opt, 1, spec.embedding_dim)
+    return (spec.embedding_dim * spec.dtype_bytes
+            + table_state_bytes(spec, 1, spec.embedding_dim, optimizer))
 
 
 def disk_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Disk bytes of a rows x cols block: every row and state of a ``file`` table, else 0."""
     if spec.tier != "file":
         return 0
-    opt = spec.optimizer or optimizer
-    return rows * cols * spec.dtype_bytes + state_bytes(opt, rows, cols)
+    return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
 
 
 def _min_factor(spec: TableSpec, dist: IdDistribution, ids_per_step: float) -> float:
@@ -113,9 +113,9 @@ def choose_tiers(specs: Sequence[TableSpec], stats: Mapping[str, IdDistribution]
             continue
         rows = t.storage.slots(t.num_embeddings) if t.storage is not None else t.num_embeddings
         device_room -= 0 if t.tier == "host" else rows * _row_bytes(t, optimizer)
-        host_room -= whole[t.name] if t.tier in ("host", "cached") else 0
+        host_room -= host_block_bytes(t, t.num_embeddings, t.embedding_dim, optimizer)
         disk_room -= whole[t.name] if t.tier == "file" else 0
-        if t.tier in ("host", "cached") and host_room < 0:
+        if t.tier != "device" and host_room < 0:
             raise ValueError(_over(t, whole[t.name], -host_room, "host", R,
                                    budgets.host_bytes))
         if t.tier == "file" and disk_room < 0:
@@ -147,9 +147,10 @@ def choose_tiers(specs: Sequence[TableSpec], stats: Mapping[str, IdDistribution]
 
 def _over(t: TableSpec, size: int, short: float, what: str, R: int,
           per_rank: float | None) -> str:
+    maps = " and slot maps" if t.storage is not None and t.storage.cached else ""
     return (f"table '{t.name}' (storage tier '{t.tier}', {fmt_bytes(size)} with its state): "
             f"the tables on that tier need {fmt_bytes(short)} more than the {what} budget of "
-            f"{R} x {fmt_bytes(per_rank or 0)}")
+            f"{R} x {fmt_bytes(per_rank or 0)} (rows and state{maps})")
 
 
 def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
@@ -184,26 +185,28 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
     out = {}
     for t in behind:
         f = _floor_factor(max(lo, least[t.name]))
-        if whole[t.name] <= host_room:
-            host_room -= whole[t.name]
+        slot_map = SLOT_MAP_BYTES * t.num_embeddings  # host memory on either tier
+        if whole[t.name] + slot_map <= host_room:
+            host_room -= whole[t.name] + slot_map
             out[t.name] = Storage(tier="cached", cache_load_factor=f, policy=policy)
             continue
-        if whole[t.name] > disk_room:
+        if whole[t.name] > disk_room or slot_map > host_room:
             raise ValueError(
                 f"table '{t.name}' ({t.num_embeddings} rows, {fmt_bytes(whole[t.name])} with "
                 f"its state) fits no tier: device (budget {R} x "
-                f"{fmt_bytes(budgets.device_bytes)}), host for tier 'cached' "
-                f"({fmt_bytes(max(host_room, 0.0))} left of {R} x "
-                f"{fmt_bytes(budgets.host_bytes or 0)}), disk for tier 'file' "
+                f"{fmt_bytes(budgets.device_bytes)}), host for tier 'cached' (rows, state and "
+                f"a slot map of {fmt_bytes(slot_map)}; {fmt_bytes(max(host_room, 0.0))} left "
+                f"of {R} x {fmt_bytes(budgets.host_bytes or 0)}), disk for tier 'file' "
                 f"({fmt_bytes(max(disk_room, 0.0))} left of {R} x "
                 f"{fmt_bytes(budgets.disk_bytes) if budgets.disk_bytes else 'unbounded'})")
         if not budgets.file_dir:
             raise ValueError(
                 f"table '{t.name}' needs storage tier 'file' (host budget {R} x "
                 f"{fmt_bytes(budgets.host_bytes or 0)} is short by "
-                f"{fmt_bytes(whole[t.name] - max(host_room, 0.0))}): expected a directory for "
-                "its files (file_dir, --file-dir), got none")
+                f"{fmt_bytes(whole[t.name] + slot_map - max(host_room, 0.0))}): expected a "
+                "directory for its files (file_dir, --file-dir), got none")
         disk_room -= whole[t.name]
+        host_room -= slot_map
         out[t.name] = Storage(tier="file", cache_load_factor=f, policy=policy,
                               path=budgets.file_dir)
     return out

@@ -25,6 +25,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       criteo: {train: [day_0.tsv], eval: [day_23.tsv]}
       multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
     sharding: {plan: null, hbm_gb: 80, host_budget_gb: null, disk_budget_gb: null, reserved: 0.1,
+               file_dir: null,       # files of tables the planner puts on tier 'file'
                row_cuts: balanced,
                local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
@@ -319,6 +320,11 @@ class ShardingConfig:
     disk_budget_gb: float | None = None
     """Disk per rank in GiB for the files of tables on the ``file`` storage tier; None: not
     checked."""
+    file_dir: str | None = None
+    """The directory (relative to the job file) of the files of the tables the planner puts
+    on the ``file`` tier (``storage: auto``; the planner's ``file_dir``); None: such a table
+    is an error. Each run keeps its files in a folder of its own in it, as in a table's own
+    ``storage.path`` (``train/file_tier.py``); not writable: refused before training."""
     reserved: float = 0.1
     """Share of it kept for the dense model and buffers."""
     row_cuts: Literal["balanced", "equal"] = "balanced"
@@ -349,6 +355,7 @@ class ShardingConfig:
             check_number("host_budget_gb", self.host_budget_gb, 0.0, strict=True)
         if self.disk_budget_gb is not None:
             check_number("disk_budget_gb", self.disk_budget_gb, 0.0, strict=True)
+        _check_optional(check_name, "file_dir", self.file_dir)
         check_number("reserved", self.reserved, 0.0)
         if self.reserved >= 1:
             raise FieldError("reserved", f"expected a number < 1, got {self.reserved}")

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ from fbtriton_dist.planner import (
     PlanValidationError,
     ShardingPlan,
 )
+from fbtriton_dist.storage import Storage
 
 from .checkpoint import (
     clean_stale,
@@ -62,12 +63,13 @@ from .config import (
 from .data import DataPosition
 from .dense_optim import CapturableAdagrad
 from .env import Env
+from .file_tier import check_file_dirs, with_run_folders
 from .loop import NonFiniteError, Trainer
 from .metrics import format_summary
 from .models import DCNv2Model, TargetAttentionModel
 from .modes import AUTO_PICKS_GRAPH, graph_blockers, max_ids_bound, resolve_pipeline
 from .picture import PICTURE, picture_line
-from .planning import GiB, make_plan  # noqa: F401 (GiB: tests use it)
+from .planning import GiB, make_plan, plan_storage  # noqa: F401 (GiB: tests use it)
 from .planning import job_constraints as _constraints  # noqa: F401 (tests use it)
 from .resume import identity_problem
 from .sources import make_source
@@ -204,18 +206,23 @@ def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
     return cls(params, betas=c.betas, **kw)
 
 
-def _collection(cls, configs, cfg: JobConfig, where: torch.device):
+def _collection(cls, configs, cfg: JobConfig, where: torch.device,
+                storage: Mapping[str, Storage] | None = None):
     """Our ``cls`` (EmbeddingBagCollection / EmbeddingCollection) of ``configs`` on
     ``where``, its managed tables (the table set's ``id_manager:``) with their id maps. On
     the meta device (several ranks) the maps are made on the CPU: ``fbtriton_dist.shard``
     reads their configs and seeds, and each owner then makes its own map of its slots (the
-    whole table's map is allocated once on every rank meanwhile)."""
+    whole table's map is allocated once on every rank meanwhile). ``storage``: the tables'
+    tiers (``build_model``)."""
     names = {c.name for c in configs}
     managed = {n: m for n, m in cfg.tables.id_managers.items() if n in names} or None
-    # the tables' storage tiers (``storage:``); on meta (several ranks) the plan carries them
-    # to ``shard()`` (train/planning.py ``with_storage``): a cache is never built on meta
-    storage = {t.name: t.storage for t in cfg.tables.tables
-               if t.name in names and t.storage is not None and where.type != "meta"} or None
+    # the tables' storage tiers: the plan's (``storage: auto`` chosen), else the table set's;
+    # on meta (several ranks) the plan carries them to ``shard()`` (train/planning.py
+    # ``with_storage``): a cache is never built on meta
+    if storage is None:
+        storage = {t.name: t.storage for t in cfg.tables.tables if t.storage is not None}
+    storage = {n: st for n, st in storage.items()
+               if n in names and st is not None and where.type != "meta"} or None
     collection = cls(tables=configs, device=where, backend=cfg.backend, managed=managed,
                      storage=storage, optimizer_state_dtypes=_state_dtypes(cfg))
     if managed and where.type == "meta":
@@ -224,7 +231,8 @@ def _collection(cls, configs, cfg: JobConfig, where: torch.device):
     return collection
 
 
-def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn.Module:
+def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1,
+                storage: Mapping[str, Storage] | None = None) -> nn.Module:
     """The job's model (``model.kind``): DLRM (or MLPerf's DLRM-dcnv2, ``models.DCNv2Model``)
     over our EmbeddingBagCollection, or the
     target-attention model over an EmbeddingCollection of the sequence tables and an
@@ -233,7 +241,9 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
     ``modules/managed.py``).
 
     With several ranks the tables are built on the meta device (nothing allocated):
-    ``fbtriton_dist.shard`` initialises each rank's shards in place.
+    ``fbtriton_dist.shard`` initialises each rank's shards in place. In one process the
+    tables are built on their tier: ``storage`` (table name -> ``Storage``, the plan's:
+    :func:`plan_storage`), else the table set's ``storage:``.
     """
     where = torch.device("meta") if world_size > 1 else device
     # our collections, as TorchRec's, take their fused optimizer from this annotation
@@ -241,7 +251,7 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
     pooled = _table_configs(cfg)
     ebc = None
     if pooled:
-        ebc = _collection(EmbeddingBagCollection, pooled, cfg, where)
+        ebc = _collection(EmbeddingBagCollection, pooled, cfg, where, storage)
         apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
     if cfg.model.kind == "dlrm":
         model = DLRM(
@@ -262,7 +272,7 @@ def build_model(cfg: JobConfig, device: torch.device, world_size: int = 1) -> nn
                           num_dense=cfg.data.num_dense, dense_arch=m.dense_arch,
                           over_arch=m.over_arch, cross_layers=m.cross_layers,
                           low_rank=m.low_rank, dense_device=device)
-    ec = _collection(EmbeddingCollection, _sequence_configs(cfg), cfg, where)
+    ec = _collection(EmbeddingCollection, _sequence_configs(cfg), cfg, where, storage)
     apply_optimizer_in_backward(cls, ec.parameters(), kwargs)
     dims = {f: t.embedding_dim for t in cfg.tables.tables for f in t.features}
     return TargetAttentionModel(
@@ -385,7 +395,7 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
     ``train.pipeline``) ``graph``: fixed-shape input dists with ``modes.max_ids_bound`` id
     slots and a capturable dense optimizer."""
     torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
-    model = build_model(cfg, env.device, env.world_size)
+    model = build_model(cfg, env.device, env.world_size, storage=plan_storage(plan))
     emb_fqns = [n for n, m in model.named_modules()
                 if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     # ---- the one multi-rank step: replace every embedding collection by its sharded twin ----
@@ -515,7 +525,11 @@ def _train(cfg: JobConfig, env: Env, resume: bool, overwrite: bool = False) -> d
     plan, report = make_plan(cfg, env.world_size, env.local_world_size)
     _log(env, report)
     _check_cpu_job(cfg, env, plan)
-    built = build(cfg, env, plan, mode)
+    # file-tier tables: this run's own folder in their directory, checked writable
+    run_plan = with_run_folders(plan, run_dir)
+    check_file_dirs(run_plan, {t.name: "sharding.file_dir" for t in cfg.tables.tables
+                               if t.auto_storage})
+    built = build(cfg, env, run_plan, mode)
     model, optimizer = built.model, built.optimizer
 
     source = make_source(

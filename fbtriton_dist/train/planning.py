@@ -33,11 +33,12 @@ from fbtriton_dist.planner import (
 from fbtriton_dist.planner.groups import format_candidates, format_grouped, group_size_candidates
 from fbtriton_dist.planner.plan import check_group_size
 from fbtriton_dist.planner.report import format_report
+from fbtriton_dist.storage import Storage
 
 from .config import JobConfig
 
 __all__ = ["MANAGED_SHARDINGS", "JobPlan", "group_size", "job_constraints", "make_plan",
-           "plan_job"]
+           "plan_job", "plan_storage"]
 
 GiB = 1024**3
 
@@ -139,6 +140,7 @@ def plan_job(
         progress=progress,
         host_bytes_per_rank=s.host_budget_gb * GiB if s.host_budget_gb is not None else None,
         disk_bytes_per_rank=s.disk_budget_gb * GiB if s.disk_budget_gb is not None else None,
+        file_dir=cfg.path(s.file_dir) if s.file_dir is not None else None,
     )
     path = plan_path or (cfg.path(s.plan) if s.plan is not None else None)
     lines = []
@@ -229,6 +231,12 @@ def with_storage(plan: ShardingPlan, specs) -> ShardingPlan:
         tables.append(t if t.storage is not None or want is None
                       else dataclasses.replace(t, storage=want))
     return dataclasses.replace(plan, tables=tuple(tables))
+
+
+def plan_storage(plan: ShardingPlan) -> dict[str, Storage]:
+    """The storage of every table ``plan`` names one for (the table set's, or the tier the
+    planner chose for ``storage: auto``): what a job in one process builds its tables on."""
+    return {t.name: t.storage for t in plan.tables if t.storage is not None}
 
 
 def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:

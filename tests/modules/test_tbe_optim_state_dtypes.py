@@ -127,6 +127,34 @@ def test_bad_state_dtypes():
                                          r"rowwise_adagrad\), got \['momentum2'\]"):
         TableBatchedEmbedding([(4, 4)], optimizer=optim.RowWiseAdagrad(),
                               optimizer_state_dtypes={"momentum2": "fp16"})
-    with pytest.raises(ValueError, match="expected fp32 states with cached storage tiers"):
-        TableBatchedEmbedding([(64, 4)], optimizer=optim.Adam(), storage=["cached"],
-                              optimizer_state_dtypes={"momentum1": "bf16"})
+
+
+@pytest.mark.parametrize("tier", ["cached", "file"])
+def test_cached_tables_keep_their_states_dtype(tier, tmp_path):
+    """The backing store keeps each state in its dtype (bf16 / fp16, as the cache's slots):
+    training with evictions every step is bit for bit the device table's, states included."""
+    tables, ftm = [(64, 4), (20, 3)], [0, 0, 1]
+    dtypes = {"momentum1": "bf16", "momentum2": "fp16"}
+    path = str(tmp_path / "rows") if tier == "file" else None
+
+    def build(storage):
+        return TableBatchedEmbedding(tables, feature_table_map=ftm, backend="cpu", seed=7,
+                                     optimizer=OPTS["adam"], optimizer_state_dtypes=dtypes,
+                                     storage=storage)
+
+    device = build(None)
+    tiered = build([{"tier": tier, "cache_slots": 12, "path": path}, None])
+    tiered.load_state_dict(device.state_dict())
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        indices, offsets = make_batch(tables, ftm, 4, 3, generator=g)[:2]
+        outs = [m(indices, offsets) for m in (device, tiered)]
+        assert torch.equal(outs[0], outs[1])
+        for out in outs:
+            out.backward(upstream_grad(out, step))
+    a, b = device.state_dict(), tiered.state_dict()
+    assert b["momentum1"].dtype == torch.bfloat16 and b["momentum2"].dtype == torch.float16
+    assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    assert [s.dtype for s in tiered.split_optimizer_states()[0]] == [torch.bfloat16,
+                                                                      torch.float16]
+    assert tiered.cache_stats()["table_0"]["evictions"] > 0

@@ -151,3 +151,13 @@ def test_a_hot_short_shard_asks_for_a_larger_cache():
     # rows 0..50 get most lookups: a cache of ceil(0.05 x 50) = 3 slots holds no step
     grow = cache_shortfalls(plan(50), [z], stats, batch_size=64)
     assert set(grow) == {"z"} and grow["z"] > 0.5
+
+
+def test_row_caps_count_whole_cache_slots():
+    # 2 ranks of 100,000 B; a cache of 0.2793 x rows: at most 1470 slots (68 B) a rank, i.e.
+    # 5263 rows (5265 rows would take ceil(1470.5) = 1471 slots, 100,028 B)
+    t = spec("t", 10_000, storage=Storage(tier="file", cache_load_factor=0.2793, path="/rows"))
+    p = planner(auto_tiers=False)
+    plan = p.plan([t])
+    assert all(t.storage.slots(s.num_rows) <= 1470 for s in plan.tables[0].shards)
+    plan.validate([t], budget_bytes=p.budget_bytes)

@@ -80,6 +80,7 @@ def _batch(configs, lo, hi, step):
 def _optimizer(name):
     from torchrec.optim import RowWiseAdagrad
 
+    name = name.removesuffix("_bf16")  # "adam_bf16": Adam, its moments stored in bf16
     return {"sgd": (torch.optim.SGD, {"lr": 0.3}),
             "rowwise_adagrad": (RowWiseAdagrad, {"lr": 0.3, "eps": 1e-8}),
             "adam": (torch.optim.Adam, {"lr": 0.05, "eps": 1e-8})}[name]
@@ -92,7 +93,8 @@ def _collection(configs, sequence, opt, storage=None):
 
     cls = fbtriton_dist.EmbeddingCollection if sequence else fbtriton_dist.EmbeddingBagCollection
     torch.manual_seed(0)
-    m = cls(tables=configs, storage=storage)
+    dtypes = {"momentum1": "bf16", "momentum2": "bf16"} if opt.endswith("_bf16") else None
+    m = cls(tables=configs, storage=storage, optimizer_state_dtypes=dtypes)
     cls, kwargs = _optimizer(opt)
     apply_optimizer_in_backward(cls, m.parameters(), kwargs)
     return m
@@ -169,11 +171,13 @@ def _cases(sequence, opts=("sgd", "rowwise_adagrad", "adam")):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_tiers_match_device_bit_for_bit(world, tmp_path):
-    reports = run_ranks(_tiered_vs_device, world, _cases(False), str(tmp_path), timeout=500)
+    # and bf16 moments, kept in bf16 by the backing stores
+    cases = [*_cases(False), ("mixed", "adam_bf16", "cached", "lru", False, "plan")]
+    reports = run_ranks(_tiered_vs_device, world, cases, str(tmp_path), timeout=500)
     for rank, report in enumerate(reports):
         for *case, same, _ in report:
             assert same, (rank, case)
-    for i, case in enumerate(_cases(False)):  # the caches evicted somewhere
+    for i, case in enumerate(cases):  # the caches evicted somewhere
         assert sum(r[i][-1] for r in reports) > 0, case
 
 
