@@ -313,6 +313,18 @@ def test_cli_grouped_plan_out_and_check(tmp_path, capsys):
     line = [x for x in text.splitlines() if x.startswith("step estimate with the sync")]
     assert line and line == [x for x in again.splitlines()
                              if x.startswith("step estimate with the sync")]
+    # the average's weights in int8: D = 128 values + 8 bytes of row scales instead of 4·128,
+    # the rowwise state's 4 bytes a row as before
+    assert main(["plan", CRITEO, "--world-size", "16", "--check", str(out), "--wire-dtype",
+                 "fp8", "--batch-size", "64", "--replica-sync-dtype", "int8"]) == 0
+    int8 = capsys.readouterr().out
+
+    def average_mb(report):
+        line = next(x for x in report.splitlines() if x.startswith("replica sync MB/rank"))
+        return float(line.split("average ")[1].split(" / ")[0].replace(",", ""))
+
+    assert average_mb(int8) / average_mb(text) == pytest.approx((128 + 8 + 4) / (4 * 128 + 4),
+                                                                rel=1e-3)
 
 
 def test_auto_skips_what_its_hottest_row_rules_out():

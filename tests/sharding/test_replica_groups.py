@@ -631,12 +631,31 @@ def test_job_keys_group_size_and_replica_sync(tmp_path):
     assert (plan.group_plan().world_size, plan.group_plan().local_world_size) == (2, 2)
     assert load_job(write_job(tmp_path, sharding={"group_size": "auto"})).sharding.group_size \
         == "auto"
+    # replica_sync_dtype: the job's CommOptions and the planner's cost of the average (D = 8:
+    # int8 rows of 8 + 8 bytes against fp32's 32)
+    import dataclasses
+
+    from fbtriton_dist.planner import evaluate_grouped
+
+    assert cfg.sharding.replica_sync_dtype == "fp32"
+    int8 = plan_job(load_job(write_job(tmp_path, sharding={
+        "group_size": 2, "replica_sync": 3, "replica_sync_dtype": "int8"})), 4, 4)
+    assert int8.planner.cost_model.replica_sync_dtype == "int8"
+    fp32 = evaluate_grouped(int8.plan, int8.specs, int8.stats, dataclasses.replace(
+        int8.planner.cost_model, replica_sync_dtype="fp32"))
+    for a, b in zip(int8.cost.collectives["replica_sync.average"],
+                    fp32.collectives["replica_sync.average"], strict=True):
+        assert 0 < a < b
     with pytest.raises(ConfigError, match=r"group_size.*divisor of the world size 4.*got 3"):
         plan_job(load_job(write_job(tmp_path, sharding={"group_size": 3})), 4, 4)
     bad = [({"group_size": "often"}, "group_size: expected an integer >= 1 .* or auto"),
            ({"group_size": 0}, "group_size: expected an integer >= 1"),
            ({"replica_sync": "often"}, "replica_sync: expected step or an integer >= 1"),
-           ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1")]
+           ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1"),
+           ({"replica_sync": 2, "replica_sync_dtype": "fp4"},
+            r"replica_sync_dtype: expected one of \[fp32, bf16, fp16, fp8, int8\], got 'fp4'"),
+           ({"replica_sync_dtype": "int8"}, "replica_sync_dtype: expected fp32 with "
+                                            "replica_sync: step")]
     for sharding, message in bad:
         with pytest.raises(ConfigError, match=message):
             load_job(write_job(tmp_path, sharding=sharding))
