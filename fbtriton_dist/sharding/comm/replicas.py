@@ -233,6 +233,7 @@ class ReplicaTraffic:
         self.received += int(message_bytes) * (ranks - 1)
 
     def add(self, sent: int, received: int) -> None:
+        """Bytes counted by the caller (``average_rows``'s all-to-alls)."""
         self.sent += int(sent)
         self.received += int(received)
 
