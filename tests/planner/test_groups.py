@@ -138,6 +138,10 @@ def test_replica_sync_dtype_sets_the_bytes_of_the_average(fmt, per_value, per_ro
     assert every.collectives["replica_sync.average"] == pytest.approx(
         tuple(2 * (G - 1) / G * h / 5 for h in held))
     assert every.collectives["data_parallel.grad_all_gather"] == (2 * 2 * 4,) * 2  # S - 1 = 1
+    sim = simulate.simulate_grouped(grouped(shardings, sync=5), tables, None, batch_size=2,
+                                    estimate=every, replica_sync_dtype=fmt)
+    errors = simulate.max_collective_errors(sim, every.as_plan_cost())
+    assert errors["replica_sync.average"] == pytest.approx(0.0, abs=1e-9), errors
     fp32 = CostModel(batch_size=2)
     step = evaluate_grouped(grouped(shardings), tables, model=model)
     assert step.sync_bytes == evaluate_grouped(grouped(shardings), tables, model=fp32).sync_bytes
