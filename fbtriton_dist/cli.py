@@ -46,7 +46,8 @@ JOB_KEYS = {"hbm_gb": "sharding.hbm_gb", "reserved": "sharding.reserved",
             "batch_size": "train.batch_size", "optimizer": "optimizer.embedding.type",
             "row_cuts": "sharding.row_cuts", "local_world_size": "sharding.local_world_size",
             "zipf": "data.synthetic.zipf", "host_budget_gb": "sharding.host_budget_gb",
-            "disk_budget_gb": "sharding.disk_budget_gb"}
+            "disk_budget_gb": "sharding.disk_budget_gb",
+            "replica_sync_dtype": "sharding.replica_sync_dtype"}
 """``plan``'s options given with a job file: the job key each one overrides."""
 
 
@@ -172,7 +173,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         hbm_bytes_per_rank=args.hbm_gb * GiB,
         reserved_fraction=args.reserved,
         cost_model=CostModel.with_wire(args.wire_dtype, args.backward_wire_dtype,
-                                       batch_size=args.batch_size),
+                                       batch_size=args.batch_size,
+                                       replica_sync_dtype=args.replica_sync_dtype or "fp32"),
         optimizer=args.optimizer,
         row_cuts=args.row_cuts,
         memory_tolerance=args.memory_tolerance,

@@ -446,14 +446,16 @@ def simulate_grouped(
     wire: tuple[str, str] = ("fp32", "fp32"),
     optimizer: str = "rowwise_adagrad",
     sync_groups: int = SYNC_GROUPS,
+    replica_sync_dtype: str = "fp32",
 ) -> Simulation:
     """One step of a grouped plan (``planner/groups.py``) for local ``ranks`` of one group:
     :func:`simulate` of the group's plan on S ranks (its input and output dists), then each
     rank's replica sync: for the ``step`` sync's sparse all-gather, the distinct ids that
     ``sync_groups`` drawn groups' batches put in each of its shards, times G-1 other replicas,
     times the row's bytes; the dense all-reduce and the every-N average (which do not depend
-    on the ids) by their ring sizes; data-parallel tables' gradient all-gather over the whole
-    world scaled from the group's. A flat plan: :func:`simulate`."""
+    on the ids) by their ring sizes (the average's weights in ``replica_sync_dtype``);
+    data-parallel tables' gradient all-gather over the whole world scaled from the group's.
+    A flat plan: :func:`simulate`."""
     S, R, G = plan.group_world, plan.world_size, plan.num_groups
     flat = estimate.as_plan_cost() if estimate is not None else None
     sim = simulate(plan.group_plan(), tables, stats, batch_size=batch_size, ranks=ranks,
@@ -465,8 +467,9 @@ def simulate_grouped(
     H = plan.local_world_size
     by_name = {t.name: (i, t) for i, t in enumerate(tables)}
     simulated = {r.rank for r in sim.ranks}
-    syncs = [x for x in replica_syncs(plan, tables, stats, CostModel(batch_size=batch_size),
-                                      optimizer) if x.rank in simulated]
+    model = CostModel(batch_size=batch_size, replica_sync_dtype=replica_sync_dtype)
+    syncs = [x for x in replica_syncs(plan, tables, stats, model, optimizer)
+             if x.rank in simulated]
     drawn: dict[str, list[np.ndarray]] = {}
     for name in sorted({x.table for x in syncs if x.collective.endswith("sparse_all_gather")}):
         i, spec = by_name[name]
@@ -614,7 +617,8 @@ def run(plan: ShardingPlan, tables: Sequence[TableSpec], stats, cost: PlanCost,
                                ranks=args.sim_ranks, sources=args.sim_sources,
                                seed=args.sim_seed, backend=args.sim_backend, estimate=grouped,
                                ids=getattr(args, "sim_ids", "planner"), wire=model.wire(),
-                               optimizer=getattr(args, "optimizer", None) or "rowwise_adagrad")
+                               optimizer=getattr(args, "optimizer", None) or "rowwise_adagrad",
+                               replica_sync_dtype=model.replica_sync_dtype)
         head = (f"grouped plan: {plan.num_groups} groups of {plan.group_world} of "
                 f"{plan.world_size} ranks, replica sync {plan.replica_sync}; local ranks of "
                 f"one group simulated, the sync's distinct rows from {SYNC_GROUPS} drawn "

@@ -72,3 +72,7 @@ def add_group_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-sync", type=replica_sync_arg, default="step", metavar="step|N",
                    help="with --group-size: the replicas exchange row gradients every step "
                         "(step, default) or average weights and optimizer state every N steps")
+    p.add_argument("--replica-sync-dtype", choices=("fp32", "bf16", "fp16", "fp8", "int8"),
+                   default=None, help="with --replica-sync N: the format the weights are "
+                   "averaged in (values plus fp8's / int8's row scales; the optimizer state: "
+                   "fp32; default fp32, a job file's sharding.replica_sync_dtype)")

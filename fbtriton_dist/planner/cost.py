@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from ._yaml import check_int, check_number
+from ._yaml import check_choice, check_int, check_number
 from .cache_model import TierTraffic, block_traffic
 from .memory import as_planned, device_rows, table_state_bytes
 from .plan import ShardingPlan
@@ -111,6 +111,12 @@ class CostModel:
     """Seconds per step each byte a rank holds (weights + state) costs: the amortised replica
     sync of a grouped plan that averages every N steps (``groups.py``), so that a group's
     planner balances it; 0 for a flat plan."""
+    held_weight_byte_seconds: float | None = None
+    """``held_byte_seconds`` for the weights' bytes alone (None: the same): the average of a
+    grouped plan sends the weights in ``replica_sync_dtype``, the state in fp32."""
+    replica_sync_dtype: str = "fp32"
+    """The ``WIRE_FORMATS`` name the weights are averaged in by a grouped plan that averages
+    every N steps (``CommOptions.replica_sync_dtype``; the optimizer state: fp32)."""
     host_tier_bandwidth: float = 25e9
     """Bytes/s between a ``cached`` table's cache and its backing store in host memory (rows
     in and dirty rows out: gathered copies over PCIe Gen5 x16, about 40 % of its 64 GB/s)."""
@@ -132,6 +138,9 @@ class CostModel:
             check_number(name, getattr(self, name), 0.0, strict=True)
         check_number("backward_factor", self.backward_factor, 0.0)
         check_number("held_byte_seconds", self.held_byte_seconds, 0.0)
+        if self.held_weight_byte_seconds is not None:
+            check_number("held_weight_byte_seconds", self.held_weight_byte_seconds, 0.0)
+        check_choice("replica_sync_dtype", self.replica_sync_dtype, tuple(WIRE_FORMATS))
 
     @classmethod
     def with_wire(cls, forward: str = "fp32", backward: str | None = None, **kw) -> CostModel:
@@ -318,6 +327,8 @@ class CostAccumulator:
         coef = np.zeros(len(self.TERMS))
         coef[self._ROW["lookup_bytes"]] = (1.0 + m.backward_factor) / m.hbm_bandwidth
         coef[self._ROW["weight_bytes"]] = coef[self._ROW["state_bytes"]] = m.held_byte_seconds
+        if m.held_weight_byte_seconds is not None:
+            coef[self._ROW["weight_bytes"]] = m.held_weight_byte_seconds
         coef[self._ROW["input_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
         coef[self._ROW["output_dist_bytes"]] = 1.0 / m.intra_host_bandwidth
         coef[self._ROW["inter_host_bytes"]] = (

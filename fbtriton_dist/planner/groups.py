@@ -8,7 +8,8 @@ rank and step (symbols of ``cost.py``; ``c`` a shard's columns, ``rows`` its row
 weight bytes, i the id bytes):
 
 * **replica sync**, the G replicas of each shard (the same local rank in every group) kept
-  equal, for every non-data-parallel shard:
+  equal, for every non-data-parallel shard (``step``) or every shard (N: a data-parallel
+  table's copies are averaged too):
 
   - ``replica_sync: step``: before each update the replicas exchange the shard's row
     gradients, fp32 (``SYNC_VALUE_BYTES``): a sparse all-gather, (G-1)·U·(c·4 + i) received,
@@ -20,14 +21,19 @@ weight bytes, i the id bytes):
     buckets of rows growing by ``BUCKET_RATIO`` (the mean P of a bucket, where P varies by
     1 %);
   - ``replica_sync: N``: every N steps a ring all-reduce of the shard's weights and optimizer
-    state, 2·(G-1)/G·(rows·c·s + state) received, amortised: divided by N.
+    state, 2·(G-1)/G·(rows·(c·v + w) + state) received, amortised: divided by N; v and w
+    the bytes per value and per row of ``CostModel.replica_sync_dtype`` (fp32: 4 and 0, the
+    weights all-reduced as fp32 whatever their dtype; int8 1 and 8, fp8 1 and 4: a
+    reduce-scatter and an all-gather of the rows in the format, the same 2·(G-1)/G of them),
+    the state fp32.
 
   Collectives ``replica_sync.sparse_all_gather``, ``replica_sync.all_reduce`` and
   ``replica_sync.average``. Replicas are S ranks apart: on other hosts when a group is whole
   hosts (S >= H), else (G - H/S) of the G-1 others are (that share of the bytes is
   inter-host);
-* **data-parallel tables** still all-gather every rank's gradient rows over the whole world:
-  the group plan's (S-1)·B·F·D·4 becomes (R-1)·B·F·D·4 (``data_parallel.grad_all_gather``).
+* **data-parallel tables** with ``step`` still all-gather every rank's gradient rows over the
+  whole world: the group plan's (S-1)·B·F·D·4 becomes (R-1)·B·F·D·4
+  (``data_parallel.grad_all_gather``); with N, inside the group only (the group plan's).
 
 Time: the group plan's time plus these bytes at the intra- and inter-host bandwidths. A flat
 plan (S = R) costs exactly what ``cost.evaluate`` says. Not modelled: the HBM work of
@@ -50,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from .cost import REPLICA_GRAD_BYTES, UNIFORM, CostModel, PlanCost, evaluate
+from .cost import REPLICA_GRAD_BYTES, UNIFORM, WIRE_FORMATS, CostModel, PlanCost, evaluate
 from .memory import table_state_bytes
 from .plan import ShardingPlan, check_group_size, check_replica_sync
 from .planner import PlanError, ShardingPlanner
@@ -173,17 +179,19 @@ def replica_syncs(plan: ShardingPlan, tables: Sequence[TableSpec],
                   stats: Mapping[str, IdDistribution] | None = None,
                   model: CostModel | None = None,
                   optimizer: str = "rowwise_adagrad") -> list[ShardSync]:
-    """One :class:`ShardSync` per non-data-parallel shard of a grouped plan (none when flat)."""
+    """One :class:`ShardSync` per shard of a grouped plan (``step``: but data-parallel
+    ones; none when flat)."""
     G, S = plan.num_groups, plan.group_world
     if G == 1:
         return []
     m = model or CostModel()
     by_name = {t.name: t for t in tables}
     ring = 2.0 * (G - 1) / G
+    v, w = WIRE_FORMATS[m.replica_sync_dtype]  # the weights' bytes per value, per row
     out = []
     for ts in plan.tables:
-        if ts.sharding == "data_parallel":
-            continue
+        if ts.sharding == "data_parallel" and plan.replica_sync == "step":
+            continue  # every replica takes the world's gradients (data_parallel_world_bytes)
         spec = by_name[ts.name]
         draws = S * m.batch_size * spec.ids_per_sample
         starts = [sh.row_start for sh in ts.shards]
@@ -200,7 +208,7 @@ def replica_syncs(plan: ShardingPlan, tables: Sequence[TableSpec],
                                 else (SYNC_KINDS[1], dense))
             else:
                 kind, u = SYNC_KINDS[2], 0.0
-                held = rows * c * spec.dtype_bytes + table_state_bytes(spec, rows, c, optimizer)
+                held = rows * (c * v + w) + table_state_bytes(spec, rows, c, optimizer)
                 nbytes = ring * held / plan.replica_sync
             out.append(ShardSync(table=ts.name, rank=sh.rank, row_start=sh.row_start,
                                  row_end=sh.row_end, cols=c, collective=kind, unique_rows=u,
@@ -211,7 +219,10 @@ def replica_syncs(plan: ShardingPlan, tables: Sequence[TableSpec],
 def data_parallel_world_bytes(plan: ShardingPlan, tables: Sequence[TableSpec],
                               batch_size: int) -> float:
     """What a grouped plan's data-parallel tables add on every rank to the group plan's
-    gradient all-gather: the other groups' R-S ranks' fp32 gradient rows."""
+    gradient all-gather: with ``step``, the other groups' R-S ranks' fp32 gradient rows
+    (with N each group gathers its own, and the copies are averaged: ``replica_syncs``)."""
+    if plan.replica_sync != "step":
+        return 0.0
     extra = plan.world_size - plan.group_world
     by_name = {t.name: t for t in tables}
     total = 0.0
@@ -277,7 +288,8 @@ def evaluate_grouped(plan: ShardingPlan, tables: Iterable[Any],
     """The per-rank cost of a grouped plan (module docstring); a flat plan's is
     ``cost.evaluate``'s, unchanged."""
     specs = to_table_specs(tables)
-    m = dataclasses.replace(model or CostModel(), held_byte_seconds=0.0)  # the sync: below
+    m = dataclasses.replace(model or CostModel(), held_byte_seconds=0.0,  # the sync: below
+                            held_weight_byte_seconds=None)
     R, S, H = plan.world_size, plan.group_world, plan.local_world_size
     G = plan.num_groups
     gcost = evaluate(plan.group_plan(), specs, stats, m, optimizer, collectives=True)
@@ -314,16 +326,19 @@ def group_planner(planner: ShardingPlanner, group_size: int, replica_sync: str |
                   balance_memory: bool | None = None) -> ShardingPlanner:
     """A planner with ``planner``'s settings for one group of ``group_size`` ranks of
     ``planner.world_size``. With ``replica_sync`` N its cost model charges every byte a rank
-    holds the amortised all-reduce of the average (``CostModel.held_byte_seconds``), so the
-    search balances the sync with the rest; the ``step`` sync is not seen by the search."""
+    holds the amortised all-reduce of the average (``CostModel.held_byte_seconds``; a weight
+    byte scaled by ``replica_sync_dtype``'s bytes per value over fp32's, its row scales left
+    out), so the search balances the sync with the rest; the ``step`` sync is not seen by the
+    search."""
     S, H = group_size, planner.local_world_size
     G = planner.world_size // S
     m = planner.cost_model
     if replica_sync != "step" and G > 1:
         far = sync_inter_share(S, G, H)
         per_byte = 2.0 * (G - 1) / G / replica_sync
-        m = dataclasses.replace(m, held_byte_seconds=per_byte * (
-            far / m.inter_host_bandwidth + (1.0 - far) / m.intra_host_bandwidth))
+        per_s = per_byte * (far / m.inter_host_bandwidth + (1.0 - far) / m.intra_host_bandwidth)
+        m = dataclasses.replace(m, held_byte_seconds=per_s, held_weight_byte_seconds=per_s * (
+            WIRE_FORMATS[m.replica_sync_dtype][0] / WIRE_FORMATS["fp32"][0]))
     return ShardingPlanner(
         world_size=S, local_world_size=min(H, S),
         hbm_bytes_per_rank=planner.hbm_bytes_per_rank,

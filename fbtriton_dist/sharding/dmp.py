@@ -60,7 +60,11 @@ from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 from fbtriton_dist.sharding.comm.options import CommOptions
-from fbtriton_dist.sharding.comm.replicas import make_replica_groups
+from fbtriton_dist.sharding.comm.replicas import (
+    check_replica_sync,
+    check_sync_format,
+    make_replica_groups,
+)
 from fbtriton_dist.sharding.dist.input_dist import InputDistOut
 from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sharding.modules.sharded_ebc import ShardedEmbeddingBagCollection
@@ -431,6 +435,11 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         return dict(self._fused_params) or None
 
     @property
+    def comm(self) -> CommOptions:
+        """The ``CommOptions`` given (default ones when none were)."""
+        return self._comm if self._comm is not None else CommOptions()
+
+    @property
     def local_world_size(self) -> int | None:
         """Ranks per host of the plan, as given (None: TorchRec's ``get_local_size``)."""
         return self._local_world_size
@@ -528,7 +537,8 @@ class EmbeddingCollectionSharder(EmbeddingBagCollectionSharder):
 # -- 2D parallel: TorchRec's DMPCollection ----------------------------------------------------
 _REFUSED = {
     "node_group_size": "pass local_world_size= to our sharder instead",
-    "custom_all_reduce": "the replicas are averaged by our own fp32 all-reduce",
+    "custom_all_reduce": "the replicas are averaged by our own all-reduce, fp32 or in "
+                         "CommOptions.replica_sync_dtype on our sharders' comm",
     "submodule_configs": "one plan and one group size for the whole model",
     "rs_awaitable_hook_module": "only the DEFAULT sharding strategy is supported",
 }
@@ -541,7 +551,9 @@ class DMPCollection(DistributedModelParallel):
     ``use_inter_host_allreduce``), plus ``replica_sync``: ``"step"`` (default: every step one
     fused update of all replicas' ids, exactly the flat plan on ``world_size`` ranks) or an
     int N (TorchRec's behaviour: replicas train apart and are averaged every N steps; ``sync``
-    averages on demand). Sharders default to ours for ``fbtriton_dist``'s EBC and EC.
+    averages on demand; the weights travel in our sharders' ``comm.replica_sync_dtype``, fp32
+    by default: TorchRec has no such argument). Sharders default to ours for
+    ``fbtriton_dist``'s EBC and EC.
 
         model = DMPCollection(module=m, device=device, plan=plan_for_S_ranks, world_size=R,
                               sharding_group_size=S, global_pg=dist.group.WORLD)
@@ -614,6 +626,8 @@ class DMPCollection(DistributedModelParallel):
         if len(hosts) > 1:
             raise ValueError(f"DMPCollection: sharders: expected one local_world_size, got "
                              f"{sorted(hosts)}")
+        for s in ours:  # on every rank, before any new_group
+            check_sync_format(check_replica_sync(replica_sync), s.comm.replica_sync_format)
         replicas = make_replica_groups(
             global_pg, sharding_group_size, replica_sync, sharding_group_size,
             hosts.pop() if hosts else sharding_group_size,

@@ -82,7 +82,8 @@ def shard(
     the same local rank hold the same shards and are kept in step by ``replica_sync``:
     ``"step"`` (every step one fused update of all their ids: equals the flat plan on R ranks)
     or an int N (weights and optimizer state averaged every N steps; each group's gradients
-    divided by S). ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
+    divided by S; ``comm.replica_sync_dtype``: the format the weights are averaged in).
+    ``group_layout="strided"``: group r % (R/S) instead (TorchRec's
     ``DMPCollection`` default). ``sharding/comm/replicas.py``; docs/sharding.md "Replica groups
     (2D)". ``replica_groups``: groups already made (``sharding.comm.replicas.make_replica_groups``,
     e.g. by ``DMPCollection`` once for all its modules), instead of ``group_size``.
@@ -91,7 +92,11 @@ def shard(
     storage of the fused optimizer's state of every shard; None: each collection's own
     (``EmbeddingBagCollection(optimizer_state_dtypes=...)``; fp32 for TorchRec's)."""
     from fbtriton_dist.modules.managed import ManagedLookup
-    from fbtriton_dist.sharding.comm.replicas import check_replica_sync, make_replica_groups
+    from fbtriton_dist.sharding.comm.replicas import (
+        check_replica_sync,
+        check_sync_format,
+        make_replica_groups,
+    )
 
     for name, m in module.named_modules():
         if isinstance(m, ManagedLookup):
@@ -112,6 +117,11 @@ def shard(
         plan = plan.group_plan()
     replicas = replica_groups
     check_replica_sync(replica_sync)
+    if replicas is not None or group_size is not None:  # on every rank, before new_group
+        if comm is not None and not isinstance(comm, CommOptions):
+            raise ValueError(f"comm: expected a CommOptions, got {type(comm).__name__}")
+        check_sync_format(replicas.sync if replicas is not None else replica_sync,
+                          (comm or CommOptions()).replica_sync_format)
     if replicas is not None:
         if plan.world_size != replicas.group_size:
             raise ValueError(f"plan: expected a plan for the group size {replicas.group_size} "

@@ -31,6 +31,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                gradient_division: true,           # embedding gradients / R, as TorchRec
                group_size: null,     # S: replica groups of S ranks (null: the world, flat; auto)
                replica_sync: step,   # step (= the flat plan) | N: average replicas every N
+               replica_sync_dtype: fp32,   # with N: the weights averaged in fp32 .. int8
                comm: {wire_dtype: fp32,   # fp32 | bf16 | fp16 | fp8 | int8 on the wire
                       backward_wire_dtype: null,   # the gradients' (null: as wire_dtype)
                       dedup: false, fixed_shapes: false, max_ids: null}}  # no host sync
@@ -347,6 +348,11 @@ class ShardingConfig:
     their ids every step (equals the flat plan on R ranks); an int N: each group trains on its
     own and weights and optimizer state are averaged over the replicas every N steps (and
     before each checkpoint, which saves one copy)."""
+    replica_sync_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = "fp32"
+    """With ``replica_sync: N``: the wire format the weights are averaged in
+    (``CommOptions.replica_sync_dtype``: two hops, each within ``wire_dtype``'s bound per
+    hop; the optimizer state stays fp32); the planner costs the average in it. Only fp32
+    with ``step``."""
 
     def __post_init__(self) -> None:
         _check_optional(check_name, "plan", self.plan)
@@ -370,6 +376,11 @@ class ShardingConfig:
         if sync != "step" and (isinstance(sync, bool) or not isinstance(sync, int) or sync < 1):
             raise FieldError("replica_sync", f"expected step or an integer >= 1 (average the "
                              f"replicas every N steps), got {sync!r}")
+        check_choice("replica_sync_dtype", self.replica_sync_dtype, WIRE_CHOICES)
+        if sync == "step" and self.replica_sync_dtype != "fp32":
+            raise FieldError("replica_sync_dtype", f"expected fp32 with replica_sync: step (its "
+                             f"row gradients stay fp32; a format applies to replica_sync: N), "
+                             f"got {self.replica_sync_dtype!r}")
 
 
 @dataclass(kw_only=True, frozen=True)

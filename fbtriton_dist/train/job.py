@@ -411,7 +411,8 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
                            backward_wire_dtype="same" if back is None else dtypes.get(back, back),
                            dedup=c.dedup, fixed_shapes=c.fixed_shapes or graph,
                            max_ids=max_ids_bound(cfg) if graph else c.max_ids,
-                           gradient_division=cfg.sharding.gradient_division)
+                           gradient_division=cfg.sharding.gradient_division,
+                           replica_sync_dtype=cfg.sharding.replica_sync_dtype)
         model = fbtriton_dist.shard(model, plan, env.process_group, env.device, comm=comm,
                                     optimizer=_embedding_optimizer(cfg.optimizer.embedding),
                                     backend=cfg.backend)  # groups: in a grouped plan

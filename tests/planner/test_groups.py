@@ -27,6 +27,7 @@ from fbtriton_dist.planner import (
 from fbtriton_dist.planner._yaml import ConfigError
 from fbtriton_dist.planner.groups import (
     expected_unique_rows,
+    group_planner,
     group_size_candidates,
     hot_row_bound,
 )
@@ -115,6 +116,43 @@ def test_wire_formats_scale_the_output_dist_not_the_sync(wire, per_value, per_ro
     assert cost.collectives["output_dist.backward"][0] == 2 * 2 * (4 * per_value + per_row)
     assert cost.collectives["input_dist.data"] == base.collectives["input_dist.data"]
     assert cost.sync_bytes == base.sync_bytes  # ids and fp32 row gradients, whatever the wire
+
+
+@pytest.mark.parametrize("fmt,per_value,per_row", [("fp32", 4, 0), ("bf16", 2, 0),
+                                                    ("fp8", 1, 4), ("int8", 1, 8)])
+def test_replica_sync_dtype_sets_the_bytes_of_the_average(fmt, per_value, per_row):
+    """Every N steps: the weights' rows in the format (values + row scales), the rowwise
+    state fp32, a data-parallel table's copies averaged too (its gradients stay in the
+    group); ``step``: fp32 row gradients whatever the format."""
+    tables, shardings = tiny()
+    tables.append(TableSpec(name="d", num_embeddings=5, embedding_dim=2, features=("fd",)))
+    shardings += (TableSharding(name="d", sharding="data_parallel", num_embeddings=5,
+                                embedding_dim=2, shards=tuple(
+                                    Shard(rank=r, row_start=0, row_end=5, col_start=0, col_end=2)
+                                    for r in (0, 1))),)
+    model = CostModel(batch_size=2, replica_sync_dtype=fmt)
+    every = evaluate_grouped(grouped(shardings, sync=5), tables, model=model)
+    G, row = 2, 4 * per_value + per_row  # a row of a and b: 4 values
+    d = 5 * (2 * per_value + per_row) + 5 * 4
+    held = [8 * row + 8 * 4 + 3 * row + 3 * 4 + d, 3 * row + 3 * 4 + d]
+    assert every.collectives["replica_sync.average"] == pytest.approx(
+        tuple(2 * (G - 1) / G * h / 5 for h in held))
+    assert every.collectives["data_parallel.grad_all_gather"] == (2 * 2 * 4,) * 2  # S - 1 = 1
+    sim = simulate.simulate_grouped(grouped(shardings, sync=5), tables, None, batch_size=2,
+                                    estimate=every, replica_sync_dtype=fmt)
+    errors = simulate.max_collective_errors(sim, every.as_plan_cost())
+    assert errors["replica_sync.average"] == pytest.approx(0.0, abs=1e-9), errors
+    fp32 = CostModel(batch_size=2)
+    step = evaluate_grouped(grouped(shardings), tables, model=model)
+    assert step.sync_bytes == evaluate_grouped(grouped(shardings), tables, model=fp32).sync_bytes
+    assert step.collectives["data_parallel.grad_all_gather"] == (3 * 2 * 2 * 4,) * 2  # R - 1
+    # the search charges a held weight byte the format's share of fp32's
+    planner = ShardingPlanner(world_size=4, local_world_size=2, cost_model=model)
+    sub = group_planner(planner, 2, 5).cost_model
+    assert sub.held_weight_byte_seconds == pytest.approx(sub.held_byte_seconds * per_value / 4)
+    assert sub.held_byte_seconds > 0
+    with pytest.raises(ValueError, match=r"replica_sync_dtype: expected one of .*int8.*'fp4'"):
+        CostModel(replica_sync_dtype="fp4")
 
 
 def test_yaml_round_trip_and_old_plans(tmp_path):
@@ -279,6 +317,18 @@ def test_cli_grouped_plan_out_and_check(tmp_path, capsys):
     line = [x for x in text.splitlines() if x.startswith("step estimate with the sync")]
     assert line and line == [x for x in again.splitlines()
                              if x.startswith("step estimate with the sync")]
+    # the average's weights in int8: D = 128 values + 8 bytes of row scales instead of 4·128,
+    # the rowwise state's 4 bytes a row as before
+    assert main(["plan", CRITEO, "--world-size", "16", "--check", str(out), "--wire-dtype",
+                 "fp8", "--batch-size", "64", "--replica-sync-dtype", "int8"]) == 0
+    int8 = capsys.readouterr().out
+
+    def average_mb(report):
+        line = next(x for x in report.splitlines() if x.startswith("replica sync MB/rank"))
+        return float(line.split("average ")[1].split(" / ")[0].replace(",", ""))
+
+    assert average_mb(int8) / average_mb(text) == pytest.approx((128 + 8 + 4) / (4 * 128 + 4),
+                                                                rel=1e-3)
 
 
 def test_auto_skips_what_its_hottest_row_rules_out():

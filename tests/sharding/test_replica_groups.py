@@ -5,7 +5,10 @@ groups of S ranks, each group sharding the tables by a plan for S ranks.
 after 2 fused steps the weights and optimizer state) for every sharding type, with rowwise
 Adagrad (all types in one plan) and Adagrad; ``replica_sync=N`` must equal, after the N-th
 step, the average of the replicas' weights and state computed here; a checkpoint of a grouped
-run loads into flat plans on 2 and 3 ranks; bad group sizes raise on every rank."""
+run loads into flat plans on 2 and 3 ranks; bad group sizes raise on every rank. One launch
+of 6 ranks (groups of 2 and 3) and one of 4 (2 groups of 2; there also the weights averaged
+in each 16- and 8-bit replica sync format, within the stated bound of the fp32 average, their
+bytes counted by hand, and the errors of bad formats)."""
 
 import copy
 
@@ -20,7 +23,7 @@ STEPS = 2
 
 
 def _shard(world, optimizer, group_size=None, replica_sync="step", process_group=None,
-           group_layout="consecutive", weighted=False, planned=False):
+           group_layout="consecutive", weighted=False, planned=False, comm=None):
     """``planned``: the planner's grouped plan (world R, ``group_size`` S in the plan)
     instead of a plan for S ranks and ``group_size=``."""
     import fbtriton_dist
@@ -36,7 +39,7 @@ def _shard(world, optimizer, group_size=None, replica_sync="step", process_group
         group_size = None
     return fbtriton_dist.shard(ebc, plan, process_group, optimizer=optimizer,
                                group_size=group_size, replica_sync=replica_sync,
-                               group_layout=group_layout)
+                               group_layout=group_layout, comm=comm)
 
 
 def _train(sharded, rank, world, steps, first=0, weighted=False):
@@ -98,9 +101,10 @@ def _every_n(rank, world, group_size):
     _train(every2, rank, world, 1, first=1)
     after2 = _local(every2)
     report = every2.comm_report()["replica_sync"]
-    # the average: an fp32 all-reduce of each TBE's weights and rowwise state over 3 replicas,
-    # 2 (3 - 1) / 3 of its bytes each way in a ring
-    report["expected"] = sum(2 * 4 * t.numel() * 2 // 3 for tbe in every2.tbes
+    # the average: an fp32 all-reduce of each TBE's weights and rowwise state over K replicas,
+    # 2 (K - 1) / K of its bytes each way in a ring
+    K = world // group_size
+    report["expected"] = sum(2 * 4 * t.numel() * (K - 1) // K for tbe in every2.tbes
                              for t in (tbe.weights, tbe.momentum1) if t.numel())
     manual = _shard(world, opt, group_size, replica_sync=1000)
     _train(manual, rank, world, 2)
@@ -134,7 +138,7 @@ def _ckpt_step(sharded, rank, world, step):
     """``test_checkpoint._step`` for 6 ranks: the same global batch of 10, any split."""
     from tests.sharding.test_checkpoint import GLOBAL_B
 
-    sizes = {6: [2, 2, 2, 2, 1, 1]}[world]
+    sizes = {6: [2, 2, 2, 2, 1, 1], 4: [3, 3, 2, 2]}[world]
     lo = sum(sizes[:rank])
     batch = _global_batch(_configs(False), GLOBAL_B, step, False)
     out = sharded(_kjt(*batch, lo, lo + sizes[rank])).values()
@@ -163,17 +167,20 @@ def _load_flat(rank, world, path, process_group):
     return max((full[k] - v).abs().max().item() for k, v in expected.items())
 
 
-def _grouped_vs_flat(rank, world):
-    """The flat plan on ``world`` ranks and, on the same batches, groups of 2 and of 3 synced
-    every step: rowwise Adagrad (groups of 2 and 3, and of 2 strided: ranks 0, 3 / 1, 4 /
-    2, 5), Adagrad (groups of 2) and SGD with per-sample weights (groups of 2)."""
+def _grouped_vs_flat(rank, world, cases=None):
+    """The flat plan on ``world`` ranks and, on the same batches, groups synced every step;
+    ``cases`` ``{optimizer name: group sizes}``, by default (6 ranks) rowwise Adagrad (groups
+    of 2 and 3, and of 2 strided: ranks 0, 3 / 1, 4 / 2, 5), Adagrad (groups of 2) and SGD
+    with per-sample weights (groups of 2)."""
     from fbtriton_dist import optim
 
+    cases = cases or {"rowwise_adagrad": (2, 3, "2 strided", "2 planned"), "adagrad": (2,),
+                      "sgd_weighted": (2,)}
+    opts = {"rowwise_adagrad": optim.RowWiseAdagrad(lr=0.3, eps=1e-8),
+            "adagrad": optim.Adagrad(lr=0.3, eps=1e-8), "sgd_weighted": optim.SGD(lr=0.3)}
     out = {}
-    for name, opt, sizes in [("rowwise_adagrad", optim.RowWiseAdagrad(lr=0.3, eps=1e-8),
-                              (2, 3, "2 strided", "2 planned")),
-                             ("adagrad", optim.Adagrad(lr=0.3, eps=1e-8), (2,)),
-                             ("sgd_weighted", optim.SGD(lr=0.3), (2,))]:
+    for name, sizes in cases.items():
+        opt = opts[name]
         weighted = name == "sgd_weighted"
         flat = _shard(world, opt, weighted=weighted)
         outs_flat = _train(flat, rank, world, STEPS, weighted=weighted)
@@ -220,6 +227,7 @@ def _dmp_collection(rank, world):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
+    from fbtriton_dist.sharding import CommOptions
     from fbtriton_dist.sharding.dmp import DMPCollection, EmbeddingBagCollectionSharder
     from tests.sharding.test_dmp import _batch, _configs, _Model, _torchrec_plan
 
@@ -234,10 +242,13 @@ def _dmp_collection(rank, world):
                                     {"lr": 0.3, "eps": 1e-8})
     sharder = EmbeddingBagCollectionSharder(local_world_size=2)
     errors = []
-    for bad in ({"node_group_size": 2}, {"plan": None}):
+    bf16 = EmbeddingBagCollectionSharder(local_world_size=2,
+                                         comm=CommOptions(replica_sync_dtype=torch.bfloat16))
+    for bad in ({"node_group_size": 2}, {"plan": None}, {"sharders": [bf16]}):
         try:
-            DMPCollection(ours, **{"plan": _torchrec_plan(ours.ebc, sharder, 2), **bad},
-                          world_size=world, sharding_group_size=2, sharders=[sharder])
+            DMPCollection(ours, **{"plan": _torchrec_plan(ours.ebc, sharder, 2),
+                                   "sharders": [sharder], **bad},
+                          world_size=world, sharding_group_size=2)
         except ValueError as e:
             errors.append(str(e))
     dmp = DMPCollection(ours, torch.device("cpu"), _torchrec_plan(ours.ebc, sharder, 2), world,
@@ -355,6 +366,164 @@ def _six_ranks(rank, world, path):
     return errors, flat, every, loaded, dmp, sequence, pipeline
 
 
+SYNC_FORMATS = ("int8", "fp8", "bf16", "fp16")
+
+
+def _bad_sync_dtypes(world):
+    """The errors of an unknown replica sync format and of a format with ``"step"`` in
+    shard() (DMPCollection's: ``_dmp_collection``), raised on every rank before any
+    collective."""
+    import fbtriton_dist
+    from fbtriton_dist import optim
+    from fbtriton_dist.sharding import CommOptions
+
+    errors = []
+    torch.manual_seed(0)
+    ebc = fbtriton_dist.EmbeddingBagCollection(tables=_configs(False))
+    attempts = [
+        lambda: CommOptions(replica_sync_dtype="fp4"),
+        lambda: fbtriton_dist.shard(ebc, _plan("mixed", 2), optimizer=optim.SGD(lr=0.1),
+                                    group_size=2, comm=CommOptions(replica_sync_dtype="int8")),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _sync_dtypes(rank, world, group_size):
+    """Groups trained apart for 2 steps, then their replicas averaged with the weights in each
+    of ``SYNC_FORMATS``: int8 through ``CommOptions(replica_sync_dtype=...)`` and
+    ``sync_replicas()``, the others by ``average_replicas`` from the same weights. Before,
+    after each, and the bytes each counted next to a hand count from this rank's shards."""
+    from fbtriton_dist import optim
+    from fbtriton_dist.sharding import CommOptions
+    from fbtriton_dist.sharding.comm.replicas import ReplicaTraffic, average_replicas
+    from fbtriton_dist.sharding.comm.wire import WireFormat
+
+    opt = optim.RowWiseAdagrad(lr=0.3, eps=1e-8)
+    sharded = _shard(world, opt, group_size, replica_sync=1000,
+                     comm=CommOptions(replica_sync_dtype="int8"))
+    _train(sharded, rank, world, 2)
+    before = _local(sharded)
+    saved = [(tbe.weights.detach().clone(), tbe.momentum1.clone()) for tbe in sharded.tbes]
+    sharded.sync_replicas()
+    out = {"before": before, "int8": _local(sharded),
+           "int8 bytes": sharded.comm_report()["replica_sync"]}
+    for fmt in SYNC_FORMATS[1:]:
+        for tbe, (w, m) in zip(sharded.tbes, saved, strict=True):
+            tbe.weights.detach().copy_(w)
+            tbe.momentum1.copy_(m)
+        traffic = ReplicaTraffic()
+        average_replicas(sharded.tbes, sharded.replicas, traffic, fmt=WireFormat(fmt))
+        out[fmt] = _local(sharded)
+        out[f"{fmt} bytes"] = {"sent": traffic.sent, "received": traffic.received}
+    # by hand, K = 2 replicas: each hop sends the other replica's slice, the two hops together
+    # every row once (values in the format + its row scales); the rowwise state (one fp32 per
+    # row) in a ring all-reduce, 2 (K - 1) / K of its bytes
+    K = world // group_size
+    assert K == 2
+    rows = sum(w.shape[0] for w, _ in before.values())
+    values = sum(w.size for w, _ in before.values())
+    per_value = {"int8": 1, "fp8": 1, "bf16": 2, "fp16": 2}
+    per_row = {"int8": 8, "fp8": 4, "bf16": 0, "fp16": 0}
+    out["hand"] = {f: values * per_value[f] + rows * per_row[f] + 2 * 4 * rows * (K - 1) // K
+                   for f in SYNC_FORMATS}
+    return out
+
+
+def _four_ranks(rank, world, path):
+    """4 ranks as 2 groups of 2: the errors of bad replica sync formats first (every rank
+    raises, nothing hangs), groups synced every step vs the flat plan (every sharding type),
+    every-2-steps averaging, the weights averaged in each replica sync format, and a
+    checkpoint of 2 groups of 2 loaded into a flat plan on the first 2 ranks."""
+    import torch.distributed as dist
+
+    errors = _bad_sync_dtypes(world)
+    flat = _grouped_vs_flat(rank, world, {"rowwise_adagrad": (2,)})
+    every = _every_n(rank, world, 2)
+    dtypes = _sync_dtypes(rank, world, 2)
+    _save_grouped(rank, world, 2, path)
+    dist.barrier()
+    pg = dist.new_group([0, 1])
+    loaded = _load_flat(rank, 2, path, pg) if rank < 2 else None
+    return errors, flat, every, dtypes, loaded
+
+
+def _sync_bound(fmt, xs):
+    """Per element, the bound on the error of the average of the replicas' rows ``xs`` (each
+    ``[rows, D]``) sent in ``fmt``: mean_k e(x_k) + e(y), e one hop's bound (``wire.py``), y
+    the average of the decoded rows, within mean_k e(x_k) of the fp32 average a."""
+    a = sum(xs) / len(xs)
+
+    def hop(x, pad):  # one hop's bound on rows y with |y - x| <= pad, element by element
+        if fmt == "int8":
+            spread = (x + pad).amax(1, keepdim=True) - (x - pad).amin(1, keepdim=True)
+            return (spread / 510).expand_as(x)
+        mag = x.abs() + pad
+        if fmt == "fp8":
+            return 2.0**-4 * mag + 2.0**-10 * mag.amax(1, keepdim=True) / 448
+        return 2.0**-8 * mag if fmt == "bf16" else 2.0**-11 * mag + 2.0**-25
+
+    first = sum(hop(x, 0.0) for x in xs) / len(xs)
+    return (first + hop(a, first)) * (1 + 2.0**-18) + 2.0**-20 * a.abs() + 1e-30, a
+
+
+def _check_sync_dtypes(results, world, group_size):
+    for ranks in _replicas(world, group_size):
+        one = [results[r] for r in ranks]
+        largest = dict.fromkeys(SYNC_FORMATS, 0.0)
+        for key in one[0]["before"]:
+            xs = [torch.from_numpy(o["before"][key][0]) for o in one]
+            for fmt in SYNC_FORMATS:
+                bound, mean = _sync_bound(fmt, xs)
+                got = torch.from_numpy(one[0][fmt][key][0])
+                err = (got - mean).abs()
+                assert bool((err <= bound).all()), (fmt, key, float((err - bound).max()))
+                largest[fmt] = max(largest[fmt], float(err.max()))
+                for o in one:  # every replica decodes the same bytes: bit-identical
+                    assert (o[fmt][key][0] == one[0][fmt][key][0]).all(), (fmt, key)
+                    # the rowwise state is averaged in fp32
+                    state = sum(torch.from_numpy(p["before"][key][1][0]) for p in one) / len(one)
+                    torch.testing.assert_close(torch.from_numpy(o[fmt][key][1][0]), state,
+                                               atol=1e-6, rtol=1e-6)
+        assert min(largest.values()) > 0, largest  # the weights did travel in the format
+    for r in results:
+        for fmt in SYNC_FORMATS:
+            counted = r[f"{fmt} bytes"]
+            assert counted["sent"] == counted["received"] == r["hand"][fmt] > 0, (fmt, counted)
+
+
+def test_replica_groups_on_4_ranks(tmp_path):
+    """4 ranks as 2 groups of 2 (one launch): bad sync formats raise on every rank, step sync
+    equals the flat plan, every-N equals the explicit average, the weights averaged in bf16,
+    fp16, fp8 and int8 within their bound of the fp32 average with the bytes counted by hand,
+    a grouped checkpoint loads into 2 flat ranks."""
+    results = run_ranks(_four_ranks, 4, str(tmp_path), timeout=300)
+    for rank, (errors, *_) in enumerate(results):
+        assert len(errors) == 2, (rank, errors)
+        assert "replica_sync_dtype: expected one of [None, fp32, bf16, fp16, fp8, int8]" in \
+            errors[0] and "'fp4'" in errors[0], errors[0]
+        for e in errors[1:]:
+            assert "replica_sync_dtype: expected fp32" in e and "replica_sync='step'" in e, e
+        assert "'int8'" in errors[1], errors
+    _check_grouped_vs_flat([r[1] for r in results], 4, "rowwise_adagrad", 2)
+    _check_every_n([r[2] for r in results], 4, 2)
+    _check_sync_dtypes([r[3] for r in results], 4, 2)
+    # the planner's every-N average in int8 (per step, over N) is what rank q % 2 counted
+    from fbtriton_dist.planner import CostModel, ShardingPlan, evaluate_grouped
+
+    plan = ShardingPlan(world_size=4, local_world_size=2, tables=_plan("mixed", 2).tables,
+                        group_size=2, replica_sync=1000)
+    cost = evaluate_grouped(plan, _configs(False), model=CostModel(replica_sync_dtype="int8"))
+    for rank, r in enumerate(results):
+        planned = cost.collectives["replica_sync.average"][rank % 2] * 1000
+        assert planned == pytest.approx(r[3]["int8 bytes"]["received"], rel=1e-9), rank
+    assert max(r[4] for r in results[:2]) < 1e-6, [r[4] for r in results[:2]]
+
+
 def _check_grouped_vs_flat(results, world, name, case):
     configs = _configs(False)
     group_size = case if isinstance(case, int) else 2
@@ -436,6 +605,7 @@ def test_replica_groups_on_6_ranks(tmp_path):
         assert group == rank % 3  # TorchRec's default groups: strided
         assert all(err < 2e-5 for err in report.values()), (rank, report)
         assert "node_group_size" in errors[0] and "plan" in errors[1], errors
+        assert "replica_sync_dtype: expected fp32" in errors[2] and "'bf16'" in errors[2], errors
     assert max(r[5] for r in results) < 1e-5, [r[5] for r in results]
     assert max(r[6] for r in results) < 1e-6, [r[6] for r in results]
 
@@ -461,12 +631,31 @@ def test_job_keys_group_size_and_replica_sync(tmp_path):
     assert (plan.group_plan().world_size, plan.group_plan().local_world_size) == (2, 2)
     assert load_job(write_job(tmp_path, sharding={"group_size": "auto"})).sharding.group_size \
         == "auto"
+    # replica_sync_dtype: the job's CommOptions and the planner's cost of the average (D = 8:
+    # int8 rows of 8 + 8 bytes against fp32's 32)
+    import dataclasses
+
+    from fbtriton_dist.planner import evaluate_grouped
+
+    assert cfg.sharding.replica_sync_dtype == "fp32"
+    int8 = plan_job(load_job(write_job(tmp_path, sharding={
+        "group_size": 2, "replica_sync": 3, "replica_sync_dtype": "int8"})), 4, 4)
+    assert int8.planner.cost_model.replica_sync_dtype == "int8"
+    fp32 = evaluate_grouped(int8.plan, int8.specs, int8.stats, dataclasses.replace(
+        int8.planner.cost_model, replica_sync_dtype="fp32"))
+    for a, b in zip(int8.cost.collectives["replica_sync.average"],
+                    fp32.collectives["replica_sync.average"], strict=True):
+        assert 0 < a < b
     with pytest.raises(ConfigError, match=r"group_size.*divisor of the world size 4.*got 3"):
         plan_job(load_job(write_job(tmp_path, sharding={"group_size": 3})), 4, 4)
     bad = [({"group_size": "often"}, "group_size: expected an integer >= 1 .* or auto"),
            ({"group_size": 0}, "group_size: expected an integer >= 1"),
            ({"replica_sync": "often"}, "replica_sync: expected step or an integer >= 1"),
-           ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1")]
+           ({"replica_sync": 0}, "replica_sync: expected step or an integer >= 1"),
+           ({"replica_sync": 2, "replica_sync_dtype": "fp4"},
+            r"replica_sync_dtype: expected one of \[fp32, bf16, fp16, fp8, int8\], got 'fp4'"),
+           ({"replica_sync_dtype": "int8"}, "replica_sync_dtype: expected fp32 with "
+                                            "replica_sync: step")]
     for sharding, message in bad:
         with pytest.raises(ConfigError, match=message):
             load_job(write_job(tmp_path, sharding=sharding))

@@ -34,7 +34,9 @@ def _rows(widths_per_peer, device="cpu"):
 def _bound(fmt: str, x: torch.Tensor, width: int) -> torch.Tensor:
     """The stated bound per element of one hop, rows of ``width`` values back to back."""
     rows = x.view(-1, width)
-    if fmt == "fp8":
+    if fmt in ("bf16", "fp16"):  # per element (fp16: its subnormals' half step)
+        b = 2.0**-8 * rows.abs() if fmt == "bf16" else 2.0**-11 * rows.abs() + 2.0**-25
+    elif fmt == "fp8":
         amax = rows.abs().amax(1, keepdim=True)
         b = 2.0**-4 * rows.abs() + 2.0**-10 * amax / 448
     else:
@@ -42,13 +44,14 @@ def _bound(fmt: str, x: torch.Tensor, width: int) -> torch.Tensor:
     return (b * (1 + EPS) + 1e-30).reshape(-1)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "bf16", "fp16"])
 @pytest.mark.parametrize("width", [1, 3, 16])
 def test_codec_within_the_stated_bound_and_tight(fmt, width):
     from fbtriton_dist.sharding.comm.wire import WireFormat
 
     g = torch.Generator().manual_seed(width)
-    scales = torch.logspace(-6, 6, 64)[:, None]  # rows of very different magnitudes
+    # rows of very different magnitudes (fp16: inside its range, subnormals included)
+    scales = torch.logspace(*((-6, 6) if fmt != "fp16" else (-6, 4)), 64)[:, None]
     x = (torch.randn(64, width, generator=g) * scales).reshape(-1)
     rows = _rows([[(64, (width,))]])
     y = WireFormat(fmt).roundtrip(x, rows)

@@ -67,6 +67,24 @@ class CommOptions:
     sharders read TorchRec's switch instead (``comm_ops.get_gradient_division()``, when the
     model is sharded)."""
 
+    replica_sync_dtype: "torch.dtype | str | None" = None
+    """With replica groups averaged every N steps (``replica_sync=N``): the format the
+    weights travel in when the replicas are averaged, choices as ``wire_dtype`` (None or
+    "fp32": one fp32 all-reduce, the default). A row is one table row of a shard. Any other
+    format averages in two hops, each rounded once (``sharding.comm.replicas``): every
+    replica sends each other replica its slice of the rows in the format (a reduce-scatter as
+    an all-to-all), the slice's owner averages the decoded rows in fp32 and sends the average
+    back in the format (an all-gather), so the replicas end bit-identical; per element of the
+    fp32 average a = mean over the K replicas of x_k, ``|error| <= mean_k e(x_k) + e(y)``, e
+    the per-hop bound of ``wire_dtype`` above on the row of x_k, and y the averaged decoded
+    row. The optimizer state always averages in fp32 (its values span many orders of
+    magnitude, fp16 overflows Adagrad's sums of squares, and a rowwise state has one value
+    per row, where an 8-bit format's row scales cost more than the fp32 value). Refused with
+    ``replica_sync="step"``, whose exchange of row gradients stays fp32 so that the grouped
+    plan equals the flat plan. TorchRec has no counterpart (``DMPCollection`` averages in
+    fp32 or through ``custom_all_reduce``); under ``DMPCollection`` pass it in our sharders'
+    ``comm``."""
+
     def __post_init__(self) -> None:
         if hasattr(self.wire_dtype, "forward_precision"):  # TorchRec's QCommsConfig
             if self.backward_wire_dtype != SAME:
@@ -78,6 +96,7 @@ class CommOptions:
         format_name(self.wire_dtype, "wire_dtype")
         if self.backward_wire_dtype != SAME:
             format_name(self.backward_wire_dtype, "backward_wire_dtype")
+        format_name(self.replica_sync_dtype, "replica_sync_dtype")
         if self.gradient_division is not None and not isinstance(self.gradient_division, bool):
             raise ValueError(f"gradient_division: expected True, False or None, got "
                              f"{self.gradient_division!r}")
@@ -95,6 +114,11 @@ class CommOptions:
         if self.backward_wire_dtype == SAME:
             return fwd, fwd
         return fwd, WireFormat(format_name(self.backward_wire_dtype))
+
+    @property
+    def replica_sync_format(self) -> WireFormat:
+        """The ``WireFormat`` of the weights when replicas are averaged (``replica_sync=N``)."""
+        return WireFormat(format_name(self.replica_sync_dtype, "replica_sync_dtype"))
 
 
 _QCOMMS_UNSET = {"forward_loss_scale": None, "backward_loss_scale": None,

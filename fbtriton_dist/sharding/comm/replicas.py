@@ -22,7 +22,13 @@ Two ways to keep replicas in step (``replica_sync``):
 - ``N`` (an int >= 1): each group trains on its own (a flat plan on S ranks, gradients
   divided by S); after every N-th backward the weights and the optimizer state of every
   local shard are averaged over the replica group (one fp32 all-reduce per tensor),
-  ``sync_replicas`` does it on demand.
+  ``sync_replicas`` does it on demand. ``CommOptions.replica_sync_dtype`` sends the weights
+  in another wire format (bf16, fp16, fp8, int8, ``wire.py``): each of the K replicas owns
+  a slice of the rows (rows ``[j*E/K, (j+1)*E/K)`` of the TBE's E rows, table after table); an
+  all-to-all brings every replica's copy of its slice to the owner in the format, the owner
+  averages the decoded rows in fp32 and an all-to-all sends the average back, in the format
+  (each hop rounded once: the error bound is ``CommOptions.replica_sync_dtype``'s), and every
+  replica, the owner too, decodes the same bytes. The optimizer state stays fp32.
 
 Nothing here picks a kernel: the lookups and fused updates are the TBE's.
 """
@@ -35,8 +41,10 @@ import torch
 import torch.distributed as dist
 
 from fbtriton_dist import optim
+from fbtriton_dist.sharding.comm.wire import Rows, WireFormat, exchange_rows
 
 ReplicaSync = str | int
+FP32 = WireFormat("fp32")
 
 
 def check_replica_sync(replica_sync) -> ReplicaSync:
@@ -47,6 +55,18 @@ def check_replica_sync(replica_sync) -> ReplicaSync:
         raise ValueError(f"replica_sync: expected 'step' or an int >= 1 (average the replicas "
                          f"every N steps), got {replica_sync!r}")
     return replica_sync
+
+
+def check_sync_format(replica_sync, fmt: WireFormat) -> None:
+    """ValueError unless ``fmt`` (``CommOptions.replica_sync_format``) fits ``replica_sync``:
+    any format averages every N steps; ``"step"`` exchanges row gradients in fp32 only (so
+    that the grouped plan equals the flat plan). Raised on every rank before any
+    collective."""
+    if replica_sync == "step" and fmt.name != "fp32":
+        raise ValueError(f"replica_sync_dtype: expected fp32 (None) with replica_sync='step' "
+                         f"(its row gradients stay fp32: the grouped plan equals the flat "
+                         f"plan; a format applies to replica_sync=N, the average of the "
+                         f"weights), got {fmt.name!r}")
 
 
 def check_group_size(group_size, world_size: int, plan_world_size: int) -> int:
@@ -212,6 +232,11 @@ class ReplicaTraffic:
         self.sent += int(message_bytes) * (ranks - 1)
         self.received += int(message_bytes) * (ranks - 1)
 
+    def add(self, sent: int, received: int) -> None:
+        """Bytes counted by the caller (``average_rows``'s all-to-alls)."""
+        self.sent += int(sent)
+        self.received += int(received)
+
     def add_all_reduce(self, tensor_bytes: int, ranks: int) -> None:
         """An all-reduce of ``tensor_bytes`` over ``ranks`` ranks, counted as a ring moves it
         (reduce-scatter then all-gather): 2 (ranks - 1) / ranks of it each way."""
@@ -271,22 +296,70 @@ def replica_lookup(tbe, indices: torch.Tensor, offsets: torch.Tensor, psw, batch
 
 @torch.no_grad()
 def average_replicas(tbes, groups: ReplicaGroups, traffic: ReplicaTraffic,
-                     include_optimizer_state: bool = True) -> None:
+                     include_optimizer_state: bool = True,
+                     fmt: WireFormat = FP32) -> None:
     """Average the weights and (``include_optimizer_state``) the optimizer state of every TBE
-    over the replica group (an fp32 all-reduce of each flat tensor, divided by the number of
-    replicas)."""
+    over the replica group: each flat tensor by an fp32 all-reduce divided by the number of
+    replicas, the weights in ``fmt`` (not fp32) by ``average_rows``."""
     K = groups.num_groups
     for tbe in tbes:
         states = optim.spec_of(tbe.optimizer).states if tbe.optimizer is not None else ()
         if not include_optimizer_state:
             states = ()
-        for t in [tbe.weights.detach(), *(getattr(tbe, s.name) for s in states)]:
+        weights = tbe.weights.detach()
+        if fmt.name != "fp32" and weights.numel():
+            weights.copy_(average_rows(weights, tbe.slot_tables, fmt, groups.replica_group,
+                                       traffic))
+            tensors = [getattr(tbe, s.name) for s in states]
+        else:
+            tensors = [weights, *(getattr(tbe, s.name) for s in states)]
+        for t in tensors:
             if not t.numel():
                 continue
             x = t.float() if t.dtype != torch.float32 else t.clone()
             dist.all_reduce(x, group=groups.replica_group)
             t.copy_(x / K)
             traffic.add_all_reduce(x.numel() * 4, K)
+
+
+def row_slices(tables, K: int) -> list[list[tuple[int, tuple[int]]]]:
+    """The rows of ``tables`` (``[(E_t, D_t)]``, back to back) cut into K slices of whole rows
+    (rows ``[j*E/K, (j+1)*E/K)`` of the E rows in all): slice j as ``Rows`` patterns,
+    ``[(rows, (D_t,)), ...]``."""
+    E = sum(n for n, _ in tables)
+    bounds = [E * j // K for j in range(K + 1)]
+    out = []
+    for j in range(K):
+        lo, hi, part = bounds[j], bounds[j + 1], []
+        first = 0
+        for n, D in tables:
+            a, b = max(lo, first), min(hi, first + n)
+            if b > a:
+                part.append((b - a, (D,)))
+            first += n
+        out.append(part)
+    return out
+
+
+def average_rows(x: torch.Tensor, tables, fmt: WireFormat, group,
+                 traffic: ReplicaTraffic) -> torch.Tensor:
+    """The average over the ranks of ``group`` of flat ``x`` (rows of ``tables``,
+    ``[(E_t, D_t)]``), sent in ``fmt`` in two hops (module docstring): every rank's copy of
+    slice j to rank j, there decoded and averaged in fp32, the average back to every rank;
+    fp32, the same on every rank."""
+    K, me = dist.get_world_size(group), dist.get_rank(group)
+    slices = row_slices(tables, K)
+    every = Rows(slices, x.device)  # slice j to / from rank j
+    mine = Rows([slices[me]] * K, x.device)  # my slice, from / to every rank
+    copies = exchange_rows(x.float().reshape(-1), every, mine, fmt, group)
+    n = mine.values[me]
+    mean = copies.view(K, n).sum(0) / K if n else copies.new_zeros(0)
+    out = exchange_rows(mean.repeat(K), mine, every, fmt, group)
+    own = fmt.nbytes(every.values[me], every.rows[me])
+    others = sum(fmt.nbytes(v, r) for j, (v, r) in enumerate(zip(every.values, every.rows,
+                                                                  strict=True)) if j != me)
+    traffic.add(others + (K - 1) * own, (K - 1) * own + others)  # both hops, self not counted
+    return out
 
 
 class AfterBackward(torch.autograd.Function):

@@ -158,15 +158,18 @@ class _WireAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, recv, formats, group):
         ctx.args = (send, recv, formats[1], group)
-        return _send(x, send, recv, formats[0], group)
+        return exchange_rows(x, send, recv, formats[0], group)
 
     @staticmethod
     def backward(ctx, grad):
         send, recv, fmt, group = ctx.args
-        return _send(grad.contiguous(), recv, send, fmt, group), None, None, None, None
+        return exchange_rows(grad.contiguous(), recv, send, fmt, group), None, None, None, None
 
 
-def _send(x, send: Rows, recv: Rows, fmt: WireFormat, group) -> torch.Tensor:
+def exchange_rows(x, send: Rows, recv: Rows, fmt: WireFormat, group) -> torch.Tensor:
+    """One all-to-all of flat fp32 ``x`` (rows ``send``, ``send.values[i]`` values to peer i)
+    in ``fmt``, encoded per row (scales after each peer's values), decoded to fp32 in the
+    order of ``recv``; no autograd (``wire_all_to_all`` wraps it)."""
     if not fmt.scaled:
         wire = x.to(fmt.dtype).contiguous()
         out = wire.new_empty(sum(recv.values))

@@ -24,6 +24,7 @@ from fbtriton_dist.sharding.comm.replicas import (
     ReplicaGroups,
     ReplicaTraffic,
     average_replicas,
+    check_sync_format,
     replica_lookup,
 )
 from fbtriton_dist.sharding.comm.report import comm_report
@@ -177,6 +178,7 @@ class ShardedCollection(nn.Module):
         """What replica groups do not support: fixed shapes, storage tiers."""
         if self.replicas is None:
             return
+        check_sync_format(self.replicas.sync, self.comm.replica_sync_format)
         if self.comm.fixed_shapes:
             raise ValueError("group_size: replica groups need the default input dist; got "
                              "CommOptions(fixed_shapes=True)")
@@ -221,11 +223,13 @@ class ShardedCollection(nn.Module):
     def sync_replicas(self, include_optimizer_state: bool = True) -> None:
         """Average the weights and (``include_optimizer_state``) the fused optimizer's state
         of every local shard over its replicas (every rank calls it; ``replica_sync=N`` does
-        after every N-th backward). A no-op without replica groups."""
+        after every N-th backward), the weights in ``comm.replica_sync_dtype``. A no-op
+        without replica groups."""
         if self.replicas is None or self.replicas.num_groups == 1:
             return
         self.replica_traffic.reset()
-        average_replicas(self.tbes, self.replicas, self.replica_traffic, include_optimizer_state)
+        average_replicas(self.tbes, self.replicas, self.replica_traffic, include_optimizer_state,
+                         self.comm.replica_sync_format)
         self._steps_since_sync = 0
 
     def _check_plan(self) -> None:
