@@ -761,9 +761,10 @@ def state_dtype_names(state_dtypes: Mapping[str, Any] | None) -> dict[str, str]:
         raw = getattr(value, "value", value)  # FBGEMM's SparseType: its value, e.g. "fp16"
         name = str(raw).lower().removeprefix("torch.")
         name = _STATE_DTYPE_ALIASES.get(name, name)
-        if name not in STATE_DTYPE_BYTES:
+        allowed = ("fp32",) if key in ("prev_iter", "row_counter") else STATE_DTYPE_BYTES
+        if name not in allowed:  # step numbers and counts stay fp32
             raise ValueError(f"optimizer_state_dtypes[{key!r}]: expected one of "
-                             f"[{', '.join(STATE_DTYPE_BYTES)}], got {value!r}")
+                             f"[{', '.join(allowed)}], got {value!r}")
         names[key] = name
     return names
 

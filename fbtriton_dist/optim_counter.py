@@ -28,6 +28,15 @@ COUNTER_MODES = ("counter", "cowclip")
 """``weight_decay_mode`` of this optimizer: FBGEMM's ``WeightDecayMode`` COUNTER (3), COWCLIP
 (4)."""
 
+class DefinitionError(ValueError):
+    """A bad field of a regularisation definition: ``field`` its name, ``message`` why (the
+    config and the job's YAML prefix their key path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
 _FIRST_VALUE = {COUNTER_WEIGHT_DECAY_MODES: 0, LEARNING_RATE_MODES: -1, GRAD_SUM_DECAYS: -1,
                 COUNTER_MODES: 3}
 _ALIASES = {"decouple": "decoupled"}
@@ -45,21 +54,21 @@ def choice(value: Any, choices: tuple[str, ...], key: str) -> str:
     if isinstance(raw, str):
         raw = _ALIASES.get(raw.lower(), raw.lower())
     if raw not in choices:
-        raise ValueError(f"{key}: expected one of [{', '.join(choices)}] (or FBGEMM's enum "
-                         f"member or value), got {value!r}")
+        raise DefinitionError(key, f"expected one of [{', '.join(choices)}] (or FBGEMM's enum "
+                              f"member or value), got {value!r}")
     return raw
 
 
 def _integer(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise ValueError(f"{key}: expected an integer, got {value!r}")
+        raise DefinitionError(key, f"expected an integer, got {value!r}")
     return int(value)
 
 
 def _at_least(key: str, value: Any, low: float, high: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ValueError(f"{key}: expected a number {bound}, got {value!r}")
+        raise DefinitionError(key, f"expected a number {bound}, got {value!r}")
     return float(value)
 
 
@@ -91,23 +100,19 @@ class CounterBasedRegularization:
     this (<= 0: never; it stays 1)."""
 
     def __post_init__(self) -> None:
-        owner = "counter_based_regularization"
         set_ = object.__setattr__
-        set_(self, "counter_weight_decay_mode", choice(
-            self.counter_weight_decay_mode, COUNTER_WEIGHT_DECAY_MODES,
-            f"{owner}.counter_weight_decay_mode"))
-        set_(self, "learning_rate_mode", choice(self.learning_rate_mode, LEARNING_RATE_MODES,
-                                                f"{owner}.learning_rate_mode"))
-        set_(self, "grad_sum_decay", choice(self.grad_sum_decay, GRAD_SUM_DECAYS,
-                                            f"{owner}.grad_sum_decay"))
+        for key, choices in (("counter_weight_decay_mode", COUNTER_WEIGHT_DECAY_MODES),
+                             ("learning_rate_mode", LEARNING_RATE_MODES),
+                             ("grad_sum_decay", GRAD_SUM_DECAYS)):
+            set_(self, key, choice(getattr(self, key), choices, key))
         for key in ("counter_halflife", "adjustment_iter", "max_counter_update_freq"):
-            set_(self, key, _integer(f"{owner}.{key}", getattr(self, key)))
-        set_(self, "adjustment_ub", _at_least(f"{owner}.adjustment_ub", self.adjustment_ub, 0.0))
+            set_(self, key, _integer(key, getattr(self, key)))
+        set_(self, "adjustment_ub", _at_least("adjustment_ub", self.adjustment_ub, 0.0))
         if not isinstance(self.tail_id_threshold_is_ratio, bool):
-            raise ValueError(f"{owner}.tail_id_threshold_is_ratio: expected true or false, got "
-                             f"{self.tail_id_threshold_is_ratio!r}")
+            raise DefinitionError("tail_id_threshold_is_ratio", "expected true or false, got "
+                                  f"{self.tail_id_threshold_is_ratio!r}")
         set_(self, "tail_id_threshold", _at_least(
-            f"{owner}.tail_id_threshold", self.tail_id_threshold, 0.0,
+            "tail_id_threshold", self.tail_id_threshold, 0.0,
             1.0 if self.tail_id_threshold_is_ratio else math.inf))
 
 
@@ -126,20 +131,20 @@ class CowClipRegularization:
     """Floor of the clip threshold per count (>= 0)."""
 
     def __post_init__(self) -> None:
-        owner = "cowclip_regularization"
         object.__setattr__(self, "counter_weight_decay_mode", choice(
             self.counter_weight_decay_mode, COUNTER_WEIGHT_DECAY_MODES,
-            f"{owner}.counter_weight_decay_mode"))
+            "counter_weight_decay_mode"))
         object.__setattr__(self, "counter_halflife",
-                           _integer(f"{owner}.counter_halflife", self.counter_halflife))
+                           _integer("counter_halflife", self.counter_halflife))
         for key in ("weight_norm_coefficient", "lower_bound"):
-            object.__setattr__(self, key, _at_least(f"{owner}.{key}", getattr(self, key), 0.0))
+            object.__setattr__(self, key, _at_least(key, getattr(self, key), 0.0))
 
 
-def regularization(value: Any, cls: type, key: str):
+def regularization(value: Any, cls: type):
     """``value`` as ``cls``: an instance, FBGEMM's definition (same field names; its
     ``TailIdThreshold`` becomes ``tail_id_threshold`` + ``tail_id_threshold_is_ratio``) or a
-    mapping of those fields (the job's YAML; unknown keys refused)."""
+    mapping of those fields (the job's YAML). Raises ``DefinitionError`` (``field`` "" where
+    the value as a whole is wrong)."""
     if isinstance(value, cls):
         return value
     names = [f.name for f in fields(cls)]
@@ -147,12 +152,12 @@ def regularization(value: Any, cls: type, key: str):
         given = dict(value)
         unknown = sorted(set(given) - set(names))
         if unknown:
-            raise ValueError(f"{key}: expected keys among [{', '.join(names)}], got {unknown}")
+            raise DefinitionError(unknown[0], f"unknown key, expected one of [{', '.join(names)}]")
     elif all(hasattr(value, n) for n in names if n != "tail_id_threshold_is_ratio"):
         given = {n: getattr(value, n) for n in names if hasattr(value, n)}
     else:
-        raise ValueError(f"{key}: expected a mapping or FBGEMM's definition with fields "
-                         f"[{', '.join(names)}], got {value!r}")
+        raise DefinitionError("", f"expected a mapping or FBGEMM's definition with fields "
+                              f"[{', '.join(names)}], got {value!r}")
     threshold = given.get("tail_id_threshold")
     if threshold is not None and hasattr(threshold, "val"):  # FBGEMM's TailIdThreshold
         given["tail_id_threshold"] = threshold.val
@@ -181,9 +186,12 @@ class RowWiseAdagradWithCounter:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        for key in ("lr", "eps", "weight_decay"):
-            _at_least(f"{owner}.{key}", getattr(self, key), 0.0)
-        mode = choice(self.weight_decay_mode, COUNTER_MODES, f"{owner}.weight_decay_mode")
+        try:
+            for key in ("lr", "eps", "weight_decay"):
+                _at_least(key, getattr(self, key), 0.0)
+            mode = choice(self.weight_decay_mode, COUNTER_MODES, "weight_decay_mode")
+        except DefinitionError as e:
+            raise ValueError(f"{owner}.{e}") from e
         object.__setattr__(self, "weight_decay_mode", mode)
         mine, other = (("counter_based_regularization", "cowclip_regularization")
                        if mode == "counter" else
@@ -193,8 +201,11 @@ class RowWiseAdagradWithCounter:
                              f"{mode!r} (it takes {mine}), got {getattr(self, other)!r}")
         cls = CounterBasedRegularization if mode == "counter" else CowClipRegularization
         value = getattr(self, mine)
-        object.__setattr__(self, mine, cls() if value is None
-                           else regularization(value, cls, f"{owner}.{mine}"))
+        try:
+            object.__setattr__(self, mine, cls() if value is None else regularization(value, cls))
+        except DefinitionError as e:
+            path = f"{owner}.{mine}" + (f".{e.field}" if e.field else "")
+            raise ValueError(f"{path}: {e.message}") from e
 
     @property
     def regularization(self) -> CounterBasedRegularization | CowClipRegularization:
@@ -217,5 +228,5 @@ def counter_mode(value: Any) -> str | None:
     member, name or value) names one, else None."""
     try:
         return choice(value, COUNTER_MODES, "weight_decay_mode")
-    except ValueError:
+    except DefinitionError:
         return None
