@@ -373,3 +373,20 @@ def test_torchrec_annotation_and_job_yaml():
     with pytest.raises(ConfigError, match=r"optimizer.embedding.cowclip: only supported with "
                                           r"weight_decay_mode: cowclip"):
         job_from_dict({**base, "optimizer": {"embedding": {**section, "cowclip": {}}}})
+
+
+
+def test_traced_collection_refuses_it():
+    """The registered lookup ops (FX, torch.compile, torch.export) pass a collection's step
+    and momenta, not the counter's per-row state: refused, not trained on copies."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from tests.modules.test_ebc_tracing import _kjt, _pair
+
+    cls, kwargs = optim.torch_equivalent(_counter())
+    _, model = _pair(False)
+    apply_optimizer_in_backward(cls, model.ebc.parameters(), kwargs)
+    model(_kjt(3, 0, False))  # eager: fine
+    with pytest.raises(ValueError, match="rowwise_adagrad_with_counter: expected an eager "
+                                         "collection"):
+        torch.fx.symbolic_trace(model)(_kjt(3, 1, False))
