@@ -38,12 +38,6 @@ class EmbeddingOptimizerConfig:
     FBGEMM's ``weight_decay_mode``), or ``counter`` / ``cowclip`` (rowwise Adagrad with
     counter: ``rowwise_adagrad_with_counter``, its definition under ``counter:`` /
     ``cowclip:``); None: its default, ``l2`` (``counter`` for rowwise_adagrad_with_counter)."""
-    counter: CounterBasedRegularization | None = None
-    """``weight_decay_mode: counter``'s definition (FBGEMM's
-    ``CounterBasedRegularizationDefinition`` fields); None: its defaults."""
-    cowclip: CowClipRegularization | None = None
-    """``weight_decay_mode: cowclip``'s definition (FBGEMM's ``CowClipDefinition`` fields);
-    None: its defaults."""
     betas: tuple[float, float] = (0.9, 0.999)
     """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
     eta: float | None = None
@@ -72,6 +66,12 @@ class EmbeddingOptimizerConfig:
     """Storage of every table's optimizer states, ``fp32``, ``fp16`` or ``bf16`` (FBGEMM's
     ``optimizer_state_dtypes`` for each state; the update runs in fp32); the planner counts
     it (``TableSpec.state_dtype``)."""
+    counter: CounterBasedRegularization | None = None
+    """``weight_decay_mode: counter``'s definition (FBGEMM's
+    ``CounterBasedRegularizationDefinition`` fields); None: its defaults."""
+    cowclip: CowClipRegularization | None = None
+    """``weight_decay_mode: cowclip``'s definition (FBGEMM's ``CowClipDefinition`` fields);
+    None: its defaults."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
