@@ -7,7 +7,7 @@ states are compared with it step by step. Its ``max_counter`` stays 1 on the CPU
 the device copy of the counters, empty there), so those cases never refresh it; the
 refresh, the tail-id ratio and the rest are checked against the update written again below,
 row by row in float64. Batches: duplicate (hot) ids, empty bags, rows touched at different
-steps."""
+steps (and per-sample weights in the comparison with FBGEMM)."""
 
 import math
 
@@ -61,18 +61,20 @@ FORMULA_CASES = {  # max_counter refreshed every 2 steps; the tail threshold a r
 }
 
 
-def _batches(steps=4):
+def _batches(steps=4, weighted=False):
     """Batches whose rows are touched at different steps (every third step skips table 1's
-    feature), with hot ids and empty bags."""
+    feature: empty bags), with hot ids (``weighted``: and per-sample weights)."""
     g = torch.Generator().manual_seed(11)
     out = []
     for step in range(steps):
-        indices, offsets, _ = make_batch(TABLES, FTM, B, MAX_L, hot=True, generator=g)
+        indices, offsets, psw = make_batch(TABLES, FTM, B, MAX_L, hot=True, generator=g,
+                                           weighted=weighted)
         if step % 3 == 1:  # no ids for table 1 this step
             cut = int(offsets[2 * B])
             indices, offsets = indices[:cut], torch.cat([offsets[: 2 * B + 1],
                                                          offsets.new_full((B,), cut)])
-        out.append((indices, offsets))
+            psw = psw[:cut] if psw is not None else None
+        out.append((indices, offsets, psw))
     return out
 
 
@@ -81,8 +83,8 @@ def _run(opt, backend, w0, batches):
                                 stochastic_rounding=False)
     with torch.no_grad():
         tbe.weights.copy_(w0)
-    for step, (indices, offsets) in enumerate(batches):
-        out = tbe(indices, offsets)
+    for step, (indices, offsets, psw) in enumerate(batches):
+        out = tbe(indices, offsets, psw)
         out.backward(upstream_grad(out, step))
     return tbe
 
@@ -148,9 +150,9 @@ def test_matches_fbgemm_cpu(case, backend):
     w0 = _w0()
     for view, t in zip(theirs.split_embedding_weights(), _split(w0), strict=True):
         view.copy_(t)
-    batches = _batches()
-    for step, (indices, offsets) in enumerate(batches):
-        out = theirs(indices, offsets)
+    batches = _batches(weighted=True)
+    for step, (indices, offsets, psw) in enumerate(batches):
+        out = theirs(indices, offsets, per_sample_weights=psw)
         out.backward(upstream_grad(out, step))
     ours = _run(opt, backend, w0, batches)
     for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
@@ -206,7 +208,7 @@ def _expected(opt, w0, batches):
     weights = [t.double() for t in _split(w0)]
     m, prev, count = ([[0.0] * E for E, _ in TABLES] for _ in range(3))
     max_counter, freq = 1.0, opt.max_counter_update_freq
-    for t, (indices, offsets) in enumerate(batches, start=1):
+    for t, (indices, offsets, _) in enumerate(batches, start=1):
         if freq > 0 and t % freq == 0:
             max_counter = max(max(c) for c in count) + 1.0
         params = [w.clone().requires_grad_() for w in weights]
@@ -322,7 +324,7 @@ def test_state_dict_resumes_exactly():
     resumed = TableBatchedEmbedding(TABLES, FTM, optimizer=opt, backend="cpu",
                                     stochastic_rounding=False)
     resumed.load_state_dict(state)
-    for step, (indices, offsets) in enumerate(batches[3:], start=3):
+    for step, (indices, offsets, _) in enumerate(batches[3:], start=3):
         out = resumed(indices, offsets)
         out.backward(upstream_grad(out, step))
     assert torch.equal(resumed.weights, whole.weights)
