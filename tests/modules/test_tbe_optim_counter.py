@@ -78,9 +78,9 @@ def _batches(steps=4, weighted=False):
     return out
 
 
-def _run(opt, backend, w0, batches):
+def _run(opt, backend, w0, batches, state_dtypes=None):
     tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=opt, backend=backend,
-                                stochastic_rounding=False)
+                                stochastic_rounding=False, optimizer_state_dtypes=state_dtypes)
     with torch.no_grad():
         tbe.weights.copy_(w0)
     for step, (indices, offsets, psw) in enumerate(batches):
@@ -204,7 +204,7 @@ def _row(opt, t, w, g, m, prev, count, max_counter):
     return keep * w - rate * g, m, float(t), count
 
 
-def _expected(opt, w0, batches):
+def _expected(opt, w0, batches, m_dtype=torch.float64):
     weights = [t.double() for t in _split(w0)]
     m, prev, count = ([[0.0] * E for E, _ in TABLES] for _ in range(3))
     max_counter, freq = 1.0, opt.max_counter_update_freq
@@ -225,6 +225,8 @@ def _expected(opt, w0, batches):
                 weights[table][r], m[table][r], prev[table][r], count[table][r] = _row(
                     opt, t, weights[table][r], params[table].grad[r], m[table][r],
                     prev[table][r], count[table][r], max_counter)
+                # the step used the unrounded accumulator; the stored one is rounded
+                m[table][r] = float(torch.tensor(m[table][r]).to(m_dtype))
     return weights, (m, prev, count), max_counter
 
 
@@ -244,6 +246,23 @@ def test_matches_the_update_formula(case, backend):
     assert float(ours.max_counter) == pytest.approx(max_counter, rel=1e-6)
     if opt.max_counter_update_freq == 2:
         assert max_counter > 2  # refreshed from counters above 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_bf16_accumulator(backend):
+    """``optimizer_state_dtypes={"momentum1": "bf16"}``: the accumulator stored in bf16 (the
+    update reads it in fp32), ``prev_iter`` and ``row_counter`` fp32."""
+    opt = FBGEMM_CASES["decoupled-decrease"]
+    w0, batches = _w0(), _batches(4)
+    ours = _run(opt, backend, w0, batches, {"momentum1": "bf16"})
+    assert [ours.momentum1.dtype, ours.prev_iter.dtype] == [torch.bfloat16, torch.float32]
+    weights, states, _ = _expected(opt, w0, batches, torch.bfloat16)
+    for a, b in zip(weights, ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b.detach().double(), a, atol=2e-5, rtol=1e-5)
+    for t, views in enumerate(ours.split_optimizer_states()):
+        for view, state in zip(views, states, strict=True):
+            torch.testing.assert_close(view.double(), torch.tensor(state[t], dtype=torch.float64),
+                                       atol=2e-5, rtol=1e-5)
 
 
 def _one_step_rows(opt, steps=1):
