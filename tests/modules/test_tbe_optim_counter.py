@@ -43,6 +43,8 @@ FBGEMM_CASES = {  # max_counter is never refreshed (FBGEMM's CPU keeps it at 1)
                                learning_rate_mode="counter_sgd"),
     "adagradw": _counter(counter_weight_decay_mode="adagradw", counter_halflife=-1,
                          adjustment_iter=1, wd=0.5),
+    "adagradw-2": _counter(counter_weight_decay_mode="adagradw", counter_halflife=-2,
+                           adjustment_ub=0.2, wd=0.3),
     "cowclip-l2": _cowclip(counter_weight_decay_mode="l2", counter_halflife=3,
                            weight_norm_coefficient=0.5, lower_bound=0.01),
     "cowclip-decoupled": _cowclip(counter_weight_decay_mode="decoupled", counter_halflife=0,
@@ -56,8 +58,6 @@ FORMULA_CASES = {  # max_counter refreshed every 2 steps; the tail threshold a r
     "decrease-l2": _counter(counter_weight_decay_mode="l2", counter_halflife=-1,
                             adjustment_ub=2.0, learning_rate_mode="tail_id_lr_decrease",
                             tail_id_threshold=1.0, max_counter_update_freq=2),
-    "adagradw-2": _counter(counter_weight_decay_mode="adagradw", counter_halflife=-2,
-                           adjustment_ub=0.2, wd=0.3),
 }
 
 
@@ -137,8 +137,8 @@ def test_matches_fbgemm_cpu(case, backend):
             weight_norm_coefficient=reg.weight_norm_coefficient, lower_bound=reg.lower_bound))
         mode = WeightDecayMode.COWCLIP
     # TorchRec's annotation with FBGEMM's arguments maps to the same config
-    mapped = optim.from_torch(RowWiseAdagrad, {"lr": 0.3, "eps": 1e-6, "weight_decay": 0.2
-                                               if case != "adagradw" else 0.5,
+    mapped = optim.from_torch(RowWiseAdagrad, {"lr": 0.3, "eps": 1e-6,
+                                               "weight_decay": opt.weight_decay,
                                                "weight_decay_mode": mode, **definition}, "t")
     assert mapped == opt
     theirs = fb.SplitTableBatchedEmbeddingBagsCodegen(
@@ -231,7 +231,8 @@ def _expected(opt, w0, batches, m_dtype=torch.float64):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("case", list(FORMULA_CASES) + ["decoupled-decrease", "cowclip-l2"])
+@pytest.mark.parametrize("case", [*FORMULA_CASES, "decoupled-decrease", "adagradw-2",
+                                  "cowclip-l2"])
 def test_matches_the_update_formula(case, backend):
     opt = {**FBGEMM_CASES, **FORMULA_CASES}[case]
     w0, batches = _w0(), _batches(5)
