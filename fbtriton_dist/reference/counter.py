@@ -15,6 +15,10 @@ def refresh_max_counter(opt: optim.RowWiseAdagradWithCounter, t: int,
     """Before the update of step t: where t is a multiple of ``max_counter_update_freq``
     (> 0), ``max_counter`` ([1] fp32, in place) becomes 1 + the largest counter of the module's
     rows (1 without rows); returns its value."""
+    if row_counter is None or max_counter is None:
+        raise ValueError("rowwise_adagrad_with_counter: expected the module's prev_iter, "
+                         "row_counter and max_counter (ops.tbe.FusedOptimizer.counters), got "
+                         "none")
     freq = opt.max_counter_update_freq
     if freq > 0 and t % freq == 0:
         top = row_counter.max().item() if row_counter.numel() else 0.0
