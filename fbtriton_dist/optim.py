@@ -32,24 +32,21 @@ backend without it refuses it when a module is built, naming what it supports):
 Package files per backend that implements it: reference 2 (1, 2), Triton 3 (1-3), the CPU
 backend 3 (1, 2, ``ops/cpu.py``; 4 with its native C update, ``tbe_cpu_backward.c``).
 
-Limits of that count: at most two states (the buffers ``momentum1``, ``momentum2``, each per
-row or per element) and hyper-parameters among ``HYPER_FIELDS``'s (``lr``, ``eps``, ``betas``,
-``weight_decay``, ``eta``, ``momentum``, ``beta``, ``l1``, ``l2``, ``ar_alpha``, ``ema_beta``,
-``min_shrinkage``); a Triton helper reads a slot ``load_hyper`` does not return from
-``hyper_ptr`` itself (and gets the step count t from ``optimizer_update``). A new
-hyper-parameter is also a new slot in ``HYPER_FIELDS`` and ``hyper_parameters`` (native CPU:
-``NATIVE_HYPER_FIELDS`` and ``tbe_cpu_backward.c``'s ``HYPER_*``) and, to be set from a job's
-YAML, a field of ``train/config.py``'s ``EmbeddingOptimizerConfig`` (and its line in
-``train/job.py``'s ``_embedding_optimizer``); a new compile-time variant (like rowwise
-Adagrad's ``weight_decay_mode``) is a new constexpr of the row-update kernel. An optimizer
-neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py`` (FTRL's).
+Limits of that count: states among ``STATE_BUFFERS`` (``momentum1``, ``momentum2``, each per
+row or per element; FBGEMM's per-row ``prev_iter`` and ``row_counter``) and hyper-parameters
+among ``HYPER_FIELDS``'s. A new hyper-parameter the kernels read is a slot of ``HYPER_FIELDS``
+and ``hyper_parameters`` (native CPU: ``NATIVE_HYPER_FIELDS``, ``tbe_cpu_backward.c``'s
+``HYPER_*``), and, for the job's YAML, a key of ``train/optim_config.py``'s
+``EmbeddingOptimizerConfig`` (and ``train/job.py``'s ``_embedding_optimizer``). A new state
+buffer, or state kept per module (``max_counter``), is more: ``docs/optimizers_counter.md``. An
+optimizer neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py``.
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
 ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
 FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are summed first, then each
 unique row gets one update; rows not in the batch are untouched (their moments too: "lazy"
 Adam; EMAINPLACE's moving average aside, which runs over whole tables). The formulas:
-``docs/modules.md``, "Fused optimizers".
+``docs/modules.md``, "Fused optimizers" (the counter's: ``docs/optimizers_counter.md``).
 
 This module never imports torch at import time (the planner and the job config read it); the
 torch classes are named by dotted path and imported only when a mapping needs them.
@@ -61,6 +58,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from fbtriton_dist.optim_counter import RowWiseAdagradWithCounter, counter_mode
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -96,7 +95,8 @@ class Adagrad:
 
 WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
 """Rowwise Adagrad's ``weight_decay_mode`` choices: FBGEMM's ``WeightDecayMode`` NONE, L2 and
-DECOUPLE (its COUNTER, COWCLIP and DECOUPLE_GLOBAL are not implemented)."""
+DECOUPLE (COUNTER and COWCLIP are ``RowWiseAdagradWithCounter``'s; DECOUPLE_GLOBAL is not
+implemented)."""
 
 _FBGEMM_WEIGHT_DECAY_MODES = {0: "none", 1: "l2", 2: "decoupled"}
 """FBGEMM's ``WeightDecayMode`` values (an ``IntEnum``) that have an equivalent here."""
@@ -112,9 +112,10 @@ def _weight_decay_mode(value: Any, owner: str = "RowWiseAdagrad") -> str:
         key = value.lower()
         key = "decoupled" if key == "decouple" else key
     if key not in WEIGHT_DECAY_MODES:
+        hint = " (counter / cowclip: RowWiseAdagradWithCounter)" if counter_mode(value) else ""
         raise ValueError(
             f"{owner}.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
-            f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}"
+            f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}{hint}"
         )
     return key
 
@@ -354,7 +355,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR | RowWiseAdagradWithCounter  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -371,6 +372,8 @@ class State:
     per_row: bool
     """One value per row (``[E]``, a collection's state dict shows ``[E, 1]``), else one per
     element (``[E, D]``)."""
+    fp32_only: bool = False
+    """Always fp32 (step numbers, counts): ``optimizer_state_dtypes`` may not name it."""
 
 
 @dataclass(frozen=True)
@@ -411,7 +414,7 @@ class OptimizerSpec:
     config: type
     """Our config dataclass (an ``Optimizer``)."""
     states: tuple[State, ...]
-    """The state tensors, in order (at most two)."""
+    """The state tensors, in order (buffers of ``STATE_BUFFERS``)."""
     hyper: tuple[str, ...]
     """Config fields the kernels read from the device hyper-parameter tensor
     (``hyper_parameters``); other fields (e.g. a mode) are compile-time choices."""
@@ -426,7 +429,7 @@ class OptimizerSpec:
         """Bytes of its states for a rows x cols block: fp32 as FBGEMM keeps them, or the
         dtype ``state_dtypes`` (``optimizer_state_dtypes``) names for a state."""
         dtypes = state_dtype_names(state_dtypes)
-        return sum(STATE_DTYPE_BYTES[dtypes.get(s.name, "fp32")] * rows
+        return sum(STATE_DTYPE_BYTES["fp32" if s.fp32_only else dtypes.get(s.name, "fp32")] * rows
                    * (1 if s.per_row else cols) for s in self.states)
 
     @property
@@ -623,6 +626,19 @@ REGISTRY: dict[str, OptimizerSpec] = {
             ),
             kernel_code=11,
         ),
+        OptimizerSpec(  # FBGEMM's rowwise Adagrad, weight_decay_mode COUNTER / COWCLIP
+            name="rowwise_adagrad_with_counter", fbgemm="EXACT_ROWWISE_ADAGRAD",
+            config=RowWiseAdagradWithCounter,
+            states=(State("momentum1", per_row=True), *(State(n, per_row=True, fp32_only=True)
+                                                        for n in ("prev_iter", "row_counter"))),
+            hyper=("lr", "eps", "weight_decay"),  # the rest: read by the reference / CPU step
+            torch=(TorchClass(  # ours; TorchRec's RowWiseAdagrad with these modes: from_torch
+                "fbtriton_dist.modules.fused_optim.RowWiseAdagradWithCounter",
+                kwargs={"lr": 0.01, "eps": 1e-10, "weight_decay": 0.0},
+                modes={"weight_decay_mode": "counter", "counter_based_regularization": None,
+                       "cowclip_regularization": None}),),
+            kernel_code=12,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -630,8 +646,9 @@ REGISTRY: dict[str, OptimizerSpec] = {
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 """The optimizers' names, in registry order (the job's and the planner's choices)."""
 
-STATE_BUFFERS = ("momentum1", "momentum2")
-"""TableBatchedEmbedding's state buffers (empty where the optimizer has fewer states)."""
+STATE_BUFFERS = ("momentum1", "momentum2", "prev_iter", "row_counter")
+"""TableBatchedEmbedding's state buffers (empty where the optimizer lacks the state); the last
+two are FBGEMM's per-row ``prev_iter`` and ``row_counter`` (rowwise_adagrad_with_counter)."""
 
 _BY_CONFIG = {spec.config: spec for spec in REGISTRY.values()}
 
@@ -661,6 +678,9 @@ def from_torch(cls: type, kwargs: Mapping[str, Any], where: str) -> Optimizer:
         for tc in entry.torch:
             # compare names first: resolving a path imports its package
             if tc.path.rpartition(".")[2] == cls.__name__ and tc.resolve() is cls:
+                if entry.name == "rowwise_adagrad" and counter_mode(
+                        kwargs.get("weight_decay_mode")):  # FBGEMM's COUNTER / COWCLIP
+                    entry = REGISTRY["rowwise_adagrad_with_counter"]
                 return entry.from_kwargs(kwargs, where, name)
     paths = [tc.path for entry in REGISTRY.values() for tc in entry.torch]
     raise ValueError(
@@ -741,9 +761,10 @@ def state_dtype_names(state_dtypes: Mapping[str, Any] | None) -> dict[str, str]:
         raw = getattr(value, "value", value)  # FBGEMM's SparseType: its value, e.g. "fp16"
         name = str(raw).lower().removeprefix("torch.")
         name = _STATE_DTYPE_ALIASES.get(name, name)
-        if name not in STATE_DTYPE_BYTES:
+        allowed = ("fp32",) if key in ("prev_iter", "row_counter") else STATE_DTYPE_BYTES
+        if name not in allowed:  # step numbers and counts stay fp32
             raise ValueError(f"optimizer_state_dtypes[{key!r}]: expected one of "
-                             f"[{', '.join(STATE_DTYPE_BYTES)}], got {value!r}")
+                             f"[{', '.join(allowed)}], got {value!r}")
         names[key] = name
     return names
 

@@ -39,8 +39,10 @@ def test_registry_is_consistent():
     codes = [e.kernel_code for e in optim.REGISTRY.values()]
     assert len(set(codes)) == len(codes) and 0 not in codes
     for entry in optim.REGISTRY.values():
-        assert len(entry.states) <= len(optim.STATE_BUFFERS), entry.name
-        assert [s.name for s in entry.states] == list(optim.STATE_BUFFERS[: len(entry.states)])
+        names = [s.name for s in entry.states]  # momentum1, momentum2 first, in that order
+        assert len(set(names)) == len(names) and set(names) <= set(optim.STATE_BUFFERS)
+        moments = [n for n in names if n.startswith("momentum")]
+        assert names[: len(moments)] == list(optim.STATE_BUFFERS[: len(moments)]), entry.name
         fields = {f.name for f in dataclasses.fields(entry.config)}
         assert set(entry.hyper) <= fields and "lr" in entry.hyper, entry.name
         assert set(entry.keywords) <= fields, entry.name

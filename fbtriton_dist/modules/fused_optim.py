@@ -62,12 +62,37 @@ class RowWiseRMSpropAR(torch.optim.Optimizer):
         )
 
 
+class RowWiseAdagradWithCounter(torch.optim.Optimizer):
+    """Names ``fbtriton_dist.optim.RowWiseAdagradWithCounter`` (fused only): its keywords are
+    that config's fields (FBGEMM's), with its defaults. TorchRec's ``RowWiseAdagrad`` with
+    ``weight_decay_mode`` COUNTER or COWCLIP maps to the same config."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, weight_decay: float = 0.0,
+                 weight_decay_mode="counter", counter_based_regularization=None,
+                 cowclip_regularization=None) -> None:
+        super().__init__(params, {
+            "lr": lr, "eps": eps, "weight_decay": weight_decay,
+            "weight_decay_mode": weight_decay_mode,
+            "counter_based_regularization": counter_based_regularization,
+            "cowclip_regularization": cowclip_regularization})
+
+    def step(self, closure=None):
+        raise NotImplementedError(
+            "fbtriton_dist.modules.fused_optim.RowWiseAdagradWithCounter is applied fused in "
+            "the TBE backward (a collection or TableBatchedEmbedding reads the annotation); it "
+            "has no step"
+        )
+
+
 def check_ema_tables(optimizer, tiered: bool) -> None:
-    """``optim.EmaInplaceRowWiseAdagrad`` runs over whole tables on the device (not with
-    cached storage tiers)."""
-    if isinstance(optimizer, optim.EmaInplaceRowWiseAdagrad) and tiered:
+    """``optim.EmaInplaceRowWiseAdagrad`` runs over whole tables on the device, and
+    ``optim.RowWiseAdagradWithCounter``'s ``max_counter`` reads every row's counter: neither
+    with cached storage tiers."""
+    why = {optim.EmaInplaceRowWiseAdagrad: "its moving average runs over whole tables",
+           optim.RowWiseAdagradWithCounter: "its max_counter reads every row's counter"}
+    if type(optimizer) in why and tiered:
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected no cached storage "
-                         "tiers (its moving average runs over whole tables), got some")
+                         f"tiers ({why[type(optimizer)]}), got some")
 
 
 @torch.no_grad()
@@ -85,3 +110,26 @@ def ema_inplace(optimizer, tables: Sequence[torch.Tensor], k: int) -> None:
     for table in tables:
         half = table.shape[1] // 2
         table[:, half:].lerp_(table[:, :half], optimizer.step_ema_coef)
+
+
+def counter_tensors(tbe) -> dict[str, torch.Tensor] | None:
+    """``optim.RowWiseAdagradWithCounter``'s state besides ``momentum1``, for the backward
+    (``ops.tbe.FusedOptimizer.counters``): the module's ``prev_iter``, ``row_counter`` and
+    ``max_counter`` buffers; None for other optimizers."""
+    if not isinstance(tbe.optimizer, optim.RowWiseAdagradWithCounter):
+        return None
+    return {"prev_iter": tbe.prev_iter, "row_counter": tbe.row_counter,
+            "max_counter": tbe.max_counter}
+
+
+def counter_extra_state(tbe) -> dict[str, float]:
+    """The module's extra state beyond its step: ``max_counter`` (with the counter optimizer,
+    as FBGEMM keeps it in its state dict; the per-row states are buffers)."""
+    if not isinstance(tbe.optimizer, optim.RowWiseAdagradWithCounter):
+        return {}
+    return {"max_counter": float(tbe.max_counter.item())}
+
+
+def set_counter_extra_state(tbe, state: dict) -> None:
+    """Restore ``counter_extra_state`` (1, FBGEMM's start, where the state has none)."""
+    tbe.max_counter.fill_(float(state.get("max_counter", 1.0)))

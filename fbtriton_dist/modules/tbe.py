@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules import fused_optim
 from fbtriton_dist.modules.fused_optim import check_ema_tables, ema_inplace
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
@@ -127,11 +128,8 @@ class TableBatchedEmbedding(nn.Module):
         tables = [(int(E), int(D)) for E, D in tables]
         if not tables or any(E < 1 or D < 1 for E, D in tables):
             raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
-        names = (
-            list(table_names)
-            if table_names is not None
-            else [f"table_{t}" for t in range(len(tables))]
-        )
+        names = (list(table_names) if table_names is not None
+                 else [f"table_{t}" for t in range(len(tables))])
         if len(names) != len(tables):
             raise ValueError(f"table_names: expected {len(tables)} names, got {len(names)}")
         if storage is not None and len(storage) != len(tables):
@@ -141,15 +139,11 @@ class TableBatchedEmbedding(nn.Module):
         self.storage = [storage_of(s, n) for s, n in
                         zip(storage if storage is not None else [None] * len(tables), names,
                             strict=True)]
-        ftm = (
-            list(range(len(tables)))
-            if feature_table_map is None
-            else [int(t) for t in feature_table_map]
-        )
+        ftm = (list(range(len(tables))) if feature_table_map is None
+               else [int(t) for t in feature_table_map])
         if not ftm or any(not 0 <= t < len(tables) for t in ftm):
-            raise ValueError(
-                f"feature_table_map: expected table ids in [0, {len(tables)}), got {ftm}"
-            )
+            raise ValueError(f"feature_table_map: expected table ids in [0, {len(tables)}), "
+                             f"got {ftm}")
         if pooling not in LABELS:
             raise ValueError(f"pooling: expected one of {list(LABELS)}, got {pooling!r}")
         if weights_dtype not in WEIGHT_DTYPES or output_dtype not in WEIGHT_DTYPES:
@@ -194,9 +188,10 @@ class TableBatchedEmbedding(nn.Module):
         self.sparse = sparse
         # fused updates taken, counted on the device by the backward (so that a replayed CUDA
         # graph of the step advances it); ``step`` reads it on the host
-        self.register_buffer(
-            "_step", torch.zeros(1, dtype=torch.int64, device=device), persistent=False
-        )
+        self.register_buffer("_step", torch.zeros(1, dtype=torch.int64, device=device),
+                             persistent=False)
+        # rowwise_adagrad_with_counter's (FBGEMM's name): 1 + the largest row counter
+        self.register_buffer("max_counter", torch.ones(1, device=device), persistent=False)
         self._hyper: torch.Tensor | None = None  # optim.hyper_parameters on the device
         self._hyper_of: optim.Optimizer | None = None
         # drawn on the CPU (host metadata: also under ``with torch.device("meta")``)
@@ -222,8 +217,8 @@ class TableBatchedEmbedding(nn.Module):
                 f"elements, got {weights.dtype} {tuple(weights.shape)}"
             )
         self.weights = nn.Parameter(weights, requires_grad=True)
-        self.register_buffer("momentum1", torch.zeros(0, device=device))
-        self.register_buffer("momentum2", torch.zeros(0, device=device))
+        for name in optim.STATE_BUFFERS:  # those the optimizer lacks stay empty
+            self.register_buffer(name, torch.zeros(0, device=device))
         self.optimizer = None
         self.set_optimizer(optimizer)
         if init_weights:
@@ -305,6 +300,7 @@ class TableBatchedEmbedding(nn.Module):
                       for s in states}
             for cache in self._tiers.caches.values():
                 cache.backing.set_states(states, dtypes)
+        self.max_counter.fill_(1.0)
         self.step = 0
 
     def _check_state_dtypes(self, optimizer, sizes) -> None:
@@ -375,8 +371,9 @@ class TableBatchedEmbedding(nn.Module):
         """Optimizer states and ``step`` to 0 (after ``to_empty`` they hold garbage); cached
         tables' caches are emptied."""
         with torch.no_grad():
-            self.momentum1.zero_()
-            self.momentum2.zero_()
+            for name in optim.STATE_BUFFERS:
+                getattr(self, name).zero_()
+            self.max_counter.fill_(1.0)
             if self._tiers is not None:
                 for cache in self._tiers.caches.values():
                     for state in cache.backing.states.values():
@@ -628,6 +625,7 @@ class TableBatchedEmbedding(nn.Module):
             optimizer=self.optimizer,
             momentum1=self.momentum1,
             momentum2=self.momentum2,
+            counters=fused_optim.counter_tensors(self),
             step=self._step,
             stochastic_rounding=self.stochastic_rounding,
             seed=self.seed,
@@ -780,11 +778,12 @@ class TableBatchedEmbedding(nn.Module):
                 flat[a:b] = src
             state_dict[prefix + key] = flat
 
-    def get_extra_state(self) -> dict:
-        return {"step": self.step}  # read from the device counter
+    def get_extra_state(self) -> dict:  # read from the device counters
+        return {"step": self.step, **fused_optim.counter_extra_state(self)}
 
     def set_extra_state(self, state: dict) -> None:
         self.step = int(state["step"])  # written in place
+        fused_optim.set_counter_extra_state(self, state)
 
     def extra_repr(self) -> str:
         return (

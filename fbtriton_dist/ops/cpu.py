@@ -33,6 +33,7 @@ from fbtriton_dist import optim
 from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.cpu_bucketize import bucketize
 from fbtriton_dist.pooling import PoolingMode
+from fbtriton_dist.reference.counter import counter_rows, refresh_max_counter
 from fbtriton_dist.reference.tbe import step_seed, stochastic_round
 
 POOL_MEAN, POOL_NONE = PoolingMode.MEAN, PoolingMode.NONE
@@ -249,6 +250,9 @@ def tbe_backward(
     momentum2: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    prev_iter: torch.Tensor | None = None,
+    row_counter: torch.Tensor | None = None,
+    max_counter: torch.Tensor | None = None,
     **_kernel_hints,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``reference.tbe_backward``: with an optimizer, every touched row is updated in place
@@ -262,6 +266,11 @@ def tbe_backward(
             raise ValueError("step: expected the optimizer's [1] int64 step counter, got None")
         step.add_(1)
         t = int(step.item())
+    extra = {}  # the counter optimizer's max_counter, refreshed before the update
+    if isinstance(optimizer, optim.RowWiseAdagradWithCounter):
+        extra["max_counter"] = refresh_max_counter(optimizer, t, row_counter, max_counter)
+    buffers = {"momentum1": momentum1, "momentum2": momentum2, "prev_iter": prev_iter,
+               "row_counter": row_counter}
     done = cpu_native.backward(
         grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
         per_sample_weights, pooling=pooling, max_D=max_D, optimizer=optimizer, t=t,
@@ -295,8 +304,8 @@ def tbe_backward(
                 row_dims.append(torch.full_like(rows, group.D))
                 row_grads.append(F.pad(grad, (0, max_D - group.D)))
                 continue
-            _update(optimizer, group, rows, grad, t, weights, (momentum1, momentum2), shift,
-                    generator if stochastic_rounding else None)
+            _update(optimizer, group, rows, grad, t, weights, buffers, shift,
+                    generator if stochastic_rounding else None, extra)
     if optimizer is not None:
         return None
     if not row_elems:
@@ -348,14 +357,15 @@ class _Runs:
 
 
 def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
-            generator) -> None:
-    """One fused update of some of the group's unique rows, in place. fp32 weights without
-    stochastic rounding add the step (``index_add_``, each row once); others gather the rows
-    in fp32, add it and round back."""
+            generator, extra) -> None:
+    """One fused update of some of the group's unique rows, in place (``buffers``: the state
+    buffers by name; ``extra``: keywords of the step). fp32 weights without stochastic
+    rounding add the step (``index_add_``, each row once); others gather the rows in fp32,
+    add it and round back."""
     spec = optim.spec_of(optimizer)
     view = group.view(weights)
     places = []  # (the state, where the rows' values are in it), per state
-    for state, buffer in zip(spec.states, buffers, strict=False):
+    for state, buffer in ((s, buffers[s.name]) for s in spec.states):
         if not state.per_row:
             places.append((group.view(buffer), rows))
         elif isinstance(shift, int):
@@ -377,7 +387,7 @@ def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
     w = None
     if not fast or _NEEDS_ROWS[spec.name](optimizer):
         w = view.index_select(0, rows).to(torch.float32)
-    delta = _STEPS[spec.name](optimizer, grad, w, t, local, *states)
+    delta = _STEPS[spec.name](optimizer, grad, w, t, local, *states, **extra)
     if gathered:
         for (full, where), (values, _) in zip(places, work, strict=True):
             full.index_copy_(0, where, values.to(full.dtype))
@@ -555,6 +565,16 @@ def _rowwise_rmsprop_ar_step(opt: optim.RowWiseRMSpropAR, g, w, t, rows, state_r
     return step
 
 
+def _rowwise_adagrad_with_counter_step(opt: optim.RowWiseAdagradWithCounter, g, w, t, rows,
+                                       state_rows, m1, _, prev, __, count, *, max_counter):
+    new, m, p, c = counter_rows(opt, w, g, t, m1.index_select(0, state_rows),
+                                prev.index_select(0, state_rows),
+                                count.index_select(0, state_rows), max_counter)
+    for full, values in ((m1, m), (prev, p), (count, c)):
+        full.index_copy_(0, state_rows, values)
+    return new.sub_(w)
+
+
 _STEPS = {
     "sgd": _sgd_step,
     "adagrad": _adagrad_step,
@@ -567,6 +587,7 @@ _STEPS = {
     "ftrl": _ftrl_step,
     "emainplace_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
+    "rowwise_adagrad_with_counter": _rowwise_adagrad_with_counter_step,  # reference/counter.py
 }
 """The step of each optimizer, by its registry name."""
 
@@ -582,6 +603,7 @@ _NEEDS_ROWS = {
     "ftrl": lambda opt: True,  # sigma * w, and the new rows replace the old
     "emainplace_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
     "rowwise_rmsprop_ar": lambda opt: opt.ar_alpha != 0,  # else the decay factor is 1
+    "rowwise_adagrad_with_counter": lambda opt: True,
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

@@ -88,6 +88,9 @@ class FusedOptimizer:
     """[12] fp32 on the weights' device, ``optim.hyper_parameters(optimizer)`` (kept in place
     by the module, so a captured step sees a new learning rate); None: built per backward
     (a host-to-device copy, which a CUDA graph cannot capture)."""
+    counters: dict[str, torch.Tensor] | None = None
+    """rowwise_adagrad_with_counter's ``prev_iter``, ``row_counter`` ([rows] fp32) and
+    ``max_counter`` ([1] fp32), passed to the backend's backward by name; None otherwise."""
 
 
 def capturing(device: torch.device) -> bool:
@@ -383,6 +386,8 @@ class _TBELookup(torch.autograd.Function):
             stochastic_rounding=fused.stochastic_rounding if fused else False,
             seed=fused.seed if fused else 0,
         )
+        if fused is not None and fused.counters:
+            common.update(fused.counters)
         if keys is not None:
             common.update(num_rows=layout.num_rows, keys=keys, bag_ids=bag_ids, counts=counts)
         if ctx.plan is not None:  # sorted on the side stream since the forward

@@ -29,7 +29,8 @@ def state_bytes(optimizer: str, rows: int, cols: int, state_dtype: str = "fp32")
     if optimizer == "none":
         return 0
     entry = optim.spec(optimizer)
-    return entry.state_bytes(rows, cols, {s.name: state_dtype for s in entry.states})
+    return entry.state_bytes(rows, cols, {s.name: state_dtype for s in entry.states
+                                          if not s.fp32_only})  # prev_iter, row_counter: fp32
 
 
 def table_state_bytes(spec: TableSpec, rows, cols, optimizer: str):

@@ -4,6 +4,7 @@ import torch
 
 from fbtriton_dist import optim
 from fbtriton_dist.pooling import PoolingMode
+from fbtriton_dist.reference.counter import counter_update, refresh_max_counter
 
 POOL_SUM, POOL_MEAN, POOL_NONE = PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE
 """The ``pooling`` codes (``fbtriton_dist.pooling.PoolingMode``): sum or mean per bag, or none
@@ -143,13 +144,17 @@ def tbe_backward(
     bag_ids: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     row_align: int = 1,
+    prev_iter: torch.Tensor | None = None,
+    row_counter: torch.Tensor | None = None,
+    max_counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Same contract as kernels.tbe_backward: update in place, or return
     ``(row_elems, row_dims, row_grads)``. With an optimizer, ``step`` ([1] int64, updates
     taken so far) is advanced by one first and t = its new value: Adam's bias corrections are
     ``1 - beta^t`` and the rounding seed ``step_seed(seed, t)``. The hyper-parameters come
     from ``optimizer`` (``hyper``, the kernels' device copy of them, and ``row_align``, their
-    vector width, are not read)."""
+    vector width, are not read). ``prev_iter``, ``row_counter`` ([rows] fp32) and
+    ``max_counter`` ([1] fp32, refreshed here): rowwise_adagrad_with_counter's state."""
     device = weights.device
     t = 0
     if optimizer is not None:
@@ -157,6 +162,10 @@ def tbe_backward(
             raise ValueError("step: expected the optimizer's [1] int64 step counter, got None")
         step.add_(1)
         t = int(step.item())
+    extra = {}
+    if isinstance(optimizer, optim.RowWiseAdagradWithCounter):
+        extra = dict(prev_iter=prev_iter, row_counter=row_counter, max_counter=refresh_max_counter(
+            optimizer, t, row_counter, max_counter))
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()
@@ -206,7 +215,8 @@ def tbe_backward(
             row_grads.append(torch.nn.functional.pad(grad, (0, max_D - D)))
             continue
         w = weights[elems].to(torch.float32)
-        w = _apply_optimizer(optimizer, w, grad, t, momentum1, momentum2, base + rows, elems)
+        w = _apply_optimizer(optimizer, w, grad, t, momentum1, momentum2, base + rows, elems,
+                             **extra)
         if stochastic_rounding:
             weights[elems] = stochastic_round(w, weights.dtype, generator)
         else:
@@ -380,6 +390,7 @@ UPDATES = {
     # rowwise Adagrad's update; its moving average is the module's (modules/fused_optim.py)
     "emainplace_rowwise_adagrad": _rowwise_adagrad_update,
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_update,
+    "rowwise_adagrad_with_counter": counter_update,  # reference/counter.py
 }
 """The update of each optimizer, by its registry name."""
 
@@ -393,14 +404,16 @@ def _apply_optimizer(
     momentum2: torch.Tensor | None,
     state_rows: torch.Tensor,
     elems: torch.Tensor,
+    **extra,
 ) -> torch.Tensor:
     """One update of rows ``w`` [U, D] with summed gradients ``g`` [U, D]; returns new rows.
     States stored in fp16 / bf16 (``optimizer_state_dtypes``) are updated in fp32 copies, then
-    rounded back to nearest (values the update left are exact in their dtype)."""
+    rounded back to nearest (values the update left are exact in their dtype). ``extra``: the
+    fp32 states beyond momentum1 / momentum2 (``prev_iter``, ...), passed on by name."""
     update = UPDATES[optim.spec_of(optimizer).name]
     stored = (momentum1, momentum2)
     m1, m2 = (s.to(torch.float32) if s is not None else None for s in stored)
-    w = update(optimizer, w, g, step, m1, m2, state_rows, elems)
+    w = update(optimizer, w, g, step, m1, m2, state_rows, elems, **extra)
     for state, fp32 in zip(stored, (m1, m2), strict=True):
         if state is not None and state is not fp32:
             state.copy_(fp32)

@@ -89,10 +89,13 @@ from .config_values import (
 from .drift_config import DriftConfig, check_drift, drift_section
 from .mlperf_config import MultiHotConfig
 from .optim_config import (
+    CounterBasedRegularization,
+    CowClipRegularization,
     DenseOptimizerConfig,
     EmbeddingOptimizerConfig,
     LrSchedule,
     OptimizerConfig,
+    counter_definition,
 )
 
 __all__ = [
@@ -675,7 +678,9 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
             OptimizerConfig,
             where,
             {
-                "embedding": _section(EmbeddingOptimizerConfig, where, {"betas": _pair}),
+                "embedding": _section(EmbeddingOptimizerConfig, where, {
+                    "betas": _pair, "counter": counter_definition(CounterBasedRegularization),
+                    "cowclip": counter_definition(CowClipRegularization)}),
                 "dense": _section(DenseOptimizerConfig, where, {"betas": _pair}),
                 "schedule": _section(LrSchedule, where),
             },

@@ -170,8 +170,9 @@ def _sequence_configs(cfg: JobConfig) -> list[torchrec.EmbeddingConfig]:
 def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     """Our fused optimizer for ``optimizer.embedding``: the keys its torch / TorchRec class
     takes (``optim.REGISTRY``), that class's defaults for those not given."""
-    entry = optim.spec(c.type)
+    entry = optim.spec(c.optimizer_name)
     given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay,
+             "counter_based_regularization": c.counter, "cowclip_regularization": c.cowclip,
              "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2,
              "weight_decay_mode": c.weight_decay_mode, "step_ema": c.step_ema,
              "step_start": c.step_start, "step_ema_coef": c.step_ema_coef,
@@ -185,7 +186,8 @@ def _state_dtypes(cfg: JobConfig) -> dict[str, str]:
     """``optimizer.embedding.state_dtype`` as the collections' ``optimizer_state_dtypes``:
     that dtype for every state of the fused optimizer."""
     c = cfg.optimizer.embedding
-    return {s.name: c.state_dtype for s in optim.spec(c.type).states}
+    return {s.name: c.state_dtype for s in optim.spec(c.optimizer_name).states
+            if not s.fp32_only}
 
 
 def _dense_optimizer(c: DenseOptimizerConfig, params: Sequence[nn.Parameter],
@@ -455,7 +457,7 @@ def _check_cpu_job(cfg: JobConfig, env: Env, plan: ShardingPlan) -> None:
     host = env.rank // max(env.local_world_size, 1)
     mine = range(host * env.local_world_size, (host + 1) * env.local_world_size)
     specs = {t.name: t for t in cfg.tables.tables}
-    optimizer = cfg.optimizer.embedding.type
+    optimizer = cfg.optimizer.embedding.optimizer_name
     need = sum(block_bytes(specs[t.name], s.row_end - s.row_start, s.col_end - s.col_start,
                            optimizer)
                for t in plan.tables for s in t.shards

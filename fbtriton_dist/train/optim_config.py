@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fbtriton_dist import optim
+from fbtriton_dist import optim, optim_counter
+from fbtriton_dist.optim_counter import CounterBasedRegularization, CowClipRegularization
 from fbtriton_dist.planner._yaml import FieldError, check_choice, check_number
 
 from .config_values import _check_optional
@@ -34,7 +35,9 @@ class EmbeddingOptimizerConfig:
     partial_rowwise_adam, lamb, partial_rowwise_lamb (decoupled), lars_sgd)."""
     weight_decay_mode: str | None = None
     """rowwise_adagrad's ``none``, ``l2`` or ``decoupled`` (``optim.WEIGHT_DECAY_MODES``;
-    FBGEMM's ``weight_decay_mode``); None: its default, ``l2``."""
+    FBGEMM's ``weight_decay_mode``), or ``counter`` / ``cowclip`` (rowwise Adagrad with
+    counter: ``rowwise_adagrad_with_counter``, its definition under ``counter:`` /
+    ``cowclip:``); None: its default, ``l2`` (``counter`` for rowwise_adagrad_with_counter)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
     eta: float | None = None
@@ -63,6 +66,12 @@ class EmbeddingOptimizerConfig:
     """Storage of every table's optimizer states, ``fp32``, ``fp16`` or ``bf16`` (FBGEMM's
     ``optimizer_state_dtypes`` for each state; the update runs in fp32); the planner counts
     it (``TableSpec.state_dtype``)."""
+    counter: CounterBasedRegularization | None = None
+    """``weight_decay_mode: counter``'s definition (FBGEMM's
+    ``CounterBasedRegularizationDefinition`` fields); None: its defaults."""
+    cowclip: CowClipRegularization | None = None
+    """``weight_decay_mode: cowclip``'s definition (FBGEMM's ``CowClipDefinition`` fields);
+    None: its defaults."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
@@ -70,7 +79,8 @@ class EmbeddingOptimizerConfig:
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
         _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
-                        optim.WEIGHT_DECAY_MODES)
+                        optim.WEIGHT_DECAY_MODES + optim_counter.COUNTER_MODES)
+        _check_counter(self)
         for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
                      "ar_alpha", "ema_beta", "min_shrinkage"):
             _check_optional(check_number, name, getattr(self, name), 0.0)
@@ -91,6 +101,47 @@ class EmbeddingOptimizerConfig:
                 raise FieldError(
                     key, f"only supported with type: {', '.join(takers)}, got type: {self.type}"
                 )
+
+
+    @property
+    def optimizer_name(self) -> str:
+        """The registry entry it builds: ``type``, or ``rowwise_adagrad_with_counter`` for
+        rowwise_adagrad with ``weight_decay_mode`` counter / cowclip (the planner counts its
+        states)."""
+        if self.type == "rowwise_adagrad" and self.weight_decay_mode in optim_counter.COUNTER_MODES:
+            return "rowwise_adagrad_with_counter"
+        return self.type
+
+
+def _check_counter(c: EmbeddingOptimizerConfig) -> None:
+    """``counter:`` / ``cowclip:`` go with their ``weight_decay_mode``, which goes with
+    rowwise Adagrad; rowwise_adagrad_with_counter takes only those two modes."""
+    takers = ("rowwise_adagrad", "rowwise_adagrad_with_counter")
+    mode = c.weight_decay_mode
+    if mode in optim_counter.COUNTER_MODES and c.type not in takers:
+        raise FieldError("weight_decay_mode", f"{mode} is only supported with type: "
+                         f"{', '.join(takers)}, got type: {c.type}")
+    if c.type == "rowwise_adagrad_with_counter" and mode not in (None,
+                                                                 *optim_counter.COUNTER_MODES):
+        raise FieldError("weight_decay_mode", f"expected one of [counter, cowclip] with type: "
+                         f"rowwise_adagrad_with_counter, got {mode!r}")
+    effective = mode or ("counter" if c.type == "rowwise_adagrad_with_counter" else None)
+    for key in ("counter", "cowclip"):
+        if getattr(c, key) is not None and effective != key:
+            raise FieldError(key, f"only supported with weight_decay_mode: {key}, got "
+                             f"weight_decay_mode: {mode}")
+
+
+def counter_definition(cls: type):
+    """The job YAML's ``counter:`` / ``cowclip:`` mapping as ``cls`` (a converter of
+    ``config.py``'s sections): a bad key or value names its full key path."""
+    def make(value, key: str):
+        try:
+            return optim_counter.regularization(value if value is not None else {}, cls)
+        except optim_counter.DefinitionError as e:
+            raise FieldError(f"{key}.{e.field}" if e.field else key, e.message) from e
+
+    return make
 
 
 @dataclass(kw_only=True, frozen=True)

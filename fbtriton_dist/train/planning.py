@@ -127,7 +127,7 @@ def plan_job(
         stats = {t.name: stats.get(t.name, zipf) for t in specs}
     for name in cfg.tables.id_managers:  # slots are handed out by arrival, not by hotness
         stats[name] = IdDistribution(kind="uniform")
-    optimizer = cfg.optimizer.embedding.type  # the planner knows the registry's names
+    optimizer = cfg.optimizer.embedding.optimizer_name  # the planner knows the registry's names
     planner = ShardingPlanner(
         world_size=R,
         local_world_size=H,

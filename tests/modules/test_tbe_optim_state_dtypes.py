@@ -118,7 +118,8 @@ def test_bad_state_dtypes():
                                     "momentum2": torch.bfloat16}) == {"momentum1": "fp16",
                                                                       "momentum2": "bf16"}
     with pytest.raises(ValueError, match=r"optimizer_state_dtypes: expected keys among "
-                                         r"\[momentum1, momentum2\], got 'momentum3'"):
+                                         r"\[momentum1, momentum2, prev_iter, row_counter\], got "
+                                         r"'momentum3'"):
         TableBatchedEmbedding([(4, 4)], optimizer_state_dtypes={"momentum3": "fp16"})
     with pytest.raises(ValueError, match=r"optimizer_state_dtypes\['momentum1'\]: expected one "
                                          r"of \[fp32, fp16, bf16\], got 'int8'"):
