@@ -2,7 +2,7 @@
 use and called through ctypes; ``ops/cpu.py`` calls them where they apply and keeps its torch
 ops for the rest.
 
-The library is built once per source, compiler and flags (``cc -O3 -pthread -shared -fPIC``;
+The library is built once per source, compiler and flags (``BASE_FLAGS``;
 ``$CC`` picks the compiler) into the cache directory (``FBTD_CPU_NATIVE_CACHE``, default
 ``~/.cache/fbtriton_dist``, else a per-user temporary directory), under a name that hashes
 them: a compile writes a temporary file and renames it into place (``os.replace``), so that
@@ -44,7 +44,9 @@ BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
 """The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
 SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
 HEADERS = (CSRC / "tbe_cpu.h",)
-BASE_FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
+BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
+"""``-fno-math-errno``: sqrtf never sets errno, so that GCC vectorises the per-element updates
+(Adagrad's, Adam's sqrt; correctly rounded either way: the same bits)."""
 FLAG_SETS = (
     (),
     ("-DTBE_NO_CLONES",),  # a compiler without target_clones (or not GCC)

@@ -46,6 +46,8 @@ OPTIMIZERS = {
                                               weight_decay_mode="decoupled"),
     "adagrad": optim.Adagrad(lr=0.1, eps=1e-6),
     "adam": optim.Adam(lr=0.05, weight_decay=0.01),
+    "ema": optim.EmaInplaceRowWiseAdagrad(lr=0.1, eps=1e-6, step_ema=2, step_start=1,
+                                          step_ema_coef=0.3),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 CASES = [
@@ -205,6 +207,7 @@ def _fbgemm(tables, ftm, opt, pooling):
         EmbeddingLocation,
         PoolingMode,
     )
+    from fbgemm_gpu.tbe.config import EmainplaceModeDefinition
 
     spec = optim.spec_of(opt)
     return tbe.SplitTableBatchedEmbeddingBagsCodegen(
@@ -217,13 +220,17 @@ def _fbgemm(tables, ftm, opt, pooling):
         output_dtype=SparseType.FP32,
         stochastic_rounding=False,
         **({"eps": opt.eps} if "eps" in spec.hyper else {}),
+        **({"emainplace_mode": EmainplaceModeDefinition(
+            step_ema=opt.step_ema, step_start=opt.step_start, step_ema_coef=opt.step_ema_coef)}
+           if isinstance(opt, optim.EmaInplaceRowWiseAdagrad) else {}),
     )
 
 
 @pytest.mark.parametrize(
     "opt_name,pooling,idt,weighted",
     [("sgd", "sum", torch.int64, True), ("rowwise", "sum", torch.int32, True),
-     ("rowwise", "mean", torch.int64, False), ("adagrad", "sum", torch.int64, False)],
+     ("rowwise", "mean", torch.int64, False), ("adagrad", "sum", torch.int64, False),
+     ("ema", "sum", torch.int32, True)],
 )
 def test_matches_fbgemm_cpu(opt_name, pooling, idt, weighted, used):
     """FBGEMM's CPU TBE on the same rows (D % 4 == 0, as it needs; a one-row table; empty
@@ -252,6 +259,42 @@ def test_matches_fbgemm_cpu(opt_name, pooling, idt, weighted, used):
             for x, y in zip(a, b, strict=True):
                 torch.testing.assert_close(y.reshape(x.shape), x, atol=1e-5, rtol=1e-4)
     assert used["forward", True] == 3 and used["backward", True] == 3
+
+
+@pytest.mark.parametrize("wdt,threads", [(torch.float32, 1), (torch.float16, 2)],
+                         ids=["fp32-1thr", "fp16-2thr"])
+def test_ema_inplace_matches_the_torch_step(wdt, threads, used, monkeypatch):
+    """EMA-in-place rowwise Adagrad's native update (rowwise Adagrad's, L2 decay on) against
+    the torch ops' step (``FBTD_CPU_NATIVE=0``) over 4 steps, the moving average run twice:
+    mixed even D (none a multiple of 8 but 64), a one-row table, empty bags, hot ids."""
+    tables, ftm = [(40, 6), (1, 2), (60, 18), (30, 64)], [0, 1, 2, 3, 0, 2]
+    opt = optim.EmaInplaceRowWiseAdagrad(lr=0.1, eps=1e-6, weight_decay=0.02, step_ema=2,
+                                         step_start=1, step_ema_coef=0.3)
+    g = torch.Generator().manual_seed(3)
+    batches = [make_batch(tables, ftm, 7, 6, hot=True, weighted=True, generator=g)
+               for _ in range(4)]
+    assert any(int(off.diff().eq(0).sum()) > 0 for _, off, _ in batches)  # an empty bag
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        torch.set_num_threads(threads)
+        for native in ("1", "0"):
+            monkeypatch.setenv("FBTD_CPU_NATIVE", native)
+            torch.manual_seed(5)
+            m = TableBatchedEmbedding(tables, ftm, optimizer=opt, weights_dtype=wdt,
+                                      backend="cpu", stochastic_rounding=False)
+            w0 = m.weights.detach().float().clone()
+            runs[native] = (_train(m, batches), m.weights.detach().float(), m.momentum1)
+    finally:
+        torch.set_num_threads(before)
+    atol, rtol = TOL[wdt]
+    (seen_n, w_n, m_n), (seen_t, w_t, m_t) = runs["1"], runs["0"]
+    for a, b in zip(seen_t, seen_n, strict=True):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+    torch.testing.assert_close(w_n, w_t, atol=atol, rtol=rtol)
+    torch.testing.assert_close(m_n, m_t, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(w_n, w0)
+    assert used["backward", True] == 4 and used["backward", False] == 4
 
 
 def test_a_forked_child_runs_the_kernels():
