@@ -1,11 +1,15 @@
-"""The initial draw of a cached table (``modules/ebc.py`` ``draw_normal_like``): TorchRec's
-N(0, 1) draw that the uniform init overwrites is taken in scratch pieces, not written into
-the backing store (a ``file`` table bigger than RAM is then written once at construction,
-not twice), and leaves the generator where ``normal_`` of the whole table leaves it."""
+"""Building a ``file`` table bigger than RAM: the initial draw of a cached table
+(``modules/ebc.py`` ``draw_normal_like``: TorchRec's N(0, 1) draw that the uniform init
+overwrites is taken in scratch pieces, not written into the backing store, so the file is
+written once at construction, not twice, and the generator ends where ``normal_`` of the
+whole table leaves it), and its mappings advised for random reads (``modules/tiers.py``)."""
+
+import os
 
 import pytest
 import torch
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from fbtriton_dist.modules import ebc as ebc_module
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection, draw_normal_like
@@ -61,3 +65,30 @@ def test_file_table_built_as_device_without_a_normal_draw_into_it(tmp_path, monk
     want, got = device.state_dict(), tiered.state_dict()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_file_table_mapped_for_random_reads(tmp_path):
+    """A ``file`` table's weights and optimizer state are mappings advised ``MADV_RANDOM``
+    (``rr`` in smaps' VmFlags): a missed row reads its page, not a read-around window;
+    what the module writes (a trained row, flushed) lands in the file."""
+    tiered = EmbeddingBagCollection(configs(), storage={
+        "t0": Storage(tier="file", path=str(tmp_path), cache_slots=8)})
+    apply_optimizer_in_backward(torch.optim.Adagrad, tiered.parameters(), {"lr": 0.1})
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([3, 49, 7]),
+                            lengths=torch.tensor([2, 0, 1, 0]))
+    tiered(kjt).values().sum().backward()  # the optimizer state's file is made here
+    flags, current = {}, None
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 6 and head[-1].startswith(str(tmp_path)):
+                current = os.path.basename(head[-1])
+            elif line.startswith("VmFlags:") and current is not None:
+                flags[current] = line.split()[1:]
+                current = None
+    assert sorted(flags) == ["t0.momentum1", "t0.weight"]
+    assert all("rr" in f for f in flags.values()), flags
+    whole = tiered.state_dict()["embedding_bags.t0.weight"]
+    on_disk = torch.from_file(str(tmp_path / "t0.weight"), size=whole.numel())
+    assert torch.equal(on_disk.view_as(whole), whole)
