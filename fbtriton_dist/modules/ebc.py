@@ -6,6 +6,7 @@ Each table's weight is a real ``nn.EmbeddingBag`` parameter, and a view into the
 one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serves the group.
 """
 
+import functools
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
 from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
@@ -167,8 +168,13 @@ class EmbeddingBagCollection(TableGroups):
                 dtype=dtype,
             )
             # nn.EmbeddingBag draws N(0, 1) at construction (TorchRec's EBC builds one per
-            # table and then runs reset_parameters): draw it too, so a seeded build matches
-            nn.init.normal_(whole[t])
+            # table and then runs reset_parameters): draw it too, so a seeded build matches.
+            # A cached table whose uniform init overwrites it draws into scratch instead (its
+            # backing store, a file maybe bigger than RAM, is then written once, not twice)
+            if tiers[t].cached and _init_overwrites(cfg):
+                draw_normal_like(whole[t])
+            else:
+                nn.init.normal_(whole[t])
 
         self._embedding_names = embedding_names(tables)
         # the scripted forward's plain lookup (``portable.pooled``), in config order
@@ -461,6 +467,46 @@ class EmbeddingBagCollection(TableGroups):
     def extra_repr(self) -> str:
         groups = ", ".join(f"{len(m)} x {dt} {pool}" for (dt, pool), m in self._groups.items())
         return f"tables: {groups}, is_weighted={self._is_weighted}"
+
+
+NORMAL_CHUNK = 1 << 22
+"""Elements per draw of :func:`draw_normal_like` (16 MiB of fp32 scratch)."""
+
+
+def draw_normal_like(weight: torch.Tensor, chunk: int | None = None) -> None:
+    """Advance the global CPU generator as ``weight.normal_()`` would, without writing
+    ``weight``: N(0, 1) values of its dtype drawn into a scratch buffer of ``chunk`` (default
+    ``NORMAL_CHUNK``) elements, piece after piece. CPU ``normal_`` of n >= 16 contiguous values
+    takes one draw per value, and 16 more when n is not a multiple of 16 (the tail is drawn
+    again): every piece but the last is a multiple of 16 long and the last is at least 16
+    long with n's remainder, so the pieces take the draws one ``normal_`` of n takes
+    (``tests/modules/test_tiers_init.py``)."""
+    n = weight.numel()
+    chunk = max(16, (chunk or NORMAL_CHUNK) // 16 * 16)
+    if n <= chunk + 15:
+        torch.empty(n, dtype=weight.dtype).normal_()
+        return
+    scratch = torch.empty(chunk + 15, dtype=weight.dtype)
+    left = n
+    while left:
+        piece = chunk if left - chunk >= 16 else left  # never a last piece under 16
+        scratch[:piece].normal_()
+        left -= piece
+
+
+_FILLS = (nn.init.uniform_, nn.init.normal_, nn.init.trunc_normal_, nn.init.constant_,
+          nn.init.zeros_, nn.init.ones_)
+"""``torch.nn.init`` functions that set every value whatever it held."""
+
+
+def _init_overwrites(cfg) -> bool:
+    """Whether the table's init (:func:`_init_table`) sets every value whatever it held: no
+    ``init_fn`` (uniform), or one of ``_FILLS`` (TorchRec's default ``init_fn`` is
+    ``functools.partial(torch.nn.init.uniform_, a=..., b=...)``)."""
+    fn = cfg.init_fn
+    if isinstance(fn, functools.partial) and not fn.args:
+        fn = fn.func
+    return fn is None or fn in _FILLS
 
 
 def _init_table(cfg, weight: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ stay "used now" for later forwards. ``flush`` writes every dirty slot back.
 The map and the bookkeeping live on the host: ids of a batch are read there (a sync on CUDA).
 """
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -69,7 +70,21 @@ def _file_tensor(path: str, numel: int, dtype: torch.dtype, what: str) -> torch.
             os.unlink(tmp)
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    return _map_random(path, nbytes, numel, dtype)
+
+
+def _map_random(path: str, nbytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[numel]`` of ``dtype`` mapped shared onto ``path`` (writes go to the file), advised
+    ``MADV_RANDOM`` where the platform has it: a miss reads its row's page, not the
+    read-around window (``read_ahead_kb``, often MiBs) that a fault of a mapping reads by
+    default, which made every missed row of a table bigger than RAM cost a window of disk
+    reads (``docs/results/file-tier-1p5x-ram-2026-12-05.md``). The tensor holds the mapping."""
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
 class Backing:
