@@ -79,7 +79,8 @@ class TableBatchedEmbedding(nn.Module):
             and ``Storage.slots(E)`` of them in the flat weights (``modules/tiers.py``);
             ``split_embedding_weights`` / ``split_optimizer_states`` / ``state_dict`` give
             its whole table (flushed), ``split_slot_weights`` what the kernels read.
-            Training a cached table needs a fused optimizer; its ids are always checked.
+            Training a cached table needs a fused optimizer; its ids are always checked. All
+            ``host`` on CUDA: weights and states in pinned host memory (``host_tier.py``).
 
     ``forward(indices [N], offsets [T*B+1], per_sample_weights [N] | None) -> [B, sum(D)]``.
 

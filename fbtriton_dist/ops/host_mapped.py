@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DL_CPU", "DL_CUDA", "copy_of", "empty", "host_of", "is_host_mapped", "live_count", "wrap"]
+__all__ = ["DL_CPU", "DL_CUDA", "copy_of", "empty", "host_of", "is_host_mapped", "live_count",
+           "wrap"]
 
 DL_CPU = 1
 """DLPack's ``kDLCPU``."""
@@ -84,7 +85,7 @@ def wrap(host: torch.Tensor, device_type: int, device_id: int = 0) -> torch.Tens
                          f"contiguous={host.is_contiguous()}")
     if host.dtype not in _CODES:
         raise ValueError(f"dtype: expected one of {list(_CODES)}, got {host.dtype}")
-    if device_type == DL_CUDA and not host.is_pinned():
+    if device_type == DL_CUDA and host.numel() and not host.is_pinned():  # empty: no memory
         raise ValueError("host: a CUDA mapping needs pinned host memory, got pageable memory")
     n = host.dim()
     shape = (ctypes.c_int64 * max(n, 1))(*host.shape)

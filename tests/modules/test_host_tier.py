@@ -16,7 +16,8 @@ from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.ops.host_mapped import is_host_mapped
-from tests.conftest import requires_cuda
+from tests.conftest import TRITON_OK, requires_cuda
+from tests.helpers import device_for, make_batch, upstream_grad
 
 BAGS = [
     EmbeddingBagConfig(name="t0", num_embeddings=30, embedding_dim=4, feature_names=["f0", "f1"]),
@@ -128,6 +129,30 @@ def test_tbe_constructor_and_apply_allocate_mapped(mapping):
                                          r"expected weights in host memory mapped to cpu"):
         TableBatchedEmbedding([(8, 4)], storage=["host"], table_names=["a"],
                               weights=torch.zeros(32))
+
+
+def test_triton_kernels_train_mapped_rows_as_device(mapping):
+    """The Triton kernels (on the GPU, else interpreted) on rows in mapped host memory."""
+    if not TRITON_OK:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev, tables, ftm = device_for("triton"), [(16, 4), (6, 3)], [0, 0, 1]
+    device, host = (TableBatchedEmbedding(tables, feature_table_map=ftm, backend="triton",
+                                          optimizer=optim.Adam(lr=0.1), storage=storage,
+                                          device=dev) for storage in (None, ["host", "host"]))
+    host.load_state_dict(device.state_dict())
+    assert all(is_host_mapped(t) for t in (host.weights, host.momentum1, host.momentum2))
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        batch = make_batch(tables, ftm, 3, 2, weighted=True, hot=True, generator=g, device=dev)
+        for m in (device, host):
+            out = m(*batch)
+            (out * upstream_grad(out, step)).sum().backward()
+    a, b = device.state_dict(), host.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+    assert torch.equal(device.momentum2, host.momentum2) and host.step == 3
+    assert is_host_mapped(host.weights) and is_host_mapped(host.momentum1)
 
 
 def test_mixed_tbe_refused_where_host_is_mapped(monkeypatch):
