@@ -3,9 +3,11 @@
 A table lives on one tier (``docs/storage.md``):
 
 * ``device``: every row in the compute device's memory (HBM; RAM on the CPU). The default.
-* ``host``: every row in host memory, read by the kernels directly. On the CPU there is no
-  separate device memory: the same as ``device``. On CUDA (pinned memory read by the kernels,
-  TorchRec's ``fused_uvm``) it is not built yet and refused.
+* ``host``: every row (and its optimizer state) in host memory, read and updated by the
+  kernels directly, no cache (TorchRec's ``fused_uvm``). On CUDA: pinned host memory the GPU
+  addresses over PCIe (zero-copy, ``ops/host_mapped.py``; such tables get TableBatchedEmbeddings
+  of their own, ``modules/host_tier.py``). On the CPU there is no separate device memory: the
+  same as ``device``.
 * ``cached``: a cache of ``cache slots`` rows on the compute device in front of every row in
   host memory (TorchRec's ``fused_uvm_caching``).
 * ``file``: as ``cached``, the rows behind the cache in a memory-mapped file under ``path``

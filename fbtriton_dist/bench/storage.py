@@ -20,8 +20,9 @@ a worker thread during the step: ``TableBatchedEmbedding.prefetch``) the worker'
 step, the part of it the lookups waited for (exposed) and the rows taken from it.
 
 ``--device cuda``: our modules on the GPU (the Triton kernels; a cached tier keeps its slots in
-device memory and its rows in pinned host memory); a tier our module refuses on the device
-(``host`` on CUDA today) gets a row saying so and the run goes on; each timed step is
+device memory and its rows in pinned host memory; ``host`` keeps every row in pinned host
+memory, read over PCIe); a tier our module refuses on the device gets a row saying so and
+the run goes on; each timed step is
 bracketed by ``torch.cuda.synchronize()``. ``--fbgemm`` (CUDA only) adds FBGEMM's tiers,
 ``fbgemm_device``, ``fbgemm_managed`` (UVM) and ``fbgemm_managed_caching`` (its HBM cache,
 ``--cache-load-factor``, LRU/LFU as ``--policy``; its forward prefetches its own batch, no

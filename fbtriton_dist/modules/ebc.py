@@ -3,7 +3,8 @@
 Same constructor, same KeyedJaggedTensor in / KeyedTensor out, same state_dict keys
 (``embedding_bags.<table>.weight``, shapes [E, D]) as ``torchrec.EmbeddingBagCollection``.
 Each table's weight is a real ``nn.EmbeddingBag`` parameter, and a view into the flat buffer of
-one TableBatchedEmbedding per (dtype, pooling) group, so one kernel launch serves the group.
+one TableBatchedEmbedding per (dtype, pooling, ``host`` tier or not) group, so one kernel
+launch serves the group.
 """
 
 import functools
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import ebc_op, op_spec, portable, torchrec_ir
+from fbtriton_dist.modules import ebc_op, host_tier, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import (
     OpLayout,
@@ -118,20 +119,21 @@ class EmbeddingBagCollection(TableGroups):
             if not cfg.feature_names:
                 cfg.feature_names = [cfg.name]
         self.embedding_bags = nn.ModuleDict()
-        self._groups: dict[tuple[torch.dtype, str], list[int]] = {}
+        # (dtype, pooling, is_host): host tables own their TBEs on every device (host_tier.py)
+        self._groups: dict[tuple[torch.dtype, str, bool], list[int]] = {}
         for t, cfg in enumerate(tables):
-            key = (self._dtype(cfg), self._pooling(cfg))
+            key = (self._dtype(cfg), self._pooling(cfg), host_tier.is_host(tiers[t]))
             self._groups.setdefault(key, []).append(t)
 
         self._tbes = []  # a TableBatchedEmbedding per group (not submodules: the parameters are)
         self._feature_order: list[str] = []
         views: dict[int, torch.Tensor] = {}  # what the kernels read: a cached table's slots
         whole: dict[int, torch.Tensor] = {}  # the whole tables: a cached table's backing store
-        for (dtype, pooling), members in self._groups.items():
+        for (dtype, pooling, _), members in self._groups.items():
             shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
             slots = [tiers[t].slots(E) for t, (E, _) in zip(members, shapes, strict=True)]
-            flat = torch.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
-                               dtype=dtype, device=self._device)
+            flat = host_tier.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
+                                   dtype, self._device, [tiers[t] for t in members])
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
             with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
                 seed = int(torch.randint(2**31 - 1, (), device="cpu"))
@@ -465,7 +467,8 @@ class EmbeddingBagCollection(TableGroups):
         return grad_psw, [grads.get(t) for t in range(len(self._embedding_bag_configs))]
 
     def extra_repr(self) -> str:
-        groups = ", ".join(f"{len(m)} x {dt} {pool}" for (dt, pool), m in self._groups.items())
+        groups = ", ".join(f"{len(m)} x {dt} {pool}" + (" host" if host else "")
+                           for (dt, pool, host), m in self._groups.items())
         return f"tables: {groups}, is_weighted={self._is_weighted}"
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import ebc_op, ec_op, op_spec, portable, torchrec_ir
+from fbtriton_dist.modules import ebc_op, ec_op, host_tier, op_spec, portable, torchrec_ir
 from fbtriton_dist.modules.ebc import DATA_TYPES, embedding_names
 from fbtriton_dist.modules.managed import ManagedCollisionCollection, managed_forward
 from fbtriton_dist.modules.table_groups import (
@@ -63,7 +63,7 @@ class EmbeddingCollection(TableGroups):
                                   "_embedding_names_by_table", "_op_layout",
                                   "optimizer_state_dtypes"]
     _tables_attr = "embeddings"
-    _group_what = "dtype"
+    _group_what = "dtype and host tier"
 
     def __init__(
         self,
@@ -95,9 +95,10 @@ class EmbeddingCollection(TableGroups):
         for cfg in tables:
             if not cfg.feature_names:
                 cfg.feature_names = [cfg.name]
-        self._groups: dict[torch.dtype, list[int]] = {}
+        # (dtype, is_host): host tables own their TBEs on every device (host_tier.py)
+        self._groups: dict[tuple[torch.dtype, bool], list[int]] = {}
         for t, cfg in enumerate(tables):
-            self._groups.setdefault(self._dtype(cfg), []).append(t)
+            self._groups.setdefault((self._dtype(cfg), host_tier.is_host(tiers[t])), []).append(t)
 
         self._tbes: list[TableBatchedEmbedding] = []
         self._feature_order: list[str] = []  # the features of the groups, group after group
@@ -105,11 +106,11 @@ class EmbeddingCollection(TableGroups):
         first_output = [0, *accumulate(len(c.feature_names) for c in tables)]
         views: dict[int, torch.Tensor] = {}  # what the kernels read: a cached table's slots
         whole: dict[int, torch.Tensor] = {}  # the whole tables: a cached table's backing store
-        for dtype, members in self._groups.items():
+        for (dtype, _), members in self._groups.items():
             shapes = [(tables[t].num_embeddings, tables[t].embedding_dim) for t in members]
             slots = [tiers[t].slots(E) for t, (E, _) in zip(members, shapes, strict=True)]
-            flat = torch.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
-                               dtype=dtype, device=self._device)
+            flat = host_tier.empty(sum(C * D for C, (_, D) in zip(slots, shapes, strict=True)),
+                                   dtype, self._device, [tiers[t] for t in members])
             ftm = [i for i, t in enumerate(members) for _ in tables[t].feature_names]
             with torch.random.fork_rng(devices=[]):  # the global RNG draws weights only
                 seed = int(torch.randint(2**31 - 1, (), device="cpu"))
@@ -340,7 +341,8 @@ class EmbeddingCollection(TableGroups):
         return [out.get(t) for t in range(len(self._embedding_configs))]
 
     def extra_repr(self) -> str:
-        groups = ", ".join(f"{len(m)} x {dt}" for dt, m in self._groups.items())
+        groups = ", ".join(f"{len(m)} x {dt}" + (" host" if host else "")
+                           for (dt, host), m in self._groups.items())
         return f"tables: {groups}, need_indices={self._need_indices}"
 
 

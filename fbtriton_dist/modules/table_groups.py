@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules import host_tier
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import Storage, storage_of
 
@@ -134,7 +135,7 @@ class TableGroups(nn.Module):
         )
         if bound:
             return
-        packed = torch.cat([p.detach().reshape(-1) for p in params])
+        packed = host_tier.place(torch.cat([p.detach().reshape(-1) for p in params]), tbe.storage)
         tbe.weights = nn.Parameter(packed, requires_grad=False)
         for p, view in zip(params, tbe.split_slot_weights(), strict=True):
             p.data = view
@@ -197,7 +198,7 @@ class TableGroups(nn.Module):
         cls, kwargs = specs[0]
         return optim.from_torch(cls, dict(kwargs), f"tables {names}")
 
-    _group_what = "dtype and pooling"
+    _group_what = "dtype, pooling and host tier"
 
     def sync_optimizer(self, tbe: TableBatchedEmbedding, members: Sequence[int]):
         """Give the group's TBE the fused optimizer its parameters are annotated with."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import fused_optim
+from fbtriton_dist.modules import fused_optim, host_tier
 from fbtriton_dist.modules.fused_optim import check_ema_tables, ema_inplace
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
@@ -79,7 +79,8 @@ class TableBatchedEmbedding(nn.Module):
             and ``Storage.slots(E)`` of them in the flat weights (``modules/tiers.py``);
             ``split_embedding_weights`` / ``split_optimizer_states`` / ``state_dict`` give
             its whole table (flushed), ``split_slot_weights`` what the kernels read.
-            Training a cached table needs a fused optimizer; its ids are always checked.
+            Training a cached table needs a fused optimizer; its ids are always checked. All
+            ``host`` on CUDA: weights and states in pinned host memory (``host_tier.py``).
 
     ``forward(indices [N], offsets [T*B+1], per_sample_weights [N] | None) -> [B, sum(D)]``.
 
@@ -210,12 +211,13 @@ class TableBatchedEmbedding(nn.Module):
         self._tiers = TieredTables(caches) if caches else None
 
         if weights is None:
-            weights = torch.empty(self.table_offsets[-1], dtype=weights_dtype, device=device)
+            weights = host_tier.empty(self.table_offsets[-1], weights_dtype, where, self.storage)
         elif weights.shape != (self.table_offsets[-1],) or weights.dtype != weights_dtype:
             raise ValueError(
                 f"weights: expected a flat {weights_dtype} tensor of {self.table_offsets[-1]} "
                 f"elements, got {weights.dtype} {tuple(weights.shape)}"
             )
+        host_tier.check_weights(weights, names, self.storage)
         self.weights = nn.Parameter(weights, requires_grad=True)
         for name in optim.STATE_BUFFERS:  # those the optimizer lacks stay empty
             self.register_buffer(name, torch.zeros(0, device=device))
@@ -244,7 +246,9 @@ class TableBatchedEmbedding(nn.Module):
             )
 
     def _apply(self, fn, recurse=True):
+        host_tier.place_module(self, fn)  # host tables on CUDA: into mapped host memory
         super()._apply(fn, recurse)  # cached tables: the slots move, the backing store stays
+        host_tier.place_module(self)
         self.set_layout_buffers(self.weights.device)
         backends.check_supported(self.backend, device=self.weights.device)  # a new device
         self._check_tier_device(self.weights.device)
@@ -254,15 +258,11 @@ class TableBatchedEmbedding(nn.Module):
         return self
 
     def _check_tier_device(self, device) -> None:
-        """Refuse what the tiers cannot do on ``device`` (this slice: the ``host`` tier on
-        CUDA, kernels reading pinned host memory; cached tables on meta)."""
+        """Refuse what the tiers cannot do on ``device``: ``host`` tables mixed with others
+        where ``host`` is mapped host memory (``modules/host_tier.py``); cached tables on meta."""
         kind = torch.device(device).type
+        host_tier.check_mixed(self.table_names, self.storage, device)
         for name, s in zip(self.table_names, self.storage, strict=True):
-            if s.tier == "host" and kind == "cuda":
-                raise ValueError(
-                    f"table '{name}': storage tier 'host' on CUDA (kernels reading pinned host "
-                    "memory directly) is not built yet; use tier 'cached'"
-                )
             if s.cached and kind == "meta":
                 raise ValueError(f"table '{name}': storage tier {s.tier!r} on the meta device "
                                  "is not supported yet (its backing store is allocated at once)")
@@ -294,7 +294,7 @@ class TableBatchedEmbedding(nn.Module):
         for name in optim.STATE_BUFFERS:
             numel = sizes.get(name, 0)
             dtype = _STATE_DTYPES[self.optimizer_state_dtypes.get(name, "fp32")]
-            setattr(self, name, torch.zeros(numel, dtype=dtype, device=self.weights.device))
+            setattr(self, name, host_tier.zeros(numel, dtype, self.weights.device, self.storage))
         if self._tiers is not None:  # the backing stores keep each state in its dtype too
             dtypes = {s.name: _STATE_DTYPES[self.optimizer_state_dtypes.get(s.name, "fp32")]
                       for s in states}

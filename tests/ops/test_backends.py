@@ -114,7 +114,7 @@ def test_capabilities_match_the_implementations():
     assert [n for n, c in caps.items() if c.native_input_check] == ["cpu"]
     # storage tiers: those tests/modules/test_tiers.py trains exactly as device
     assert {n: c.tiers for n, c in caps.items()} == {
-        "triton": ("device", "cached", "file"),  # host: not on CUDA yet
+        "triton": ("device", "host", "cached", "file"),
         "cpu": ("device", "host", "cached", "file"),
         "reference": ("device", "host", "cached", "file"),
     }

@@ -73,8 +73,8 @@ BACKEND = TritonBackend(
         capturable=True,
         bounds_check_in_kernel=True,
         plan_ahead=True,
-        # host: on CUDA, kernels reading pinned host memory are not built yet
-        tiers=("device", "cached", "file"),
+        # host: on CUDA the kernels read and update rows in pinned host memory in place
+        tiers=("device", "host", "cached", "file"),
     ),
     "fbtriton_dist.kernels",
 )

@@ -55,6 +55,9 @@ class LocalTable:
     col_start: int
     col_end: int
     dtype: torch.dtype
+    host: bool = False
+    """Its table is on the ``host`` storage tier: a local TBE of its own
+    (``modules/host_tier.py``)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,7 +68,8 @@ class ShardLayout:
     """Index lists for one rank of a sharded EmbeddingBagCollection (the same on every rank,
     computed from the plan alone)."""
 
-    def __init__(self, configs: Sequence, plan: ShardingPlan, world_size: int) -> None:
+    def __init__(self, configs: Sequence, plan: ShardingPlan, world_size: int,
+                 host_tables: Sequence[str] = ()) -> None:
         if plan.world_size != world_size:
             raise ValueError(
                 f"plan: made for world_size={plan.world_size}, but the process group has "
@@ -101,12 +105,15 @@ class ShardLayout:
                         f, t, s.rank, s.row_start, s.row_end, s.col_start, s.col_end, dp, in_host
                     )
                 )
-        # per rank: its shard-features grouped by dtype (one TBE per dtype), then feature order
-        group_of = {dt: i for i, dt in enumerate(dict.fromkeys(dtypes))}
+        # per rank: its shard-features grouped by (dtype, host tier) (one TBE each: host tables
+        # ``host_tables`` apart), then feature order
+        self.host = [c.name in set(host_tables) for c in configs]
+        groups = list(zip(dtypes, self.host, strict=True))
+        group_of = {g: i for i, g in enumerate(dict.fromkeys(groups))}
         self.local: list[list[ShardFeature]] = [
             sorted(
                 (sf for sf in shard_features if sf.rank == q),
-                key=lambda sf: (group_of[dtypes[sf.table]], sf.feature, sf.row_start, sf.col_start),
+                key=lambda sf: (group_of[groups[sf.table]], sf.feature, sf.row_start, sf.col_start),
             )
             for q in range(world_size)
         ]
@@ -142,7 +149,8 @@ class ShardLayout:
             if key not in tables:
                 tables[key] = len(tables)
             ftm.append(tables[key])
-        local = [LocalTable(*key, dtype=self.dtypes[key[0]]) for key in tables]
+        local = [LocalTable(*key, dtype=self.dtypes[key[0]], host=self.host[key[0]])
+                 for key in tables]
         return local, ftm
 
     def local_columns(self, rank: int) -> list[int]:

@@ -111,7 +111,8 @@ class ShardedCollection(nn.Module):
         self._prefetched: list[tuple[object, InputDistOut]] = []
         self.rank = dist.get_rank(process_group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group))
+        host = [n for n, s in dict(storage or {}).items() if storage_of(s, n).tier == "host"]
+        self.layout = ShardLayout(configs, plan, dist.get_world_size(process_group), host)
         self.replicas = replicas
         """The replica groups this collection is one group's copy in, or None (flat)."""
         self._check_replicas(storage)
@@ -140,8 +141,8 @@ class ShardedCollection(nn.Module):
         self.host_group = self._host_group(process_group)
         local, ftm = self.layout.local_tables(self.rank)
         self.local_tables = local
-        # one TableBatchedEmbedding per dtype; shard-features are already grouped by dtype
-        # not submodules: the state dict speaks TorchRec's keys (see state_dict below)
+        # one TableBatchedEmbedding per (dtype, host tier); the layout groups shard-features
+        # so. Not submodules: the state dict speaks TorchRec's keys (see state_dict below)
         self.tbes: list[TableBatchedEmbedding] = []
         self._group_features: list[int] = []
         # the TBEs' rounding seeds are drawn without advancing the global RNG: ranks hold
@@ -149,9 +150,9 @@ class ShardedCollection(nn.Module):
         # on every rank (the same draw everywhere, then varied by rank and group)
         with torch.random.fork_rng(devices=[]):
             base = int(torch.randint(2**31 - 1, (), device="cpu"))
-        for dtype in dict.fromkeys(t.dtype for t in local):
-            members = [i for i, t in enumerate(local) if t.dtype == dtype]
-            sfs = [j for j, i in enumerate(ftm) if local[i].dtype == dtype]
+        for dtype, host in dict.fromkeys((t.dtype, t.host) for t in local):
+            members = [i for i, t in enumerate(local) if (t.dtype, t.host) == (dtype, host)]
+            sfs = [j for j, i in enumerate(ftm) if i in members]
             tbe = TableBatchedEmbedding(
                 [local[i].shape for i in members],
                 [members.index(ftm[j]) for j in sfs],
@@ -386,11 +387,11 @@ class ShardedCollection(nn.Module):
         """(LocalTable, [E_s, D_s] weight view, [state views]) for every shard on this rank."""
         views = [v for tbe in self.tbes for v in tbe.split_embedding_weights()]
         states = [s for tbe in self.tbes for s in tbe.split_optimizer_states()]
-        by_dtype = [
+        by_dtype = [  # the TBEs' order: by (dtype, host tier)
             t
-            for dtype in dict.fromkeys(t.dtype for t in self.local_tables)
+            for group in dict.fromkeys((t.dtype, t.host) for t in self.local_tables)
             for t in self.local_tables
-            if t.dtype == dtype
+            if (t.dtype, t.host) == group
         ]
         return list(zip(by_dtype, views, states, strict=True))
 
