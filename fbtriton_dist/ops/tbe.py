@@ -19,6 +19,7 @@ import torch
 from fbtriton_dist import graphs, knobs, optim
 from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.ops import backends, cpu_native, tbe_ahead
+from fbtriton_dist.pooling import PoolingMode
 
 Backend = str
 """A resolved backend's name (``backends.names()``); ``backends.get`` gives its object."""
@@ -230,10 +231,14 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     if bounds_check == "error":
         raise IndexError(what)
     warnings.warn(f"dropping {where.numel()} out-of-range ids; first: {what}", stacklevel=3)
-    keep = ~bad
-    kept_per_bag = torch.zeros(T * B, dtype=torch.int64, device=indices.device)
+    return _kept_batch(indices, offsets, per_sample_weights, bags, ~bad)
+
+
+def _kept_batch(indices, offsets, per_sample_weights, bags, keep):
+    """The batch of the ids ``keep`` [N] bool marks (``bags`` [N]: each id's bag)."""
+    kept_per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.int64, device=indices.device)
     kept_per_bag.index_add_(0, bags, keep.to(torch.int64))
-    new_offsets = torch.zeros(T * B + 1, dtype=offsets.dtype, device=offsets.device)
+    new_offsets = torch.zeros_like(offsets)
     new_offsets[1:] = torch.cumsum(kept_per_bag, 0)
     psw = per_sample_weights[keep] if per_sample_weights is not None else None
     return indices[keep], new_offsets, psw
@@ -330,6 +335,15 @@ class _TBELookup(torch.autograd.Function):
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
+        ctx.keep = None
+        if err is not None and training and saved[0] is None and not ahead and int(err[0]):
+            # the kernel dropped ids and this backend's backward re-reads the batch (no keys
+            # marking them): it gets the batch without them (a host read of err, which such
+            # a backend makes anyway), its per-sample weight gradient scattered back
+            bags, bad = _bad_ids(indices, offsets, layout)
+            ctx.keep = ~bad
+            indices, offsets, per_sample_weights = _kept_batch(
+                indices, offsets, per_sample_weights, bags, ctx.keep)
         if ahead:  # queued after the forward (tbe_ahead's comment says why)
             plan, done, consumed = tbe_ahead.plan_ahead(
                 impl, layout, pooling, indices, offsets, per_sample_weights,
@@ -348,6 +362,8 @@ class _TBELookup(torch.autograd.Function):
         indices, offsets, per_sample_weights, keys, bag_ids, counts = ctx.saved_tensors
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
+        if ctx.keep is not None and pooling == PoolingMode.NONE:  # a row per id kept
+            grad_output = grad_output[ctx.keep]
         if capturing(weights.device) and (not fused or ctx.needs_input_grad[2]):
             raise RuntimeError(
                 "TBE backward under CUDA graph capture: "
@@ -372,6 +388,8 @@ class _TBELookup(torch.autograd.Function):
                 offsets,
                 pooling=pooling,
             ).to(per_sample_weights.dtype)
+            if ctx.keep is not None:  # the ids the forward dropped get none
+                grad_psw = grad_psw.new_zeros(ctx.keep.shape).masked_scatter_(ctx.keep, grad_psw)
         impl = backends.get(backend)
         common = dict(
             pooling=pooling,
@@ -555,8 +573,10 @@ def tbe_lookup(
         batch = (indices, offsets, per_sample_weights, layout, bounds_check)
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.watch(err, batch)  # read at the next lookup: no host sync now
-        elif any(err.tolist()):
-            _report_bad_input(batch, err.tolist())
+        else:
+            flags = err.tolist()
+            if any(flags):
+                _report_bad_input(batch, flags)
     return out
 
 
@@ -633,6 +653,7 @@ def _context(indices, offsets, per_sample_weights, weights, layout, pooling, bac
         num_targets=num_targets,
         plan=None,
         ahead_check=None,
+        keep=None,
         needs_input_grad=(False, False, psw_grad, *[False] * (_NUM_INPUTS - 3),
                           *[True] * num_targets),
     )
