@@ -36,7 +36,7 @@ def test_cpu_forward_checks_ids_itself_and_reports_as_the_host_check(monkeypatch
     host_checked = dataclasses.replace(cpu.capabilities, bounds_check_in_kernel=False)
     tbe = TableBatchedEmbedding([(10, 4), (3, 2)], [0, 1], table_names=["ads", "geo"],
                                 feature_names=["u", "v"], pooling="mean", backend="cpu")
-    offsets = torch.tensor([0, 2, 2, 3, 4], dtype=index_dtype)  # B=2; indices[3]: feature 'v'
+    offsets = torch.tensor([0, 2, 2, 2, 4], dtype=index_dtype)  # B=2; indices[2:4]: v, sample 1
     psw = torch.tensor([1.0, 2.0, 3.0, 4.0])
     before = {}
     with monkeypatch.context() as patch:  # the host check, as before
