@@ -193,6 +193,7 @@ def tbe_forward(
     row_offsets: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     err: torch.Tensor | None = None,
+    check_weights: bool = False,
     **_kernel_hints,
 ) -> torch.Tensor:
     """``reference.tbe_forward`` (pooled ``[B, total_D]``, or ``[N, max_D]`` rows without
@@ -200,14 +201,20 @@ def tbe_forward(
     kernel's ``err``: ids outside ``rows`` [T] are dropped (a mean divides by the ids kept;
     their unpooled rows are zeros) and counted in ``err[0]``, ``err[1]`` gets N minus the first
     one's position, malformed bags are counted in ``err[2]`` (their output is then not
-    defined: the caller raises). The kernels' ``linearize`` / ``row_align`` are not used."""
+    defined: the caller raises), and, ``check_weights`` (``bounds_check="error"``), the
+    non-finite per-sample weights too. The kernels' ``linearize`` / ``row_align`` are not
+    used."""
+    if rows is None:
+        err = None
     out = cpu_native.forward(weights, w_offsets, dims, D_offsets, indices, offsets,
                              per_sample_weights, pooling=pooling, max_D=max_D, total_D=total_D,
-                             rows=rows, err=err if rows is not None else None)
+                             rows=rows, err=err, check_weights=check_weights)
     if out is not None:
         return out if output_dtype == torch.float32 else out.to(output_dtype)
     keep = None
-    if err is not None and rows is not None:
+    if err is not None:
+        if check_weights and per_sample_weights is not None:
+            err[2] += (~torch.isfinite(per_sample_weights)).sum()
         checked = _drop_out_of_range(indices, offsets, per_sample_weights, rows, err)
         if checked is None:  # malformed offsets: counted, the caller raises
             shape = (indices.numel(), max_D) if pooling == POOL_NONE else (

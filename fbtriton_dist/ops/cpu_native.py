@@ -85,7 +85,7 @@ _PLAN = [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I32,
 _SIGNATURES = {
     "tbe_check": (_I32, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _I32]),
     "tbe_forward": (_I32, [_P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P, _I32, _P, _I64,
-                           _I64, _I32, _P, _I64, _P, _I32]),
+                           _I64, _I32, _P, _I64, _P, _I32, _I32]),
     "tbe_plan": (_I64, [*_PLAN, _P, _P, _I32]),
     "tbe_backward_fused": (_I32, [*_PLAN, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
                                   _I64, _I32]),
@@ -298,12 +298,13 @@ def check(indices, offsets, rows, per_sample_weights) -> int | None:
 
 def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_weights, *,
             pooling: int, max_D: int, total_D: int, rows=None,
-            err: torch.Tensor | None = None) -> torch.Tensor | None:
+            err: torch.Tensor | None = None, check_weights: bool = False) -> torch.Tensor | None:
     """``cpu.tbe_forward`` in fp32 (pooled ``[B, total_D]``, unpooled ``[N, max_D]``), or
     None where the kernels do not apply. ``err`` ([3] int64, as the Triton forward's): ids
     outside ``rows`` are dropped and counted there (``err[0]``; ``err[1]``: N minus the first
-    one's position, a max), malformed bags added to ``err[2]``, in the lookup's own pass;
-    without it a bad batch raises."""
+    one's position, a max), malformed bags added to ``err[2]``, in the lookup's own pass
+    (and, ``check_weights``, the non-finite per-sample weights); without it a bad batch
+    raises."""
     lib = _usable(weights, indices, offsets, err)
     if lib is None or (err is not None and (err.dtype != torch.int64
                                             or not err.is_contiguous())):
@@ -322,7 +323,7 @@ def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_we
         weights.data_ptr(), DTYPES[weights.dtype], weights.numel(), _long(w_offsets).data_ptr(),
         _long(dims).data_ptr(), _long(D_offsets).data_ptr(), _ptr(rows), idx.data_ptr(), idx32,
         idx.numel(), off.data_ptr(), off32, _ptr(psw), T, B, pooling, out.data_ptr(),
-        out.shape[1], _ptr(err), torch.get_num_threads(),
+        out.shape[1], _ptr(err), int(check_weights), torch.get_num_threads(),
     )
     if code:
         _raise(code, "TBE forward")

@@ -278,7 +278,7 @@ def _feature_name(layout: TBELayout, f: int) -> str:
     return repr(layout.feature_names[f]) if layout.feature_names else str(f)
 
 
-_NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
+_NUM_INPUTS = 16  # _TBELookup.forward's inputs before *grad_targets
 
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
@@ -301,6 +301,7 @@ class _TBELookup(torch.autograd.Function):
         err,
         training,
         plan_ahead,
+        check_weights,
         *grad_targets,
     ):
         ctx.weights = weights
@@ -310,6 +311,8 @@ class _TBELookup(torch.autograd.Function):
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
         ahead = linearize and plan_ahead and impl.capabilities.plan_ahead
+        # only a backend that counts non-finite weights itself is asked to (weights_check)
+        extra = {"check_weights": True} if check_weights else {}
         if ahead:
             linearize = False  # the side stream writes the keys
             fork = tbe_ahead.fork(weights.device)  # the side stream starts here
@@ -331,19 +334,14 @@ class _TBELookup(torch.autograd.Function):
             err=err,
             linearize=linearize,
             row_align=layout.row_align,
+            **extra,
         )
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
-        ctx.keep = None
-        if err is not None and training and saved[0] is None and not ahead and int(err[0]):
-            # the kernel dropped ids and this backend's backward re-reads the batch (no keys
-            # marking them): it gets the batch without them (a host read of err, which such
-            # a backend makes anyway), its per-sample weight gradient scattered back
-            bags, bad = _bad_ids(indices, offsets, layout)
-            ctx.keep = ~bad
-            indices, offsets, per_sample_weights = _kept_batch(
-                indices, offsets, per_sample_weights, bags, ctx.keep)
+        # a backward that re-reads the batch (no keys mark the ids the forward dropped) looks
+        # at err for them: no host read here
+        ctx.dropped = err if training and saved[0] is None and not ahead else None
         if ahead:  # queued after the forward (tbe_ahead's comment says why)
             plan, done, consumed = tbe_ahead.plan_ahead(
                 impl, layout, pooling, indices, offsets, per_sample_weights,
@@ -362,8 +360,17 @@ class _TBELookup(torch.autograd.Function):
         indices, offsets, per_sample_weights, keys, bag_ids, counts = ctx.saved_tensors
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
-        if ctx.keep is not None and pooling == PoolingMode.NONE:  # a row per id kept
-            grad_output = grad_output[ctx.keep]
+        keep = None
+        if ctx.dropped is not None and int(ctx.dropped[0]):
+            # the forward dropped ids: the backward gets the batch without them, and its
+            # per-sample weight gradient is scattered back (a host read of err, as the
+            # lookup's; never under capture: such a backend is not capturable)
+            bags, bad = _bad_ids(indices, offsets, layout)
+            keep = ~bad
+            indices, offsets, per_sample_weights = _kept_batch(
+                indices, offsets, per_sample_weights, bags, keep)
+            if pooling == PoolingMode.NONE:  # a gradient row per id kept
+                grad_output = grad_output[keep]
         if capturing(weights.device) and (not fused or ctx.needs_input_grad[2]):
             raise RuntimeError(
                 "TBE backward under CUDA graph capture: "
@@ -388,8 +395,8 @@ class _TBELookup(torch.autograd.Function):
                 offsets,
                 pooling=pooling,
             ).to(per_sample_weights.dtype)
-            if ctx.keep is not None:  # the ids the forward dropped get none
-                grad_psw = grad_psw.new_zeros(ctx.keep.shape).masked_scatter_(ctx.keep, grad_psw)
+            if keep is not None:  # the ids the forward dropped get none
+                grad_psw = grad_psw.new_zeros(keep.shape).masked_scatter_(keep, grad_psw)
         impl = backends.get(backend)
         common = dict(
             pooling=pooling,
@@ -531,7 +538,7 @@ def tbe_lookup(
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
     )
-    err = None
+    err, check_weights = None, False
     caps = backends.capabilities(backend)
     if not caps.bounds_check_in_kernel or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
@@ -545,8 +552,10 @@ def tbe_lookup(
         err = torch.zeros(3, dtype=torch.int64, device=weights.device)
         if bounds_check == "error" and per_sample_weights is not None:
             # a non-finite weight marks the batch bad (no extra sync: err is read anyway);
-            # _report_bad_input then names it
-            err[2] = (~torch.isfinite(per_sample_weights)).sum()
+            # _report_bad_input then names it. Counted by the forward where it can.
+            check_weights = caps.weights_check_in_kernel
+            if not check_weights:
+                err[2] = (~torch.isfinite(per_sample_weights)).sum()
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.replay_counts(weights.device)  # allocated now, before any capture
     if plan_ahead is None:
@@ -567,6 +576,7 @@ def tbe_lookup(
         err,
         training,
         plan_ahead,
+        check_weights,
         *targets,
     )
     if err is not None and not in_capture:
@@ -653,7 +663,7 @@ def _context(indices, offsets, per_sample_weights, weights, layout, pooling, bac
         num_targets=num_targets,
         plan=None,
         ahead_check=None,
-        keep=None,
+        dropped=None,
         needs_input_grad=(False, False, psw_grad, *[False] * (_NUM_INPUTS - 3),
                           *[True] * num_targets),
     )

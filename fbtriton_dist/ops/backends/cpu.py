@@ -29,6 +29,7 @@ BACKEND = CPUBackend(
         # the native forward (and, where it does not run, the torch ops) drops and counts
         # out-of-range ids in err: no separate pass over the batch before the lookup
         bounds_check_in_kernel=True,
+        weights_check_in_kernel=True,
         native_input_check=True,  # layouts without table rows (num_rows None) still take it
         tiers=("device", "host", "cached", "file"),
     ),

@@ -125,10 +125,11 @@ typedef struct {
     float *out;               /* pooled [B, stride]; unpooled [N, stride] (zeros given) */
     int64_t stride;
     int check;                /* count dropped ids and malformed bags (fwd_counts), fail none */
+    int check_weights;        /* (check, psw) also count non-finite per-sample weights */
 } fwd_args;
 
 /* what a task's bags dropped (check on): ids out of range, the first one's position (N:
- * none), malformed bags */
+ * none), malformed bags (and, check_weights, non-finite per-sample weights of their ids) */
 typedef struct {
     int64_t dropped, first, malformed;
 } fwd_counts;
@@ -300,7 +301,7 @@ static int64_t first_dropped(const fwd_args *a, int64_t f, int64_t s, int64_t e)
 }
 
 /* Bags k0 .. k1 (feature-major: bag k of feature k / B); returns BAD_* bits (bad bags and ids
- * skipped), and with a->check counts them in c (a bag is also malformed if it is the first
+ * skipped, non-finite weights), and with a->check counts them in c (a bag is also malformed if it is the first
  * and does not start at 0, or the last and does not end at N, as the Triton kernel's check).
  * Skipped ids are dropped: a mean divides by the ids kept. PLAIN: as pool_bag's. */
 INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN, fwd_counts *c) {
@@ -320,6 +321,11 @@ INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN, fwd_co
                 bad |= BAD_ORDER;
                 c->malformed++;
                 continue;
+            }
+            if (a->check_weights) { /* the bag's weights, in cache: read again below */
+                int64_t nonfinite = 0;
+                for (int64_t i = s; i < e; ++i) nonfinite += !isfinite(a->psw[i]);
+                if (nonfinite) bad |= BAD_WEIGHT, c->malformed += nonfinite;
             }
             if (a->pooling == POOL_NONE) {
                 for (int64_t i = s; i < e; ++i)
@@ -419,19 +425,21 @@ static void fwd_task(void *ctx, int64_t task, int executor) {
  * Returns 0 or minus the BAD_* bits of what was skipped. With err ([3], as the Triton forward
  * kernel's): ids out of range are dropped (a mean divides by the ids kept) and counted in
  * err[0], err[1] = max(err[1], N - the first one's position), malformed bags (as fwd_bags
- * says; with B = 0, offsets other than [0] with N = 0) added to err[2]; returns 0 then (but
+ * says; with B = 0, offsets other than [0] with N = 0) added to err[2], and, check_weights
+ * (bounds_check="error"), the non-finite per-sample weights of the bags' ids; returns 0 then (but
  * -NO_MEMORY): the caller reads err, as bounds_check does on the Triton path, instead of a
  * separate pass over the batch before the lookup. */
 int tbe_forward(const void *weights, int dtype, int64_t numel, const int64_t *w_offsets,
                 const int64_t *dims, const int64_t *D_offsets, const int64_t *rows,
                 const void *indices, int idx32, int64_t N, const void *offsets, int off32,
                 const float *psw, int64_t T, int64_t B, int pooling, float *out, int64_t stride,
-                int64_t *err, int nthreads) {
+                int64_t *err, int check_weights, int nthreads) {
     int64_t *E = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
     if (!E) return -NO_MEMORY;
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
-                  off32, N, T, B, psw, pooling, out, stride, err != NULL};
+                  off32, N, T, B, psw, pooling, out, stride, err != NULL,
+                  err != NULL && psw != NULL && check_weights};
     /* a few tasks per thread, each a range of bags in feature-major order: a feature's bags of
      * a task are one run of ids, prefetched as one stream, and a thread works on one table at
      * a time (its rows that repeat stay in the core's L2; with tasks of whole samples every
@@ -505,7 +513,7 @@ int tbe_psw_grad(const float *grad, int64_t stride, int pooling, const void *wei
     if (!E) return -NO_MEMORY;
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
-                  off32, N, T, B, NULL, pooling, NULL, stride, 0};
+                  off32, N, T, B, NULL, pooling, NULL, stride, 0, 0};
     a.out = out;
     const int64_t tasks = tbe_tasks(B, nthreads, 16);
     fwd_task_args t = {&a, tasks, grad, 0, 0, N, 0};
