@@ -1,7 +1,8 @@
 /* The fast CPU path's native kernels (fbtriton_dist/ops/cpu_native.py compiles this file with
  * tbe_cpu_backward.c on first use and calls them through ctypes on tensors' data pointers).
  *
- *   tbe_check           one pass over a batch: are the offsets and ids well formed? (bits)
+ *   tbe_check           one pass over a batch: are the offsets and ids well formed? (bits;
+ *                       only for layouts without table rows: the forward checks the rest)
  *   tbe_forward         pooled (SUM / MEAN) or unpooled rows, per-sample weights, mixed D
  *   tbe_psw_grad        the per-sample weights' gradient
  *   tbe_backward_fused  (tbe_cpu_backward.c) each unique row's gradient summed over its ids,
@@ -18,8 +19,11 @@
  *   a per-row optimizer state at row_offsets[f] + id, a per-element one as the weights.
  *
  * Every kernel checks what it reads (bag bounds, 0 <= id < rows[f]) and reports a bad batch
- * instead of reading out of bounds; the Python side validates batches before (ops/tbe.py), so
- * this is a guard, not the policy.
+ * instead of reading out of bounds. The forward given err is the lookup's bounds check
+ * (bounds_check "error" / "warn", ops/tbe.py, as the Triton kernel's CHECK): it drops bad ids
+ * and counts them, malformed bags (and non-finite weights) in err, in its own pass over the
+ * bags; ops/tbe.py then names what it counted. Without err (bounds_check="ignore") a bad
+ * batch is refused.
  *
  * Deterministic: a bag sums its ids in order; a row's gradient sums its ids in batch order
  * (the sort is stable) on the one thread that owns the row; reductions over D use fixed lanes.
