@@ -8,6 +8,7 @@ i's first D_f columns, zeros after them (and in padding rows).
 """
 
 import collections
+import threading
 import types
 import warnings
 from collections.abc import Sequence
@@ -280,6 +281,31 @@ def _feature_name(layout: TBELayout, f: int) -> str:
 
 _NUM_INPUTS = 16  # _TBELookup.forward's inputs before *grad_targets
 
+
+@dataclass(kw_only=True, eq=False)
+class _InKernelCheck:
+    """A lookup's in-kernel bounds check: what its forward is asked, what the lookup learns."""
+
+    weights: bool = False
+    """The forward counts non-finite per-sample weights too (``weights_check_in_kernel``)."""
+    dropped: int = 0
+    """Ids the forward dropped (``err[0]``, set once the lookup reads ``err``): a backward
+    that re-reads the batch (no keys mark them) leaves them out."""
+
+
+_HOST_ERR = threading.local()
+
+
+def _host_err() -> torch.Tensor:
+    """A zeroed ``err`` for a lookup on CPU tensors, one per thread: read before the lookup
+    returns and kept by nothing, so not allocated per lookup (a fresh one moved where the
+    allocator put a large output, which then cost page faults at every call)."""
+    err = getattr(_HOST_ERR, "err", None)
+    if err is None:
+        err = _HOST_ERR.err = torch.zeros(3, dtype=torch.int64)
+        return err
+    return err.zero_()
+
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
 
@@ -301,7 +327,7 @@ class _TBELookup(torch.autograd.Function):
         err,
         training,
         plan_ahead,
-        check_weights,
+        check,
         *grad_targets,
     ):
         ctx.weights = weights
@@ -312,7 +338,7 @@ class _TBELookup(torch.autograd.Function):
         ctx.plan, ctx.ahead_check = None, None
         ahead = linearize and plan_ahead and impl.capabilities.plan_ahead
         # only a backend that counts non-finite weights itself is asked to (weights_check)
-        extra = {"check_weights": True} if check_weights else {}
+        extra = {"check_weights": True} if check is not None and check.weights else {}
         if ahead:
             linearize = False  # the side stream writes the keys
             fork = tbe_ahead.fork(weights.device)  # the side stream starts here
@@ -339,9 +365,9 @@ class _TBELookup(torch.autograd.Function):
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
-        # a backward that re-reads the batch (no keys mark the ids the forward dropped) looks
-        # at err for them: no host read here
-        ctx.dropped = err if training and saved[0] is None and not ahead else None
+        # a backward that re-reads the batch (no keys mark the ids the forward dropped) learns
+        # from the lookup's read of err whether there are any: no host read here
+        ctx.check = check if training and saved[0] is None and not ahead else None
         if ahead:  # queued after the forward (tbe_ahead's comment says why)
             plan, done, consumed = tbe_ahead.plan_ahead(
                 impl, layout, pooling, indices, offsets, per_sample_weights,
@@ -361,7 +387,7 @@ class _TBELookup(torch.autograd.Function):
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
         keep = None
-        if ctx.dropped is not None and int(ctx.dropped[0]):
+        if ctx.check is not None and ctx.check.dropped:
             # the forward dropped ids: the backward gets the batch without them, and its
             # per-sample weight gradient is scattered back (a host read of err, as the
             # lookup's; never under capture: such a backend is not capturable)
@@ -538,8 +564,11 @@ def tbe_lookup(
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
     )
-    err, check_weights = None, False
+    err, check = None, None
     caps = backends.capabilities(backend)
+    # a warning read at a later lookup (no host sync now): backends without host reads only
+    defer = (bounds_check == "warn" and monitor is not None and weights.device.type == "cuda"
+             and caps.capturable)
     if not caps.bounds_check_in_kernel or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
             indices, offsets, per_sample_weights, layout, bounds_check,
@@ -549,12 +578,16 @@ def tbe_lookup(
         err = monitor.replay_counts(weights.device)  # summed over replays, never zeroed
     elif bounds_check != "ignore":
         # the kernel drops and counts out-of-range ids (and clamps malformed bags) in err
-        err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        if weights.device.type == "cpu":
+            err = _host_err()
+        else:
+            err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        check = _InKernelCheck()
         if bounds_check == "error" and per_sample_weights is not None:
             # a non-finite weight marks the batch bad (no extra sync: err is read anyway);
             # _report_bad_input then names it. Counted by the forward where it can.
-            check_weights = caps.weights_check_in_kernel
-            if not check_weights:
+            check.weights = caps.weights_check_in_kernel
+            if not check.weights:
                 err[2] = (~torch.isfinite(per_sample_weights)).sum()
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.replay_counts(weights.device)  # allocated now, before any capture
@@ -576,15 +609,16 @@ def tbe_lookup(
         err,
         training,
         plan_ahead,
-        check_weights,
+        check,
         *targets,
     )
     if err is not None and not in_capture:
         batch = (indices, offsets, per_sample_weights, layout, bounds_check)
-        if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
+        if defer:
             monitor.watch(err, batch)  # read at the next lookup: no host sync now
         else:
             flags = err.tolist()
+            check.dropped = flags[0]
             if any(flags):
                 _report_bad_input(batch, flags)
     return out
@@ -663,7 +697,7 @@ def _context(indices, offsets, per_sample_weights, weights, layout, pooling, bac
         num_targets=num_targets,
         plan=None,
         ahead_check=None,
-        dropped=None,
+        check=None,
         needs_input_grad=(False, False, psw_grad, *[False] * (_NUM_INPUTS - 3),
                           *[True] * num_targets),
     )
