@@ -298,8 +298,9 @@ _HOST_ERR = threading.local()
 
 def _host_err() -> torch.Tensor:
     """A zeroed ``err`` for a lookup on CPU tensors, one per thread: read before the lookup
-    returns and kept by nothing, so not allocated per lookup (a fresh one moved where the
-    allocator put a large output, which then cost page faults at every call)."""
+    returns and kept by nothing, so not allocated per lookup (zeroing costs less; a fresh one
+    per call also made large forwards slower in some runs, docs/results/
+    tbe-cpu-host-overhead-2026-12-05.md)."""
     err = getattr(_HOST_ERR, "err", None)
     if err is None:
         err = _HOST_ERR.err = torch.zeros(3, dtype=torch.int64)
