@@ -29,8 +29,12 @@ def _reports(tbe, indices, offsets, psw):
             tbe.weights.grad, weights.grad)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_ops"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_cpu_forward_checks_ids_itself_and_reports_as_the_host_check(monkeypatch, index_dtype):
+def test_cpu_forward_checks_ids_itself_and_reports_as_the_host_check(monkeypatch, index_dtype,
+                                                                      native):
+    """Native: the C forward counts; torch_ops (FBTD_CPU_NATIVE=0): its fallback does."""
+    monkeypatch.setenv("FBTD_CPU_NATIVE", "1" if native else "0")
     cpu = backends.get("cpu")
     assert cpu.capabilities.bounds_check_in_kernel
     host_checked = dataclasses.replace(cpu.capabilities, bounds_check_in_kernel=False)
