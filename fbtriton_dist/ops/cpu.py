@@ -26,7 +26,7 @@ The input dist's bucketize pairs every id with its key's shard-features at once
 The forward checks the ids itself given ``err`` (as the Triton kernel: out-of-range ids
 dropped and counted, ``ops.tbe`` then names them): in the native kernel's own pass, or, where
 the torch ops run, ``_drop_out_of_range``. The backward and the per-sample weight gradient
-get batches without bad ids (``ops.tbe`` saves the batch the forward kept).
+get batches without bad ids (``ops.tbe``'s backward leaves out the ids the forward dropped).
 """
 
 import torch

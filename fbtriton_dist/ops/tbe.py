@@ -307,6 +307,7 @@ def _host_err() -> torch.Tensor:
         return err
     return err.zero_()
 
+
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
 
