@@ -23,7 +23,10 @@ become keys into that view, so that
 The input dist's bucketize pairs every id with its key's shard-features at once
 (``ops/cpu_bucketize.py``); its other ops (the fixed-shape placement) are the reference's
 (the CPU backend object, ``ops/backends/cpu.py``, takes them from there).
-Ids are checked before they get here (``ops.tbe.check_inputs``).
+The forward checks the ids itself given ``err`` (as the Triton kernel: out-of-range ids
+dropped and counted, ``ops.tbe`` then names them): in the native kernel's own pass, or, where
+the torch ops run, ``_drop_out_of_range``. The backward and the per-sample weight gradient
+get batches without bad ids (``ops.tbe``'s backward leaves out the ids the forward dropped).
 """
 
 import torch
@@ -189,26 +192,82 @@ def tbe_forward(
     total_D: int,
     output_dtype: torch.dtype,
     row_offsets: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    err: torch.Tensor | None = None,
+    check_weights: bool = False,
     **_kernel_hints,
 ) -> torch.Tensor:
     """``reference.tbe_forward`` (pooled ``[B, total_D]``, or ``[N, max_D]`` rows without
-    pooling); the ids are in range (checked by the caller), so the kernels' ``err`` /
-    ``linearize`` / ``row_align`` are not used."""
+    pooling). ``err`` ([3] int64, zeroed; needs ``rows``): the bounds check of the Triton
+    kernel's ``err``: ids outside ``rows`` [T] are dropped (a mean divides by the ids kept;
+    their unpooled rows are zeros) and counted in ``err[0]``, ``err[1]`` gets N minus the first
+    one's position, malformed bags are counted in ``err[2]`` (their output is then not
+    defined: the caller raises), and, ``check_weights`` (``bounds_check="error"``), the
+    non-finite per-sample weights too. The kernels' ``linearize`` / ``row_align`` are not
+    used."""
+    if rows is None:
+        err = None
     out = cpu_native.forward(weights, w_offsets, dims, D_offsets, indices, offsets,
                              per_sample_weights, pooling=pooling, max_D=max_D, total_D=total_D,
-                             rows=_kernel_hints.get("rows"))
+                             rows=rows, err=err, check_weights=check_weights)
     if out is not None:
         return out if output_dtype == torch.float32 else out.to(output_dtype)
+    keep = None
+    if err is not None:
+        if check_weights and per_sample_weights is not None:
+            err[2] += (~torch.isfinite(per_sample_weights)).sum()
+        checked = _drop_out_of_range(indices, offsets, per_sample_weights, rows, err)
+        if checked is None:  # malformed offsets: counted, the caller raises
+            shape = (indices.numel(), max_D) if pooling == POOL_NONE else (
+                (offsets.numel() - 1) // dims.numel(), total_D)
+            return torch.zeros(shape, dtype=output_dtype, device=weights.device)
+        indices, offsets, per_sample_weights, keep = checked
     layout = _Features(w_offsets, dims, D_offsets, offsets, row_offsets)
     if pooling == POOL_NONE:
-        return _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,
-                                 output_dtype)
+        out = _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,
+                                output_dtype)
+        if keep is None:
+            return out
+        full = out.new_zeros((keep.numel(), max_D))
+        full[keep] = out
+        return full
     out = torch.empty((layout.B, total_D), dtype=torch.float32, device=weights.device)
     for group in _groups(layout):
         keys, offs, psw, _ = group.batch(layout, indices, offsets, per_sample_weights)
         group.place(_pool(group.view(weights), keys, offs, psw, pooling == POOL_MEAN), out,
                     layout)
     return out if output_dtype == torch.float32 else out.to(output_dtype)
+
+
+def _drop_out_of_range(indices, offsets, per_sample_weights, rows, err):
+    """The forward's bounds check where the native kernel does not run, counted in ``err`` as
+    the kernels count: None for malformed offsets (counted in ``err[2]``), else the batch
+    without the ids outside their feature's ``rows`` (counted in ``err[0]``, ``err[1]``) and
+    the [N] bool mask of the ids kept (None: every id)."""
+    T, N = rows.numel(), indices.numel()
+    B = (offsets.numel() - 1) // T
+    offs = offsets.to(torch.int64)
+    decreasing = int((offs[1:] < offs[:-1]).sum())
+    if decreasing or int(offs[0]) != 0 or int(offs[-1]) != N:
+        err[2] += max(decreasing, 1)
+        return None
+    if B == 0 or N == 0:
+        return indices, offsets, per_sample_weights, None
+    bound = torch.repeat_interleave(rows.to(torch.int64), offs[::B].diff(), output_size=N)
+    bad = (indices < 0) | (indices.to(torch.int64) >= bound)
+    dropped = int(bad.sum())
+    if not dropped:
+        return indices, offsets, per_sample_weights, None
+    first = int(torch.nonzero(bad)[0])
+    err[0] += dropped
+    err[1] = max(int(err[1]), N - first)
+    keep = ~bad
+    kept = torch.zeros(T * B, dtype=torch.int64, device=indices.device)
+    kept.index_add_(0, _bag_of_ids(offs, N), keep.to(torch.int64))
+    new_offsets = torch.zeros_like(offsets)
+    new_offsets[1:] = torch.cumsum(kept, 0)
+    psw = per_sample_weights[keep] if per_sample_weights is not None else None
+    return indices[keep], new_offsets, psw, keep
 
 
 def _sequence_forward(weights, layout, indices, offsets, per_sample_weights, max_D,

@@ -18,7 +18,9 @@ the others instead of stalling them (OpenMP's fork-join teams, torch's included,
 Each wrapper returns None where the kernels do not apply (no library, a weights dtype other
 than fp32 / fp16 / bf16, a non-CPU tensor, keys too wide to sort), and the caller runs its
 torch ops. Every kernel checks the ids and bags it reads against the buffers' sizes (never out
-of bounds, whatever ``bounds_check`` let through) and raises on a bad batch.
+of bounds, whatever ``bounds_check`` let through) and raises on a bad batch; the forward,
+given ``err``, instead drops and counts them (``bounds_check="error"`` / ``"warn"``: the
+lookup's bounds check, ``ops.tbe``).
 """
 
 import ctypes
@@ -85,7 +87,7 @@ _PLAN = [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _I32,
 _SIGNATURES = {
     "tbe_check": (_I32, [_P, _I32, _I64, _P, _I32, _I64, _I64, _P, _P, _I32]),
     "tbe_forward": (_I32, [_P, _I32, _I64, _P, _P, _P, _P, _P, _I32, _I64, _P, _I32, _P, _I64,
-                           _I64, _I32, _P, _I64, _I32]),
+                           _I64, _I32, _P, _I64, _P, _I32, _I32]),
     "tbe_plan": (_I64, [*_PLAN, _P, _P, _I32]),
     "tbe_backward_fused": (_I32, [*_PLAN, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
                                   _I64, _I32]),
@@ -297,11 +299,17 @@ def check(indices, offsets, rows, per_sample_weights) -> int | None:
 
 
 def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_weights, *,
-            pooling: int, max_D: int, total_D: int, rows=None) -> torch.Tensor | None:
+            pooling: int, max_D: int, total_D: int, rows=None,
+            err: torch.Tensor | None = None, check_weights: bool = False) -> torch.Tensor | None:
     """``cpu.tbe_forward`` in fp32 (pooled ``[B, total_D]``, unpooled ``[N, max_D]``), or
-    None where the kernels do not apply."""
-    lib = _usable(weights, indices, offsets)
-    if lib is None:
+    None where the kernels do not apply. ``err`` ([3] int64, as the Triton forward's): ids
+    outside ``rows`` are dropped and counted there (``err[0]``; ``err[1]``: N minus the first
+    one's position, a max), malformed bags added to ``err[2]``, in the lookup's own pass
+    (and, ``check_weights``, the non-finite per-sample weights); without it a bad batch
+    raises."""
+    lib = _usable(weights, indices, offsets, err)
+    if lib is None or (err is not None and (err.dtype != torch.int64
+                                            or not err.is_contiguous())):
         return None
     idx, idx32 = _ids(indices)
     off, off32 = _ids(offsets)
@@ -317,7 +325,7 @@ def forward(weights, w_offsets, dims, D_offsets, indices, offsets, per_sample_we
         weights.data_ptr(), DTYPES[weights.dtype], weights.numel(), _long(w_offsets).data_ptr(),
         _long(dims).data_ptr(), _long(D_offsets).data_ptr(), _ptr(rows), idx.data_ptr(), idx32,
         idx.numel(), off.data_ptr(), off32, _ptr(psw), T, B, pooling, out.data_ptr(),
-        out.shape[1], torch.get_num_threads(),
+        out.shape[1], _ptr(err), int(check_weights), torch.get_num_threads(),
     )
     if code:
         _raise(code, "TBE forward")

@@ -8,6 +8,7 @@ i's first D_f columns, zeros after them (and in padding rows).
 """
 
 import collections
+import threading
 import types
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 from fbtriton_dist import graphs, knobs, optim
 from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.ops import backends, cpu_native, tbe_ahead
+from fbtriton_dist.pooling import PoolingMode
 
 Backend = str
 """A resolved backend's name (``backends.names()``); ``backends.get`` gives its object."""
@@ -233,10 +235,14 @@ def _find_bad_input(indices, offsets, per_sample_weights, layout, bounds_check):
     if bounds_check == "error":
         raise IndexError(what)
     warnings.warn(f"dropping {where.numel()} out-of-range ids; first: {what}", stacklevel=3)
-    keep = ~bad
-    kept_per_bag = torch.zeros(T * B, dtype=torch.int64, device=indices.device)
+    return _kept_batch(indices, offsets, per_sample_weights, bags, ~bad)
+
+
+def _kept_batch(indices, offsets, per_sample_weights, bags, keep):
+    """The batch of the ids ``keep`` [N] bool marks (``bags`` [N]: each id's bag)."""
+    kept_per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.int64, device=indices.device)
     kept_per_bag.index_add_(0, bags, keep.to(torch.int64))
-    new_offsets = torch.zeros(T * B + 1, dtype=offsets.dtype, device=offsets.device)
+    new_offsets = torch.zeros_like(offsets)
     new_offsets[1:] = torch.cumsum(kept_per_bag, 0)
     psw = per_sample_weights[keep] if per_sample_weights is not None else None
     return indices[keep], new_offsets, psw
@@ -276,7 +282,34 @@ def _feature_name(layout: TBELayout, f: int) -> str:
     return repr(layout.feature_names[f]) if layout.feature_names else str(f)
 
 
-_NUM_INPUTS = 15  # _TBELookup.forward's inputs before *grad_targets
+_NUM_INPUTS = 16  # _TBELookup.forward's inputs before *grad_targets
+
+
+@dataclass(kw_only=True, eq=False)
+class _InKernelCheck:
+    """A lookup's in-kernel bounds check: what its forward is asked, what the lookup learns."""
+
+    weights: bool = False
+    """The forward counts non-finite per-sample weights too (``weights_check_in_kernel``)."""
+    dropped: int = 0
+    """Ids the forward dropped (``err[0]``, set once the lookup reads ``err``): a backward
+    that re-reads the batch (no keys mark them) leaves them out."""
+
+
+_HOST_ERR = threading.local()
+
+
+def _host_err() -> torch.Tensor:
+    """A zeroed ``err`` for a lookup on CPU tensors, one per thread: read before the lookup
+    returns and kept by nothing, so not allocated per lookup (zeroing costs less; a fresh one
+    per call also made large forwards slower in some runs, docs/results/
+    tbe-cpu-host-overhead-2026-12-05.md)."""
+    err = getattr(_HOST_ERR, "err", None)
+    if err is None:
+        err = _HOST_ERR.err = torch.zeros(3, dtype=torch.int64)
+        return err
+    return err.zero_()
+
 
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
@@ -299,6 +332,7 @@ class _TBELookup(torch.autograd.Function):
         err,
         training,
         plan_ahead,
+        check,
         *grad_targets,
     ):
         ctx.weights = weights
@@ -308,6 +342,8 @@ class _TBELookup(torch.autograd.Function):
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
         ahead = linearize and plan_ahead and impl.capabilities.plan_ahead
+        # only a backend that counts non-finite weights itself is asked to (weights_check)
+        extra = {"check_weights": True} if check is not None and check.weights else {}
         if ahead:
             linearize = False  # the side stream writes the keys
             fork = tbe_ahead.fork(weights.device)  # the side stream starts here
@@ -329,10 +365,14 @@ class _TBELookup(torch.autograd.Function):
             err=err,
             linearize=linearize,
             row_align=layout.row_align,
+            **extra,
         )
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
+        # a backward that re-reads the batch (no keys mark the ids the forward dropped) learns
+        # from the lookup's read of err whether there are any: no host read here
+        ctx.check = check if training and saved[0] is None and not ahead else None
         if ahead:  # queued after the forward (tbe_ahead's comment says why)
             plan, done, consumed = tbe_ahead.plan_ahead(
                 impl, layout, pooling, indices, offsets, per_sample_weights,
@@ -351,6 +391,17 @@ class _TBELookup(torch.autograd.Function):
         indices, offsets, per_sample_weights, keys, bag_ids, counts = ctx.saved_tensors
         layout, pooling, backend, fused, sparse, table_offsets = ctx.args
         weights = ctx.weights
+        keep = None
+        if ctx.check is not None and ctx.check.dropped:
+            # the forward dropped ids: the backward gets the batch without them, and its
+            # per-sample weight gradient is scattered back (a host read of err, as the
+            # lookup's; never under capture: such a backend is not capturable)
+            bags, bad = _bad_ids(indices, offsets, layout)
+            keep = ~bad
+            indices, offsets, per_sample_weights = _kept_batch(
+                indices, offsets, per_sample_weights, bags, keep)
+            if pooling == PoolingMode.NONE:  # a gradient row per id kept
+                grad_output = grad_output[keep]
         if capturing(weights.device) and (not fused or ctx.needs_input_grad[2]):
             raise RuntimeError(
                 "TBE backward under CUDA graph capture: "
@@ -375,6 +426,8 @@ class _TBELookup(torch.autograd.Function):
                 offsets,
                 pooling=pooling,
             ).to(per_sample_weights.dtype)
+            if keep is not None:  # the ids the forward dropped get none
+                grad_psw = grad_psw.new_zeros(keep.shape).masked_scatter_(keep, grad_psw)
         impl = backends.get(backend)
         common = dict(
             pooling=pooling,
@@ -518,8 +571,11 @@ def tbe_lookup(
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (weights, anchor, per_sample_weights, *targets)
     )
-    err = None
+    err, check = None, None
     caps = backends.capabilities(backend)
+    # a warning read at a later lookup (no host sync now): backends without host reads only
+    defer = (bounds_check == "warn" and monitor is not None and weights.device.type == "cuda"
+             and caps.capturable)
     if not caps.bounds_check_in_kernel or layout.num_rows is None:
         indices, offsets, per_sample_weights = check_inputs(
             indices, offsets, per_sample_weights, layout, bounds_check,
@@ -529,11 +585,17 @@ def tbe_lookup(
         err = monitor.replay_counts(weights.device)  # summed over replays, never zeroed
     elif bounds_check != "ignore":
         # the kernel drops and counts out-of-range ids (and clamps malformed bags) in err
-        err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        if weights.device.type == "cpu":
+            err = _host_err()
+        else:
+            err = torch.zeros(3, dtype=torch.int64, device=weights.device)
+        check = _InKernelCheck()
         if bounds_check == "error" and per_sample_weights is not None:
             # a non-finite weight marks the batch bad (no extra sync: err is read anyway);
-            # _report_bad_input then names it
-            err[2] = (~torch.isfinite(per_sample_weights)).sum()
+            # _report_bad_input then names it. Counted by the forward where it can.
+            check.weights = caps.weights_check_in_kernel
+            if not check.weights:
+                err[2] = (~torch.isfinite(per_sample_weights)).sum()
         if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
             monitor.replay_counts(weights.device)  # allocated now, before any capture
     if plan_ahead is None:
@@ -554,14 +616,18 @@ def tbe_lookup(
         err,
         training,
         plan_ahead,
+        check,
         *targets,
     )
     if err is not None and not in_capture:
         batch = (indices, offsets, per_sample_weights, layout, bounds_check)
-        if bounds_check == "warn" and monitor is not None and weights.device.type == "cuda":
+        if defer:
             monitor.watch(err, batch)  # read at the next lookup: no host sync now
-        elif any(err.tolist()):
-            _report_bad_input(batch, err.tolist())
+        else:
+            flags = err.tolist()
+            check.dropped = flags[0]
+            if any(flags):
+                _report_bad_input(batch, flags)
     return out
 
 
@@ -638,6 +704,7 @@ def _context(indices, offsets, per_sample_weights, weights, layout, pooling, bac
         num_targets=num_targets,
         plan=None,
         ahead_check=None,
+        check=None,
         needs_input_grad=(False, False, psw_grad, *[False] * (_NUM_INPUTS - 3),
                           *[True] * num_targets),
     )

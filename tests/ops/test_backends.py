@@ -110,7 +110,8 @@ def test_capabilities_match_the_implementations():
     caps = {n: backends.capabilities(n) for n in backends.names()}
     assert [n for n, c in caps.items() if c.capturable] == ["triton"]
     assert [n for n, c in caps.items() if c.plan_ahead] == ["triton"]
-    assert [n for n, c in caps.items() if c.bounds_check_in_kernel] == ["triton"]
+    assert [n for n, c in caps.items() if c.bounds_check_in_kernel] == ["triton", "cpu"]
+    assert [n for n, c in caps.items() if c.weights_check_in_kernel] == ["cpu"]
     assert [n for n, c in caps.items() if c.native_input_check] == ["cpu"]
     # storage tiers: those tests/modules/test_tiers.py trains exactly as device
     assert {n: c.tiers for n, c in caps.items()} == {

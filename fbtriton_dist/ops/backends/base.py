@@ -32,8 +32,14 @@ class Capabilities:
     capturable: bool = False
     """A lookup and its fused backward can be recorded in a CUDA graph (no host reads)."""
     bounds_check_in_kernel: bool = False
-    """The forward kernel drops and counts out-of-range ids itself (``err``); else the batch
-    is checked on the host before the lookup (``ops.tbe.check_inputs``)."""
+    """The forward drops and counts out-of-range ids itself (``err``), on every path its
+    ``tbe_forward`` takes; else the batch is checked on the host before the lookup
+    (``ops.tbe.check_inputs``). A backward that gets no keys from the forward (``linearize``)
+    is given the batch without the dropped ids (``ops.tbe``)."""
+    weights_check_in_kernel: bool = False
+    """With ``bounds_check_in_kernel``: given ``check_weights=True`` (``bounds_check="error"``)
+    the forward also counts non-finite per-sample weights in ``err[2]``, in its own pass; else
+    ``ops.tbe`` counts them before the lookup."""
     native_input_check: bool = False
     """That host check starts with one native pass over the batch (``cpu_native.check``)."""
     plan_ahead: bool = False

@@ -26,7 +26,11 @@ BACKEND = CPUBackend(
         devices=("cpu", "cuda"),
         # the torch steps run what the native kernels lack (cpu_native.backward declines it)
         optimizers=tuple(name for name in optim.NAMES if name in cpu.STEP_OPTIMIZERS),
-        native_input_check=True,
+        # the native forward (and, where it does not run, the torch ops) drops and counts
+        # out-of-range ids in err: no separate pass over the batch before the lookup
+        bounds_check_in_kernel=True,
+        weights_check_in_kernel=True,
+        native_input_check=True,  # layouts without table rows (num_rows None) still take it
         tiers=("device", "host", "cached", "file"),
     ),
     "fbtriton_dist.ops.cpu",

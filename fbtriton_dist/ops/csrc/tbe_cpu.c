@@ -1,7 +1,8 @@
 /* The fast CPU path's native kernels (fbtriton_dist/ops/cpu_native.py compiles this file with
  * tbe_cpu_backward.c on first use and calls them through ctypes on tensors' data pointers).
  *
- *   tbe_check           one pass over a batch: are the offsets and ids well formed? (bits)
+ *   tbe_check           one pass over a batch: are the offsets and ids well formed? (bits;
+ *                       only for layouts without table rows: the forward checks the rest)
  *   tbe_forward         pooled (SUM / MEAN) or unpooled rows, per-sample weights, mixed D
  *   tbe_psw_grad        the per-sample weights' gradient
  *   tbe_backward_fused  (tbe_cpu_backward.c) each unique row's gradient summed over its ids,
@@ -18,8 +19,11 @@
  *   a per-row optimizer state at row_offsets[f] + id, a per-element one as the weights.
  *
  * Every kernel checks what it reads (bag bounds, 0 <= id < rows[f]) and reports a bad batch
- * instead of reading out of bounds; the Python side validates batches before (ops/tbe.py), so
- * this is a guard, not the policy.
+ * instead of reading out of bounds. The forward given err is the lookup's bounds check
+ * (bounds_check "error" / "warn", ops/tbe.py, as the Triton kernel's CHECK): it drops bad ids
+ * and counts them, malformed bags (and non-finite weights) in err, in its own pass over the
+ * bags; ops/tbe.py then names what it counted. Without err (bounds_check="ignore") a bad
+ * batch is refused.
  *
  * Deterministic: a bag sums its ids in order; a row's gradient sums its ids in batch order
  * (the sort is stable) on the one thread that owns the row; reductions over D use fixed lanes.
@@ -124,14 +128,22 @@ typedef struct {
     int pooling;
     float *out;               /* pooled [B, stride]; unpooled [N, stride] (zeros given) */
     int64_t stride;
+    int check;                /* count dropped ids and malformed bags (fwd_counts), fail none */
+    int check_weights;        /* (check, psw) also count non-finite per-sample weights */
 } fwd_args;
+
+/* what a task's bags dropped (check on): ids out of range, the first one's position (N:
+ * none), malformed bags (and, check_weights, non-finite per-sample weights of their ids) */
+typedef struct {
+    int64_t dropped, first, malformed;
+} fwd_counts;
 
 /* o[d0 : d0 + 8 NV] = sum over ids s..e of p_i * row_i[d0 : ...] of table `tab` (rows of D
  * elements of dtype DT, ids < E read by ID(i); p_i = psw[i] when W is 1, 1 when W is 0, either
  * when W is 2); `first`: the bag's first pass, which prefetches the rows PREFETCH_IDS ids
  * ahead (up to id pf_end), one line next to each line it loads (as FBGEMM's kernel does; 4%
- * faster on Zipf ids than all of a row's prefetches at once). Returns BAD_ID if an id was
- * skipped. Constants all: the accumulators stay in registers, and an fp32 id of int64 or
+ * faster on Zipf ids than all of a row's prefetches at once). Returns the number of ids
+ * skipped (out of range: every pass over a bag skips the same ones). Constants all: the accumulators stay in registers, and an fp32 id of int64 or
  * int32 ids, weighted or not, costs little beyond its loads (fp16 / bf16 rows take one
  * function for every case). fp32 rows are summed 16 floats (one cache line) at a time: one
  * AVX-512 register in the x86-64-v4 clone (5-10% faster on Zipf ids than two AVX2 ones: fewer
@@ -148,7 +160,7 @@ typedef struct {
 #define ID32(i) (int64_t)((const int32_t *)a->indices)[i]
 #define IDANY(i) at(a->indices, a->idx32, i)
 #define DEFINE_POOL(NV, DT, ES, W, ID, LN)                                                       \
-    INLINE int pool_##NV##_##DT##_##W##_##ID##_##LN(const fwd_args *a, const char *tab,         \
+    INLINE int64_t pool_##NV##_##DT##_##W##_##ID##_##LN(const fwd_args *a, const char *tab,     \
                                              int64_t D,                                          \
                                              uint64_t E, int64_t s, int64_t e, int64_t d0,       \
                                              float *o, int64_t pf_end, int first) {              \
@@ -159,7 +171,7 @@ typedef struct {
         v16f acc16[NV / 2 > 0 ? NV / 2 : 1];                                                     \
         for (int v = 0; v < NV; ++v) acc[v] = (v8f){0};                                          \
         for (int v = 0; v < NV / 2; ++v) acc16[v] = (v16f){0};                                   \
-        int bad = 0;                                                                             \
+        int64_t bad = 0;                                                                         \
         for (int64_t i = s; i < e; ++i) {                                                        \
             const char *pf = NULL; /* the row PREFETCH_IDS ids ahead */                          \
             if (first && i + PREFETCH_IDS < pf_end) {                                            \
@@ -172,7 +184,7 @@ typedef struct {
             }                                                                                    \
             const uint64_t id = (uint64_t)ID(i);                                                 \
             if (id >= E) {                                                                       \
-                bad = BAD_ID;                                                                    \
+                ++bad;                                                                           \
                 if (pf) prefetch_bytes(pf, bytes, 0);                                            \
                 continue;                                                                        \
             }                                                                                    \
@@ -211,11 +223,11 @@ DEFINE_POOLS(F16, 2, 2, IDANY, 0)
 DEFINE_POOLS(BF16, 2, 2, IDANY, 0)
 
 /* the last D - d0 < 8 columns */
-INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, int64_t s,
-                            int64_t e, int64_t d0, float *o, int64_t pf_end, int first) {
+INLINE int64_t pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, int64_t s,
+                         int64_t e, int64_t d0, float *o, int64_t pf_end, int first) {
     const int64_t es = a->dtype == F32 ? 4 : 2, n = D - d0;
     float acc[8] = {0};
-    int bad = 0;
+    int64_t bad = 0;
     for (int64_t i = s; i < e; ++i) {
         if (first && i + PREFETCH_IDS < pf_end) {
             const int64_t q = at(a->indices, a->idx32, i + PREFETCH_IDS);
@@ -223,7 +235,7 @@ INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, 
         }
         const int64_t id = at(a->indices, a->idx32, i);
         if ((uint64_t)id >= E) {
-            bad = BAD_ID;
+            ++bad;
             continue;
         }
         const float p = a->psw ? a->psw[i] : 1.0f;
@@ -234,28 +246,31 @@ INLINE int pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t E, 
     return bad;
 }
 
-/* o[0:D] = the pooled rows of ids s..e of feature f (64 columns per pass over the ids) */
+/* o[0:D] = the pooled rows of ids s..e of feature f (64 columns per pass over the ids; each
+ * pass skips the same ids: `bad` is the last pass's count) */
 #define POOL_PASSES(DT, W, ID, LN)                                                                 \
     do {                                                                                         \
         for (; d0 + 64 <= D; d0 += 64, first = 0)                                                \
-            bad |= pool_8_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first);           \
+            bad = pool_8_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first);           \
         if (D - d0 >= 32)                                                                        \
-            bad |= pool_4_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_4_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
                 d0 += 32, first = 0;                                                             \
         if (D - d0 >= 16)                                                                        \
-            bad |= pool_2_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_2_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
                 d0 += 16, first = 0;                                                             \
         if (D - d0 >= 8)                                                                         \
-            bad |= pool_1_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_1_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
                 d0 += 8, first = 0;                                                              \
     } while (0)
 
-/* PLAIN: fp32 rows, no per-sample weights (the other cases are not built in); D: a->dims[f] */
-INLINE int pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
-                        int64_t pf_end, int PLAIN, const int64_t D) {
+/* PLAIN: fp32 rows, no per-sample weights (the other cases are not built in); D: a->dims[f].
+ * Returns the ids skipped (out of range). */
+INLINE int64_t pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
+                            int64_t pf_end, int PLAIN, const int64_t D) {
     const uint64_t E = (uint64_t)a->rows[f];
     const char *tab = (const char *)a->weights + a->w_offsets[f] * (a->dtype == F32 ? 4 : 2);
-    int bad = 0, first = 1;
+    int64_t bad = 0;
+    int first = 1;
     int64_t d0 = 0;
     if (PLAIN == 2 && !a->idx32) POOL_PASSES(F32, 0, ID64, 1);
     else if (PLAIN == 2) POOL_PASSES(F32, 0, ID32, 1);
@@ -265,25 +280,37 @@ INLINE int pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, floa
     else if (a->dtype == F32) POOL_PASSES(F32, 1, ID32, 0);
     else if (a->dtype == F16) POOL_PASSES(F16, 2, IDANY, 0);
     else POOL_PASSES(BF16, 2, IDANY, 0);
-    if (D > d0) bad |= pool_tail(a, tab, D, E, s, e, d0, o, pf_end, first);
+    if (D > d0) bad = pool_tail(a, tab, D, E, s, e, d0, o, pf_end, first);
+    if (D <= 0) /* no pass read the ids */
+        for (int64_t i = s; i < e; ++i) bad += (uint64_t)at(a->indices, a->idx32, i) >= E;
     return bad;
 }
 
 /* fp32 rows of D = 64 or 128 without weights get their own copy, D a constant: the passes
  * unrolled, each id's prefetches and row address without a loop or a multiply (C1, D = 128:
  * ~10% less CPU time per forward on an AMD EPYC; the same sums) */
-INLINE int pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
-                    int64_t pf_end, int PLAIN) {
+INLINE int64_t pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
+                        int64_t pf_end, int PLAIN) {
     const int64_t D = a->dims[f];
     if (PLAIN && D == 128) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 128);
     if (PLAIN && D == 64) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 64);
     return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, D);
 }
 
+/* the first id of s..e that feature f's table does not hold (a bag that dropped some) */
+static int64_t first_dropped(const fwd_args *a, int64_t f, int64_t s, int64_t e) {
+    for (int64_t i = s; i < e; ++i)
+        if ((uint64_t)at(a->indices, a->idx32, i) >= (uint64_t)a->rows[f]) return i;
+    return e;
+}
+
 /* Bags k0 .. k1 (feature-major: bag k of feature k / B); returns BAD_* bits (bad bags and ids
- * skipped). PLAIN: as pool_bag's. */
-INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN) {
+ * skipped, non-finite weights), and with a->check counts them in c (a bag is also malformed if it is the first
+ * and does not start at 0, or the last and does not end at N, as the Triton kernel's check).
+ * Skipped ids are dropped: a mean divides by the ids kept. PLAIN: as pool_bag's. */
+INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN, fwd_counts *c) {
     int bad = 0;
+    const int64_t last = a->T * a->B - 1;
     while (k0 < k1) {
         const int64_t f = k0 / a->B, hi = (f + 1) * a->B < k1 ? (f + 1) * a->B : k1;
         const int64_t D = a->dims[f];
@@ -292,19 +319,38 @@ INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN) {
         for (int64_t k = k0; k < hi; ++k) {
             const int64_t s = at(a->offsets, a->off32, k), e = at(a->offsets, a->off32, k + 1);
             float *o = a->out + (k - f * a->B) * a->stride + a->D_offsets[f];
-            if (s < 0 || e < s || e > a->N) {
+            if (s < 0 || e < s || e > a->N ||
+                (a->check && ((k == 0 && s != 0) || (k == last && e != a->N)))) {
                 if (a->pooling != POOL_NONE) memset(o, 0, sizeof(float) * D);
                 bad |= BAD_ORDER;
+                c->malformed++;
                 continue;
+            }
+            if (a->check_weights) { /* the bag's weights, in cache: read again below */
+                int64_t nonfinite = 0;
+                for (int64_t i = s; i < e; ++i) nonfinite += !isfinite(a->psw[i]);
+                if (nonfinite) bad |= BAD_WEIGHT, c->malformed += nonfinite;
             }
             if (a->pooling == POOL_NONE) {
                 for (int64_t i = s; i < e; ++i)
-                    bad |= pool_bag(a, f, i, i + 1, a->out + i * a->stride, end, PLAIN);
+                    if (pool_bag(a, f, i, i + 1, a->out + i * a->stride, end, PLAIN)) {
+                        bad |= BAD_ID;
+                        c->dropped++;
+                        if (i < c->first) c->first = i;
+                    }
                 continue;
             }
-            bad |= pool_bag(a, f, s, e, o, end, PLAIN);
-            if (a->pooling == POOL_MEAN && e > s) {
-                const float n = (float)(e - s);
+            const int64_t dropped = pool_bag(a, f, s, e, o, end, PLAIN);
+            if (dropped) {
+                bad |= BAD_ID;
+                c->dropped += dropped;
+                if (s < c->first) {
+                    const int64_t i = first_dropped(a, f, s, e);
+                    if (i < c->first) c->first = i;
+                }
+            }
+            if (a->pooling == POOL_MEAN && e - s > dropped) {
+                const float n = (float)(e - s - dropped);
                 for (int64_t d = 0; d < D; ++d) o[d] /= n;
             }
         }
@@ -318,14 +364,14 @@ INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN) {
  * for AVX2 spilled to the stack (an AMD EPYC without AVX-512: 2x slower than FBGEMM's kernel;
  * 8-float ones: the same sums, element-wise in id order). */
 TBE_TARGETS
-static int fwd_bags_plain(const fwd_args *a, int64_t k0, int64_t k1) {
-    return fwd_bags(a, k0, k1, 1);
+static int fwd_bags_plain(const fwd_args *a, int64_t k0, int64_t k1, fwd_counts *c) {
+    return fwd_bags(a, k0, k1, 1, c);
 }
 
 #ifdef TBE_WIDE
 TBE_WIDE
-static int fwd_bags_lines(const fwd_args *a, int64_t k0, int64_t k1) {
-    return fwd_bags(a, k0, k1, 2);
+static int fwd_bags_lines(const fwd_args *a, int64_t k0, int64_t k1, fwd_counts *c) {
+    return fwd_bags(a, k0, k1, 2, c);
 }
 
 static int have_wide(void) {
@@ -340,14 +386,15 @@ static int have_wide(void) {
     }
     return k;
 }
-#define FWD_PLAIN(a, k0, k1) (have_wide() ? fwd_bags_lines(a, k0, k1) : fwd_bags_plain(a, k0, k1))
+#define FWD_PLAIN(a, k0, k1, c)                                                                \
+    (have_wide() ? fwd_bags_lines(a, k0, k1, c) : fwd_bags_plain(a, k0, k1, c))
 #else
-#define FWD_PLAIN(a, k0, k1) fwd_bags_plain(a, k0, k1)
+#define FWD_PLAIN(a, k0, k1, c) fwd_bags_plain(a, k0, k1, c)
 #endif
 
 TBE_TARGETS
-static int fwd_bags_any(const fwd_args *a, int64_t k0, int64_t k1) {
-    return fwd_bags(a, k0, k1, 0);
+static int fwd_bags_any(const fwd_args *a, int64_t k0, int64_t k1, fwd_counts *c) {
+    return fwd_bags(a, k0, k1, 0, c);
 }
 
 typedef struct {
@@ -355,6 +402,7 @@ typedef struct {
     int64_t tasks;
     const float *grad; /* tbe_psw_grad's */
     _Atomic int bad;
+    _Atomic int64_t dropped, first, malformed; /* the tasks' fwd_counts: sums, min */
 } fwd_task_args;
 
 static void fwd_task(void *ctx, int64_t task, int executor) {
@@ -362,36 +410,56 @@ static void fwd_task(void *ctx, int64_t task, int executor) {
     fwd_task_args *t = ctx;
     const int64_t K = t->a->T * t->a->B;
     const int64_t k0 = K * task / t->tasks, k1 = K * (task + 1) / t->tasks;
-    const int bad = t->a->dtype == F32 && !t->a->psw ? FWD_PLAIN(t->a, k0, k1)
-                                                     : fwd_bags_any(t->a, k0, k1);
-    if (bad) atomic_fetch_or(&t->bad, bad);
+    fwd_counts c = {0, t->a->N, 0};
+    const int bad = t->a->dtype == F32 && !t->a->psw ? FWD_PLAIN(t->a, k0, k1, &c)
+                                                     : fwd_bags_any(t->a, k0, k1, &c);
+    if (!bad) return;
+    atomic_fetch_or(&t->bad, bad);
+    if (c.dropped) atomic_fetch_add(&t->dropped, c.dropped);
+    if (c.malformed) atomic_fetch_add(&t->malformed, c.malformed);
+    int64_t seen = atomic_load(&t->first);
+    while (c.first < seen && !atomic_compare_exchange_weak(&t->first, &seen, c.first)) {
+    }
 }
 
 /* Pooled: out[b, D_offsets[f] : + dims[f]] = the sum (mean) of bag f*B+b's rows times their
  * per-sample weights (an empty bag: zeros). Unpooled: out[i, :dims[f]] = row of id i (times
  * its weight), for the ids of the bags (the rest of out is left as given). rows: [T] E of each
  * feature's table, or NULL (then only the weights' size bounds the ids).
- * Returns 0 or minus the BAD_* bits of what was skipped. */
+ * Returns 0 or minus the BAD_* bits of what was skipped. With err ([3], as the Triton forward
+ * kernel's): ids out of range are dropped (a mean divides by the ids kept) and counted in
+ * err[0], err[1] = max(err[1], N - the first one's position), malformed bags (as fwd_bags
+ * says; with B = 0, offsets other than [0] with N = 0) added to err[2], and, check_weights
+ * (bounds_check="error"), the non-finite per-sample weights of the bags' ids; returns 0 then (but
+ * -NO_MEMORY): the caller reads err, as bounds_check does on the Triton path, instead of a
+ * separate pass over the batch before the lookup. */
 int tbe_forward(const void *weights, int dtype, int64_t numel, const int64_t *w_offsets,
                 const int64_t *dims, const int64_t *D_offsets, const int64_t *rows,
                 const void *indices, int idx32, int64_t N, const void *offsets, int off32,
                 const float *psw, int64_t T, int64_t B, int pooling, float *out, int64_t stride,
-                int nthreads) {
+                int64_t *err, int check_weights, int nthreads) {
     int64_t *E = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
     if (!E) return -NO_MEMORY;
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
-                  off32, N, T, B, psw, pooling, out, stride};
+                  off32, N, T, B, psw, pooling, out, stride, err != NULL,
+                  err != NULL && psw != NULL && check_weights};
     /* a few tasks per thread, each a range of bags in feature-major order: a feature's bags of
      * a task are one run of ids, prefetched as one stream, and a thread works on one table at
      * a time (its rows that repeat stay in the core's L2; with tasks of whole samples every
      * thread swept all the tables, 1.1-1.6x slower, the most when another process shares a
      * core) */
     const int64_t tasks = tbe_tasks(T * B, nthreads, 16);
-    fwd_task_args t = {&a, tasks, NULL, 0};
+    fwd_task_args t = {&a, tasks, NULL, 0, 0, N, 0};
     tbe_parallel(fwd_task, &t, tasks, nthreads);
     free(E);
-    return -atomic_load(&t.bad);
+    if (!err) return -atomic_load(&t.bad);
+    const int64_t dropped = atomic_load(&t.dropped), first = atomic_load(&t.first);
+    err[0] += dropped;
+    if (dropped && N - first > err[1]) err[1] = N - first;
+    err[2] += atomic_load(&t.malformed);
+    if (T * B == 0 && (at(offsets, off32, 0) != 0 || N != 0)) err[2] += 1;
+    return 0;
 }
 
 /* ---------------------------------------------------------------- per-sample weights */
@@ -449,10 +517,10 @@ int tbe_psw_grad(const float *grad, int64_t stride, int pooling, const void *wei
     if (!E) return -NO_MEMORY;
     feature_rows(T, rows, w_offsets, dims, NULL, numel, -1, E);
     fwd_args a = {weights, dtype, w_offsets, dims, D_offsets, E, indices, offsets, idx32,
-                  off32, N, T, B, NULL, pooling, NULL, stride};
+                  off32, N, T, B, NULL, pooling, NULL, stride, 0, 0};
     a.out = out;
     const int64_t tasks = tbe_tasks(B, nthreads, 16);
-    fwd_task_args t = {&a, tasks, grad, 0};
+    fwd_task_args t = {&a, tasks, grad, 0, 0, N, 0};
     tbe_parallel(psw_grad_task, &t, tasks, nthreads);
     free(E);
     return 0;
