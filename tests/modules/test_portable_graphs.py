@@ -166,29 +166,34 @@ def test_export_then_unflatten_runs_like_torchrec(kind):
 _LOADER = """
 import sys, torch, torchrec
 import fbtriton_dist.modules.ec  # (and .ebc)
-ep = torch.export.load(sys.argv[1])
-kjt = torchrec.KeyedJaggedTensor(**torch.load(sys.argv[2]))
-torch.save(ep.module()(kjt), sys.argv[3])
+for program, batch, out in zip(*[iter(sys.argv[1:])] * 3, strict=True):
+    ep = torch.export.load(program)
+    kjt = torchrec.KeyedJaggedTensor(**torch.load(batch))
+    torch.save(ep.module()(kjt), out)
 """
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_export_save_load_in_another_process(kind, tmp_path):
+def test_export_save_load_in_another_process(tmp_path):
     """Export TorchRec's model and ours (no IR serializer: the program as it is), save, load in
-    a fresh process and run there: outputs equal TorchRec's eager ones."""
-    theirs, ours = _pair(kind)
-    kjt = _kjt(4, 3)
-    torch.save({"keys": kjt.keys(), "values": kjt.values(), "lengths": kjt.lengths()},
-               tmp_path / "kjt.pt")
+    a fresh process and run there: outputs equal TorchRec's eager ones. Every kind's programs
+    load in one process (one start-up of torch)."""
     (tmp_path / "load.py").write_text(_LOADER)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    want = theirs(kjt)
-    for name, model in (("theirs", theirs), ("ours", ours)):
-        torch.export.save(torch.export.export(model, (kjt,), strict=False),
-                          tmp_path / f"{name}.pt2")
-        run = subprocess.run(
-            [sys.executable, tmp_path / "load.py", tmp_path / f"{name}.pt2", tmp_path / "kjt.pt",
-             tmp_path / f"{name}.out"], env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        torch.testing.assert_close(torch.load(tmp_path / f"{name}.out"), want, atol=1e-6,
-                                   rtol=1e-6, msg=name)
+    args, want = [], {}
+    for kind in KINDS:
+        theirs, ours = _pair(kind)
+        kjt = _kjt(4, 3)
+        batch = tmp_path / f"{kind}.kjt.pt"
+        torch.save({"keys": kjt.keys(), "values": kjt.values(), "lengths": kjt.lengths()}, batch)
+        want[kind] = theirs(kjt)
+        for name, model in (("theirs", theirs), ("ours", ours)):
+            program = tmp_path / f"{kind}.{name}.pt2"
+            torch.export.save(torch.export.export(model, (kjt,), strict=False), program)
+            args += [program, batch, tmp_path / f"{kind}.{name}.out"]
+    run = subprocess.run([sys.executable, tmp_path / "load.py", *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for kind in KINDS:
+        for name in ("theirs", "ours"):
+            torch.testing.assert_close(torch.load(tmp_path / f"{kind}.{name}.out"), want[kind],
+                                       atol=1e-6, rtol=1e-6, msg=f"{kind} {name}")

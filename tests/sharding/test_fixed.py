@@ -165,11 +165,10 @@ def _output_paths(rank, world):
     return out
 
 
-def test_output_dist_sends_slices_for_row_table_and_column_wise():
+def _check_output_dist_sends_slices_for_row_table_and_column_wise(results):
     """The equality tests above and in test_sharded_ebc run these plans: here, that the output
     dist took its slice path for them (row-wise: the partials as they are, summed by one
     exchange_sum)."""
-    results = run_ranks(_output_paths, 2)
     for paths in results:
         assert paths["row_wise"] == (True, True)
         assert paths["column_wise"] is not None and paths["column_wise"][1] is False
@@ -209,8 +208,6 @@ def _two_dtypes(rank, world):
     return identical
 
 
-def test_fixed_shapes_with_two_table_dtypes():
-    assert all(run_ranks(_two_dtypes, 2))
 
 
 def _static_copy(rank, world):
@@ -246,8 +243,18 @@ def _static_copy(rank, world):
     return ok
 
 
-def test_static_copy_of_a_fixed_input_dist_output():
-    assert all(run_ranks(_static_copy, 2))
+def _on_two_ranks(rank, world):
+    return _output_paths(rank, world), _two_dtypes(rank, world), _static_copy(rank, world)
+
+
+def test_output_paths_two_table_dtypes_and_a_static_copy_of_a_fixed_input_dist_output():
+    """Three checks on one start-up of 2 ranks: the output dist's slice paths; fixed shapes
+    with fp16 and fp32 tables (one TBE group each) equal to the default; the static copy of a
+    fixed-shape input dist output."""
+    paths, two_dtypes, static_copy = zip(*run_ranks(_on_two_ranks, 2), strict=True)
+    _check_output_dist_sends_slices_for_row_table_and_column_wise(paths)
+    assert all(two_dtypes)
+    assert all(static_copy)
 
 
 def _shared_feature(rank, world, kernels):

@@ -117,9 +117,7 @@ def _empty_rank_and_dedup(rank, world):
     return errors, identical, plain.comm_report(), dedup.comm_report()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_empty_rank_reversed_keys_and_dedup_bit_identical(world):
-    results = run_ranks(_empty_rank_and_dedup, world)
+def _check_empty_rank_reversed_keys_and_dedup_bit_identical(results):
     for rank, (errors, identical, _, _) in enumerate(results):
         assert identical, f"rank {rank}: dedup changed the result"
         for key, err in errors.items():
@@ -198,10 +196,11 @@ def _wire_dtypes(rank, world, wires):
     return [_wire_dtype(rank, world, wire) for wire in wires]
 
 
-@pytest.mark.parametrize("world,wires", [(2, (torch.bfloat16, torch.float16)),
-                                         (3, (torch.bfloat16,))], ids=["2-bf16-fp16", "3-bf16"])
-def test_wire_dtype_within_one_rounding_per_hop(world, wires):
-    for rank, per_wire in enumerate(run_ranks(_wire_dtypes, world, wires)):
+WIRES = {2: (torch.bfloat16, torch.float16), 3: (torch.bfloat16,)}  # wire dtypes per world
+
+
+def _check_wire_dtype_within_one_rounding_per_hop(results, wires):
+    for rank, per_wire in enumerate(results):
         for wire, worst in zip(wires, per_wire, strict=True):
             for kind, (fwd, bwd, changed, scale, _) in worst.items():
                 where = f"rank {rank} {wire} {kind}"
@@ -313,10 +312,25 @@ def _pipelines(rank, world, variants):
     return [_pipeline(rank, world, *v) for v in variants]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_pipeline_matches_the_plain_loop(world):
-    for rank, (losses, tables, dense_, values) in enumerate(run_ranks(_pipeline, world)):
+def _check_pipeline_matches_the_plain_loop(results):
+    for rank, (losses, tables, dense_, values) in enumerate(results):
         assert losses and tables and dense_, (rank, losses, tables, dense_, values)
+
+
+def _on_world(rank, world):
+    """What the world-size test checks, on one start-up of the ranks."""
+    return (_empty_rank_and_dedup(rank, world), _wire_dtypes(rank, world, WIRES[world]),
+            _pipeline(rank, world))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_empty_rank_dedup_wire_dtypes_and_pipeline_on_one_start_up(world):
+    """An empty rank, reversed keys and dedup bit-identical; each wire dtype of WIRES within one
+    rounding per hop; TrainPipeline like the plain loop (three checks, one start-up)."""
+    dedup, wires, pipelines = zip(*run_ranks(_on_world, world), strict=True)
+    _check_empty_rank_reversed_keys_and_dedup_bit_identical(dedup)
+    _check_wire_dtype_within_one_rounding_per_hop(wires, WIRES[world])
+    _check_pipeline_matches_the_plain_loop(pipelines)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -245,9 +245,23 @@ def _all_cases(rank, world):
     return {case: _sharded_vs_unsharded(rank, world, *case) for case in CASES}
 
 
+def _on_world(rank, world):
+    """What the world-size tests check, on one start-up of the ranks: every case sharded vs
+    unsharded, one step's comm bytes, TorchRec's DLRM sharded and a meta-device build."""
+    return _all_cases(rank, world), _traffic(rank, world), _dlrm_and_meta(rank, world)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_matches_unsharded(world):
-    for rank, reports in enumerate(run_ranks(_all_cases, world)):
+def test_sharded_matches_unsharded_counts_comm_bytes_and_shards_torchrec_dlrm(world):
+    """One start-up of the ranks per world size for three checks (each below)."""
+    cases, traffic, dlrm = zip(*run_ranks(_on_world, world), strict=True)
+    _check_sharded_matches_unsharded(cases)
+    _check_comm_bytes_per_collective(traffic)
+    _check_torchrec_dlrm_and_meta_init(dlrm)
+
+
+def _check_sharded_matches_unsharded(per_rank):
+    for rank, reports in enumerate(per_rank):
         assert set(reports) == set(CASES)
         for case, report in reports.items():
             for key, err in report.items():
@@ -356,9 +370,7 @@ def _traffic(rank, world):
     return sharded.comm_report(), expected
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_comm_bytes_per_collective(world):
-    results = run_ranks(_traffic, world)
+def _check_comm_bytes_per_collective(results):
     reports = [r for r, _ in results]
     for rank, (report, expected_ids) in enumerate(results):
         assert report["input_dist.data"]["ids_sent"] == expected_ids, rank
@@ -416,9 +428,8 @@ def _dlrm_and_meta(rank, world):
     return err, in_range, nonzero
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_shard_torchrec_dlrm_and_meta_init(world):
-    for err, in_range, nonzero in run_ranks(_dlrm_and_meta, world):
+def _check_torchrec_dlrm_and_meta_init(results):
+    for err, in_range, nonzero in results:
         assert err < 1e-5 and in_range and nonzero
 
 

@@ -162,9 +162,23 @@ def _all_cases(rank, world):
     return {case: _sharded_vs_unsharded(rank, world, *case) for case in CASES}
 
 
+def _on_world(rank, world):
+    """What the world-size tests check, on one start-up of the ranks: every case sharded vs
+    unsharded, a model with an EBC and an EC under one plan, the comm report's rows per id."""
+    return _all_cases(rank, world), _ebc_and_ec(rank, world), _ec_traffic(rank, world)
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_ec_matches_unsharded(world):
-    for rank, reports in enumerate(run_ranks(_all_cases, world)):
+def test_sharded_ec_matches_unsharded_with_an_ebc_beside_it_and_counts_its_rows(world):
+    """One start-up of the ranks per world size for three checks (each below)."""
+    cases, both, traffic = zip(*run_ranks(_on_world, world), strict=True)
+    _check_sharded_ec_matches_unsharded(cases)
+    _check_a_model_with_an_ebc_and_an_ec_shards_both_with_one_plan(both)
+    _check_ec_comm_report_counts_a_row_per_id(traffic)
+
+
+def _check_sharded_ec_matches_unsharded(per_rank):
+    for rank, reports in enumerate(per_rank):
         assert set(reports) == set(CASES)
         for case, report in reports.items():
             for key, err in report.items():
@@ -307,9 +321,8 @@ def _ebc_and_ec(rank, world):
     return report
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_model_with_an_ebc_and_an_ec_shards_both_with_one_plan(world):
-    for rank, report in enumerate(run_ranks(_ebc_and_ec, world)):
+def _check_a_model_with_an_ebc_and_an_ec_shards_both_with_one_plan(per_rank):
+    for rank, report in enumerate(per_rank):
         for key, err in report.items():
             assert err < 2e-5, f"rank {rank} {key}: {err}"
 
@@ -448,9 +461,7 @@ def _ec_traffic(rank, world):
     return sharded.comm_report(), expected
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ec_comm_report_counts_a_row_per_id(world):
-    results = run_ranks(_ec_traffic, world)
+def _check_ec_comm_report_counts_a_row_per_id(results):
     reports = [r for r, _ in results]
     for rank, (report, expected) in enumerate(results):
         assert report["output_dist.forward"]["received"] == expected, rank

@@ -170,25 +170,16 @@ def _cases(sequence, opts=("sgd", "rowwise_adagrad", "adam")):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_tiers_match_device_bit_for_bit(world, tmp_path):
-    # and bf16 moments, kept in bf16 by the backing stores
-    cases = [*_cases(False), ("mixed", "adam_bf16", "cached", "lru", False, "plan")]
+def test_sharded_pooled_and_sequence_tiers_match_device_bit_for_bit(world, tmp_path):
+    """Pooled (EmbeddingBagCollection) and sequence (EmbeddingCollection) cases in one start-up
+    of the ranks; and bf16 moments, kept in bf16 by the backing stores."""
+    cases = [*_cases(False), ("mixed", "adam_bf16", "cached", "lru", False, "plan"),
+             *_cases(True, ("rowwise_adagrad", "adam"))]
     reports = run_ranks(_tiered_vs_device, world, cases, str(tmp_path), timeout=500)
     for rank, report in enumerate(reports):
         for *case, same, _ in report:
             assert same, (rank, case)
     for i, case in enumerate(cases):  # the caches evicted somewhere
-        assert sum(r[i][-1] for r in reports) > 0, case
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_sequence_tiers_match_device_bit_for_bit(world, tmp_path):
-    cases = _cases(True, ("rowwise_adagrad", "adam"))
-    reports = run_ranks(_tiered_vs_device, world, cases, str(tmp_path), timeout=500)
-    for rank, report in enumerate(reports):
-        for *case, same, _ in report:
-            assert same, (rank, case)
-    for i, case in enumerate(cases):
         assert sum(r[i][-1] for r in reports) > 0, case
 
 
@@ -239,8 +230,7 @@ def _pipeline_vs_plain(rank, world, folder):
     return report
 
 
-def test_train_pipeline_reads_rows_ahead_and_matches_the_plain_loop_bit_for_bit(tmp_path):
-    reports = run_ranks(_pipeline_vs_plain, 2, str(tmp_path), timeout=300)
+def _check_train_pipeline_reads_rows_ahead_and_matches_the_plain_loop_bit_for_bit(reports):
     for rank, report in enumerate(reports):
         for kind, sequence, same, *_ in report:
             assert same, (rank, kind, sequence)
@@ -312,19 +302,39 @@ def _load(rank, world, tier, folder, path):
     return (loaded, after) if rank == 0 else None
 
 
-@pytest.mark.parametrize("save_tier, load_tier", [("cached", "device"), ("device", "file"),
-                                                  ("file", "cached")])
-def test_checkpoint_moves_between_tiers_and_from_2_to_3_ranks(save_tier, load_tier, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    saved = run_ranks(_save, 2, save_tier, str(tmp_path / "save"), ckpt)[0]
-    loaded, after = run_ranks(_load, 3, load_tier, str(tmp_path / "load"), ckpt)[0]
-    assert sorted(saved) == sorted(loaded)
-    for k in saved:
-        assert np.array_equal(saved[k], loaded[k]), k
-    # two more steps on 3 ranks from the loaded state = two more on device from the saved one
-    ref = run_ranks(_load, 3, "device", str(tmp_path / "ref"), ckpt)[0][1]
-    for k in ref:
-        assert np.array_equal(ref[k], after[k]), k
+def _saves(rank, world, calls):
+    """``_save`` for each argument tuple, in one start-up of the ranks."""
+    return [_save(rank, world, *args) for args in calls]
+
+
+def _loads(rank, world, calls):
+    """``_load`` for each argument tuple, in one start-up of the ranks."""
+    return [_load(rank, world, *args) for args in calls]
+
+
+MOVES = [("cached", "device"), ("device", "file"), ("file", "cached")]
+
+
+def test_checkpoint_moves_between_tiers_and_from_2_to_3_ranks(tmp_path):
+    """Each (save tier, load tier) of MOVES: saved on 2 ranks, loaded on 3; the saves share
+    one start-up of 2 ranks, the loads (and the device references) one of 3."""
+    ckpts = [str(tmp_path / f"ckpt{i}") for i in range(len(MOVES))]
+    saves = run_ranks(_saves, 2, [(save_tier, str(tmp_path / f"save{i}"), ckpts[i])
+                                  for i, (save_tier, _) in enumerate(MOVES)], timeout=500)[0]
+    # per move: its load tier, then the reference on device from the same checkpoint
+    calls = []
+    for i, (_, load_tier) in enumerate(MOVES):
+        calls += [(load_tier, str(tmp_path / f"load{i}"), ckpts[i]),
+                  ("device", str(tmp_path / f"ref{i}"), ckpts[i])]
+    loads = run_ranks(_loads, 3, calls, timeout=500)[0]
+    for i, move in enumerate(MOVES):
+        saved, (loaded, after), (_, ref) = saves[i], loads[2 * i], loads[2 * i + 1]
+        assert sorted(saved) == sorted(loaded), move
+        for k in saved:
+            assert np.array_equal(saved[k], loaded[k]), (move, k)
+        # two more steps on 3 ranks from the loaded state = two more on device from the saved
+        for k in ref:
+            assert np.array_equal(ref[k], after[k]), (move, k)
 
 
 # -- refused ------------------------------------------------------------------------------------
@@ -341,8 +351,8 @@ def _dp_on_a_tier(rank, world):
     return None
 
 
-def test_a_data_parallel_table_on_a_cached_tier_is_refused_naming_it():
-    for text in run_ranks(_dp_on_a_tier, 2):
+def _check_a_data_parallel_table_on_a_cached_tier_is_refused_naming_it(texts):
+    for text in texts:
         assert text is not None and "['dp']" in text and "data_parallel" in text, text
 
 
@@ -423,8 +433,8 @@ def _dmp(rank, world, folder):
     return same, [m.tiered() for m in inner], [sorted(m.cache_stats()) for m in inner]
 
 
-def test_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(tmp_path):
-    for rank, (same, tiered, caches) in enumerate(run_ranks(_dmp, 2, str(tmp_path))):
+def _check_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(results):
+    for rank, (same, tiered, caches) in enumerate(results):
         assert same, rank
         assert tiered == [False, True, True], (rank, tiered)
         assert caches[1] == caches[2], rank  # the same shards are cached either way
@@ -443,5 +453,20 @@ def _plan_puts_cached_tables_on_device(rank, world, folder):
     return not m.tiered() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_plan_storage_wins_over_the_collection_and_the_whole_tables_are_copied(tmp_path):
-    assert all(run_ranks(_plan_puts_cached_tables_on_device, 2, str(tmp_path)))
+def _on_two_ranks(rank, world, folder):
+    return (_pipeline_vs_plain(rank, world, f"{folder}/pipeline"), _dp_on_a_tier(rank, world),
+            _dmp(rank, world, f"{folder}/dmp"),
+            _plan_puts_cached_tables_on_device(rank, world, f"{folder}/plan"))
+
+
+def test_pipeline_ahead_refused_dp_tier_dmp_and_plan_storage_on_one_start_up(tmp_path):
+    """Four checks on one start-up of 2 ranks: TrainPipeline reads rows ahead and matches the
+    plain loop bit for bit; a data-parallel table on a cached tier is refused naming it; DMP
+    shards cached tables from the module or TorchRec's kernels; the plan's storage wins over
+    the collection's (whole tables copied)."""
+    pipeline, dp, dmp, plan = zip(*run_ranks(_on_two_ranks, 2, str(tmp_path), timeout=500),
+                                  strict=True)
+    _check_train_pipeline_reads_rows_ahead_and_matches_the_plain_loop_bit_for_bit(pipeline)
+    _check_a_data_parallel_table_on_a_cached_tier_is_refused_naming_it(dp)
+    _check_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(dmp)
+    assert all(plan)

@@ -241,10 +241,13 @@ def _ebc_wire(rank, world, formats):
     return result
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ebc_every_sharding_type_within_the_bound_per_hop(world):
-    formats = [("fp8", "fp8"), ("int8", "int8")] if world == 2 else [("fp8", "int8")]
-    for rank, res in enumerate(run_ranks(_ebc_wire, world, formats)):
+EBC_FORMATS = {2: [("fp8", "fp8"), ("int8", "int8")], 3: [("fp8", "int8")]}  # per world
+EC_FORMAT = {2: "fp8", 3: "int8"}  # the sequence dist's wire per world
+REPORT_KINDS = ["table_wise", "row_wise", "column_wise"]  # the comm report's plans, 2 ranks
+
+
+def _check_ebc_every_sharding_type_within_the_bound_per_hop(results, formats):
+    for rank, res in enumerate(results):
         assert res["fp32_identical"], f"rank {rank}: wire_dtype='fp32' changed the result"
         for fmt in formats:
             over, err, over_w, err_w = res[fmt]
@@ -305,9 +308,8 @@ def _ec_wire(rank, world, fmt):
     return over, err, w_err, w_bound
 
 
-@pytest.mark.parametrize("world,fmt", [(2, "fp8"), (3, "int8")])
-def test_ec_sequence_dist_within_the_bound(world, fmt):
-    for rank, (over, err, w_err, w_bound) in enumerate(run_ranks(_ec_wire, world, fmt)):
+def _check_ec_sequence_dist_within_the_bound(results):
+    for rank, (over, err, w_err, w_bound) in enumerate(results):
         assert over <= 0, f"rank {rank}: rows over the bound by {over}"
         assert err > 0, f"rank {rank}: the wire format had no effect"
         assert 0 < w_err <= w_bound, f"rank {rank}: weight change error {w_err} vs {w_bound}"
@@ -332,12 +334,10 @@ def _report(rank, world, kind, fwd, bwd):
     return sharded.comm_report()
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise"])
-def test_comm_report_counts_values_and_row_scales(kind):
+def _check_comm_report_counts_values_and_row_scales(reports, kind):
     """2 ranks, B = 4 each, fp8 forward (1 byte + a 4-byte scale per row), int8 backward
     (1 byte + 8 bytes per row). A row: one sample's columns of one shard-feature."""
-    world, B = 2, 4
-    reports = run_ranks(_report, world, kind, "fp8", "int8")
+    B = 4
     configs = _configs(False)
     dims = [c.embedding_dim for c in configs for _ in c.feature_names]  # 4,3,3,6,5,4,2
     for rank, rep in enumerate(reports):
@@ -377,12 +377,10 @@ def _vbe_wire(rank, world, fmt):
     return err, float(out["fp32"].abs().max()) if out[fmt].numel() else 0.0, reports
 
 
-def test_vbe_step_with_an_8bit_wire():
+def _check_vbe_step_with_an_8bit_wire(results, world):
     """A VBE step (each feature its own rows on the wire), mixed plan, 3 ranks, one with no
     samples: int8 close to fp32 (a sanity check: the bound per element is checked above), and
     the bytes every rank sends are the bytes the others receive, scales included."""
-    world = 3
-    results = run_ranks(_vbe_wire, world, "int8")
     errs = [e for e, _, _ in results]
     assert max(errs) > 0
     for e, scale, _ in results:
@@ -391,3 +389,28 @@ def test_vbe_step_with_an_8bit_wire():
         sent = sum(r["int8"][key]["sent"] for _, _, r in results)
         assert sent == sum(r["int8"][key]["received"] for _, _, r in results)
         assert sent < sum(r["fp32"][key]["sent"] for _, _, r in results) or sent == 0
+
+
+# -- one start-up of the ranks per world size for the checks above ------------------------------
+def _on_world(rank, world):
+    out = [_ebc_wire(rank, world, EBC_FORMATS[world]), _ec_wire(rank, world, EC_FORMAT[world])]
+    if world == 2:
+        out.append([_report(rank, world, kind, "fp8", "int8") for kind in REPORT_KINDS])
+    else:
+        out.append(_vbe_wire(rank, world, "int8"))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_formats_on_one_start_up_of_the_ranks(world):
+    """Every sharding type's pooled values and gradients within the bound per hop, the sequence
+    dist's rows within theirs; on 2 ranks the comm report's values and row scales of each of
+    REPORT_KINDS, on 3 a VBE step with an 8-bit wire."""
+    ebc, ec, last = zip(*run_ranks(_on_world, world), strict=True)
+    _check_ebc_every_sharding_type_within_the_bound_per_hop(ebc, EBC_FORMATS[world])
+    _check_ec_sequence_dist_within_the_bound(ec)
+    if world == 2:
+        for i, kind in enumerate(REPORT_KINDS):
+            _check_comm_report_counts_values_and_row_scales([r[i] for r in last], kind)
+    else:
+        _check_vbe_step_with_an_8bit_wire(last, world)
