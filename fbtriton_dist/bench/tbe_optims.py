@@ -52,6 +52,9 @@ _FBGEMM_FIELDS = {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_d
 """Our config field -> FBGEMM's TBE constructor keyword of the same meaning (``betas`` is its
 ``beta1`` / ``beta2``; the EMA fields its ``EmainplaceModeDefinition``)."""
 _EMA_FIELDS = ("step_ema", "step_start", "step_ema_coef")
+_COUNTER_DEFINITIONS = {"counter_based_regularization": "CounterBasedRegularizationDefinition",
+                        "cowclip_regularization": "CowClipDefinition"}
+"""Our counter optimizer's definitions -> FBGEMM's classes (``fbgemm_gpu.tbe.config``)."""
 _WEIGHT_DECAY_MODES = {"none": "NONE", "l2": "L2", "decoupled": "DECOUPLE"}
 
 
@@ -88,8 +91,13 @@ class OptimPhase:
             elif f.name in _EMA_FIELDS:
                 out.setdefault("emainplace_mode", {})[f.name] = value
             elif f.name == "weight_decay_mode":
-                if self.config.applied_weight_decay > 0:
+                if isinstance(self.config, optim.RowWiseAdagradWithCounter):
+                    out["weight_decay_mode"] = value.upper()  # COUNTER or COWCLIP
+                elif self.config.applied_weight_decay > 0:
                     out["weight_decay_mode"] = _WEIGHT_DECAY_MODES[value]
+            elif f.name in _COUNTER_DEFINITIONS:
+                if value is not None:
+                    out[f.name] = dataclasses.asdict(value)
             else:
                 raise ValueError(f"{self.phase}: expected fields of {sorted(_FBGEMM_FIELDS)}, "
                                  f"betas, {list(_EMA_FIELDS)} or weight_decay_mode, got "
@@ -182,6 +190,9 @@ def fbgemm_optimizer(entry: OptimPhase, fb: dict) -> dict[str, Any]:
         )
 
         kwargs["weight_decay_mode"] = getattr(WeightDecayMode, kwargs["weight_decay_mode"])
+    for key, cls_name in _COUNTER_DEFINITIONS.items():
+        if key in kwargs:
+            kwargs[key] = _fbgemm_definition(cls_name, kwargs[key])
     if "emainplace_mode" in kwargs:
         mode = _emainplace_mode_class()
         if mode is None:
@@ -189,6 +200,24 @@ def fbgemm_optimizer(entry: OptimPhase, fb: dict) -> dict[str, Any]:
                              "schedule)")
         kwargs["emainplace_mode"] = mode(**kwargs["emainplace_mode"])
     return dict(optimizer=kind, **kwargs)
+
+
+def _fbgemm_definition(cls_name: str, fields: dict[str, Any]):
+    """FBGEMM's counter / CowClip definition with our definition's ``fields`` (enum members by
+    name; the tail-id threshold as FBGEMM's ``TailIdThreshold``)."""
+    from fbgemm_gpu.tbe import config  # noqa: PLC0415
+
+    enums = {"counter_weight_decay_mode": config.CounterWeightDecayMode,
+             "learning_rate_mode": config.LearningRateMode, "grad_sum_decay": config.GradSumDecay}
+    out = {}
+    for key, value in fields.items():
+        if key in enums:
+            out[key] = enums[key][{"decoupled": "DECOUPLE"}.get(value, value.upper())]
+        elif key == "tail_id_threshold":
+            out[key] = config.TailIdThreshold(value, fields["tail_id_threshold_is_ratio"])
+        elif key != "tail_id_threshold_is_ratio":
+            out[key] = value
+    return getattr(config, cls_name)(**out)
 
 
 def _emainplace_mode_class():
