@@ -2,8 +2,10 @@
 optimizer of the registry to FBGEMM's by name, with the same hyper-parameters and the state
 bytes of its registry entry; a tiny run times two new phases for ours and FBGEMM's CPU TBE,
 which offers one of them and says "not offered" for the other; the comparison with FBGEMM
-catches an update that differs."""
+catches an update that differs, and its weights limit allows fp32 rounding of a tiny step
+(LARS-SGD) but not a wrong rate."""
 
+import dataclasses
 import json
 
 import pytest
@@ -116,6 +118,36 @@ def test_the_comparison_with_fbgemm_catches_a_different_update():
     values, limits = compare(2.0)
     failed = tbe_cases.failures(values, limits)
     assert len(failed) == 1 and failed[0].startswith("fwd_bwd_adagrad: table 0's touched rows")
+
+
+def test_the_weights_limit_allows_fp32_rounding_of_a_tiny_lars_step_but_not_a_wrong_rate():
+    """Both sides of ``weights_err_limit``: LARS-SGD at the phase's setting (lr 0.01, eta 1e-3:
+    each row moves by 1e-5 of its norm) in fp32 against the same formula in float64 rounded
+    once differs by one fp32 spacing of the weights, which is above 1e-4 of the update but
+    within the limit; with eta 1% off, the rows differ beyond it."""
+    import torch  # noqa: PLC0415
+
+    from fbtriton_dist.reference.tbe import UPDATES  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    n, D = 2048, 128
+    w = torch.rand(n, D, generator=gen) * 0.2 - 0.1  # the bench's uniform(-0.1, 0.1)
+    g = tbe_optims.exact_sum_grad(torch.randn(n, D, generator=gen))
+    rows = torch.arange(n)
+    w64, g64 = w.double(), g.double()
+    exact = (w64 - 0.01 * 0.001 * w64.norm(dim=1, keepdim=True) / g64.norm(dim=1, keepdim=True)
+             * g64).float()  # FBGEMM's formula with momentum 0 and no decay, rounded once
+    limit = tbe_optims.weights_err_limit(w.double(), exact.double())
+
+    def err(eta):
+        opt = dataclasses.replace(tbe_optims.CONFIGS["lars_sgd"], eta=eta)
+        ours = UPDATES["lars_sgd"](opt, w, g, 1, torch.zeros(n, D), None, rows, rows)
+        update = (exact.double() - w64).abs().max()
+        return ((ours.double() - exact.double()).abs().max() / update).item()
+
+    assert tbe_optims.CONFIGS["lars_sgd"].eta == 0.001
+    assert 1e-4 < err(0.001) <= limit < 1e-2
+    assert err(0.00101) > limit
 
 
 def test_check_gradients_sum_exactly_in_any_order():
