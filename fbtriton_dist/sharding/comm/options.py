@@ -96,7 +96,8 @@ class CommOptions:
         format_name(self.wire_dtype, "wire_dtype")
         if self.backward_wire_dtype != SAME:
             format_name(self.backward_wire_dtype, "backward_wire_dtype")
-        format_name(self.replica_sync_dtype, "replica_sync_dtype")
+        if format_name(self.replica_sync_dtype, "replica_sync_dtype") == "fp32":
+            object.__setattr__(self, "replica_sync_dtype", None)  # one spelling of the default
         if self.gradient_division is not None and not isinstance(self.gradient_division, bool):
             raise ValueError(f"gradient_division: expected True, False or None, got "
                              f"{self.gradient_division!r}")
