@@ -88,6 +88,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auto-tiers", action="store_true",
                    help="choose the storage tier (device, cached, file) and cache size of every "
                         "table without storage: (tables with storage: auto always get one)")
+    p.add_argument("--shard-tiers", action="store_true",
+                   help="with tiers chosen (--auto-tiers, storage: auto): a tier per shard, the "
+                        "hot shards of cached tables back on device where their rank has room")
     p.add_argument("--file-dir", metavar="DIR", default=None,
                    help="directory of the files of tables the planner puts on the file tier "
                         "(default: none, such a table is an error)")
@@ -183,7 +186,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                              else None),
         disk_bytes_per_rank=(args.disk_budget_gb * GiB if args.disk_budget_gb is not None
                              else None),
-        auto_tiers=args.auto_tiers, file_dir=args.file_dir,
+        auto_tiers=args.auto_tiers, file_dir=args.file_dir, shard_tiers=args.shard_tiers,
     )
     if args.check:
         if args.group_size is not None:
@@ -244,8 +247,9 @@ def _run_plan_job(args: argparse.Namespace) -> int:
     from fbtriton_dist.train.config import load_job  # torch-free
     from fbtriton_dist.train.planning import plan_job
 
-    if args.auto_tiers or args.file_dir is not None:
-        raise ValueError("--auto-tiers / --file-dir: a job's tables say their storage; give them "
+    if args.auto_tiers or args.file_dir is not None or args.shard_tiers:
+        raise ValueError("--auto-tiers / --file-dir / --shard-tiers: a job's tables say their "
+                         "storage; give them "
                          "storage: auto (the planner chooses) or a file tier with its path")
     if args.memory_tolerance is not None:
         raise ValueError("--memory-tolerance: a job plans with the planner's default "

@@ -57,7 +57,7 @@ import numpy as np
 
 from ._yaml import check_choice, check_int, check_number
 from .cache_model import TierTraffic, block_traffic
-from .memory import as_planned, device_rows, table_state_bytes
+from .memory import as_planned, device_rows, shard_spec, table_state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
@@ -456,19 +456,30 @@ class CostAccumulator:
     def add_table(
         self, spec: TableSpec, ts: TableSharding, dist: IdDistribution, optimizer: str
     ) -> None:
-        """Add the terms of every shard of ``ts`` (one table's sharding) to the sums."""
-        self.add_blocks(spec, ts.sharding, Blocks.of(ts.shards), dist, optimizer)
+        """Add the terms of every shard of ``ts`` (one table's sharding) to the sums; shards
+        with a storage of their own (``Shard.storage``) are priced on it (their memory and
+        their caches' misses; ``tiers`` keys them ``table[i,j]`` by shard index)."""
+        blocks = Blocks.of(ts.shards)
+        if not ts.per_shard_storage:
+            self.add_blocks(spec, ts.sharding, blocks, dist, optimizer)
+            return
+        for st, idx in ts.storage_groups(spec.storage):
+            part = np.asarray(idx)
+            sub = Blocks(*(getattr(blocks, f)[part] for f in
+                           ("rank", "row_start", "row_end", "col_start", "col_end")))
+            self._add_held(shard_spec(spec, ts.shards[idx[0]]) if st != spec.storage else spec,
+                           ts.sharding, sub, dist, optimizer,
+                           f"{spec.name}[{','.join(map(str, idx))}]")
+        self.add_blocks(spec, ts.sharding, blocks, dist, optimizer, held=False)
 
-    def add_blocks(
-        self, spec: TableSpec, sharding: str, blocks: Blocks, dist: IdDistribution,
-        optimizer: str
-    ) -> None:
-        """:meth:`add_table` for shards given as :class:`Blocks`."""
-        s = spec.dtype_bytes
+    def _add_held(self, spec: TableSpec, sharding: str, blocks: Blocks, dist: IdDistribution,
+                  optimizer: str, key: str) -> None:
+        """The memory of ``blocks`` on ``spec``'s storage, and on a cached tier their misses'
+        traffic (its summary in ``tiers[key]``)."""
         rows = (blocks.row_end - blocks.row_start).astype(np.float64)
         cols = (blocks.col_end - blocks.col_start).astype(np.float64)
         held = device_rows(spec, rows)  # a cached tier: its caches' slots
-        self.add(blocks.rank, weight_bytes=held * cols * s,
+        self.add(blocks.rank, weight_bytes=held * cols * spec.dtype_bytes,
                  state_bytes=table_state_bytes(spec, held, cols, optimizer))
         if spec.storage is not None and spec.storage.cached:  # the misses' rows in and out
             n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
@@ -477,7 +488,18 @@ class CostAccumulator:
             term = "disk_tier_bytes" if spec.tier == "file" else "host_tier_bytes"
             self.add(blocks.rank, **{term: moved})
             if self.tiers is not None:
-                self.tiers[spec.name] = summary
+                self.tiers[key] = summary
+
+    def add_blocks(
+        self, spec: TableSpec, sharding: str, blocks: Blocks, dist: IdDistribution,
+        optimizer: str, held: bool = True
+    ) -> None:
+        """:meth:`add_table` for shards given as :class:`Blocks` (``held``: with their memory
+        and tier traffic on ``spec``'s storage; else their lookups and traffic only)."""
+        rows = (blocks.row_end - blocks.row_start).astype(np.float64)
+        cols = (blocks.col_end - blocks.col_start).astype(np.float64)
+        if held:
+            self._add_held(spec, sharding, blocks, dist, optimizer, spec.name)
         if sharding == "data_parallel":
             self._add_replicas(spec)
         elif sharding in ("table_wise", "column_wise"):

@@ -17,7 +17,7 @@ from .shards import Shard, TableSharding
 from .tables import TableSpec
 
 __all__ = ["GiB", "as_planned", "block_bytes", "device_rows", "fmt_bytes", "host_block_bytes",
-           "shard_equation", "state_bytes", "table_state_bytes"]
+           "shard_equation", "shard_spec", "state_bytes", "table_state_bytes"]
 
 GiB = 1024**3
 
@@ -100,6 +100,15 @@ def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
         f"rows {sh.row_start}..{sh.row_end}{cache} x {sh.num_cols} cols x {spec.dtype_bytes} B"
         f" + state {fmt_bytes(st)} ({opt}{state}) = {fmt_bytes(w + st)}"
     )
+
+
+def shard_spec(spec: TableSpec, shard: Shard) -> TableSpec:
+    """``spec`` with the storage ``shard`` lives on: its own (``Shard.storage``, a per-shard
+    tier), else ``spec``'s (``as_planned``: the table's in the plan). Every per-shard count
+    (budgets, the cost model's memory and misses, the report) prices a shard through it."""
+    if shard.storage is None or shard.storage == spec.storage:
+        return spec
+    return dataclasses.replace(spec, storage=shard.storage, auto_storage=False)
 
 
 def as_planned(specs: Sequence[TableSpec], planned: Iterable[TableSharding]) -> list[TableSpec]:

@@ -37,7 +37,14 @@ from ._yaml import (
     check_int,
     read_yaml,
 )
-from .memory import as_planned, block_bytes, fmt_bytes, host_block_bytes, shard_equation
+from .memory import (
+    as_planned,
+    block_bytes,
+    fmt_bytes,
+    host_block_bytes,
+    shard_equation,
+    shard_spec,
+)
 from .shards import Shard, TableSharding
 from .tables import TableSpec
 
@@ -162,6 +169,35 @@ class ShardingPlan:
             raise KeyError(f"tables {missing} are not in the plan; known: {list(by_name)}")
         return dataclasses.replace(self, tables=tuple(by_name[n] for n in wanted))
 
+    def with_shard_storage(
+        self, storage: Mapping[str, Mapping[int, Storage | Mapping | str | None]]
+    ) -> ShardingPlan:
+        """This plan with per-shard storage: ``{table: {shard index: storage}}`` (a
+        ``Storage``, a mapping of its fields, a tier name; None: the table's again). Errors
+        name the table, the shard and the bound."""
+        known = {t.name: t for t in self.tables}
+        unknown = sorted(set(storage) - set(known))
+        if unknown:
+            raise ValueError(f"storage: unknown table(s) {unknown}; the plan holds "
+                             f"{list(known)}")
+        tables = []
+        for t in self.tables:
+            given = dict(storage.get(t.name, {}))
+            shards = list(t.shards)
+            for i, value in given.items():
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(shards):
+                    raise ValueError(f"table '{t.name}' storage: expected a shard index 0 <= i "
+                                     f"< {len(shards)}, got {i!r}")
+                try:
+                    st = None if value is None else storage_of(value, t.name)
+                except ValueError as e:
+                    detail = str(e).removeprefix(f"table '{t.name}' ")
+                    raise ValueError(f"table '{t.name}' shard {i} ({shards[i].describe()}): "
+                                     f"{detail}") from None
+                shards[i] = dataclasses.replace(shards[i], storage=st)
+            tables.append(dataclasses.replace(t, shards=tuple(shards)) if given else t)
+        return dataclasses.replace(self, tables=tuple(tables))
+
     def row_boundaries(self, name: str) -> tuple[int, ...]:
         """Row cuts ``(0, ..., E)`` of table ``name`` (see ``TableSharding.row_boundaries``)."""
         return self.table(name).row_boundaries()
@@ -236,6 +272,8 @@ class ShardingPlan:
                             "rank": s.rank,
                             "rows": [s.row_start, s.row_end],
                             "cols": [s.col_start, s.col_end],
+                            **({"storage": storage_dict(s.storage)}
+                               if s.storage is not None else {}),
                         }
                         for s in t.shards
                     ],
@@ -265,13 +303,13 @@ class ShardingPlan:
                       f"  num_embeddings: {t.num_embeddings}",
                       f"  embedding_dim: {t.embedding_dim}"]
             if t.storage is not None:
-                flow = yaml.dump(storage_dict(t.storage), Dumper=SAFE_DUMPER, sort_keys=False,
-                                 default_flow_style=True, width=10**6)
-                lines.append(f"  storage: {flow.strip()}")
+                lines.append(f"  storage: {_storage_flow(t.storage)}")
             lines.append("  shards:")
             for sh in t.shards:
                 lines += [f"  - rank: {sh.rank}", f"    rows: [{sh.row_start}, {sh.row_end}]",
                           f"    cols: [{sh.col_start}, {sh.col_end}]"]
+                if sh.storage is not None:
+                    lines.append(f"    storage: {_storage_flow(sh.storage)}")
         return "\n".join(lines) + "\n"
 
     def save_yaml(self, path: str | os.PathLike[str], header: str = "") -> None:
@@ -286,7 +324,7 @@ class ShardingPlan:
             items = _list(value, key)
             return tuple(
                 build(TableSharding, item, where, f"{key}[{i}]",
-                      convert={"shards": shards, "storage": _storage(item)})
+                      convert={"shards": shards(item), "storage": _storage(item)})
                 for i, item in enumerate(items)
             )
 
@@ -303,18 +341,26 @@ class ShardingPlan:
 
             return convert
 
-        def shards(value: Any, key: str) -> tuple[Shard, ...]:
-            return tuple(_shard(item, f"{key}[{i}]") for i, item in enumerate(_list(value, key)))
+        def shards(table: Any):
+            name = table.get("name") if isinstance(table, Mapping) else None
 
-        def _shard(item: Any, key: str) -> Shard:
+            def convert(value: Any, key: str) -> tuple[Shard, ...]:
+                return tuple(_shard(item, f"{key}[{i}]", str(name), i)
+                             for i, item in enumerate(_list(value, key)))
+
+            return convert
+
+        def _shard(item: Any, key: str, name: str, index: int) -> Shard:
             keys = ("rank", "rows", "cols")
-            if not isinstance(item, Mapping) or set(item) != set(keys):
+            if (not isinstance(item, Mapping) or not set(keys) <= set(item)
+                    or set(item) - {*keys, "storage"}):
                 raise FieldError(
-                    key, f"expected a mapping with keys [rank, rows, cols], got {item!r}"
+                    key, f"expected a mapping with keys [rank, rows, cols] and optionally "
+                         f"storage, got {item!r}"
                 )
             rows, cols = _pair(item["rows"], f"{key}.rows"), _pair(item["cols"], f"{key}.cols")
             try:
-                return Shard(
+                shard = Shard(
                     rank=item["rank"],
                     row_start=rows[0],
                     row_end=rows[1],
@@ -326,6 +372,15 @@ class ShardingPlan:
                     e.field, "cols" if e.field == "col_end" else e.field
                 )
                 raise FieldError(f"{key}.{field}", e.message) from e
+            if item.get("storage") is None:
+                return shard
+            try:
+                storage = storage_of(item["storage"], name)
+            except ValueError as e:
+                detail = str(e).removeprefix(f"table '{name}' ")
+                raise FieldError(f"{key}.storage", f"table '{name}' shard {index} "
+                                                   f"({shard.describe()}): {detail}") from None
+            return dataclasses.replace(shard, storage=storage)
 
         return build(cls, _without_version(data, where), where, "", convert={"tables": tables})
 
@@ -337,6 +392,12 @@ class ShardingPlan:
         """
         where = os.fspath(path)
         return cls.from_dict(read_yaml(where), where)
+
+
+def _storage_flow(storage: Storage) -> str:
+    """``storage_dict(storage)`` as a YAML flow mapping (one line)."""
+    return yaml.dump(storage_dict(storage), Dumper=SAFE_DUMPER, sort_keys=False,
+                     default_flow_style=True, width=10**6).strip()
 
 
 def _yaml_scalar(value: str) -> str:
@@ -360,7 +421,8 @@ def memory_problems(
     for rank in range(plan.world_size):
         shards = per_rank.get(rank, [])
         sizes = [
-            block_bytes(by_name[name], sh.num_rows, sh.num_cols, optimizer) for name, sh in shards
+            block_bytes(shard_spec(by_name[name], sh), sh.num_rows, sh.num_cols, optimizer)
+            for name, sh in shards
         ]
         need = sum(sizes)
         if need <= budget_bytes:
@@ -370,7 +432,8 @@ def memory_problems(
         others = f" + {fmt_bytes(rest)} of {len(shards) - 1} other shard(s)" if rest else ""
         problems.append(
             f"rank {rank} needs {fmt_bytes(need)}, budget {fmt_bytes(budget_bytes)}: "
-            f"table '{name}' {shard_equation(by_name[name], big, optimizer)}{others}"
+            f"table '{name}' {shard_equation(shard_spec(by_name[name], big), big, optimizer)}"
+            f"{others}"
         )
     return problems
 
@@ -385,10 +448,12 @@ def host_memory_problems(
     need: dict[int, list[tuple[int, str]]] = {}
     for t in plan.tables:
         spec = by_name.get(t.name)
-        if spec is None or spec.tier == "device":
+        if spec is None or (spec.tier == "device" and not t.per_shard_storage):
             continue
         for s in t.shards:
-            n = host_block_bytes(spec, s.num_rows, s.num_cols, optimizer)
+            n = host_block_bytes(shard_spec(spec, s), s.num_rows, s.num_cols, optimizer)
+            if not n:
+                continue
             need.setdefault(s.rank, []).append((n, f"'{t.name}' rows {s.row_start}..{s.row_end}"
                                                    f" x {s.num_cols} cols {fmt_bytes(n)}"))
     return [f"rank {r} needs {fmt_bytes(sum(n for n, _ in items))} of host memory, budget "

@@ -44,6 +44,7 @@ from .cost import TIME_QUANTUM, UNIFORM, Blocks, CostAccumulator, CostModel, Pla
 from .memory import block_bytes, fmt_bytes
 from .plan import ShardingPlan, host_memory_problems
 from .proposals import MIN_COLUMN_SLICE, Proposer, RowCuts
+from .shard_tiers import promote_hot_shards, smallest_caches
 from .shards import SHARDING_TYPES, TableSharding
 from .stats import IdDistribution
 from .tables import OPTIMIZERS, TableConstraints, TableSpec, table_constraints, to_table_specs
@@ -160,6 +161,9 @@ class ShardingPlanner:
             checked.
         file_dir: the directory of the ``file`` tables the planner chooses (None: it chooses
             none; a table that needs one is an error).
+        shard_tiers: with tiers chosen (``auto_tiers`` / ``storage: auto``), a tier per shard:
+            once the plan is made, the hottest cached / file shards of those tables go back on
+            ``device`` while their rank's budget holds them (``shard_tiers.promote_hot_shards``).
     """
 
     def __init__(
@@ -181,6 +185,7 @@ class ShardingPlanner:
         auto_tiers: bool = False,
         disk_bytes_per_rank: float | None = None,
         file_dir: str | None = None,
+        shard_tiers: bool = False,
     ) -> None:
         check_int("world_size", world_size, 1)
         local_world_size = world_size if local_world_size is None else local_world_size
@@ -200,6 +205,9 @@ class ShardingPlanner:
         if not isinstance(auto_tiers, bool):
             raise ValueError(f"auto_tiers: expected a bool, got {auto_tiers!r}")
         self.auto_tiers, self.disk_bytes_per_rank = auto_tiers, disk_bytes_per_rank
+        if not isinstance(shard_tiers, bool):
+            raise ValueError(f"shard_tiers: expected a bool, got {shard_tiers!r}")
+        self.shard_tiers = shard_tiers
         self.file_dir = file_dir
         if reserved_fraction >= 1.0:
             raise ValueError(f"reserved_fraction: expected a number < 1, got {reserved_fraction}")
@@ -284,7 +292,26 @@ class ShardingPlanner:
             problems = disk_problems(plan, specs, self.disk_bytes_per_rank, self.optimizer)
             if problems:
                 raise PlanError("disk: " + "; ".join(problems))
+        if auto and self.shard_tiers:  # hot shards of cached tables back on device
+            plan = self._shard_tier_plan(plan, specs, constraints, stats, auto)
         return plan
+
+    def _shard_tier_plan(self, plan, specs, constraints, stats, auto) -> ShardingPlan:
+        """Tiers per shard (``shard_tiers.py``): ``plan`` with its hot shards promoted, or the
+        plan made with the least caches and promoted, whichever the cost model finds faster."""
+        def step(p: ShardingPlan, s) -> float:
+            return max(r.time_s for r in evaluate(p, s, stats, self.cost_model,
+                                                  self.optimizer).ranks)
+
+        def promote(p: ShardingPlan, s) -> ShardingPlan:
+            return promote_hot_shards(p, s, stats, auto, self.budget_bytes, self.optimizer)
+
+        plan = promote(plan, specs)
+        small = smallest_caches(specs, stats, auto, self.world_size, self.cost_model.batch_size)
+        if small == tuple(specs):
+            return plan
+        other = promote(self._sharding_plan(small, self._plan(small, constraints, stats)), small)
+        return other if step(other, small) < step(plan, specs) else plan
 
     def tier_budgets(self) -> TierBudgets:
         """What ``choose_tiers`` may use per rank."""

@@ -133,20 +133,25 @@ def format_report(
 
 def tier_lines(plan: ShardingPlan, cost: PlanCost) -> list[str]:
     """The tables on a cached tier: cache, estimated hit rate and the misses' traffic per step
-    (``PlanCost.tiers``); none when there are none."""
+    (``PlanCost.tiers``; a table with per-shard storage: a line per cached group of shards,
+    ``table[shard indices]``); none when there are none."""
     if not cost.tiers:
         return []
     rows = []
     for ts in plan.tables:
-        t = cost.tiers.get(ts.name)
-        if t is None or ts.storage is None:
-            continue
-        st = ts.storage
-        cache = (f"{st.cache_slots} slots" if st.cache_slots is not None
-                 else f"{st.cache_load_factor:g} of rows")
-        rows.append([ts.name, st.tier, cache, t.policy, f"{t.distinct_rows:,.0f}",
-                     f"{t.hit_rate:.3f}" + ("" if t.fits else " (cache < a step!)"),
-                     f"{t.misses:,.0f}", f"{t.bytes / MB:.2f}"])
+        # a table with per-shard storage: one line per group of shards on one cached storage
+        parts = ([(f"{ts.name}[{','.join(map(str, idx))}]", st)
+                  for st, idx in ts.storage_groups(ts.storage)]
+                 if ts.per_shard_storage else [(ts.name, ts.storage)])
+        for key, st in parts:
+            t = cost.tiers.get(key)
+            if t is None or st is None:
+                continue
+            cache = (f"{st.cache_slots} slots" if st.cache_slots is not None
+                     else f"{st.cache_load_factor:g} of rows")
+            rows.append([key, st.tier, cache, t.policy, f"{t.distinct_rows:,.0f}",
+                         f"{t.hit_rate:.3f}" + ("" if t.fits else " (cache < a step!)"),
+                         f"{t.misses:,.0f}", f"{t.bytes / MB:.2f}"])
     if not rows:
         return []
     header = ["cached table", "tier", "cache", "policy", "distinct rows/step", "est. hit rate",

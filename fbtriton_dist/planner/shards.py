@@ -40,8 +40,15 @@ class Shard:
     """First column (embedding dimension) of the block (inclusive)."""
     col_end: int
     """One past the last column of the block."""
+    storage: Storage | None = None
+    """Where this shard's rows live when not where its table's do (per-shard tiers, e.g. a
+    row-wise table's hot block on ``device``, its cold blocks ``cached``); a ``cached`` /
+    ``file`` shard has ``Storage.slots(its rows)`` cache slots. None: the table's storage
+    (``TableSharding.storage``, else the module's own)."""
 
     def __post_init__(self) -> None:
+        if self.storage is not None and not isinstance(self.storage, Storage):
+            raise FieldError("storage", f"expected a Storage or None, got {self.storage!r}")
         check_int("rank", self.rank, 0)
         check_int("row_start", self.row_start, 0)
         check_int("row_end", self.row_end, self.row_start + 1)
@@ -79,8 +86,9 @@ class TableSharding:
     """The blocks; row-wise kinds in increasing row order, data-parallel one per rank."""
     storage: Storage | None = None
     """Where every shard of the table lives (``fbtriton_dist.storage.Storage``: a tier and,
-    for ``cached`` / ``file``, a cache of ``cache_load_factor`` x the shard's rows). None: not
-    said by the plan (the module's own storage; ``device`` unless it has one)."""
+    for ``cached`` / ``file``, a cache of ``cache_load_factor`` x the shard's rows), unless the
+    shard names its own (``Shard.storage``). None: not said by the plan (the module's own
+    storage; ``device`` unless it has one)."""
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -96,6 +104,27 @@ class TableSharding:
     def ranks(self) -> tuple[int, ...]:
         """The ranks that hold a shard, in shard order."""
         return tuple(s.rank for s in self.shards)
+
+    @property
+    def per_shard_storage(self) -> bool:
+        """Some shard names a storage of its own (``Shard.storage``)."""
+        return any(s.storage is not None for s in self.shards)
+
+    def shard_storage(self, shard: Shard, default: Storage | None = None) -> Storage | None:
+        """Where ``shard`` (one of this table's) lives: its own storage, else the table's,
+        else ``default`` (the module's own; None: not said)."""
+        if shard.storage is not None:
+            return shard.storage
+        return self.storage if self.storage is not None else default
+
+    def storage_groups(self, default: Storage | None = None
+                       ) -> list[tuple[Storage | None, tuple[int, ...]]]:
+        """``(storage, shard indices)`` per distinct storage of the shards
+        (``shard_storage``), in order of first appearance."""
+        groups: dict[Storage | None, list[int]] = {}
+        for i, s in enumerate(self.shards):
+            groups.setdefault(self.shard_storage(s, default), []).append(i)
+        return [(st, tuple(idx)) for st, idx in groups.items()]
 
     def row_boundaries(self) -> tuple[int, ...]:
         """Sorted distinct row cuts ``(0, ..., E)``; block k is rows ``[b[k], b[k+1])``.
@@ -130,6 +159,12 @@ class TableSharding:
                     f"{where}: shards[{i}] ({s.describe()}) is outside the table "
                     f"(rows 0..{E}, cols 0..{D})"
                 )
+            if (self.sharding == "data_parallel" and s.storage is not None
+                    and s.storage.tier != "device"):
+                problems.append(
+                    f"{where}: shards[{i}] ({s.describe()}).storage: a data-parallel replica "
+                    f"lives on 'device', got tier {s.storage.tier!r} (shard the table to put "
+                    "a block of it on a tier)")
         if problems:
             return problems
         if self.sharding == "data_parallel":

@@ -32,13 +32,14 @@ from dataclasses import dataclass, replace
 from fbtriton_dist.storage import SLOT_MAP_BYTES, Storage
 
 from .cache_model import STEP_MARGIN, estimate_hit_rates, hit_rate
-from .memory import fmt_bytes, host_block_bytes, table_state_bytes
+from .memory import fmt_bytes, host_block_bytes, shard_spec, table_state_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec
 
 __all__ = ["CACHE_MARGIN", "DEVICE_FILL", "TierBudgets", "auto_tables", "cache_shortfalls",
-           "choose_tiers", "disk_block_bytes", "disk_problems"]
+           "choose_tiers", "disk_block_bytes", "disk_problems", "floor_factor",
+           "min_load_factor"]
 
 DEVICE_FILL = 0.95
 """Share of the world's device budget the chosen ``device`` tables may take: the search packs
@@ -81,14 +82,14 @@ def disk_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> i
     return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
 
 
-def _min_factor(spec: TableSpec, dist: IdDistribution, ids_per_step: float) -> float:
+def min_load_factor(spec: TableSpec, dist: IdDistribution, ids_per_step: float) -> float:
     """The smallest load factor whose cache holds ``CACHE_MARGIN`` steps' distinct rows."""
     E = spec.num_embeddings
     U = hit_rate(dist, E, ids_per_step, E).distinct_rows
     return min(1.0, CACHE_MARGIN * U / E)
 
 
-def _floor_factor(f: float) -> float:
+def floor_factor(f: float) -> float:
     """``f`` rounded down to 4 significant digits (written in the plan), in (0, 1]."""
     if f >= 1.0:
         return 1.0
@@ -160,7 +161,7 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
     minimum) filling ``device_room``, then host memory or files for their rows."""
     R = budgets.world_size
     row = {t.name: _row_bytes(t, optimizer) for t in behind}
-    least = {t.name: _min_factor(t, stats.get(t.name, UNIFORM), ids[t.name]) for t in behind}
+    least = {t.name: min_load_factor(t, stats.get(t.name, UNIFORM), ids[t.name]) for t in behind}
 
     def need(f: float) -> float:
         return sum(math.ceil(max(f, least[t.name]) * t.num_embeddings) * row[t.name]
@@ -184,7 +185,7 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
             lo, hi = (mid, hi) if need(mid) <= device_room else (lo, mid)
     out = {}
     for t in behind:
-        f = _floor_factor(max(lo, least[t.name]))
+        f = floor_factor(max(lo, least[t.name]))
         slot_map = SLOT_MAP_BYTES * t.num_embeddings  # host memory on either tier
         if whole[t.name] + slot_map <= host_room:
             host_room -= whole[t.name] + slot_map
@@ -225,17 +226,19 @@ def cache_shortfalls(plan: ShardingPlan, specs: Sequence[TableSpec],
         if spec is None:
             continue
         st = ts.storage or spec.storage
-        if st is None or not st.cached or not ts.shards:
+        # the shards on the table's storage (a shard with its own keeps its own cache)
+        shards = [s for s in ts.shards if s.storage is None]
+        if st is None or not st.cached or not shards:
             continue
         n = plan.world_size * batch_size * spec.ids_per_sample
-        starts = [s.row_start for s in ts.shards]
-        ends = [s.row_end for s in ts.shards]
-        slots = [st.slots(s.num_rows) for s in ts.shards]
+        starts = [s.row_start for s in shards]
+        ends = [s.row_end for s in shards]
+        slots = [st.slots(s.num_rows) for s in shards]
         est = estimate_hit_rates((stats or {}).get(ts.name, UNIFORM), spec.num_embeddings, n,
                                  starts, ends, slots, st.policy)
         want = max(min(1.0, CACHE_MARGIN * e.distinct_rows / max(s.num_rows, 1))
-                   for e, s in zip(est, ts.shards, strict=True))
-        have = min(st.slots(s.num_rows) / max(s.num_rows, 1) for s in ts.shards)
+                   for e, s in zip(est, shards, strict=True))
+        have = min(st.slots(s.num_rows) / max(s.num_rows, 1) for s in shards)
         if st.cache_slots is None and want > st.cache_load_factor and want > have:
             out[ts.name] = min(1.0, want * 1.001)
     return out
@@ -254,7 +257,7 @@ def disk_problems(plan: ShardingPlan, specs: Sequence[TableSpec], budget_bytes: 
         if t.storage is not None:
             spec = replace(spec, storage=t.storage)
         for s in t.shards:
-            n = disk_block_bytes(spec, s.num_rows, s.num_cols, optimizer)
+            n = disk_block_bytes(shard_spec(spec, s), s.num_rows, s.num_cols, optimizer)
             if n:
                 need.setdefault(s.rank, []).append(
                     (n, f"'{t.name}' rows {s.row_start}..{s.row_end} x {s.num_cols} cols "

@@ -236,8 +236,20 @@ def with_storage(plan: ShardingPlan, specs) -> ShardingPlan:
 
 def plan_storage(plan: ShardingPlan) -> dict[str, Storage]:
     """The storage of every table ``plan`` names one for (the table set's, or the tier the
-    planner chose for ``storage: auto``): what a job in one process builds its tables on."""
-    return {t.name: t.storage for t in plan.tables if t.storage is not None}
+    planner chose for ``storage: auto``; a table whose shards all name the same storage:
+    theirs): what a job in one process builds its tables on. A table whose shards name
+    different storage is refused (one process builds each table whole, on one tier)."""
+    out = {}
+    for t in plan.tables:
+        kinds = list(dict.fromkeys(t.shard_storage(s) for s in t.shards))
+        if len(kinds) > 1:
+            raise ValueError(
+                f"table '{t.name}': its shards name different storage tiers "
+                f"{[s.tier if s is not None else None for s in kinds]}; a job in one process "
+                "builds each table whole on one tier: give the plan's table one storage")
+        if kinds[0] is not None:
+            out[t.name] = kinds[0]
+    return out
 
 
 def make_plan(cfg: JobConfig, world_size: int, local_world_size: int) -> tuple[ShardingPlan, str]:

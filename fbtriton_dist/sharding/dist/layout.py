@@ -19,6 +19,7 @@ import torch
 
 from fbtriton_dist.modules.ebc import DATA_TYPES, POOLINGS, embedding_names
 from fbtriton_dist.planner import ShardingPlan, to_table_specs
+from fbtriton_dist.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,19 @@ class LocalTable:
     col_end: int
     dtype: torch.dtype
     host: bool = False
-    """Its table is on the ``host`` storage tier: a local TBE of its own
+    """It is on the ``host`` storage tier (its own or its table's): a local TBE of its own
     (``modules/host_tier.py``)."""
+    storage: Storage | None = None
+    """Its own storage in the plan (``Shard.storage``); None: its table's."""
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.row_end - self.row_start, self.col_end - self.col_start)
+
+
+def _key(sf: ShardFeature) -> tuple[int, int, int, int, int]:
+    """The local table (shard) ``sf`` is looked up in."""
+    return (sf.table, sf.row_start, sf.row_end, sf.col_start, sf.col_end)
 
 
 class ShardLayout:
@@ -105,15 +113,23 @@ class ShardLayout:
                         f, t, s.rank, s.row_start, s.row_end, s.col_start, s.col_end, dp, in_host
                     )
                 )
-        # per rank: its shard-features grouped by (dtype, host tier) (one TBE each: host tables
-        # ``host_tables`` apart), then feature order
+        # per rank: its shard-features grouped by (dtype, host tier) (one TBE each: shards on
+        # ``host``, their table's ``host_tables`` or their own ``Shard.storage``, apart), then
+        # feature order
         self.host = [c.name in set(host_tables) for c in configs]
-        groups = list(zip(dtypes, self.host, strict=True))
-        group_of = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+        self.shard_storage: dict[tuple[int, int, int, int, int], Storage] = {
+            (t, s.row_start, s.row_end, s.col_start, s.col_end): s.storage
+            for t, c in enumerate(configs) for s in plan.table(c.name).shards
+            if s.storage is not None
+        }
+        """``(table, row_start, row_end, col_start, col_end) -> Storage`` of every shard with
+        a storage of its own in the plan (per-shard tiers; ``Shard.storage``)."""
+        group = {sf: (dtypes[sf.table], self._on_host(_key(sf))) for sf in shard_features}
+        group_of = {g: i for i, g in enumerate(dict.fromkeys(group.values()))}
         self.local: list[list[ShardFeature]] = [
             sorted(
                 (sf for sf in shard_features if sf.rank == q),
-                key=lambda sf: (group_of[groups[sf.table]], sf.feature, sf.row_start, sf.col_start),
+                key=lambda sf: (group_of[group[sf]], sf.feature, sf.row_start, sf.col_start),
             )
             for q in range(world_size)
         ]
@@ -127,6 +143,11 @@ class ShardLayout:
         self.table_data_parallel = [
             plan.table(c.name).sharding == "data_parallel" for c in configs
         ]
+
+    def _on_host(self, key: tuple[int, int, int, int, int]) -> bool:
+        """The shard ``key`` lives on the ``host`` tier: its own storage's, else its table's."""
+        st = self.shard_storage.get(key)
+        return st.tier == "host" if st is not None else self.host[key[0]]
 
     def responsible(self, sf: ShardFeature, dest: int) -> int:
         """The holder of ``sf``'s slice that sums it for ``dest``'s samples and sends it there:
@@ -149,7 +170,8 @@ class ShardLayout:
             if key not in tables:
                 tables[key] = len(tables)
             ftm.append(tables[key])
-        local = [LocalTable(*key, dtype=self.dtypes[key[0]], host=self.host[key[0]])
+        local = [LocalTable(*key, dtype=self.dtypes[key[0]], host=self._on_host(key),
+                            storage=self.shard_storage.get(key))
                  for key in tables]
         return local, ftm
 

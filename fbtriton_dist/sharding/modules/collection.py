@@ -49,8 +49,10 @@ class ShardedCollection(nn.Module):
         storage: optional ``{table name: Storage}`` (``fbtriton_dist.storage``; a mapping of
             its fields or a tier name too): every shard of the table lives on that tier, a
             ``cached`` / ``file`` shard with ``Storage.slots(its rows)`` cache slots. Tables
-            not named, and all without it, are on ``device``. The state dict and the fused
-            optimizer's state give the whole shards (flushed), as on ``device``.
+            not named, and all without it, are on ``device``. A shard whose plan entry names
+            a storage of its own (``Shard.storage``) lives there instead (per-shard tiers).
+            The state dict and the fused optimizer's state give the whole shards (flushed),
+            as on ``device``.
         optimizer_state_dtypes: FBGEMM's option, ``{"momentum1" | "momentum2": dtype}``: the
             fused optimizer's state of every shard stored in fp16 / bf16 (the update in fp32,
             ``TableBatchedEmbedding``'s); the state dict keeps that dtype.
@@ -163,7 +165,7 @@ class ShardedCollection(nn.Module):
                 backend=backend,
                 bounds_check="ignore",  # checked on the sending rank, before the collectives
                 table_names=[self._shard_name(local[i]) for i in members],
-                storage=[self.storage[self._configs[local[i].table].name] for i in members],
+                storage=[self.shard_storage(local[i]) for i in members],
                 init_weights=False,
                 seed=(base + 7919 * self.rank + 104729 * len(self.tbes)) % (2**31 - 1),
                 optimizer_state_dtypes=self.optimizer_state_dtypes,
@@ -184,6 +186,8 @@ class ShardedCollection(nn.Module):
             raise ValueError("group_size: replica groups need the default input dist; got "
                              "CommOptions(fixed_shapes=True)")
         tiers = {n: storage_of(s, n).tier for n, s in dict(storage or {}).items()}
+        tiers.update({f"{self.layout.configs[k[0]].name}[rows {k[1]}..{k[2]}, cols "
+                      f"{k[3]}..{k[4]}]": st.tier for k, st in self.layout.shard_storage.items()})
         if any(t != "device" for t in tiers.values()):
             raise ValueError(f"group_size: replica groups keep every table on 'device'; got "
                              f"storage tiers {tiers}")
@@ -256,6 +260,11 @@ class ShardedCollection(nn.Module):
                 "cache is not supported; shard the table (table_wise, row_wise, ...) to put it "
                 "on a tier, or keep it data_parallel on 'device' (docs/storage.md)")
         return out
+
+    def shard_storage(self, t) -> Storage:
+        """Where local shard ``t`` (a ``LocalTable``) lives: its own storage in the plan
+        (``Shard.storage``, per-shard tiers), else its table's (``self.storage``)."""
+        return t.storage if t.storage is not None else self.storage[self._configs[t.table].name]
 
     def tiered(self) -> bool:
         """Some local shard lives behind a row cache (``cached`` / ``file``)."""
