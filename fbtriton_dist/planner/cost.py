@@ -57,7 +57,7 @@ import numpy as np
 
 from ._yaml import check_choice, check_int, check_number
 from .cache_model import TierTraffic, block_traffic
-from .memory import as_planned, device_rows, shard_spec, table_state_bytes
+from .memory import as_planned, device_rows, table_state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
 from .stats import IdDistribution, cdf_array
@@ -463,12 +463,13 @@ class CostAccumulator:
         if not ts.per_shard_storage:
             self.add_blocks(spec, ts.sharding, blocks, dist, optimizer)
             return
-        for st, idx in ts.storage_groups(spec.storage):
+        for st, idx in ts.storage_groups(ts.storage):  # the report's groups (tier_lines)
             part = np.asarray(idx)
             sub = Blocks(*(getattr(blocks, f)[part] for f in
                            ("rank", "row_start", "row_end", "col_start", "col_end")))
-            self._add_held(shard_spec(spec, ts.shards[idx[0]]) if st != spec.storage else spec,
-                           ts.sharding, sub, dist, optimizer,
+            here = (spec if st is None or st == spec.storage
+                    else dataclasses.replace(spec, storage=st, auto_storage=False))
+            self._add_held(here, ts.sharding, sub, dist, optimizer,
                            f"{spec.name}[{','.join(map(str, idx))}]")
         self.add_blocks(spec, ts.sharding, blocks, dist, optimizer, held=False)
 

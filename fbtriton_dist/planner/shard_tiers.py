@@ -60,10 +60,15 @@ def smallest_caches(specs: Sequence[TableSpec], stats: Mapping[str, IdDistributi
 
 def promote_hot_shards(plan: ShardingPlan, specs: Sequence[TableSpec],
                        stats: Mapping[str, IdDistribution] | None, auto: Collection[str],
-                       budget_bytes: float, optimizer: str) -> ShardingPlan:
+                       budget_bytes: float | Sequence[float], optimizer: str) -> ShardingPlan:
     """``plan`` with the hottest cached / file shards of the tables named in ``auto`` on
     ``device`` while each one's rank stays within ``DEVICE_FILL x budget_bytes`` (the module
-    docstring); a table whose every shard moves is on ``device`` as a whole."""
+    docstring; one budget for every rank, or one per rank: ranks with different device
+    memory); a table whose every shard moves is on ``device`` as a whole."""
+    if np.ndim(budget_bytes) and len(budget_bytes) != plan.world_size:
+        raise ValueError(f"budget_bytes: expected one number or {plan.world_size} (one per "
+                         f"rank), got {len(budget_bytes)}")
+    budgets = np.broadcast_to(np.asarray(budget_bytes, dtype=np.float64), (plan.world_size,))
     specs = as_planned(list(specs), plan.tables)
     by_name = {t.name: t for t in specs}
     used = np.zeros(plan.world_size)
@@ -90,10 +95,10 @@ def promote_hot_shards(plan: ShardingPlan, specs: Sequence[TableSpec],
                      - block_bytes(here, sh.num_rows, sh.num_cols, optimizer))
             lookups = float(share[i]) * sh.num_cols / spec.embedding_dim
             candidates.append((-lookups / max(extra, 1), t, i, sh.rank, extra))
-    room = DEVICE_FILL * budget_bytes
+    room = DEVICE_FILL * budgets
     promoted: dict[int, set[int]] = {}
     for _, t, i, rank, extra in sorted(candidates):
-        if used[rank] + extra <= room:
+        if used[rank] + extra <= room[rank]:
             used[rank] += extra
             promoted.setdefault(t, set()).add(i)
     if not promoted:

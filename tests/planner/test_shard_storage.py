@@ -176,6 +176,15 @@ def test_promote_hot_shards_fills_each_rank_budget_hottest_first():
     with pytest.raises(PlanValidationError, match="rank 0 needs 17.6 KiB"):
         out.validate(specs, budget_bytes=17_999)
     assert promote_hot_shards(plan, specs, None, set(), 20_000, "rowwise_adagrad") == plan
+    # ranks with different device memory: rank 1's larger budget holds its shard too
+    out = promote_hot_shards(plan, specs, None, {"t"}, [20_000, 35_000], "rowwise_adagrad")
+    assert [s.storage for s in out.tables[0].shards] == [None, None]  # all: the table
+    assert out.tables[0].storage is None
+    out = promote_hot_shards(plan, specs, None, {"t"}, [18_000, 35_000], "rowwise_adagrad")
+    assert [s.storage for s in out.tables[0].shards] == [None, Storage(tier="device")]
+    with pytest.raises(ValueError, match=r"budget_bytes: expected one number or 2 \(one per "
+                                         r"rank\), got 3"):
+        promote_hot_shards(plan, specs, None, {"t"}, [1, 2, 3], "rowwise_adagrad")
     # one rank, room for one more shard: the hotter one (rows at the end hot, then the start)
     plan, specs = _hot_plan(1)
     for hist, hot in (((1.0, 9.0), 1), ((9.0, 1.0), 0)):
