@@ -236,3 +236,24 @@ def test_a_job_in_one_process_builds_a_table_on_its_shards_one_storage():
     with pytest.raises(ValueError, match=r"table 't': its shards name different storage tiers "
                                          r"\['device', 'cached'\]"):
         plan_storage(mixed)
+
+
+def test_cli_shard_tiers_writes_the_shard_tier_and_reports_its_cache(tmp_path, capsys):
+    from fbtriton_dist.cli import main
+
+    tables = tmp_path / "tables.yaml"
+    tables.write_text(
+        "tables:\n"
+        "  - {name: small, num_embeddings: 1000, embedding_dim: 16, features: [a]}\n"
+        "  - {name: big, num_embeddings: 2000, embedding_dim: 16, features: [b],\n"
+        "     id_distribution: {kind: zipf, alpha: 1.2}}\n")
+    out = tmp_path / "plan.yaml"
+    args = ["plan", str(tables), "--world-size", "2", "--hbm-gb", str(100_000 / 2**30),
+            "--reserved", "0", "--batch-size", "64", "--auto-tiers", "--out", str(out)]
+    assert main([*args, "--shard-tiers"]) == 0
+    text = capsys.readouterr().out
+    big = ShardingPlan.load_yaml(out).table("big")
+    assert [s.storage for s in big.shards] == [Storage(tier="device"), None]
+    assert "big[1]" in text and "cached" in text
+    assert main(args) == 0  # without it: one tier for the table
+    assert not ShardingPlan.load_yaml(out).table("big").per_shard_storage
