@@ -1,9 +1,10 @@
 """Storage tiers per shard (``Shard.storage``) vs the same plan on ``device``, on 2 gloo ranks.
 
-Four row-wise tables, each with its shards on different tiers: 'a' device on rank 0 and
-``cached`` (LRU) on rank 1; 'b' device on rank 0 and ``file`` (LFU) on rank 1; 'c' ``cached``
-by its table's storage with its rank-0 shard back on ``device``; 'd' ``cached`` (LFU) on rank 0
-and device on rank 1. Each step's ids move through the rows, so the small caches evict nearly
+Four row-wise tables, each with its shards on different tiers: 'a' ``host`` on rank 0 (a
+local TableBatchedEmbedding of its own, beside rank 0's other shards) and ``cached`` (LRU) on
+rank 1; 'b' device on rank 0 and ``file`` (LFU) on rank 1; 'c' ``cached`` by its table's
+storage with its rank-0 shard back on ``device``; 'd' ``cached`` (LFU) on rank 0 and device
+on rank 1. Each step's ids move through the rows, so the small caches evict nearly
 every step. Outputs, full weights and every rank's fused optimizer state (Adam: two moments)
 must be bit-for-bit those of ``device``; the state dict keys are unchanged; a DCP checkpoint
 moves from the per-shard tiers to ``device`` and back. The plan's YAML round trip and its
@@ -40,7 +41,7 @@ def _shard_tier_plan(world, folder):
         dataclasses.replace(t, storage=cached("lru")) if t.name == "c" else t
         for t in plan.tables))
     return plan.with_shard_storage({
-        "a": {1: cached("lru")},
+        "a": {0: "host", 1: cached("lru")},  # rank 0: a TBE of its own for the host shard
         "b": {1: Storage(tier="file", cache_slots=SLOTS, policy="lfu", path=folder)},
         "c": {0: "device"},
         "d": {0: cached("lfu", 5)},  # rank 0 sees 6 of its 18 rows: 5 slots evict
@@ -89,6 +90,7 @@ def _per_shard_vs_device(rank, world, folder):
     same &= len(states[0]) == len(states[1]) and all(
         torch.equal(a, b) for a, b in zip(*states, strict=True))
     tiers = {k: v["evictions"] for k, v in tiered.cache_stats().items()}
+    tbes = len(tiered.tbes)
     keys = (sorted(dev.state_dict()) == sorted(tiered.state_dict())
             and sorted(dev.fused_optimizer_state_dict())
             == sorted(tiered.fused_optimizer_state_dict()))
@@ -100,14 +102,15 @@ def _per_shard_vs_device(rank, world, folder):
     for m in (dev, to_dev, to_tiered):
         _train(m, rank, world, range(5, 7))
     after = [_full(m) for m in (dev, to_dev, to_tiered)]
-    return same, tiers, keys, fulls, after
+    return same, tiers, keys, fulls, after, tbes
 
 
 def test_per_shard_tiers_train_bit_for_bit_as_device_and_checkpoint_across_tiers(tmp_path):
     reports = run_ranks(_per_shard_vs_device, 2, str(tmp_path), timeout=400)
-    for rank, (same, _, keys, _, _) in enumerate(reports):
+    for rank, (same, _, keys, _, _, _) in enumerate(reports):
         assert same, rank
         assert keys, rank
+    assert [r[5] for r in reports] == [2, 1]  # rank 0's host shard in a TBE of its own
     # the cached shards are where the plan put them, and they evicted
     assert sorted(t.split("[")[0] for t in reports[0][1]) == ["d"], reports[0][1]
     assert sorted(t.split("[")[0] for t in reports[1][1]) == ["a", "b", "c"], reports[1][1]
