@@ -32,7 +32,8 @@ from fbtriton_dist.planner import ConfigError
 
 from .config import CRITEO_SPARSE, JobConfig
 
-__all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "resolve_pipeline"]
+__all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "prefetch_tiers",
+           "resolve_pipeline"]
 
 AUTO_PICKS_GRAPH = True
 """Whether ``auto`` picks ``graph`` where it can run (CUDA, a process group, a constant batch
@@ -61,6 +62,16 @@ def max_ids_bound(cfg: JobConfig) -> int | None:
         return B * sum(per_bag or max(1, round(L)) for L in factors)
     mean = B * sum(factors)
     return math.ceil(mean + 8 * math.sqrt(mean)) + 16
+
+
+def prefetch_tiers(cfg: JobConfig) -> frozenset[str]:
+    """The storage tiers whose tables' rows the step loop reads ahead
+    (``train.prefetch_rows``): ``auto``: ``file``; true: ``cached`` and ``file``; false:
+    none. The plain loop (one process) and the ``overlap`` pipeline both read them."""
+    choice = cfg.train.prefetch_rows
+    if choice == "auto":
+        return frozenset({"file"})
+    return frozenset({"cached", "file"}) if choice else frozenset()
 
 
 def _managed_blocker(cfg: JobConfig) -> str | None:
