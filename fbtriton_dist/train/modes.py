@@ -101,6 +101,10 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
                    "graph replays the captured one)")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
+    cached = [t.name for t in cfg.tables.tables if t.storage is not None and t.storage.cached]
+    if cached:
+        why.append(f"tables {cached} on a cached storage tier (cached / file): their cache "
+                   "maps each batch's ids on the host, which a CUDA graph cannot capture")
     if cfg.model.kind == "sequence":
         why.append(f"model.kind: {cfg.model.kind} (the sharded EmbeddingCollection has no "
                    "fixed shapes)")
