@@ -434,11 +434,13 @@ class Trainer:
         """``(batch, position after it)`` until ``train.steps`` or ``train.epochs`` is reached."""
         t = self.cfg.train
         pin = _pinned if self.env.device.type == "cuda" else None
+        handed = self.step  # batches handed out: a loop may take one ahead of its step
         while t.steps is None or self.step < t.steps:
             seen = 0
             made = self.source.train_batches(self.position)
             for item in ahead(made, self.cfg.data.prefetch, prepare=pin):
-                check_lengths(item[0], self.step)
+                check_lengths(item[0], handed)
+                handed += 1
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:
