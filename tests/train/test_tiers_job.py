@@ -150,7 +150,8 @@ def test_job_in_one_process_reads_file_rows_ahead_exactly(tmp_path):
     """One process (the plain loop) with a ``file`` table: ``train.prefetch_rows: auto`` (the
     default) reads each next batch's missing rows ahead, and trains bit for bit as ``false``
     and as ``device`` (losses, weights and optimizer state after 8 steps, with an evaluation
-    and a checkpoint in between); its metrics show rows read ahead and used, ``false``'s none."""
+    and a checkpoint in between); its metrics show rows read ahead and used, ``false``'s none,
+    and a ``cached`` table's none under ``auto``."""
     import torch
 
     from fbtriton_dist.train.job import main
@@ -159,7 +160,8 @@ def test_job_in_one_process_reads_file_rows_ahead_exactly(tmp_path):
             "ahead": ({"tier": "file", "cache_load_factor": 0.06,
                        "path": str(tmp_path / "rows")}, None),
             "not_ahead": ({"tier": "file", "cache_load_factor": 0.06,
-                           "path": str(tmp_path / "rows")}, False)}
+                           "path": str(tmp_path / "rows")}, False),
+            "cached": ({"tier": "cached", "cache_load_factor": 0.06}, None)}
     for name, (storage, prefetch_rows) in runs.items():
         path = _job(tmp_path, name, storage)
         data = yaml.safe_load(path.read_text())
@@ -172,6 +174,7 @@ def test_job_in_one_process_reads_file_rows_ahead_exactly(tmp_path):
         assert main(["--config", str(path)]) == 0
     assert losses(tmp_path / "ahead") == losses(tmp_path / "device")
     assert losses(tmp_path / "not_ahead") == losses(tmp_path / "device")
+    assert losses(tmp_path / "cached") == losses(tmp_path / "device")
     want = _checkpoint_state(tmp_path, "device", tmp_path / "device.yaml")
     for name in ("ahead", "not_ahead"):
         got = _checkpoint_state(tmp_path, name, tmp_path / "device.yaml")
@@ -190,6 +193,9 @@ def test_job_in_one_process_reads_file_rows_ahead_exactly(tmp_path):
     (off,) = records(tmp_path / "not_ahead", "summary")
     assert off["caches"]["t_a"]["prefetched_per_step"] == 0
     assert off["caches"]["t_a"]["fetched_per_step"] == c["fetched_per_step"]
+    (cached,) = records(tmp_path / "cached", "summary")  # auto: a cached table is not read
+    assert cached["caches"]["t_a"]["prefetched_per_step"] == 0  # ahead
+    assert cached["caches"]["t_a"]["fetched_per_step"] == c["fetched_per_step"]
     (folder, _) = sorted((tmp_path / "rows").iterdir())  # each run's own folder
     assert folder.name.startswith(("ahead-", "not_ahead-")) and (folder / "t_a.weight").exists()
 
