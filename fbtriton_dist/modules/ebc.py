@@ -8,7 +8,7 @@ launch serves the group.
 """
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from itertools import accumulate
 from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
@@ -397,14 +397,16 @@ class EmbeddingBagCollection(TableGroups):
             yield members, tbe, indices, offsets, psw, (a, b)
             T_seen += T
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: KeyedJaggedTensor,
+                 tiers: Collection[str] | None = None) -> None:
         """Start reading the rows of a coming batch ``features`` (``forward``'s argument) that
         the cached tables do not hold, with their optimizer state, on each tiered TBE's worker
         thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
         there. Call it after the current batch's forward, e.g. before its backward: a lookup
         takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
         Nothing to do without cached tables; managed tables (``managed=``) stay on
-        ``device``, so their raw ids are not mapped here."""
+        ``device``, so their raw ids are not mapped here. ``tiers``: only the tables on these
+        tiers (e.g. ``("file",)``); None: every cached table."""
         if not any(tbe.tiered for tbe in self._tbes):
             return
         sizes = None
@@ -421,7 +423,7 @@ class EmbeddingBagCollection(TableGroups):
             T = tbe.num_features
             if tbe.tiered:
                 tbe.prefetch(indices, offsets, None if sizes is None
-                             else [[n] for n in sizes[f0:f0 + T]])
+                             else [[n] for n in sizes[f0:f0 + T]], tiers=tiers)
             f0 += T
 
     def lookup(self, batch: JaggedBatch, bound: list | None = None) -> torch.Tensor:

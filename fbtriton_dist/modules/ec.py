@@ -7,7 +7,7 @@ a view into the flat buffer of one TableBatchedEmbedding (``pooling="none"``) pe
 kernel launch looks up every table of a dtype.
 """
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from itertools import accumulate
 from typing import List, Optional  # noqa: UP035 (TorchRec's stable interface spells them so)
 
@@ -292,20 +292,22 @@ class EmbeddingCollection(TableGroups):
             yield tbe, members, indices, offsets, starts, f0
             f0 += tbe.num_features
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: KeyedJaggedTensor,
+                 tiers: Collection[str] | None = None) -> None:
         """Start reading the rows of a coming batch ``features`` (``forward``'s argument) that
         the cached tables do not hold, with their optimizer state, on each tiered TBE's worker
         thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
         there. Call it after the current batch's forward, e.g. before its backward: a lookup
         takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
-        Nothing to do without cached tables; managed tables stay on ``device``."""
+        Nothing to do without cached tables; managed tables stay on ``device``. ``tiers``:
+        only the tables on these tiers (e.g. ``("file",)``); None: every cached table."""
         if not any(tbe.tiered for tbe in self._tbes):
             return
         seqs = kjt_sequences(features, self._feature_order)
         ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]
         for tbe, _, indices, offsets, _, _ in self._group_ids(ids):
             if tbe.tiered:
-                tbe.prefetch(indices, offsets)
+                tbe.prefetch(indices, offsets, tiers=tiers)
 
     def lookup(self, ids: list[torch.Tensor], autograd: bool = True,
                bound: list | None = None) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from itertools import accumulate
 from typing import Any, Literal
 
@@ -417,19 +417,20 @@ class TableBatchedEmbedding(nn.Module):
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
-                 ) -> None:
+                 tiers: Collection[str] | None = None) -> None:
         """Start reading the rows of a coming batch (``forward``'s arguments) that the cached
         tables do not hold, with their optimizer state, from the backing stores on a worker
         thread while this step computes; the next lookup loads them from there, waiting only
         for what is not read yet (``modules/tiers.py``). Exact whatever happens in between: a
         row written back after its copy was read is loaded from the backing store. Nothing to
-        do without cached tables."""
+        do without cached tables. ``tiers``: only the tables on these tiers (e.g.
+        ``("file",)``); None: every cached table."""
         if self._tiers is None:
             return
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             offsets = vbe.padded_offsets(offsets, layout)
-        self._tiers.prefetch(indices, offsets, self.feature_table_map)
+        self._tiers.prefetch(indices, offsets, self.feature_table_map, tiers)
 
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Per cached table: distinct rows looked up, misses, evictions, write-backs, and the

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -489,14 +489,18 @@ class TieredTables:
         return out
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
-                 feature_table_map: list[int]) -> None:
+                 feature_table_map: list[int], tiers: Collection[str] | None = None) -> None:
         """Start reading the rows of the batch ``indices`` / ``offsets`` that are not cached
         now, on the worker thread: the next ``remap`` loads them from there (waiting for what
         is not read yet). A prefetch not used by a lookup yet is replaced. Exact whatever
         happens meanwhile: a row written back after its copy was read is loaded from the
-        backing store."""
+        backing store. ``tiers``: only the tables on these tiers (``cached``, ``file``);
+        None: every cached table."""
         self._collect()  # an earlier one: finished (its error raised) and dropped
-        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
+        tables = [t for t, c in self.caches.items() if tiers is None or c.storage.tier in tiers]
+        if not tables:
+            return
+        per_table = self._table_ids(indices, offsets, feature_table_map, tables)
         if not per_table:
             return
         if self._worker is None:

@@ -34,7 +34,7 @@ else runs its input dist in place, which is still correct.
 """
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -97,9 +97,10 @@ class TrainPipeline:
             H200s, results equal; needs ``own_group``, without it one batch per graph);
             False: one batch per graph, in order.
         prefetch_rows: read the next batch's missing rows of the tiered shards ahead (after
-            this batch's forward; see above). Only where some sharded collection has a tiered
-            local shard; eager steps only (a CUDA graph step with cached tables is refused).
-    """
+            this batch's forward; see above); a collection of tier names (``{"file"}``):
+            only the shards on those tiers; False: none. Only where some sharded collection
+            has a tiered local shard; eager steps only (a CUDA graph step with cached tables
+            is refused). The job passes ``train.prefetch_rows`` (``train/modes.py``)."""
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class TrainPipeline:
         cuda_graph: bool = False,
         warmup: int = 3,
         overlap_input: bool = True,
-        prefetch_rows: bool = True,
+        prefetch_rows: bool | Collection[str] = True,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.loss_fn = loss_fn or _default_loss
@@ -132,7 +133,12 @@ class TrainPipeline:
                 if m.group is not None:
                     ranks = dist.get_process_group_ranks(m.group)
                 m.input_group = dist.new_group(ranks)
-        self.tiered = [m for m in self.sharded if m.tiered()] if prefetch_rows else []
+        self.row_tiers = (None if prefetch_rows is True
+                          else frozenset(prefetch_rows or ()))
+        """The tiers whose rows ``progress`` reads ahead (None: every cached tier)."""
+        self.tiered = [m for m in self.sharded if m.tiered() and (
+            self.row_tiers is None or any(s.tier in self.row_tiers
+                                          for tbe in m.tbes for s in tbe.storage))]
         """The sharded collections whose rows ``progress`` reads ahead."""
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if cuda else None
@@ -211,11 +217,11 @@ class TrainPipeline:
                   if m in self.tiered]
         if self.side is None:
             for m, out in tiered:
-                m.prefetch_rows(out)
+                m.prefetch_rows(out, self.row_tiers)
             return
         with torch.cuda.stream(self.side):
             for m, out in tiered:
-                m.prefetch_rows(out)
+                m.prefetch_rows(out, self.row_tiers)
 
 
 class GraphedTrainStep:

@@ -42,7 +42,8 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                  decay_power: 2.0, end_factor: 0.0}
     train: {steps: 300, epochs: null, batch_size: 256, eval_every: 100, eval_batches: 4,
             nonfinite: error,          # error | skip: a step with a nan/inf loss or gradient
-            pipeline: auto}            # auto | plain | overlap | graph (the step loop)
+            pipeline: auto,            # auto | plain | overlap | graph (the step loop)
+            prefetch_rows: auto}       # auto (file tables) | true (cached, file) | false
     checkpoint: {enabled: true, dir: null, every: 100, keep: 2}
     logging: {run_dir: null, metrics: metrics.jsonl, log_every: 10, progress_bar: true,
               tensorboard: null}
@@ -417,9 +418,19 @@ class TrainConfig:
     """A step whose loss or dense gradient is not finite: ``error`` stops the job naming the
     step (found at the next log line or checkpoint, before anything is saved); ``skip``
     checks every step before its backward (one host sync) and drops it, counting the skips."""
+    prefetch_rows: bool | Literal["auto"] = "auto"
+    """Read the next batch's rows that the caches of tables on a cached tier miss ahead, on a
+    worker thread while this step computes (``TableBatchedEmbedding.prefetch``; the plain loop
+    in one process and the ``overlap`` pipeline; results unchanged). ``auto``: tables on the
+    ``file`` tier only (a slow backing store; the worker's reads of a ``cached`` table's host
+    rows cost a CPU step more than they hide: docs/storage.md); true: ``cached`` and
+    ``file``; false: none."""
 
     def __post_init__(self) -> None:
         check_choice("nonfinite", self.nonfinite, ("error", "skip"))
+        if self.prefetch_rows != "auto" and not isinstance(self.prefetch_rows, bool):
+            raise FieldError("prefetch_rows", "expected auto, true or false, got "
+                             f"{self.prefetch_rows!r}")
         check_choice("pipeline", self.pipeline, ("auto", "plain", "overlap", "graph"))
         if self.nonfinite == "skip" and self.pipeline in ("overlap", "graph"):
             raise FieldError("nonfinite", "skip checks each step before its backward: it "

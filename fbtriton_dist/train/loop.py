@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fbtriton_dist.modules.ebc import EmbeddingBagCollection
+from fbtriton_dist.modules.ec import EmbeddingCollection
+
 from .checkpoint import latest_checkpoint, nonfinite_weights, save_checkpoint
 from .config import JobConfig
 from .data import Batch, DataPosition
@@ -31,7 +34,7 @@ from .metrics import (
     Throughput,
     auc,
 )
-from .modes import resolve_pipeline
+from .modes import prefetch_tiers, resolve_pipeline
 from .resume import job_identity
 
 NO_BAD_STEP = 2**62
@@ -267,6 +270,10 @@ class Trainer:
         self._embedding_modules = [model.get_submodule(f) for f in embedding_fqns]
         self.lr_factor = 1.0
         """``optimizer.schedule``'s factor of the base learning rates at the last step."""
+        self.row_tiers = prefetch_tiers(cfg)
+        """The storage tiers whose rows the step loop reads ahead (``train.prefetch_rows``)."""
+        self.rows_ahead = self._rows_ahead_modules()
+        """The collections whose next batch's rows the plain loop reads ahead."""
 
     # -- one step --------------------------------------------------------------------------
     def _schedule_rates(self, k: int) -> None:
@@ -283,14 +290,31 @@ class Trainer:
                              o.embedding.lr * f, o.dense.lr * f)
         self.lr_factor = f
 
-    def train_step(self, batch: Batch) -> torch.Tensor | None:
+    def _rows_ahead_modules(self) -> list[nn.Module]:
+        """The collections whose rows the plain loop reads ahead: in one process (no process
+        group; the ``overlap`` pipeline reads the sharded ones' rows), our unsharded
+        collections with a table on a tier of ``train.prefetch_rows``."""
+        if self.env.process_group is not None or self.mode != "plain" or not self.row_tiers:
+            return []
+        return [m for m in self._embedding_modules
+                if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+                and any(s.tier in self.row_tiers for s in m.table_storage().values())]
+
+    def train_step(self, batch: Batch, upcoming: Batch | None = None) -> torch.Tensor | None:
         """One step; returns its loss (detached), or None when ``train.nonfinite: skip``
-        dropped it."""
+        dropped it. ``upcoming``: the next step's batch (as the data gave it, on the host
+        unless the source made it on the device), whose rows the caches miss are read ahead
+        on the collections' worker threads from the end of this step's forward (its lookups
+        have taken their rows; a lookup takes the prefetch in flight) while the backward runs
+        (``rows_ahead``)."""
         batch = batch.to(self.env.device, non_blocking=True)
         self.timer.start("forward")
         logits = self.model(batch.dense, batch.sparse).squeeze(-1)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         self.timer.stop("forward")
+        if upcoming is not None:
+            for m in self.rows_ahead:
+                m.prefetch(upcoming.sparse, tiers=self.row_tiers)
         skip = self.cfg.train.nonfinite == "skip"
         if skip and self._any_rank(~torch.isfinite(loss.detach())):
             self.skipped += 1  # before backward: the fused update never sees it
@@ -410,11 +434,13 @@ class Trainer:
         """``(batch, position after it)`` until ``train.steps`` or ``train.epochs`` is reached."""
         t = self.cfg.train
         pin = _pinned if self.env.device.type == "cuda" else None
+        handed = self.step  # batches handed out: a loop may take one ahead of its step
         while t.steps is None or self.step < t.steps:
             seen = 0
             made = self.source.train_batches(self.position)
             for item in ahead(made, self.cfg.data.prefetch, prepare=pin):
-                check_lengths(item[0], self.step)
+                check_lengths(item[0], handed)
+                handed += 1
                 seen += 1
                 yield item
                 if t.steps is not None and self.step >= t.steps:
@@ -438,6 +464,9 @@ class Trainer:
     def _steps(self):
         """``(loss or None, data position after the step)`` per step trained."""
         mode = self.mode
+        if mode == "plain" and self.rows_ahead:
+            yield from self._steps_reading_ahead()
+            return
         if mode == "plain":
             for batch, position in self._batches():
                 self._schedule_rates(self.step + 1)
@@ -469,6 +498,22 @@ class Trainer:
             self.timer.step_done()
             yield loss, positions.popleft()
 
+    def _steps_reading_ahead(self):
+        """The plain loop with rows read ahead: batch i + 1 is taken from the data before
+        step i and handed to ``train_step`` (none after the last step of ``train.steps``).
+        Results equal the plain loop's (``modules/tiers.py``: a copy made stale by a
+        write-back is never used); an evaluation or a checkpoint between two steps is exact
+        too (an evaluation's lookups take the prefetch in flight)."""
+        steps = self.cfg.train.steps
+        batches = self._batches()
+        item = next(batches, None)
+        while item is not None:
+            batch, position = item
+            last = steps is not None and self.step + 1 >= steps
+            item = None if last else next(batches, None)
+            self._schedule_rates(self.step + 1)
+            yield self.train_step(batch, None if item is None else item[0]), position
+
     def _pipeline(self, mode: str):
         """``TrainPipeline`` over this model: the step's forward and backward timed as the
         plain loop's (``overlap``; ``graph`` is timed around each replay, see ``_steps``),
@@ -498,7 +543,8 @@ class Trainer:
 
         return TrainPipeline(self.model, self.optimizer, self.env.device, loss_fn=loss_fn,
                              sparse=lambda b: b.sparse, after_backward=after_backward,
-                             own_group=True, cuda_graph=graph, warmup=GRAPH_WARMUP)
+                             own_group=True, cuda_graph=graph, warmup=GRAPH_WARMUP,
+                             prefetch_rows=self.row_tiers)
 
     def _note_finite(self, loss: torch.Tensor) -> None:
         """Keep the first step whose loss or dense gradient is not finite (no host sync; in

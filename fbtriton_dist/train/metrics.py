@@ -256,12 +256,13 @@ class CacheMetrics:
     over the table's shards on every rank (``cache_stats()`` of the modules; an all-reduce
     when sharded: every rank calls :meth:`take` and :meth:`run` at the same steps).
 
-    The prefetch (the pipeline reads the next batch's missing rows on a worker thread while
-    this step computes): ``prefetched_per_step`` (rows read ahead), ``prefetch_used_per_step``
-    (rows loaded from them), ``prefetch_hidden_ms`` (the worker's time the step did not wait
-    for) and ``prefetch_exposed_ms`` (the time lookups waited for it), per step and rank:
-    summed over the table's shards, divided by the steps and the ranks. All 0 without a
-    prefetch (one process, ``train.pipeline: plain``)."""
+    The prefetch (the step loop reads the next batch's missing rows on a worker thread while
+    this step computes: the ``overlap`` pipeline, or the plain loop in one process):
+    ``prefetched_per_step`` (rows read ahead), ``prefetch_used_per_step`` (rows loaded from
+    them), ``prefetch_hidden_ms`` (the worker's time the step did not wait for) and
+    ``prefetch_exposed_ms`` (the time lookups waited for it), per step and rank: summed over
+    the table's shards, divided by the steps and the ranks. All 0 for a table whose rows are
+    not read ahead (``train.prefetch_rows``: ``auto`` reads only ``file`` tables')."""
 
     KEYS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
             "prefetch_us", "prefetch_wait_us")

@@ -32,7 +32,8 @@ from fbtriton_dist.planner import ConfigError
 
 from .config import CRITEO_SPARSE, JobConfig
 
-__all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "resolve_pipeline"]
+__all__ = ["AUTO_PICKS_GRAPH", "graph_blockers", "max_ids_bound", "prefetch_tiers",
+           "resolve_pipeline"]
 
 AUTO_PICKS_GRAPH = True
 """Whether ``auto`` picks ``graph`` where it can run (CUDA, a process group, a constant batch
@@ -63,6 +64,16 @@ def max_ids_bound(cfg: JobConfig) -> int | None:
     return math.ceil(mean + 8 * math.sqrt(mean)) + 16
 
 
+def prefetch_tiers(cfg: JobConfig) -> frozenset[str]:
+    """The storage tiers whose tables' rows the step loop reads ahead
+    (``train.prefetch_rows``): ``auto``: ``file``; true: ``cached`` and ``file``; false:
+    none. The plain loop (one process) and the ``overlap`` pipeline both read them."""
+    choice = cfg.train.prefetch_rows
+    if choice == "auto":
+        return frozenset({"file"})
+    return frozenset({"cached", "file"}) if choice else frozenset()
+
+
 def _managed_blocker(cfg: JobConfig) -> str | None:
     """Why a pipelined loop cannot run managed tables (None: none are managed)."""
     names = list(cfg.tables.id_managers)
@@ -90,6 +101,10 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
                    "graph replays the captured one)")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
+    cached = [t.name for t in cfg.tables.tables if t.storage is not None and t.storage.cached]
+    if cached:
+        why.append(f"tables {cached} on a cached storage tier (cached / file): their cache "
+                   "maps each batch's ids on the host, which a CUDA graph cannot capture")
     if cfg.model.kind == "sequence":
         why.append(f"model.kind: {cfg.model.kind} (the sharded EmbeddingCollection has no "
                    "fixed shapes)")

@@ -138,3 +138,32 @@ def test_native_and_torch_paths_agree(monkeypatch, policy):
     want = device.state_dict()
     for _, _, got in runs.values():
         assert all(torch.equal(want[k], got[k]) for k in want if isinstance(want[k], torch.Tensor))
+
+
+def test_prefetch_of_some_tiers_reads_only_their_tables(tmp_path):
+    """``prefetch(..., tiers=("file",))`` reads ahead the ``file`` table's rows only, the
+    ``cached`` table's none (the job's ``train.prefetch_rows: auto``); ``tiers=None`` reads
+    both; training stays bit for bit the device's either way."""
+    opt = optim.RowWiseAdagrad(lr=0.3)
+    device = build(None, opt)
+    storage = [Storage(tier="file", cache_slots=16, path=str(tmp_path / "rows")),
+               Storage(tier="cached", cache_slots=8)]
+    some = build(storage, opt)
+    every = build([Storage(tier="file", cache_slots=16, path=str(tmp_path / "rows2")),
+                   storage[1]], opt)
+    for m in (some, every):
+        m.load_state_dict(device.state_dict())
+    g = torch.Generator().manual_seed(5)
+    batches = [make_batch(TABLES, FTM, 4, 3, generator=g)[:2] for _ in range(5)]
+    for step in range(4):
+        for m, tiers_ in ((device, None), (some, ("file",)), (every, None)):
+            out = m(*batches[step])
+            m.prefetch(*batches[step + 1], tiers=tiers_)
+            (out * upstream_grad(out, step)).sum().backward()
+    want = device.state_dict()
+    for m in (some, every):
+        got = m.state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want if torch.is_tensor(want[k]))
+    s, e = some.cache_stats(), every.cache_stats()
+    assert s["table_0"]["prefetched"] > 0 and s["table_1"]["prefetched"] == 0, s
+    assert e["table_0"]["prefetched"] > 0 and e["table_1"]["prefetched"] > 0, e

@@ -117,6 +117,8 @@ def test_bad_choice_lists_choices():
          ">= 1"),
         ({"tables": 3}, "tables", "expected a table-set file path or a list of tables"),
         ({"train": {"steps": 5}, "seed": -1}, "seed", "expected an integer >= 0"),
+        ({"train": {"steps": 5, "prefetch_rows": "file"}}, "train.prefetch_rows",
+         "expected auto, true or false, got 'file'"),
     ],
 )
 def test_wrong_types_name_the_key(section, key, expected):
@@ -175,3 +177,12 @@ def test_overrides(tmp_path):
         apply_overrides({}, ["train.steps"], "j.yaml")
     with pytest.raises(ConfigError, match=r"command line: seed: is not a mapping"):
         apply_overrides({"seed": 1}, ["seed.x=2"], "j.yaml")
+
+
+@pytest.mark.parametrize("value,tiers", [(None, {"file"}), ("auto", {"file"}),
+                                         (True, {"cached", "file"}), (False, set())])
+def test_prefetch_rows_names_the_tiers_read_ahead(value, tiers):
+    from fbtriton_dist.train.modes import prefetch_tiers
+
+    train = {"steps": 5} if value is None else {"steps": 5, "prefetch_rows": value}
+    assert prefetch_tiers(job_from_dict(job(train=train))) == tiers

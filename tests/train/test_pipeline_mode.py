@@ -54,6 +54,23 @@ def test_auto_falls_back_to_overlap_on_cuda_when_the_step_cannot_be_captured(cha
     assert any(reason in why for why in graph_blockers(c, "cuda", True))
 
 
+def test_tables_on_a_cached_tier_keep_the_step_out_of_a_cuda_graph():
+    """Their lookup maps ids on the host (it refuses a capture): ``auto`` runs overlap on
+    CUDA with a process group, the plain loop without (``run`` then starts no group of one);
+    an explicit ``graph`` is refused naming the tables."""
+    tables = [{**TABLES[0], "storage": {"tier": "cached", "cache_load_factor": 0.5}}, TABLES[1]]
+    c = job_from_dict({"tables": tables, "model": {"dense_arch": [8], "over_arch": [4, 1]},
+                       "train": {"steps": 10, "batch_size": 32}})
+    assert resolve_pipeline(c, "cuda", True) == "overlap"
+    assert any("['t0'] on a cached storage tier" in why
+               for why in graph_blockers(c, "cuda", True))
+    assert not any("cached" in why for why in graph_blockers(cfg(), "cuda", True))
+    with pytest.raises(ConfigError, match=r"tables \['t0'\] on a cached storage tier"):
+        resolve_pipeline(job_from_dict({"tables": tables, "model": {
+            "dense_arch": [8], "over_arch": [4, 1]}, "train": {"steps": 10, "pipeline": "graph"}}),
+            "cuda", True)
+
+
 def test_nonfinite_skip_keeps_auto_plain():
     assert resolve_pipeline(cfg(train__nonfinite="skip"), "cuda", True) == "plain"
 

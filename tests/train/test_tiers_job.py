@@ -3,7 +3,8 @@ naming the table and key), the planner's memory model of a cached table (its cac
 device, its backing store against the host budget), and a short job on 2 gloo ranks with a
 cached table, whose losses are those of the same job on ``device`` (its pipeline reads the
 next batch's rows ahead) and whose metrics report the cache's hit rate, rows fetched / written
-back per step and the prefetch's rows and hidden / exposed time."""
+back per step and the prefetch's rows and hidden / exposed time; in one process, a ``file``
+table whose rows the plain loop reads ahead, bit for bit as without."""
 
 import json
 
@@ -94,8 +95,12 @@ def test_job_on_two_ranks_with_a_cached_table(tmp_path):
 
     args = ["fbtriton_dist.train", "--config"]
     ok(torchrun(2, *args, str(_job(tmp_path, "device", None))))
-    out = ok(torchrun(2, *args, str(_job(tmp_path, "cached", {
-        "tier": "cached", "cache_load_factor": 0.3, "policy": "lru"}))))
+    cached = _job(tmp_path, "cached", {"tier": "cached", "cache_load_factor": 0.3,
+                                       "policy": "lru"})
+    data = yaml.safe_load(cached.read_text())
+    data["train"]["prefetch_rows"] = True  # auto reads only file tables' rows ahead
+    cached.write_text(yaml.safe_dump(data))
+    out = ok(torchrun(2, *args, str(cached)))
     assert "caches.t_a: hit_rate" in out
     assert losses(tmp_path / "cached") == losses(tmp_path / "device")
     train = records(tmp_path / "cached", "train")
@@ -106,6 +111,7 @@ def test_job_on_two_ranks_with_a_cached_table(tmp_path):
         assert name == "t_a" and 0 < c["hit_rate"] < 1 and c["steps"] == 4
         assert c["fetched_per_step"] > 0 and c["written_back_per_step"] >= 0
         # the overlap pipeline (auto on 2 ranks) read rows ahead and the lookups used them
+        # (train.prefetch_rows: true)
         # (a step's prefetch is used by the next step, maybe in the next window)
         assert c["prefetched_per_step"] > 0
         assert 0 < c["prefetch_used_per_step"] <= c["fetched_per_step"]
@@ -122,24 +128,76 @@ def test_job_on_two_ranks_with_a_cached_table(tmp_path):
     assert "caches" not in records(tmp_path / "device", "train")[0]
 
 
-def test_job_in_one_process_with_a_file_table(tmp_path):
+def _checkpoint_state(tmp_path, run, config):
+    """The model state dict and fused optimizer state of ``run``'s last checkpoint, loaded
+    into the model of job file ``config`` built on ``device`` (whole tables either way)."""
+    import torch
+
+    from fbtriton_dist.train import checkpoint as ckpt
+    from fbtriton_dist.train.config import load_job
+    from fbtriton_dist.train.job import _dense_optimizer, build_model
+
+    cfg = load_job(config)
+    model = build_model(cfg, torch.device("cpu"))
+    opt = _dense_optimizer(cfg.optimizer.dense, [
+        p for n, p in model.named_parameters() if "embedding_bags" not in n])
+    path = sorted((tmp_path / run / "checkpoints").iterdir())[-1]
+    ckpt.load_checkpoint(str(path), model, opt)
+    return {**model.state_dict(), **ckpt.fused_optimizer_state_dict(model)}
+
+
+def test_job_in_one_process_reads_file_rows_ahead_exactly(tmp_path):
+    """One process (the plain loop) with a ``file`` table: ``train.prefetch_rows: auto`` (the
+    default) reads each next batch's missing rows ahead, and trains bit for bit as ``false``
+    and as ``device`` (losses, weights and optimizer state after 8 steps, with an evaluation
+    and a checkpoint in between); its metrics show rows read ahead and used, ``false``'s none,
+    and a ``cached`` table's none under ``auto``."""
+    import torch
+
     from fbtriton_dist.train.job import main
 
-    paths = []
-    for name, storage in (("device", None), ("file", {"tier": "file", "cache_load_factor": 0.3,
-                                                      "path": str(tmp_path / "rows")})):
+    runs = {"device": (None, None),
+            "ahead": ({"tier": "file", "cache_load_factor": 0.06,
+                       "path": str(tmp_path / "rows")}, None),
+            "not_ahead": ({"tier": "file", "cache_load_factor": 0.06,
+                           "path": str(tmp_path / "rows")}, False),
+            "cached": ({"tier": "cached", "cache_load_factor": 0.06}, None)}
+    for name, (storage, prefetch_rows) in runs.items():
         path = _job(tmp_path, name, storage)
         data = yaml.safe_load(path.read_text())
         del data["sharding"]  # one process: no plan file for 2 ranks
+        data["train"]["eval_every"] = 4
+        data["checkpoint"] = {"every": 4, "keep": 1}
+        if prefetch_rows is not None:
+            data["train"]["prefetch_rows"] = prefetch_rows
         path.write_text(yaml.safe_dump(data))
         assert main(["--config", str(path)]) == 0
-        paths.append(tmp_path / name)
-    assert losses(paths[1]) == losses(paths[0])
-    (summary,) = records(paths[1], "summary")
-    assert summary["caches"]["t_a"]["steps"] == 8
-    assert summary["caches"]["t_a"]["prefetched_per_step"] == 0  # plain loop: no prefetch
-    (folder,) = (tmp_path / "rows").iterdir()  # the run's own folder (train/file_tier.py)
-    assert folder.name.startswith("file-") and (folder / "t_a.weight").exists()
+    assert losses(tmp_path / "ahead") == losses(tmp_path / "device")
+    assert losses(tmp_path / "not_ahead") == losses(tmp_path / "device")
+    assert losses(tmp_path / "cached") == losses(tmp_path / "device")
+    want = _checkpoint_state(tmp_path, "device", tmp_path / "device.yaml")
+    for name in ("ahead", "not_ahead"):
+        got = _checkpoint_state(tmp_path, name, tmp_path / "device.yaml")
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            assert torch.equal(v, got[k]) if torch.is_tensor(v) else v == got[k], (name, k)
+    (summary,) = records(tmp_path / "ahead", "summary")
+    c = summary["caches"]["t_a"]
+    assert c["steps"] == 8 and c["evicted_per_step"] > 0
+    assert c["prefetched_per_step"] > 0
+    assert 0 < c["prefetch_used_per_step"] <= min(c["prefetched_per_step"],
+                                                  c["fetched_per_step"])
+    assert c["prefetch_hidden_ms"] + c["prefetch_exposed_ms"] > 0
+    for r in records(tmp_path / "ahead", "train"):  # every window read rows ahead
+        assert r["caches"]["t_a"]["prefetched_per_step"] > 0
+    (off,) = records(tmp_path / "not_ahead", "summary")
+    assert off["caches"]["t_a"]["prefetched_per_step"] == 0
+    assert off["caches"]["t_a"]["fetched_per_step"] == c["fetched_per_step"]
+    (cached,) = records(tmp_path / "cached", "summary")  # auto: a cached table is not read
+    assert cached["caches"]["t_a"]["prefetched_per_step"] == 0  # ahead
+    assert cached["caches"]["t_a"]["fetched_per_step"] == c["fetched_per_step"]
+    (folder, _) = sorted((tmp_path / "rows").iterdir())  # each run's own folder
+    assert folder.name.startswith(("ahead-", "not_ahead-")) and (folder / "t_a.weight").exists()
 
 
 def test_plan_command_writes_storage_and_checks_the_host_budget(tmp_path, capsys):

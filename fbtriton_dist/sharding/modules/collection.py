@@ -9,7 +9,7 @@ dist is the same for both: each id goes to the shards whose rows hold it.
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -310,19 +310,21 @@ class ShardedCollection(nn.Module):
             first += n
         return out
 
-    def prefetch_rows(self, dist_out: InputDistOut) -> None:
+    def prefetch_rows(self, dist_out: InputDistOut,
+                      tiers: Collection[str] | None = None) -> None:
         """Start reading the rows a coming batch's lookup needs that the local shards' caches
         do not hold (``TableBatchedEmbedding.prefetch`` of every tiered local TBE, with the
         ids ``compute`` will give it), on each TBE's worker thread; that batch's lookup loads
         them from there. ``dist_out``: the batch's ``input_dist`` (``prefetch``). Call it
         after the current batch's lookup: a lookup takes the prefetch in flight, so one
         started before it would be used by it instead (exact either way: ``modules/tiers.py``
-        never uses a copy made stale by a write-back). A no-op without tiered shards."""
+        never uses a copy made stale by a write-back). A no-op without tiered shards.
+        ``tiers``: only the shards on these tiers (e.g. ``("file",)``); None: every one."""
         if not self.tiered():
             return
         for tbe, indices, offsets, _ in self.group_batches(dist_out.lookup):
             if tbe.tiered:
-                tbe.prefetch(indices, offsets)
+                tbe.prefetch(indices, offsets, tiers=tiers)
 
     def _make_dists(self) -> None:
         """The input dist and the subclass's output dist, on ``self.device``."""
