@@ -66,3 +66,44 @@ def test_sharded_ensemble_matches_unsharded():
         # 2 tables: momentum1 [E, 1] (per row), momentum2 [E, D] (the slow copy)
         assert [(n, size[1] > 1) for n, size in report["shapes"]] == [
             ("0", False), ("0", False), ("1", True), ("1", True)], report
+
+
+def test_dmp_fused_optimizer_names_the_slow_copy_as_torchrec(tmp_path):
+    """Under TorchRec's DMP (one rank, in this process), the fused optimizer's state of each
+    table is keyed as TorchRec keys FBGEMM's ENSEMBLE_ROWWISE_ADAGRAD states: ``momentum1``
+    and ``sparse_ema`` (FBGEMM's ``get_optimizer_state`` name of its ``momentum2``)."""
+    import torch.distributed as dist
+    from fbgemm_gpu.tbe.config import EnsembleModeDefinition
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
+    from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
+    from tests.sharding.test_dmp import _batch, _Model
+    from tests.sharding.test_dmp import _configs as dmp_configs
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        configs = dmp_configs()[:2]
+        model = _Model(fbtriton_dist.EmbeddingBagCollection(tables=configs))
+        apply_optimizer_in_backward(EnsembleRowWiseAdagrad, model.ebc.parameters(), {
+            "lr": 0.1, "ensemble_mode": EnsembleModeDefinition(step_ema=1)})
+        sharder = EmbeddingBagCollectionSharder(local_world_size=1)
+        plan = ShardingPlan({"ebc": sp.construct_module_sharding_plan(
+            model.ebc, {c.name: sp.row_wise() for c in configs}, sharder=sharder,
+            local_size=1, world_size=1, device_type="cpu")})
+        dmp = DistributedModelParallel(model, sharders=[sharder], plan=plan)
+        dmp(_batch(configs, 0, 0, 3)).sum().backward()
+        state = dmp.fused_optimizer.state_dict()["state"]
+        for c in configs:
+            table = state[f"ebc.embedding_bags.{c.name}.weight"]
+            assert sorted(table) == ["momentum1", "sparse_ema", "step"], sorted(table)
+            slow = table["sparse_ema"].local_shards()[0].tensor
+            assert slow.shape == (c.num_embeddings, c.embedding_dim)
+            assert slow.abs().sum() > 0  # averaged before step 1 (step_ema 1, coef 0)
+    finally:
+        dist.destroy_process_group()
