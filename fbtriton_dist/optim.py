@@ -42,11 +42,11 @@ buffer, or state kept per module (``max_counter``), is more: ``docs/optimizers_c
 optimizer neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py``.
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
-FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are summed first, then each
-unique row gets one update; rows not in the batch are untouched (their moments too: "lazy"
-Adam; EMAINPLACE's moving average aside, which runs over whole tables). The formulas:
-``docs/modules.md``, "Fused optimizers" (the counter's: ``docs/optimizers_counter.md``).
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD,
+ENSEMBLE_ROWWISE_ADAGRAD; FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are
+summed first, then each unique row gets one update; rows not in the batch are untouched (their
+moments too: "lazy" Adam; EMAINPLACE's and ENSEMBLE's whole-table steps aside). The formulas:
+``docs/modules.md``, "Fused optimizers" (the counter's and ensemble's: ``docs/optimizers_*.md``).
 
 This module never imports torch at import time (the planner and the job config read it); the
 torch classes are named by dotted path and imported only when a mapping needs them.
