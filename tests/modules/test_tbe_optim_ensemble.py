@@ -225,3 +225,19 @@ def test_annotation_job_and_planner_take_it():
     spec = optim.spec("ensemble_rowwise_adagrad")
     assert spec.state_bytes(10, 8) == 10 * 4 + 10 * 8 * 4
     assert spec.state_bytes(10, 8, {"momentum2": "fp16"}) == 10 * 4 + 10 * 8 * 2
+
+
+def test_traced_collection_refuses_it():
+    """The registered lookup ops (FX, torch.compile, torch.export) look up without the
+    module's training forward, so the whole-table step would not run: refused."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from tests.modules.test_ebc_tracing import _kjt, _pair
+
+    cls, kwargs = optim.torch_equivalent(optim.EnsembleRowWiseAdagrad(step_ema=1))
+    _, model = _pair(False)
+    apply_optimizer_in_backward(cls, model.ebc.parameters(), kwargs)
+    model(_kjt(3, 0, False))  # eager: fine
+    with pytest.raises(ValueError, match="ensemble_rowwise_adagrad: expected an eager "
+                                         "collection .* whole-table step"):
+        torch.fx.symbolic_trace(model)(_kjt(3, 1, False))
