@@ -194,8 +194,9 @@ def test_annotation_job_and_planner_take_it():
     from fbgemm_gpu.tbe.config import EnsembleModeDefinition, StepMode
 
     from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
-    from fbtriton_dist.train.config import EmbeddingOptimizerConfig, FieldError
-    from fbtriton_dist.train.job import _embedding_optimizer
+    from fbtriton_dist.planner import state_bytes
+    from fbtriton_dist.train.config import EmbeddingOptimizerConfig, FieldError, job_from_dict
+    from fbtriton_dist.train.job import _embedding_optimizer, _state_dtypes
 
     want = optim.EnsembleRowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled",
                                         step_mode="none", **SCHEDULE)
@@ -221,10 +222,18 @@ def test_annotation_job_and_planner_take_it():
         EmbeddingOptimizerConfig(type="ensemble_rowwise_adagrad", step_swap=0.5)
     with pytest.raises(FieldError, match="step_mode: expected one of"):
         EmbeddingOptimizerConfig(type="ensemble_rowwise_adagrad", step_mode="iter")
-    # the planner: momentum1 fp32 per row (FBGEMM keeps it fp32), momentum2 per element
-    spec = optim.spec("ensemble_rowwise_adagrad")
-    assert spec.state_bytes(10, 8) == 10 * 4 + 10 * 8 * 4
-    assert spec.state_bytes(10, 8, {"momentum2": "fp16"}) == 10 * 4 + 10 * 8 * 2
+    section = {"type": "ensemble_rowwise_adagrad", "lr": 0.2, "weight_decay": 0.1,
+               "weight_decay_mode": "decoupled", "step_mode": "none", "state_dtype": "fp16",
+               **SCHEDULE}
+    cfg = job_from_dict({"tables": [{"name": "t0", "num_embeddings": 100, "embedding_dim": 8,
+                                     "features": ["f0"]}],
+                         "model": {"dense_arch": [8], "over_arch": [4, 1]},
+                         "train": {"steps": 2}, "optimizer": {"embedding": section}})
+    assert _embedding_optimizer(cfg.optimizer.embedding) == want
+    assert _state_dtypes(cfg) == {"momentum2": "fp16"}  # momentum1 stays fp32, as FBGEMM's
+    # the planner: momentum1 fp32 per row, momentum2 per element at the job's state dtype
+    assert state_bytes("ensemble_rowwise_adagrad", 10, 8) == 10 * 4 + 10 * 8 * 4
+    assert state_bytes("ensemble_rowwise_adagrad", 10, 8, "fp16") == 10 * 4 + 10 * 8 * 2
 
 
 def test_traced_collection_refuses_it():
