@@ -42,11 +42,11 @@ buffer, or state kept per module (``max_counter``), is more: ``docs/optimizers_c
 optimizer neither torch nor TorchRec has gets an annotation class in ``modules/fused_optim.py``.
 
 Semantics follow FBGEMM's TBE optimizers (EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD,
-ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD;
-FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are summed first, then each
-unique row gets one update; rows not in the batch are untouched (their moments too: "lazy"
-Adam; EMAINPLACE's moving average aside, which runs over whole tables). The formulas:
-``docs/modules.md``, "Fused optimizers" (the counter's: ``docs/optimizers_counter.md``).
+ADAM, PARTIAL_ROWWISE_ADAM, LAMB, PARTIAL_ROWWISE_LAMB, LARS_SGD, EMAINPLACE_ROWWISE_ADAGRAD,
+ENSEMBLE_ROWWISE_ADAGRAD; FTRL is not FBGEMM's): the gradients of duplicate ids in a batch are
+summed first, then each unique row gets one update; rows not in the batch are untouched (their
+moments too: "lazy" Adam; EMAINPLACE's and ENSEMBLE's whole-table steps aside). The formulas:
+``docs/modules.md``, "Fused optimizers" (the counter's and ensemble's: ``docs/optimizers_*.md``).
 
 This module never imports torch at import time (the planner and the job config read it); the
 torch classes are named by dotted path and imported only when a mapping needs them.
@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fbtriton_dist.optim_counter import RowWiseAdagradWithCounter, counter_mode
+from fbtriton_dist.optim_ensemble import EnsembleRowWiseAdagrad, ensemble_kwargs
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -355,7 +356,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR | RowWiseAdagradWithCounter  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR | RowWiseAdagradWithCounter | EnsembleRowWiseAdagrad  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -374,6 +375,8 @@ class State:
     element (``[E, D]``)."""
     fp32_only: bool = False
     """Always fp32 (step numbers, counts): ``optimizer_state_dtypes`` may not name it."""
+    torchrec_key: str = ""
+    """Its key in TorchRec's ``KeyedOptimizer`` state where not ``name`` (FBGEMM's)."""
 
 
 @dataclass(frozen=True)
@@ -639,6 +642,19 @@ REGISTRY: dict[str, OptimizerSpec] = {
                        "cowclip_regularization": None}),),
             kernel_code=12,
         ),
+        OptimizerSpec(  # rowwise Adagrad's row update + the module's whole-table step
+            name="ensemble_rowwise_adagrad", fbgemm="ENSEMBLE_ROWWISE_ADAGRAD",
+            config=EnsembleRowWiseAdagrad,  # optim_ensemble.py; momentum1 fp32 as FBGEMM's
+            states=(State("momentum1", per_row=True, fp32_only=True),
+                    State("momentum2", per_row=False, torchrec_key="sparse_ema")),
+            hyper=("lr", "eps", "weight_decay"),  # the schedule: the module's, not kernels'
+            torch=(TorchClass("fbtriton_dist.modules.fused_optim.EnsembleRowWiseAdagrad",
+                              kwargs={"lr": 0.01, "eps": 1e-8, "weight_decay": 0.0,
+                                      "step_ema": 10000.0, "step_swap": 10000.0,
+                                      "step_start": 0.0, "step_ema_coef": 0.6},
+                              modes={"weight_decay_mode": "none", "step_mode": "use_iter"}),),
+            kernel_code=13,
+        ),
     )
 }
 """Every fused optimizer, by name."""
@@ -681,6 +697,8 @@ def from_torch(cls: type, kwargs: Mapping[str, Any], where: str) -> Optimizer:
                 if entry.name == "rowwise_adagrad" and counter_mode(
                         kwargs.get("weight_decay_mode")):  # FBGEMM's COUNTER / COWCLIP
                     entry = REGISTRY["rowwise_adagrad_with_counter"]
+                if entry.config is EnsembleRowWiseAdagrad:  # FBGEMM's ensemble_mode= spread
+                    kwargs = ensemble_kwargs(kwargs)
                 return entry.from_kwargs(kwargs, where, name)
     paths = [tc.path for entry in REGISTRY.values() for tc in entry.torch]
     raise ValueError(

@@ -257,8 +257,8 @@ def _ours_graph_cases(ctx: Context) -> Iterator[tuple[str, object]]:
         m(indices, offsets).backward(grad)
 
     for phase in [p for p in PHASES if p in ctx.phases]:
-        if phase == "fwd_bwd_emainplace_rowwise_adagrad":
-            yield phase, ("skipped: its moving average is scheduled on the host by the step "
+        if phase in ("fwd_bwd_emainplace_rowwise_adagrad", "fwd_bwd_ensemble_rowwise_adagrad"):
+            yield phase, ("skipped: its whole-table step is scheduled on the host by the step "
                           "count: a captured graph would bake in one step's choice")
             continue
         why = tbe_optims.switch_optimizer(m, phase) if phase != "fwd" else None

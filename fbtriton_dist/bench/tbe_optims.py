@@ -13,13 +13,18 @@ default ``--phases``); the others are timed when named. A provider that lacks an
 prints ``fbgemm: not offered (why)`` for its phase instead of failing the run: FBGEMM lacks
 FTRL and rowwise RMSprop AR everywhere, and its CPU TBE (fbgemm-gpu-cpu) runs only EXACT_SGD,
 EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD and EMAINPLACE_ROWWISE_ADAGRAD (it refuses the others when
-built: "Optimizer ... is not supported in CPU mode").
+built: "Optimizer ... is not supported in CPU mode"). FBGEMM gates ENSEMBLE_ROWWISE_ADAGRAD
+behind its feature gate ``TBE_ENSEMBLE_ROWWISE_ADAGRAD`` (its lookup asserts it; on by
+FBGEMM's environment variable ``FBGEMM_TBE_ENSEMBLE_ROWWISE_ADAGRAD=1``): not offered when off.
 
 Bytes (``row_state_bytes``): per unique row of a step, its optimizer states read and written
 once (fp32, one value per row or per element as the registry says: Adam's two moments are
 ``2 * 2 * 4 * D`` bytes). EMA-in-place rowwise Adagrad adds its moving average over whole
 tables every ``step_ema`` steps, amortised per step (``ema_bytes``: each row's first half read,
-its second half read and written)."""
+its second half read and written); ensemble rowwise Adagrad its moving average (rows read,
+fp32 slow copy read and written, zeroed with ``step_mode: none``) every ``step_ema`` steps and
+its swap (slow copy read, rows written) every ``step_swap``; its slow copy is not a per-row
+state of the backward, so ``row_state_bytes`` counts its ``momentum1`` only."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -51,7 +56,8 @@ _FBGEMM_FIELDS = {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_d
                   "eta": "eta", "momentum": "momentum"}
 """Our config field -> FBGEMM's TBE constructor keyword of the same meaning (``betas`` is its
 ``beta1`` / ``beta2``; the EMA fields its ``EmainplaceModeDefinition``)."""
-_EMA_FIELDS = ("step_ema", "step_start", "step_ema_coef")
+_EMA_FIELDS = ("step_ema", "step_start", "step_ema_coef", "step_swap", "step_mode")
+"""EMA-in-place's ``EmainplaceModeDefinition`` fields; ensemble's ``EnsembleModeDefinition``."""
 _COUNTER_DEFINITIONS = {"counter_based_regularization": "CounterBasedRegularizationDefinition",
                         "cowclip_regularization": "CowClipDefinition"}
 """Our counter optimizer's definitions -> FBGEMM's classes (``fbgemm_gpu.tbe.config``)."""
@@ -79,8 +85,9 @@ class OptimPhase:
         """FBGEMM's TBE constructor keywords with our config's values (the optimizer itself
         aside): ``learning_rate``, ``eps``, ``beta1``/``beta2``, ``weight_decay``, ``eta``,
         ``momentum``; ``weight_decay_mode`` as a ``WeightDecayMode`` member name where a
-        rowwise Adagrad's decay applies; ``emainplace_mode`` as a dict of
-        ``EmainplaceModeDefinition``'s fields. A field with no FBGEMM keyword raises."""
+        rowwise Adagrad's decay applies; ``emainplace_mode`` / ``ensemble_mode`` as a dict of
+        ``EmainplaceModeDefinition``'s / ``EnsembleModeDefinition``'s fields (``step_mode`` a
+        ``StepMode`` member name in lower case). A field with no FBGEMM keyword raises."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self.config):
             value = getattr(self.config, f.name)
@@ -89,7 +96,9 @@ class OptimPhase:
             elif f.name == "betas":
                 out["beta1"], out["beta2"] = value
             elif f.name in _EMA_FIELDS:
-                out.setdefault("emainplace_mode", {})[f.name] = value
+                ensemble = isinstance(self.config, optim.EnsembleRowWiseAdagrad)
+                out.setdefault("ensemble_mode" if ensemble else "emainplace_mode", {})[
+                    f.name] = value
             elif f.name == "weight_decay_mode":
                 if isinstance(self.config, optim.RowWiseAdagradWithCounter):
                     out["weight_decay_mode"] = value.upper()  # COUNTER or COWCLIP
@@ -105,12 +114,20 @@ class OptimPhase:
         return out
 
     def row_state_bytes(self, D: int) -> int:
-        """Optimizer-state bytes read and written for one unique row of dim D (fp32 states)."""
+        """Optimizer-state bytes read and written for one unique row of dim D (fp32 states;
+        ensemble: its ``momentum1``, the slow copy is the whole-table step's)."""
+        if isinstance(self.config, optim.EnsembleRowWiseAdagrad):
+            return 2 * 4
         return 2 * optim.spec(self.name).state_bytes(1, D)
 
     def ema_bytes(self, tables: list[tuple[int, int]], weight_size: int) -> float:
-        """Bytes per step of the whole-table moving average (EMA-in-place only, else 0): every
-        row's D/2 + D/2 read and D/2 written, once every ``step_ema`` steps."""
+        """Bytes per step of the whole-table steps (else 0): EMA-in-place's every row's D/2 +
+        D/2 read and D/2 written, once every ``step_ema`` steps; ensemble's as the module
+        docstring says."""
+        if isinstance(self.config, optim.EnsembleRowWiseAdagrad):
+            elems, c = sum(E * D for E, D in tables), self.config
+            ema = elems * (weight_size + 2 * 4 + (4 if c.step_mode == "none" else 0))
+            return ema / int(c.step_ema) + elems * (4 + weight_size) / int(c.step_swap)
         if not isinstance(self.config, optim.EmaInplaceRowWiseAdagrad):
             return 0.0
         per_run = sum(E * D * weight_size * 3 / 2 for E, D in tables)
@@ -193,6 +210,8 @@ def fbgemm_optimizer(entry: OptimPhase, fb: dict) -> dict[str, Any]:
     for key, cls_name in _COUNTER_DEFINITIONS.items():
         if key in kwargs:
             kwargs[key] = _fbgemm_definition(cls_name, kwargs[key])
+    if "ensemble_mode" in kwargs:
+        kwargs["ensemble_mode"] = _ensemble_mode(entry, kwargs["ensemble_mode"])
     if "emainplace_mode" in kwargs:
         mode = _emainplace_mode_class()
         if mode is None:
@@ -218,6 +237,23 @@ def _fbgemm_definition(cls_name: str, fields: dict[str, Any]):
         elif key != "tail_id_threshold_is_ratio":
             out[key] = value
     return getattr(config, cls_name)(**out)
+
+
+def _ensemble_mode(entry: OptimPhase, fields: dict[str, Any]):
+    """FBGEMM's ``EnsembleModeDefinition`` with our fields; ``NotOffered`` where this
+    fbgemm_gpu lacks it or its feature gate is off (its lookup would assert)."""
+    from fbgemm_gpu import config as gates  # noqa: PLC0415
+    from fbgemm_gpu.tbe import config  # noqa: PLC0415
+
+    gate = getattr(getattr(gates, "FeatureGateName", None), "TBE_ENSEMBLE_ROWWISE_ADAGRAD", None)
+    if not hasattr(config, "EnsembleModeDefinition") or gate is None:
+        raise NotOffered(f"this fbgemm_gpu has no EnsembleModeDefinition / feature gate for "
+                         f"{entry.fbgemm}")
+    if not gate.is_enabled():
+        raise NotOffered("FBGEMM's feature gate TBE_ENSEMBLE_ROWWISE_ADAGRAD is off (its "
+                         "environment variable FBGEMM_TBE_ENSEMBLE_ROWWISE_ADAGRAD=1 turns it on)")
+    step_mode = config.StepMode[fields.pop("step_mode").upper()]
+    return config.EnsembleModeDefinition(step_mode=step_mode, **fields)
 
 
 def _emainplace_mode_class():

@@ -2,13 +2,15 @@
 ``apply_optimizer_in_backward`` annotations (``optim.REGISTRY``'s ``TorchClass`` paths point
 here): placeholders, as TorchRec's ``torchrec.optim.LAMB`` and the like, whose ``step`` never
 runs: the TBE backward applies the update (``optim.FTRL``) to the rows of the batch. Also
-the whole-table step of ``optim.EmaInplaceRowWiseAdagrad`` (``ema_inplace``)."""
+the whole-table steps before a training lookup (``whole_table_step``) of
+``optim.EmaInplaceRowWiseAdagrad`` (``ema_inplace``) and ``optim.EnsembleRowWiseAdagrad``
+(``ensemble_and_swap``)."""
 
 from collections.abc import Sequence
 
 import torch
 
-from fbtriton_dist import optim
+from fbtriton_dist import optim, optim_ensemble
 
 
 class FTRL(torch.optim.Optimizer):
@@ -41,6 +43,29 @@ class EmaInplaceRowWiseAdagrad(torch.optim.Optimizer):
     def step(self, closure=None):
         raise NotImplementedError(
             "fbtriton_dist.modules.fused_optim.EmaInplaceRowWiseAdagrad is applied fused in the "
+            "TBE (a collection or TableBatchedEmbedding reads the annotation); it has no step"
+        )
+
+
+class EnsembleRowWiseAdagrad(torch.optim.Optimizer):
+    """Names ``fbtriton_dist.optim.EnsembleRowWiseAdagrad`` (FBGEMM's ENSEMBLE_ROWWISE_ADAGRAD,
+    fused only): its keywords are that config's fields, or FBGEMM's: ``ensemble_mode`` (an
+    ``EnsembleModeDefinition`` or a mapping of its fields) in place of the ``step_*`` ones."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-8, weight_decay: float = 0.0,
+                 weight_decay_mode="none", **schedule) -> None:
+        unknown = sorted(set(schedule) - {*optim_ensemble.MODE_FIELDS, "ensemble_mode"})
+        if unknown:
+            raise ValueError(f"EnsembleRowWiseAdagrad: expected keywords among lr, eps, "
+                             f"weight_decay, weight_decay_mode, ensemble_mode, "
+                             f"{', '.join(optim_ensemble.MODE_FIELDS)}; got {unknown[0]!r}")
+        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay,
+                                  "weight_decay_mode": weight_decay_mode,
+                                  **optim_ensemble.ensemble_kwargs(schedule)})
+
+    def step(self, closure=None):
+        raise NotImplementedError(
+            "fbtriton_dist.modules.fused_optim.EnsembleRowWiseAdagrad is applied fused in the "
             "TBE (a collection or TableBatchedEmbedding reads the annotation); it has no step"
         )
 
@@ -89,6 +114,7 @@ def check_ema_tables(optimizer, tiered: bool) -> None:
     ``optim.RowWiseAdagradWithCounter``'s ``max_counter`` reads every row's counter: neither
     with cached storage tiers."""
     why = {optim.EmaInplaceRowWiseAdagrad: "its moving average runs over whole tables",
+           optim.EnsembleRowWiseAdagrad: "its moving average and swap run over whole tables",
            optim.RowWiseAdagradWithCounter: "its max_counter reads every row's counter"}
     if type(optimizer) in why and tiered:
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected no cached storage "
@@ -110,6 +136,36 @@ def ema_inplace(optimizer, tables: Sequence[torch.Tensor], k: int) -> None:
     for table in tables:
         half = table.shape[1] // 2
         table[:, half:].lerp_(table[:, :half], optimizer.step_ema_coef)
+
+
+@torch.no_grad()
+def ensemble_and_swap(optimizer, tables: Sequence[torch.Tensor],
+                      slow: Sequence[torch.Tensor], k: int) -> None:
+    """Before the lookup of training step ``k``: ``optim.EnsembleRowWiseAdagrad``'s step over
+    every ``[E, D]`` table and its slow copy ``momentum2`` (``slow``, ``[E, D]`` each), in
+    place, in the slow copy's dtype (FBGEMM's order: the moving average from the rows as they
+    were, then the swap, then ``step_mode="none"``'s reset)."""
+    ema, swap, coef = optimizer.schedule(k)
+    if not (ema or swap):
+        return
+    for table, s in zip(tables, slow, strict=True):
+        rows = table.to(s.dtype)
+        if ema:
+            s.lerp_(rows, 1.0 - coef)
+        if swap:
+            table.copy_(s)
+        if ema and optimizer.step_mode == "none":
+            s.zero_()
+
+
+def whole_table_step(tbe, k: int) -> None:
+    """Before the lookup of training step ``k`` of ``tbe`` (a ``TableBatchedEmbedding``): the
+    whole-table step of its optimizer, if it has one (EMA in place, ensemble)."""
+    if isinstance(tbe.optimizer, optim.EmaInplaceRowWiseAdagrad):
+        ema_inplace(tbe.optimizer, tbe.split_slot_weights(), k)
+    elif isinstance(tbe.optimizer, optim.EnsembleRowWiseAdagrad):
+        slow = [states[1] for states in tbe.split_optimizer_states()]
+        ensemble_and_swap(tbe.optimizer, tbe.split_slot_weights(), slow, k)
 
 
 def counter_tensors(tbe) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from fbtriton_dist import optim
 from fbtriton_dist.modules import fused_optim, host_tier
-from fbtriton_dist.modules.fused_optim import check_ema_tables, ema_inplace
+from fbtriton_dist.modules.fused_optim import check_ema_tables
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
 from fbtriton_dist.ops.tbe import (
@@ -309,10 +309,11 @@ class TableBatchedEmbedding(nn.Module):
         if optimizer is None or not low:
             return
         name = optim.spec_of(optimizer).name
-        extra = sorted(set(low) - set(sizes))
-        if extra:
-            raise ValueError(f"optimizer_state_dtypes: expected keys among {sorted(sizes)} (the "
-                             f"states of {name}), got {extra}")
+        allowed = sorted(s.name for s in optim.spec_of(optimizer).states if not s.fp32_only)
+        if extra := sorted(set(low) - set(allowed)):  # fp32_only: fp32 as FBGEMM keeps them
+            raise ValueError(f"optimizer_state_dtypes: expected keys among {allowed} (the states "
+                             f"of {name}{' not kept in fp32' * (len(allowed) < len(sizes))}), "
+                             f"got {extra}")
 
     @property
     def num_features(self) -> int:
@@ -558,8 +559,8 @@ class TableBatchedEmbedding(nn.Module):
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
                 train,
             )
-        if train and self.training and isinstance(self.optimizer, optim.EmaInplaceRowWiseAdagrad):
-            ema_inplace(self.optimizer, self.split_slot_weights(), self.step + 1)
+        if train and self.training:  # EMA in place, ensemble: their whole-table steps
+            fused_optim.whole_table_step(self, self.step + 1)
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         out = tbe_lookup(

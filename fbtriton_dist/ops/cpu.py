@@ -647,6 +647,7 @@ _STEPS = {
     "emainplace_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
     "rowwise_adagrad_with_counter": _rowwise_adagrad_with_counter_step,  # reference/counter.py
+    "ensemble_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average, swap
 }
 """The step of each optimizer, by its registry name."""
 
@@ -663,6 +664,7 @@ _NEEDS_ROWS = {
     "emainplace_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
     "rowwise_rmsprop_ar": lambda opt: opt.ar_alpha != 0,  # else the decay factor is 1
     "rowwise_adagrad_with_counter": lambda opt: True,
+    "ensemble_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

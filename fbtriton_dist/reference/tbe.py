@@ -391,6 +391,8 @@ UPDATES = {
     "emainplace_rowwise_adagrad": _rowwise_adagrad_update,
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_update,
     "rowwise_adagrad_with_counter": counter_update,  # reference/counter.py
+    # rowwise Adagrad's update; its moving average and swap are the module's (fused_optim.py)
+    "ensemble_rowwise_adagrad": _rowwise_adagrad_update,
 }
 """The update of each optimizer, by its registry name."""
 

@@ -210,7 +210,8 @@ class _FusedOptimizer(FusedOptimizer):
     def _read(self):
         weights = self._ebc.state_dict()
         states = self._ebc.fused_optimizer_state_dict()
-        names = [s.name for s in optim.spec_of(self._ebc.optimizer).states]  # momentum1, ...
+        names = [s.torchrec_key or s.name  # momentum1, ... (TorchRec's keys)
+                 for s in optim.spec_of(self._ebc.optimizer).states]
         state = {
             w: {**{n: states[f"{key}.{i}"] for i, n in enumerate(names)}, "step": states["step"]}
             for key, w in weights.items()

@@ -176,7 +176,8 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
              "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2,
              "weight_decay_mode": c.weight_decay_mode, "step_ema": c.step_ema,
              "step_start": c.step_start, "step_ema_coef": c.step_ema_coef,
-             "ar_alpha": c.ar_alpha, "ema_beta": c.ema_beta, "min_shrinkage": c.min_shrinkage}
+             "ar_alpha": c.ar_alpha, "ema_beta": c.ema_beta, "min_shrinkage": c.min_shrinkage,
+             "step_swap": c.step_swap, "step_mode": c.step_mode}
     takes = {**entry.keywords, **entry.modes}
     kwargs = {k: v for k, v in given.items() if k in takes and v is not None}
     return entry.from_kwargs(kwargs, "optimizer.embedding")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fbtriton_dist import optim, optim_counter
+from fbtriton_dist import optim, optim_counter, optim_ensemble
 from fbtriton_dist.optim_counter import CounterBasedRegularization, CowClipRegularization
 from fbtriton_dist.planner._yaml import FieldError, check_choice, check_number
 
@@ -51,11 +51,19 @@ class EmbeddingOptimizerConfig:
     l2: float | None = None
     """ftrl's L2 regularisation; None: its default."""
     step_ema: float | None = None
-    """emainplace_rowwise_adagrad's moving-average period in steps; None: its default."""
+    """emainplace_rowwise_adagrad's and ensemble_rowwise_adagrad's moving-average period in
+    steps; None: its default."""
     step_start: float | None = None
-    """emainplace_rowwise_adagrad's first moving-average step; None: its default."""
+    """emainplace_rowwise_adagrad's first moving-average step (ensemble_rowwise_adagrad's last
+    step of coefficient 0); None: its default."""
     step_ema_coef: float | None = None
-    """emainplace_rowwise_adagrad's moving-average coefficient; None: its default."""
+    """emainplace_rowwise_adagrad's and ensemble_rowwise_adagrad's moving-average coefficient;
+    None: its default."""
+    step_swap: float | None = None
+    """ensemble_rowwise_adagrad's swap period in steps (>= 1); None: its default."""
+    step_mode: str | None = None
+    """ensemble_rowwise_adagrad's ``none``, ``use_counter`` or ``use_iter`` (FBGEMM's
+    ``StepMode``); None: its default, ``use_iter``."""
     ar_alpha: float | None = None
     """rowwise_rmsprop_ar's adaptive decay coefficient; None: its default."""
     ema_beta: float | None = None
@@ -86,6 +94,8 @@ class EmbeddingOptimizerConfig:
             _check_optional(check_number, name, getattr(self, name), 0.0)
         check_choice("state_dtype", self.state_dtype, tuple(optim.STATE_DTYPE_BYTES))
         _check_optional(check_number, "step_ema", self.step_ema, 1.0)
+        _check_optional(check_number, "step_swap", self.step_swap, 1.0)
+        _check_optional(check_choice, "step_mode", self.step_mode, optim_ensemble.STEP_MODES)
         # the keys an optimizer reads are the keyword arguments of its torch / TorchRec class
         # (optim.REGISTRY's ``keywords``)
         given = {"weight_decay": bool(self.weight_decay)}
@@ -93,7 +103,8 @@ class EmbeddingOptimizerConfig:
                                                                  "l2", "weight_decay_mode",
                                                                  "step_ema", "step_start",
                                                                  "step_ema_coef", "ar_alpha",
-                                                                 "ema_beta", "min_shrinkage")})
+                                                                 "ema_beta", "min_shrinkage",
+                                                                 "step_swap", "step_mode")})
         for key in (k for k, v in given.items() if v):
             if key not in {**optim.spec(self.type).keywords, **optim.spec(self.type).modes}:
                 takers = [n for n in optim.NAMES

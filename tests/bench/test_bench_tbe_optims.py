@@ -24,7 +24,8 @@ def test_the_phase_table_maps_every_optimizer_to_fbgemm_with_its_hyper_parameter
     for name, spec in optim.REGISTRY.items():
         entry = tbe_optims.phase(f"fwd_bwd_{name}")
         assert (entry.name, entry.fbgemm, type(entry.config)) == (name, spec.fbgemm, spec.config)
-        assert entry.row_state_bytes(8) == 2 * spec.state_bytes(1, 8)
+        if name != "ensemble_rowwise_adagrad":  # its slow copy: the whole-table step's
+            assert entry.row_state_bytes(8) == 2 * spec.state_bytes(1, 8)
     assert tbe_optims.phase("fwd_bwd_adam").fbgemm_kwargs() == dict(
         learning_rate=0.01, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=0.0)
     assert tbe_optims.phase("fwd_bwd_lars_sgd").fbgemm_kwargs() == dict(
@@ -32,6 +33,14 @@ def test_the_phase_table_maps_every_optimizer_to_fbgemm_with_its_hyper_parameter
     assert tbe_optims.phase("fwd_bwd_emainplace_rowwise_adagrad").fbgemm_kwargs() == dict(
         learning_rate=0.01, eps=1e-8, weight_decay=0.0,
         emainplace_mode=dict(step_ema=10, step_start=0, step_ema_coef=0.6))
+    ensemble = tbe_optims.phase("fwd_bwd_ensemble_rowwise_adagrad")
+    assert ensemble.fbgemm_kwargs() == dict(
+        learning_rate=0.01, eps=1e-8, weight_decay=0.0, ensemble_mode=dict(
+            step_ema=10000, step_swap=10000, step_start=0, step_ema_coef=0.6,
+            step_mode="use_iter"))
+    assert ensemble.row_state_bytes(8) == 2 * 4  # momentum1; momentum2 is [E, D]
+    # per step: 10 x 8 elements, fp32 rows: EMA (4 + 2 x 4) / 10000, swap (4 + 4) / 10000
+    assert ensemble.ema_bytes([(10, 8)], 4) == 80 * 12 / 10000 + 80 * 8 / 10000
     decayed = tbe_optims.OptimPhase("p", "rowwise_adagrad", optim.RowWiseAdagrad(
         weight_decay=0.1, weight_decay_mode="decoupled"), "EXACT_ROWWISE_ADAGRAD")
     assert decayed.fbgemm_kwargs()["weight_decay_mode"] == "DECOUPLE"
@@ -52,9 +61,16 @@ def test_the_phase_table_maps_every_optimizer_to_fbgemm_with_its_hyper_parameter
 
 def test_fbgemm_optimizer_names_members_or_says_not_offered():
     fb = tbe_cases.import_fbgemm() if _has_fbgemm() else pytest.skip("fbgemm_gpu not installed")
+    from fbgemm_gpu.config import FeatureGateName
+
     for entry in tbe_optims.OPTIM_PHASES.values():
         if entry.fbgemm is None:
             with pytest.raises(tbe_optims.NotOffered, match=f"FBGEMM has no {entry.name}"):
+                tbe_optims.fbgemm_optimizer(entry, fb)
+        elif (entry.name == "ensemble_rowwise_adagrad"
+              and not FeatureGateName.TBE_ENSEMBLE_ROWWISE_ADAGRAD.is_enabled()):
+            with pytest.raises(tbe_optims.NotOffered, match="feature gate "
+                                                            "TBE_ENSEMBLE_ROWWISE_ADAGRAD is off"):
                 tbe_optims.fbgemm_optimizer(entry, fb)
         else:
             assert tbe_optims.fbgemm_optimizer(entry, fb)["optimizer"].name == entry.fbgemm

@@ -41,6 +41,9 @@ OPTIMIZERS = {
     "partial-rowwise-lamb": optim.PartialRowWiseLAMB(lr=0.05),
     "lars-sgd": optim.LarsSGD(lr=0.5, eta=0.01, weight_decay=0.01),
     "ftrl": optim.FTRL(lr=0.2, l1=0.01, l2=0.1),
+    # an average before every step, a swap before step 2 (its table step: the module's)
+    "ensemble": optim.EnsembleRowWiseAdagrad(lr=0.1, weight_decay=0.01, weight_decay_mode="l2",
+                                             step_ema=1, step_swap=2, step_ema_coef=0.5),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -82,6 +85,7 @@ CASES = [
     ("one-row-table", "lars-sgd", "mean", torch.float16, torch.int64, False, False),
     ("mixed-shared", "ftrl", "sum", torch.float32, torch.int32, True, True),
     ("T8", "ftrl", "mean", torch.bfloat16, torch.int64, False, False),
+    ("mixed-shared", "ensemble", "sum", torch.float16, torch.int64, True, True),
 ]
 
 

@@ -113,7 +113,8 @@ def test_job_and_annotation_take_it():
                                    step_ema=2, step_start=3, step_ema_coef=0.3)
     assert _embedding_optimizer(job) == OPT
     with pytest.raises(FieldError, match="step_ema: only supported with type: "
-                                         "emainplace_rowwise_adagrad, got type: adam"):
+                                         "emainplace_rowwise_adagrad, ensemble_rowwise_adagrad, "
+                                         "got type: adam"):
         EmbeddingOptimizerConfig(type="adam", step_ema=2)
     with pytest.raises(FieldError, match="step_ema: expected a number >= 1.0, got 0.5"):
         EmbeddingOptimizerConfig(type="emainplace_rowwise_adagrad", step_ema=0.5)

@@ -72,7 +72,7 @@ def test_unknown_nested_key():
     msg = error(job(optimizer={"embedding": {"type": "sgd", "learning_rate": 0.1}}))
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
     assert ("[type, lr, eps, weight_decay, weight_decay_mode, betas, eta, momentum, beta, l1, "
-            "l2, step_ema, step_start, step_ema_coef, ar_alpha, ema_beta, min_shrinkage, "
+            "l2, step_ema, step_start, step_ema_coef, step_swap, step_mode, ar_alpha, ema_beta, min_shrinkage, "
             "state_dtype, counter, cowclip]") in msg
 
 
@@ -82,7 +82,8 @@ def test_bad_choice_lists_choices():
         "jobs/x.yaml: optimizer.embedding.type: expected one of "
         "[sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb, "
         "partial_rowwise_lamb, lars_sgd, ftrl, emainplace_rowwise_adagrad, "
-        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter], got 'ada'"
+        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter, ensemble_rowwise_adagrad], "
+        "got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
     assert ("data.source: expected one of [synthetic, random_rec, criteo, multihot], got "
