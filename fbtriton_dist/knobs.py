@@ -35,6 +35,10 @@ KNOBS: dict[str, tuple[str, str]] = {
     "FBTD_CPU_NATIVE_CACHE": (
         "directory where the native CPU kernels are compiled to (ops/cpu_native.py)",
         "~/.cache/fbtriton_dist"),
+    "FBTD_SLOT_MAP": (
+        "where a cached table's slot map lives: auto (on the cache's device on CUDA, on the "
+        "host elsewhere), device (on the cache's device everywhere: the CUDA path on the CPU) "
+        "or host; read when a module is built or moved (modules/tiers.py)", "auto"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -60,6 +64,14 @@ def cpu_native() -> bool:
 def cpu_native_cache() -> str | None:
     """``FBTD_CPU_NATIVE_CACHE``, or None (unset: ``cpu_native.cache_dir``'s default)."""
     return os.environ.get("FBTD_CPU_NATIVE_CACHE") or None
+
+
+def slot_map() -> str:
+    """``FBTD_SLOT_MAP``: ``auto``, ``device`` or ``host``; raises ValueError otherwise."""
+    raw = os.environ.get("FBTD_SLOT_MAP") or KNOBS["FBTD_SLOT_MAP"][1]
+    if raw not in ("auto", "device", "host"):
+        raise ValueError(f"FBTD_SLOT_MAP: expected one of ['auto', 'device', 'host'], got {raw!r}")
+    return raw
 
 
 def _ints(name: str, counts: tuple[int, ...], form: str) -> list[int] | None:
