@@ -416,6 +416,10 @@ class TableBatchedEmbedding(nn.Module):
             return {}
         return {self.table_names[t]: rows for t, rows in self._tiers.resident().items()}
 
+    def slot_maps_on_device(self) -> dict[str, bool]:
+        """Per cached table: its slot map lives on the cache's device (``FBTD_SLOT_MAP``)."""
+        return {} if self._tiers is None else self._tiers.maps_on_device()
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
                  ) -> None:
