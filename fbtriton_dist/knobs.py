@@ -11,6 +11,7 @@ The shell entry points have their own (``FBTD_VENV``, ``FBTD_JOB``, ``FBTD_DEV``
 ``tests/sharding/harness.py``); they never reach the package.
 """
 
+import contextlib
 import os
 
 KNOBS: dict[str, tuple[str, str]] = {
@@ -72,6 +73,23 @@ def slot_map() -> str:
     if raw not in ("auto", "device", "host"):
         raise ValueError(f"FBTD_SLOT_MAP: expected one of ['auto', 'device', 'host'], got {raw!r}")
     return raw
+
+
+@contextlib.contextmanager
+def set_for_now(name: str, value: str):
+    """Knob ``name`` (a key of ``KNOBS``) set to ``value`` inside the ``with``, as before
+    after it (the benchmarks build modules under a knob this way)."""
+    if name not in KNOBS:
+        raise ValueError(f"knob: expected one of {sorted(KNOBS)}, got {name!r}")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _ints(name: str, counts: tuple[int, ...], form: str) -> list[int] | None:

@@ -40,7 +40,6 @@ rows ``cached (host map)`` and ``cached (device map)``, timed in the same rotati
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -52,7 +51,7 @@ import time
 
 import torch
 
-from fbtriton_dist import optim
+from fbtriton_dist import knobs, optim
 from fbtriton_dist.bench import storage_fbgemm
 from fbtriton_dist.bench.timing import SPREAD_FLAG, spread
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
@@ -379,7 +378,7 @@ def _build_ours(args, setup: Setup, folder: str) -> tuple[dict, dict[str, str]]:
         for where in maps:
             name = tier if len(maps) == 1 else f"{tier} ({where} map)"
             try:
-                with slot_map(where):
+                with knobs.set_for_now("FBTD_SLOT_MAP", where):
                     m = build(setup, tier, args.cache_load_factor, args.policy, folder,
                               device=args.device)
             except ValueError as e:
@@ -390,19 +389,6 @@ def _build_ours(args, setup: Setup, folder: str) -> tuple[dict, dict[str, str]]:
             modules[name] = m
     return modules, refused
 
-
-@contextlib.contextmanager
-def slot_map(where: str):
-    """``FBTD_SLOT_MAP=where`` while modules are built (``knobs.slot_map``), then as before."""
-    before = os.environ.get("FBTD_SLOT_MAP")
-    os.environ["FBTD_SLOT_MAP"] = where
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("FBTD_SLOT_MAP", None)
-        else:
-            os.environ["FBTD_SLOT_MAP"] = before
 
 
 def _build_fbgemm(args, setup: Setup, folder: str, batches, initial, report) -> dict:
