@@ -30,10 +30,11 @@ The rows move as device gathers and scatters through the backing store's device 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
-__all__ = ["Mapped", "finish", "flush", "host_values", "map_batch"]
+__all__ = ["DeviceMaps", "Mapped", "check", "flush", "host_values"]
 
 _BIG = torch.iinfo(torch.int64).max
 _LFU_KEY_LIMIT = 2**62
@@ -49,51 +50,180 @@ def host_values(counts: torch.Tensor) -> list[int]:
 
 @dataclass
 class Mapped:
-    """One table's batch after ``map_batch``: the ids (clamped into range), each one's slot
-    before the misses are placed (C: a miss or out of range), the slots the batch uses
-    ``[C]``, its distinct misses ``[N]`` (the first M valid, first-occurrence order) and the
-    counts for the host ``[7]``: distinct hits, distinct misses, free slots, candidates, any
+    """A batch after ``DeviceMaps.map``: its tables (``present``, each with ``sizes`` ids),
+    their ids clamped into range (``local`` ``[N]``, table by table; ``rows``: the same in the
+    joint row numbering), the joint slots the batch uses ``[S]``, its distinct misses ``[N]``
+    (local row numbers, table by table in first-occurrence order, the first ``sum(M)``
+    valid), the free slots and the eviction candidates ``[S]``, and ``counts`` ``[T, COUNTS]``
+    for the host: per table distinct hits, distinct misses, free slots, candidates, any
     candidate dirty, min id, max id."""
 
-    ids: torch.Tensor
-    slot: torch.Tensor
+    present: list[int]
+    sizes: list[int]
+    local: torch.Tensor
+    rows: torch.Tensor
     used: torch.Tensor
     new_rows: torch.Tensor
+    free: torch.Tensor
+    cand: torch.Tensor
     counts: torch.Tensor
     COUNTS = 7
 
 
-def map_batch(cache, ids: torch.Tensor, clock: int, lookup: bool) -> Mapped:
-    """Step 1 for ``cache`` (a ``RowCache`` with its map on ``ids``' device) and the batch's
-    ids ``[N]`` int64 (repeats allowed, out of range ones are ignored here and refused by
-    ``finish``); ``lookup`` False: a prefetch (the batch's slots are kept from eviction but
-    not stamped). Only fixed-shape device ops; the map is as before when it returns."""
-    C, E, N = cache.slots, cache.rows, ids.numel()
-    dev = ids.device
-    slot_of_row = cache.slot_of_row
-    valid = (ids >= 0) & (ids < E)
-    idc = ids.clamp(0, E - 1)
-    raw = slot_of_row.index_select(0, idc)
-    slot = torch.where(valid, raw, C)
-    used = torch.zeros(C + 1, dtype=torch.bool, device=dev)
-    used.index_fill_(0, slot.long(), True)
-    used = used[:C]
-    miss = valid & (slot == C)
-    # first occurrences of the misses: the largest code (the first position) wins
-    code = torch.where(miss, (C + 1 + N) - torch.arange(N, device=dev, dtype=torch.int32), 0)
-    slot_of_row.scatter_reduce_(0, idc, code, "amax")
-    first = miss & (slot_of_row.index_select(0, idc) == code)
-    slot_of_row.index_copy_(0, idc, raw)  # put back (repeats write the same value)
-    rank = first.cumsum(0) - 1
-    new_rows = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-    new_rows.scatter_(0, torch.where(first, rank, N), idc)
-    last = cache.last_seen
-    cand = (last >= 0) & (last < clock) & ~used
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
-    lo, hi = torch.aminmax(ids) if N else (zero, zero)
-    counts = torch.stack([used.sum(), first.sum(), (last < 0).sum(), cand.sum(),
-                          (cand & cache.dirty).any().long(), lo, hi])
-    return Mapped(ids=idc, slot=slot, used=used, new_rows=new_rows[:N], counts=counts)
+class DeviceMaps:
+    """The slot maps of one module's cached tables that live on its device, in one set of
+    tensors: ``slot_of_row`` ``[sum(E)]`` (each table's entries hold its own slot numbers, C:
+    not cached) and ``row_of_slot``, ``last_seen``, ``counts``, ``dirty`` ``[S = sum(C)]``;
+    each table's ``RowCache`` tensors are views of its part. A batch's ids of every table go
+    through one pass (``map``); the placement is per table (``finish``)."""
+
+    def __init__(self, caches: dict, device: torch.device) -> None:
+        self.caches = caches
+        self.tables = list(caches)
+        rows = [c.rows for c in caches.values()]
+        slots = [c.slots for c in caches.values()]
+        self.row_base = [0, *accumulate(rows)]
+        self.slot_base = [0, *accumulate(slots)]
+        S = self.slot_base[-1]
+        kw = {"device": device}
+        self.slot_of_row = torch.empty(self.row_base[-1], dtype=torch.int32, **kw)
+        self.row_of_slot = torch.empty(S, dtype=torch.int64, **kw)
+        self.last_seen = torch.empty(S, dtype=torch.int64, **kw)
+        self.counts = torch.empty(S, dtype=torch.int64, **kw)
+        self.dirty = torch.empty(S, dtype=torch.bool, **kw)
+        for i, cache in enumerate(caches.values()):
+            r0, r1 = self.row_base[i], self.row_base[i + 1]
+            self.slot_of_row[r0:r1].copy_(cache.slot_of_row)
+            cache.slot_of_row = self.slot_of_row[r0:r1]
+            s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+            for name in ("row_of_slot", "last_seen", "counts", "dirty"):
+                part = getattr(self, name)[s0:s1]
+                part.copy_(getattr(cache, name))
+                setattr(cache, name, part)
+        sizes = torch.tensor(slots)
+        # per table, and per slot: its table, its number in the table, its table's C
+        self.row_bounds = torch.tensor(self.row_base, dtype=torch.int64, **kw)
+        self.capacity = torch.tensor(slots, dtype=torch.int32, **kw)
+        self.table_slot_base = torch.tensor(self.slot_base[:-1], dtype=torch.int32, **kw)
+        self.slot_table = torch.repeat_interleave(torch.arange(len(slots)), sizes).to(device)
+        self.slot_local = torch.cat([torch.arange(c) for c in slots]).to(device)
+        self.slot_capacity = torch.repeat_interleave(sizes, sizes).to(device)
+        self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
+            sizes).to(device)
+
+    def map(self, ids: dict[int, torch.Tensor], clock: int) -> Mapped:
+        """Step 1 for the batch's ids per table (``[N_t]`` int64 on the device, repeats
+        allowed, out of range ones clamped here and refused by the caller for a lookup):
+        fixed-shape device ops only; the maps are as before when it returns."""
+        present = [t for t in self.tables if t in ids]
+        at = {t: i for i, t in enumerate(self.tables)}
+        sizes = [ids[t].numel() for t in present]
+        local = [ids[t].clamp(0, self.caches[t].rows - 1) for t in present]
+        ends = [torch.aminmax(ids[t]) for t in present]
+        rows = torch.cat([x + self.row_base[at[t]] for x, t in zip(local, present, strict=True)])
+        local = torch.cat(local) if len(local) > 1 else local[0]
+        N, S, dev = rows.numel(), self.slot_base[-1], rows.device
+        C_max = max(c.slots for c in self.caches.values())
+        raw = self.slot_of_row.index_select(0, rows)
+        table = torch.searchsorted(self.row_bounds, rows, right=True) - 1
+        hit = raw < self.capacity.index_select(0, table)
+        joint = torch.where(hit, raw + self.table_slot_base.index_select(0, table), S)
+        used = torch.zeros(S + 1, dtype=torch.bool, device=dev)
+        used.index_fill_(0, joint.long(), True)
+        used = used[:S]
+        miss = ~hit
+        # first occurrences of the misses: the largest code (the first position) wins
+        code = torch.where(miss, (C_max + 1 + N) - torch.arange(N, device=dev,
+                                                                 dtype=torch.int32), 0)
+        self.slot_of_row.scatter_reduce_(0, rows, code, "amax")
+        first = miss & (self.slot_of_row.index_select(0, rows) == code)
+        self.slot_of_row.index_copy_(0, rows, raw)  # put back (repeats write the same value)
+        new_rows = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+        new_rows.scatter_(0, torch.where(first, first.cumsum(0) - 1, N), local)
+        last = self.last_seen
+        free = last < 0
+        cand = (last >= 0) & (last < clock) & ~used
+        T = len(self.tables)
+        per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
+        sums = torch.zeros(4, T, dtype=torch.int64, device=dev).index_add_(
+            1, self.slot_table, per_slot)
+        misses = torch.zeros(T, dtype=torch.int64, device=dev).index_add_(0, table, first.long())
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        lo_hi = dict(zip(present, ends, strict=True))
+        lo = torch.stack([lo_hi[t][0] if t in lo_hi else zero for t in self.tables])
+        hi = torch.stack([lo_hi[t][1] if t in lo_hi else zero for t in self.tables])
+        counts = torch.stack([sums[0], misses, sums[1], sums[2], (sums[3] > 0).long(), lo, hi],
+                             1)
+        return Mapped(present=present, sizes=sizes, local=local, rows=rows, used=used,
+                      new_rows=new_rows[:N], free=free, cand=cand, counts=counts)
+
+    def split(self, values: list[int]) -> dict[int, list[int]]:
+        """``host_values(mapped.counts)`` per table."""
+        K = Mapped.COUNTS
+        return {t: values[i * K : (i + 1) * K] for i, t in enumerate(self.tables)}
+
+    def finish(self, mapped: Mapped, counts: dict[int, list[int]], clock: int, views, *,
+               lookup: bool, train: bool, pinned: bool) -> dict[int, torch.Tensor]:
+        """Step 3 (``check`` passed for a lookup): place each table's misses (a prefetch
+        places those that find a slot); for a lookup, stamp the hits and return each table's
+        slots of its ids ``[N_t]`` int64 (dirty when ``train``)."""
+        if lookup:
+            if any(counts[t][0] for t in mapped.present):
+                self.last_seen.masked_fill_(mapped.used, clock)
+                self.counts.add_(mapped.used)
+            for t in mapped.present:
+                cache = self.caches[t]
+                cache.stats["lookups"] += counts[t][0] + counts[t][1]
+                cache.touches += 1
+        key, lfu_ok = None, True
+        start = 0  # each table's misses follow the previous table's in new_rows
+        for t in mapped.present:
+            cache, (H, M, free, cand, any_dirty) = self.caches[t], counts[t][:5]
+            k = min(M, free + cand)
+            if k:
+                i = self.tables.index(t)
+                s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+                if key is None:
+                    key, lfu_ok = self._keys(mapped, clock)
+                if cache.lfu and not lfu_ok:
+                    targets = _sorted_victims(cache, mapped.used[s0:s1], k, clock)
+                else:
+                    targets = torch.topk(key[s0:s1], k, largest=False, sorted=True).indices
+                _place(cache, targets, min(M, free), mapped.new_rows[start : start + k],
+                       clock, views(t), bool(any_dirty), lookup, train)
+            start += M
+            if lookup and k < M:  # the slots given stay consistent: placed above
+                raise ValueError(
+                    f"table '{cache.name}' (tier {cache.storage.tier!r}): {M - k} of the "
+                    f"batch's {H + M} distinct rows found no slot of {cache.slots}: the others "
+                    "hold rows of this batch"
+                    + (" or rows pinned by training batches whose backward has not run"
+                       if pinned else "") + "; raise cache_load_factor or cache_slots"
+                )
+            if not lookup:
+                cache.stats["prefetched"] += k
+                cache.stats["prefetch_used"] += k
+        if not lookup:
+            return {}
+        if train:
+            self.dirty.logical_or_(mapped.used)
+        slots = self.slot_of_row.index_select(0, mapped.rows).long()
+        return dict(zip(mapped.present, slots.split(mapped.sizes), strict=True))
+
+    def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
+        """Per slot ``[S]``: free slots first (by number), then the candidates in their
+        table's eviction order, the others last; and whether the LFU tables' keys fit an
+        int64 (else their slots are keyed LRU here and ``_sorted_victims`` orders them)."""
+        last, at, C = self.last_seen, self.slot_local, self.slot_capacity
+        lru = (last + 1) * C + at  # > every free slot's key
+        order, lfu_ok = lru, True
+        lfu = [c for c in self.caches.values() if c.lfu]
+        if lfu:
+            C_max = max(c.slots for c in lfu)
+            lfu_ok = (max(c.touches for c in lfu) + 2) * (clock + 1) * C_max < _LFU_KEY_LIMIT
+            if lfu_ok:
+                order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
+        return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
 
 
 def check(cache, counts: list[int]) -> None:
@@ -108,67 +238,26 @@ def check(cache, counts: list[int]) -> None:
         )
 
 
-def finish(cache, mapped: Mapped, counts: list[int], clock: int, views, *, lookup: bool,
-           train: bool, pinned: bool) -> torch.Tensor | None:
-    """Step 3 for ``cache`` (``check`` passed for a lookup): place the misses (a prefetch
-    places those that find a slot), and for a lookup stamp the hits and return the ids'
-    slots ``[N]`` int64 (dirty when ``train``)."""
-    H, M, free, cand, any_dirty = counts[:5]
-    C = cache.slots
-    if lookup:
-        cache.stats["lookups"] += H + M
-        cache.touches += 1
-        if H:
-            cache.last_seen.masked_fill_(mapped.used, clock)
-            cache.counts.add_(mapped.used)
-    k = min(M, free + cand)
-    if k:
-        _place(cache, mapped, k, min(M, free), clock, views, bool(any_dirty), lookup)
-    if lookup and k < M:  # the slots given stay consistent: placed above
-        raise ValueError(
-            f"table '{cache.name}' (tier {cache.storage.tier!r}): {M - k} of the batch's "
-            f"{H + M} distinct rows found no slot of {C}: the others hold rows of this batch"
-            + (" or rows pinned by training batches whose backward has not run" if pinned
-               else "") + "; raise cache_load_factor or cache_slots"
-        )
-    if not lookup:
-        cache.stats["prefetched"] += k
-        cache.stats["prefetch_used"] += k
-        return None
-    slots = cache.slot_of_row.index_select(0, mapped.ids).long()
-    if train:
-        cache.dirty.index_fill_(0, slots, True)
-    return slots
-
-
-def _victim_order(cache, mapped: Mapped, k: int, clock: int) -> torch.Tensor:
-    """The first ``k`` slots: free ones ascending, then the candidates (used before ``clock``,
-    not by this batch) in eviction order."""
+def _sorted_victims(cache, used: torch.Tensor, k: int, clock: int) -> torch.Tensor:
+    """The first ``k`` slots of ``cache`` (free ones ascending, then the candidates in LFU
+    order) by two stable sorts: for LFU keys too big for one int64."""
     C = cache.slots
     last = cache.last_seen
     at = torch.arange(C, device=last.device)
     free = last < 0
-    cand = (last >= 0) & (last < clock) & ~mapped.used
-    lru = (last + 1) * C + at  # > every free slot's key
-    if not cache.lfu:
-        key = torch.where(free, at, torch.where(cand, lru, _BIG))
-        return torch.topk(key, k, largest=False, sorted=True).indices
-    span = (clock + 1) * C
-    if (cache.touches + 2) * span < _LFU_KEY_LIMIT:
-        key = torch.where(free, at, torch.where(cand, (cache.counts + 1) * span + lru, _BIG))
-        return torch.topk(key, k, largest=False, sorted=True).indices
-    key = torch.where(free, at, torch.where(cand, lru, _BIG))
-    order = torch.argsort(key)
+    cand = (last >= 0) & (last < clock) & ~used
+    lru = (last + 1) * C + at
+    order = torch.argsort(torch.where(free, at, torch.where(cand, lru, _BIG)))
     rank = torch.where(free, -1, torch.where(cand, cache.counts, _BIG))
     order = order.index_select(0, torch.argsort(rank.index_select(0, order), stable=True))
     return order[:k]
 
 
-def _place(cache, mapped: Mapped, k: int, nfree: int, clock: int, views, any_dirty: bool,
-           lookup: bool) -> None:
-    targets = _victim_order(cache, mapped, k, clock)
+def _place(cache, targets: torch.Tensor, nfree: int, got: torch.Tensor, clock: int, views,
+           any_dirty: bool, lookup: bool, train: bool) -> None:
+    """Rows ``got`` into slots ``targets`` (free ones, then victims), writing the victims
+    back first; the map updated."""
     victims = targets[nfree:]
-    got = mapped.new_rows[:k]
     pairs = cache.device_pairs(views)
     if victims.numel():
         cache.stats["evictions"] += victims.numel()
@@ -178,14 +267,14 @@ def _place(cache, mapped: Mapped, k: int, nfree: int, clock: int, views, any_dir
             cache.written_on_device.add_(vdirty.sum())
             _write(pairs, victims, vrows, vdirty)
         cache.slot_of_row.index_fill_(0, vrows, cache.slots)
-    cache.stats["misses"] += k
+    cache.stats["misses"] += targets.numel()
     for backing, slots in pairs:
         slots.index_copy_(0, targets, backing.index_select(0, got).to(slots.dtype))
     cache.row_of_slot.index_copy_(0, targets, got)
     cache.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
     cache.last_seen.index_fill_(0, targets, clock)
     cache.counts.index_fill_(0, targets, 1 if lookup else 0)  # a prefetched row: 1 at its lookup
-    cache.dirty.index_fill_(0, targets, False)
+    cache.dirty.index_fill_(0, targets, train)
 
 
 def _write(pairs, slots: torch.Tensor, rows: torch.Tensor, dirty: torch.Tensor | None) -> None:

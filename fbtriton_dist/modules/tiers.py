@@ -484,6 +484,7 @@ class TieredTables:
         # None, the batch's tensors kept alive until the stream is joined)
         self._ahead_device: tuple[Future, object, tuple] | None = None
         self._stream = None  # CUDA: the prefetch's side stream
+        self._maps: tier_device_map.DeviceMaps | None = None  # the maps on the device
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
@@ -507,6 +508,8 @@ class TieredTables:
                 cache.backing.pin_now()
             cache.place_map(device if on and cache.storage.tier == "cached" else None)
         self._stream = None
+        on_device = {t: c for t, c in self.caches.items() if c.on_device}
+        self._maps = tier_device_map.DeviceMaps(on_device, device) if on_device else None
 
     def maps_on_device(self) -> dict[str, bool]:
         """Per cached table (by name): its slot map is on the cache's device."""
@@ -601,18 +604,15 @@ class TieredTables:
         """The slots of the tables whose maps are on the device (``tier_device_map``): every
         table's pass, one host read of all their counts, the checks (before anything
         changed), then every table's placement."""
-        K = tier_device_map.Mapped.COUNTS
-        mapped = {t: tier_device_map.map_batch(self.caches[t], ids, self.clock, lookup=True)
-                  for t, (ids, _) in per_table.items()}
-        values = tier_device_map.host_values(torch.cat([m.counts for m in mapped.values()]))
-        counts = {t: values[i * K : (i + 1) * K] for i, t in enumerate(mapped)}
+        maps = self._maps
+        mapped = maps.map({t: ids for t, (ids, _) in per_table.items()}, self.clock)
+        counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
         for t, (_, parts) in per_table.items():
             cache = self.caches[t]
             self._check_range(cache, counts[t][5], counts[t][6], indices, parts, names)
             tier_device_map.check(cache, counts[t])
-        return {t: tier_device_map.finish(self.caches[t], m, counts[t], self.clock, views(t),
-                                          lookup=True, train=train, pinned=pinned)
-                for t, m in mapped.items()}
+        return maps.finish(mapped, counts, self.clock, views, lookup=True, train=train,
+                           pinned=pinned)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  feature_table_map: list[int],
@@ -663,16 +663,12 @@ class TieredTables:
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             per_table = self._table_ids(indices, offsets, feature_table_map, tables)
-            mapped = {t: tier_device_map.map_batch(self.caches[t], ids, clock, lookup=False)
-                      for t, (ids, _) in per_table.items()}
-            if mapped:
-                K = tier_device_map.Mapped.COUNTS
-                values = tier_device_map.host_values(
-                    torch.cat([m.counts for m in mapped.values()]))
-                for i, (t, m) in enumerate(mapped.items()):
-                    tier_device_map.finish(self.caches[t], m, values[i * K : (i + 1) * K],
-                                           clock, views(t), lookup=False, train=False,
-                                           pinned=False)
+            if per_table:
+                maps = self._maps
+                mapped = maps.map({t: ids for t, (ids, _) in per_table.items()}, clock)
+                counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
+                maps.finish(mapped, counts, clock, views, lookup=False, train=False,
+                            pinned=False)
         us = int(1e6 * (time.perf_counter() - t0))
         for cache in tables.values():
             cache.stats["prefetch_us"] += us // len(tables)

@@ -4,6 +4,8 @@ as the host map (same slots, evictions and stats), the tier tests' rules and err
 it, prefetch stays exact, and a lookup reads the host twice per step whatever the number of
 tables, with no other sync point."""
 
+import threading
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,17 +24,22 @@ SLOTS = 14
 
 @pytest.fixture
 def on_device(monkeypatch):
-    """Maps on the device; records each pass over a batch there (True: a lookup's, False: a
-    prefetch's)."""
+    """Maps on the device; records each pass over a batch there ("map") and each placement
+    (True: a lookup's, False: a prefetch's)."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
     calls = []
-    map_batch = tier_device_map.map_batch
+    map_, finish = tier_device_map.DeviceMaps.map, tier_device_map.DeviceMaps.finish
 
-    def counted(cache, ids, clock, lookup):
-        calls.append(lookup)
-        return map_batch(cache, ids, clock, lookup)
+    def mapped(self, *args, **kwargs):
+        calls.append("map")
+        return map_(self, *args, **kwargs)
 
-    monkeypatch.setattr(tier_device_map, "map_batch", counted)
+    def finished(self, *args, **kwargs):
+        calls.append(kwargs["lookup"])
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(tier_device_map.DeviceMaps, "map", mapped)
+    monkeypatch.setattr(tier_device_map.DeviceMaps, "finish", finished)
     return calls
 
 
@@ -101,7 +108,7 @@ def test_trains_as_device_and_as_the_host_map(policy, opt, lfu_sort, on_device, 
         m.load_state_dict(device.state_dict())
     train(device, data)
     rows_host, rows_mapped = train(host, data), train(mapped, data)
-    assert on_device and all(on_device)
+    assert "map" in on_device and False not in on_device
     assert rows_host == rows_mapped
     assert host.cache_stats() == mapped.cache_stats()
     stats = mapped.cache_stats()
@@ -161,7 +168,7 @@ def test_a_lookup_reads_the_host_twice(on_device, monkeypatch):
     for reads_of_step, syncs, _ in seen:
         assert reads_of_step == [len(FTM) + 1, 2 * K] and syncs == []
     ops = [n for _, _, n in seen]
-    assert max(ops) <= 2 * 100, ops  # about 90 per table (views included), whatever B
+    assert max(ops) <= 160, ops  # one pass for all tables, ~25 per table with misses; any B
 
 
 @pytest.mark.parametrize("check", [
@@ -175,7 +182,7 @@ def test_the_tier_rules_hold(check, on_device):
     """The tier tests' eviction rules, pinned rows, eval, errors (unchanged messages) and
     in-flight batches, on the device map."""
     check()
-    assert on_device
+    assert "map" in on_device
 
 
 def test_flush_and_checkpoint_round_trip(on_device, tmp_path):
@@ -221,14 +228,14 @@ def test_prefetch_is_exact(on_device):
 def test_prefetch_error_is_raised_by_the_next_lookup(on_device, monkeypatch):
     m = build(optim.RowWiseAdagrad(lr=0.1))
     (indices, offsets), = batches(1)
-    map_batch = tier_device_map.map_batch
+    map_ = tier_device_map.DeviceMaps.map
 
-    def broken(cache, ids, clock, lookup):
-        if not lookup:
+    def broken(self, ids, clock):
+        if threading.current_thread().name.startswith("tier-prefetch"):
             raise OSError("device gone")
-        return map_batch(cache, ids, clock, lookup)
+        return map_(self, ids, clock)
 
-    monkeypatch.setattr(tier_device_map, "map_batch", broken)
+    monkeypatch.setattr(tier_device_map.DeviceMaps, "map", broken)
     m.prefetch(indices, offsets)
     with pytest.raises(RuntimeError, match=r"table 'table_0', 'table_1': the prefetch of its "
                                            r"rows failed on the worker thread: OSError: device"):
