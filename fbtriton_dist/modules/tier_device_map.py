@@ -3,24 +3,26 @@ device"): the ``cached`` tier on CUDA, and on the CPU when ``FBTD_SLOT_MAP=devic
 ``bench tbe --storage --slot-map device``).
 
 The map's tensors (``RowCache.row_of_slot``, ``slot_of_row``, ``last_seen``, ``counts``,
-``dirty``) live where the slots do; a lookup maps its ids with device ops of fixed shapes, so
-that the only host reads of a step are the batch's feature bounds (``TieredTables``) and one
-read of a few counts per step for all tables together (``host_values``):
+``dirty``) of all of a module's tables on the device are parts of one set (``DeviceMaps``);
+a lookup maps its ids with device ops of fixed shapes, so that the only host reads of a step
+are the batch's feature bounds (``TieredTables``) and one read of a few counts per table for
+all tables together (``host_values``):
 
-1. ``map_batch`` (per table, no host read): the ids' slots (one gather), the slots the batch
-   uses, its distinct misses in first-occurrence order (each miss writes a code of its
-   position into its row's entry with ``scatter_reduce`` amax, the first occurrence keeps the
-   largest, the entries are put back; compacted by a cumulative sum and a scatter), and the
-   counts the host needs: distinct hits and misses, free slots, eviction candidates, whether
-   a candidate is dirty, the ids' minimum and maximum;
-2. one ``host_values`` of every table's counts (the step's one sync);
-3. ``finish`` (per table, sizes known now): the range and size checks (nothing has changed
-   yet), the hits stamped, then one ``topk`` over a key per slot (free slots by number, then
-   the candidates in LRU ``(last_seen, slot)`` or LFU ``(counts, last_seen, slot)`` order)
-   gives the free slots and the victims at once; the victims go back to the backing store
-   (all of them when any candidate is dirty: a clean slot holds its row's bytes, so writing
-   it is a no-op; the dirty ones are counted on the device), the misses' rows are gathered
-   into their slots, the map is updated, the ids become slots.
+1. ``DeviceMaps.map`` (all tables in one pass, no host read): the ids' slots (one gather),
+   the slots the batch uses, its distinct misses in first-occurrence order (each miss writes
+   a code of its position into its row's entry with ``scatter_reduce`` amax, the first
+   occurrence keeps the largest, the entries are put back; compacted by a cumulative sum and
+   a scatter), and per table the counts the host needs: distinct hits and misses, free
+   slots, eviction candidates, whether a candidate is dirty, the ids' minimum and maximum;
+2. one ``host_values`` of every table's counts (the step's one sync of the map);
+3. ``DeviceMaps.finish`` (sizes known now; the caller checked ranges and sizes before
+   anything changed): the hits stamped, then per table one ``topk`` over its part of a key
+   per slot (free slots by number, then the candidates in LRU ``(last_seen, slot)`` or LFU
+   ``(counts, last_seen, slot)`` order) gives the free slots and the victims at once; the
+   victims go back to the backing store (all of them when any candidate is dirty: a clean
+   slot holds its row's bytes, so writing it is a no-op; the dirty ones are counted on the
+   device), the misses' rows are gathered into their slots, the map is updated, the ids
+   become slots.
 
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
