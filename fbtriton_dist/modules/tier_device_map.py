@@ -107,9 +107,10 @@ class DeviceMaps:
         self.row_bounds = torch.tensor(self.row_base, dtype=torch.int64, **kw)
         self.capacity = torch.tensor(slots, dtype=torch.int32, **kw)
         self.table_slot_base = torch.tensor(self.slot_base[:-1], dtype=torch.int32, **kw)
-        self.slot_table = torch.repeat_interleave(torch.arange(len(slots)), sizes).to(device)
-        self.slot_local = torch.cat([torch.arange(c) for c in slots]).to(device)
-        self.slot_capacity = torch.repeat_interleave(sizes, sizes).to(device)
+        as_int = {"device": device, "dtype": torch.int32}
+        self.slot_table = torch.repeat_interleave(torch.arange(len(slots)), sizes).to(**as_int)
+        self.slot_local = torch.cat([torch.arange(c) for c in slots]).to(**as_int)
+        self.slot_capacity = torch.repeat_interleave(sizes, sizes).to(**as_int)
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
 
