@@ -242,3 +242,30 @@ def test_prefetch_error_is_raised_by_the_next_lookup(on_device, monkeypatch):
         m(indices, offsets)
     m(indices, offsets).sum().backward()  # the module goes on
     assert m.cache_stats()["table_0"]["lookups"] > 0
+
+
+def test_a_half_cache_never_rounds_a_clean_row_back(monkeypatch):
+    """After ``.half()`` the slots are fp16 and the backing store fp32: the device map writes
+    every victim back when one is dirty, and a clean one must keep its fp32 bytes (as the
+    host map leaves them): the same backing store as the host map's after training and eval
+    lookups that evict both kinds."""
+    out = {}
+    for where in ("host", "device"):
+        monkeypatch.setenv("FBTD_SLOT_MAP", where)
+        torch.manual_seed(0)
+        m = TableBatchedEmbedding([(40, 3)], optimizer=optim.SGD(lr=0.1), backend="cpu",
+                                  storage=[Storage(tier="cached", cache_slots=8)],
+                                  stochastic_rounding=False).half()
+        for step, ids in enumerate(([1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 1], [11, 12, 13, 14],
+                                    [15, 16, 2])):
+            x = (torch.tensor(ids), torch.tensor([0, len(ids)]))
+            if step % 2:
+                with torch.no_grad():
+                    m(*x)
+            else:
+                m(*x).sum().backward()
+        assert m.slot_maps_on_device() == {"table_0": where == "device"}
+        out[where] = (m.split_embedding_weights()[0].clone(), m.cache_stats())
+    assert out["host"][1] == out["device"][1] and out["host"][1]["table_0"]["evictions"] > 3
+    assert out["host"][0].dtype == torch.float32
+    assert torch.equal(out["host"][0], out["device"][0])
