@@ -4,16 +4,16 @@ device"): the ``cached`` tier on CUDA, and on the CPU when ``FBTD_SLOT_MAP=devic
 
 The map's tensors (``RowCache.row_of_slot``, ``slot_of_row``, ``last_seen``, ``counts``,
 ``dirty``) of all of a module's tables on the device are parts of one set (``DeviceMaps``);
-a lookup maps its ids with device ops of fixed shapes, so that the only host reads of a step
-are the batch's feature bounds (``TieredTables``) and one read of a few counts per table for
-all tables together (``host_values``):
+a lookup maps its ids with device ops of fixed shapes, so that the only host read of a step
+is one read of a few counts per table for all tables together (``host_values``):
 
-1. ``DeviceMaps.map`` (all tables in one pass, no host read): the ids' slots (one gather),
+1. ``DeviceMaps.map`` (all tables in one pass, no host read): each id's feature and table
+   (a search of the offsets), the ids' slots (one gather),
    the slots the batch uses, its distinct misses in first-occurrence order (each miss writes
    a code of its position into its row's entry with ``scatter_reduce`` amax, the first
    occurrence keeps the largest, the entries are put back; compacted by a cumulative sum and
    a scatter), and per table the counts the host needs: distinct hits and misses, free
-   slots, eviction candidates, whether a candidate is dirty, the ids' minimum and maximum;
+   slots, eviction candidates, whether a candidate is dirty, ids out of range;
 2. one ``host_values`` of every table's counts (the step's one sync of the map);
 3. ``DeviceMaps.finish`` (sizes known now; the caller checked ranges and sizes before
    anything changed): the hits stamped, then per table one ``topk`` over its part of a key
@@ -52,24 +52,21 @@ def host_values(counts: torch.Tensor) -> list[int]:
 
 @dataclass
 class Mapped:
-    """A batch after ``DeviceMaps.map``: its tables (``present``, each with ``sizes`` ids),
-    their ids clamped into range (``local`` ``[N]``, table by table; ``rows``: the same in the
-    joint row numbering), the joint slots the batch uses ``[S]``, its distinct misses ``[N]``
-    (local row numbers, table by table in first-occurrence order, the first ``sum(M)``
-    valid), the free slots and the eviction candidates ``[S]``, and ``counts`` ``[T, COUNTS]``
-    for the host: per table distinct hits, distinct misses, free slots, candidates, any
-    candidate dirty, min id, max id."""
+    """A batch after ``DeviceMaps.map``: per id ``[N]`` its joint row number (clamped into
+    its table) and whether its table's map is here (``live``); the joint slots the batch uses
+    ``[S]``; its distinct misses ``[N]`` (local row numbers, table by table in
+    first-occurrence order, the first ``sum(M)`` valid); the free slots and the eviction
+    candidates ``[S]``; and ``counts`` ``[T, COUNTS]`` for the host: per table distinct hits,
+    distinct misses, free slots, candidates, any candidate dirty, ids out of range."""
 
-    present: list[int]
-    sizes: list[int]
-    local: torch.Tensor
     rows: torch.Tensor
+    live: torch.Tensor
     used: torch.Tensor
     new_rows: torch.Tensor
     free: torch.Tensor
     cand: torch.Tensor
     counts: torch.Tensor
-    COUNTS = 7
+    COUNTS = 6
 
 
 class DeviceMaps:
@@ -111,80 +108,109 @@ class DeviceMaps:
         self.slot_table = torch.repeat_interleave(torch.arange(len(slots)), sizes).to(**as_int)
         self.slot_local = torch.cat([torch.arange(c) for c in slots]).to(**as_int)
         self.slot_capacity = torch.repeat_interleave(sizes, sizes).to(**as_int)
+        self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
 
-    def map(self, ids: dict[int, torch.Tensor], clock: int) -> Mapped:
-        """Step 1 for the batch's ids per table (``[N_t]`` int64 on the device, repeats
-        allowed, out of range ones clamped here and refused by the caller for a lookup):
-        fixed-shape device ops only; the maps are as before when it returns."""
-        present = [t for t in self.tables if t in ids]
+    def _features(self, feature_table_map: list[int], device) -> None:
+        """Per feature (made once per feature-table map): its table's index here (-1: its
+        map is not here), the table's first joint row and its row count (1 where -1)."""
+        key = tuple(feature_table_map)
+        if self._features_of == key:
+            return
         at = {t: i for i, t in enumerate(self.tables)}
-        sizes = [ids[t].numel() for t in present]
-        local = [ids[t].clamp(0, self.caches[t].rows - 1) for t in present]
-        ends = [torch.aminmax(ids[t]) for t in present]
-        rows = torch.cat([x + self.row_base[at[t]] for x, t in zip(local, present, strict=True)])
-        local = torch.cat(local) if len(local) > 1 else local[0]
-        N, S, dev = rows.numel(), self.slot_base[-1], rows.device
-        C_max = max(c.slots for c in self.caches.values())
+        index = [at.get(t, -1) for t in feature_table_map]
+        kw = {"dtype": torch.int64, "device": device}
+        self.feature_index = torch.tensor(index, **kw)
+        self.feature_base = torch.tensor([self.row_base[i] if i >= 0 else 0 for i in index], **kw)
+        self.feature_rows = torch.tensor(
+            [self.caches[self.tables[i]].rows if i >= 0 else 1 for i in index], **kw)
+        live = [i for i in index if i >= 0]
+        self.grouped = live == sorted(live)  # the ids come table by table
+        self._features_of = key
+
+    def map(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
+            clock: int) -> Mapped:
+        """Step 1 for a batch (``indices`` ``[N]``, ``offsets`` ``[T*B+1]`` feature-major, N
+        and B not 0): every id's table found on the device (its feature by a search of
+        ``offsets``), then one pass for all tables; fixed-shape device ops only (ids out of
+        range are counted and left out); the maps are as before when it returns."""
+        T = len(feature_table_map)
+        N, B, dev = indices.numel(), (offsets.numel() - 1) // T, indices.device
+        S, Tm = self.slot_base[-1], len(self.tables)
+        self._features(feature_table_map, dev)
+        bounds = offsets[::B].contiguous().long()
+        feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
+        feature = feature.clamp_(0, T - 1)
+        table = self.feature_index.index_select(0, feature)
+        E = self.feature_rows.index_select(0, feature)
+        ids = indices.long()
+        in_range = (ids >= 0) & (ids < E)
+        live = table >= 0
+        take = live & in_range
+        local = torch.minimum(ids.clamp(min=0), E - 1)
+        rows = local + self.feature_base.index_select(0, feature)
+        table = table.clamp_(min=0)
         raw = self.slot_of_row.index_select(0, rows)
-        table = torch.searchsorted(self.row_bounds, rows, right=True) - 1
-        hit = raw < self.capacity.index_select(0, table)
+        hit = take & (raw < self.capacity.index_select(0, table))
         joint = torch.where(hit, raw + self.table_slot_base.index_select(0, table), S)
         used = torch.zeros(S + 1, dtype=torch.bool, device=dev)
         used.index_fill_(0, joint.long(), True)
         used = used[:S]
-        miss = ~hit
+        miss = take & ~hit
         # first occurrences of the misses: the largest code (the first position) wins
+        C_max = max(c.slots for c in self.caches.values())
         code = torch.where(miss, (C_max + 1 + N) - torch.arange(N, device=dev,
                                                                  dtype=torch.int32), 0)
         self.slot_of_row.scatter_reduce_(0, rows, code, "amax")
         first = miss & (self.slot_of_row.index_select(0, rows) == code)
         self.slot_of_row.index_copy_(0, rows, raw)  # put back (repeats write the same value)
-        new_rows = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-        new_rows.scatter_(0, torch.where(first, first.cumsum(0) - 1, N), local)
+        if self.grouped:  # compacted in id order, which is table by table
+            new_rows = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+            new_rows.scatter_(0, torch.where(first, first.cumsum(0) - 1, N), local)
+            new_rows = new_rows[:N]
+        else:  # grouped by table, id order within each
+            order = torch.argsort(torch.where(first, table, Tm), stable=True)
+            new_rows = local.index_select(0, order)
         last = self.last_seen
         free = last < 0
         cand = (last >= 0) & (last < clock) & ~used
-        T = len(self.tables)
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
-        sums = torch.zeros(4, T, dtype=torch.int64, device=dev).index_add_(
+        sums = torch.zeros(4, Tm, dtype=torch.int64, device=dev).index_add_(
             1, self.slot_table, per_slot)
-        misses = torch.zeros(T, dtype=torch.int64, device=dev).index_add_(0, table, first.long())
-        zero = torch.zeros((), dtype=torch.int64, device=dev)
-        lo_hi = dict(zip(present, ends, strict=True))
-        lo = torch.stack([lo_hi[t][0] if t in lo_hi else zero for t in self.tables])
-        hi = torch.stack([lo_hi[t][1] if t in lo_hi else zero for t in self.tables])
-        counts = torch.stack([sums[0], misses, sums[1], sums[2], (sums[3] > 0).long(), lo, hi],
-                             1)
-        return Mapped(present=present, sizes=sizes, local=local, rows=rows, used=used,
-                      new_rows=new_rows[:N], free=free, cand=cand, counts=counts)
+        per_id = torch.stack([first, live & ~in_range]).long()
+        misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(
+            1, table, per_id)
+        counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], (sums[3] > 0).long(),
+                              misses_bad[1]], 1)
+        return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
+                      counts=counts)
 
     def split(self, values: list[int]) -> dict[int, list[int]]:
         """``host_values(mapped.counts)`` per table."""
         K = Mapped.COUNTS
         return {t: values[i * K : (i + 1) * K] for i, t in enumerate(self.tables)}
 
-    def finish(self, mapped: Mapped, counts: dict[int, list[int]], clock: int, views, *,
-               lookup: bool, train: bool, pinned: bool) -> dict[int, torch.Tensor]:
-        """Step 3 (``check`` passed for a lookup): place each table's misses (a prefetch
-        places those that find a slot); for a lookup, stamp the hits and return each table's
-        slots of its ids ``[N_t]`` int64 (dirty when ``train``)."""
+    def finish(self, mapped: Mapped, counts: dict[int, list[int]], clock: int, views,
+               indices: torch.Tensor, *, lookup: bool, train: bool,
+               pinned: bool) -> torch.Tensor | None:
+        """Step 3 (for a lookup the caller checked ranges and sizes): place each table's
+        misses (a prefetch places those that find a slot); for a lookup, stamp the hits and
+        return ``indices`` with the ids of these tables replaced by their slots (dirty when
+        ``train``)."""
         if lookup:
-            if any(counts[t][0] for t in mapped.present):
+            if any(c[0] for c in counts.values()):
                 self.last_seen.masked_fill_(mapped.used, clock)
                 self.counts.add_(mapped.used)
-            for t in mapped.present:
-                cache = self.caches[t]
-                cache.stats["lookups"] += counts[t][0] + counts[t][1]
-                cache.touches += 1
+            for t, c in counts.items():
+                self.caches[t].stats["lookups"] += c[0] + c[1]
+                self.caches[t].touches += 1
         key, lfu_ok = None, True
         start = 0  # each table's misses follow the previous table's in new_rows
-        for t in mapped.present:
+        for i, t in enumerate(self.tables):
             cache, (H, M, free, cand, any_dirty) = self.caches[t], counts[t][:5]
             k = min(M, free + cand)
             if k:
-                i = self.tables.index(t)
                 s0, s1 = self.slot_base[i], self.slot_base[i + 1]
                 if key is None:
                     key, lfu_ok = self._keys(mapped, clock)
@@ -207,11 +233,11 @@ class DeviceMaps:
                 cache.stats["prefetched"] += k
                 cache.stats["prefetch_used"] += k
         if not lookup:
-            return {}
+            return None
         if train:
             self.dirty.logical_or_(mapped.used)
-        slots = self.slot_of_row.index_select(0, mapped.rows).long()
-        return dict(zip(mapped.present, slots.split(mapped.sizes), strict=True))
+        slots = self.slot_of_row.index_select(0, mapped.rows).to(indices.dtype)
+        return torch.where(mapped.live, slots, indices)
 
     def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their

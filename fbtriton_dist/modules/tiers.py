@@ -524,7 +524,8 @@ class TieredTables:
     @staticmethod
     def _table_ids(indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
                    tables) -> dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
-        """Per table of ``tables``: its ids of the batch (int64 host) and the (feature, start,
+        """Per table of ``tables``: its ids of the batch (int64, where ``indices`` are; one
+        host read of the feature bounds) and the (feature, start,
         end) ranges of ``indices`` they come from; tables without ids are left out."""
         T = len(feature_table_map)
         B = (offsets.numel() - 1) // T
@@ -555,15 +556,21 @@ class TieredTables:
         if not pinned:  # while a batch is pending, its slots stay "used now": no tick
             self.clock += 1
         staged = self._collect()
-        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
-        if not per_table:
+        T = len(feature_table_map)
+        if indices.numel() == 0 or (offsets.numel() - 1) // T == 0:
             return indices
-        out = indices.clone()
-        on_device = {t: v for t, v in per_table.items() if self.caches[t].on_device}
+        out = indices
+        if self._maps is not None:  # one pass for the tables whose maps are on the device
+            out = self._remap_on_device(indices, offsets, feature_table_map, names, views,
+                                        train, pinned)
+        on_host = {t: c for t, c in self.caches.items() if not c.on_device}
+        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+            on_host) else {}
+        if not per_table:
+            return out
+        out = out.clone() if out is indices else out
         slots_of = {}
         for t, (ids, parts) in per_table.items():
-            if t in on_device:
-                continue
             cache = self.caches[t]
             ids = ids.to("cpu")
             lo, hi = torch.aminmax(ids)
@@ -573,9 +580,6 @@ class TieredTables:
                                            staged.get(t))
             finally:
                 cache.written = None
-        if on_device:
-            slots_of.update(self._remap_on_device(on_device, indices, names, views, train,
-                                                  pinned))
         for t, (_, parts) in per_table.items():
             slots = slots_of[t].to(indices.device, indices.dtype)
             at = 0
@@ -599,20 +603,24 @@ class TieredTables:
             f"{bad} out of range [0, {cache.rows}) (cached tiers always check ids)"
         )
 
-    def _remap_on_device(self, per_table, indices, names, views, train: bool,
-                         pinned: bool) -> dict[int, torch.Tensor]:
-        """The slots of the tables whose maps are on the device (``tier_device_map``): every
-        table's pass, one host read of all their counts, the checks (before anything
-        changed), then every table's placement."""
+    def _remap_on_device(self, indices, offsets, feature_table_map, names, views, train: bool,
+                         pinned: bool) -> torch.Tensor:
+        """``indices`` with the ids of the tables whose maps are on the device replaced by
+        slots (``tier_device_map``): one pass for all of them, one host read of their counts,
+        the checks (before anything changed; a bad id is found on the host then), then every
+        table's placement."""
         maps = self._maps
-        mapped = maps.map({t: ids for t, (ids, _) in per_table.items()}, self.clock)
+        mapped = maps.map(indices, offsets, feature_table_map, self.clock)
         counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
-        for t, (_, parts) in per_table.items():
+        for t, c in counts.items():
             cache = self.caches[t]
-            self._check_range(cache, counts[t][5], counts[t][6], indices, parts, names)
-            tier_device_map.check(cache, counts[t])
-        return maps.finish(mapped, counts, self.clock, views, lookup=True, train=train,
-                           pinned=pinned)
+            if c[5]:
+                ids, parts = self._table_ids(indices, offsets, feature_table_map, [t])[t]
+                lo, hi = torch.aminmax(ids)
+                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+            tier_device_map.check(cache, c)
+        return maps.finish(mapped, counts, self.clock, views, indices, lookup=True,
+                           train=train, pinned=pinned)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  feature_table_map: list[int],
@@ -630,7 +638,8 @@ class TieredTables:
                                  "views of their slots (views=)")
             self._prefetch_on_device(indices, offsets, feature_table_map, on_device, views)
         on_host = {t: c for t, c in self.caches.items() if not c.on_device}
-        per_table = self._table_ids(indices, offsets, feature_table_map, on_host)
+        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+            on_host) else {}
         if not per_table:
             return
         if self._worker is None:
@@ -662,12 +671,12 @@ class TieredTables:
                          stream) -> None:
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            per_table = self._table_ids(indices, offsets, feature_table_map, tables)
-            if per_table:
+            T = len(feature_table_map)
+            if indices.numel() and (offsets.numel() - 1) // T:
                 maps = self._maps
-                mapped = maps.map({t: ids for t, (ids, _) in per_table.items()}, clock)
+                mapped = maps.map(indices, offsets, feature_table_map, clock)
                 counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
-                maps.finish(mapped, counts, clock, views, lookup=False, train=False,
+                maps.finish(mapped, counts, clock, views, indices, lookup=False, train=False,
                             pinned=False)
         us = int(1e6 * (time.perf_counter() - t0))
         for cache in tables.values():
