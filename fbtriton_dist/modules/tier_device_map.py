@@ -100,8 +100,7 @@ class DeviceMaps:
                 part.copy_(getattr(cache, name))
                 setattr(cache, name, part)
         sizes = torch.tensor(slots)
-        # per table, and per slot: its table, its number in the table, its table's C
-        self.row_bounds = torch.tensor(self.row_base, dtype=torch.int64, **kw)
+        # per table: its C and first joint slot; per slot: its table, number there, C
         self.capacity = torch.tensor(slots, dtype=torch.int32, **kw)
         self.table_slot_base = torch.tensor(self.slot_base[:-1], dtype=torch.int32, **kw)
         as_int = {"device": device, "dtype": torch.int32}
