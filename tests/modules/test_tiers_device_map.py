@@ -1,7 +1,7 @@
 """The cached tier's slot map on the cache's device (``modules/tier_device_map.py``, the CUDA
 path), run on the CPU with ``FBTD_SLOT_MAP=device``: it trains as ``device`` bit for bit and
 as the host map (same slots, evictions and stats), the tier tests' rules and errors hold on
-it, prefetch stays exact, and a lookup reads the host twice per step whatever the number of
+it, prefetch stays exact, and a lookup reads the host once per step whatever the number of
 tables, with no other sync point."""
 
 import threading
@@ -139,7 +139,7 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_lookup_reads_the_host_twice(on_device, monkeypatch):
+def test_a_lookup_reads_the_host_once(on_device, monkeypatch):
     """Per training step with misses and evictions in both tables: one host read (every
     table's counts together), no other sync point, and a number of ops that does not grow
     with the batch."""
