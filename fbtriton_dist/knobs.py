@@ -11,6 +11,7 @@ The shell entry points have their own (``FBTD_VENV``, ``FBTD_JOB``, ``FBTD_DEV``
 ``tests/sharding/harness.py``); they never reach the package.
 """
 
+import contextlib
 import os
 
 KNOBS: dict[str, tuple[str, str]] = {
@@ -35,6 +36,10 @@ KNOBS: dict[str, tuple[str, str]] = {
     "FBTD_CPU_NATIVE_CACHE": (
         "directory where the native CPU kernels are compiled to (ops/cpu_native.py)",
         "~/.cache/fbtriton_dist"),
+    "FBTD_SLOT_MAP": (
+        "where a cached table's slot map lives: auto (on the cache's device on CUDA, on the "
+        "host elsewhere), device (on the cache's device everywhere: the CUDA path on the CPU) "
+        "or host; read when a module is built or moved (modules/tiers.py)", "auto"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -60,6 +65,31 @@ def cpu_native() -> bool:
 def cpu_native_cache() -> str | None:
     """``FBTD_CPU_NATIVE_CACHE``, or None (unset: ``cpu_native.cache_dir``'s default)."""
     return os.environ.get("FBTD_CPU_NATIVE_CACHE") or None
+
+
+def slot_map() -> str:
+    """``FBTD_SLOT_MAP``: ``auto``, ``device`` or ``host``; raises ValueError otherwise."""
+    raw = os.environ.get("FBTD_SLOT_MAP") or KNOBS["FBTD_SLOT_MAP"][1]
+    if raw not in ("auto", "device", "host"):
+        raise ValueError(f"FBTD_SLOT_MAP: expected one of ['auto', 'device', 'host'], got {raw!r}")
+    return raw
+
+
+@contextlib.contextmanager
+def set_for_now(name: str, value: str):
+    """Knob ``name`` (a key of ``KNOBS``) set to ``value`` inside the ``with``, as before
+    after it (the benchmarks build modules under a knob this way)."""
+    if name not in KNOBS:
+        raise ValueError(f"knob: expected one of {sorted(KNOBS)}, got {name!r}")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _ints(name: str, counts: tuple[int, ...], form: str) -> list[int] | None:

@@ -32,6 +32,11 @@ step from the same weights and must agree within 1e-5 relative (else exit status
 row's ``ratio`` is its time over our ``device``'s; the pairs ours ``device`` / ``cached`` /
 ``host`` against ``fbgemm_device`` / ``fbgemm_managed_caching`` / ``fbgemm_managed`` print
 fbgemm ms / ours ms (> 1: ours faster).
+
+``--slot-map``: where the ``cached`` tier's slot map lives (``FBTD_SLOT_MAP`` while the modules
+are built): ``auto`` (the default: on the cache's device on CUDA, on the host on the CPU),
+``host``, ``device`` (the CUDA path, also on the CPU), or ``both``: the cached tier twice,
+rows ``cached (host map)`` and ``cached (device map)``, timed in the same rotation.
 """
 
 import argparse
@@ -46,7 +51,7 @@ import time
 
 import torch
 
-from fbtriton_dist import optim
+from fbtriton_dist import knobs, optim
 from fbtriton_dist.bench import storage_fbgemm
 from fbtriton_dist.bench.timing import SPREAD_FLAG, spread
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
@@ -265,6 +270,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fbgemm", action="store_true",
                    help="add FBGEMM's fbgemm_device, fbgemm_managed (UVM) and "
                    "fbgemm_managed_caching (--device cuda only)")
+    p.add_argument("--slot-map", choices=["auto", "host", "device", "both"], default="auto",
+                   help="where the cached tier's slot map lives (both: time the two)")
     p.add_argument("--path", default=None,
                    help="directory of the file tier's files (default: a temporary one)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
@@ -308,7 +315,8 @@ def _run(args, setup: Setup, folder: str) -> dict:
     print(f"tiers {args.tiers} on {args.device}: T={setup.tables} tables of E={setup.rows:,} x "
           f"D={setup.dim}, B={setup.batch} bags of L={setup.bag} ids, Zipf({setup.zipf}), cache "
           f"{args.cache_load_factor:g} of the rows ({args.policy}), rowwise Adagrad, fused "
-          f"fwd+bwd, {args.threads} thread(s), prefetch {'on' if args.prefetch else 'off'}"
+          f"fwd+bwd, {args.threads} thread(s), prefetch {'on' if args.prefetch else 'off'}, "
+          f"slot map {args.slot_map}"
           f"{', and FBGEMM' if args.fbgemm else ''}", flush=True)
     batches = [tuple(t.to(device) for t in b) for b in make_batches(setup)]
     modules, refused = _build_ours(args, setup, folder)
@@ -365,16 +373,22 @@ def _build_ours(args, setup: Setup, folder: str) -> tuple[dict, dict[str, str]]:
                    device=args.device)
     modules, refused = {"device": device}, {}
     for tier in args.tiers[1:]:
-        try:
-            m = build(setup, tier, args.cache_load_factor, args.policy, folder,
-                      device=args.device)
-        except ValueError as e:
-            refused[tier] = str(e)
-            print(f"  {tier}: refused on {args.device}: {e}", flush=True)
-            continue
-        m.load_state_dict(device.state_dict())
-        modules[tier] = m
+        maps = ["host", "device"] if args.slot_map == "both" and tier == "cached" else [
+            args.slot_map]
+        for where in maps:
+            name = tier if len(maps) == 1 else f"{tier} ({where} map)"
+            try:
+                with knobs.set_for_now("FBTD_SLOT_MAP", where):
+                    m = build(setup, tier, args.cache_load_factor, args.policy, folder,
+                              device=args.device)
+            except ValueError as e:
+                refused[name] = str(e)
+                print(f"  {name}: refused on {args.device}: {e}", flush=True)
+                continue
+            m.load_state_dict(device.state_dict())
+            modules[name] = m
     return modules, refused
+
 
 
 def _build_fbgemm(args, setup: Setup, folder: str, batches, initial, report) -> dict:

@@ -209,6 +209,8 @@ class TableBatchedEmbedding(nn.Module):
                   for t, (s, (E, D)) in enumerate(zip(self.storage, tables, strict=True))
                   if s.cached}
         self._tiers = TieredTables(caches) if caches else None
+        if self._tiers is not None:  # pinned backing stores; slot maps where they go
+            self._tiers.place(where)
 
         if weights is None:
             weights = host_tier.empty(self.table_offsets[-1], weights_dtype, where, self.storage)
@@ -252,9 +254,8 @@ class TableBatchedEmbedding(nn.Module):
         self.set_layout_buffers(self.weights.device)
         backends.check_supported(self.backend, device=self.weights.device)  # a new device
         self._check_tier_device(self.weights.device)
-        if self._tiers is not None and self.weights.is_cuda:
-            for cache in self._tiers.caches.values():
-                cache.backing.pin_now()
+        if self._tiers is not None:
+            self._tiers.place(self.weights.device)
         return self
 
     def _check_tier_device(self, device) -> None:
@@ -414,7 +415,11 @@ class TableBatchedEmbedding(nn.Module):
         """Per cached table: the rows in its cache, ascending."""
         if self._tiers is None:
             return {}
-        return {self.table_names[t]: c.resident() for t, c in self._tiers.caches.items()}
+        return {self.table_names[t]: rows for t, rows in self._tiers.resident().items()}
+
+    def slot_maps_on_device(self) -> dict[str, bool]:
+        """Per cached table: its slot map lives on the cache's device (``FBTD_SLOT_MAP``)."""
+        return {} if self._tiers is None else self._tiers.maps_on_device()
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
@@ -431,7 +436,8 @@ class TableBatchedEmbedding(nn.Module):
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             offsets = vbe.padded_offsets(offsets, layout)
-        self._tiers.prefetch(indices, offsets, self.feature_table_map, tiers)
+        self._tiers.prefetch(indices, offsets, self.feature_table_map, tiers=tiers,
+                             views=self._slot_views)
 
     def cache_stats(self) -> dict[str, dict[str, int]]:
         """Per cached table: distinct rows looked up, misses, evictions, write-backs, and the

@@ -14,9 +14,13 @@ training batch (fused optimizer, grad enabled) marks its slots dirty and pins th
 backward has run (``track``): the map's clock does not advance while one is pending, so they
 stay "used now" for later forwards. ``flush`` writes every dirty slot back.
 
-The map and the bookkeeping live on the host: ids of a batch are read there (a sync on CUDA).
+Where the map lives: on the host (the C pass of ``ops/tier_native.py``, or torch ops), the
+default on the CPU and for ``file`` tables; or on the cache's device (``tier_device_map.py``:
+device ops, one host read of a few counts per step), the default for ``cached`` tables on CUDA
+and on the CPU with ``FBTD_SLOT_MAP=device`` (``TieredTables.place``).
 """
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -28,7 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fbtriton_dist.ops import tier_native
+from fbtriton_dist import knobs
+from fbtriton_dist.modules import tier_device_map
+from fbtriton_dist.ops import host_mapped, tier_native
 from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
 
@@ -200,6 +206,62 @@ class RowCache:
         self.scratch: torch.Tensor | None = None  # native LRU victims' counting sort
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
+        self.on_device = False  # the map lives on the cache's device (``place_map``)
+        self.touches = 0  # lookups since the map moved there: bounds every count (LFU keys)
+        self.written_on_device: torch.Tensor | None = None  # write-backs not yet in stats
+        self._views_key: tuple | None = None
+        self._views: list[torch.Tensor] = []
+
+    def __getstate__(self) -> dict:
+        """A copy leaves the backing store's device views behind (made again when needed)."""
+        return {**self.__dict__, "_views_key": None, "_views": []}
+
+    def place_map(self, device: torch.device | None) -> None:
+        """The slot map's tensors onto ``device`` (the cache's device: ``tier_device_map``)
+        or, None, the host (the C pass or torch ops), keeping their contents."""
+        self.fold_stats()
+        to = torch.device("cpu") if device is None else torch.device(device)
+        for name in ("row_of_slot", "last_seen", "counts", "dirty", "slot_of_row"):
+            setattr(self, name, getattr(self, name).to(to))
+        self.on_device = device is not None
+        self.written_on_device = (torch.zeros((), dtype=torch.int64, device=to)
+                                  if self.on_device else None)
+        if self.on_device:
+            self.touches = max(self.touches, int(self.counts.max()))
+        self._views_key, self._views = None, []
+
+    def fold_stats(self) -> None:
+        """The write-backs counted on the device into ``stats`` (a host read)."""
+        if self.written_on_device is not None:
+            self.stats["writebacks"] += int(self.written_on_device)
+            self.written_on_device.zero_()
+
+    def backing_views(self, device: torch.device) -> list[torch.Tensor]:
+        """The backing store's weights and states as tensors of ``device`` over the same
+        memory: on CUDA its pinned host tensors mapped (``ops/host_mapped.py``; a kernel reads
+        and writes them over PCIe), elsewhere the tensors themselves. Made once per set of
+        backing tensors."""
+        if device.type == "cuda" and not all(
+                t.is_pinned() for t in (self.backing.weight, *self.backing.states.values())):
+            self.backing.pin = False  # a copy of the module holds pageable copies
+            self.backing.pin_now()
+        tensors = [self.backing.weight, *self.backing.states.values()]
+        key = (device, tuple(t.data_ptr() for t in tensors))
+        if key != self._views_key:
+            if device.type == "cuda":
+                index = torch.cuda.current_device() if device.index is None else device.index
+                self._views = [host_mapped.wrap(t, host_mapped.DL_CUDA, index) for t in tensors]
+            else:
+                self._views = tensors
+            self._views_key = key
+        return self._views
+
+    def device_pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(backing store as a tensor of the cache's device, cache) of the weights and of each
+        optimizer state."""
+        weight, states = views
+        backs = self.backing_views(weight.device)
+        return list(zip(backs, [weight, *(states[n] for n in self.backing.states)], strict=True))
 
     def invalidate(self) -> None:
         """Forget every slot (nothing written back): the backing store was rewritten."""
@@ -211,7 +273,7 @@ class RowCache:
 
     def resident(self) -> list[int]:
         """The rows in the cache, ascending."""
-        return sorted(int(r) for r in self.row_of_slot[self.row_of_slot >= 0])
+        return sorted(self.row_of_slot[self.row_of_slot >= 0].tolist())
 
     def _pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(backing store, cache) of the weights and of each optimizer state."""
@@ -396,6 +458,9 @@ class RowCache:
 
     def flush(self, views: Views) -> None:
         """Write every dirty slot back; they are clean afterwards."""
+        if self.on_device:
+            tier_device_map.flush(self, views)
+            return
         slots = (self.dirty & (self.row_of_slot >= 0)).nonzero().squeeze(1)
         if slots.numel():
             self._write_back(slots, views)
@@ -406,20 +471,49 @@ class TieredTables:
     """The row caches of one TableBatchedEmbedding's cached tables (table index -> its
     ``RowCache``), the map clock, the training batches whose backward is pending and the
     prefetch in flight (``prefetch``: one worker thread reads the next batch's missing rows
-    from the backing stores while the current step computes)."""
+    from the backing stores while the current step computes; for maps on the device it
+    places them in the caches, on a side stream on CUDA)."""
 
     def __init__(self, caches: dict[int, RowCache]) -> None:
         self.caches = caches
         self.clock = 0
         self._pending: list[tuple[weakref.ref, list[bool]]] = []
         self._worker: ThreadPoolExecutor | None = None
-        self._ahead: dict[int, Future] = {}  # table -> its prefetch
+        self._ahead: dict[int, Future] = {}  # table -> its prefetch (maps on the host)
+        # the prefetch of the tables whose maps are on the device: (future, side stream or
+        # None, the batch's tensors kept alive until the stream is joined)
+        self._ahead_device: tuple[Future, object, tuple] | None = None
+        self._stream = None  # CUDA: the prefetch's side stream
+        self._maps: tier_device_map.DeviceMaps | None = None  # the maps on the device
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
         flight behind."""
         self.cancel_prefetch()
-        return {**self.__dict__, "_worker": None, "_ahead": {}}
+        return {**self.__dict__, "_worker": None, "_ahead": {}, "_ahead_device": None,
+                "_stream": None}
+
+    def place(self, device) -> None:
+        """The module is on ``device`` (built or moved there): on CUDA the backing stores
+        are pinned; each ``cached`` table's slot map goes to ``device`` where ``FBTD_SLOT_MAP``
+        says so (``auto``: on CUDA; ``device``: everywhere; ``host``: nowhere), else to the
+        host. ``file`` tables keep theirs on the host (their rows are not in pinned memory a
+        device can address)."""
+        self.cancel_prefetch()
+        device = torch.device(device)
+        mode = knobs.slot_map()
+        on = mode == "device" or (mode == "auto" and device.type == "cuda")
+        for cache in self.caches.values():
+            if device.type == "cuda":
+                cache.backing.pin_now()
+            cache.place_map(device if on and cache.storage.tier == "cached" else None)
+        self._stream = None
+        on_device = {t: c for t, c in self.caches.items() if c.on_device}
+        self._maps = tier_device_map.DeviceMaps(on_device, device) if on_device else None
+
+    def maps_on_device(self) -> dict[str, bool]:
+        """Per cached table (by name): its slot map is on the cache's device."""
+        return {c.name: c.on_device for c in self.caches.values()}
 
     def _pending_now(self) -> bool:
         """Drop the batches whose backward ran or whose graph is gone; any left?"""
@@ -430,13 +524,14 @@ class TieredTables:
     @staticmethod
     def _table_ids(indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
                    tables) -> dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
-        """Per table of ``tables``: its ids of the batch (int64 host) and the (feature, start,
+        """Per table of ``tables``: its ids of the batch (int64, where ``indices`` are; one
+        host read of the feature bounds) and the (feature, start,
         end) ranges of ``indices`` they come from; tables without ids are left out."""
         T = len(feature_table_map)
         B = (offsets.numel() - 1) // T
         if B == 0 or indices.numel() == 0:
             return {}
-        bounds = offsets[::B].tolist()
+        bounds = tier_device_map.host_values(offsets[::B])
         out = {}
         for t in tables:
             parts = [(f, bounds[f], bounds[f + 1]) for f in range(T)
@@ -447,7 +542,7 @@ class TieredTables:
                 ids = indices[parts[0][1] : parts[0][2]]
             else:
                 ids = torch.cat([indices[a:b] for _, a, b in parts])
-            out[t] = (ids.to("cpu", torch.int64), parts)
+            out[t] = (ids.to(torch.int64), parts)
         return out
 
     def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
@@ -461,35 +556,75 @@ class TieredTables:
         if not pinned:  # while a batch is pending, its slots stay "used now": no tick
             self.clock += 1
         staged = self._collect()
-        per_table = self._table_ids(indices, offsets, feature_table_map, self.caches)
-        if not per_table:
+        T = len(feature_table_map)
+        if indices.numel() == 0 or (offsets.numel() - 1) // T == 0:
             return indices
-        out = indices.clone()
+        out = indices
+        if self._maps is not None:  # one pass for the tables whose maps are on the device
+            out = self._remap_on_device(indices, offsets, feature_table_map, names, views,
+                                        train, pinned)
+        on_host = {t: c for t, c in self.caches.items() if not c.on_device}
+        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+            on_host) else {}
+        if not per_table:
+            return out
+        out = out.clone() if out is indices else out
+        slots_of = {}
         for t, (ids, parts) in per_table.items():
             cache = self.caches[t]
+            ids = ids.to("cpu")
             lo, hi = torch.aminmax(ids)
-            if int(lo) < 0 or int(hi) >= cache.rows:
-                bad = int(lo) if int(lo) < 0 else int(hi)
-                f = next(f for f, a, b in parts
-                         if bool(((indices[a:b] < 0) | (indices[a:b] >= cache.rows)).any()))
-                raise ValueError(
-                    f"feature '{names(f)}' of table '{cache.name}' (tier "
-                    f"{cache.storage.tier!r}): id {bad} out of range [0, {cache.rows}) "
-                    "(cached tiers always check ids)"
-                )
+            self._check_range(cache, int(lo), int(hi), indices, parts, names)
             try:
-                slots = cache.assign(ids, self.clock, views(t), train, pinned, staged.get(t))
+                slots_of[t] = cache.assign(ids, self.clock, views(t), train, pinned,
+                                           staged.get(t))
             finally:
                 cache.written = None
-            slots = slots.to(indices.device, indices.dtype)
+        for t, (_, parts) in per_table.items():
+            slots = slots_of[t].to(indices.device, indices.dtype)
             at = 0
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
         return out
 
+    @staticmethod
+    def _check_range(cache: RowCache, lo: int, hi: int, indices: torch.Tensor, parts,
+                     names: Callable[[int], str]) -> None:
+        """Refuse ids outside ``[0, rows)`` (``lo``, ``hi``: the table's smallest and largest
+        id of the batch), naming the first feature that has one."""
+        if lo >= 0 and hi < cache.rows:
+            return
+        bad = lo if lo < 0 else hi
+        f = next(f for f, a, b in parts
+                 if bool(((indices[a:b] < 0) | (indices[a:b] >= cache.rows)).any()))
+        raise ValueError(
+            f"feature '{names(f)}' of table '{cache.name}' (tier {cache.storage.tier!r}): id "
+            f"{bad} out of range [0, {cache.rows}) (cached tiers always check ids)"
+        )
+
+    def _remap_on_device(self, indices, offsets, feature_table_map, names, views, train: bool,
+                         pinned: bool) -> torch.Tensor:
+        """``indices`` with the ids of the tables whose maps are on the device replaced by
+        slots (``tier_device_map``): one pass for all of them, one host read of their counts,
+        the checks (before anything changed; a bad id is found on the host then), then every
+        table's placement."""
+        maps = self._maps
+        mapped = maps.map(indices, offsets, feature_table_map, self.clock)
+        counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
+        for t, c in counts.items():
+            cache = self.caches[t]
+            if c[5]:
+                ids, parts = self._table_ids(indices, offsets, feature_table_map, [t])[t]
+                lo, hi = torch.aminmax(ids)
+                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+            tier_device_map.check(cache, c)
+        return maps.finish(mapped, counts, self.clock, views, indices, lookup=True,
+                           train=train, pinned=pinned)
+
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
-                 feature_table_map: list[int], tiers: Collection[str] | None = None) -> None:
+                 feature_table_map: list[int], tiers: Collection[str] | None = None,
+                 views: Callable[[int], Views] | None = None) -> None:
         """Start reading the rows of the batch ``indices`` / ``offsets`` that are not cached
         now, on the worker thread: the next ``remap`` loads them from there (waiting for what
         is not read yet). A prefetch not used by a lookup yet is replaced. Exact whatever
@@ -497,10 +632,17 @@ class TieredTables:
         backing store. ``tiers``: only the tables on these tiers (``cached``, ``file``);
         None: every cached table."""
         self._collect()  # an earlier one: finished (its error raised) and dropped
-        tables = [t for t, c in self.caches.items() if tiers is None or c.storage.tier in tiers]
-        if not tables:
-            return
-        per_table = self._table_ids(indices, offsets, feature_table_map, tables)
+        chosen = {t: c for t, c in self.caches.items()
+                  if tiers is None or c.storage.tier in tiers}
+        on_device = {t: c for t, c in chosen.items() if c.on_device}
+        if on_device:
+            if views is None:
+                raise ValueError("prefetch: tables whose slot maps are on the device need the "
+                                 "views of their slots (views=)")
+            self._prefetch_on_device(indices, offsets, feature_table_map, on_device, views)
+        on_host = {t: c for t, c in chosen.items() if not c.on_device}
+        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+            on_host) else {}
         if not per_table:
             return
         if self._worker is None:
@@ -508,7 +650,40 @@ class TieredTables:
         for t, (ids, _) in per_table.items():
             cache = self.caches[t]
             cache.written = []
-            self._ahead[t] = self._worker.submit(self._stage, cache, ids)
+            self._ahead[t] = self._worker.submit(self._stage, cache, ids.to("cpu"))
+
+    def _prefetch_on_device(self, indices, offsets, feature_table_map, tables,
+                            views) -> None:
+        """Place the coming batch's missing rows of ``tables`` (maps on the device) in their
+        caches on the worker thread, on a side stream on CUDA that first waits for the work
+        queued so far; the next lookup (and ``flush``, ``stats``, ``resident``) waits for it.
+        Nothing is read on this thread."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tier-prefetch")
+        stream = None
+        if indices.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(indices.device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(indices.device))
+        future = self._worker.submit(self._ahead_on_device, indices, offsets,
+                                     list(feature_table_map), tables, views, self.clock, stream)
+        self._ahead_device = (future, stream, (indices, offsets))
+
+    def _ahead_on_device(self, indices, offsets, feature_table_map, tables, views, clock: int,
+                         stream) -> None:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            T = len(feature_table_map)
+            if indices.numel() and (offsets.numel() - 1) // T:
+                maps = self._maps
+                mapped = maps.map(indices, offsets, feature_table_map, clock)
+                counts = maps.split(tier_device_map.host_values(mapped.counts.view(-1)))
+                maps.finish(mapped, counts, clock, views, indices, lookup=False, train=False,
+                            pinned=False)
+        us = int(1e6 * (time.perf_counter() - t0))
+        for cache in tables.values():
+            cache.stats["prefetch_us"] += us // len(tables)
 
     @staticmethod
     def _stage(cache: RowCache, ids: torch.Tensor) -> Staged:
@@ -522,7 +697,7 @@ class TieredTables:
         """Wait for the prefetch in flight (the wait is counted per table) and take what it
         read; its worker's error is raised here, naming the table."""
         ahead, self._ahead = self._ahead, {}
-        out, error = {}, None
+        out, error = {}, self._join_device()
         for t, future in ahead.items():
             cache = self.caches[t]
             t0 = time.perf_counter()
@@ -539,8 +714,33 @@ class TieredTables:
                                f"thread: {type(e).__name__}: {e}") from e
         return out
 
+    def _join_device(self, keep: bool = False) -> tuple[str, Exception] | None:
+        """Wait for the prefetch of the maps on the device, if any (counted per table), and
+        make the current stream wait for its side stream; drop it unless ``keep``. Its
+        error: (the tables' names, the exception) or None."""
+        if self._ahead_device is None:
+            return None
+        future, stream, _ = self._ahead_device
+        t0 = time.perf_counter()
+        e = future.exception()
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        tables = [c for c in self.caches.values() if c.on_device]
+        if not keep:
+            self._ahead_device = None
+            for cache in tables:
+                cache.stats["prefetch_wait_us"] += int(
+                    1e6 * (time.perf_counter() - t0)) // max(1, len(tables))
+        return None if e is None else ("', '".join(c.name for c in tables), e)
+
+    def settle(self) -> None:
+        """Wait for the prefetch of the maps on the device (its error stays for the next
+        lookup): the maps and caches are still afterwards."""
+        self._join_device(keep=True)
+
     def cancel_prefetch(self) -> None:
         """Wait for the prefetch in flight, if any, and drop it (its error too)."""
+        self._join_device()
         ahead, self._ahead = self._ahead, {}
         for future in ahead.values():
             future.exception()
@@ -562,8 +762,14 @@ class TieredTables:
         self._pending.append((weakref.ref(node), done))
 
     def flush(self, views: Callable[[int], Views]) -> None:
+        self.settle()
         for t, cache in self.caches.items():
             cache.flush(views(t))
+
+    def resident(self) -> dict[int, list[int]]:
+        """Per table: the rows in its cache, ascending."""
+        self.settle()
+        return {t: c.resident() for t, c in self.caches.items()}
 
     def invalidate(self) -> None:
         self.cancel_prefetch()
@@ -572,6 +778,9 @@ class TieredTables:
         self._pending = []
 
     def stats(self) -> dict[int, dict[str, int]]:
+        self.settle()
+        for c in self.caches.values():
+            c.fold_stats()
         return {t: dict(c.stats) for t, c in self.caches.items()}
 
 

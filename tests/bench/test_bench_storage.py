@@ -62,3 +62,17 @@ def test_bad_storage_names():
     with pytest.raises(SystemExit, match=r"--storage: expected a comma list of \['device', "
                                          r"'host', 'cached', 'file'\], got 'cahced'"):
         storage.parse_args(["--storage", "cahced"])
+
+
+def test_both_slot_maps_are_checked_and_timed():
+    """``--slot-map both``: the cached tier with its map on the host and on the device (the
+    CUDA path, here on the CPU), each equal to device before timing, each with its row."""
+    report = storage.main(["--storage", "cached", "--slot-map", "both", "--tables", "2",
+                           "--rows", "300", "--dim", "4", "--batch", "8", "--bag", "3",
+                           "--batches", "3", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                           "--check-steps", "3"])
+    names = ["device", "cached (host map)", "cached (device map)"]
+    assert report["check"] == {n: [] for n in names}
+    rows = {r["tier"]: r for r in report["rows"]}
+    assert list(rows) == names
+    assert rows[names[1]]["hit_rate"] == rows[names[2]]["hit_rate"] < 1
