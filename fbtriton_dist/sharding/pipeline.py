@@ -41,7 +41,7 @@ else runs its input dist in place, which is still correct.
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -237,9 +237,14 @@ class TrainPipeline:
             ahead = self.worker.submit(self._start_here, upcoming)
         try:
             loss = self._step(batch)
-        finally:
+        except BaseException:
             if ahead is not None:  # joined on every path: no input dist outlives the call
-                self._next = ahead.result()
+                wait([ahead])  # the step's error is the one raised
+                if ahead.exception() is None:
+                    self._next = ahead.result()  # as the serial path keeps it
+            raise
+        if ahead is not None:
+            self._next = ahead.result()
         return loss
 
     def _start_here(self, batch):
