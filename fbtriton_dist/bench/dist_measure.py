@@ -152,13 +152,15 @@ def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, f
         timer.step_done()
     ms = timer.take()
     out = {k: ms[k] for k in ("input_dist", "lookup", "output_dist") if k in ms}
-    # a pipeline runs the next batch's input dist outside the forward, before it (on a worker
-    # thread it overlaps the step: nothing to take out)
-    outside = out.get("input_dist", 0.0) if runner.loop == "pipeline" else 0.0
+    # a pipeline runs the next batch's input dist outside the forward: before it, or on a
+    # worker thread during the step (then it overlaps the step: not taken out of backward)
+    piped = runner.loop in ("pipeline", "pipeline_worker")
+    outside = out.get("input_dist", 0.0) if piped else 0.0
+    before = outside if runner.loop == "pipeline" else 0.0
     if "forward" in ms:
         if out:  # the embedding stages were seen: the rest of the forward is dense
             out["dense"] = max(ms["forward"] - (sum(out.values()) - outside), 0.0)
-        out["backward"] = max(ms.get("step", 0.0) - ms["forward"] - outside, 0.0)
+        out["backward"] = max(ms.get("step", 0.0) - ms["forward"] - before, 0.0)
     out["forward"] = ms.get("forward", 0.0)
     out["step"] = ms.get("step", 0.0)
     return {k: round(v, 4) for k, v in out.items()}

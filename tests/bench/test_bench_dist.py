@@ -265,3 +265,15 @@ def test_best_thread_count_is_each_providers_fastest_and_ratios_use_it():
     assert set(best) == {"torchrec", "ours_lean"}
     assert (best["torchrec"]["threads_per_rank"], best["ours_lean"]["threads_per_rank"]) == (2, 1)
     assert best["ours_lean"]["vs_torchrec_best"] == pytest.approx(150.0 / 120.0)
+
+
+def test_interleaved_rounds_rotate_the_providers_and_take_medians():
+    from fbtriton_dist.bench.dist_interleave import order, summarize
+
+    names = ["torchrec", "ours_lean_serial", "ours_lean"]
+    assert [order(names, r)[0] for r in range(4)] == [*names, names[0]]
+    assert sorted(order(names, 2)) == sorted(names)
+    rows = summarize({"a": [10.0, 30.0, 20.0, 40.0], "b": [5.0]}, samples_per_step=512)
+    assert rows["a"]["ms_median"] == 25.0 and rows["a"]["ms_q1"] <= 25.0 <= rows["a"]["ms_q3"]
+    assert rows["a"]["samples_per_s"] == pytest.approx(512 / 0.025)
+    assert rows["b"]["ms_median"] == rows["b"]["ms_q1"] == 5.0
