@@ -72,7 +72,7 @@ TINY = {
     "batches": 3,
     "warmup": 1,
     "steps": 3,
-    "profile_steps": 2,
+    "profile_steps": 2,  # CUDA; on the CPU 0 unless --profile-steps is given
     "split_steps": 2,
     "dense_arch": None,
     "over_arch": "32,1",
@@ -172,11 +172,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
     p.add_argument("--png", default="dist.png", help="where --plot writes its chart")
     args = p.parse_args(argv)
+    # the long options on the command line (a job's values do not override them)
+    given = {a[2:].split("=")[0].replace("-", "_")
+             for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
     args.job_tables = None
     if args.job:
-        from .dist_cpu import apply_job, given_flags
+        from .dist_cpu import apply_job
 
-        args.job_tables = apply_job(args, given_flags(sys.argv[1:] if argv is None else argv))
+        args.job_tables = apply_job(args, given)
     mlperf = "dcnv2" in args.models
     if args.tables is None:
         args.tables = MLPERF_TABLES if mlperf else DEFAULT_TABLES
@@ -188,6 +191,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.device is None:
         args.device = "cpu" if args.tiny else "auto"
+    if args.tiny and args.device == "cpu" and "profile_steps" not in given:
+        args.profile_steps = 0  # CI: the CPU profile (dist_cpu) only when asked for
     args.dense_arch = (
         _ints(args.dense_arch)
         if args.dense_arch

@@ -70,11 +70,6 @@ def apply_job(args: argparse.Namespace, given: set[str]) -> list:
     return tables
 
 
-def given_flags(argv) -> set[str]:
-    """The ``dest`` names of the long options present in ``argv``."""
-    return {a[2:].split("=")[0].replace("-", "_") for a in argv or () if a.startswith("--")}
-
-
 def thread_counts(text: str | None, local_world_size: int) -> list[int]:
     """The ``--threads`` counts (comma separated, each >= 1), default the job's rule."""
     if text is None:
