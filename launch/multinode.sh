@@ -57,7 +57,13 @@ echo "[multinode] node $node_rank/$nnodes, $nproc processes ($backend), $where"
 # the job file and arguments checked once, before the workers start: a config error (or a
 # run folder holding another run) is said once, exit 2, as one process says it
 "$venv/bin/python" -m fbtriton_dist.train.precheck --config "$job" "$@" || exit $?
+# CPU ranks share the host's cores: each its share (fbtriton_dist/ops/cpu_threads.py), not
+# torchrun's 1 per process; OMP_NUM_THREADS of the caller wins; GPU ranks keep 1
+if [[ -z ${OMP_NUM_THREADS:-} && $gpus -eq 0 ]]; then
+  OMP_NUM_THREADS=$("$venv/bin/python" "$root/fbtriton_dist/ops/cpu_threads.py" "$nproc")
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+echo "[multinode] $OMP_NUM_THREADS thread(s) per process (OMP_NUM_THREADS)"
 # torchrun exits 1 whatever its workers' status, after 40+ lines of its own: the workers
 # append "STATUS<tab>LINE" of an error here, and this script ends with that line and status
 status_file=$(mktemp "${TMPDIR:-/tmp}/fbtd-status.XXXXXX")

@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .dist_report import PROVIDERS, format_table, line, plot, vbe_table
+from .dist_report import PROVIDERS, best_table, best_threads, format_table, line, plot, vbe_table
 
 DEFAULT_TABLES = os.path.join(
     os.path.dirname(__file__), "..", "..", "configs", "tables", "criteo_terabyte.yaml"
@@ -72,7 +72,7 @@ TINY = {
     "batches": 3,
     "warmup": 1,
     "steps": 3,
-    "profile_steps": 2,  # CUDA only
+    "profile_steps": 2,  # CUDA; on the CPU 0 unless --profile-steps is given
     "split_steps": 2,
     "dense_arch": None,
     "over_arch": "32,1",
@@ -129,7 +129,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--warmup", type=int, help="warm-up steps, not counted (default 5, at least --batches)"
     )
     p.add_argument("--steps", type=int, help="timed steps (default 20)")
-    p.add_argument("--profile-steps", type=int, help="profiled steps, CUDA only (default 5)")
+    p.add_argument("--profile-steps", type=int, help="profiled steps (default 5; CPU: the "
+                   "operators' self time)")
     p.add_argument("--split-steps", type=int, help="steps with stage timers (default 5)")
     p.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     p.add_argument("--models", nargs="+", choices=MODELS, default=["ebc", "dlrm"],
@@ -162,11 +163,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="K > 1: K candidates per user, user features (half the tables) once per user; "
         "measure VBE batches against the same samples as fixed batches",
     )
+    p.add_argument("--job", help="a training job YAML (configs/jobs/quickstart.yaml): its "
+                   "tables, batch, DLRM and lr (flags given win; dist_cpu)")
+    p.add_argument("--threads", help="threads per rank, comma separated: each provider at each "
+                   "count (default: usable cores // local ranks, the job's rule)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
     p.add_argument("--png", default="dist.png", help="where --plot writes its chart")
     args = p.parse_args(argv)
+    # the long options on the command line (a job's values do not override them)
+    given = {a[2:].split("=")[0].replace("-", "_")
+             for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+    args.job_tables = None
+    if args.job:
+        from .dist_cpu import apply_job
+
+        args.job_tables = apply_job(args, given)
     mlperf = "dcnv2" in args.models
     if args.tables is None:
         args.tables = MLPERF_TABLES if mlperf else DEFAULT_TABLES
@@ -178,6 +191,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.device is None:
         args.device = "cpu" if args.tiny else "auto"
+    if args.tiny and args.device == "cpu" and "profile_steps" not in given:
+        args.profile_steps = 0  # CI: the CPU profile (dist_cpu) only when asked for
     args.dense_arch = (
         _ints(args.dense_arch)
         if args.dense_arch
@@ -254,6 +269,7 @@ def _versions(device) -> dict[str, str]:
 def run(args: argparse.Namespace, env) -> dict[str, Any]:
     """Measure every (plan, model, provider) on this rank; rank 0 returns (and writes) all."""
 
+    from .dist_cpu import set_threads, thread_counts
     from .dist_providers import LEAN_OPTIONS, Context
     from .dist_setup import (
         ModelSpec,
@@ -270,7 +286,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
 
     R, rank, device = env.world_size, env.rank, env.device
     H = env.local_world_size if R % env.local_world_size == 0 else R
-    tables = scaled_tables(args.tables, args.dim, args.total_gb, args.scale)
+    tables = args.job_tables or scaled_tables(args.tables, args.dim, args.total_gb, args.scale)
     configs = torchrec_configs(tables)
     bags = [t.bag_size for t in tables] if args.bag_size == "tables" else [args.bag_size] * len(
         tables)
@@ -340,6 +356,8 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
         f"zipf {args.zipf}, {R} ranks on "
         f"{device.type}; {args.warmup} warm-up + {args.steps} timed steps",
     )
+    counts = thread_counts(args.threads, H) if device.type == "cpu" else [None]
+    results["setup"]["threads_per_rank"] = counts
     for plan_name in args.plans:
         plan = make_plan(plan_name, tables, R, H)
         for kind, batch_kind in ((k, b) for k in args.models for b in by_batch):
@@ -371,25 +389,31 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
                 comm_extra=args.comm_extra,
             )
             estimate = torchrec_bytes(ctx.batches[0], plan, tables, rank, sequence=kind == "ec")
-            group_rows = []
-            for provider in args.providers:
-                if batch_kind == "vbe" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
-                    continue  # fixed message sizes take fixed batches only
-                if kind == "ec" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
-                    continue  # the sequence output dist has no fixed-shape mode
-                row = _run_one(provider, ctx, args, env, estimate)
-                row["batch"] = batch_kind
-                group_rows.append(row)
-                if failure(row):
-                    results["failed"].append(failure(row))
-                if rank == 0:
-                    results["rows"].append(row)
-                    _ratios(group_rows)
-                    _say(env, line(row))
-                    _write(args.out, results)
+            for threads in counts:
+                thread_info = set_threads(threads, H) if device.type == "cpu" else {}
+                group_rows = []  # ratios at one thread count
+                for provider in args.providers:
+                    if batch_kind == "vbe" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
+                        continue  # fixed message sizes take fixed batches only
+                    if kind == "ec" and LEAN_OPTIONS.get(provider, {}).get("fixed_shapes"):
+                        continue  # the sequence output dist has no fixed-shape mode
+                    row = _run_one(provider, ctx, args, env, estimate)
+                    row["batch"] = batch_kind
+                    row.update(thread_info)
+                    group_rows.append(row)
+                    if failure(row):
+                        results["failed"].append(failure(row))
+                    if rank == 0:
+                        results["rows"].append(row)
+                        _ratios(group_rows)
+                        _say(env, line(row))
+                        _write(args.out, results)
     if rank == 0:
         results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)
+        results["best_threads"] = best_threads(results["rows"])
         print(format_table(results["rows"]), flush=True)
+        if len(counts) > 1:
+            print(best_table(results["best_threads"]), flush=True)
         if args.vbe > 1:
             print(vbe_table(results["rows"]), flush=True)
         print(f"total {results['setup']['total_s']:.0f} s", flush=True)
@@ -521,6 +545,7 @@ def merge(
     row["samples_per_s_per_rank"] = row["samples_per_s"] and row["samples_per_s"] / len(ranks)
     row["ms_per_step"] = max(r["ms_per_step_median"] for r in ranks)
     row["ms_per_step_per_rank"] = [r["ms_per_step_median"] for r in ranks]
+    row["cpu_ms_per_step_per_rank"] = [r.get("cpu_ms_per_step") for r in ranks]
     row["stages_ms"] = r0.get("stages_ms", {})
     row["stages_ms_per_rank"] = [r.get("stages_ms", {}) for r in ranks]
     if all("gpu" in r for r in ranks):
@@ -530,6 +555,8 @@ def merge(
             gpu["busy_fraction"] = gpu["busy_ms"] / row["ms_per_step"]
         row["gpu"] = gpu
         row["gpu_per_rank"] = [r["gpu"] for r in ranks]
+    if all("cpu_profile" in r for r in ranks):
+        row["cpu_profile_per_rank"] = [r["cpu_profile"] for r in ranks]
     errors = [r["gpu_error"] for r in ranks if "gpu_error" in r]
     if errors:
         row["gpu_error"] = errors[0]

@@ -4,9 +4,10 @@
    first is the loss of the initial weights);
 2. timed steps: step boundaries marked with CUDA events (CPU: ``perf_counter``), the whole
    phase between two synchronisations -> ms/step (median) and samples/s;
-3. profiled steps (CUDA only): ``torch.profiler`` device activity -> GPU-busy time per step
+3. profiled steps: on CUDA, ``torch.profiler`` device activity -> GPU-busy time per step
    (union of kernel / memcpy / memset intervals), NCCL kernel time (union of kernels whose name
-   has ``nccl``) and the rest;
+   has ``nccl``) and the rest; on the CPU, the operators' self time and gloo's
+   (``dist_cpu.cpu_profile``);
 4. split steps: stage timers (``fbtriton_dist.train.metrics.StageTimer``) around the sharded
    collection's ``input_dist`` / ``compute`` (lookup) / ``output_dist``, the model's forward and
    the whole step: dense = forward - embedding stages, backward = step - forward (optimizer
@@ -151,12 +152,15 @@ def split_steps(runner: Runner, steps: int, device: torch.device) -> dict[str, f
         timer.step_done()
     ms = timer.take()
     out = {k: ms[k] for k in ("input_dist", "lookup", "output_dist") if k in ms}
-    # a pipeline runs the next batch's input dist outside the forward, before it
-    outside = out.get("input_dist", 0.0) if runner.loop == "pipeline" else 0.0
+    # a pipeline runs the next batch's input dist outside the forward: before it, or on a
+    # worker thread during the step (then it overlaps the step: not taken out of backward)
+    piped = runner.loop in ("pipeline", "pipeline_worker")
+    outside = out.get("input_dist", 0.0) if piped else 0.0
+    before = outside if runner.loop == "pipeline" else 0.0
     if "forward" in ms:
         if out:  # the embedding stages were seen: the rest of the forward is dense
             out["dense"] = max(ms["forward"] - (sum(out.values()) - outside), 0.0)
-        out["backward"] = max(ms.get("step", 0.0) - ms["forward"] - outside, 0.0)
+        out["backward"] = max(ms.get("step", 0.0) - ms["forward"] - before, 0.0)
     out["forward"] = ms.get("forward", 0.0)
     out["step"] = ms.get("step", 0.0)
     return {k: round(v, 4) for k, v in out.items()}
@@ -179,13 +183,16 @@ def measure(
     _sync(device)
     dist.barrier(group=group)
     marks, losses = _Marks(device), []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         marks.mark()
         losses.append(runner.step())
     marks.mark()
     _sync(device)
     out["elapsed_s"] = time.perf_counter() - t0
+    # this process's CPU time (every thread, gloo's included) per step: against the wall
+    # time, how much of a step a rank works rather than waits
+    out["cpu_ms_per_step"] = 1e3 * (time.process_time() - c0) / max(steps, 1)
     step_ms = marks.intervals_ms()
     out["step_ms"] = [round(x, 4) for x in step_ms]
     out["ms_per_step_median"] = statistics.median(step_ms) if step_ms else float("nan")
@@ -200,6 +207,11 @@ def measure(
             out.update(_profile(runner, profile_steps, device, group))
         except Exception as e:  # noqa: BLE001 - the timed numbers stand without it
             out["gpu_error"] = f"{type(e).__name__}: {e}"[:500]
+    elif profile_steps > 0:  # CPU ranks: the operators' self time (dist_cpu)
+        from .dist_cpu import cpu_profile
+
+        dist.barrier(group=group)
+        out["cpu_profile"] = cpu_profile(runner, profile_steps)
     if split > 0:
         dist.barrier(group=group)
         out["stages_ms"] = split_steps(runner, split, device)

@@ -79,7 +79,8 @@ class Runner:
     sharded: nn.Module | None
     """Our sharded collection (has ``comm_report``), None for TorchRec."""
     loop: str
-    """``plain`` or ``pipeline``."""
+    """``plain``, ``pipeline`` or ``pipeline_worker`` (CPU: the next batch's input dist on a
+    worker thread, overlapping the step)."""
     dense_numel: int
     notes: list[str] = field(default_factory=list)
 
@@ -190,7 +191,8 @@ def build_ours(name: str, ctx: Context) -> Runner:
         def step() -> torch.Tensor:
             return loss_of(pipe.progress(stream))
 
-        loop = "pipeline"
+        # CPU: the next batch's input dist on the pipeline's worker thread, during the step
+        loop = "pipeline" if pipe.worker is None else "pipeline_worker"
     return Runner(
         name=name,
         model=model,

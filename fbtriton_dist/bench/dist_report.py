@@ -43,7 +43,8 @@ def _fmt(value, digits: int = 2) -> str:
 
 def _cells(r: dict) -> list[str]:
     vbe = "/vbe" if r.get("batch") == "vbe" else ""
-    head = [r["plan"], r["model"], r["provider"] + vbe]
+    threads = f"@{r['threads_per_rank']}t" if r.get("threads_per_rank") else ""
+    head = [r["plan"], r["model"], r["provider"] + vbe + threads]
     if r.get("status") != "ok":
         return head
     st, gpu = r.get("stages_ms", {}), r.get("gpu", {})
@@ -86,6 +87,38 @@ def format_table(rows: Sequence[dict]) -> str:
         lines.append("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS, strict=True)))
     if notes:
         lines += ["not measured:", *notes]
+    return "\n".join(lines)
+
+
+def best_threads(rows: Sequence[dict]) -> list[dict]:
+    """Per (plan, model, batch, provider): its fastest thread count per rank (most samples/s),
+    that rate, and its ratio over ours_* and torchrec each at its own best count."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("status") != "ok" or not r.get("threads_per_rank"):
+            continue
+        key = (r["plan"], r["model"], r.get("batch"), r["provider"])
+        if key not in best or r["samples_per_s"] > best[key]["samples_per_s"]:
+            best[key] = {"plan": r["plan"], "model": r["model"], "batch": r.get("batch"),
+                         "provider": r["provider"], "threads_per_rank": r["threads_per_rank"],
+                         "oversubscribed": r.get("oversubscribed"),
+                         "samples_per_s": r["samples_per_s"], "ms_per_step": r["ms_per_step"]}
+    for (plan, model, batch, _), b in best.items():
+        peer = best.get((plan, model, batch, "torchrec"))
+        b["vs_torchrec_best"] = peer and b["samples_per_s"] / peer["samples_per_s"]
+    return list(best.values())
+
+
+def best_table(best: Sequence[dict]) -> str:
+    """``best_threads`` as lines: each provider at its best thread count per rank."""
+    lines = ["each provider at its best thread count per rank:",
+             f"{'plan':>10}  {'model':>5}  {'provider':>18}  {'threads':>7}  {'samples/s':>11}  "
+             f"{'ms/step':>8}  {'x torchrec':>10}"]
+    for b in best:
+        lines.append(
+            f"{b['plan']:>10}  {b['model']:>5}  {b['provider']:>18}  {b['threads_per_rank']:>7}  "
+            f"{b['samples_per_s']:>11,.0f}  {b['ms_per_step']:>8.2f}  "
+            f"{_fmt(b['vs_torchrec_best']):>10}")
     return "\n".join(lines)
 
 

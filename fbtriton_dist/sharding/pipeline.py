@@ -6,8 +6,14 @@ the device + bucketize + header and id all-to-alls) on a side CUDA stream and it
 group (so the ids do not queue behind batch i's output dist on one NCCL stream), while batch
 i's forward, backward and optimizer step run on the current stream. CUDA events order the
 two: the step waits for its batch's input dist; tensors made on the side stream are recorded
-on the current one before use. On the CPU the same stages run one after the other. Results
-are the plain loop's: the input dist of a batch does not depend on the weights.
+on the current one before use. On the CPU (``overlap_input``, the default) batch i + 1's input
+dist runs on a worker thread, on the collections' input process groups, while batch i trains
+on the calling thread: its waits for the peers (header and id all-to-alls) overlap batch i's
+compute, and batch i's waits overlap its bucketize. ``progress`` joins the thread before it
+returns (nothing runs between two calls; an error of batch i + 1's input dist is raised by the
+call that trains batch i, after that step). Collections with managed or tiered tables run it
+on the calling thread, before the step. Results are the plain loop's: the input dist of a
+batch does not depend on the weights.
 
 Collections with shards on a cached storage tier (``cached`` / ``file``, docs/storage.md) also
 get batch i + 1's rows read ahead (``prefetch_rows``): once batch i's forward has run (its
@@ -35,6 +41,7 @@ else runs its input dist in place, which is still correct.
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -95,7 +102,9 @@ class TrainPipeline:
             side stream and the input process group, while this batch trains (the overlap of
             the eager pipeline, inside the graph; the default: 0.1-0.2 ms less per step on two
             H200s, results equal; needs ``own_group``, without it one batch per graph);
-            False: one batch per graph, in order.
+            False: one batch per graph, in order. On the CPU: the next batch's input dist
+            runs on a worker thread during this step (needs ``own_group``; see above);
+            False: before the step, on the calling thread.
         prefetch_rows: read the next batch's missing rows of the tiered shards ahead (after
             this batch's forward; see above); a collection of tier names (``{"file"}``):
             only the shards on those tiers; False: none. Only where some sharded collection
@@ -143,6 +152,11 @@ class TrainPipeline:
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if cuda else None
         self._next = None  # (batch on the device, CUDA event of its input dist)
+        self.worker = None
+        """CPU: the thread that runs the next batch's input dist during a step (see above)."""
+        if (not cuda and overlap_input and own_group and self.sharded
+                and all(m.input_dist_is_pure() for m in self.sharded)):
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="fbtd-input-dist")
         self.graph = None
         if cuda_graph and cuda:
             not_fixed = [m for m in self.sharded if not m.fixed_shapes]
@@ -190,6 +204,8 @@ class TrainPipeline:
             if self.graph.overlap_input:
                 return self.graph.progress(iterator, self.device)
             return self.graph(next(iterator).to(self.device, non_blocking=True))
+        if self.worker is not None:
+            return self._progress_on_worker(iterator)
         if self._next is None:
             self._next = self._start(next(iterator))
         batch, event, outs = self._next
@@ -207,6 +223,41 @@ class TrainPipeline:
             self._next = self._start(upcoming)
         ahead = self._read_rows_ahead if self._next is not None and self.tiered else None
         return self._step(batch, ahead)
+
+    def _progress_on_worker(self, iterator: Iterator) -> torch.Tensor:
+        """CPU ``progress``: batch i + 1's input dist on the worker thread while batch i trains
+        here; joined before returning, its results offered to the collections for batch
+        i + 1's forward (the forward of batch i takes batch i's, offered the same way)."""
+        if self._next is None:
+            self._next = self._start(next(iterator))
+        batch, _, outs = self._next
+        self._next = None
+        for m, out in zip(self.sharded, outs, strict=True):
+            m.offer(self.sparse(batch), out)
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            upcoming = None
+        ahead = None
+        if upcoming is not None:
+            ahead = self.worker.submit(self._start_here, upcoming)
+        try:
+            loss = self._step(batch)
+        except BaseException:
+            if ahead is not None:  # joined on every path: no input dist outlives the call
+                wait([ahead])  # the step's error is the one raised
+                if ahead.exception() is None:
+                    self._next = ahead.result()  # as the serial path keeps it
+            raise
+        if ahead is not None:
+            self._next = ahead.result()
+        return loss
+
+    def _start_here(self, batch):
+        """The worker's ``_start``: the input dists only (``offer`` registers them on the
+        calling thread, so the collections' prefetched lists change on one thread)."""
+        batch = batch.to(self.device)
+        return batch, None, [m.input_dist(self.sparse(batch)) for m in self.sharded]
 
     def _read_rows_ahead(self) -> None:
         """After this step's forward (its lookups have taken their rows): start reading the

@@ -38,6 +38,7 @@ from fbtriton_dist import knobs, optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.modules.managed import ManagedCollisionCollection
+from fbtriton_dist.ops.cpu_threads import threads_per_rank, usable_cores
 from fbtriton_dist.planner import (
     ConfigError,
     PlanError,
@@ -105,9 +106,9 @@ def distributed(device: str = "auto", group_of_one: bool = False) -> Iterator[En
                                              f"{torch.cuda.device_count()}")
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if not cuda and "OMP_NUM_THREADS" not in os.environ:
-        # CPU ranks share the cores: one process each's share (all of them in one process)
+        # CPU ranks share the cores: each process its share (all of them in one process)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, local)))
+        torch.set_num_threads(threads_per_rank(usable_cores(), max(1, local)))
     dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)

@@ -222,3 +222,58 @@ def test_busy_time_is_the_union_of_device_intervals():
     assert stats["compute_ms"] == pytest.approx(5 / 2)  # [0, 5)
     assert stats["span_ms"] == pytest.approx(12 / 2)
     assert busy_stats([], steps=3) == {}
+
+
+def test_job_preset_takes_the_quickstart_tables_batch_and_model_and_flags_win():
+    from fbtriton_dist.bench.dist import parse_args
+
+    job = os.path.join(ROOT, "configs", "jobs", "quickstart.yaml")
+    args = parse_args(["--job", job])
+    names = [t.name for t in args.job_tables]
+    assert names == ["t_user", "t_item_item", "t_item_item_history", "t_category", "t_query"]
+    assert [t.bag_size for t in args.job_tables] == [1, 1, 8, 2, 4]
+    assert [t.num_embeddings for t in args.job_tables] == [20000, 50000, 50000, 500, 10000]
+    assert (args.batch_size, args.dim, args.bag_size) == (256, 16, "tables")
+    assert (args.dense_arch, args.over_arch, args.lr, args.zipf) == ([32, 16], [32, 16, 1],
+                                                                      0.05, 1.05)
+    flags = parse_args(["--job", job, "--batch-size", "64", "--lr", "0.1"])
+    assert (flags.batch_size, flags.lr, flags.dim) == (64, 0.1, 16)
+
+
+def test_thread_counts_default_to_the_rule_and_refuse_counts_below_one():
+    from fbtriton_dist.bench.dist_cpu import thread_counts
+    from fbtriton_dist.ops.cpu_threads import threads_per_rank, usable_cores
+
+    assert thread_counts(None, 2) == [threads_per_rank(usable_cores(), 2)]
+    assert thread_counts("1,2", 2) == [1, 2]
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(ValueError, match="--threads: expected comma-separated counts >= 1"):
+            thread_counts(bad, 2)
+
+
+def test_best_thread_count_is_each_providers_fastest_and_ratios_use_it():
+    from fbtriton_dist.bench.dist_report import best_threads
+
+    def row(provider, threads, sps):
+        return dict(plan="row_wise", model="dlrm", batch="fixed", provider=provider,
+                    status="ok", threads_per_rank=threads, samples_per_s=sps,
+                    ms_per_step=1e3 / sps, oversubscribed=threads > 1)
+
+    rows = [row("torchrec", 1, 100.0), row("ours_lean", 1, 150.0), row("torchrec", 2, 120.0),
+            row("ours_lean", 2, 90.0), dict(row("ours_plain", 1, 1e9), status="error")]
+    best = {b["provider"]: b for b in best_threads(rows)}
+    assert set(best) == {"torchrec", "ours_lean"}
+    assert (best["torchrec"]["threads_per_rank"], best["ours_lean"]["threads_per_rank"]) == (2, 1)
+    assert best["ours_lean"]["vs_torchrec_best"] == pytest.approx(150.0 / 120.0)
+
+
+def test_interleaved_rounds_rotate_the_providers_and_take_medians():
+    from fbtriton_dist.bench.dist_interleave import order, summarize
+
+    names = ["torchrec", "ours_lean_serial", "ours_lean"]
+    assert [order(names, r)[0] for r in range(4)] == [*names, names[0]]
+    assert sorted(order(names, 2)) == sorted(names)
+    rows = summarize({"a": [10.0, 30.0, 20.0, 40.0], "b": [5.0]}, samples_per_step=512)
+    assert rows["a"]["ms_median"] == 25.0 and rows["a"]["ms_q1"] <= 25.0 <= rows["a"]["ms_q3"]
+    assert rows["a"]["samples_per_s"] == pytest.approx(512 / 0.025)
+    assert rows["b"]["ms_median"] == rows["b"]["ms_q1"] == 5.0

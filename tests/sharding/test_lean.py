@@ -234,7 +234,8 @@ class _Model(torch.nn.Module):
 def _pipeline(rank, world, graph=False, overlap=False):
     """Plain loop and TrainPipeline from the same start on the same 4 batches (``graph``:
     6 batches, fixed shapes and a CUDA graph from the third on; eager on the CPU;
-    ``overlap``: ``overlap_input=True``, two epochs over the batches)."""
+    ``overlap``: ``overlap_input=True``, two epochs over the batches; on the CPU the input
+    dists then run on the pipeline's worker thread)."""
     import fbtriton_dist
     from fbtriton_dist.sharding import CommOptions, TrainPipeline
 
@@ -288,6 +289,8 @@ def _pipeline(rank, world, graph=False, overlap=False):
     pipe = TrainPipeline(piped, opt_piped, dev, loss_fn=loss_fn,
                          after_backward=lambda: allreduce(piped), cuda_graph=graph, warmup=1,
                          overlap_input=overlap)
+    # on the CPU, overlap: the next batch's input dist on the pipeline's worker thread
+    assert (pipe.worker is not None) == (dev.type == "cpu" and overlap), pipe.worker
     losses_piped = []
     for epoch in epochs:
         it = iter(epoch)
@@ -320,7 +323,7 @@ def _check_pipeline_matches_the_plain_loop(results):
 def _on_world(rank, world):
     """What the world-size test checks, on one start-up of the ranks."""
     return (_empty_rank_and_dedup(rank, world), _wire_dtypes(rank, world, WIRES[world]),
-            _pipeline(rank, world))
+            _pipeline(rank, world, overlap=True))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -214,6 +214,7 @@ def _pipeline_vs_plain(rank, world, folder):
         for b in batches:
             loss_fn(plain, b).backward()
         pipe = TrainPipeline(piped, None, "cpu", loss_fn=loss_fn)
+        assert pipe.worker is None  # a tiered collection's input dist stays on this thread
         it = iter(batches)
         for _ in batches:
             pipe.progress(it)

@@ -365,6 +365,10 @@ class _Managed:
     def _init_managed(self, managed, backend: str) -> None:
         self.id_managers = ShardedIdManagers(self, managed, self.device, backend)
 
+    def input_dist_is_pure(self) -> bool:
+        """No: the managed dist updates the id maps and resets fresh rows."""
+        return False
+
     def input_dist(self, features):
         """The managed dist (raw ids -> rows by their owners, fresh rows reset; the module
         docstring), then the plain input dist of the rows."""

@@ -270,6 +270,11 @@ class ShardedCollection(nn.Module):
         """Some local shard lives behind a row cache (``cached`` / ``file``)."""
         return any(tbe.tiered for tbe in self.tbes)
 
+    def input_dist_is_pure(self) -> bool:
+        """Whether ``input_dist`` only reads this module (writes no weights, caches or id
+        maps): a CPU pipeline then runs the next batch's on a worker thread during a step."""
+        return not self.tiered()
+
     def flush(self) -> None:
         """Write every dirty cached row of the local shards back to its backing store."""
         for tbe in self.tbes:
