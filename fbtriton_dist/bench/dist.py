@@ -27,6 +27,9 @@ are user features (half of the ids at equal L): each provider trains on VBE batc
 per user for those features, ``stride_per_key_per_rank`` + ``inverse_indices``) and on the same
 samples as fixed batches; the rows say which (``batch``), with the ids and bytes sent and the
 time per step of both (the fixed-shape providers take fixed batches only).
+
+``--storage device,cached,file``: the tables on storage tiers against the same plan on
+``device`` (our providers only; ``dist_storage`` says what is checked and measured).
 """
 
 from __future__ import annotations
