@@ -22,7 +22,9 @@ Per tier: the median over rounds of ms per step (the slowest rank's median step)
 samples/s, ``ratio`` = the median over rounds of (the tier's ms per step / ``device``'s ms
 per step in the same round): > 1 is slower than ``device``; the hit rate (distinct rows found
 in the cache / distinct rows looked up), rows fetched and written back per step (all ranks),
-and the step split (rank 0, last round).
+and the step split (rank 0, last round); with a pipeline that reads rows ahead (``ours_lean``
+and the other ``TrainPipeline`` providers), the prefetch's rows and its hidden / exposed ms per
+step and rank, as the job's ``caches`` metrics count them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.storage import Storage
 
 TIERS = ("device", "host", "cached", "file")
-CACHE_KEYS = ("lookups", "misses", "evictions", "writebacks")
+CACHE_KEYS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
+              "prefetch_us", "prefetch_wait_us")
 
 
 def parse_tiers(text: str) -> list[str]:
@@ -108,10 +111,12 @@ def differences(want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor
 
 
 def summarise(rounds: Sequence[Mapping[str, Mapping[str, Any]]],
-              tiers: Sequence[str]) -> list[dict[str, Any]]:
+              tiers: Sequence[str], ranks: int = 1) -> list[dict[str, Any]]:
     """A row per tier from ``rounds`` (per round, per tier: ``ms_per_step``, ``samples_per_s``,
-    cache counts, ``steps``): medians over rounds; ``ratio`` = median over rounds of tier ms /
-    device ms of the same round (> 1: slower than device)."""
+    cache counts summed over ``ranks`` ranks, ``steps``): medians over rounds; ``ratio`` =
+    median over rounds of tier ms / device ms of the same round (> 1: slower than device);
+    with a prefetch (a pipeline), its rows per step and hidden / exposed ms per step and
+    rank."""
     rows = []
     for tier in tiers:
         ms = [r[tier]["ms_per_step"] for r in rounds]
@@ -129,6 +134,13 @@ def summarise(rounds: Sequence[Mapping[str, Mapping[str, Any]]],
             row["hit_rate"] = 1 - counts["misses"] / counts["lookups"]
             row["fetched_per_step"] = counts["misses"] / steps
             row["written_back_per_step"] = counts["writebacks"] / steps
+        if counts["prefetched"]:  # a pipeline read rows ahead: per step and rank, as the job
+            per = 1e-3 / (steps * ranks)
+            row["prefetched_per_step"] = counts["prefetched"] / steps
+            row["prefetch_used_per_step"] = counts["prefetch_used"] / steps
+            row["prefetch_hidden_ms"] = max(counts["prefetch_us"] - counts["prefetch_wait_us"],
+                                            0) * per
+            row["prefetch_exposed_ms"] = counts["prefetch_wait_us"] * per
         row["stages_ms"] = rounds[-1][tier].get("stages_ms", {})
         rows.append(row)
     return rows
@@ -144,9 +156,11 @@ def format_rows(head: str, rows: Sequence[Mapping[str, Any]]) -> str:
     def num(v, d=2):
         return "-" if v is None else f"{v:,.{d}f}"
 
-    lines = [f"{head} (x device = tier ms / device ms, > 1: slower than device)",
+    lines = [f"{head} (x device = tier ms / device ms, > 1: slower than device; pf: "
+             "prefetch ms per step and rank)",
              f"{'tier':>8} {'ms/step':>9} {'samples/s':>10} {'x device':>9} {'hit':>6} "
-             f"{'fetch/st':>9} {'wrback/st':>9} " + " ".join(f"{s[:8]:>8}" for s in STAGES)]
+             f"{'fetch/st':>9} {'wrback/st':>9} {'pf hid':>6} {'pf exp':>6} "
+             + " ".join(f"{s[:8]:>8}" for s in STAGES)]
     for r in rows:
         st = r.get("stages_ms", {})
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
@@ -154,6 +168,7 @@ def format_rows(head: str, rows: Sequence[Mapping[str, Any]]) -> str:
             f"{r['tier']:>8} {r['ms_per_step']:>9.2f} {r['samples_per_s']:>10,.0f} "
             f"{r['ratio']:>8.2f}x {hit:>6} {num(r.get('fetched_per_step'), 0):>9} "
             f"{num(r.get('written_back_per_step'), 0):>9} "
+            f"{num(r.get('prefetch_hidden_ms')):>6} {num(r.get('prefetch_exposed_ms')):>6} "
             + " ".join(f"{num(st.get(s)):>8}" for s in STAGES))
     return "\n".join(lines)
 
@@ -255,7 +270,7 @@ def run_storage(args, env, ctx_for, results: dict[str, Any]) -> dict[str, Any]:
                         split = args.split_steps if k == args.repeats - 1 else 0
                         rounds.append(_measure_round(runners, order, args, env,
                                                      samples_per_step, split))
-                    entry.update(rounds=rounds, rows=summarise(rounds, tiers),
+                    entry.update(rounds=rounds, rows=summarise(rounds, tiers, env.world_size),
                                  seconds=round(time.perf_counter() - t0, 1))
                     results["storage"].append(entry)
                     if env.rank == 0:

@@ -30,6 +30,15 @@ def test_the_ratio_is_tier_over_device_paired_per_round():
     assert device["ratio"] == 1.0 and cached["ratio"] == 2.0  # not 30 / 10 of the medians
     assert cached["hit_rate"] == pytest.approx(0.6) and cached["fetched_per_step"] == 4.0
     assert cached["written_back_per_step"] == 3.0 and "hit_rate" not in device
+    assert "prefetch_hidden_ms" not in cached  # nothing read ahead: no prefetch numbers
+    ahead = _round(10.0, 20.0)
+    ahead["cached"]["cache"].update(prefetched=20, prefetch_used=10, prefetch_us=3000,
+                                    prefetch_wait_us=1000)
+    (read,) = summarise([ahead], ["device", "cached"], ranks=2)[1:]
+    # per step and rank: (3000 - 1000) us hidden, 1000 us exposed over 10 steps x 2 ranks
+    assert read["prefetch_hidden_ms"] == pytest.approx(0.1)
+    assert read["prefetch_exposed_ms"] == pytest.approx(0.05)
+    assert read["prefetched_per_step"] == 2.0 and read["prefetch_used_per_step"] == 1.0
     text = format_rows("row_wise/ebc/ours_plain", rows)
     assert re.search(r"^\s+cached\s+30\.00\s+33\s+2\.00x\s+0\.600\s+4\s+3\s", text, re.M), text
     (faster,) = summarise([_round(20.0, 5.0)], ["device", "cached"])[1:]
