@@ -142,6 +142,15 @@ def test_report_draws_the_managed_tables_metrics(tmp_path, capsys):
     assert table["evicted_per_step"] == [0.0, 5.0, 10.0]
     write_metrics(tmp_path / "plain", _records([0.7, 0.72]))
     assert draw_run(str(tmp_path / "plain"))[1]["managed"] == {}
+    both = _records([0.7, 0.72], managed=True)  # managed and tiered tables: a row for each
+    for r in both[::2]:
+        r["caches"] = {"t_item": {"hit_rate": 0.5, "fetched_per_step": 3.0,
+                                  "written_back_per_step": 2.0, "prefetch_hidden_ms": 0.0,
+                                  "prefetch_exposed_ms": 0.0}}
+    write_metrics(tmp_path / "both", both)
+    titles = draw_run(str(tmp_path / "both"))[1]["panels"]
+    assert len(titles) == 8 and titles[3].startswith("managed tables")
+    assert all(t.startswith("tiered tables") for t in titles[5:])
 
 
 def test_the_job_with_a_cached_table_draws_its_tier_panel(tmp_path, capsys):
