@@ -27,6 +27,9 @@ are user features (half of the ids at equal L): each provider trains on VBE batc
 per user for those features, ``stride_per_key_per_rank`` + ``inverse_indices``) and on the same
 samples as fixed batches; the rows say which (``batch``), with the ids and bytes sent and the
 time per step of both (the fixed-shape providers take fixed batches only).
+
+``--storage device,cached,file``: the tables on storage tiers against the same plan on
+``device`` (our providers only; ``dist_storage`` says what is checked and measured).
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", choices=MODELS, default=["ebc", "dlrm"],
                    help="ebc, dlrm (default both), ec (an EmbeddingCollection: a row per id), "
                    "dcnv2 (MLPerf's DLRM-dcnv2)")
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS,
+                   help="default: all; with --storage ours_plain")
     p.add_argument(
         "--comm",
         action="append",
@@ -167,6 +171,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "tables, batch, DLRM and lr (flags given win; dist_cpu)")
     p.add_argument("--threads", help="threads per rank, comma separated: each provider at each "
                    "count (default: usable cores // local ranks, the job's rule)")
+    p.add_argument("--storage", metavar="TIERS",
+                   help="sharded tables on storage tiers against device, e.g. "
+                   "device,cached,file (bench/dist_storage.py; our providers only, default "
+                   "ours_plain): checked bit for bit first, then timed in rotated rounds")
+    p.add_argument("--cache-load-factor", type=float, default=0.1,
+                   help="--storage: each shard's cache slots / its rows (default 0.1)")
+    p.add_argument("--policy", choices=["lru", "lfu"], default="lru", help="--storage: eviction")
+    p.add_argument("--tier-min-rows", type=int, default=10_000,
+                   help="--storage: tables with fewer rows stay on device (default 10000)")
+    p.add_argument("--check-steps", type=int, default=3,
+                   help="--storage: steps of the bit-for-bit check (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="--storage: rounds (default 3)")
+    p.add_argument("--path", help="--storage: the file tier's folder (default: a temporary one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
@@ -207,7 +224,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.dense_arch[-1] != args.dim:
         p.error(f"--dense-arch must end in D={args.dim}, got {args.dense_arch}")
     args.comm_extra = dict(_comm_item(p, item) for item in args.comm)
+    _storage_args(p, args)
     return args
+
+
+def _storage_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--storage``'s tiers, and the providers: ours only (default ``ours_plain``)."""
+    if args.storage is None:
+        args.providers = args.providers or list(PROVIDERS)
+        return
+    from .dist_storage import parse_tiers
+
+    try:
+        args.storage = parse_tiers(args.storage)
+    except ValueError as e:
+        p.error(str(e))
+    args.providers = args.providers or ["ours_plain"]
+    if "torchrec" in args.providers or args.vbe > 1:
+        p.error("--storage: expected our providers on fixed batches, got "
+                f"--providers {' '.join(args.providers)} --vbe {args.vbe}")
+    if not 0 < args.cache_load_factor <= 1 or min(args.repeats, args.check_steps) < 1:
+        p.error("--storage: expected --cache-load-factor in (0, 1], --repeats and "
+                f"--check-steps >= 1, got {args.cache_load_factor}, {args.repeats}, "
+                f"{args.check_steps}")
 
 
 def _bag_size(text: str) -> int | str:
@@ -358,36 +397,54 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
     )
     counts = thread_counts(args.threads, H) if device.type == "cpu" else [None]
     results["setup"]["threads_per_rank"] = counts
+
+    def context(plan_name: str, kind: str, batch_kind: str = "fixed") -> Context:
+        spec = ModelSpec(
+            kind=kind,
+            num_dense=args.num_dense,
+            dense_arch=tuple(args.dense_arch),
+            over_arch=tuple(args.over_arch),
+            cross_layers=args.cross_layers,
+            low_rank=args.low_rank,
+        )
+        row_grad = fixed_row_grad(tables, args.batch_size, max(1, sum(bags) // len(bags)),
+                                  args.seed, rank, device)
+        return Context(
+            tables=tables,
+            configs=torchrec_sequence_configs(tables) if kind == "ec" else configs,
+            plan=make_plan(plan_name, tables, R, H),
+            spec=spec,
+            batches=by_batch[batch_kind],
+            grad={"ebc": grad, "ec": row_grad}.get(kind),
+            device=device,
+            group=env.process_group,
+            seed=args.seed,
+            lr=args.lr,
+            eps=args.eps,
+            dense_lr=args.dense_lr,
+            comm_extra=args.comm_extra,
+        )
+
+    if args.storage:  # tiers against device (bench/dist_storage.py)
+        from .dist_storage import run_storage
+
+        results["setup"]["storage"] = {
+            "tiers": args.storage, "cache_load_factor": args.cache_load_factor,
+            "policy": args.policy, "tier_min_rows": args.tier_min_rows,
+            "check_steps": args.check_steps, "repeats": args.repeats,
+            "load_1min": os.getloadavg()[0]}
+        run_storage(args, env, context, results)
+        if rank == 0:
+            results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)
+            results["setup"]["load_1min_end"] = os.getloadavg()[0]
+            _write(args.out, results)
+        return results
     for plan_name in args.plans:
-        plan = make_plan(plan_name, tables, R, H)
         for kind, batch_kind in ((k, b) for k in args.models for b in by_batch):
-            spec = ModelSpec(
-                kind=kind,
-                num_dense=args.num_dense,
-                dense_arch=tuple(args.dense_arch),
-                over_arch=tuple(args.over_arch),
-                cross_layers=args.cross_layers,
-                low_rank=args.low_rank,
-            )
             if kind == "ec" and batch_kind == "vbe":
                 continue  # a sequence collection's batches have one stride
-            row_grad = fixed_row_grad(tables, args.batch_size, max(1, sum(bags) // len(bags)),
-                                      args.seed, rank, device)
-            ctx = Context(
-                tables=tables,
-                configs=torchrec_sequence_configs(tables) if kind == "ec" else configs,
-                plan=plan,
-                spec=spec,
-                batches=by_batch[batch_kind],
-                grad={"ebc": grad, "ec": row_grad}.get(kind),
-                device=device,
-                group=env.process_group,
-                seed=args.seed,
-                lr=args.lr,
-                eps=args.eps,
-                dense_lr=args.dense_lr,
-                comm_extra=args.comm_extra,
-            )
+            ctx = context(plan_name, kind, batch_kind)
+            plan = ctx.plan
             estimate = torchrec_bytes(ctx.batches[0], plan, tables, rank, sequence=kind == "ec")
             for threads in counts:
                 thread_info = set_threads(threads, H) if device.type == "cpu" else {}

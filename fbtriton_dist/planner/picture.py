@@ -43,12 +43,14 @@ def figure_class():
     return Figure
 
 
-def save_figure(fig, path: str) -> str:
-    """Write ``fig`` to ``path`` as PNG, atomically (a reader never sees half a file)."""
+def save_figure(fig, path: str, description: str | None = None) -> str:
+    """Write ``fig`` to ``path`` as PNG, atomically (a reader never sees half a file);
+    ``description``: the PNG's ``Description`` text."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
+    metadata = {"Description": description} if description is not None else None
+    fig.savefig(tmp, format="png", dpi=110, metadata=metadata)
     os.replace(tmp, path)
     return path
 

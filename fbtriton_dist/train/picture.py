@@ -1,7 +1,9 @@
 """The picture of a run: loss and AUC curves and the per-stage time split, from its
-``metrics.jsonl``, and with managed tables (``id_manager``) a second row: each table's
+``metrics.jsonl``, and with managed tables (``id_manager``) a row more: each table's
 occupancy, hit rate and default-row rate, and its admitted / evicted / expired / rejected ids
-per step. The job draws ``<run_dir>/report.png`` at the end (rank 0);
+per step; with tables on a cached tier (``cached`` / ``file``) a row more: each table's hit
+rate, rows fetched and written back per step, and the prefetch's hidden / exposed ms.
+The job draws ``<run_dir>/report.png`` at the end (rank 0);
 ``fbtriton-dist report RUN_DIR`` prints the summary and draws it again.
 
 matplotlib is optional (``pip install matplotlib``; ``launch/install.sh`` installs it): without
@@ -20,7 +22,7 @@ from typing import Any
 from fbtriton_dist.planner.picture import PictureSkipped, figure_class, save_figure
 
 __all__ = ["AUC_MIN_SPAN", "PICTURE", "PictureSkipped", "auc_limits", "draw_run",
-           "managed_series", "picture_line", "read_run", "stage_split"]
+           "managed_series", "picture_line", "read_run", "stage_split", "tier_series"]
 
 PICTURE = "report.png"
 """The picture's name in the run folder."""
@@ -31,6 +33,8 @@ AUC_MIN_SPAN = 0.05
 MANAGED_RATES = ("occupancy", "hit_rate", "default_rate")
 MANAGED_COUNTS = ("admitted_per_step", "evicted_per_step", "expired_per_step",
                   "rejected_per_step")
+TIER_ROWS = ("fetched_per_step", "written_back_per_step")
+TIER_PREFETCH = ("prefetch_hidden_ms", "prefetch_exposed_ms")
 
 
 def read_run(run_dir: str, metrics: str = "metrics.jsonl") -> dict[str, Any]:
@@ -122,6 +126,46 @@ def managed_series(train: list[Mapping[str, Any]]) -> dict[str, dict[str, list[f
     return out
 
 
+def tier_series(train: list[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Per table on a cached tier, its train records' ``caches`` numbers by logging window
+    (``step``, ``hit_rate``, :data:`TIER_ROWS`, :data:`TIER_PREFETCH`); empty without such
+    tables."""
+    out: dict[str, dict[str, list[float]]] = {}
+    keys = ("hit_rate", *TIER_ROWS, *TIER_PREFETCH)
+    for r in train:
+        for table, stats in (r.get("caches") or {}).items():
+            s = out.setdefault(table, {k: [] for k in ("step", *keys)})
+            s["step"].append(r["step"])
+            for k in keys:
+                v = stats.get(k)
+                s[k].append(float(v) if isinstance(v, (int, float)) else math.nan)
+    return out
+
+
+def _draw_tiers(hits, rows, prefetch, tiers) -> None:
+    """The tiered tables' row: hit rate, rows fetched (-) and written back (--) per step, the
+    prefetch's hidden (-) and exposed (--) ms per step and rank; one colour per table."""
+    for i, (table, s) in enumerate(tiers.items()):
+        color = f"C{i % 10}"
+        hits.plot(s["step"], s["hit_rate"], "o-", markersize=3, color=color, label=table)
+        for k, style in zip(TIER_ROWS, ("o-", "s--"), strict=True):
+            rows.plot(s["step"], s[k], style, markersize=3, color=color,
+                      label=f"{table} {k.removesuffix('_per_step')}")
+        for k, style in zip(TIER_PREFETCH, ("o-", "s--"), strict=True):
+            prefetch.plot(s["step"], s[k], style, markersize=3, color=color,
+                          label=f"{table} {k.removeprefix('prefetch_').removesuffix('_ms')}")
+    hits.set(title="tiered tables: hit rate (distinct rows)", xlabel="step",
+             ylabel="hits / distinct rows", ylim=(0, 1.05))
+    rows.set(title="tiered tables: rows fetched (-), written back (--)", xlabel="step",
+             ylabel="rows per step")
+    prefetch.set(title="tiered tables: prefetch hidden (-), exposed (--)", xlabel="step",
+                 ylabel="ms per step and rank")
+    for ax in (rows, prefetch):
+        ax.set_ylim(bottom=0)
+    for ax in (hits, rows, prefetch):
+        ax.legend(fontsize="x-small", ncols=2)
+
+
 def _draw_managed(rates, counts, managed) -> None:
     """The managed tables' row: rates in [0, 1] and ids per step, one colour per table."""
     styles = {"occupancy": "-", "hit_rate": "--", "default_rate": ":"}
@@ -143,7 +187,8 @@ def _draw_managed(rates, counts, managed) -> None:
 def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
              out: str | None = None) -> tuple[str, dict[str, Any]]:
     """Draw the run's curves and stage split into ``out`` (default ``<run_dir>/report.png``);
-    returns the path and the drawn series. PictureSkipped without matplotlib."""
+    returns the path and the drawn series (``panels``: the drawn axes' titles, also the
+    PNG's ``Description``). PictureSkipped without matplotlib."""
     Figure = figure_class()
     run = read_run(run_dir, metrics)
     train, evals, summary = run["train"], run["eval"], run["summary"] or {}
@@ -155,15 +200,18 @@ def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
         "eval_auc": [r.get("auc", math.nan) for r in evals],
         "stages": stage_split(run),
         "managed": managed_series(train),
+        "tiers": tier_series(train),
     }
+    nrows = 1 + bool(series["managed"]) + bool(series["tiers"])
+    fig = Figure(figsize=(14, 4.2 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, 3, squeeze=False)
+    loss, auc, stages = axes[0]
     if series["managed"]:
-        fig = Figure(figsize=(14, 8.4), layout="constrained")
-        (loss, auc, stages), (rates, counts, spare) = fig.subplots(2, 3)
+        rates, counts, spare = axes[1]
         _draw_managed(rates, counts, series["managed"])
         spare.set_visible(False)
-    else:
-        fig = Figure(figsize=(14, 4.2), layout="constrained")
-        loss, auc, stages = fig.subplots(1, 3)
+    if series["tiers"]:
+        _draw_tiers(*axes[-1], series["tiers"])
     loss.plot(series["train_step"], series["train_loss"], label="train (window mean)")
     if evals:
         loss.plot(series["eval_step"], series["eval_loss"], "o--", label="eval")
@@ -198,8 +246,9 @@ def draw_run(run_dir: str, metrics: str = "metrics.jsonl",
     if summary.get("world_size"):
         facts.append(f"{summary['world_size']} rank(s) on {summary.get('device', '?')}")
     fig.suptitle(f"{head}: " + ", ".join(facts), fontsize="medium")
+    series["panels"] = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     path = out or os.path.join(run_dir, PICTURE)
-    save_figure(fig, path)
+    save_figure(fig, path, description="panels: " + "; ".join(series["panels"]))
     return path, series
 
 

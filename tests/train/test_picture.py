@@ -46,12 +46,24 @@ def test_run_records_keep_the_latest_of_a_repeated_step_and_skip_a_torn_line(tmp
     assert open(path, "rb").read().startswith(PNG)
 
 
+def panels(png):
+    """The panel titles the picture recorded in its PNG's ``Description``."""
+    from PIL import Image
+
+    with Image.open(png) as image:
+        text = image.text["Description"]
+    assert text.startswith("panels: ")
+    return text.removeprefix("panels: ").split("; ")
+
+
 def test_the_job_draws_its_picture_and_report_redraws_it(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["--config", str(write_job(tmp_path, "pic", **SHORT))]) == 0
     run = tmp_path / "pic"
     assert f"picture: {run / 'report.png'}" in capsys.readouterr().out
     assert (run / "report.png").read_bytes().startswith(PNG)
+    # no tiered (or managed) table: the one row of loss, AUC and stage split
+    assert [t.split(" ")[0] for t in panels(run / "report.png")] == ["loss", "eval", "ms"]
     (run / "report.png").unlink()
     assert cli.main(["report", str(run)]) == 0
     out = capsys.readouterr().out
@@ -124,8 +136,47 @@ def test_report_draws_the_managed_tables_metrics(tmp_path, capsys):
     assert (tmp_path / "run" / "report.png").read_bytes().startswith(PNG)
     _, series = draw_run(str(tmp_path / "run"))
     table = series["managed"]["t_user"]
+    assert series["tiers"] == {} and len(series["panels"]) == 5  # managed row, no tier row
     assert table["step"] == [10, 20, 30]
     assert table["occupancy"] == pytest.approx([0.2, 0.4, 0.6])
     assert table["evicted_per_step"] == [0.0, 5.0, 10.0]
     write_metrics(tmp_path / "plain", _records([0.7, 0.72]))
     assert draw_run(str(tmp_path / "plain"))[1]["managed"] == {}
+    both = _records([0.7, 0.72], managed=True)  # managed and tiered tables: a row for each
+    for r in both[::2]:
+        r["caches"] = {"t_item": {"hit_rate": 0.5, "fetched_per_step": 3.0,
+                                  "written_back_per_step": 2.0, "prefetch_hidden_ms": 0.0,
+                                  "prefetch_exposed_ms": 0.0}}
+    write_metrics(tmp_path / "both", both)
+    titles = draw_run(str(tmp_path / "both"))[1]["panels"]
+    assert len(titles) == 8 and titles[3].startswith("managed tables")
+    assert all(t.startswith("tiered tables") for t in titles[5:])
+
+
+def test_the_job_with_a_cached_table_draws_its_tier_panel(tmp_path, capsys):
+    """A job with a ``cached`` table: its report.png has the tiered tables' row (hit rate, rows
+    fetched / written back, prefetch hidden / exposed), drawn from the records' ``caches``."""
+    pytest.importorskip("matplotlib")
+    from fbtriton_dist.train.picture import draw_run
+    from tests.train.test_job import TINY, records
+
+    tables = json.loads(json.dumps(TINY["tables"]))
+    tables[0].update(num_embeddings=3000, storage={"tier": "cached", "cache_load_factor": 0.06})
+    path = write_job(tmp_path, "tier", tables=tables, **{**SHORT, "train__eval_every": 0,
+                                                         "logging__log_every": 2})
+    assert main(["--config", str(path)]) == 0
+    run = tmp_path / "tier"
+    assert f"picture: {run / 'report.png'}" in capsys.readouterr().out
+    titles = panels(run / "report.png")
+    assert len(titles) == 6 and [t for t in titles if t.startswith("tiered tables: ")] == [
+        "tiered tables: hit rate (distinct rows)",
+        "tiered tables: rows fetched (-), written back (--)",
+        "tiered tables: prefetch hidden (-), exposed (--)"]
+    _, series = draw_run(str(run))
+    train = records(run, "train")
+    drawn = series["tiers"]["t_a"]
+    assert drawn["step"] == [2, 4] and list(series["tiers"]) == ["t_a"]
+    for k in ("hit_rate", "fetched_per_step", "written_back_per_step", "prefetch_hidden_ms",
+              "prefetch_exposed_ms"):
+        assert drawn[k] == [r["caches"]["t_a"][k] for r in train]
+    assert all(v > 0 for v in drawn["fetched_per_step"])
