@@ -140,3 +140,47 @@ def test_shard_takes_ensemble_mode_as_a_mapping(tmp_path):
             torch.testing.assert_close(full[key], value, atol=1e-6, rtol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def test_graph_pipeline_refuses_it_on_every_device(tmp_path):
+    """``TrainPipeline(cuda_graph=True)`` refuses a sharded collection with ensemble rowwise
+    Adagrad (a replayed graph would skip its whole-table step), also on the CPU, where the
+    step would run eagerly; ``cuda_graph=False`` trains it."""
+    from dataclasses import dataclass
+
+    import pytest
+    import torch.distributed as dist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
+    from fbtriton_dist.sharding import TrainPipeline
+
+    @dataclass
+    class Batch:
+        sparse: object
+
+        def to(self, device, non_blocking=False):
+            return self
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        configs = _configs(False)[:2]
+        ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+        apply_optimizer_in_backward(EnsembleRowWiseAdagrad, ebc.parameters(),
+                                    {"lr": 0.2, "ensemble_mode": {"step_ema": 1}})
+        sharded = fbtriton_dist.shard(ebc, _plan("row_wise", 1).subset(
+            [c.name for c in configs]))
+        loss = lambda m, b: m(b.sparse).values().sum()  # noqa: E731
+        with pytest.raises(ValueError, match=r"TrainPipeline\(cuda_graph=True\).*expected fused "
+                                             r"optimizers without a whole-table step, got "
+                                             r"\['ensemble_rowwise_adagrad'\]"):
+            TrainPipeline(sharded, None, "cpu", loss_fn=loss, own_group=False, cuda_graph=True)
+        pipe = TrainPipeline(sharded, None, "cpu", loss_fn=loss, own_group=False)
+        before = sharded.gather_full_state_dict()
+        pipe.progress(iter([Batch(_kjt(*_global_batch(configs, 4, 0, False), 0, 4))]))
+        after = sharded.gather_full_state_dict()
+        assert all(not torch.equal(before[k], after[k]) for k in before)  # it trained
+    finally:
+        dist.destroy_process_group()
