@@ -26,6 +26,9 @@ What ``fn`` must be (the usual CUDA-graph contract, PyTorch's "CUDA Graphs" note
   ``fn`` should start with ``optimizer.zero_grad(set_to_none=True)``;
 - no host synchronisation: no ``.item()`` / ``.tolist()`` / printing of device values, no
   ``bounds_check="error"`` (``"warn"`` counts on the device; see ``tbe.poll_bounds_check``);
+- no fused optimizer with a whole-table step (EMA in place, ensemble): its schedule is chosen
+  on the host by the step count before each training lookup, so a captured training lookup
+  refuses it (ValueError) rather than replay one step's choice;
 - host-side effects of ``fn`` (Python counters, logging) happen once, at capture, not at
   replays;
 - the tensors it returns are static: the next replay overwrites them (clone to keep one);

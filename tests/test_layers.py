@@ -58,8 +58,8 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-TORCH_FREE_LEAVES = {"optim", "optim_counter", "optim_ensemble", "pooling", "knobs", "id_manager",
-                     "storage"}
+TORCH_FREE_LEAVES = {"optim", "optim_counter", "optim_ensemble", "optim_fused_params", "pooling",
+                     "knobs", "id_manager", "storage"}
 """Top-level modules every layer may read, the torch-free planner included."""
 ALLOWED: dict[str, set[str]] = {
     # top-level leaves
@@ -67,6 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"optim_counter", "optim_ensemble"},  # the optimizer registry
     "optim_counter": set(),  # rowwise Adagrad with counter's config (optim registers it)
     "optim_ensemble": set(),  # ensemble rowwise Adagrad's config (optim registers it)
+    "optim_fused_params": {"optim", "optim_ensemble"},  # TorchRec's fused_params -> our optimizer
     "pooling": set(),  # PoolingMode: kernels, reference, ops and modules read it
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
@@ -118,6 +119,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "optim.py": NO_TENSORS,  # the planner reads it
     "optim_counter.py": NO_TENSORS,  # optim.py imports it
     "optim_ensemble.py": NO_TENSORS,  # optim.py imports it
+    "optim_fused_params.py": NO_TENSORS,  # a torch-free leaf beside optim.py
     "pooling.py": NO_TENSORS,  # a leaf every layer reads
     "knobs.py": NO_TENSORS,  # the planner may read it
     "id_manager.py": NO_TENSORS,  # the planner's table sets read it

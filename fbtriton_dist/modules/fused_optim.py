@@ -158,6 +158,22 @@ def ensemble_and_swap(optimizer, tables: Sequence[torch.Tensor],
             s.zero_()
 
 
+WHOLE_TABLE_STEP = (optim.EmaInplaceRowWiseAdagrad, optim.EnsembleRowWiseAdagrad)
+"""The fused optimizers with a step over whole tables before each training lookup."""
+
+
+def refuse_whole_table_steps(optimizers: Sequence, where: str) -> None:
+    """Raise ValueError where one of ``optimizers`` (configs or None) has a whole-table step:
+    ``where`` (a CUDA graph) would skip it, as its schedule is chosen on the host by the step
+    count before each training lookup."""
+    names = sorted({optim.spec_of(o).name for o in optimizers if isinstance(o, WHOLE_TABLE_STEP)})
+    if names:
+        raise ValueError(
+            f"{where}: expected fused optimizers without a whole-table step, got {names} (its "
+            "moving average / swap is chosen on the host by the step count before each "
+            "training lookup; a replayed CUDA graph would skip it): train them eagerly")
+
+
 def whole_table_step(tbe, k: int) -> None:
     """Before the lookup of training step ``k`` of ``tbe`` (a ``TableBatchedEmbedding``): the
     whole-table step of its optimizer, if it has one (EMA in place, ensemble)."""

@@ -566,6 +566,9 @@ class TableBatchedEmbedding(nn.Module):
                 train,
             )
         if train and self.training:  # EMA in place, ensemble: their whole-table steps
+            if capturing(self.weights.device):
+                fused_optim.refuse_whole_table_steps([self.optimizer],
+                                                     "a CUDA graph capture of a training lookup")
             fused_optim.whole_table_step(self, self.step + 1)
         if self.max_norm is not None:
             self._renorm(indices, offsets)

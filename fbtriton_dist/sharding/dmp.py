@@ -16,9 +16,9 @@ sizes become a ``Shard``), and our ``shard()`` builds the ``ShardedEmbeddingBagC
 (so DDP leaves it alone) and ``FusedOptimizerModule`` (so ``dmp.fused_optimizer`` holds its
 fused optimizer: ``step()`` and ``zero_grad()`` are no-ops, the update runs in backward).
 
-What of DMP's contract this does not meet: TorchRec's kernels and ``fused_params`` other
-than ``optimizer_state_dtypes`` (refused, naming the key; the optimizer comes from
-``apply_optimizer_in_backward`` or ``optimizer=``; the only compute kernel is ``fused``);
+What of DMP's contract this does not meet: TorchRec's kernels and the ``fused_params`` that
+are no optimizer setting (refused, naming the key; ``optimizer`` and its hyper-parameters map
+onto our fused optimizers, ``optim_fused_params.py``; the only compute kernel is ``fused``);
 ``table_column_wise`` is taken as column-wise (the ranks as given); ``reshard()``; of the
 fused optimizer's ``param_groups`` only ``lr`` reaches the kernels (at ``step()``, as
 TorchRec's: a scheduler works). ``named_parameters()`` lists every
@@ -58,6 +58,7 @@ from torchrec.streamable import Multistreamable
 from fbtriton_dist import optim
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
+from fbtriton_dist.optim_fused_params import from_fused_params
 from fbtriton_dist.planner import Shard, ShardingPlan, TableSharding
 from fbtriton_dist.sharding.comm.options import CommOptions
 from fbtriton_dist.sharding.comm.replicas import (
@@ -376,9 +377,6 @@ class DMPShardedEmbeddingCollection(DMPShardedEmbeddingBagCollection):
         return self.sharded.need_indices()
 
 
-FUSED_PARAMS = ("optimizer_state_dtypes",)
-"""The keys of TorchRec's sharder ``fused_params`` (FBGEMM's TBE options) that map to ours."""
-
 
 class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     """Shards ``fbtriton_dist.EmbeddingBagCollection`` (``module_type``; pass
@@ -393,10 +391,15 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
             divided by the world size unless ``comm.gradient_division`` is False or, with it
             None (the default), TorchRec's ``comm_ops.set_gradient_division(False)`` was
             called before DMP sharded the model: the same rule as TorchRec's own modules.
-        fused_params: TorchRec's sharder argument (FBGEMM's TBE options). Of its keys only
-            ``optimizer_state_dtypes`` maps (``{"momentum1" | "momentum2": SparseType.BF16
-            | "bf16" | torch.bfloat16 ...}``: passed to ``shard()``, overriding the
-            collection's own); any other key raises ValueError naming it.
+        fused_params: TorchRec's sharder argument (FBGEMM's TBE options): ``optimizer``
+            (FBGEMM's ``EmbOptimType``) and its hyper-parameters by FBGEMM's names
+            (``learning_rate``, ``eps``, ``weight_decay``, ``weight_decay_mode``, ``beta1``,
+            ``ensemble_mode``, ...; FBGEMM's defaults where not given) become the fused
+            optimizer (``optim_fused_params.from_fused_params``; then neither ``optimizer=``
+            nor a different ``apply_optimizer_in_backward`` annotation may be given);
+            ``optimizer_state_dtypes`` (``{"momentum1" | "momentum2": SparseType.BF16 |
+            "bf16" | torch.bfloat16 ...}``) is passed to ``shard()``, overriding the
+            collection's own. Any other key raises ValueError naming it.
     """
 
     def __init__(
@@ -411,15 +414,15 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
     ) -> None:
         super().__init__()
         fused = dict(fused_params or {})
-        for key in fused:
-            if key not in FUSED_PARAMS:
-                raise ValueError(f"fused_params: expected keys among {list(FUSED_PARAMS)} (the "
-                                 f"fused optimizer comes from apply_optimizer_in_backward or "
-                                 f"optimizer=), got {key!r}")
-        self._state_dtypes = (optim.state_dtype_names(fused["optimizer_state_dtypes"])
-                              if "optimizer_state_dtypes" in fused else None)
+        fused_optimizer, state_dtypes = from_fused_params(fused)
+        if fused_optimizer is not None and optimizer is not None:
+            raise ValueError(f"fused_params['optimizer'] and optimizer=: expected one fused "
+                             f"optimizer, got {fused_optimizer} and {optimizer}")
+        self._state_dtypes = (optim.state_dtype_names(state_dtypes)
+                              if state_dtypes is not None else None)
         self._fused_params = fused
-        self._optimizer = optimizer
+        self._optimizer = optimizer if optimizer is not None else fused_optimizer
+        self._optimizer_from_fused_params = fused_optimizer is not None
         self._local_world_size = local_world_size
         self._backend = backend
         self._comm = comm
@@ -488,6 +491,8 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
                 f"{module_fqn or 'module'}: expected a {self._module_type.__name__}, "
                 f"got {type(module).__name__}"
             )
+        if self._optimizer_from_fused_params:
+            self._check_annotations(module, module_fqn or "module")
         if self._replicas is not None:  # DMPCollection: a plan for one group
             r = self._replicas
             plan = to_fbtd_plan(self._configs(module), params, r.group_size, r.local_world_size)
@@ -508,6 +513,19 @@ class EmbeddingBagCollectionSharder(ModuleSharder[nn.Module]):
         )
         return self._wrapper(sharded, type(module))
 
+
+    def _check_annotations(self, module: nn.Module, name: str) -> None:
+        """An ``apply_optimizer_in_backward`` annotation other than ``fused_params``'
+        optimizer raises (neither is dropped silently)."""
+        for param in module.parameters():
+            annotation = optim.in_backward_annotation(param)
+            if annotation is None:
+                continue
+            annotated = optim.from_torch(*annotation, name)
+            if annotated != self._optimizer:
+                raise ValueError(f"{name}: expected one fused optimizer, got {self._optimizer} "
+                                 f"from fused_params and {annotated} from "
+                                 "apply_optimizer_in_backward")
 
     def _comm_options(self) -> CommOptions:
         """``comm``, with ``gradient_division`` None resolved as TorchRec's sharders do:

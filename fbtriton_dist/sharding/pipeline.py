@@ -50,6 +50,7 @@ from torch import nn
 
 from fbtriton_dist.graphs import CAPTURE_MODE, joined_at_exit
 from fbtriton_dist.host_flags import HostFlags
+from fbtriton_dist.modules.fused_optim import refuse_whole_table_steps
 from fbtriton_dist.sharding.dist.input_dist import InputDistOut
 from fbtriton_dist.sharding.modules.collection import ShardedCollection
 from fbtriton_dist.sparse import padded_kjt
@@ -97,6 +98,9 @@ class TrainPipeline:
             sharded collection, batches of one batch size and dense shape, and a dense
             optimizer that can be captured (SGD; Adam/AdamW with ``capturable=True``). The
             first ``warmup`` batches train eagerly. Ignored off CUDA (the eager steps run).
+            Fused optimizers with a whole-table step (EMA in place, ensemble) are refused
+            here, on every device: the step is chosen on the host by the step count before
+            each training lookup, and a replayed graph would skip it.
         warmup: eager steps before the capture (CUDA graph mode; at least 1).
         overlap_input: CUDA graph mode: the graph also runs the next batch's input dist, on a
             side stream and the input process group, while this batch trains (the overlap of
@@ -149,6 +153,10 @@ class TrainPipeline:
             self.row_tiers is None or any(s.tier in self.row_tiers
                                           for tbe in m.tbes for s in tbe.storage))]
         """The sharded collections whose rows ``progress`` reads ahead."""
+        if cuda_graph:  # on every device, so that a run tried on the CPU fails as on a GPU
+            refuse_whole_table_steps(
+                [tbe.optimizer for m in self.sharded for tbe in m.tbes],
+                "TrainPipeline(cuda_graph=True) (use cuda_graph=False)")
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(device=self.device) if cuda else None
         self._next = None  # (batch on the device, CUDA event of its input dist)

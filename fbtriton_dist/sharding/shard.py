@@ -34,17 +34,16 @@ def _kind(module: nn.Module) -> str | None:
 
 
 def _optimizer_of(module: nn.Module, name: str) -> optim.Optimizer | None:
-    specs = {
-        (a[0], tuple(sorted(a[1].items())))
-        for a in map(optim.in_backward_annotation, module.parameters())
-        if a is not None
-    }
-    if len(specs) > 1:
-        raise ValueError(f"{name}: one fused optimizer for all sharded tables, got {specs}")
-    if not specs:
-        return None
-    cls, kwargs = specs.pop()
-    return optim.from_torch(cls, dict(kwargs), name)
+    """The one fused optimizer the tables' annotations map to (compared as our configs, so
+    annotation values need not be hashable: ensemble's ``ensemble_mode`` as a dict)."""
+    found: list[optim.Optimizer] = []
+    for a in map(optim.in_backward_annotation, module.parameters()):
+        if a is not None and (config := optim.from_torch(a[0], a[1], name)) not in found:
+            found.append(config)
+    if len(found) > 1:
+        raise ValueError(f"{name}: expected one fused optimizer for all sharded tables, got "
+                         f"{found}")
+    return found[0] if found else None
 
 
 def shard(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+from fbtriton_dist import optim
 from fbtriton_dist.planner import ConfigError
 
 from .config import CRITEO_SPARSE, JobConfig
@@ -83,6 +84,19 @@ def _managed_blocker(cfg: JobConfig) -> str | None:
             "batch's remap must not run before this step's update")
 
 
+def _whole_table_step_blocker(cfg: JobConfig) -> str | None:
+    """Why the embedding optimizer keeps the step out of a CUDA graph (None: it does not):
+    EMA in place's and ensemble's whole-table steps are chosen on the host by the step count
+    before each training lookup; a replayed graph would skip them."""
+    name = cfg.optimizer.embedding.type
+    if not issubclass(optim.spec(name).config, (optim.EmaInplaceRowWiseAdagrad,
+                                                 optim.EnsembleRowWiseAdagrad)):
+        return None
+    return (f"optimizer.embedding.type: {name} runs a whole-table step chosen on the host by "
+            "the step count before each training lookup, which a replayed CUDA graph would "
+            "skip")
+
+
 def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]:
     """Why the job cannot run ``train.pipeline: graph`` here (empty: it can)."""
     why = []
@@ -101,6 +115,9 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
                    "graph replays the captured one)")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
+    table_step = _whole_table_step_blocker(cfg)
+    if table_step:
+        why.append(table_step)
     cached = [t.name for t in cfg.tables.tables if t.storage is not None and t.storage.cached]
     if cached:
         why.append(f"tables {cached} on a cached storage tier (cached / file): their cache "

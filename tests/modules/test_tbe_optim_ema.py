@@ -120,3 +120,20 @@ def test_job_and_annotation_take_it():
         EmbeddingOptimizerConfig(type="emainplace_rowwise_adagrad", step_ema=0.5)
     cls, kwargs = optim.torch_equivalent(OPT)
     assert cls is EmaInplaceRowWiseAdagrad and optim.from_torch(cls, kwargs, "t") == OPT
+
+
+def test_traced_collection_refuses_it():
+    """The registered lookup ops (FX, torch.compile, torch.export) look up outside the
+    module's training forward, where the moving average runs: refused (it would be skipped
+    silently), naming the optimizer; the eager collection trains."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from tests.modules.test_ebc_tracing import _kjt, _pair
+
+    cls, kwargs = optim.torch_equivalent(optim.EmaInplaceRowWiseAdagrad(step_ema=1000))
+    _, model = _pair(False)
+    apply_optimizer_in_backward(cls, model.ebc.parameters(), kwargs)
+    model(_kjt(3, 0, False))  # eager: fine
+    with pytest.raises(ValueError, match="emainplace_rowwise_adagrad: expected an eager "
+                                         "collection .* whole-table step"):
+        torch.fx.symbolic_trace(model)(_kjt(3, 1, False))

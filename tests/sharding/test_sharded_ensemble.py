@@ -107,3 +107,80 @@ def test_dmp_fused_optimizer_names_the_slow_copy_as_torchrec(tmp_path):
             assert slow.abs().sum() > 0  # averaged before step 1 (step_ema 1, coef 0)
     finally:
         dist.destroy_process_group()
+
+
+def test_shard_takes_ensemble_mode_as_a_mapping(tmp_path):
+    """``shard()`` of a collection annotated with ``ensemble_mode`` as a plain dict (one
+    rank, in this process) trains as the unsharded collection with the same annotation (3
+    steps: averages before each, a swap before step 2)."""
+    import torch.distributed as dist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
+
+    kwargs = {"lr": 0.2, "ensemble_mode": {"step_ema": 1, "step_swap": 2, "step_ema_coef": 0.5}}
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        configs = _configs(False)[:2]
+        torch.manual_seed(0)
+        ref = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+        to_shard = copy.deepcopy(ref)
+        for m in (ref, to_shard):
+            apply_optimizer_in_backward(EnsembleRowWiseAdagrad, m.parameters(), kwargs)
+        sharded = fbtriton_dist.shard(to_shard, _plan("row_wise", 1).subset(
+            [c.name for c in configs]))
+        for step in range(3):
+            batch = _global_batch(configs, 4, step, False)
+            ref(_kjt(*batch, 0, 4)).values().sum().backward()
+            sharded(_kjt(*batch, 0, 4)).values().sum().backward()
+        full = sharded.gather_full_state_dict()
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(full[key], value, atol=1e-6, rtol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_graph_pipeline_refuses_it_on_every_device(tmp_path):
+    """``TrainPipeline(cuda_graph=True)`` refuses a sharded collection with ensemble rowwise
+    Adagrad (a replayed graph would skip its whole-table step), also on the CPU, where the
+    step would run eagerly; ``cuda_graph=False`` trains it."""
+    from dataclasses import dataclass
+
+    import pytest
+    import torch.distributed as dist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
+    from fbtriton_dist.sharding import TrainPipeline
+
+    @dataclass
+    class Batch:
+        sparse: object
+
+        def to(self, device, non_blocking=False):
+            return self
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        configs = _configs(False)[:2]
+        ebc = fbtriton_dist.EmbeddingBagCollection(tables=configs)
+        apply_optimizer_in_backward(EnsembleRowWiseAdagrad, ebc.parameters(),
+                                    {"lr": 0.2, "ensemble_mode": {"step_ema": 1}})
+        sharded = fbtriton_dist.shard(ebc, _plan("row_wise", 1).subset(
+            [c.name for c in configs]))
+        loss = lambda m, b: m(b.sparse).values().sum()  # noqa: E731
+        with pytest.raises(ValueError, match=r"TrainPipeline\(cuda_graph=True\).*expected fused "
+                                             r"optimizers without a whole-table step, got "
+                                             r"\['ensemble_rowwise_adagrad'\]"):
+            TrainPipeline(sharded, None, "cpu", loss_fn=loss, own_group=False, cuda_graph=True)
+        pipe = TrainPipeline(sharded, None, "cpu", loss_fn=loss, own_group=False)
+        before = sharded.gather_full_state_dict()
+        pipe.progress(iter([Batch(_kjt(*_global_batch(configs, 4, 0, False), 0, 4))]))
+        after = sharded.gather_full_state_dict()
+        assert all(not torch.equal(before[k], after[k]) for k in before)  # it trained
+    finally:
+        dist.destroy_process_group()

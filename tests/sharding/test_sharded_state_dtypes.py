@@ -134,8 +134,8 @@ def test_dmp_sharder_fused_params():
         fused_params={"optimizer_state_dtypes": {"momentum1": SparseType.BF16}})
     assert sharder.fused_params == {"optimizer_state_dtypes": {"momentum1": SparseType.BF16}}
     assert EmbeddingBagCollectionSharder().fused_params is None
-    with pytest.raises(ValueError, match=r"fused_params: expected keys among "
-                                         r"\['optimizer_state_dtypes'\].*got 'learning_rate'"):
+    with pytest.raises(ValueError, match=r"fused_params: \['learning_rate'\] configure a fused "
+                                         r"optimizer; expected fused_params\['optimizer'\]"):
         EmbeddingBagCollectionSharder(fused_params={"learning_rate": 0.1})
     with pytest.raises(ValueError, match=r"optimizer_state_dtypes\['momentum1'\]: expected one"):
         EmbeddingBagCollectionSharder(fused_params={"optimizer_state_dtypes": {"momentum1": 8}})

@@ -161,3 +161,17 @@ def test_a_job_asking_for_the_graph_on_the_cpu_stops_with_the_reasons(tmp_path, 
     assert "train.pipeline: graph captures the whole step" in err
     assert "the device is cpu" in err and "torchrun" in err
     assert not (tmp_path / "g" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("opt", ["emainplace_rowwise_adagrad", "ensemble_rowwise_adagrad"])
+def test_whole_table_step_optimizers_keep_the_step_out_of_a_cuda_graph(opt):
+    """EMA in place's and ensemble's whole-table steps are chosen on the host by the step
+    count (a replayed graph would skip them): ``auto`` runs overlap on CUDA, an explicit
+    ``graph`` is refused naming the optimizer; rowwise Adagrad still gets the graph."""
+    c = cfg(optimizer__embedding={"type": opt})
+    assert resolve_pipeline(c, "cuda", True) == "overlap"
+    with pytest.raises(ConfigError, match=f"train.pipeline: graph .*{opt} runs a whole-table "
+                                          "step"):
+        resolve_pipeline(cfg("graph", optimizer__embedding={"type": opt}), "cuda", True)
+    plain = cfg(optimizer__embedding={"type": "rowwise_adagrad"})
+    assert resolve_pipeline(plain, "cuda", True) == "graph"
