@@ -172,10 +172,11 @@ def bind(module, params: list[Tensor], states: list[Tensor]):
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             packed.append((tbe, ps))
         tbe.weights = nn.Parameter(flat, requires_grad=False)
-        if isinstance(tbe.optimizer, optim.RowWiseAdagradWithCounter):
-            raise ValueError("rowwise_adagrad_with_counter: expected an eager collection (the "
-                             "registered lookup ops of FX / torch.compile / torch.export do not "
-                             "carry its prev_iter / row_counter), got a traced one")
+        if isinstance(tbe.optimizer, optim.RowWiseAdagradWithCounter
+                      | optim.RowWiseAdagradGlobalDecay):
+            raise ValueError(f"{optim.spec_of(tbe.optimizer).name}: expected an eager collection "
+                             "(the registered lookup ops of FX / torch.compile / torch.export do "
+                             "not carry its prev_iter / row_counter), got a traced one")
         if tbe.optimizer is not None:
             for name, state in zip(OP_STATES, states[g * n : (g + 1) * n], strict=True):
                 setattr(tbe, name, state)

@@ -559,6 +559,8 @@ class TableBatchedEmbedding(nn.Module):
             )
         if train and self.training and isinstance(self.optimizer, optim.EmaInplaceRowWiseAdagrad):
             ema_inplace(self.optimizer, self.split_slot_weights(), self.step + 1)
+        if train and self.training and isinstance(self.optimizer, optim.RowWiseAdagradGlobalDecay):
+            fused_optim.global_decay(self, indices, offsets)  # FBGEMM's DECOUPLE_GLOBAL
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         out = tbe_lookup(
