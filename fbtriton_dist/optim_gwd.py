@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from fbtriton_dist.optim_counter import DefinitionError
+
 GLOBAL_MODE = "decoupled_global"
 """Its ``weight_decay_mode``: FBGEMM's ``WeightDecayMode.DECOUPLE_GLOBAL`` (value 5)."""
 _FBGEMM_VALUE = 5
@@ -27,16 +29,17 @@ def is_global_mode(value: Any) -> bool:
     return isinstance(raw, str) and raw.lower() in (GLOBAL_MODE, "decouple_global")
 
 
-def _number(owner: str, key: str, value: Any, integer: bool = False,
+def _number(key: str, value: Any, integer: bool = False,
             high: float | None = None) -> float | int:
+    """``value`` checked; raises ``DefinitionError(key, why)``."""
     ok = not isinstance(value, bool) and isinstance(value, int | float)
     if integer:
         if not ok or value != int(value):
-            raise ValueError(f"{owner}.{key}: expected an integer, got {value!r}")
+            raise DefinitionError(key, f"expected an integer, got {value!r}")
         return int(value)
     if not ok or not value >= 0 or (high is not None and not value <= high):
         bound = ">= 0" if high is None else f"in [0, {high:g}]"
-        raise ValueError(f"{owner}.{key}: expected a number {bound}, got {value!r}")
+        raise DefinitionError(key, f"expected a number {bound}, got {value!r}")
     return float(value)
 
 
@@ -53,16 +56,16 @@ class GlobalWeightDecay:
     above 1 would grow rows; FBGEMM does not check it)."""
 
     def __post_init__(self) -> None:
-        owner = "global_weight_decay"
-        object.__setattr__(self, "start_iter", _number(owner, "start_iter", self.start_iter,
+        object.__setattr__(self, "start_iter", _number("start_iter", self.start_iter,
                                                        integer=True))
-        object.__setattr__(self, "lower_bound", _number(owner, "lower_bound", self.lower_bound,
+        object.__setattr__(self, "lower_bound", _number("lower_bound", self.lower_bound,
                                                         high=1.0))
 
 
 def definition(value: Any) -> GlobalWeightDecay:
     """``value`` as ``GlobalWeightDecay``: None (the defaults), an instance, FBGEMM's
-    ``GlobalWeightDecayDefinition`` or a mapping of its fields (the job's YAML)."""
+    ``GlobalWeightDecayDefinition`` or a mapping of its fields (the job's YAML). Raises
+    ``DefinitionError`` (``field`` "" where the value as a whole is wrong)."""
     names = [f.name for f in fields(GlobalWeightDecay)]
     if value is None:
         return GlobalWeightDecay()
@@ -71,14 +74,13 @@ def definition(value: Any) -> GlobalWeightDecay:
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(names))
         if unknown:
-            raise ValueError(f"global_weight_decay.{unknown[0]}: unknown key, expected one of "
-                             f"[{', '.join(names)}]")
+            raise DefinitionError(unknown[0], f"unknown key, expected one of "
+                                  f"[{', '.join(names)}]")
         return GlobalWeightDecay(**value)
     if all(hasattr(value, n) for n in names):  # FBGEMM's GlobalWeightDecayDefinition
         return GlobalWeightDecay(**{n: getattr(value, n) for n in names})
-    raise ValueError(f"global_weight_decay: expected a mapping or FBGEMM's "
-                     f"GlobalWeightDecayDefinition with fields [{', '.join(names)}], got "
-                     f"{value!r}")
+    raise DefinitionError("", f"expected a mapping or FBGEMM's GlobalWeightDecayDefinition "
+                          f"with fields [{', '.join(names)}], got {value!r}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -102,16 +104,20 @@ class RowWiseAdagradGlobalDecay:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        for key in ("lr", "eps", "weight_decay"):
-            _number(owner, key, getattr(self, key))
+        try:
+            for key in ("lr", "eps", "weight_decay"):
+                _number(key, getattr(self, key))
+        except DefinitionError as e:
+            raise ValueError(f"{owner}.{e}") from e
         if not is_global_mode(self.weight_decay_mode):
             raise ValueError(f"{owner}.weight_decay_mode: expected 'decoupled_global' (FBGEMM's "
                              f"WeightDecayMode.DECOUPLE_GLOBAL), got {self.weight_decay_mode!r}")
         object.__setattr__(self, "weight_decay_mode", GLOBAL_MODE)
         try:
             object.__setattr__(self, "global_weight_decay", definition(self.global_weight_decay))
-        except ValueError as e:
-            raise ValueError(f"{owner}.{e}") from e
+        except DefinitionError as e:
+            path = f"{owner}.global_weight_decay" + (f".{e.field}" if e.field else "")
+            raise ValueError(f"{path}: {e.message}") from e
 
     @property
     def applied_weight_decay(self) -> float:

@@ -73,7 +73,7 @@ def test_unknown_nested_key():
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
     assert ("[type, lr, eps, weight_decay, weight_decay_mode, betas, eta, momentum, beta, l1, "
             "l2, step_ema, step_start, step_ema_coef, ar_alpha, ema_beta, min_shrinkage, "
-            "state_dtype, counter, cowclip]") in msg
+            "state_dtype, counter, cowclip, global_weight_decay]") in msg
 
 
 def test_bad_choice_lists_choices():
