@@ -82,7 +82,8 @@ def test_bad_choice_lists_choices():
         "jobs/x.yaml: optimizer.embedding.type: expected one of "
         "[sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb, "
         "partial_rowwise_lamb, lars_sgd, ftrl, emainplace_rowwise_adagrad, "
-        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter], got 'ada'"
+        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter, rowwise_adagrad_global_decay], "
+        "got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))
     assert ("data.source: expected one of [synthetic, random_rec, criteo, multihot], got "
