@@ -303,3 +303,24 @@ def test_traced_collection_refuses_it():
     with pytest.raises(ValueError, match="rowwise_adagrad_global_decay: expected an eager "
                                          "collection"):
         torch.fx.symbolic_trace(model)(_kjt(3, 1, False))
+
+
+def test_job_checkpoint_resumes_the_decay(tmp_path):
+    """A job with ``weight_decay_mode: decoupled_global`` resumed from its step-5 checkpoint
+    (``prev_iter`` and the step saved with the tables) repeats the uninterrupted run's losses."""
+    from tests.train.test_job import losses, main, write_job
+
+    opt = {"embedding": {"type": "rowwise_adagrad", "lr": 0.05, "weight_decay": 0.5,
+                         "weight_decay_mode": "decoupled_global",
+                         "global_weight_decay": {"start_iter": 3, "lower_bound": 0.2}},
+           "dense": {"type": "adam", "lr": 0.01}}
+    common = {"logging__log_every": 1, "train__steps": 10, "train__eval_every": 0,
+              "train__eval_batches": 0, "checkpoint__every": 5, "optimizer": opt}
+    full, half = write_job(tmp_path, "full", **common), write_job(tmp_path, "half", **common)
+    assert main(["--config", str(full)]) == 0
+    assert main(["--config", str(half), "--steps", "5"]) == 0
+    assert main(["--config", str(half), "--resume"]) == 0
+    want, got = losses(tmp_path / "full"), losses(tmp_path / "half")
+    assert sorted(got) == list(range(1, 11))
+    for step in range(6, 11):
+        assert got[step] == pytest.approx(want[step], abs=1e-6, rel=0), step
