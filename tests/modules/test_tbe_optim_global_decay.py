@@ -324,3 +324,15 @@ def test_job_checkpoint_resumes_the_decay(tmp_path):
     assert sorted(got) == list(range(1, 11))
     for step in range(6, 11):
         assert got[step] == pytest.approx(want[step], abs=1e-6, rel=0), step
+
+
+def test_unpooled_lookups_run_the_same_catch_up():
+    """``pooling="none"`` (the EmbeddingCollection's TBE) runs the same catch-up: after the
+    schedule its ``prev_iter`` is the pooled module's (it depends on the ids only)."""
+    pooled, _ = _run(_opt(), "cpu", len(SCHEDULE))
+    tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=_opt(), backend="cpu", pooling="none",
+                                stochastic_rounding=False)
+    for step in range(len(SCHEDULE)):
+        out = tbe(*_batch(step))
+        out.backward(torch.ones_like(out))
+    assert torch.equal(tbe.prev_iter, pooled.prev_iter) and tbe.step == len(SCHEDULE)
