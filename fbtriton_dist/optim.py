@@ -61,6 +61,7 @@ from typing import Any, Literal
 
 from fbtriton_dist.optim_counter import RowWiseAdagradWithCounter, counter_mode
 from fbtriton_dist.optim_ensemble import EnsembleRowWiseAdagrad, ensemble_kwargs
+from fbtriton_dist.optim_gwd import GWD_TORCH, RowWiseAdagradGlobalDecay, is_global_mode
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -96,8 +97,8 @@ class Adagrad:
 
 WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
 """Rowwise Adagrad's ``weight_decay_mode`` choices: FBGEMM's ``WeightDecayMode`` NONE, L2 and
-DECOUPLE (COUNTER and COWCLIP are ``RowWiseAdagradWithCounter``'s; DECOUPLE_GLOBAL is not
-implemented)."""
+DECOUPLE (COUNTER and COWCLIP are ``RowWiseAdagradWithCounter``'s; DECOUPLE_GLOBAL is
+``RowWiseAdagradGlobalDecay``'s)."""
 
 _FBGEMM_WEIGHT_DECAY_MODES = {0: "none", 1: "l2", 2: "decoupled"}
 """FBGEMM's ``WeightDecayMode`` values (an ``IntEnum``) that have an equivalent here."""
@@ -113,7 +114,8 @@ def _weight_decay_mode(value: Any, owner: str = "RowWiseAdagrad") -> str:
         key = value.lower()
         key = "decoupled" if key == "decouple" else key
     if key not in WEIGHT_DECAY_MODES:
-        hint = " (counter / cowclip: RowWiseAdagradWithCounter)" if counter_mode(value) else ""
+        hint = (" (counter / cowclip: RowWiseAdagradWithCounter)" if counter_mode(value) else
+                " (decoupled_global: RowWiseAdagradGlobalDecay)" if is_global_mode(value) else "")
         raise ValueError(
             f"{owner}.weight_decay_mode: expected one of ['none', 'l2', 'decoupled'] "
             f"(or FBGEMM's WeightDecayMode NONE, L2, DECOUPLE), got {value!r}{hint}"
@@ -356,7 +358,7 @@ class FTRL:
         _check_positive("FTRL", beta=self.beta, l1=self.l1, l2=self.l2)
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR | RowWiseAdagradWithCounter | EnsembleRowWiseAdagrad  # noqa: E501
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | PartialRowWiseAdam | LAMB | PartialRowWiseLAMB | LarsSGD | FTRL | EmaInplaceRowWiseAdagrad | RowWiseRMSpropAR | RowWiseAdagradWithCounter | EnsembleRowWiseAdagrad | RowWiseAdagradGlobalDecay  # noqa: E501
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -655,6 +657,10 @@ REGISTRY: dict[str, OptimizerSpec] = {
                               modes={"weight_decay_mode": "none", "step_mode": "use_iter"}),),
             kernel_code=13,
         ),
+        OptimizerSpec(  # rowwise Adagrad, DECOUPLE_GLOBAL (optim_gwd.py); ours, from_torch maps
+            "rowwise_adagrad_global_decay", "EXACT_ROWWISE_ADAGRAD", RowWiseAdagradGlobalDecay,
+            (State("momentum1", per_row=True), State("prev_iter", per_row=True, fp32_only=True)),
+            ("lr", "eps", "weight_decay"), (TorchClass(**GWD_TORCH),), kernel_code=14),
     )
 }
 """Every fused optimizer, by name."""
@@ -697,6 +703,9 @@ def from_torch(cls: type, kwargs: Mapping[str, Any], where: str) -> Optimizer:
                 if entry.name == "rowwise_adagrad" and counter_mode(
                         kwargs.get("weight_decay_mode")):  # FBGEMM's COUNTER / COWCLIP
                     entry = REGISTRY["rowwise_adagrad_with_counter"]
+                elif entry.name == "rowwise_adagrad" and is_global_mode(
+                        kwargs.get("weight_decay_mode")):  # FBGEMM's DECOUPLE_GLOBAL
+                    entry = REGISTRY["rowwise_adagrad_global_decay"]
                 if entry.config is EnsembleRowWiseAdagrad:  # FBGEMM's ensemble_mode= spread
                     kwargs = ensemble_kwargs(kwargs)
                 return entry.from_kwargs(kwargs, where, name)
@@ -800,7 +809,7 @@ def native_hyper_parameters(optimizer: Optimizer | None, step: int) -> list[floa
     without an optimizer)."""
     if optimizer is None:
         return [0.0] * (len(NATIVE_HYPER_FIELDS) - 1) + [float(step)]
-    decoupled = getattr(optimizer, "weight_decay_mode", "l2") == "decoupled"
+    decoupled = getattr(optimizer, "weight_decay_mode", "l2") in ("decoupled", "decoupled_global")
     return [*hyper_parameters(optimizer)[:5], float(decoupled), float(step)]
 
 

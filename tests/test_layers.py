@@ -58,16 +58,17 @@ import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "fbtriton_dist"
 
-TORCH_FREE_LEAVES = {"optim", "optim_counter", "optim_ensemble", "optim_fused_params", "pooling",
-                     "knobs", "id_manager", "storage"}
+TORCH_FREE_LEAVES = {"optim", "optim_counter", "optim_ensemble", "optim_fused_params", "optim_gwd",
+                     "pooling", "knobs", "id_manager", "storage"}
 """Top-level modules every layer may read, the torch-free planner included."""
 ALLOWED: dict[str, set[str]] = {
     # top-level leaves
     "__init__": set(),  # the lazy table: importlib only
-    "optim": {"optim_counter", "optim_ensemble"},  # the optimizer registry
+    "optim": {"optim_counter", "optim_ensemble", "optim_gwd"},  # the optimizer registry
     "optim_counter": set(),  # rowwise Adagrad with counter's config (optim registers it)
     "optim_ensemble": set(),  # ensemble rowwise Adagrad's config (optim registers it)
     "optim_fused_params": {"optim", "optim_ensemble"},  # TorchRec's fused_params -> our optimizer
+    "optim_gwd": {"optim_counter"},  # global weight decay's config (optim registers it)
     "pooling": set(),  # PoolingMode: kernels, reference, ops and modules read it
     "knobs": set(),  # the one module that reads FBTD_* environment variables
     "id_manager": set(),  # managed tables' config (dynamic ids): planner, modules, ops read it
@@ -120,6 +121,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "optim_counter.py": NO_TENSORS,  # optim.py imports it
     "optim_ensemble.py": NO_TENSORS,  # optim.py imports it
     "optim_fused_params.py": NO_TENSORS,  # a torch-free leaf beside optim.py
+    "optim_gwd.py": NO_TENSORS,  # optim.py imports it
     "pooling.py": NO_TENSORS,  # a leaf every layer reads
     "knobs.py": NO_TENSORS,  # the planner may read it
     "id_manager.py": NO_TENSORS,  # the planner's table sets read it

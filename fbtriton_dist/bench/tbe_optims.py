@@ -59,8 +59,10 @@ _FBGEMM_FIELDS = {"lr": "learning_rate", "eps": "eps", "weight_decay": "weight_d
 _EMA_FIELDS = ("step_ema", "step_start", "step_ema_coef", "step_swap", "step_mode")
 """EMA-in-place's ``EmainplaceModeDefinition`` fields; ensemble's ``EnsembleModeDefinition``."""
 _COUNTER_DEFINITIONS = {"counter_based_regularization": "CounterBasedRegularizationDefinition",
-                        "cowclip_regularization": "CowClipDefinition"}
-"""Our counter optimizer's definitions -> FBGEMM's classes (``fbgemm_gpu.tbe.config``)."""
+                        "cowclip_regularization": "CowClipDefinition",
+                        "global_weight_decay": "GlobalWeightDecayDefinition"}
+"""Our counter and global-decay optimizers' definitions -> FBGEMM's classes
+(``fbgemm_gpu.tbe.config``)."""
 _WEIGHT_DECAY_MODES = {"none": "NONE", "l2": "L2", "decoupled": "DECOUPLE"}
 
 
@@ -102,6 +104,8 @@ class OptimPhase:
             elif f.name == "weight_decay_mode":
                 if isinstance(self.config, optim.RowWiseAdagradWithCounter):
                     out["weight_decay_mode"] = value.upper()  # COUNTER or COWCLIP
+                elif isinstance(self.config, optim.RowWiseAdagradGlobalDecay):
+                    out["weight_decay_mode"] = "DECOUPLE_GLOBAL"
                 elif self.config.applied_weight_decay > 0:
                     out["weight_decay_mode"] = _WEIGHT_DECAY_MODES[value]
             elif f.name in _COUNTER_DEFINITIONS:

@@ -29,6 +29,7 @@ _FTRL = tl.constexpr(optim.spec("ftrl").kernel_code)
 _EMAINPLACE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("emainplace_rowwise_adagrad").kernel_code)
 _ROWWISE_RMSPROP_AR = tl.constexpr(optim.spec("rowwise_rmsprop_ar").kernel_code)
 _ENSEMBLE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("ensemble_rowwise_adagrad").kernel_code)
+_ROWWISE_ADAGRAD_GLOBAL_DECAY = tl.constexpr(optim.spec("rowwise_adagrad_global_decay").kernel_code)
 # slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
 _ETA, _MOMENTUM, _BETA, _L1, _L2 = (
     tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
@@ -40,6 +41,7 @@ OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
     "partial_rowwise_lamb", "lars_sgd", "ftrl", "emainplace_rowwise_adagrad",
     "rowwise_rmsprop_ar", "ensemble_rowwise_adagrad",
+    "rowwise_adagrad_global_decay",
 )
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
 
@@ -283,6 +285,10 @@ def optimizer_update(
     elif OPTIMIZER == _ENSEMBLE_ROWWISE_ADAGRAD:  # its moving average and swap: the module's
         w = _rowwise_adagrad_update(
             w, g, m_row, mom1_ptr, key, live, dm, D, lr, eps, weight_decay, WD_DECOUPLED
+        )
+    elif OPTIMIZER == _ROWWISE_ADAGRAD_GLOBAL_DECAY:  # decoupled; the catch-up: the module's
+        w = _rowwise_adagrad_update(
+            w, g, m_row, mom1_ptr, key, live, dm, D, lr, eps, weight_decay, True
         )
     elif OPTIMIZER == _ADAM:
         w = _adam_update(

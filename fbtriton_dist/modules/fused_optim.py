@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from fbtriton_dist import optim, optim_ensemble
+from fbtriton_dist.ops import global_decay as global_decay_op
+from fbtriton_dist.ops.tbe import capturing
 
 
 class FTRL(torch.optim.Optimizer):
@@ -109,13 +111,47 @@ class RowWiseAdagradWithCounter(torch.optim.Optimizer):
         )
 
 
+class RowWiseAdagradGlobalDecay(torch.optim.Optimizer):
+    """Names ``fbtriton_dist.optim.RowWiseAdagradGlobalDecay`` (fused only): its keywords are
+    that config's fields (FBGEMM's), with its defaults. TorchRec's ``RowWiseAdagrad`` with
+    ``weight_decay_mode`` DECOUPLE_GLOBAL maps to the same config."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10, weight_decay: float = 0.0,
+                 weight_decay_mode="decoupled_global", global_weight_decay=None) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay,
+                                  "weight_decay_mode": weight_decay_mode,
+                                  "global_weight_decay": global_weight_decay})
+
+    def step(self, closure=None):
+        raise NotImplementedError(
+            "fbtriton_dist.modules.fused_optim.RowWiseAdagradGlobalDecay is applied fused in "
+            "the TBE backward (a collection or TableBatchedEmbedding reads the annotation); it "
+            "has no step"
+        )
+
+
+def global_decay(tbe, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Before the lookup of a training step of ``tbe`` (a ``TableBatchedEmbedding`` with
+    ``optim.RowWiseAdagradGlobalDecay``): the rows of the batch pay the decay they missed
+    (``ops/global_decay.py``; t = the module's step + 1, FBGEMM's ``iter``)."""
+    if capturing(tbe.weights.device):
+        raise RuntimeError("RowWiseAdagradGlobalDecay: the catch-up decay reads the batch's "
+                           "feature bounds on the host; it cannot be captured in a CUDA graph")
+    features = [(tbe.table_offsets[t], tbe.table_row_offsets[t], *tbe.slot_tables[t])
+                for t in tbe.feature_table_map]
+    global_decay_op.global_decay(tbe.weights, tbe.prev_iter, indices, offsets, features,
+                                 tbe.step + 1, tbe.optimizer)
+
+
 def check_ema_tables(optimizer, tiered: bool) -> None:
     """``optim.EmaInplaceRowWiseAdagrad`` runs over whole tables on the device, and
     ``optim.RowWiseAdagradWithCounter``'s ``max_counter`` reads every row's counter: neither
-    with cached storage tiers."""
+    with cached storage tiers (nor ``optim.RowWiseAdagradGlobalDecay``, whose catch-up runs
+    before the cache maps ids to slots)."""
     why = {optim.EmaInplaceRowWiseAdagrad: "its moving average runs over whole tables",
            optim.EnsembleRowWiseAdagrad: "its moving average and swap run over whole tables",
-           optim.RowWiseAdagradWithCounter: "its max_counter reads every row's counter"}
+           optim.RowWiseAdagradWithCounter: "its max_counter reads every row's counter",
+           optim.RowWiseAdagradGlobalDecay: "its prev_iter would follow cache slots, not rows"}
     if type(optimizer) in why and tiered:
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected no cached storage "
                          f"tiers ({why[type(optimizer)]}), got some")

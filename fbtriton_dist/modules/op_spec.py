@@ -174,7 +174,8 @@ def bind(module, params: list[Tensor], states: list[Tensor]):
         tbe.weights = nn.Parameter(flat, requires_grad=False)
         lacks = {optim.RowWiseAdagradWithCounter: "carry its prev_iter / row_counter",
                  optim.EmaInplaceRowWiseAdagrad: "run its whole-table step before the lookup",
-                 optim.EnsembleRowWiseAdagrad: "run its whole-table step before the lookup"}
+                 optim.EnsembleRowWiseAdagrad: "run its whole-table step before the lookup",
+                 optim.RowWiseAdagradGlobalDecay: "carry its prev_iter"}
         if type(tbe.optimizer) in lacks:
             raise ValueError(f"{optim.spec_of(tbe.optimizer).name}: expected an eager collection "
                              "(the registered lookup ops of FX / torch.compile / torch.export do "

@@ -570,6 +570,8 @@ class TableBatchedEmbedding(nn.Module):
                 fused_optim.refuse_whole_table_steps([self.optimizer],
                                                      "a CUDA graph capture of a training lookup")
             fused_optim.whole_table_step(self, self.step + 1)
+        if train and self.training and isinstance(self.optimizer, optim.RowWiseAdagradGlobalDecay):
+            fused_optim.global_decay(self, indices, offsets)  # FBGEMM's DECOUPLE_GLOBAL
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         out = tbe_lookup(

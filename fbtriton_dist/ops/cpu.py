@@ -37,6 +37,7 @@ from fbtriton_dist.ops import cpu_native
 from fbtriton_dist.ops.cpu_bucketize import bucketize
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.reference.counter import counter_rows, refresh_max_counter
+from fbtriton_dist.reference.global_decay import row_update
 from fbtriton_dist.reference.tbe import step_seed, stochastic_round
 
 POOL_MEAN, POOL_NONE = PoolingMode.MEAN, PoolingMode.NONE
@@ -424,7 +425,8 @@ def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
     spec = optim.spec_of(optimizer)
     view = group.view(weights)
     places = []  # (the state, where the rows' values are in it), per state
-    for state, buffer in ((s, buffers[s.name]) for s in spec.states):
+    for state, buffer in ((s, buffers[s.name]) for s in spec.states
+                          if buffers[s.name] is not None):  # global decay's prev_iter: not here
         if not state.per_row:
             places.append((group.view(buffer), rows))
         elif isinstance(shift, int):
@@ -648,6 +650,9 @@ _STEPS = {
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
     "rowwise_adagrad_with_counter": _rowwise_adagrad_with_counter_step,  # reference/counter.py
     "ensemble_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average, swap
+    # rowwise Adagrad's decoupled step; the catch-up decay runs before the lookup
+    "rowwise_adagrad_global_decay": lambda opt, *a: _rowwise_adagrad_step(row_update(opt),
+                                                                          *a[:6]),
 }
 """The step of each optimizer, by its registry name."""
 
@@ -665,6 +670,7 @@ _NEEDS_ROWS = {
     "rowwise_rmsprop_ar": lambda opt: opt.ar_alpha != 0,  # else the decay factor is 1
     "rowwise_adagrad_with_counter": lambda opt: True,
     "ensemble_rowwise_adagrad": lambda opt: opt.applied_weight_decay != 0,
+    "rowwise_adagrad_global_decay": lambda opt: opt.weight_decay != 0,
 }
 """Does the step read the rows (weight decay, a trust ratio)?"""
 

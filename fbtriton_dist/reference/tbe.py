@@ -5,6 +5,7 @@ import torch
 from fbtriton_dist import optim
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.reference.counter import counter_update, refresh_max_counter
+from fbtriton_dist.reference.global_decay import row_update
 
 POOL_SUM, POOL_MEAN, POOL_NONE = PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE
 """The ``pooling`` codes (``fbtriton_dist.pooling.PoolingMode``): sum or mean per bag, or none
@@ -393,6 +394,8 @@ UPDATES = {
     "rowwise_adagrad_with_counter": counter_update,  # reference/counter.py
     # rowwise Adagrad's update; its moving average and swap are the module's (fused_optim.py)
     "ensemble_rowwise_adagrad": _rowwise_adagrad_update,
+    # rowwise Adagrad's decoupled update; the catch-up decay runs before the lookup
+    "rowwise_adagrad_global_decay": lambda opt, *a: _rowwise_adagrad_update(row_update(opt), *a),
 }
 """The update of each optimizer, by its registry name."""
 

@@ -97,6 +97,7 @@ from .optim_config import (
     LrSchedule,
     OptimizerConfig,
     counter_definition,
+    global_decay_definition,
 )
 
 __all__ = [
@@ -691,7 +692,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
             {
                 "embedding": _section(EmbeddingOptimizerConfig, where, {
                     "betas": _pair, "counter": counter_definition(CounterBasedRegularization),
-                    "cowclip": counter_definition(CowClipRegularization)}),
+                    "cowclip": counter_definition(CowClipRegularization),
+                    "global_weight_decay": global_decay_definition}),
                 "dense": _section(DenseOptimizerConfig, where, {"betas": _pair}),
                 "schedule": _section(LrSchedule, where),
             },

@@ -174,6 +174,7 @@ def _embedding_optimizer(c: EmbeddingOptimizerConfig) -> optim.Optimizer:
     entry = optim.spec(c.optimizer_name)
     given = {"lr": c.lr, "eps": c.eps, "betas": c.betas, "weight_decay": c.weight_decay,
              "counter_based_regularization": c.counter, "cowclip_regularization": c.cowclip,
+             "global_weight_decay": c.global_weight_decay,
              "eta": c.eta, "momentum": c.momentum, "beta": c.beta, "l1": c.l1, "l2": c.l2,
              "weight_decay_mode": c.weight_decay_mode, "step_ema": c.step_ema,
              "step_start": c.step_start, "step_ema_coef": c.step_ema_coef,

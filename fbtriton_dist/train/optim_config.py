@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fbtriton_dist import optim, optim_counter, optim_ensemble
+from fbtriton_dist import optim, optim_counter, optim_ensemble, optim_gwd
 from fbtriton_dist.optim_counter import CounterBasedRegularization, CowClipRegularization
 from fbtriton_dist.planner._yaml import FieldError, check_choice, check_number
 
@@ -37,7 +37,9 @@ class EmbeddingOptimizerConfig:
     """rowwise_adagrad's ``none``, ``l2`` or ``decoupled`` (``optim.WEIGHT_DECAY_MODES``;
     FBGEMM's ``weight_decay_mode``), or ``counter`` / ``cowclip`` (rowwise Adagrad with
     counter: ``rowwise_adagrad_with_counter``, its definition under ``counter:`` /
-    ``cowclip:``); None: its default, ``l2`` (``counter`` for rowwise_adagrad_with_counter)."""
+    ``cowclip:``), or ``decoupled_global`` (global weight decay:
+    ``rowwise_adagrad_global_decay``, its definition under ``global_weight_decay:``); None: its
+    default, ``l2`` (``counter`` / ``decoupled_global`` for those two types)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """The moment decays of adam, partial_rowwise_adam, lamb, partial_rowwise_lamb."""
     eta: float | None = None
@@ -80,6 +82,10 @@ class EmbeddingOptimizerConfig:
     cowclip: CowClipRegularization | None = None
     """``weight_decay_mode: cowclip``'s definition (FBGEMM's ``CowClipDefinition`` fields);
     None: its defaults."""
+    global_weight_decay: optim_gwd.GlobalWeightDecay | None = None
+    """``weight_decay_mode: decoupled_global``'s definition (FBGEMM's
+    ``GlobalWeightDecayDefinition`` fields ``start_iter``, ``lower_bound``); None: its
+    defaults."""
 
     def __post_init__(self) -> None:
         check_choice("type", self.type, optim.NAMES)
@@ -87,7 +93,8 @@ class EmbeddingOptimizerConfig:
         _check_optional(check_number, "eps", self.eps, 0.0)
         check_number("weight_decay", self.weight_decay, 0.0)
         _check_optional(check_choice, "weight_decay_mode", self.weight_decay_mode,
-                        optim.WEIGHT_DECAY_MODES + optim_counter.COUNTER_MODES)
+                        optim.WEIGHT_DECAY_MODES + optim_counter.COUNTER_MODES
+                        + (optim_gwd.GLOBAL_MODE,))
         _check_counter(self)
         for name in ("eta", "momentum", "beta", "l1", "l2", "step_start", "step_ema_coef",
                      "ar_alpha", "ema_beta", "min_shrinkage"):
@@ -121,6 +128,8 @@ class EmbeddingOptimizerConfig:
         states)."""
         if self.type == "rowwise_adagrad" and self.weight_decay_mode in optim_counter.COUNTER_MODES:
             return "rowwise_adagrad_with_counter"
+        if self.type == "rowwise_adagrad" and self.weight_decay_mode == optim_gwd.GLOBAL_MODE:
+            return "rowwise_adagrad_global_decay"
         return self.type
 
 
@@ -136,10 +145,19 @@ def _check_counter(c: EmbeddingOptimizerConfig) -> None:
                                                                  *optim_counter.COUNTER_MODES):
         raise FieldError("weight_decay_mode", f"expected one of [counter, cowclip] with type: "
                          f"rowwise_adagrad_with_counter, got {mode!r}")
-    effective = mode or ("counter" if c.type == "rowwise_adagrad_with_counter" else None)
-    for key in ("counter", "cowclip"):
-        if getattr(c, key) is not None and effective != key:
-            raise FieldError(key, f"only supported with weight_decay_mode: {key}, got "
+    effective = mode or {"rowwise_adagrad_with_counter": "counter", "rowwise_adagrad_global_decay":
+                         optim_gwd.GLOBAL_MODE}.get(c.type)
+    gwd_takers = ("rowwise_adagrad", "rowwise_adagrad_global_decay")
+    if mode == optim_gwd.GLOBAL_MODE and c.type not in gwd_takers:
+        raise FieldError("weight_decay_mode", f"{mode} is only supported with type: "
+                         f"{', '.join(gwd_takers)}, got type: {c.type}")
+    if c.type == gwd_takers[1] and mode not in (None, optim_gwd.GLOBAL_MODE):
+        raise FieldError("weight_decay_mode", f"expected decoupled_global with type: "
+                         f"{gwd_takers[1]}, got {mode!r}")
+    for key, needs in (("counter", "counter"), ("cowclip", "cowclip"),
+                       ("global_weight_decay", optim_gwd.GLOBAL_MODE)):
+        if getattr(c, key) is not None and effective != needs:
+            raise FieldError(key, f"only supported with weight_decay_mode: {needs}, got "
                              f"weight_decay_mode: {mode}")
 
 
@@ -153,6 +171,15 @@ def counter_definition(cls: type):
             raise FieldError(f"{key}.{e.field}" if e.field else key, e.message) from e
 
     return make
+
+
+def global_decay_definition(value, key: str) -> optim_gwd.GlobalWeightDecay:
+    """The job YAML's ``global_weight_decay:`` mapping (a converter of ``config.py``'s
+    sections): a bad key or value names its full key path."""
+    try:
+        return optim_gwd.definition(value if value is not None else {})
+    except optim_counter.DefinitionError as e:
+        raise FieldError(f"{key}.{e.field}" if e.field else key, e.message) from e
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -211,7 +211,7 @@ def test_annotation_and_job_take_the_mode():
     with pytest.raises(FieldError, match="weight_decay_mode: only supported with type: "
                                          "rowwise_adagrad, emainplace_rowwise_adagrad, "
                                          "rowwise_adagrad_with_counter, "
-                                         "ensemble_rowwise_adagrad, got type: adam"):
+                                         "ensemble_rowwise_adagrad, rowwise_adagrad_global_decay, got type: adam"):
         EmbeddingOptimizerConfig(type="adam", weight_decay_mode="l2")
 
     configs = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,

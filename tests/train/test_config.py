@@ -73,7 +73,7 @@ def test_unknown_nested_key():
     assert msg.startswith("jobs/x.yaml: optimizer.embedding.learning_rate: unknown key")
     assert ("[type, lr, eps, weight_decay, weight_decay_mode, betas, eta, momentum, beta, l1, "
             "l2, step_ema, step_start, step_ema_coef, step_swap, step_mode, ar_alpha, ema_beta, min_shrinkage, "
-            "state_dtype, counter, cowclip]") in msg
+            "state_dtype, counter, cowclip, global_weight_decay]") in msg
 
 
 def test_bad_choice_lists_choices():
@@ -82,7 +82,7 @@ def test_bad_choice_lists_choices():
         "jobs/x.yaml: optimizer.embedding.type: expected one of "
         "[sgd, adagrad, rowwise_adagrad, adam, partial_rowwise_adam, lamb, "
         "partial_rowwise_lamb, lars_sgd, ftrl, emainplace_rowwise_adagrad, "
-        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter, ensemble_rowwise_adagrad], "
+        "rowwise_rmsprop_ar, rowwise_adagrad_with_counter, ensemble_rowwise_adagrad, rowwise_adagrad_global_decay], "
         "got 'ada'"
     )
     msg = error(job(data={"source": "criteo_tsv"}))

@@ -20,7 +20,8 @@
  * list from this file), HYPER_* the slots of optim.NATIVE_HYPER_FIELDS (double
  * hyper[HYPER_COUNT]). */
 enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADAGRAD = 4,
-       OPT_EMAINPLACE_ROWWISE_ADAGRAD = 10, OPT_ENSEMBLE_ROWWISE_ADAGRAD = 13 };
+       OPT_EMAINPLACE_ROWWISE_ADAGRAD = 10, OPT_ENSEMBLE_ROWWISE_ADAGRAD = 13,
+       OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY = 14 };
 enum { HYPER_LR = 0, HYPER_EPS = 1, HYPER_BETA1 = 2, HYPER_BETA2 = 3, HYPER_WEIGHT_DECAY = 4,
        HYPER_DECOUPLED = 5, HYPER_STEP = 6, HYPER_COUNT = 7 };
 
@@ -355,8 +356,9 @@ INLINE void update_row(const bwd_args *a, float *restrict w, const float *restri
     }
     case OPT_ROWWISE_ADAGRAD:
     case OPT_EMAINPLACE_ROWWISE_ADAGRAD: /* the same row step; their moving average (and */
-    case OPT_ENSEMBLE_ROWWISE_ADAGRAD: { /* swap) over whole tables is the module's, before
-                                          * the lookup */
+    case OPT_ENSEMBLE_ROWWISE_ADAGRAD:   /* swap) over whole tables is the module's, */
+    case OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY: { /* as global decay's catch-up (decoupled:
+                                              * hyper DECOUPLED = 1), before the lookup */
         float *m = a->m1 + state_row;
         const float l2 = a->decoupled ? 0.0f : a->wd;
         const float mv = *m + sum_squares(g, w, l2, D) / (float)D;
@@ -395,7 +397,8 @@ static void bwd_runs(const bwd_args *a, const int64_t *starts, int64_t n, int64_
             const int64_t Dq = a->dims[fq], eq = a->w_offsets[fq] + idq * Dq;
             if (a->opt != OPT_NONE) prefetch_bytes(w8 + eq * esize, Dq * esize, 1);
             if (a->opt == OPT_ROWWISE_ADAGRAD || a->opt == OPT_EMAINPLACE_ROWWISE_ADAGRAD
-                || a->opt == OPT_ENSEMBLE_ROWWISE_ADAGRAD)
+                || a->opt == OPT_ENSEMBLE_ROWWISE_ADAGRAD
+                || a->opt == OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY)
                 __builtin_prefetch(a->m1 + (q >> a->pos_bits), 1, 3);
             else if (a->opt == OPT_ADAGRAD || a->opt == OPT_ADAM)
                 prefetch_bytes(a->m1 + eq, Dq * 4, 1);
