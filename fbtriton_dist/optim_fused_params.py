@@ -8,7 +8,8 @@ passes to FBGEMM's TBE: ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "lea
 - ``optimizer``: FBGEMM's ``EmbOptimType`` member, its name or value in any case, or, for an
   optimizer FBGEMM lacks (``ftrl``, ``rowwise_rmsprop_ar``), our registry name;
   EXACT_ROWWISE_ADAGRAD with ``weight_decay_mode`` COUNTER / COWCLIP is
-  ``rowwise_adagrad_with_counter``;
+  ``rowwise_adagrad_with_counter``, with DECOUPLE_GLOBAL ``rowwise_adagrad_global_decay``
+  (its ``global_weight_decay``: FBGEMM's ``GlobalWeightDecayDefinition``);
 - FBGEMM's names of the hyper-parameters (``FBGEMM_KEYS``): ``learning_rate`` is ``lr``,
   ``beta1`` / ``beta2`` are ``betas``, ``ensemble_mode`` / ``emainplace_mode`` (FBGEMM's
   definitions, or mappings of their fields) spread into the ``step_*`` fields; the others
@@ -25,7 +26,7 @@ default, raises ValueError naming it: nothing is ignored silently.
 from collections.abc import Mapping
 from typing import Any
 
-from fbtriton_dist import optim, optim_ensemble
+from fbtriton_dist import optim, optim_ensemble, optim_gwd
 
 FBGEMM_DEFAULTS: Mapping[str, Any] = {
     "learning_rate": 0.01, "eps": 1e-8, "weight_decay": 0.0, "weight_decay_mode": "none",
@@ -35,7 +36,7 @@ FBGEMM_DEFAULTS: Mapping[str, Any] = {
 optimizer keywords that several optimizers share."""
 
 FBGEMM_KEYS = (*FBGEMM_DEFAULTS, "ensemble_mode", "emainplace_mode",
-               "counter_based_regularization", "cowclip_regularization")
+               "counter_based_regularization", "cowclip_regularization", "global_weight_decay")
 """FBGEMM's TBE optimizer keywords that map onto our configs' fields."""
 
 _FIELD = {"learning_rate": "lr"}
@@ -72,6 +73,9 @@ def _entry(value: Any, fused: Mapping[str, Any]) -> optim.OptimizerSpec:
             if entry.name == "rowwise_adagrad" and optim.counter_mode(
                     fused.get("weight_decay_mode")):  # FBGEMM's COUNTER / COWCLIP
                 return optim.REGISTRY["rowwise_adagrad_with_counter"]
+            if entry.name == "rowwise_adagrad" and optim_gwd.is_global_mode(
+                    fused.get("weight_decay_mode")):  # FBGEMM's DECOUPLE_GLOBAL
+                return optim.REGISTRY["rowwise_adagrad_global_decay"]
             return entry
         if name in optim.REGISTRY and optim.REGISTRY[name].fbgemm is None:
             return optim.REGISTRY[name]

@@ -67,7 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "optim": {"optim_counter", "optim_ensemble", "optim_gwd"},  # the optimizer registry
     "optim_counter": set(),  # rowwise Adagrad with counter's config (optim registers it)
     "optim_ensemble": set(),  # ensemble rowwise Adagrad's config (optim registers it)
-    "optim_fused_params": {"optim", "optim_ensemble"},  # TorchRec's fused_params -> our optimizer
+    "optim_fused_params": {"optim", "optim_ensemble", "optim_gwd"},  # TorchRec's fused_params -> our optimizer
     "optim_gwd": {"optim_counter"},  # global weight decay's config (optim registers it)
     "pooling": set(),  # PoolingMode: kernels, reference, ops and modules read it
     "knobs": set(),  # the one module that reads FBTD_* environment variables

@@ -107,6 +107,13 @@ def test_every_optimizer_maps_and_unknown_keys_are_refused():
             mapped(EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
                    ensemble_mode=EnsembleModeDefinition(step_ema=3, step_swap=5)),
             optim.EnsembleRowWiseAdagrad(step_ema=3, step_swap=5)),
+        "rowwise_adagrad_global_decay": (
+            mapped(EmbOptimType.EXACT_ROWWISE_ADAGRAD, weight_decay=0.1,
+                   weight_decay_mode=WeightDecayMode.DECOUPLE_GLOBAL,
+                   global_weight_decay={"start_iter": 3, "lower_bound": 0.5}),
+            optim.RowWiseAdagradGlobalDecay(eps=1e-8, weight_decay=0.1,
+                                            global_weight_decay={"start_iter": 3,
+                                                                 "lower_bound": 0.5})),
     }
     assert sorted(want) == sorted(optim.NAMES)  # every registry optimizer
     for name, (got, expected) in want.items():
