@@ -168,15 +168,16 @@ def _kernel_name(obj) -> str:
 
 
 @contextlib.contextmanager
-def _counting_launches(work: HostWork):
-    """Count each outermost launch through any of ``_launch_targets``. Our ``Launcher``'s own
+def _counting_launches(work: HostWork | None):
+    """Count each outermost launch through any of ``_launch_targets`` into ``work`` (None:
+    only mark where launches run). Our ``Launcher``'s own
     host work (its cache key, the arguments' order) counts as host work; what Triton does
     inside ``run`` (the interpreter executing the kernel) does not."""
     saved = []
 
     def wrap(original, is_launcher):
         def counted(self, *args, **kwargs):
-            if not _STATE.in_launch and not _STATE.in_launcher:
+            if work is not None and not _STATE.in_launch and not _STATE.in_launcher:
                 work.kernel_names[_kernel_name(self)] += 1
             if is_launcher:
                 _STATE.in_launcher += 1
@@ -225,7 +226,7 @@ def _count_calls(fn: Callable[[], object], work: HostWork) -> None:
                 frame.f_code.co_filename != here):
             work.python_calls += 1
 
-    with _counting_launches(HostWork()):
+    with _counting_launches(None):  # marks the launches, counts nothing
         sys.setprofile(profile)
         try:
             fn()
@@ -257,16 +258,17 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 """The fused optimizers ``main`` counts by default (registry names)."""
 
 
-def tiny_step(optimizer: str, bounds_check: str, plan_ahead: bool = True, device="cpu"):
+def tiny_step(optimizer: str, bounds_check: str, plan_ahead: bool = True, device="cpu",
+              bag: int = 3):
     """(module, step callable) of one fused fwd+bwd on the Triton backend: 3 tables of mixed
-    D (8, 8, 4), B 4, up to 3 ids a bag, on ``device`` (the CPU: ``TRITON_INTERPRET=1``).
+    D (8, 8, 4), B 4, up to ``bag`` ids a bag, on ``device`` (the CPU: ``TRITON_INTERPRET=1``).
     ``plan_ahead=True`` takes the CUDA default's path (the backward plan made beside the
     forward; on the CPU in order)."""
     from fbtriton_dist.modules.tbe import TableBatchedEmbedding  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(0)
     tables, B = [(40, 8), (30, 8), (20, 4)], 4
-    lengths = torch.randint(0, 4, (len(tables) * B,), generator=gen)
+    lengths = torch.randint(0, bag + 1, (len(tables) * B,), generator=gen)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     ids = [torch.randint(0, E, (int(lengths[f * B:(f + 1) * B].sum()),), generator=gen)
            for f, (E, _) in enumerate(tables)]
@@ -332,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time", action="store_true",
                         help="also host microseconds per step with the launches skipped")
     parser.add_argument("--sites", action="store_true", help="list each sync and the ops")
+    parser.add_argument("--bag", type=int, default=3, help="the most ids in a bag (B = 4, T = 3)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("host_work: set TRITON_INTERPRET=1 before Python starts (the Triton "
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     details = []
     for name in args.optimizers.split(","):
         for bounds in args.bounds.split(","):
-            _, step = tiny_step(name, bounds, plan_ahead=not args.no_ahead)
+            _, step = tiny_step(name, bounds, plan_ahead=not args.no_ahead, bag=args.bag)
             step()  # warm: compiles nothing here, but builds the lazy state
             work = count_host_work(step, calls=True)
             us = f" {host_us_per_step(step):.0f} |" if args.time else ""

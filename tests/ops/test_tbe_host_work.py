@@ -16,8 +16,9 @@ lookup; nothing else reads the device (``"warn"`` reads it on the CPU, where it 
 and at the next lookup on CUDA)."""
 LAUNCHES = 5
 """forward, linearize, run count, runs, row update (and the chunk kernel past 128 ids)."""
-OPS = 18
-"""torch ops dispatched around the kernels (the sort, its scan, allocations, views)."""
+OPS = 12
+"""torch ops dispatched around the kernels without a bounds check (the sort, its scan, the step
+counter, allocations, one split into views); a bounds check adds zeroing its counts."""
 
 
 @pytest.mark.parametrize("bounds_check", list(SYNCS))
@@ -65,3 +66,14 @@ NOT_SYNCING = {
 def test_the_counter_sees_syncs_and_only_syncs(name):
     work = count_host_work(SYNCING.get(name) or NOT_SYNCING[name])
     assert work.syncs == (name in SYNCING), work.sync_sites
+
+
+def test_the_module_makes_its_layout_once_per_layout_buffers():
+    module, step = tiny_step("sgd", "ignore", device=DEVICE)
+    first = module._layout()
+    step()
+    assert module._layout() is first
+    module.to(DEVICE)  # new layout buffers (every _apply makes them)
+    second = module._layout()
+    assert second is not first and second.dims is module._dims
+    assert (second.max_D, second.total_D, second.row_align) == (8, 20, 4)
