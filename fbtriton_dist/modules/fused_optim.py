@@ -4,7 +4,7 @@ here): placeholders, as TorchRec's ``torchrec.optim.LAMB`` and the like, whose `
 runs: the TBE backward applies the update (``optim.FTRL``) to the rows of the batch. Also
 the whole-table step of ``optim.EmaInplaceRowWiseAdagrad`` (``ema_inplace``)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -96,12 +96,14 @@ def check_ema_tables(optimizer, tiered: bool) -> None:
 
 
 @torch.no_grad()
-def ema_inplace(optimizer, tables: Sequence[torch.Tensor], k: int) -> None:
+def ema_inplace(optimizer, tables: Callable[[], Sequence[torch.Tensor]], k: int) -> None:
     """Before the lookup of training step ``k``: ``optim.EmaInplaceRowWiseAdagrad``'s moving
-    average, in place on every ``[E, D]`` table (``w[:, D/2:]`` moves ``step_ema_coef`` of the
-    way toward ``w[:, :D/2]``) when ``optimizer.ema_due(k)``; nothing for other optimizers."""
+    average, in place on every ``[E, D]`` table of ``tables()`` (``w[:, D/2:]`` moves
+    ``step_ema_coef`` of the way toward ``w[:, :D/2]``) when ``optimizer.ema_due(k)``; nothing
+    for other optimizers. ``tables`` is called only then: per-table views are ops per table."""
     if not isinstance(optimizer, optim.EmaInplaceRowWiseAdagrad) or not optimizer.ema_due(k):
         return
+    tables = tables()
     odd = [f"{t} (D={table.shape[1]})" for t, table in enumerate(tables) if table.shape[1] % 2]
     if odd:  # checked here, when it runs, as FBGEMM does
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected every table's D "

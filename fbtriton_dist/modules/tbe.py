@@ -532,7 +532,7 @@ class TableBatchedEmbedding(nn.Module):
                 train,
             )
         if train and self.training and isinstance(self.optimizer, optim.EmaInplaceRowWiseAdagrad):
-            ema_inplace(self.optimizer, self.split_slot_weights(), self.step + 1)
+            ema_inplace(self.optimizer, self.split_slot_weights, self.step + 1)
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         out = tbe_lookup(
