@@ -662,9 +662,7 @@ def spec(name: str) -> OptimizerSpec:
 
 def spec_of(optimizer: Optimizer) -> OptimizerSpec:
     """The registry entry of a config instance."""
-    found = _BY_CONFIG.get(type(optimizer))  # a registered class (the lookups' case): no walk
-    if found is None:
-        found = next((_BY_CONFIG[c] for c in type(optimizer).__mro__ if c in _BY_CONFIG), None)
+    found = next((_BY_CONFIG[c] for c in type(optimizer).__mro__ if c in _BY_CONFIG), None)
     if found is None:
         configs = " / ".join(f"fbtriton_dist.optim.{s.config.__name__}" for s in REGISTRY.values())
         raise ValueError(f"optimizer: expected None or {configs}, got {optimizer!r}")
