@@ -1,7 +1,7 @@
 """Flags a device computed, read on the host later without stalling the GPU.
 
-Deferred input checks (``ops/tbe.py``'s ``BoundsMonitor``, ``sharding/dist/fixed.py``'s input
-dist, ``sharding/pipeline.py``'s CUDA-graph step) all do the same thing: copy a small device
+Deferred input checks (``ops/tbe_checks.py``'s ``BoundsMonitor``, ``sharding/dist/fixed.py``'s
+input dist, ``sharding/pipeline.py``'s CUDA-graph step) all do the same thing: copy a small device
 tensor of flags to pinned host memory without waiting, record an event behind the copy, and
 look at the host copy once the event has passed (or wait for it when told to). ``HostFlags``
 is that, once::

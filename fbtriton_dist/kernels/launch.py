@@ -19,6 +19,18 @@ from fbtriton_dist import knobs
 _ENABLED = knobs.FAST_LAUNCH
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints: ``triton.cdiv``'s value without its constexpr-function
+    wrapper, which costs microseconds a call (launch grids, several times a step)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): ``triton.next_power_of_2``'s
+    value for host ints, without its wrapper."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _int_key(v: int, specialize: bool):
     wide = not -(2**31) <= v < 2**31
     return (wide, v % 16 == 0, v == 1) if specialize else (wide,)
@@ -36,6 +48,7 @@ class Launcher:
             self.params = [(p.name, False, True) for p in params]
         else:
             self.params = [(p.name, p.is_constexpr, not p.do_not_specialize) for p in params]
+        self.names = [name for name, _, _ in self.params]
         self.cache: dict = {}
 
     def _key(self, args: dict, options: dict) -> tuple:
@@ -53,12 +66,12 @@ class Launcher:
         return tuple(key)
 
     def __call__(self, grid: tuple[int, ...], *positional, **kwargs) -> None:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg")
-                   if kwargs.get(k) is not None}
+        options = {}
         for k in ("num_warps", "num_stages", "maxnreg"):
-            kwargs.pop(k, None)
-        names = [name for name, _, _ in self.params]
-        kwargs.update(zip(names[: len(positional)], positional, strict=True))
+            v = kwargs.pop(k, None)
+            if v is not None:
+                options[k] = v
+        kwargs.update(zip(self.names[: len(positional)], positional, strict=True))
         if not self.enabled:
             self.kernel[grid](**kwargs, **options)
             return

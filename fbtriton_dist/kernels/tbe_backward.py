@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fbtriton_dist import knobs, optim
-from fbtriton_dist.kernels.launch import Launcher
+from fbtriton_dist.kernels.launch import Launcher, cdiv
 from fbtriton_dist.kernels.tbe_forward import block_sizes, key_dtype
 from fbtriton_dist.kernels.tbe_optim import OPT_NONE, optimizer_code
 from fbtriton_dist.kernels.tbe_rows import update_rows
@@ -372,15 +372,15 @@ def tbe_backward_plan(
     if pooling == PoolingMode.MEAN and counts is None:
         counts = (offsets[1:] - offsets[:-1]).to(torch.float32)
     workspace = torch.empty(6 * N + 2, dtype=torch.int64, device=device)  # one allocation
-    goffs, run_keys, run_elems, run_dims, run_goffs = workspace[: 5 * N].view(5, N)
-    run_starts, num_runs = workspace[5 * N : 6 * N + 1], workspace[6 * N + 1 :]
+    views = workspace.split_with_sizes([N, N, N, N, N, N + 1, 1])  # one op, seven views
+    goffs, run_keys, run_elems, run_dims, run_goffs, run_starts, num_runs = views
     scales = torch.empty(N, dtype=torch.float32, device=device) if has_scale else None
     if not (N and B):  # nothing to sort or nothing to read a gradient from
         num_runs.zero_()
         if step is not None:
             step.add_(1)  # an empty batch is a step too
     else:
-        n_blocks = triton.cdiv(N, 1024)
+        n_blocks = cdiv(N, 1024)
         block_changes = torch.empty(n_blocks, dtype=torch.int32, device=device)
         _RUN_COUNT((n_blocks,), keys, block_changes, N, BLOCK=1024)
         block_prefix = torch.cumsum(block_changes, 0, dtype=torch.int32)
@@ -542,7 +542,7 @@ def _reduce_long_runs(
     a chunk (a ``[1, 2, block_d]`` placeholder when no run can be that long)."""
     _, num_warps, _, chunk = config[:4]
     N = plan.N
-    n_blocks = triton.cdiv(N, chunk)
+    n_blocks = cdiv(N, chunk)
     partial = torch.empty((n_blocks if N > chunk else 1, 2, block_d), device=grad_output.device)
     if N > chunk:  # else no run can be long
         _CHUNKS(

@@ -6,12 +6,14 @@ columns ``D_offsets[f] : D_offsets[f + 1]``. ``offsets`` has length T*B+1, featu
 ``(f, b)`` holds ``indices[offsets[f*B + b] : offsets[f*B + b + 1]]``.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from fbtriton_dist import knobs
-from fbtriton_dist.kernels.launch import Launcher
+from fbtriton_dist.kernels.launch import Launcher, cdiv, next_power_of_2
 from fbtriton_dist.pooling import PoolingMode
 
 POOL_SUM, POOL_MEAN = PoolingMode.SUM, PoolingMode.MEAN
@@ -281,7 +283,7 @@ def tbe_linearize(
         return keys, bag_ids, counts
     BAGS, BLOCK = 8, 16
     _LINEARIZE(
-        (triton.cdiv(n_bags, BAGS),),
+        (cdiv(n_bags, BAGS),),
         indices,
         offsets,
         rows,
@@ -302,9 +304,10 @@ def tbe_linearize(
     return keys, bag_ids, counts
 
 
+@functools.cache
 def block_sizes(max_D: int) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_D) for a batch whose widest table has ``max_D`` columns."""
-    block_d = triton.next_power_of_2(max(int(max_D), 1))
+    block_d = next_power_of_2(max(int(max_D), 1))
     block_l = max(1, min(32, 4096 // block_d))
     return block_l, block_d
 
@@ -386,11 +389,12 @@ def tbe_forward(
         out = torch.zeros((N, max_D), dtype=output_dtype, device=device)
     else:
         out = torch.empty((B, total_D), dtype=output_dtype, device=device)
-    keys = torch.empty(N if linearize else 0, dtype=key_dtype(num_rows), device=device)
-    bag_ids = torch.empty(N if linearize else 0, dtype=torch.int32, device=device)
-    counts = None
-    if linearize and pooling == POOL_MEAN:
-        counts = torch.empty(T * B, dtype=torch.float32, device=device)
+    keys = bag_ids = counts = None  # allocated for training batches only (LINEARIZE)
+    if linearize:
+        keys = torch.empty(N, dtype=key_dtype(num_rows), device=device)
+        bag_ids = torch.empty(N, dtype=torch.int32, device=device)
+        if pooling == POOL_MEAN:
+            counts = torch.empty(T * B, dtype=torch.float32, device=device)
     result = (out, keys, bag_ids, counts) if linearize else out
     if B == 0 or total_D == 0 or out.numel() == 0:
         if linearize:
@@ -413,8 +417,8 @@ def tbe_forward(
         offsets_ptr=offsets,
         psw_ptr=psw,
         out_ptr=out,
-        keys_ptr=keys,
-        bag_ids_ptr=bag_ids,
+        keys_ptr=keys if keys is not None else dims,  # written with LINEARIZE only
+        bag_ids_ptr=bag_ids if bag_ids is not None else dims,
         counts_ptr=counts if counts is not None else out,
         err_ptr=err if err is not None else dims,
         B=B,

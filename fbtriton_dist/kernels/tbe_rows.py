@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fbtriton_dist import optim
-from fbtriton_dist.kernels.launch import Launcher
+from fbtriton_dist.kernels.launch import Launcher, cdiv
 from fbtriton_dist.kernels.tbe_optim import (
     half_format,
     load_hyper,
@@ -401,7 +401,7 @@ def update_rows(
     scales = plan.scales
     mantissa, min_exp = half_format(weights.dtype)
     _ROWS(
-        (min(triton.cdiv(plan.N, runs), resident_programs(device, num_warps, maxnreg)),),
+        (min(cdiv(plan.N, runs), resident_programs(device, num_warps, maxnreg)),),
         grad_output,
         weights,
         plan.goffs,

@@ -6,7 +6,7 @@ the whole-table steps before a training lookup (``whole_table_step``) of
 ``optim.EmaInplaceRowWiseAdagrad`` (``ema_inplace``) and ``optim.EnsembleRowWiseAdagrad``
 (``ensemble_and_swap``)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -158,12 +158,14 @@ def check_ema_tables(optimizer, tiered: bool) -> None:
 
 
 @torch.no_grad()
-def ema_inplace(optimizer, tables: Sequence[torch.Tensor], k: int) -> None:
+def ema_inplace(optimizer, tables: Callable[[], Sequence[torch.Tensor]], k: int) -> None:
     """Before the lookup of training step ``k``: ``optim.EmaInplaceRowWiseAdagrad``'s moving
-    average, in place on every ``[E, D]`` table (``w[:, D/2:]`` moves ``step_ema_coef`` of the
-    way toward ``w[:, :D/2]``) when ``optimizer.ema_due(k)``; nothing for other optimizers."""
+    average, in place on every ``[E, D]`` table of ``tables()`` (``w[:, D/2:]`` moves
+    ``step_ema_coef`` of the way toward ``w[:, :D/2]``) when ``optimizer.ema_due(k)``; nothing
+    for other optimizers. ``tables`` is called only then: per-table views are ops per table."""
     if not isinstance(optimizer, optim.EmaInplaceRowWiseAdagrad) or not optimizer.ema_due(k):
         return
+    tables = tables()
     odd = [f"{t} (D={table.shape[1]})" for t, table in enumerate(tables) if table.shape[1] % 2]
     if odd:  # checked here, when it runs, as FBGEMM does
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected every table's D "
@@ -214,8 +216,10 @@ def whole_table_step(tbe, k: int) -> None:
     """Before the lookup of training step ``k`` of ``tbe`` (a ``TableBatchedEmbedding``): the
     whole-table step of its optimizer, if it has one (EMA in place, ensemble)."""
     if isinstance(tbe.optimizer, optim.EmaInplaceRowWiseAdagrad):
-        ema_inplace(tbe.optimizer, tbe.split_slot_weights(), k)
+        ema_inplace(tbe.optimizer, tbe.split_slot_weights, k)
     elif isinstance(tbe.optimizer, optim.EnsembleRowWiseAdagrad):
+        if not any(tbe.optimizer.schedule(k)[:2]):
+            return  # nothing due: no per-table views (ops per table)
         slow = [states[1] for states in tbe.split_optimizer_states()]
         ensemble_and_swap(tbe.optimizer, tbe.split_slot_weights(), slow, k)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import fused_optim, host_tier
+from fbtriton_dist.modules import fused_optim, host_tier, tbe_args
 from fbtriton_dist.modules.fused_optim import check_ema_tables
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
@@ -24,10 +24,9 @@ from fbtriton_dist.ops.tbe import (
     tbe_lookup_backward,
 )
 from fbtriton_dist.ops.vbe import VBELayout
-from fbtriton_dist.pooling import LABELS, PoolingMode
-from fbtriton_dist.storage import Storage, storage_of
+from fbtriton_dist.pooling import PoolingMode
+from fbtriton_dist.storage import Storage
 
-WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -121,37 +120,12 @@ class TableBatchedEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.optimizer_state_dtypes = optim.state_dtype_names(optimizer_state_dtypes)
-        for name, value in (("max_gradient", max_gradient), ("max_norm", max_norm)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: expected None or a number > 0, got {value!r}")
-        self.max_gradient = None if max_gradient is None else float(max_gradient)
-        self.max_norm = None if max_norm is None else float(max_norm)
-        tables = [(int(E), int(D)) for E, D in tables]
-        if not tables or any(E < 1 or D < 1 for E, D in tables):
-            raise ValueError(f"tables: expected a non-empty list of (E >= 1, D >= 1), got {tables}")
-        names = (list(table_names) if table_names is not None
-                 else [f"table_{t}" for t in range(len(tables))])
-        if len(names) != len(tables):
-            raise ValueError(f"table_names: expected {len(tables)} names, got {len(names)}")
-        if storage is not None and len(storage) != len(tables):
-            raise ValueError(f"storage: expected {len(tables)} entries (one per table), got "
-                             f"{len(storage)}")
+        self.max_gradient, self.max_norm = tbe_args.positive_or_none(
+            max_gradient=max_gradient, max_norm=max_norm)
+        tables, names, self.storage, ftm = tbe_args.table_arguments(
+            tables, table_names, storage, feature_table_map)
         self.table_names = names
-        self.storage = [storage_of(s, n) for s, n in
-                        zip(storage if storage is not None else [None] * len(tables), names,
-                            strict=True)]
-        ftm = (list(range(len(tables))) if feature_table_map is None
-               else [int(t) for t in feature_table_map])
-        if not ftm or any(not 0 <= t < len(tables) for t in ftm):
-            raise ValueError(f"feature_table_map: expected table ids in [0, {len(tables)}), "
-                             f"got {ftm}")
-        if pooling not in LABELS:
-            raise ValueError(f"pooling: expected one of {list(LABELS)}, got {pooling!r}")
-        if weights_dtype not in WEIGHT_DTYPES or output_dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"weights_dtype/output_dtype: expected one of {WEIGHT_DTYPES}, got "
-                f"{weights_dtype}/{output_dtype}"
-            )
+        tbe_args.check_kinds(pooling, weights_dtype, output_dtype)
         backends.check_choice(backend)
         where = weights.device if weights is not None else torch.empty(0, device=device).device
         backends.check_supported(
@@ -162,22 +136,14 @@ class TableBatchedEmbedding(nn.Module):
             tiers=[s.tier for s in self.storage],
         )
         self._check_tier_device(where)
-        if bounds_check not in ("error", "warn", "ignore"):
-            raise ValueError(
-                f"bounds_check: expected one of ['error', 'warn', 'ignore'], got {bounds_check!r}"
-            )
+        tbe_args.check_bounds_check(bounds_check)
 
         self.tables = tables
         # rows of each table in the flat weights and states: its cache slots when cached
         self.slot_tables = [(s.slots(E), D) for s, (E, D) in zip(self.storage, tables,
                                                                   strict=True)]
         self.feature_table_map = ftm
-        self.feature_names = list(feature_names) if feature_names is not None else []
-        if feature_names is not None and len(self.feature_names) != len(ftm):
-            raise ValueError(
-                f"feature_names: expected {len(ftm)} names (one per feature), got "
-                f"{len(self.feature_names)}"
-            )
+        self.feature_names = tbe_args.feature_names_of(feature_names, len(ftm))
         self.pooling = pooling
         self.output_dtype = output_dtype
         self.bounds_check = bounds_check
@@ -447,7 +413,14 @@ class TableBatchedEmbedding(nn.Module):
         return {self.table_names[t]: v for t, v in self._tiers.stats().items()}
 
     def _layout(self) -> TBELayout:
-        return TBELayout(
+        """The lookup's layout, made again only when ``set_layout_buffers`` made new buffers
+        or the weights' dtype changed (a dataclass and sums over the tables: host time at
+        every lookup otherwise)."""
+        cached = self.__dict__.get("_layout_cache")
+        if cached is not None and cached.dims is self._dims and (
+                cached.row_align == self._row_align()):
+            return cached
+        self._layout_cache = TBELayout(
             w_offsets=self._w_offsets,
             dims=self._dims,
             row_offsets=self._row_offsets,
@@ -461,14 +434,15 @@ class TableBatchedEmbedding(nn.Module):
             feature_names=self.feature_names,
             row_align=self._row_align(),
         )
+        return self._layout_cache
 
     def _row_align(self) -> int:
-        """The largest power of two (at most 16 bytes of the weights' dtype) that divides
-        every table's D and first element: the kernels' vector width for rows."""
-        align = max(1, 16 // self.weights.element_size())
-        for (_, D), start in zip(self.slot_tables, self.table_offsets, strict=False):
-            while align > 1 and (D % align or start % align):
-                align //= 2
+        """The kernels' vector width for rows (``tbe_args.row_align``), per weights dtype."""
+        size = self.weights.element_size()
+        align = self.__dict__.get("_row_aligns", {}).get(size)
+        if align is None:
+            align = tbe_args.row_align(self.slot_tables, self.table_offsets, size)
+            self._row_aligns = {**self.__dict__.get("_row_aligns", {}), size: align}
         return align
 
     def resolved_backend(self) -> str:

@@ -33,3 +33,15 @@ def test_launcher_matches_and_respecializes(n):
         launch((triton.cdiv(n, 64),), x, y, out, 0.5 + step, n, BLOCK=64, num_warps=1)
         torch.testing.assert_close(out, (0.5 + step) * x + y[:n])
     assert launch.enabled and len(launch.cache) == 2
+
+
+def test_host_launch_math_matches_triton():
+    import triton  # noqa: PLC0415 (the interpreter's flag is set by conftest first)
+
+    from fbtriton_dist.kernels.launch import cdiv, next_power_of_2  # noqa: PLC0415
+
+    for n in range(1, 2100):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 7, 16, 1024):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert cdiv(0, 8) == 0 and next_power_of_2(0) == 1

@@ -34,7 +34,7 @@ class Capabilities:
     bounds_check_in_kernel: bool = False
     """The forward drops and counts out-of-range ids itself (``err``), on every path its
     ``tbe_forward`` takes; else the batch is checked on the host before the lookup
-    (``ops.tbe.check_inputs``). A backward that gets no keys from the forward (``linearize``)
+    (``ops.tbe_checks.check_inputs``). A backward that gets no keys from the forward (``linearize``)
     is given the batch without the dropped ids (``ops.tbe``)."""
     weights_check_in_kernel: bool = False
     """With ``bounds_check_in_kernel``: given ``check_weights=True`` (``bounds_check="error"``)

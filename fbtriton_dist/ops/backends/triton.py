@@ -13,8 +13,13 @@ from fbtriton_dist.ops.backends.base import Backend, Capabilities
 
 class TritonBackend(Backend):
     def module(self):
-        from fbtriton_dist import kernels  # noqa: PLC0415 (triton only when asked for)
+        """``fbtriton_dist.kernels``, imported at the first call (an import statement per op
+        costs host time at every lookup)."""
+        kernels = self.__dict__.get("kernels")
+        if kernels is None:
+            from fbtriton_dist import kernels  # noqa: PLC0415 (triton only when asked for)
 
+            self.kernels = kernels
         return kernels
 
     def check_device(self, device) -> None:
