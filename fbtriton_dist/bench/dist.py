@@ -279,7 +279,7 @@ def _comm_item(p: argparse.ArgumentParser, item: str) -> tuple[str, Any]:
 
 
 # -- the run ----------------------------------------------------------------------------------
-def _quiet() -> None:
+def quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")
     for name in ("torchrec", "torch.fx._symbolic_trace", "fbgemm_gpu"):
@@ -659,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "bench dist compares sharded steps: run it under torchrun with 2 or more processes, "
             "e.g. torchrun --standalone --nproc-per-node 2 -m fbtriton_dist.bench dist --tiny"
         )
-    _quiet()
+    quiet()
     from fbtriton_dist.train.job import distributed
 
     with distributed(args.device, group_of_one=args.one_rank) as env:

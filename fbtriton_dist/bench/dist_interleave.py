@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv.remove("--providers")
     args = bench.parse_args(argv)
     names = names or ["torchrec", "ours_lean_serial", "ours_lean"]
-    bench._quiet()
+    bench.quiet()
     with distributed(args.device) as env:
         R, rank, device = env.world_size, env.rank, env.device
         H = env.local_world_size if R % env.local_world_size == 0 else R

@@ -539,7 +539,8 @@ class TableBatchedEmbedding(nn.Module):
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
                 train,
             )
-        if train and self.training:  # EMA in place, ensemble: their whole-table steps
+        if train and self.training and isinstance(self.optimizer, fused_optim.WHOLE_TABLE_STEP):
+            # EMA in place, ensemble: their whole-table steps (reading the step syncs)
             if capturing(self.weights.device):
                 fused_optim.refuse_whole_table_steps([self.optimizer],
                                                      "a CUDA graph capture of a training lookup")
