@@ -36,9 +36,10 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["DeviceMaps", "Mapped", "check", "flush", "host_values"]
+__all__ = ["DeviceMaps", "Mapped", "check", "check_codes", "flush", "host_values"]
 
 _BIG = torch.iinfo(torch.int64).max
+_CODE_LIMIT = torch.iinfo(torch.int32).max
 _LFU_KEY_LIMIT = 2**62
 """The largest LFU key of one ``topk``; beyond it (a very long run) two stable sorts order
 the candidates instead."""
@@ -159,6 +160,7 @@ class DeviceMaps:
         miss = take & ~hit
         # first occurrences of the misses: the largest code (the first position) wins
         C_max = max(c.slots for c in self.caches.values())
+        check_codes(C_max, N)
         code = torch.where(miss, (C_max + 1 + N) - torch.arange(N, device=dev,
                                                                  dtype=torch.int32), 0)
         self.slot_of_row.scatter_reduce_(0, rows, code, "amax")
@@ -252,6 +254,16 @@ class DeviceMaps:
             if lfu_ok:
                 order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
         return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
+
+
+def check_codes(slots: int, ids: int) -> None:
+    """Refuse a batch whose first-occurrence codes (``slots + 1 + ids`` down to
+    ``slots + 2``, written into the int32 ``slot_of_row``) would pass ``2**31 - 1``."""
+    if slots + 1 + ids > _CODE_LIMIT:
+        raise ValueError(
+            f"a batch of {ids} ids with a cache of {slots} slots: the device slot map numbers "
+            f"the batch's misses in int32, expected slots + ids + 1 <= {_CODE_LIMIT}, got "
+            f"{slots + 1 + ids}; split the batch or use FBTD_SLOT_MAP=host")
 
 
 def check(cache, counts: list[int]) -> None:

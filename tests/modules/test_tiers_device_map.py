@@ -271,3 +271,24 @@ def test_a_half_cache_never_rounds_a_clean_row_back(monkeypatch):
     assert out["host"][1] == out["device"][1] and out["host"][1]["table_0"]["evictions"] > 3
     assert out["host"][0].dtype == torch.float32
     assert torch.equal(out["host"][0], out["device"][0])
+
+
+def test_int32_codes_refuse_to_overflow(on_device, monkeypatch):
+    """The misses' codes are int32 (``slots + 1 + ids`` at most): a batch that would pass
+    ``2**31 - 1`` is refused by name before anything changes; one at the bound passes (a
+    lookup with the bound lowered to its own size, then one below it)."""
+    tier_device_map.check_codes(2**31 - 1 - 1 - 1000, 1000)
+    with pytest.raises(ValueError, match=r"a batch of 1001 ids with a cache of 2147482646 "
+                                         r"slots: .* expected slots \+ ids \+ 1 <= 2147483647, "
+                                         r"got 2147483648"):
+        tier_device_map.check_codes(2**31 - 1 - 1 - 1000, 1001)
+    m = build(optim.SGD(lr=0.1))
+    (indices, offsets), = batches(1)
+    monkeypatch.setattr(tier_device_map, "_CODE_LIMIT", SLOTS + 1 + indices.numel())
+    m(indices, offsets)
+    monkeypatch.setattr(tier_device_map, "_CODE_LIMIT", SLOTS + indices.numel())
+    before = m.resident_rows()
+    with pytest.raises(ValueError, match=rf"a batch of {indices.numel()} ids with a cache of "
+                                         rf"{SLOTS} slots: the device slot map numbers"):
+        m(indices, offsets)
+    assert m.resident_rows() == before
