@@ -16,13 +16,15 @@ is one read of a few counts per table for all tables together (``host_values``):
    slots, eviction candidates, whether a candidate is dirty, ids out of range;
 2. one ``host_values`` of every table's counts (the step's one sync of the map);
 3. ``DeviceMaps.finish`` (sizes known now; the caller checked ranges and sizes before
-   anything changed): the hits stamped, then per table one ``topk`` over its part of a key
-   per slot (free slots by number, then the candidates in LRU ``(last_seen, slot)`` or LFU
-   ``(counts, last_seen, slot)`` order) gives the free slots and the victims at once; the
-   victims go back to the backing store (all of them when any candidate is dirty: a clean
-   slot holds its row's bytes, so writing it is a no-op; the dirty ones are counted on the
-   device), the misses' rows are gathered into their slots, the map is updated, the ids
-   become slots.
+   anything changed): the hits stamped, then one placement for all tables (``_place``): a
+   key per slot (free slots by number, then the candidates in LRU ``(last_seen, slot)`` or
+   LFU ``(counts, last_seen, slot)`` order) sorted by key then by table (one ``topk`` when
+   one table has misses), one gather at positions known on the host gives every table's
+   free slots and victims; the victims go back to the backing store (all of them when any
+   candidate is dirty: a clean slot holds its row's bytes, so writing it is a no-op; the
+   dirty ones are counted on the device), the misses' rows are gathered into their slots
+   (per table: its rows are tensors of their own), the map is updated for all tables at
+   once, the ids become slots.
 
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
@@ -75,7 +77,7 @@ class DeviceMaps:
     tensors: ``slot_of_row`` ``[sum(E)]`` (each table's entries hold its own slot numbers, C:
     not cached) and ``row_of_slot``, ``last_seen``, ``counts``, ``dirty`` ``[S = sum(C)]``;
     each table's ``RowCache`` tensors are views of its part. A batch's ids of every table go
-    through one pass (``map``); the placement is per table (``finish``)."""
+    through one pass (``map``) and one placement (``finish``); only the rows move per table."""
 
     def __init__(self, caches: dict, device: torch.device) -> None:
         self.caches = caches
