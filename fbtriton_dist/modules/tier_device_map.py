@@ -60,7 +60,7 @@ class Mapped:
     ``[S]``; its distinct misses ``[N]`` (local row numbers, table by table in
     first-occurrence order, the first ``sum(M)`` valid); the free slots and the eviction
     candidates ``[S]``; and ``counts`` ``[T, COUNTS]`` for the host: per table distinct hits,
-    distinct misses, free slots, candidates, any candidate dirty, ids out of range."""
+    distinct misses, free slots, candidates, dirty candidates, ids out of range."""
 
     rows: torch.Tensor
     live: torch.Tensor
@@ -123,7 +123,7 @@ class DeviceMaps:
 
     def _features(self, feature_table_map: list[int], device) -> None:
         """Per feature (made once per feature-table map): its table's index here (-1: its
-        map is not here), the table's first joint row and its row count (1 where -1)."""
+        map is not here), the table's first joint row and its last row (0 where -1)."""
         key = tuple(feature_table_map)
         if self._features_of == key:
             return
@@ -132,7 +132,7 @@ class DeviceMaps:
         kw = {"dtype": torch.int64, "device": device}
         self.feature_info = torch.tensor(  # [3, T]: gathered at once
             [index, [self.row_base[i] if i >= 0 else 0 for i in index],
-             [self.caches[self.tables[i]].rows if i >= 0 else 1 for i in index]], **kw)
+             [self.caches[self.tables[i]].rows - 1 if i >= 0 else 0 for i in index]], **kw)
         live = [i for i in index if i >= 0]
         self.grouped = live == sorted(live)  # the ids come table by table
         self._features_of = key
@@ -150,12 +150,12 @@ class DeviceMaps:
         bounds = offsets[::B].contiguous().long()
         feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
         feature = feature.clamp_(0, T - 1)
-        table, base, E = self.feature_info.index_select(1, feature).unbind()
+        table, base, last_row = self.feature_info.index_select(1, feature).unbind()
         ids = indices.long()
-        in_range = (ids >= 0) & (ids < E)
+        in_range = (ids >= 0) & (ids <= last_row)
         live = table >= 0
         take = live & in_range
-        local = torch.minimum(ids.clamp(min=0), E - 1)
+        local = torch.minimum(ids.clamp(min=0), last_row)
         rows = local + base
         table = table.clamp(min=0)
         raw = self.slot_of_row.index_select(0, rows)
@@ -183,15 +183,15 @@ class DeviceMaps:
             new_rows = local.index_select(0, order)
         last = self.last_seen
         free = last < 0
-        cand = (last >= 0) & (last < clock) & ~used
+        cand = (last < clock) & ~(free | used)
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
         sums = torch.zeros(4, Tm, dtype=torch.int64, device=dev).index_add_(
             1, self.slot_table, per_slot)
         per_id = torch.stack([first, live & ~in_range]).long()
         misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(
             1, table, per_id)
-        counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], (sums[3] > 0).long(),
-                              misses_bad[1]], 1)
+        counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], sums[3], misses_bad[1]],
+                             1)
         return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
                       counts=counts)
 
