@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["COMPUTE_KERNELS", "POLICIES", "SLOT_MAP_BYTES", "TIERS", "Storage", "storage_dict",
-           "storage_of", "storage_of_kernel"]
+__all__ = ["COMPUTE_KERNELS", "POLICIES", "SLOT_BYTES_ON_DEVICE", "SLOT_MAP_BYTES", "TIERS",
+           "Storage", "storage_dict", "storage_of", "storage_of_kernel"]
 
 Tier = Literal["device", "host", "cached", "file"]
 TIERS: tuple[str, ...] = ("device", "host", "cached", "file")
@@ -48,7 +48,13 @@ COMPUTE_KERNELS: dict[str, str] = {
 SLOT_MAP_BYTES = 4
 """Host bytes per row of a ``cached`` / ``file`` table (or shard) for its slot map, the
 runtime's ``[E]`` int32 row -> slot array (``modules/tiers.py`` ``RowCache.slot_of_row``);
-the planner's host-memory model counts it (``planner/memory.py`` ``host_block_bytes``)."""
+the planner counts it where it lives (``Storage.map_on_device``): device memory for ``cached``
+(``planner/memory.py`` ``block_bytes``), host memory for ``file`` (``host_block_bytes``)."""
+SLOT_BYTES_ON_DEVICE = 38
+"""Device bytes per cache slot of a ``cached`` table whose slot map is on the device
+(``modules/tier_device_map.py`` ``DeviceMaps``): ``row_of_slot``, ``last_seen``, ``counts``
+(int64), ``dirty`` (bool), and the slot's table, number there and capacity (int32) and policy
+(bool)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,10 +106,24 @@ class Storage:
             self.cache_load_factor * rows)
         return max(1, min(rows, n))
 
+    @property
+    def map_on_device(self) -> bool:
+        """The slot map lives in device memory: a ``cached`` table on a CUDA rank (what plans
+        are for; ``FBTD_SLOT_MAP=auto``); a ``file`` table keeps its map on the host."""
+        return self.tier == "cached"
+
     def slot_map_bytes(self, rows):
         """Host bytes of the slot map of a table of ``rows`` rows (an int or a numpy array):
-        ``SLOT_MAP_BYTES`` per row on ``cached`` / ``file``, else 0."""
-        return rows * SLOT_MAP_BYTES if self.cached else rows * 0
+        ``SLOT_MAP_BYTES`` per row on ``file``, else 0 (``cached``: ``device_map_bytes``)."""
+        return rows * SLOT_MAP_BYTES if self.cached and not self.map_on_device else rows * 0
+
+    def device_map_bytes(self, rows, slots):
+        """Device bytes of the slot map of a ``cached`` table of ``rows`` rows with ``slots``
+        cache slots (ints or numpy arrays): ``SLOT_MAP_BYTES`` per row and
+        ``SLOT_BYTES_ON_DEVICE`` per slot, else 0."""
+        if not self.map_on_device:
+            return rows * 0
+        return rows * SLOT_MAP_BYTES + slots * SLOT_BYTES_ON_DEVICE
 
 
 def storage_of(value: Any, table: str) -> Storage:

@@ -16,13 +16,15 @@ is one read of a few counts per table for all tables together (``host_values``):
    slots, eviction candidates, whether a candidate is dirty, ids out of range;
 2. one ``host_values`` of every table's counts (the step's one sync of the map);
 3. ``DeviceMaps.finish`` (sizes known now; the caller checked ranges and sizes before
-   anything changed): the hits stamped, then per table one ``topk`` over its part of a key
-   per slot (free slots by number, then the candidates in LRU ``(last_seen, slot)`` or LFU
-   ``(counts, last_seen, slot)`` order) gives the free slots and the victims at once; the
-   victims go back to the backing store (all of them when any candidate is dirty: a clean
-   slot holds its row's bytes, so writing it is a no-op; the dirty ones are counted on the
-   device), the misses' rows are gathered into their slots, the map is updated, the ids
-   become slots.
+   anything changed): the hits stamped, then one placement for all tables (``_place``): a
+   key per slot (free slots by number, then the candidates in LRU ``(last_seen, slot)`` or
+   LFU ``(counts, last_seen, slot)`` order) sorted by key then by table (one ``topk`` when
+   one table has misses), one gather at positions known on the host gives every table's
+   free slots and victims; the victims go back to the backing store (all of them when any
+   candidate is dirty: a clean slot holds its row's bytes, so writing it is a no-op; the
+   dirty ones are counted on the device), the misses' rows are gathered into their slots
+   (per table: its rows are tensors of their own), the map is updated for all tables at
+   once, the ids become slots.
 
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
@@ -36,9 +38,10 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["DeviceMaps", "Mapped", "check", "flush", "host_values"]
+__all__ = ["DeviceMaps", "Mapped", "check", "check_codes", "flush", "host_values"]
 
 _BIG = torch.iinfo(torch.int64).max
+_CODE_LIMIT = torch.iinfo(torch.int32).max
 _LFU_KEY_LIMIT = 2**62
 """The largest LFU key of one ``topk``; beyond it (a very long run) two stable sorts order
 the candidates instead."""
@@ -57,7 +60,7 @@ class Mapped:
     ``[S]``; its distinct misses ``[N]`` (local row numbers, table by table in
     first-occurrence order, the first ``sum(M)`` valid); the free slots and the eviction
     candidates ``[S]``; and ``counts`` ``[T, COUNTS]`` for the host: per table distinct hits,
-    distinct misses, free slots, candidates, any candidate dirty, ids out of range."""
+    distinct misses, free slots, candidates, dirty candidates, ids out of range."""
 
     rows: torch.Tensor
     live: torch.Tensor
@@ -74,7 +77,7 @@ class DeviceMaps:
     tensors: ``slot_of_row`` ``[sum(E)]`` (each table's entries hold its own slot numbers, C:
     not cached) and ``row_of_slot``, ``last_seen``, ``counts``, ``dirty`` ``[S = sum(C)]``;
     each table's ``RowCache`` tensors are views of its part. A batch's ids of every table go
-    through one pass (``map``); the placement is per table (``finish``)."""
+    through one pass (``map``) and one placement (``finish``); only the rows move per table."""
 
     def __init__(self, caches: dict, device: torch.device) -> None:
         self.caches = caches
@@ -99,31 +102,37 @@ class DeviceMaps:
                 part = getattr(self, name)[s0:s1]
                 part.copy_(getattr(cache, name))
                 setattr(cache, name, part)
+        self.written = torch.zeros(len(slots), dtype=torch.int64, device=device)
+        for i, cache in enumerate(caches.values()):  # write-backs not yet in stats, per table
+            if cache.written_on_device is not None:
+                self.written[i] = cache.written_on_device
+            cache.written_on_device = self.written[i]
         sizes = torch.tensor(slots)
-        # per table: its C and first joint slot; per slot: its table, number there, C
-        self.capacity = torch.tensor(slots, dtype=torch.int32, **kw)
-        self.table_slot_base = torch.tensor(self.slot_base[:-1], dtype=torch.int32, **kw)
-        as_int = {"device": device, "dtype": torch.int32}
-        self.slot_table = torch.repeat_interleave(torch.arange(len(slots)), sizes).to(**as_int)
-        self.slot_local = torch.cat([torch.arange(c) for c in slots]).to(**as_int)
-        self.slot_capacity = torch.repeat_interleave(sizes, sizes).to(**as_int)
+        # per table: its C and first joint slot, its first joint row; per slot (one [3, S]
+        # tensor, gathered at once): its table, number there, C
+        self.table_slots = torch.tensor([slots, self.slot_base[:-1]], dtype=torch.int32, **kw)
+        self.table_row_base = torch.tensor(self.row_base[:-1], dtype=torch.int64, **kw)
+        self.slot_info = torch.stack([
+            torch.repeat_interleave(torch.arange(len(slots)), sizes),
+            torch.cat([torch.arange(c) for c in slots]),
+            torch.repeat_interleave(sizes, sizes)]).to(device=device, dtype=torch.int32)
+        self.slot_table, self.slot_local, self.slot_capacity = self.slot_info.unbind()
         self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
 
     def _features(self, feature_table_map: list[int], device) -> None:
         """Per feature (made once per feature-table map): its table's index here (-1: its
-        map is not here), the table's first joint row and its row count (1 where -1)."""
+        map is not here), the table's first joint row and its last row (0 where -1)."""
         key = tuple(feature_table_map)
         if self._features_of == key:
             return
         at = {t: i for i, t in enumerate(self.tables)}
         index = [at.get(t, -1) for t in feature_table_map]
         kw = {"dtype": torch.int64, "device": device}
-        self.feature_index = torch.tensor(index, **kw)
-        self.feature_base = torch.tensor([self.row_base[i] if i >= 0 else 0 for i in index], **kw)
-        self.feature_rows = torch.tensor(
-            [self.caches[self.tables[i]].rows if i >= 0 else 1 for i in index], **kw)
+        self.feature_info = torch.tensor(  # [3, T]: gathered at once
+            [index, [self.row_base[i] if i >= 0 else 0 for i in index],
+             [self.caches[self.tables[i]].rows - 1 if i >= 0 else 0 for i in index]], **kw)
         live = [i for i in index if i >= 0]
         self.grouped = live == sorted(live)  # the ids come table by table
         self._features_of = key
@@ -141,24 +150,25 @@ class DeviceMaps:
         bounds = offsets[::B].contiguous().long()
         feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
         feature = feature.clamp_(0, T - 1)
-        table = self.feature_index.index_select(0, feature)
-        E = self.feature_rows.index_select(0, feature)
+        table, base, last_row = self.feature_info.index_select(1, feature).unbind()
         ids = indices.long()
-        in_range = (ids >= 0) & (ids < E)
+        in_range = (ids >= 0) & (ids <= last_row)
         live = table >= 0
         take = live & in_range
-        local = torch.minimum(ids.clamp(min=0), E - 1)
-        rows = local + self.feature_base.index_select(0, feature)
-        table = table.clamp_(min=0)
+        local = torch.minimum(ids.clamp(min=0), last_row)
+        rows = local + base
+        table = table.clamp(min=0)
         raw = self.slot_of_row.index_select(0, rows)
-        hit = take & (raw < self.capacity.index_select(0, table))
-        joint = torch.where(hit, raw + self.table_slot_base.index_select(0, table), S)
+        capacity, slot_base = self.table_slots.index_select(1, table).unbind()
+        hit = take & (raw < capacity)
+        joint = torch.where(hit, raw + slot_base, S)
         used = torch.zeros(S + 1, dtype=torch.bool, device=dev)
         used.index_fill_(0, joint.long(), True)
         used = used[:S]
         miss = take & ~hit
         # first occurrences of the misses: the largest code (the first position) wins
         C_max = max(c.slots for c in self.caches.values())
+        check_codes(C_max, N)
         code = torch.where(miss, (C_max + 1 + N) - torch.arange(N, device=dev,
                                                                  dtype=torch.int32), 0)
         self.slot_of_row.scatter_reduce_(0, rows, code, "amax")
@@ -173,15 +183,15 @@ class DeviceMaps:
             new_rows = local.index_select(0, order)
         last = self.last_seen
         free = last < 0
-        cand = (last >= 0) & (last < clock) & ~used
+        cand = (last < clock) & ~(free | used)
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
         sums = torch.zeros(4, Tm, dtype=torch.int64, device=dev).index_add_(
             1, self.slot_table, per_slot)
         per_id = torch.stack([first, live & ~in_range]).long()
         misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(
             1, table, per_id)
-        counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], (sums[3] > 0).long(),
-                              misses_bad[1]], 1)
+        counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], sums[3], misses_bad[1]],
+                             1)
         return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
                       counts=counts)
 
@@ -204,39 +214,100 @@ class DeviceMaps:
             for t, c in counts.items():
                 self.caches[t].stats["lookups"] += c[0] + c[1]
                 self.caches[t].touches += 1
-        key, lfu_ok = None, True
-        start = 0  # each table's misses follow the previous table's in new_rows
+        placed, error, start = [], None, 0  # per table: (i, its misses' first, k, free ones)
         for i, t in enumerate(self.tables):
-            cache, (H, M, free, cand, any_dirty) = self.caches[t], counts[t][:5]
+            cache, (H, M, free, cand) = self.caches[t], counts[t][:4]
             k = min(M, free + cand)
             if k:
-                s0, s1 = self.slot_base[i], self.slot_base[i + 1]
-                if key is None:
-                    key, lfu_ok = self._keys(mapped, clock)
-                if cache.lfu and not lfu_ok:
-                    targets = _sorted_victims(cache, mapped.used[s0:s1], k, clock)
-                else:
-                    targets = torch.topk(key[s0:s1], k, largest=False, sorted=True).indices
-                _place(cache, targets, min(M, free), mapped.new_rows[start : start + k],
-                       clock, views(t), bool(any_dirty), lookup, train)
+                placed.append((i, start, k, min(M, free)))
             start += M
-            if lookup and k < M:  # the slots given stay consistent: placed above
-                raise ValueError(
+            if not lookup:
+                cache.stats["prefetched"] += k
+                cache.stats["prefetch_used"] += k
+            elif k < M:  # the tables before and this one are placed; the slots stay consistent
+                error = ValueError(
                     f"table '{cache.name}' (tier {cache.storage.tier!r}): {M - k} of the "
                     f"batch's {H + M} distinct rows found no slot of {cache.slots}: the others "
                     "hold rows of this batch"
                     + (" or rows pinned by training batches whose backward has not run"
                        if pinned else "") + "; raise cache_load_factor or cache_slots"
                 )
-            if not lookup:
-                cache.stats["prefetched"] += k
-                cache.stats["prefetch_used"] += k
+                break
+        if placed:
+            self._place(mapped, counts, placed, clock, views, lookup, train)
+        if error is not None:
+            raise error
         if not lookup:
             return None
         if train:
             self.dirty.logical_or_(mapped.used)
         slots = self.slot_of_row.index_select(0, mapped.rows).to(indices.dtype)
         return torch.where(mapped.live, slots, indices)
+
+    def _place(self, mapped: Mapped, counts: dict[int, list[int]], placed: list, clock: int,
+               views, lookup: bool, train: bool) -> None:
+        """The misses of the tables in ``placed`` (``(i, first miss, k, free ones)``) into
+        their slots, for all tables at once: one order of every slot (by table, then the
+        table's key: ``_keys``), the targets (each table's first ``k``: its free slots, then
+        its victims), the victims' rows written back and forgotten, the misses' rows gathered
+        in (per table: its rows are its own tensors), the map updated."""
+        key, lfu_ok = self._keys(mapped, clock)
+        take, got_at, victim_at, parts = [], [], [], []
+        for i, first, k, nfree in placed:
+            at = len(take)
+            take += range(self.slot_base[i], self.slot_base[i] + k)
+            got_at += range(first, first + k)
+            victim_at += range(at + nfree, at + k)
+            parts.append((i, at, k, nfree, len(victim_at) - (k - nfree)))
+        where = torch.tensor(take + got_at + victim_at, device=key.device)  # one copy there
+        K = len(take)
+        if len(parts) == 1:  # one table: its first k by one topk
+            (i, _, k, _, _), = parts
+            s0 = self.slot_base[i]
+            targets = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
+                                 sorted=True).indices + s0
+        else:  # every table's slots in its key's order (the keys of a table are distinct)
+            by_key = torch.argsort(key, stable=True)
+            order = by_key.index_select(0, torch.argsort(
+                self.slot_table.index_select(0, by_key), stable=True))
+            targets = order.index_select(0, where[:K])
+        for i, at, k, _, _ in parts:  # LFU keys too big for one int64: two stable sorts
+            cache = self.caches[self.tables[i]]
+            if cache.lfu and not lfu_ok:
+                s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+                targets[at : at + k] = _sorted_victims(cache, mapped.used[s0:s1], k,
+                                                       clock) + s0
+        got = mapped.new_rows.index_select(0, where[K : 2 * K])
+        ttable, local = self.slot_info[:2].index_select(1, targets).long().unbind()
+        pairs = {i: self.caches[self.tables[i]].device_pairs(views(self.tables[i]))
+                 for i, *_ in parts}
+        if victim_at:
+            victims = targets.index_select(0, where[2 * K :])
+            vrows = self.row_of_slot.index_select(0, victims)
+            vtable, vlocal, vslots = self.slot_info.index_select(1, victims).unbind()
+            vdirty = self.dirty.index_select(0, victims)
+            self.written.index_add_(0, vtable, vdirty.long())
+            vlocal = vlocal.long()
+            for i, _, k, nfree, v0 in parts:
+                t = self.tables[i]
+                if k > nfree and counts[t][4]:  # any candidate dirty: write every victim
+                    n = slice(v0, v0 + k - nfree)
+                    _write(pairs[i], vlocal[n], vrows[n], vdirty[n])
+            self.slot_of_row.index_put_(
+                (vrows + self.table_row_base.index_select(0, vtable),), vslots)
+        for i, at, k, nfree, _ in parts:
+            cache = self.caches[self.tables[i]]
+            cache.stats["evictions"] += k - nfree
+            cache.stats["misses"] += k
+            to, rows = local[at : at + k], got[at : at + k]
+            for backing, slots in pairs[i]:
+                slots.index_copy_(0, to, backing.index_select(0, rows).to(slots.dtype))
+        self.row_of_slot.index_copy_(0, targets, got)
+        joint = got + self.table_row_base.index_select(0, ttable)
+        self.slot_of_row.index_copy_(0, joint, local.to(torch.int32))
+        self.last_seen.index_fill_(0, targets, clock)
+        self.counts.index_fill_(0, targets, 1 if lookup else 0)  # prefetched: 1 at its lookup
+        self.dirty.index_fill_(0, targets, train)
 
     def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their
@@ -252,6 +323,16 @@ class DeviceMaps:
             if lfu_ok:
                 order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
         return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
+
+
+def check_codes(slots: int, ids: int) -> None:
+    """Refuse a batch whose first-occurrence codes (``slots + 1 + ids`` down to
+    ``slots + 2``, written into the int32 ``slot_of_row``) would pass ``2**31 - 1``."""
+    if slots + 1 + ids > _CODE_LIMIT:
+        raise ValueError(
+            f"a batch of {ids} ids with a cache of {slots} slots: the device slot map numbers "
+            f"the batch's misses in int32, expected slots + ids + 1 <= {_CODE_LIMIT}, got "
+            f"{slots + 1 + ids}; split the batch or use FBTD_SLOT_MAP=host")
 
 
 def check(cache, counts: list[int]) -> None:
@@ -279,30 +360,6 @@ def _sorted_victims(cache, used: torch.Tensor, k: int, clock: int) -> torch.Tens
     rank = torch.where(free, -1, torch.where(cand, cache.counts, _BIG))
     order = order.index_select(0, torch.argsort(rank.index_select(0, order), stable=True))
     return order[:k]
-
-
-def _place(cache, targets: torch.Tensor, nfree: int, got: torch.Tensor, clock: int, views,
-           any_dirty: bool, lookup: bool, train: bool) -> None:
-    """Rows ``got`` into slots ``targets`` (free ones, then victims), writing the victims
-    back first; the map updated."""
-    victims = targets[nfree:]
-    pairs = cache.device_pairs(views)
-    if victims.numel():
-        cache.stats["evictions"] += victims.numel()
-        vrows = cache.row_of_slot.index_select(0, victims)
-        if any_dirty:
-            vdirty = cache.dirty.index_select(0, victims)
-            cache.written_on_device.add_(vdirty.sum())
-            _write(pairs, victims, vrows, vdirty)
-        cache.slot_of_row.index_fill_(0, vrows, cache.slots)
-    cache.stats["misses"] += targets.numel()
-    for backing, slots in pairs:
-        slots.index_copy_(0, targets, backing.index_select(0, got).to(slots.dtype))
-    cache.row_of_slot.index_copy_(0, targets, got)
-    cache.slot_of_row.index_copy_(0, got, targets.to(torch.int32))
-    cache.last_seen.index_fill_(0, targets, clock)
-    cache.counts.index_fill_(0, targets, 1 if lookup else 0)  # a prefetched row: 1 at its lookup
-    cache.dirty.index_fill_(0, targets, train)
 
 
 def _write(pairs, slots: torch.Tensor, rows: torch.Tensor, dirty: torch.Tensor | None) -> None:

@@ -89,8 +89,10 @@ def balance_memory(
         add.add_blocks(spec, sharding, blocks, stats.get(spec.name, UNIFORM), planner.optimizer)
         return add
 
+    held = [CostAccumulator.TERMS.index(t) for t in ("weight_bytes", "state_bytes",
+                                                    "slot_map_bytes")]
     adds = [table_add(i, *choice).values for i, choice in enumerate(choices)]
-    per_table = np.stack([v[0] + v[1] for v in adds])  # [T, R] memory of each table
+    per_table = np.stack([v[held].sum(0) for v in adds])  # [T, R] memory of each table
 
     def replace(i: int, cap: float, most_q: int | None = None) -> bool:
         """Re-place table ``i`` under ``cap``; False (and nothing changed) if no proposal
@@ -108,7 +110,7 @@ def balance_memory(
             acc.values += adds[i] - add.values
             return False
         choices[i], adds[i] = (sharding, blocks), add.values
-        per_table[i] = add.values[0] + add.values[1]
+        per_table[i] = add.values[held].sum(0)
         return True
 
     coef = acc.coefficients

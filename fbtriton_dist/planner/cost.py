@@ -212,10 +212,12 @@ class RankCost:
     """Rows (+ state) its ``cached`` shards' caches load and write back per step."""
     disk_tier_bytes: float = 0.0
     """The same for its ``file`` shards."""
+    slot_map_bytes: int = 0
+    """Device memory of its ``cached`` shards' slot maps (``Storage.device_map_bytes``)."""
 
     @property
     def memory_bytes(self) -> int:
-        return self.weight_bytes + self.state_bytes
+        return self.weight_bytes + self.state_bytes + self.slot_map_bytes
 
     @property
     def comm_bytes(self) -> float:
@@ -315,6 +317,7 @@ class CostAccumulator:
         "inter_host_bytes",
         "host_tier_bytes",
         "disk_tier_bytes",
+        "slot_map_bytes",  # held, like the weights, but priced at no time
     )
     _ROW = {t: i for i, t in enumerate(TERMS)}
 
@@ -407,8 +410,8 @@ class CostAccumulator:
         return float(self.values[0, rank] + self.values[1, rank])
 
     def memories(self) -> np.ndarray:
-        """[R] weight + state bytes of every rank."""
-        return self.values[0] + self.values[1]
+        """[R] device bytes of every rank: weights + state + slot maps."""
+        return self.values[0] + self.values[1] + self.values[9]
 
     def terms_time(self, terms: Mapping[str, float]) -> float:
         """Time of a set of terms on their own (time is linear in every term)."""
@@ -439,6 +442,7 @@ class CostAccumulator:
                     inter_host_bytes=float(v[6, r]),
                     host_tier_bytes=float(v[7, r]),
                     disk_tier_bytes=float(v[8, r]),
+                    slot_map_bytes=int(v[9, r]),
                     time_s=times[r],
                 )
                 for r in range(self.R)
@@ -482,6 +486,8 @@ class CostAccumulator:
         held = device_rows(spec, rows)  # a cached tier: its caches' slots
         self.add(blocks.rank, weight_bytes=held * cols * spec.dtype_bytes,
                  state_bytes=table_state_bytes(spec, held, cols, optimizer))
+        if spec.storage is not None and spec.storage.map_on_device:
+            self.add(blocks.rank, slot_map_bytes=spec.storage.device_map_bytes(rows, held))
         if spec.storage is not None and spec.storage.cached:  # the misses' rows in and out
             n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
             moved, summary = block_traffic(spec, dist, n * spec.ids_per_sample,

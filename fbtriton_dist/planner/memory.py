@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from fbtriton_dist import optim
+from fbtriton_dist.storage import SLOT_BYTES_ON_DEVICE, SLOT_MAP_BYTES
 
 from .shards import Shard, TableSharding
 from .tables import TableSpec
@@ -44,9 +45,14 @@ def table_state_bytes(spec: TableSpec, rows, cols, optimizer: str):
 def block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Device memory of a rows x cols block of ``spec``: weights + optimizer state of its
     rows, or of its cache's slots on a ``cached`` / ``file`` tier (``Storage.slots(rows)``),
-    none on ``host``; ``optimizer`` is the default for a table that does not name its own."""
-    rows = device_rows(spec, rows)
-    return rows * cols * spec.dtype_bytes + table_state_bytes(spec, rows, cols, optimizer)
+    none on ``host``; ``cached`` adds its slot map, which lives on the device
+    (``Storage.device_map_bytes``: 4 B per row of the block, 38 B per slot); ``optimizer`` is
+    the default for a table that does not name its own."""
+    slots = device_rows(spec, rows)
+    out = slots * cols * spec.dtype_bytes + table_state_bytes(spec, slots, cols, optimizer)
+    if spec.storage is not None:
+        out = out + spec.storage.device_map_bytes(rows, slots)
+    return out
 
 
 def device_rows(spec: TableSpec, rows):
@@ -69,8 +75,9 @@ def device_rows(spec: TableSpec, rows):
 def host_block_bytes(spec: TableSpec, rows: int, cols: int, optimizer: str) -> int:
     """Host memory of a rows x cols block of ``spec``: every row and its optimizer state on
     the ``host`` and ``cached`` tiers (the backing store; ``file`` keeps them in files, on
-    disk), and the slot map of ``cached`` and ``file`` (``Storage.slot_map_bytes``: 4 B per
-    row of the block, which has a cache of its own); none on ``device``."""
+    disk), and the slot map of ``file`` (``Storage.slot_map_bytes``: 4 B per row of the
+    block, which has a cache of its own; a ``cached`` block's map is on the device,
+    ``block_bytes``); none on ``device``."""
     if spec.storage is None:
         return 0
     slot_map = spec.storage.slot_map_bytes(rows)
@@ -88,7 +95,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
-    """``rows 0..1000 x 128 cols x 4 B + state 4.0 KiB (rowwise_adagrad) = 504.0 KiB``."""
+    """``rows 0..1000 x 128 cols x 4 B + state 4.0 KiB (rowwise_adagrad) = 504.0 KiB`` (a
+    ``cached`` shard: ``+ slot map ...`` before the total)."""
     opt = spec.optimizer or optimizer
     rows = spec.storage.slots(sh.num_rows) if spec.storage is not None else sh.num_rows
     w = rows * sh.num_cols * spec.dtype_bytes
@@ -96,9 +104,12 @@ def shard_equation(spec: TableSpec, sh: Shard, optimizer: str) -> str:
     state = f", {spec.state_dtype}" if spec.state_dtype != "fp32" else ""
     cache = (f" ({spec.tier} tier: a cache of {rows} slots)"
              if spec.storage is not None and spec.storage.cached else "")
+    smap = spec.storage.device_map_bytes(sh.num_rows, rows) if spec.storage is not None else 0
+    on = (f" + slot map {fmt_bytes(smap)} ({SLOT_MAP_BYTES} B x {sh.num_rows} rows"
+          f" + {SLOT_BYTES_ON_DEVICE} B x {rows} slots)" if smap else "")
     return (
         f"rows {sh.row_start}..{sh.row_end}{cache} x {sh.num_cols} cols x {spec.dtype_bytes} B"
-        f" + state {fmt_bytes(st)} ({opt}{state}) = {fmt_bytes(w + st)}"
+        f" + state {fmt_bytes(st)} ({opt}{state}){on} = {fmt_bytes(w + st + smap)}"
     )
 
 

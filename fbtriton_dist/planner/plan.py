@@ -217,9 +217,9 @@ class ShardingPlan:
         every cell covered exactly once (one full replica per rank for data-parallel). With
         ``tables``: the plan has exactly these tables with the same E and D. With
         ``budget_bytes`` as well: weights + optimizer state on each rank fit the budget
-        (a ``cached`` / ``file`` table's shards: their caches). With ``host_budget_bytes``:
-        the backing stores of ``host`` / ``cached`` tables and the slot maps of ``cached`` /
-        ``file`` tables on each rank fit it.
+        (a ``cached`` / ``file`` table's shards: their caches; a ``cached`` one's slot map,
+        on the device). With ``host_budget_bytes``: the backing stores of ``host`` /
+        ``cached`` tables and the slot maps of ``file`` tables on each rank fit it.
         """
         problems = [
             p for t in self.tables
@@ -442,7 +442,7 @@ def host_memory_problems(
     plan: ShardingPlan, tables: Sequence[TableSpec], budget_bytes: float, optimizer: str
 ) -> list[str]:
     """One message per rank whose host memory (every row and optimizer state of its ``host``
-    / ``cached`` shards, the slot maps of its ``cached`` / ``file`` shards:
+    / ``cached`` shards, the slot maps of its ``file`` shards:
     ``memory.host_block_bytes``) exceeds ``budget_bytes``."""
     by_name = {t.name: t for t in tables}
     need: dict[int, list[tuple[int, str]]] = {}

@@ -292,12 +292,19 @@ class Proposer:
         if st is not None and st.tier == "host":  # nothing on the device
             return np.full(len(members), spec.num_embeddings, dtype=np.int64)
         if st is not None and st.cached:  # a cache of a share of the rows (or of N slots)
+            m = st.device_map_bytes(1, 0)  # a 'cached' slot map on the device: per row
+            slot = per_row - m  # one slot (row + state, + its bookkeeping on the device)
             if st.cache_slots is not None:
-                fits = free >= self.table_bytes(spec, st.cache_slots, cols)
-                return np.where(fits, spec.num_embeddings, 0).astype(np.int64)
+                left = free - st.cache_slots * slot
+                rows = np.floor(np.maximum(0, left) / m) if m else spec.num_embeddings
+                return np.where(left >= 0, np.minimum(rows, spec.num_embeddings),
+                                0).astype(np.int64)
+            f = st.cache_load_factor
+            if m:  # r rows cost ceil(f x r) slots + r map entries <= (f r + 1) slot + r m
+                return np.floor(np.maximum(0, free - slot) / (f * slot + m)).astype(np.int64)
             # r rows take ceil(f x r) slots: at most floor(free / row) of them
             slots = np.maximum(0, free // per_row)
-            return np.floor(slots / st.cache_load_factor).astype(np.int64)
+            return np.floor(slots / f).astype(np.int64)
         return np.maximum(0, free // per_row).astype(np.int64)
 
     def _equal_cut(self, spec: TableSpec, k: int, caps: np.ndarray) -> list[int] | None:

@@ -9,12 +9,13 @@ tier that fits, counted over the world (``R`` ranks):
    most lookups per byte first, up to ``DEVICE_FILL`` of ``R x budget`` less what the
    tables with a fixed tier take there;
 2. else ``cached``: one ``cache_load_factor`` for all such tables, the largest whose caches
-   (slots x (row + state)) fill the device room left, each table's at least what holds a
-   step's distinct rows ``CACHE_MARGIN`` times over (``cache_model``); its backing store (every
-   row + state) and its slot map (``SLOT_MAP_BYTES`` per row) count against ``R x host
-   budget`` (None: not checked);
+   (slots x (row + state) and the slot map on the device, ``Storage.device_map_bytes``) fill
+   the device room left, each table's at least what holds a step's distinct rows
+   ``CACHE_MARGIN`` times over (``cache_model``); its backing store (every row + state)
+   counts against ``R x host budget`` (None: not checked);
 3. else ``file`` (the host budget is short): the same cache, the rows in files under
-   ``file_dir`` within ``R x disk budget`` (None: not checked), the slot map in host memory.
+   ``file_dir`` within ``R x disk budget`` (None: not checked), the slot map in host memory
+   (``SLOT_MAP_BYTES`` per row).
 
 A table that fits nowhere raises ``ValueError`` naming the table, the tier and the bound.
 Tables with an explicit ``storage:`` keep it and are checked the same way. The per-rank
@@ -32,7 +33,7 @@ from dataclasses import dataclass, replace
 from fbtriton_dist.storage import SLOT_MAP_BYTES, Storage
 
 from .cache_model import STEP_MARGIN, estimate_hit_rates, hit_rate
-from .memory import fmt_bytes, host_block_bytes, shard_spec, table_state_bytes
+from .memory import block_bytes, fmt_bytes, host_block_bytes, shard_spec, table_state_bytes
 from .plan import ShardingPlan
 from .stats import IdDistribution
 from .tables import TableSpec
@@ -112,8 +113,7 @@ def choose_tiers(specs: Sequence[TableSpec], stats: Mapping[str, IdDistribution]
     for t in specs:  # the fixed tiers first
         if t.name in auto:
             continue
-        rows = t.storage.slots(t.num_embeddings) if t.storage is not None else t.num_embeddings
-        device_room -= 0 if t.tier == "host" else rows * _row_bytes(t, optimizer)
+        device_room -= block_bytes(t, t.num_embeddings, t.embedding_dim, optimizer)
         host_room -= host_block_bytes(t, t.num_embeddings, t.embedding_dim, optimizer)
         disk_room -= whole[t.name] if t.tier == "file" else 0
         if t.tier != "device" and host_room < 0:
@@ -148,7 +148,7 @@ def choose_tiers(specs: Sequence[TableSpec], stats: Mapping[str, IdDistribution]
 
 def _over(t: TableSpec, size: int, short: float, what: str, R: int,
           per_rank: float | None) -> str:
-    maps = " and slot maps" if t.storage is not None and t.storage.cached else ""
+    maps = " and slot maps" if t.storage is not None and t.tier == "file" else ""
     return (f"table '{t.name}' (storage tier '{t.tier}', {fmt_bytes(size)} with its state): "
             f"the tables on that tier need {fmt_bytes(short)} more than the {what} budget of "
             f"{R} x {fmt_bytes(per_rank or 0)} (rows and state{maps})")
@@ -163,8 +163,11 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
     row = {t.name: _row_bytes(t, optimizer) for t in behind}
     least = {t.name: min_load_factor(t, stats.get(t.name, UNIFORM), ids[t.name]) for t in behind}
 
-    def need(f: float) -> float:
+    def need(f: float) -> float:  # the slot maps counted on the device (``cached``)
+        on = Storage(tier="cached")
         return sum(math.ceil(max(f, least[t.name]) * t.num_embeddings) * row[t.name]
+                   + on.device_map_bytes(t.num_embeddings,
+                                         math.ceil(max(f, least[t.name]) * t.num_embeddings))
                    for t in behind)
 
     if need(0.0) > device_room:
@@ -186,25 +189,26 @@ def _cached(behind: Sequence[TableSpec], stats, ids, whole, device_room: float,
     out = {}
     for t in behind:
         f = floor_factor(max(lo, least[t.name]))
-        slot_map = SLOT_MAP_BYTES * t.num_embeddings  # host memory on either tier
-        if whole[t.name] + slot_map <= host_room:
-            host_room -= whole[t.name] + slot_map
+        slot_map = SLOT_MAP_BYTES * t.num_embeddings  # host memory on 'file'
+        if whole[t.name] <= host_room:  # 'cached': its slot map is on the device
+            host_room -= whole[t.name]
             out[t.name] = Storage(tier="cached", cache_load_factor=f, policy=policy)
             continue
         if whole[t.name] > disk_room or slot_map > host_room:
             raise ValueError(
                 f"table '{t.name}' ({t.num_embeddings} rows, {fmt_bytes(whole[t.name])} with "
                 f"its state) fits no tier: device (budget {R} x "
-                f"{fmt_bytes(budgets.device_bytes)}), host for tier 'cached' (rows, state and "
-                f"a slot map of {fmt_bytes(slot_map)}; {fmt_bytes(max(host_room, 0.0))} left "
+                f"{fmt_bytes(budgets.device_bytes)}), host for tier 'cached' (rows and state; "
+                f"{fmt_bytes(max(host_room, 0.0))} left "
                 f"of {R} x {fmt_bytes(budgets.host_bytes or 0)}), disk for tier 'file' "
-                f"({fmt_bytes(max(disk_room, 0.0))} left of {R} x "
+                f"(and a slot map of {fmt_bytes(slot_map)} in host memory; "
+                f"{fmt_bytes(max(disk_room, 0.0))} left of {R} x "
                 f"{fmt_bytes(budgets.disk_bytes) if budgets.disk_bytes else 'unbounded'})")
         if not budgets.file_dir:
             raise ValueError(
                 f"table '{t.name}' needs storage tier 'file' (host budget {R} x "
                 f"{fmt_bytes(budgets.host_bytes or 0)} is short by "
-                f"{fmt_bytes(whole[t.name] + slot_map - max(host_room, 0.0))}): expected a "
+                f"{fmt_bytes(whole[t.name] - max(host_room, 0.0))}): expected a "
                 "directory for its files (file_dir, --file-dir), got none")
         disk_room -= whole[t.name]
         host_room -= slot_map

@@ -119,19 +119,23 @@ def test_trains_as_device_and_as_the_host_map(policy, opt, lfu_sort, ftm, on_dev
 
 
 class SyncCounter(TorchDispatchMode):
-    """Counts every aten op, and those that read the device from the host (a sync on CUDA):
+    """Counts every aten op, those that launch work (``launches``: not a view, which on CUDA
+    is no kernel), and those that read the device from the host (a sync on CUDA):
     ``.item()`` / ``int()`` / ``bool()`` (``_local_scalar_dense``), ``nonzero``,
     ``masked_select``, ``unique``, boolean-mask indexing."""
 
     SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
+    VIEWS = ("slice", "select", "view", "detach", "alias", "lift_fresh", "_unsafe_view", "unbind",
+             "unsqueeze", "squeeze", "expand", "as_strided", "t.", "permute")
 
     def __init__(self):
         super().__init__()
-        self.ops, self.syncs = 0, []
+        self.ops, self.launches, self.syncs = 0, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
         self.ops += 1
+        self.launches += not name.startswith(self.VIEWS)
         masks = [a for a in args if isinstance(a, (list, tuple))
                  for x in a if isinstance(x, torch.Tensor) and x.dtype == torch.bool]
         if any(s in name for s in self.SYNCS) or (name.startswith("index.") and masks):
@@ -171,6 +175,41 @@ def test_a_lookup_reads_the_host_once(on_device, monkeypatch):
         assert reads_of_step == [2 * K] and syncs == []
     ops = [n for _, _, n in seen]
     assert max(ops) <= 160, ops  # one pass for all tables, ~25 per table with misses; any B
+
+
+def test_launches_do_not_grow_with_the_tables_but_for_their_rows(monkeypatch):
+    """Per training step with misses, evictions and dirty victims in every table, on 2 and
+    on 5 tables: the map's work is one pass and one placement for all tables (at most 100
+    launches, whatever the number of tables); each table adds only its rows' moves (per
+    tensor of its rows, weights and the optimizer state: a gather and a scatter in, the same
+    out: 4 x 2 = 8 launches), not a placement of its own (a per-table loop of map ops: about
+    20 launches a table)."""
+    monkeypatch.setenv("FBTD_SLOT_MAP", "device")
+    remap, launches = tiers.TieredTables.remap, []
+
+    def counted(self, *args, **kwargs):
+        with SyncCounter() as counter:
+            out = remap(self, *args, **kwargs)
+        launches.append(counter.launches)
+        return out
+
+    monkeypatch.setattr(tiers.TieredTables, "remap", counted)
+    per_step = {}
+    for T in (2, 5):
+        tables = [(64, 4)] * T
+        m = TableBatchedEmbedding(tables, feature_table_map=list(range(T)), backend="cpu",
+                                  optimizer=optim.RowWiseAdagrad(lr=0.1),
+                                  storage=[Storage(tier="cached", cache_slots=12)] * T)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            launches.clear()
+            indices, offsets, _ = make_batch(tables, list(range(T)), 4, 3, generator=g)
+            (m(indices, offsets) * 1.0).sum().backward()
+        stats = m.cache_stats().values()
+        assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats), stats
+        per_step[T] = launches[0]  # the last step's: every table misses and evicts
+    assert per_step[2] <= 100 + 2 * 8, per_step
+    assert per_step[5] - per_step[2] <= 3 * 8, per_step
 
 
 @pytest.mark.parametrize("check", [
@@ -271,3 +310,24 @@ def test_a_half_cache_never_rounds_a_clean_row_back(monkeypatch):
     assert out["host"][1] == out["device"][1] and out["host"][1]["table_0"]["evictions"] > 3
     assert out["host"][0].dtype == torch.float32
     assert torch.equal(out["host"][0], out["device"][0])
+
+
+def test_int32_codes_refuse_to_overflow(on_device, monkeypatch):
+    """The misses' codes are int32 (``slots + 1 + ids`` at most): a batch that would pass
+    ``2**31 - 1`` is refused by name before anything changes; one at the bound passes (a
+    lookup with the bound lowered to its own size, then one below it)."""
+    tier_device_map.check_codes(2**31 - 1 - 1 - 1000, 1000)
+    with pytest.raises(ValueError, match=r"a batch of 1001 ids with a cache of 2147482646 "
+                                         r"slots: .* expected slots \+ ids \+ 1 <= 2147483647, "
+                                         r"got 2147483648"):
+        tier_device_map.check_codes(2**31 - 1 - 1 - 1000, 1001)
+    m = build(optim.SGD(lr=0.1))
+    (indices, offsets), = batches(1)
+    monkeypatch.setattr(tier_device_map, "_CODE_LIMIT", SLOTS + 1 + indices.numel())
+    m(indices, offsets)
+    monkeypatch.setattr(tier_device_map, "_CODE_LIMIT", SLOTS + indices.numel())
+    before = m.resident_rows()
+    with pytest.raises(ValueError, match=rf"a batch of {indices.numel()} ids with a cache of "
+                                         rf"{SLOTS} slots: the device slot map numbers"):
+        m(indices, offsets)
+    assert m.resident_rows() == before

@@ -108,16 +108,17 @@ def test_with_shard_storage_and_validate_refuse_what_does_not_exist():
 
 def test_budgets_count_each_shard_on_its_tier():
     """Rank 0's 500 rows on device: 500 x 8 x 4 B + 500 x 4 B state = 17.6 KiB; rank 1's
-    shard cached in 100 slots: 3.5 KiB on device, its rows, state and slot map on the host."""
+    shard cached in 100 slots: 3,600 B + its slot map (500 x 4 B + 100 x 38 B) = 9,400 B on
+    device, its rows and state (18,000 B) on the host."""
     spec, plan = _spec(), _plan().with_shard_storage({"t": {1: CACHED}})
-    plan.validate([spec], budget_bytes=18000, host_budget_bytes=18000 + 2000)
+    plan.validate([spec], budget_bytes=18000, host_budget_bytes=18000)
     over = memory_problems(plan, [spec], 17999, "rowwise_adagrad")
     assert len(over) == 1 and over[0].startswith("rank 0 needs 17.6 KiB"), over
-    assert memory_problems(plan, [spec], 3600, "rowwise_adagrad")[1:] == []
+    assert memory_problems(plan, [spec], 9400, "rowwise_adagrad")[1:] == []
     assert "rows 500..1000 (cached tier: a cache of 100 slots)" in memory_problems(
-        plan, [spec], 3599, "rowwise_adagrad")[1]
-    host = host_memory_problems(plan, [spec], 19999, "rowwise_adagrad")
-    assert len(host) == 1 and host[0].startswith("rank 1 needs 19.5 KiB of host memory"), host
+        plan, [spec], 9399, "rowwise_adagrad")[1]
+    host = host_memory_problems(plan, [spec], 17999, "rowwise_adagrad")
+    assert len(host) == 1 and host[0].startswith("rank 1 needs 17.6 KiB of host memory"), host
     # the other side: the table's storage cached, rank 0's shard back on device
     flipped = _plan(table_storage=CACHED).with_shard_storage({"t": {0: "device"}})
     planned = as_planned([spec], flipped.tables)  # what validate passes: the plan's tiers
@@ -164,18 +165,19 @@ def _hot_plan(R, table_wise_rows=0):
 
 
 def test_promote_hot_shards_fills_each_rank_budget_hottest_first():
-    """A shard: 500 x (8 x 4 B + 4 B) = 18,000 B on device, 50 slots = 1,800 B cached."""
+    """A shard: 500 x (8 x 4 B + 4 B) = 18,000 B on device, 50 slots = 1,800 B cached + its
+    slot map on the device (500 x 4 B + 50 x 38 B): 5,700 B."""
     from fbtriton_dist.planner.shard_tiers import promote_hot_shards
     from fbtriton_dist.planner.stats import IdDistribution
 
     # each rank its own budget: rank 1 also holds 'o' (400 rows, 14,400 B): its shard stays
     plan, specs = _hot_plan(2, table_wise_rows=400)
-    out = promote_hot_shards(plan, specs, None, {"t"}, 20_000, "rowwise_adagrad")
+    out = promote_hot_shards(plan, specs, None, {"t"}, 21_000, "rowwise_adagrad")
     assert [s.storage for s in out.tables[0].shards] == [Storage(tier="device"), None]
-    out.validate(specs, budget_bytes=20_000)
+    out.validate(specs, budget_bytes=21_000)
     with pytest.raises(PlanValidationError, match="rank 0 needs 17.6 KiB"):
         out.validate(specs, budget_bytes=17_999)
-    assert promote_hot_shards(plan, specs, None, set(), 20_000, "rowwise_adagrad") == plan
+    assert promote_hot_shards(plan, specs, None, set(), 21_000, "rowwise_adagrad") == plan
     # ranks with different device memory: rank 1's larger budget holds its shard too
     out = promote_hot_shards(plan, specs, None, {"t"}, [20_000, 35_000], "rowwise_adagrad")
     assert [s.storage for s in out.tables[0].shards] == [None, None]  # all: the table

@@ -54,7 +54,9 @@ def test_memory_pass():
     assert blocks_bytes(FP32, blocks, "adam").tolist() == (rows * D * 12).tolist()
     assert blocks_bytes(BF16, blocks, "adam").tolist() == (rows * D * 8).tolist()
     cached = dataclasses.replace(BF16, storage=Storage(tier="cached", cache_slots=100))
-    assert blocks_bytes(cached, blocks, "adam").tolist() == [100 * D * 8] * 2  # its slots
+    # its slots, and its slot map on the device: 4 B per row, 38 B per slot
+    assert blocks_bytes(cached, blocks, "adam").tolist() == (
+        100 * D * 8 + rows * 4 + 100 * 38).tolist()
 
 
 def test_replica_group_averaging():

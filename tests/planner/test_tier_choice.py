@@ -14,7 +14,7 @@ from fbtriton_dist.planner import (
 )
 from fbtriton_dist.planner.memory import block_bytes
 from fbtriton_dist.planner.tier_choice import CACHE_MARGIN, DEVICE_FILL
-from fbtriton_dist.storage import Storage
+from fbtriton_dist.storage import SLOT_BYTES_ON_DEVICE, SLOT_MAP_BYTES, Storage
 from fbtriton_dist.train.config import ShardingConfig
 
 ROW = 16 * 4 + 4  # D = 16 fp32 + rowwise Adagrad's state
@@ -45,7 +45,9 @@ def test_device_when_it_fits_cached_when_not():
     # the cache fills the device room the device table leaves, within the fill share
     f = got["big"].cache_load_factor
     room = DEVICE_FILL * 2 * 100_000 - 1000 * ROW
-    assert f * 10_000 * ROW <= room < (f + 0.002) * 10_000 * ROW
+    # each slot: its row + state and 38 B of bookkeeping; each row: 4 B of slot map (device)
+    cache = (lambda f: f * 10_000 * (ROW + SLOT_BYTES_ON_DEVICE) + 10_000 * SLOT_MAP_BYTES)
+    assert cache(f) <= room < cache(f + 0.002)
     assert f >= CACHE_MARGIN * 127 / 10_000  # holds two steps' distinct rows (128 ids)
     plan.validate([small, big], budget_bytes=p.budget_bytes)  # the plan's storage counts
     cost = p.cost(plan, [small, big])
@@ -83,7 +85,8 @@ def test_explicit_storage_is_kept_and_checked():
                                                   policy="lfu"))
     auto = spec("auto", 1000, auto_storage=True)
     plain = spec("plain", 500)
-    plan = planner(auto_tiers=False).plan([fixed, auto, plain])
+    # fixed: 1,000 slots x 68 B + its slot map 10,000 x 4 B + 1,000 x 38 B on the device
+    plan = planner(auto_tiers=False, hbm_bytes_per_rank=150_000).plan([fixed, auto, plain])
     got = tiers(plan)
     assert got == {"fixed": fixed.storage, "auto": None, "plain": None}
     with pytest.raises(ValueError, match="table 'fixed' \\(storage tier 'cached', 664.1 KiB "

@@ -48,8 +48,9 @@ def test_planner_counts_the_cache_on_the_device_and_the_rows_on_the_host():
                      storage=Storage(tier="cached", cache_load_factor=0.1))
     device = TableSpec(name="t", num_embeddings=1000, embedding_dim=16, features=("f",))
     # rowwise Adagrad: 16 x 4 B of weights + 4 B of state per row
-    assert block_bytes(spec, 500, 16, "rowwise_adagrad") == 50 * 68
-    assert host_block_bytes(spec, 500, 16, "rowwise_adagrad") == 500 * 68 + 500 * 4  # + map
+    # + the slot map on the device: 4 B per row, 38 B per slot
+    assert block_bytes(spec, 500, 16, "rowwise_adagrad") == 50 * 68 + 500 * 4 + 50 * 38
+    assert host_block_bytes(spec, 500, 16, "rowwise_adagrad") == 500 * 68
     assert block_bytes(device, 500, 16, "rowwise_adagrad") == 500 * 68
     assert host_block_bytes(device, 500, 16, "rowwise_adagrad") == 0
     filed = TableSpec(name="t", num_embeddings=1000, embedding_dim=16, features=("f",),
