@@ -334,7 +334,8 @@ def tbe_backward(
         grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
         per_sample_weights, pooling=pooling, max_D=max_D, optimizer=optimizer, t=t,
         momentum1=momentum1, momentum2=momentum2, stochastic_rounding=stochastic_rounding,
-        seed=seed, rows=_kernel_hints.get("rows"),
+        seed=seed, rows=_kernel_hints.get("rows"), prev_iter=prev_iter,
+        row_counter=row_counter, max_counter=extra.get("max_counter"),
     )
     if done is not None:
         return None if done is True else done
