@@ -92,7 +92,9 @@ class FusedOptimizer:
     (a host-to-device copy, which a CUDA graph cannot capture)."""
     counters: dict[str, torch.Tensor] | None = None
     """rowwise_adagrad_with_counter's ``prev_iter``, ``row_counter`` ([rows] fp32) and
-    ``max_counter`` ([1] fp32), passed to the backend's backward by name; None otherwise."""
+    ``max_counter`` ([1] fp32), and where set ``row_counter_max`` ([1] fp32: the largest row
+    counter its refresh takes instead of the module's own), passed to the backend's backward
+    by name; None otherwise."""
 
 
 def capturing(device: torch.device) -> bool:
