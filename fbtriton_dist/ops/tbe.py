@@ -561,6 +561,11 @@ def tbe_lookup(
     in_capture = capturing(weights.device)
     if in_capture:
         check_capturable(backend, bounds_check, layout, monitor)
+        if fused is not None and fused.counters is not None:
+            raise RuntimeError(
+                "TBE lookup under CUDA graph capture: rowwise_adagrad_with_counter's backward "
+                "copies its parameters from the host at every step; run it without capture"
+            )
         if fused is not None and fused.hyper is None:
             raise RuntimeError(
                 "TBE lookup under CUDA graph capture: FusedOptimizer.hyper is None (it would be "
