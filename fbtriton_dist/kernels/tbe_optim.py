@@ -14,6 +14,7 @@ import triton.language as tl
 
 from fbtriton_dist import optim
 from fbtriton_dist.kernels.tbe_forward import cast_rne, cast_rtz
+from fbtriton_dist.optim_counter import native_counter_parameters
 
 OPT_NONE = optim.NO_OPTIMIZER_CODE  # no optimizer: the row gradients are returned
 # the optimizers' kernel codes (optim.REGISTRY), constexpr globals for the jit functions
@@ -64,8 +65,6 @@ _C_THRESHOLD, _C_IS_RATIO, _C_COEF, _C_LOWER, _C_MAX_COUNTER = (
 
 def counter_hyper(opt: optim.RowWiseAdagradWithCounter) -> list[float]:
     """``COUNTER_FIELDS``' values but ``max_counter`` (the caller appends the module's)."""
-    from fbtriton_dist.optim_counter import native_counter_parameters  # noqa: PLC0415
-
     values = dict(zip(("cowclip", "decay_mode", "learning_rate_mode", "halflife", "decay_rate",
                        "adjustment_iter", "adjustment_ub", "threshold", "max_counter",
                        "weight_norm_coefficient", "lower_bound"),

@@ -1,6 +1,6 @@
 """Rowwise Adagrad with counter's Triton update (``kernels/tbe_optim.py``
 ``_rowwise_adagrad_with_counter_update``; in Triton's interpreter without a GPU) against the
-reference (``reference/counter.py``) after 4 steps: rows, ``momentum1``, ``prev_iter``,
+reference (``reference/counter.py``) after 3 steps: rows, ``momentum1``, ``prev_iter``,
 ``row_counter`` and ``max_counter``, for every case of ``tests/modules/test_tbe_optim_counter.py``
 (COUNTER with each weight-decay mode, each tail-id learning-rate mode, ``adjustment_iter``,
 ADAGRADW's half-lives -1 and -2, a ratio threshold of a refreshed ``max_counter``; COWCLIP L2
@@ -45,7 +45,7 @@ def _train(opt, backend, w0, batches, wdt=torch.float32, row_counter_max=None):
 def test_triton_counter_matches_reference(case):
     opt = CASES[case]
     wdt = torch.float16 if case.endswith("fp16") else torch.float32
-    w0, batches = _w0(), _batches(weighted=True)
+    w0, batches = _w0(), _batches(3, weighted=True)
     ref = _train(opt, "reference", w0, batches, wdt)
     tri = _train(opt, "triton", w0, batches, wdt)
     atol = 2e-5 if wdt == torch.float32 else 4e-3
@@ -58,7 +58,7 @@ def test_triton_counter_matches_reference(case):
 
 def test_triton_counter_takes_row_counter_max():
     """``max_counter`` refreshed from a given largest counter (5: 1 + 5 = 6 at every refresh),
-    not the module's rows (whose largest is 4 after 4 steps), as the reference does."""
+    not the module's own rows' (which give another), as the reference does."""
     opt = FORMULA_CASES["increase-ratio"]
     w0, batches = _w0(), _batches(weighted=True)
     given = torch.tensor([5.0])
