@@ -399,14 +399,15 @@ static void bwd_runs(const bwd_args *a, const int64_t *starts, int64_t n, int64_
             const int64_t idq = (int64_t)(q >> a->pos_bits) - a->row_offsets[fq];
             const int64_t Dq = a->dims[fq], eq = a->w_offsets[fq] + idq * Dq;
             if (a->opt != OPT_NONE) prefetch_bytes(w8 + eq * esize, Dq * esize, 1);
-            if (a->opt == OPT_ROWWISE_ADAGRAD || a->opt == OPT_EMAINPLACE_ROWWISE_ADAGRAD)
+            if (a->opt == OPT_ROWWISE_ADAGRAD || a->opt == OPT_EMAINPLACE_ROWWISE_ADAGRAD ||
+                a->opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER)
                 __builtin_prefetch(a->m1 + (q >> a->pos_bits), 1, 3);
-            if (a->opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER)
-                for (int k = 0; k < 3; ++k)
-                    __builtin_prefetch((k == 0 ? a->m1 : k == 1 ? a->m2 : a->m3) +
-                                           (q >> a->pos_bits), 1, 3);
             else if (a->opt == OPT_ADAGRAD || a->opt == OPT_ADAM)
                 prefetch_bytes(a->m1 + eq, Dq * 4, 1);
+            if (a->opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER) { /* prev_iter, row_counter */
+                __builtin_prefetch(a->m2 + (q >> a->pos_bits), 1, 3);
+                __builtin_prefetch(a->m3 + (q >> a->pos_bits), 1, 3);
+            }
             if (a->opt == OPT_ADAM) prefetch_bytes(a->m2 + eq, Dq * 4, 1);
         }
         const int64_t s = starts[r], e = starts[r + 1];

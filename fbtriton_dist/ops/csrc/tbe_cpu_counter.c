@@ -43,7 +43,7 @@ void counter_setup(counter_args *c, const double *counter, double lr, double eps
 }
 
 /* x ** ub as torch.pow(tensor, ub) takes it */
-static float pow_ub(float x, const counter_args *c) {
+INLINE float pow_ub(float x, const counter_args *c) {
     if (c->ub_d == 0.0) return 1.0f;
     if (c->ub_d == 1.0) return x;
     if (c->ub_d == 0.5) return sqrtf(x);
@@ -52,12 +52,13 @@ static float pow_ub(float x, const counter_args *c) {
     return (float)pow((double)x, c->ub_d);
 }
 
-static float clampf(float x, float lo, float hi) {
+INLINE float clampf(float x, float lo, float hi) {
     return x < lo ? lo : (x > hi ? hi : x);
 }
 
-/* sum over D of (x + l2 w)^2 (l2: 0 skips w), LANES lanes */
-static float squares(const float *restrict x, const float *restrict w, float l2, int64_t D) {
+/* sum over D of (x + l2 w)^2 (l2: 0 skips w), LANES lanes (inlined: built for the caller's
+ * target) */
+INLINE float squares(const float *restrict x, const float *restrict w, float l2, int64_t D) {
     float lane[LANES] = {0};
     int64_t d = 0;
     for (; d + LANES <= D; d += LANES)
@@ -74,6 +75,7 @@ static float squares(const float *restrict x, const float *restrict w, float l2,
     return s;
 }
 
+TBE_TARGETS
 void counter_row(const counter_args *c, float *restrict w, const float *restrict g, int64_t D,
                  float *m, float *prev, float *count) {
     const float gap = *prev == 0.0f ? 1.0f : c->t - *prev; /* steps since the row's last update */
