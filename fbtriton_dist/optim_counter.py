@@ -230,3 +230,38 @@ def counter_mode(value: Any) -> str | None:
         return choice(value, COUNTER_MODES, "weight_decay_mode")
     except DefinitionError:
         return None
+
+
+NATIVE_COUNTER_FIELDS = (
+    "cowclip", "decay_mode", "learning_rate_mode", "halflife", "decay_rate", "adjustment_iter",
+    "adjustment_ub", "threshold", "max_counter", "weight_norm_coefficient", "lower_bound",
+)
+"""What the native CPU update reads from its ``double counter[]`` (``ops/csrc/tbe_cpu_counter.c``'s
+``CTR_*`` slots, checked against this by a test), besides the ``NATIVE_HYPER_FIELDS`` (lr, eps,
+weight_decay, the step): the modes as their index in ``COUNTER_WEIGHT_DECAY_MODES`` and
+``LEARNING_RATE_MODES``; ``decay_rate`` ln 2 / ``counter_halflife`` (0 unless > 0);
+``threshold`` the tail-id threshold (a ratio already times ``max_counter``, floored)."""
+
+
+def native_counter_parameters(opt: RowWiseAdagradWithCounter, max_counter: float) -> list[float]:
+    """``opt``'s values of ``NATIVE_COUNTER_FIELDS``, with the module's ``max_counter`` of the
+    step (refreshed before)."""
+    reg = opt.regularization
+    cowclip = opt.weight_decay_mode == "cowclip"
+    threshold = 0.0 if cowclip else reg.tail_id_threshold
+    if not cowclip and reg.tail_id_threshold_is_ratio:
+        threshold = math.floor(threshold * max_counter)
+    halflife = reg.counter_halflife
+    return [
+        float(cowclip),
+        float(COUNTER_WEIGHT_DECAY_MODES.index(reg.counter_weight_decay_mode)),
+        0.0 if cowclip else float(LEARNING_RATE_MODES.index(reg.learning_rate_mode)),
+        float(halflife),
+        math.log(2.0) / halflife if halflife > 0 else 0.0,
+        0.0 if cowclip else float(reg.adjustment_iter),
+        0.0 if cowclip else float(reg.adjustment_ub),
+        float(threshold),
+        float(max_counter),
+        float(reg.weight_norm_coefficient) if cowclip else 0.0,
+        float(reg.lower_bound) if cowclip else 0.0,
+    ]

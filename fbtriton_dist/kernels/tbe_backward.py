@@ -447,6 +447,7 @@ def tbe_backward(
     counts: torch.Tensor | None = None,
     row_align: int = 1,
     plan: BackwardPlan | None = None,
+    momentum3: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Backward of ``tbe_forward`` for grad_output ``[B, sum(D)]``.
 
@@ -467,7 +468,9 @@ def tbe_backward(
     advanced by one on the device, then read there as t: Adam's bias corrections
     ``1 - beta^t`` and the stochastic-rounding seed ``(seed * 1000003 + t) % (2^31 - 1)``;
     ``hyper`` ([12] fp32 on the device, ``optim.hyper_parameters(optimizer)``, built here when
-    None) holds the learning rate and the rest.
+    None) holds the learning rate and the rest. ``momentum3``: a third state (rowwise Adagrad
+    with counter's row_counter; its momentum2 is prev_iter, and its hyper carries
+    ``tbe_optim.COUNTER_FIELDS``: ``ops/backends/triton.py`` builds them).
     """
     device = weights.device
     T = dims.numel()
@@ -521,7 +524,8 @@ def tbe_backward(
     U = int(plan.num_runs) if code == OPT_NONE else 0  # plain gradients: sized output, one sync
     out_rows = torch.zeros((U, block_d), device=device) if code == OPT_NONE else partial
     update_rows(
-        grad_output, weights, plan, partial, out_rows, optimizer=optimizer, momentum1=momentum1, momentum2=momentum2, hyper=hyper, step=step,
+        grad_output, weights, plan, partial, out_rows, optimizer=optimizer, momentum1=momentum1,
+        momentum2=momentum2, momentum3=momentum3, hyper=hyper, step=step,
         seed=seed, stochastic_rounding=stochastic_rounding, config=config, block_d=block_d,
         row_align=row_align, galign=galign,
     )

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from fbtriton_dist import optim
 from fbtriton_dist.kernels.tbe_forward import cast_rne, cast_rtz
+from fbtriton_dist.optim_counter import native_counter_parameters
 
 OPT_NONE = optim.NO_OPTIMIZER_CODE  # no optimizer: the row gradients are returned
 # the optimizers' kernel codes (optim.REGISTRY), constexpr globals for the jit functions
@@ -30,6 +31,8 @@ _EMAINPLACE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("emainplace_rowwise_adagra
 _ROWWISE_RMSPROP_AR = tl.constexpr(optim.spec("rowwise_rmsprop_ar").kernel_code)
 _ENSEMBLE_ROWWISE_ADAGRAD = tl.constexpr(optim.spec("ensemble_rowwise_adagrad").kernel_code)
 _ROWWISE_ADAGRAD_GLOBAL_DECAY = tl.constexpr(optim.spec("rowwise_adagrad_global_decay").kernel_code)
+_ROWWISE_ADAGRAD_WITH_COUNTER = tl.constexpr(
+    optim.spec("rowwise_adagrad_with_counter").kernel_code)
 # slots of optim.HYPER_FIELDS that load_hyper does not return (read by the helpers' branches)
 _ETA, _MOMENTUM, _BETA, _L1, _L2 = (
     tl.constexpr(optim.HYPER_FIELDS.index(n)) for n in ("eta", "momentum", "beta", "l1", "l2")
@@ -41,9 +44,39 @@ OPTIMIZERS = (
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb",
     "partial_rowwise_lamb", "lars_sgd", "ftrl", "emainplace_rowwise_adagrad",
     "rowwise_rmsprop_ar", "ensemble_rowwise_adagrad",
-    "rowwise_adagrad_global_decay",
+    "rowwise_adagrad_global_decay", "rowwise_adagrad_with_counter",
 )
 """The registry optimizers with a helper here (the Triton backend's capabilities read it)."""
+COUNTER_FIELDS = (
+    "cowclip", "decay_mode", "learning_rate_mode", "halflife", "decay_rate", "adjustment_iter",
+    "adjustment_ub", "threshold", "threshold_is_ratio", "weight_norm_coefficient",
+    "lower_bound", "max_counter",
+)
+"""Rowwise Adagrad with counter's slots of the hyper-parameter tensor, after
+``optim.HYPER_FIELDS`` (``counter_hyper``): its modes (their index in ``optim_counter``'s
+tuples), ``decay_rate`` ln 2 / ``counter_halflife`` (0 unless > 0), the tail-id threshold
+as given (a ratio is taken of ``max_counter`` here), and the module's ``max_counter`` of the
+step (refreshed before the launch, on the device)."""
+_C0 = len(optim.HYPER_FIELDS)
+_C_COWCLIP, _C_DECAY, _C_LR_MODE, _C_HALFLIFE, _C_DECAY_RATE, _C_ADJ_ITER, _C_UB = (
+    tl.constexpr(_C0 + i) for i in range(7)
+)
+_C_THRESHOLD, _C_IS_RATIO, _C_COEF, _C_LOWER, _C_MAX_COUNTER = (
+    tl.constexpr(_C0 + i) for i in range(7, 12)
+)
+
+
+def counter_hyper(opt: optim.RowWiseAdagradWithCounter) -> list[float]:
+    """``COUNTER_FIELDS``' values but ``max_counter`` (the caller appends the module's)."""
+    values = dict(zip(("cowclip", "decay_mode", "learning_rate_mode", "halflife", "decay_rate",
+                       "adjustment_iter", "adjustment_ub", "threshold", "max_counter",
+                       "weight_norm_coefficient", "lower_bound"),
+                      native_counter_parameters(opt, 1.0), strict=True))
+    reg = opt.regularization
+    counter = opt.weight_decay_mode == "counter"
+    values["threshold"] = reg.tail_id_threshold if counter else 0.0
+    values["threshold_is_ratio"] = float(counter and reg.tail_id_threshold_is_ratio)
+    return [values[name] for name in COUNTER_FIELDS[:-1]]
 
 
 def optimizer_code(optimizer: optim.Optimizer | None) -> int:
@@ -245,6 +278,87 @@ def _rowwise_rmsprop_ar_update(
 
 
 @triton.jit
+def _pow_pos(x, y):
+    """``x ** y`` for x > 0 (1 where y = 0)."""
+    return tl.where(y == 0.0, 1.0, tl.exp2(y * tl.log2(tl.where(x > 0.0, x, 1.0))))
+
+
+@triton.jit
+def _rowwise_adagrad_with_counter_update(
+    w,
+    g,
+    m_row,  # [RUNS] fp32 the rows' accumulators, loaded before the gradient loop
+    mom1_ptr,  # [sum(E_t)] accumulator per row
+    prev_ptr,  # [sum(E_t)] fp32 the step of each row's last update (0: none yet)
+    count_ptr,  # [sum(E_t)] fp32 each row's decayed occurrence count
+    key,  # [RUNS] linear row of each run
+    live,  # [RUNS] runs that update a row
+    dm,  # [RUNS, BLOCK_D] live rows' columns < D
+    D,  # [RUNS] the rows' D
+    lr,
+    eps,
+    weight_decay,
+    t,  # the step count (this update included)
+    hyper_ptr,  # its COUNTER_FIELDS after optim.HYPER_FIELDS
+):
+    """Rowwise Adagrad with counter (``optim.RowWiseAdagradWithCounter``, FBGEMM's COUNTER /
+    COWCLIP): the counter, ``m += mean(g'^2)``, the step size and decay of the mode, ``w = c w
+    - step g`` (``reference/counter.py``; the modes are values of the hyper tensor, picked
+    with ``tl.where``)."""
+    cowclip = tl.load(hyper_ptr + _C_COWCLIP)
+    decay = tl.load(hyper_ptr + _C_DECAY)  # none, l2, decoupled, adagradw: 0..3
+    lr_mode = tl.load(hyper_ptr + _C_LR_MODE)  # equal, increase, decrease, counter_sgd: 0..3
+    halflife = tl.load(hyper_ptr + _C_HALFLIFE)
+    adj_iter = tl.load(hyper_ptr + _C_ADJ_ITER)
+    ub = tl.load(hyper_ptr + _C_UB)
+    max_counter = tl.load(hyper_ptr + _C_MAX_COUNTER)
+    tf = t.to(tl.float32)
+    prev = tl.load(prev_ptr + key, mask=live, other=0.0)
+    n = tl.load(count_ptr + key, mask=live, other=0.0)
+    gap = tl.where(prev == 0.0, 1.0, tf - prev)  # steps since the row's last update
+    decayed = 1.0 + tl.exp(-gap * tl.load(hyper_ptr + _C_DECAY_RATE)) * n
+    n = tl.where(halflife > 0, decayed, tl.where(halflife == 0, 1.0, n + 1.0))
+    freq = halflife / n
+    g_wd = tl.where(dm, tl.where(decay == 1.0, g + weight_decay * w, g), 0.0)
+    g_sq = tl.sum(g_wd * g_wd, axis=1)
+    m = m_row + g_sq / D.to(tl.float32)
+    tl.store(mom1_ptr + key, cast_rne(m, mom1_ptr.dtype.element_ty), mask=live)
+    tl.store(prev_ptr + key, prev * 0.0 + tf, mask=live)
+    tl.store(count_ptr + key, n, mask=live)
+    denom = tl.sqrt(m) + eps
+    rate = lr / denom
+    enabled = (adj_iter <= 0.0) | (tf > adj_iter)
+    # COUNTER: rows above the tail-id threshold scale their rate by learning_rate_mode
+    threshold = tl.load(hyper_ptr + _C_THRESHOLD)
+    threshold = tl.where(tl.load(hyper_ptr + _C_IS_RATIO) != 0.0,
+                         tl.floor(threshold * max_counter), threshold)
+    up = tl.minimum(tl.maximum(_pow_pos(max_counter / (n + 1.0), ub), 1.0), 10.0)
+    down = tl.minimum(tl.maximum(_pow_pos((n + 1.0) / max_counter, ub), 0.1), 1.0)
+    scaled = tl.where(lr_mode == 1.0, rate * up, tl.where(
+        lr_mode == 2.0, rate * down, lr / (tl.sqrt(ub * n) + eps)))
+    step = tl.where(enabled & (lr_mode != 0.0), tl.where(n > threshold, scaled, rate), rate)
+    base = 1.0 - weight_decay * lr
+    lazy = _pow_pos(base, tl.minimum(gap, tf - adj_iter) - 1.0)  # the decay missed, paid now
+    adagradw = enabled & (decay == 3.0)
+    aw_step = tl.where(halflife == -1.0, rate * tl.sqrt(n), tl.where(
+        halflife == -2.0, tl.minimum(lr * n, ub) / denom, step))
+    corr = tl.where(adagradw, lazy * base, tl.where(
+        enabled & (decay == 2.0), 1.0 - freq * weight_decay * lr, tl.where(
+            enabled & (decay == 1.0), 1.0 - freq * weight_decay * rate, 1.0)))
+    step = tl.where(adagradw, aw_step * lazy, step)
+    # COWCLIP: the step clipped to n max(coef ||w||, lower_bound) / ||g'|| (0 / 0: 1)
+    w_norm = tl.sqrt(tl.sum(w * w, axis=1))
+    clip = n * tl.maximum(w_norm * tl.load(hyper_ptr + _C_COEF), tl.load(hyper_ptr + _C_LOWER))
+    ratio = clip / tl.sqrt(g_sq)
+    cw_step = tl.where(ratio < 1.0, ratio, 1.0) * rate
+    cw_corr = tl.where(decay == 2.0, base, tl.where(decay == 1.0, 1.0 - weight_decay * cw_step,
+                                                    1.0))
+    step = tl.where(cowclip != 0.0, cw_step, step)
+    corr = tl.where(cowclip != 0.0, cw_corr, corr)
+    return corr[:, None] * w - step[:, None] * g
+
+
+@triton.jit
 def optimizer_update(
     w,  # [RUNS, BLOCK_D] fp32 the rows (masked columns 0)
     g,  # [RUNS, BLOCK_D] fp32 their gradients summed over the batch
@@ -255,7 +369,8 @@ def optimizer_update(
     dm,  # [RUNS, BLOCK_D] live rows' columns < D
     D,  # [RUNS] the rows' D
     mom1_ptr,  # state 0 (momentum1), fp32
-    mom2_ptr,  # state 1 (momentum2), fp32
+    mom2_ptr,  # state 1 (momentum2, or rowwise_adagrad_with_counter's prev_iter), fp32
+    mom3_ptr,  # state 2 (rowwise_adagrad_with_counter's row_counter), fp32
     lr,  # load_hyper's values from here on
     eps,
     weight_decay,
@@ -325,6 +440,10 @@ def optimizer_update(
         min_shrinkage = tl.load(hyper_ptr + _MIN_SHRINKAGE)
         w = _rowwise_rmsprop_ar_update(w, g, m_row, mom1_ptr, mom2_ptr, key, live, D, lr, eps,
                                        t, ar_alpha, ema_beta, min_shrinkage)
+    elif OPTIMIZER == _ROWWISE_ADAGRAD_WITH_COUNTER:
+        w = _rowwise_adagrad_with_counter_update(w, g, m_row, mom1_ptr, mom2_ptr, mom3_ptr, key,
+                                                 live, dm, D, lr, eps, weight_decay, t,
+                                                 hyper_ptr)
     else:
         tl.static_assert(False, "unknown optimizer code")
     return w

@@ -230,6 +230,7 @@ def _update_group(
     out_rows_ptr,
     mom1_ptr,
     mom2_ptr,
+    mom3_ptr,
     sentinel,
     hyper_ptr,
     step_ptr,
@@ -264,7 +265,8 @@ def _update_group(
         lr, eps, weight_decay, t, beta1, beta2, bias_c1, bias_c2 = load_hyper(hyper_ptr, step_ptr)
         ptrs = elem[:, None] + d[None, :]
         w = optimizer_update(
-            w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, lr, eps, weight_decay,
+            w, acc, m_row, key, live, ptrs, dm, D, mom1_ptr, mom2_ptr, mom3_ptr, lr, eps,
+            weight_decay,
             beta1, beta2, bias_c1, bias_c2, t, hyper_ptr, OPTIMIZER, WD_DECOUPLED,
         )
         store_rows(weights_ptr, ptrs, dm, w, key, seed, t, STOCHASTIC, MANTISSA, MIN_EXP, RUNS,
@@ -286,9 +288,10 @@ def _tbe_row_update_kernel(
     partial_ptr,  # [cdiv(N, CHUNK_SIZE), 2, BLOCK_D] fp32 block sums of long runs
     out_rows_ptr,  # [U, BLOCK_D] fp32 out: row gradients (OPTIMIZER == 0)
     mom1_ptr,  # state 0 (optim.REGISTRY): [sum(E_t)] per row or [sum(E_t * D_t)] fp32
-    mom2_ptr,  # state 1: [sum(E_t * D_t)] fp32
+    mom2_ptr,  # state 1: [sum(E_t * D_t)] or [sum(E_t)] fp32
+    mom3_ptr,  # state 2: [sum(E_t)] fp32 (rowwise_adagrad_with_counter's row_counter)
     sentinel,  # key of dropped ids: their run is skipped
-    hyper_ptr,  # [12] fp32 optimizer hyper-parameters, optim.HYPER_FIELDS
+    hyper_ptr,  # fp32 optimizer hyper-parameters, optim.HYPER_FIELDS (+ tbe_optim's counter's)
     step_ptr,  # [1] int64 fused updates taken, this one included: t >= 1
     seed,  # the module's stochastic-rounding seed; this step's is (seed * 1000003 + t) % (2^31-1)
     OPTIMIZER: tl.constexpr,  # kernel code of the optimizer (optim.REGISTRY), 0: none
@@ -338,7 +341,7 @@ def _tbe_row_update_kernel(
                                       HAS_SCALE, CHUNK_SIZE, ALIGN, GALIGN)
         _update_group(w, m_row, acc, r, lane, s, e, key, elem, D, d, grad_ptr, weights_ptr,
                       goffs_ptr, scales_ptr, partial_ptr, out_rows_ptr, mom1_ptr, mom2_ptr,
-                      sentinel, hyper_ptr, step_ptr, seed, OPTIMIZER, WD_DECOUPLED, HAS_SCALE,
+                      mom3_ptr, sentinel, hyper_ptr, step_ptr, seed, OPTIMIZER, WD_DECOUPLED, HAS_SCALE,
                       STOCHASTIC, MANTISSA, MIN_EXP, CHUNK_SIZE, PART_L, RUNS, IDS, BLOCK_D,
                       ALIGN, GALIGN)
         if PREFETCH:
@@ -382,7 +385,8 @@ def update_rows(
     optimizer: optim.Optimizer | None,
     momentum1: torch.Tensor | None,
     momentum2: torch.Tensor | None,
-    hyper: torch.Tensor | None,
+    momentum3: torch.Tensor | None = None,
+    hyper: torch.Tensor | None = None,
     step: torch.Tensor | None,
     seed: int,
     stochastic_rounding: bool,
@@ -416,6 +420,7 @@ def update_rows(
         out_rows,
         momentum1 if momentum1 is not None else partial,
         momentum2 if momentum2 is not None else partial,
+        momentum3 if momentum3 is not None else partial,
         plan.sentinel,
         hyper if code else partial,
         step if code else plan.num_runs,

@@ -227,11 +227,27 @@ def whole_table_step(tbe, k: int) -> None:
 def counter_tensors(tbe) -> dict[str, torch.Tensor] | None:
     """``optim.RowWiseAdagradWithCounter``'s state besides ``momentum1``, for the backward
     (``ops.tbe.FusedOptimizer.counters``): the module's ``prev_iter``, ``row_counter`` and
-    ``max_counter`` buffers; None for other optimizers."""
+    ``max_counter`` buffers, and ``row_counter_max`` where set (``set_row_counter_max``);
+    None for other optimizers."""
     if not isinstance(tbe.optimizer, optim.RowWiseAdagradWithCounter):
         return None
-    return {"prev_iter": tbe.prev_iter, "row_counter": tbe.row_counter,
-            "max_counter": tbe.max_counter}
+    out = {"prev_iter": tbe.prev_iter, "row_counter": tbe.row_counter,
+           "max_counter": tbe.max_counter}
+    if tbe.row_counter_max is not None:
+        out["row_counter_max"] = tbe.row_counter_max
+    return out
+
+
+def set_row_counter_max(tbe, value: torch.Tensor | None) -> None:
+    """Rowwise Adagrad with counter: the largest row counter that ``tbe``'s next
+    ``max_counter`` refreshes use instead of its own rows' (``value``, [1] fp32; None: its
+    own). A sharded table's shard gets its table's over every rank's shards before each step
+    that refreshes it (the sharding layer's all-reduce), so the shards scale their rates as
+    the unsharded table does."""
+    if value is not None and (value.numel() != 1 or value.dtype != torch.float32):
+        raise ValueError(f"row_counter_max: expected a [1] fp32 tensor, got {value.dtype} of "
+                         f"shape {tuple(value.shape)}")
+    tbe.row_counter_max = value
 
 
 def counter_extra_state(tbe) -> dict[str, float]:

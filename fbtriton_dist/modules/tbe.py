@@ -159,6 +159,9 @@ class TableBatchedEmbedding(nn.Module):
                              persistent=False)
         # rowwise_adagrad_with_counter's (FBGEMM's name): 1 + the largest row counter
         self.register_buffer("max_counter", torch.ones(1, device=device), persistent=False)
+        self.row_counter_max: torch.Tensor | None = None
+        """[1] fp32: the largest row counter the ``max_counter`` refreshes take instead of this
+        module's own (``fused_optim.set_row_counter_max``); None: its own."""
         self._hyper: torch.Tensor | None = None  # optim.hyper_parameters on the device
         self._hyper_of: optim.Optimizer | None = None
         # drawn on the CPU (host metadata: also under ``with torch.device("meta")``)

@@ -313,6 +313,7 @@ def tbe_backward(
     prev_iter: torch.Tensor | None = None,
     row_counter: torch.Tensor | None = None,
     max_counter: torch.Tensor | None = None,
+    row_counter_max: torch.Tensor | None = None,
     **_kernel_hints,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``reference.tbe_backward``: with an optimizer, every touched row is updated in place
@@ -328,14 +329,16 @@ def tbe_backward(
         t = int(step.item())
     extra = {}  # the counter optimizer's max_counter, refreshed before the update
     if isinstance(optimizer, optim.RowWiseAdagradWithCounter):
-        extra["max_counter"] = refresh_max_counter(optimizer, t, row_counter, max_counter)
+        extra["max_counter"] = refresh_max_counter(optimizer, t, row_counter, max_counter,
+                                                   row_counter_max)
     buffers = {"momentum1": momentum1, "momentum2": momentum2, "prev_iter": prev_iter,
                "row_counter": row_counter}
     done = cpu_native.backward(
         grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
         per_sample_weights, pooling=pooling, max_D=max_D, optimizer=optimizer, t=t,
         momentum1=momentum1, momentum2=momentum2, stochastic_rounding=stochastic_rounding,
-        seed=seed, rows=_kernel_hints.get("rows"),
+        seed=seed, rows=_kernel_hints.get("rows"), prev_iter=prev_iter,
+        row_counter=row_counter, max_counter=extra.get("max_counter"),
     )
     if done is not None:
         return None if done is True else done

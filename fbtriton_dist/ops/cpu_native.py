@@ -37,14 +37,17 @@ from pathlib import Path
 
 import torch
 
-from fbtriton_dist import knobs, optim
+from fbtriton_dist import knobs, optim, optim_counter
 from fbtriton_dist.pooling import PoolingMode
 from fbtriton_dist.reference.tbe import step_seed
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
 """The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
-SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
+COUNTER_SOURCE = CSRC / "tbe_cpu_counter.c"
+"""Rowwise Adagrad with counter's row update: its ``CTR_*`` slots
+(``optim_counter.NATIVE_COUNTER_FIELDS``)."""
+SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, COUNTER_SOURCE, CSRC / "tbe_pool.c")
 HEADERS = (CSRC / "tbe_cpu.h",)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 """``-fno-math-errno``: sqrtf never sets errno, so that GCC vectorises the per-element updates
@@ -91,6 +94,8 @@ _SIGNATURES = {
     "tbe_plan": (_I64, [*_PLAN, _P, _P, _I32]),
     "tbe_backward_fused": (_I32, [*_PLAN, _P, _P, _I32, _P, _P, _I32, _P, _I32, ctypes.c_uint64,
                                   _I64, _I32]),
+    "tbe_backward_fused_counter": (_I32, [*_PLAN, _P, _P, _I32, _P, _P, _P, _P, _P, _I32,
+                                          ctypes.c_uint64, _I64, _I32]),
     "tbe_backward": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _P, _P,
                             _I32, _P, _I32, ctypes.c_uint64, _P, _P, _P, _I64, _I32]),
     "tbe_usable_cpus": (_I32, []),
@@ -348,18 +353,23 @@ def _plan_args(idx, idx32, off, off32, T, B, rows, w_offsets, dims, row_offsets,
 
 def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indices, offsets,
              per_sample_weights, *, pooling: int, max_D: int, optimizer, t: int, momentum1,
-             momentum2, stochastic_rounding: bool, seed: int, rows=None):
+             momentum2, stochastic_rounding: bool, seed: int, rows=None, prev_iter=None,
+             row_counter=None, max_counter: float | None = None):
     """``cpu.tbe_backward`` after its step advance (``t`` the new step; 0 without optimizer):
     with an optimizer, True once every touched row is updated in place (``tbe_backward_fused``,
-    one call); without, ``(row_elems, row_dims, row_grads)`` (``tbe_plan``, then
-    ``tbe_backward``); None where the kernels do not apply (nothing done)."""
+    one call; rowwise Adagrad with counter: ``tbe_backward_fused_counter`` with its
+    ``prev_iter``, ``row_counter`` and the module's ``max_counter``, already refreshed);
+    without, ``(row_elems, row_dims, row_grads)`` (``tbe_plan``, then ``tbe_backward``); None
+    where the kernels do not apply (nothing done)."""
     lib = _usable(weights, grad_output, indices, offsets, momentum1, momentum2)
     if lib is None:
         return None
     spec = optim.spec_of(optimizer) if optimizer is not None else None
     if spec is not None and spec.name not in OPT_CODES:
         return None  # the torch ops' step (the backend's capabilities refuse it earlier)
-    states = [s for s in (momentum1, momentum2) if s is not None]
+    counter = isinstance(optimizer, optim.RowWiseAdagradWithCounter)
+    states = [s for s in ((momentum1, prev_iter, row_counter) if counter
+                          else (momentum1, momentum2)) if s is not None]
     if spec is not None and (len(states) < len(spec.states)
                              or any(s.dtype != torch.float32 or not s.is_contiguous()
                                     for s in states)):
@@ -372,7 +382,7 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     elem_limit, row_limit = weights.numel(), -1
     for state, buffer in zip(spec.states if spec else (), states, strict=False):
         if state.per_row:
-            row_limit = buffer.numel()
+            row_limit = buffer.numel() if row_limit < 0 else min(row_limit, buffer.numel())
         else:
             elem_limit = min(elem_limit, buffer.numel())
     grad = _fp32(grad_output)
@@ -385,12 +395,21 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
         m1 = states[0] if states else None
         m2 = states[1] if len(states) > 1 else None
         hyper = _hyper(optimizer, t)
-        code = lib.tbe_backward_fused(
-            *args, grad.data_ptr(), weights.data_ptr(), DTYPES[weights.dtype], _ptr(m1),
-            _ptr(m2), OPT_CODES[spec.name], hyper,
-            int(stochastic_rounding and weights.dtype != torch.float32), step_seed(seed, t),
-            max_D, threads,
-        )
+        if counter:
+            values = optim_counter.native_counter_parameters(optimizer, max_counter)
+            code = lib.tbe_backward_fused_counter(
+                *args, grad.data_ptr(), weights.data_ptr(), DTYPES[weights.dtype], _ptr(m1),
+                _ptr(m2), _ptr(states[2]), hyper, (ctypes.c_double * len(values))(*values),
+                int(stochastic_rounding and weights.dtype != torch.float32),
+                step_seed(seed, t), max_D, threads,
+            )
+        else:
+            code = lib.tbe_backward_fused(
+                *args, grad.data_ptr(), weights.data_ptr(), DTYPES[weights.dtype], _ptr(m1),
+                _ptr(m2), OPT_CODES[spec.name], hyper,
+                int(stochastic_rounding and weights.dtype != torch.float32), step_seed(seed, t),
+                max_D, threads,
+            )
         if code == -TOO_BIG:
             return None
         if code:

@@ -103,7 +103,9 @@ class FusedOptimizer:
     (a host-to-device copy, which a CUDA graph cannot capture)."""
     counters: dict[str, torch.Tensor] | None = None
     """rowwise_adagrad_with_counter's ``prev_iter``, ``row_counter`` ([rows] fp32) and
-    ``max_counter`` ([1] fp32), passed to the backend's backward by name; None otherwise."""
+    ``max_counter`` ([1] fp32), and where set ``row_counter_max`` ([1] fp32: the largest row
+    counter its refresh takes instead of the module's own), passed to the backend's backward
+    by name; None otherwise."""
 
 
 def check_capturable(
@@ -409,6 +411,11 @@ def tbe_lookup(
     in_capture = capturing(weights.device)
     if in_capture:
         check_capturable(backend, bounds_check, layout, monitor)
+        if fused is not None and fused.counters is not None:
+            raise RuntimeError(
+                "TBE lookup under CUDA graph capture: rowwise_adagrad_with_counter's backward "
+                "copies its parameters from the host at every step; run it without capture"
+            )
         if fused is not None and fused.hyper is None:
             raise RuntimeError(
                 "TBE lookup under CUDA graph capture: FusedOptimizer.hyper is None (it would be "

@@ -11,17 +11,22 @@ from fbtriton_dist import optim
 
 
 def refresh_max_counter(opt: optim.RowWiseAdagradWithCounter, t: int,
-                        row_counter: torch.Tensor, max_counter: torch.Tensor) -> float:
+                        row_counter: torch.Tensor, max_counter: torch.Tensor,
+                        row_counter_max: torch.Tensor | None = None) -> float:
     """Before the update of step t: where t is a multiple of ``max_counter_update_freq``
     (> 0), ``max_counter`` ([1] fp32, in place) becomes 1 + the largest counter of the module's
-    rows (1 without rows); returns its value."""
+    rows (1 without rows), or 1 + ``row_counter_max`` ([1] fp32) where given (a sharded
+    table's largest counter over every rank's shards); returns its value."""
     if row_counter is None or max_counter is None:
         raise ValueError("rowwise_adagrad_with_counter: expected the module's prev_iter, "
                          "row_counter and max_counter (ops.tbe.FusedOptimizer.counters), got "
                          "none")
     freq = opt.max_counter_update_freq
     if freq > 0 and t % freq == 0:
-        top = row_counter.max().item() if row_counter.numel() else 0.0
+        if row_counter_max is not None:
+            top = float(row_counter_max.item())
+        else:
+            top = row_counter.max().item() if row_counter.numel() else 0.0
         max_counter.fill_(top + 1.0)
     return float(max_counter.item())
 

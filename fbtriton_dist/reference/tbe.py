@@ -148,6 +148,7 @@ def tbe_backward(
     prev_iter: torch.Tensor | None = None,
     row_counter: torch.Tensor | None = None,
     max_counter: torch.Tensor | None = None,
+    row_counter_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Same contract as kernels.tbe_backward: update in place, or return
     ``(row_elems, row_dims, row_grads)``. With an optimizer, ``step`` ([1] int64, updates
@@ -155,7 +156,8 @@ def tbe_backward(
     ``1 - beta^t`` and the rounding seed ``step_seed(seed, t)``. The hyper-parameters come
     from ``optimizer`` (``hyper``, the kernels' device copy of them, and ``row_align``, their
     vector width, are not read). ``prev_iter``, ``row_counter`` ([rows] fp32) and
-    ``max_counter`` ([1] fp32, refreshed here): rowwise_adagrad_with_counter's state."""
+    ``max_counter`` ([1] fp32, refreshed here; from ``row_counter_max`` where given):
+    rowwise_adagrad_with_counter's state."""
     device = weights.device
     t = 0
     if optimizer is not None:
@@ -166,7 +168,7 @@ def tbe_backward(
     extra = {}
     if isinstance(optimizer, optim.RowWiseAdagradWithCounter):
         extra = dict(prev_iter=prev_iter, row_counter=row_counter, max_counter=refresh_max_counter(
-            optimizer, t, row_counter, max_counter))
+            optimizer, t, row_counter, max_counter, row_counter_max))
     T = dims.numel()
     B = (offsets.numel() - 1) // T
     N = indices.numel()

@@ -113,6 +113,9 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
     if not cfg.optimizer.schedule.constant:
         why.append("optimizer.schedule changes the dense learning rate every step (a CUDA "
                    "graph replays the captured one)")
+    if cfg.optimizer.embedding.optimizer_name == "rowwise_adagrad_with_counter":
+        why.append("optimizer.embedding: rowwise Adagrad with counter copies its parameters "
+                   "from the host every step")
     if cfg.sharding.comm.dedup:
         why.append("sharding.comm.dedup: true sizes messages per step")
     table_step = _whole_table_step_blocker(cfg)

@@ -326,9 +326,6 @@ def test_config_refuses_bad_values():
                                          r"of \[fp32\], got 'fp16'"):
         TableBatchedEmbedding(TABLES, FTM, optimizer=_counter(),
                               optimizer_state_dtypes={"prev_iter": "fp16"})
-    with pytest.raises(ValueError, match="backend='triton' does not support optimizer "
-                                         "'rowwise_adagrad_with_counter'"):
-        TableBatchedEmbedding(TABLES, FTM, optimizer=_counter(), backend="triton")
 
 
 def test_state_dict_resumes_exactly():

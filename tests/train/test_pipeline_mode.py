@@ -47,7 +47,8 @@ def test_auto_picks_the_graph_on_cuda_and_keeps_the_cpu_choices(device, grouped,
 @pytest.mark.parametrize("changes, reason", [
     ({"sharding__comm": {"dedup": True}}, "dedup"),
     ({"data__synthetic": {"candidates_per_user": 2}}, "candidates_per_user"),
-], ids=["dedup", "vbe"])
+    ({"optimizer__embedding": {"type": "rowwise_adagrad_with_counter"}}, "with counter"),
+], ids=["dedup", "vbe", "counter"])
 def test_auto_falls_back_to_overlap_on_cuda_when_the_step_cannot_be_captured(changes, reason):
     c = cfg(**changes)
     assert resolve_pipeline(c, "cuda", True) == "overlap"

@@ -33,6 +33,39 @@ class TritonBackend(Backend):
                 "imported), or use backend='reference' / 'auto' on CPU"
             )
 
+    def tbe_backward(self, *args, rows=None, prev_iter=None, row_counter=None,
+                     max_counter=None, row_counter_max=None, **kwargs):
+        """Rowwise Adagrad with counter: ``max_counter`` refreshed on the device (where the
+        step about to be taken is due), then the kernels with ``row_counter`` as the third
+        state, ``prev_iter`` as the second, its ``tbe_optim.COUNTER_FIELDS`` after the
+        hyper-parameters (a host-to-device copy per step: not in a CUDA graph)."""
+        optimizer = kwargs.get("optimizer")
+        if not isinstance(optimizer, optim.RowWiseAdagradWithCounter):
+            return self.module().tbe_backward(*args, **kwargs)
+        import torch  # noqa: PLC0415
+
+        from fbtriton_dist.kernels.tbe_optim import counter_hyper  # noqa: PLC0415 (triton)
+
+        if row_counter is None or prev_iter is None or max_counter is None:
+            raise ValueError("rowwise_adagrad_with_counter: expected the module's prev_iter, "
+                             "row_counter and max_counter (ops.tbe.FusedOptimizer.counters), "
+                             "got none")
+        step, freq = kwargs["step"], optimizer.max_counter_update_freq
+        with torch.no_grad():
+            if freq > 0:  # before the update of step t = step + 1, where t % freq == 0
+                top = (row_counter_max.reshape(1) if row_counter_max is not None else
+                       row_counter.max().reshape(1) if row_counter.numel() else
+                       torch.zeros(1, device=row_counter.device))
+                max_counter.copy_(torch.where((step + 1) % freq == 0, top + 1.0, max_counter))
+            base = kwargs.get("hyper")
+            if base is None:
+                base = torch.tensor(optim.hyper_parameters(optimizer), dtype=torch.float32)
+            hyper = torch.cat([base.to(max_counter.device),
+                               torch.tensor(counter_hyper(optimizer), dtype=torch.float32,
+                                            device=max_counter.device), max_counter])
+        kwargs.update(hyper=hyper, momentum2=prev_iter, momentum3=row_counter)
+        return self.module().tbe_backward(*args, **kwargs)
+
     def tbe_linearize(self, *args, **kwargs):
         return self.module().tbe_linearize(*args, **kwargs)
 

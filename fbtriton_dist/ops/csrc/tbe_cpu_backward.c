@@ -20,8 +20,8 @@
  * list from this file), HYPER_* the slots of optim.NATIVE_HYPER_FIELDS (double
  * hyper[HYPER_COUNT]). */
 enum { OPT_NONE = 0, OPT_SGD = 1, OPT_ROWWISE_ADAGRAD = 2, OPT_ADAM = 3, OPT_ADAGRAD = 4,
-       OPT_EMAINPLACE_ROWWISE_ADAGRAD = 10, OPT_ENSEMBLE_ROWWISE_ADAGRAD = 13,
-       OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY = 14 };
+       OPT_EMAINPLACE_ROWWISE_ADAGRAD = 10, OPT_ROWWISE_ADAGRAD_WITH_COUNTER = 12,
+       OPT_ENSEMBLE_ROWWISE_ADAGRAD = 13, OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY = 14 };
 enum { HYPER_LR = 0, HYPER_EPS = 1, HYPER_BETA1 = 2, HYPER_BETA2 = 3, HYPER_WEIGHT_DECAY = 4,
        HYPER_DECOUPLED = 5, HYPER_STEP = 6, HYPER_COUNT = 7 };
 
@@ -246,7 +246,8 @@ struct bwd_args {
     const int64_t *w_offsets, *dims, *row_offsets; /* [T] each */
     void *weights;            /* updated in place */
     int dtype;
-    float *m1, *m2;           /* optimizer states (NULL where it has none) */
+    float *m1, *m2, *m3;      /* optimizer states (NULL where it has none; the counter's:
+                               * momentum1, prev_iter, row_counter) */
     int opt, decoupled;
     float lr, eps, b1, b2, wd, bc1, bc2; /* bc1, bc2: 1 - beta^t (Adam) */
     int sr;                   /* stochastic rounding of fp16 / bf16 rows */
@@ -254,6 +255,7 @@ struct bwd_args {
     float *row_grads;         /* OPT_NONE: [U, max_D] summed gradients, else NULL */
     int64_t *row_elems, *row_dims; /* OPT_NONE: [U] first element and D of each row */
     int64_t max_D;
+    counter_args counter;     /* OPT_ROWWISE_ADAGRAD_WITH_COUNTER's parameters */
 };
 
 /* g[d0 : d0 + 8 NV] = sum over the sorted ids s..e of scale * gradient row (scale 1 unless
@@ -368,6 +370,10 @@ INLINE void update_row(const bwd_args *a, float *restrict w, const float *restri
         for (int64_t d = 0; d < D; ++d) w[d] = corr * w[d] - mult * g[d];
         break;
     }
+    case OPT_ROWWISE_ADAGRAD_WITH_COUNTER: /* tbe_cpu_counter.c */
+        counter_row(&a->counter, w, g, D, a->m1 + state_row, a->m2 + state_row,
+                    a->m3 + state_row);
+        break;
     case OPT_ADAM: {
         float *restrict m = a->m1 + elem, *restrict v = a->m2 + elem;
         for (int64_t d = 0; d < D; ++d) {
@@ -398,10 +404,15 @@ static void bwd_runs(const bwd_args *a, const int64_t *starts, int64_t n, int64_
             if (a->opt != OPT_NONE) prefetch_bytes(w8 + eq * esize, Dq * esize, 1);
             if (a->opt == OPT_ROWWISE_ADAGRAD || a->opt == OPT_EMAINPLACE_ROWWISE_ADAGRAD
                 || a->opt == OPT_ENSEMBLE_ROWWISE_ADAGRAD
-                || a->opt == OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY)
+                || a->opt == OPT_ROWWISE_ADAGRAD_GLOBAL_DECAY
+                || a->opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER)
                 __builtin_prefetch(a->m1 + (q >> a->pos_bits), 1, 3);
             else if (a->opt == OPT_ADAGRAD || a->opt == OPT_ADAM)
                 prefetch_bytes(a->m1 + eq, Dq * 4, 1);
+            if (a->opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER) { /* prev_iter, row_counter */
+                __builtin_prefetch(a->m2 + (q >> a->pos_bits), 1, 3);
+                __builtin_prefetch(a->m3 + (q >> a->pos_bits), 1, 3);
+            }
             if (a->opt == OPT_ADAM) prefetch_bytes(a->m2 + eq, Dq * 4, 1);
         }
         const int64_t s = starts[r], e = starts[r + 1];
@@ -439,11 +450,11 @@ static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, in
                       void *weights, int dtype, float *m1, float *m2, int opt,
                       const double *hyper, int sr, uint64_t sr_seed, int64_t max_D) {
     *a = (bwd_args){grad, sorted, ((uint64_t)1 << pos_bits) - 1, pos_bits, feat, gofs, scale,
-                    w_offsets, dims, row_offsets, weights, dtype, m1, m2, opt,
+                    w_offsets, dims, row_offsets, weights, dtype, m1, m2, NULL, opt,
                     (int)hyper[HYPER_DECOUPLED], (float)hyper[HYPER_LR], (float)hyper[HYPER_EPS],
                     (float)hyper[HYPER_BETA1], (float)hyper[HYPER_BETA2],
                     (float)hyper[HYPER_WEIGHT_DECAY], 1.0f, 1.0f, sr, sr_seed, NULL, NULL, NULL,
-                    max_D};
+                    max_D, {0}};
     if (opt == OPT_ADAM) {
         a->bc1 = (float)(1.0 - pow(hyper[HYPER_BETA1], hyper[HYPER_STEP]));
         a->bc2 = (float)(1.0 - pow(hyper[HYPER_BETA2], hyper[HYPER_STEP]));
@@ -469,9 +480,10 @@ static void bwd_setup(bwd_args *a, const float *grad, const uint64_t *sorted, in
  * its gradient (grad: the gradient rows, fp32). hyper: HYPER_COUNT values (HYPER_* above:
  * lr, eps, beta1, beta2, weight_decay, decoupled 0/1, t >= 1); sr: stochastic rounding (fp16 / bf16 rows) seeded sr_seed.
  * Returns 0, or minus BAD_* (nothing updated), NO_MEMORY or TOO_BIG. */
-int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
-                       float *m2, int opt, const double *hyper, int sr, uint64_t sr_seed,
-                       int64_t max_D, int nthreads) {
+static int backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
+                          float *m2, float *m3, int opt, const double *hyper,
+                          const double *counter, int sr, uint64_t sr_seed, int64_t max_D,
+                          int nthreads) {
     if (nthreads < 1) nthreads = 1;
     plan_args p;
     int err = PLAN_SETUP(&p, nthreads);
@@ -479,6 +491,10 @@ int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, f
     if (!err) {
         bwd_setup(&a, grad, packed, p.pos_bits, feat, gofs, scale, w_offsets, dims, row_offsets,
                   weights, dtype, m1, m2, opt, hyper, sr, sr_seed, max_D);
+        a.m3 = m3;
+        if (counter)
+            counter_setup(&a.counter, counter, hyper[HYPER_LR], hyper[HYPER_EPS],
+                          hyper[HYPER_WEIGHT_DECAY], hyper[HYPER_STEP]);
         p.update = &a;
         p.width = (max_D > 0 ? max_D : 1) + 8;
         p.scratch = malloc(sizeof(float) * 2 * p.width * nthreads);
@@ -486,6 +502,31 @@ int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, f
     }
     plan_free(&p);
     return -err;
+}
+
+int tbe_backward_fused(PLAN_ARGS, const float *grad, void *weights, int dtype, float *m1,
+                       float *m2, int opt, const double *hyper, int sr, uint64_t sr_seed,
+                       int64_t max_D, int nthreads) {
+    if (opt == OPT_ROWWISE_ADAGRAD_WITH_COUNTER) /* its states: tbe_backward_fused_counter */
+        return -TOO_BIG;
+    return backward_fused(indices, idx32, N, offsets, off32, T, B, rows, w_offsets, dims,
+                          row_offsets, elem_limit, row_limit, pooling, stride, D_offsets, psw,
+                          packed, tmp, feat, gofs, scale, runs, grad, weights, dtype, m1, m2,
+                          NULL, opt, hyper, NULL, sr, sr_seed, max_D, nthreads);
+}
+
+/* tbe_backward_fused with rowwise Adagrad with counter: its per-row states m1 (momentum1),
+ * prev_iter, row_counter ([rows] fp32 each, in place), its parameters counter[CTR_COUNT]
+ * (tbe_cpu_counter.c's CTR_* slots: the module's max_counter already refreshed). */
+int tbe_backward_fused_counter(PLAN_ARGS, const float *grad, void *weights, int dtype,
+                               float *m1, float *prev_iter, float *row_counter,
+                               const double *hyper, const double *counter, int sr,
+                               uint64_t sr_seed, int64_t max_D, int nthreads) {
+    return backward_fused(indices, idx32, N, offsets, off32, T, B, rows, w_offsets, dims,
+                          row_offsets, elem_limit, row_limit, pooling, stride, D_offsets, psw,
+                          packed, tmp, feat, gofs, scale, runs, grad, weights, dtype, m1,
+                          prev_iter, row_counter, OPT_ROWWISE_ADAGRAD_WITH_COUNTER, hyper,
+                          counter, sr, sr_seed, max_D, nthreads);
 }
 
 /* The plan alone, its runs numbered for the batch: sorted ids in packed[0 : M], run_start[r]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
+from fbtriton_dist.modules import fused_optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.comm.options import CommOptions
@@ -122,6 +123,7 @@ class ShardedCollection(nn.Module):
         """Bytes sent / received over the replica group (``comm_report``'s
         ``replica_sync``)."""
         self._steps_since_sync = 0
+        self._counter_steps = 0  # training lookups (rowwise Adagrad with counter's refreshes)
         divide = self.comm.gradient_division is not False  # None: TorchRec's default, divide
         ranks = self.layout.world_size
         if replicas is not None and replicas.sync == "step":
@@ -213,6 +215,33 @@ class ShardedCollection(nn.Module):
                 or not torch.is_grad_enabled()):
             return x
         return AfterBackward.apply(x, self._step_done)
+
+    def _share_row_counter_max(self) -> None:
+        """Rowwise Adagrad with counter, before the lookup of a training step whose backward
+        refreshes ``max_counter`` (a multiple of ``max_counter_update_freq``): every local TBE
+        gets the largest row counter of its group of tables over every rank's shards, as the
+        unsharded collection's TBE reads it over whole tables (one all-reduce MAX over the
+        process group, a slot per TBE group of the layout, the same order on every rank; a
+        rank without shards of a group adds 0; ``fused_optim.set_row_counter_max``)."""
+        opt = self._optimizer
+        if (not isinstance(opt, optim.RowWiseAdagradWithCounter)
+                or opt.max_counter_update_freq <= 0 or not torch.is_grad_enabled()):
+            return
+        if self.tbes:  # its updates so far (a rank without TBEs counts its lookups)
+            self._counter_steps = self.tbes[0].step
+        self._counter_steps += 1
+        if self._counter_steps % opt.max_counter_update_freq:
+            return
+        keys = list(dict.fromkeys((t.dtype, t.host) for r in range(self.layout.world_size)
+                                  for t in self.layout.local_tables(r)[0]))
+        mine = list(dict.fromkeys((t.dtype, t.host) for t in self.local_tables))  # self.tbes'
+        top = torch.zeros(len(keys), device=self.device)
+        for key, tbe in zip(mine, self.tbes, strict=True):
+            if tbe.row_counter.numel():
+                top[keys.index(key)] = tbe.row_counter.max()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        for key, tbe in zip(mine, self.tbes, strict=True):
+            fused_optim.set_row_counter_max(tbe, top[keys.index(key)].reshape(1).clone())
 
     def _start_step(self) -> None:
         """A training step's lookup begins: with ``replica_sync="step"`` the replica bytes are

@@ -67,6 +67,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if lookup.stats is not None:  # the step this lookup belongs to (pipelines run ahead)
             self.last_step_stats = lookup.stats
         B = lookup.batch_size
+        self._share_row_counter_max()  # a collective: on ranks without shards too
         if not self.tbes:  # no shards here; still a node of the graph (see OutputDist)
             w = lookup.per_sample_weights
             if w is not None and w.requires_grad:  # and of the weights' all-to-all backward

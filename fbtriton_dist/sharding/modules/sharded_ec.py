@@ -93,6 +93,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         gradient is divided by the world size in backward (``CommOptions.gradient_division``)."""
         if lookup.stats is not None:
             self.last_step_stats = lookup.stats
+        self._share_row_counter_max()
         self._start_step()
         rows = [self._scale_grad(self._lookup(tbe, indices, offsets, None, lookup.batch_size))
                 for tbe, indices, offsets, _ in self.group_batches(lookup)]
