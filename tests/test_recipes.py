@@ -21,8 +21,8 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
 
 BACKEND_FILES = 2
 """The backend recipe: "2 package files plus its kernels" (the dummy has none)."""
-REFERENCE_OPTIMIZER_FILES = 2
-"""The optimizer recipe: "Package files per backend that implements it: reference 2"."""
+REFERENCE_OPTIMIZER_FILES = 3
+"""The optimizer recipe: "Package files per backend that implements it: reference 3"."""
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -308,9 +308,12 @@ print("ok")
 
 def test_optimizer_recipe_on_the_reference_backend(tmp_path):
     copy = _copy(tmp_path)
-    # 1. optim.py: its config class (in ``Optimizer``) and one REGISTRY entry
+    # 1. optim_configs.py: its config class; optim.py: its import, in ``Optimizer``, and one
+    # REGISTRY entry
+    configs = copy / "optim_configs.py"
+    configs.write_text(configs.read_text() + ADAMAX_CONFIG)
     opt = copy / "optim.py"
-    _insert(opt, "\n\nOptimizer = ", ADAMAX_CONFIG, before=True)
+    _insert(opt, "    Adam,\n", "    Adamax,\n")
     _insert(opt, "\n\nOptimizer = SGD | Adagrad | RowWiseAdagrad | Adam", " | Adamax")
     _insert(opt, '    )\n}\n"""Every fused optimizer, by name."""', ADAMAX_ENTRY, before=True)
     # 2. reference/tbe.py: its twin in UPDATES
