@@ -427,9 +427,10 @@ def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
     add it and round back."""
     spec = optim.spec_of(optimizer)
     view = group.view(weights)
+    # the states with buffers here (global decay's prev_iter: not here)
+    held = [s for s in spec.states if buffers[s.name] is not None]
     places = []  # (the state, where the rows' values are in it), per state
-    for state, buffer in ((s, buffers[s.name]) for s in spec.states
-                          if buffers[s.name] is not None):  # global decay's prev_iter: not here
+    for state, buffer in ((s, buffers[s.name]) for s in held):
         if not state.per_row:
             places.append((group.view(buffer), rows))
         elif isinstance(shift, int):
@@ -445,7 +446,7 @@ def _update(optimizer, group: _Group, rows, grad, t, weights, buffers, shift,
     else:
         local, work = rows, places
     states = []
-    for state, (full, where) in zip(spec.states, work, strict=False):
+    for state, (full, where) in zip(held, work, strict=True):
         states += [where if state.per_row else None, full]
     fast = weights.dtype == torch.float32 and generator is None
     w = None
@@ -652,7 +653,9 @@ _STEPS = {
     "emainplace_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average
     "rowwise_rmsprop_ar": _rowwise_rmsprop_ar_step,
     "rowwise_adagrad_with_counter": _rowwise_adagrad_with_counter_step,  # reference/counter.py
-    "ensemble_rowwise_adagrad": _rowwise_adagrad_step,  # + the module's moving average, swap
+    # rowwise Adagrad's step on momentum1 (the slow copy, momentum2, is the module's moving
+    # average and swap, before the lookup)
+    "ensemble_rowwise_adagrad": lambda opt, *a: _rowwise_adagrad_step(opt, *a[:6]),
     # rowwise Adagrad's decoupled step; the catch-up decay runs before the lookup
     "rowwise_adagrad_global_decay": lambda opt, *a: _rowwise_adagrad_step(row_update(opt),
                                                                           *a[:6]),
