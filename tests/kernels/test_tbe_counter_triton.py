@@ -13,7 +13,7 @@ import torch
 from fbtriton_dist import TableBatchedEmbedding, optim
 from fbtriton_dist.modules import fused_optim
 from tests.conftest import TRITON_OK
-from tests.helpers import upstream_grad
+from tests.helpers import device_for, to, upstream_grad
 from tests.modules.test_tbe_optim_counter import (
     FBGEMM_CASES,
     FORMULA_CASES,
@@ -30,13 +30,15 @@ CASES = {**FBGEMM_CASES, **FORMULA_CASES, "plain-fp16": optim.RowWiseAdagradWith
 
 
 def _train(opt, backend, w0, batches, wdt=torch.float32, row_counter_max=None):
+    device = device_for(backend)
     tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=opt, backend=backend, weights_dtype=wdt,
-                                stochastic_rounding=False)
+                                stochastic_rounding=False, device=device)
     with torch.no_grad():
         tbe.weights.copy_(w0.to(wdt))
-    fused_optim.set_row_counter_max(tbe, row_counter_max)
-    for step, (indices, offsets, psw) in enumerate(batches):
-        out = tbe(indices, offsets, psw)
+    given = None if row_counter_max is None else row_counter_max.to(device)
+    fused_optim.set_row_counter_max(tbe, given)
+    for step, batch in enumerate(batches):
+        out = tbe(*to(device, *batch))
         out.backward(upstream_grad(out, step))
     return tbe
 
@@ -49,11 +51,13 @@ def test_triton_counter_matches_reference(case):
     ref = _train(opt, "reference", w0, batches, wdt)
     tri = _train(opt, "triton", w0, batches, wdt)
     atol = 2e-5 if wdt == torch.float32 else 4e-3
-    torch.testing.assert_close(tri.weights.float(), ref.weights.float(), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(tri.weights.cpu().float(), ref.weights.float(), atol=atol,
+                               rtol=1e-5)
     for name in ("momentum1", "prev_iter", "row_counter"):
-        torch.testing.assert_close(getattr(tri, name), getattr(ref, name), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(getattr(tri, name).cpu(), getattr(ref, name), atol=2e-5,
+                                   rtol=1e-5)
     assert float(tri.max_counter) == pytest.approx(float(ref.max_counter), rel=1e-6)  # exp's ulp
-    assert not torch.equal(tri.weights.float(), w0)
+    assert not torch.equal(tri.weights.cpu().float(), w0)
 
 
 def test_triton_counter_takes_row_counter_max():
@@ -66,5 +70,5 @@ def test_triton_counter_takes_row_counter_max():
     tri = _train(opt, "triton", w0, batches, row_counter_max=given)
     own = _train(opt, "reference", w0, batches)
     assert float(tri.max_counter) == float(ref.max_counter) == 6.0 != float(own.max_counter)
-    torch.testing.assert_close(tri.weights, ref.weights, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(tri.weights.cpu(), ref.weights, atol=2e-5, rtol=1e-5)
     assert not torch.allclose(own.weights, ref.weights, atol=1e-5)

@@ -110,7 +110,9 @@ def test_matches_fbgemm_cpu(case, backend):
         EmbeddingLocation,
         PoolingMode,
     )
-    from fbgemm_gpu.tbe.config import (
+    from torchrec.optim import RowWiseAdagrad
+
+    from tests.fbgemm_config import (
         CounterBasedRegularizationDefinition,
         CounterWeightDecayMode,
         CowClipDefinition,
@@ -118,7 +120,6 @@ def test_matches_fbgemm_cpu(case, backend):
         TailIdThreshold,
         WeightDecayMode,
     )
-    from torchrec.optim import RowWiseAdagrad
 
     opt = FBGEMM_CASES[case]
     reg = opt.regularization
@@ -354,16 +355,16 @@ def test_torchrec_annotation_and_job_yaml():
     """TorchRec's RowWiseAdagrad annotation with FBGEMM's COUNTER arguments, our placeholder
     class and the job's ``weight_decay_mode: counter`` + ``counter:`` give the same config;
     the planner counts its three per-row states; a bad YAML value names its key path."""
-    from fbgemm_gpu.tbe.config import (
-        CounterBasedRegularizationDefinition,
-        CounterWeightDecayMode,
-        WeightDecayMode,
-    )
     from torchrec.optim import RowWiseAdagrad
 
     from fbtriton_dist.planner import ConfigError, state_bytes
     from fbtriton_dist.train.config import job_from_dict
     from fbtriton_dist.train.job import _embedding_optimizer, _state_dtypes
+    from tests.fbgemm_config import (
+        CounterBasedRegularizationDefinition,
+        CounterWeightDecayMode,
+        WeightDecayMode,
+    )
 
     opt = _counter(counter_weight_decay_mode="decoupled", counter_halflife=5)
     definition = CounterBasedRegularizationDefinition(

@@ -131,7 +131,8 @@ def test_none_matches_fbgemm_cpu():
         EmbeddingLocation,
         PoolingMode,
     )
-    from fbgemm_gpu.tbe.config import WeightDecayMode
+
+    from tests.fbgemm_config import WeightDecayMode
 
     tables, ftm = [(12, 8), (5, 4)], [0, 0, 1]  # FBGEMM CPU: a table's features adjacent
     opt = optim.RowWiseAdagrad(lr=0.2, eps=1e-6, weight_decay=0.3,
@@ -163,7 +164,7 @@ def test_none_matches_fbgemm_cpu():
 
 
 def test_mode_names_and_bad_values():
-    from fbgemm_gpu.tbe.config import WeightDecayMode
+    from tests.fbgemm_config import WeightDecayMode
 
     for given, ours in [(WeightDecayMode.DECOUPLE, "decoupled"), (WeightDecayMode.L2, "l2"),
                         ("DECOUPLE", "decoupled"), ("None", "none"), (0, "none")]:
@@ -187,7 +188,6 @@ def test_annotation_and_job_take_the_mode():
     WeightDecayMode.DECOUPLE})`` (FBGEMM's fused-parameter name) and the job's
     ``optimizer.embedding.weight_decay_mode`` give the decoupled config; the collection's step
     is the module's."""
-    from fbgemm_gpu.tbe.config import WeightDecayMode
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -195,6 +195,7 @@ def test_annotation_and_job_take_the_mode():
     from fbtriton_dist import EmbeddingBagCollection
     from fbtriton_dist.train.config import EmbeddingOptimizerConfig, FieldError
     from fbtriton_dist.train.job import _embedding_optimizer
+    from tests.fbgemm_config import WeightDecayMode
 
     opt = OPTS["decoupled"]
     kwargs = {"lr": 0.3, "eps": 1e-6, "weight_decay": 0.2,

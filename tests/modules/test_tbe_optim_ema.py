@@ -26,7 +26,8 @@ def test_matches_fbgemm_cpu(backend):
         EmbeddingLocation,
         PoolingMode,
     )
-    from fbgemm_gpu.tbe.config import EmainplaceModeDefinition
+
+    from tests.fbgemm_config import EmainplaceModeDefinition
 
     dev = device_for(backend)
     ours = TableBatchedEmbedding(TABLES, FTM, optimizer=OPT, backend=backend, device=dev,

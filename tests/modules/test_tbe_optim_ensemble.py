@@ -46,7 +46,8 @@ def test_matches_fbgemm_update_and_ensemble_step(backend, step_mode):
         EmbeddingLocation,
         PoolingMode,
     )
-    from fbgemm_gpu.tbe.config import EnsembleModeDefinition, StepMode
+
+    from tests.fbgemm_config import EnsembleModeDefinition, StepMode
 
     opt = optim.EnsembleRowWiseAdagrad(lr=0.2, eps=1e-6, step_mode=step_mode, **SCHEDULE)
     assert optim.spec_of(opt).fbgemm == "ENSEMBLE_ROWWISE_ADAGRAD"
@@ -190,12 +191,12 @@ def test_schedule_both_sides_and_bad_values():
 
 def test_annotation_job_and_planner_take_it():
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
-    from fbgemm_gpu.tbe.config import EnsembleModeDefinition, StepMode
 
     from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
     from fbtriton_dist.planner import state_bytes
     from fbtriton_dist.train.config import EmbeddingOptimizerConfig, FieldError, job_from_dict
     from fbtriton_dist.train.job import _embedding_optimizer, _state_dtypes
+    from tests.fbgemm_config import EnsembleModeDefinition, StepMode
 
     want = optim.EnsembleRowWiseAdagrad(lr=0.2, weight_decay=0.1, weight_decay_mode="decoupled",
                                         step_mode="none", **SCHEDULE)

@@ -16,7 +16,7 @@ from fbtriton_dist import TableBatchedEmbedding, optim
 from fbtriton_dist.ops.global_decay import global_decay
 from fbtriton_dist.optim_gwd import GlobalWeightDecay
 from fbtriton_dist.reference import global_decay as reference
-from tests.helpers import upstream_grad
+from tests.helpers import device_for, to, upstream_grad
 
 TABLES, FTM, B = [(6, 4), (3, 8)], [0, 0, 1], 2  # FBGEMM CPU: D a multiple of 4
 LR, WD = 0.5, 0.6  # each step keeps 1 - LR * WD = 0.7 of a row
@@ -59,14 +59,14 @@ def _w0():
 def _run(opt, backend, steps, w0=None, tbe=None, first=0):
     if tbe is None:
         tbe = TableBatchedEmbedding(TABLES, FTM, optimizer=opt, backend=backend,
-                                    stochastic_rounding=False)
+                                    stochastic_rounding=False, device=device_for(backend))
         with torch.no_grad():
             tbe.weights.copy_(_w0() if w0 is None else w0)
     outs = []
     for step in range(first, steps):
-        out = tbe(*_batch(step))
+        out = tbe(*to(tbe.weights.device, *_batch(step)))
         out.backward(upstream_grad(out, step))
-        outs.append(out.detach())
+        outs.append(out.detach().cpu())
     return tbe, outs
 
 
@@ -121,9 +121,9 @@ def test_matches_the_update_formula(backend):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
     for t, (w, states) in enumerate(zip(tbe.split_embedding_weights(),
                                         tbe.split_optimizer_states(), strict=True)):
-        torch.testing.assert_close(w.detach().double(), weights[t], atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(states[0].double(), m[t], atol=2e-5, rtol=1e-5)
-        assert torch.equal(states[1].double(), prev[t])  # prev_iter: exact step numbers
+        torch.testing.assert_close(w.detach().cpu().double(), weights[t], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(states[0].cpu().double(), m[t], atol=2e-5, rtol=1e-5)
+        assert torch.equal(states[1].cpu().double(), prev[t])  # prev_iter: exact step numbers
     # the schedule's cases happened: row 0 clamped at 9, row 5 never caught up, row 4 of
     # table 0 last seen at step 9 (prev 9)
     assert prev[0].tolist() == [9, 6, 4, 8, 9, 0] and 0.7 ** 4 < 0.3
@@ -175,7 +175,8 @@ def test_before_start_iter_matches_fbgemm_cpu():
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
-    from fbgemm_gpu.tbe.config import GlobalWeightDecayDefinition, WeightDecayMode
+
+    from tests.fbgemm_config import GlobalWeightDecayDefinition, WeightDecayMode
 
     fb = SplitTableBatchedEmbeddingBagsCodegen(
         [(E, D, EmbeddingLocation.HOST, ComputeDevice.CPU) for E, D in TABLES],
@@ -233,13 +234,13 @@ def test_config_mappings_and_job_yaml():
     DECOUPLE_GLOBAL arguments, our annotation class and the job's ``weight_decay_mode:
     decoupled_global`` + ``global_weight_decay:`` give the same config; the planner counts
     ``momentum1`` (at the job's dtype) + ``prev_iter`` (fp32); cached tiers are refused."""
-    from fbgemm_gpu.tbe.config import GlobalWeightDecayDefinition, WeightDecayMode
     from torchrec.optim import RowWiseAdagrad
 
     from fbtriton_dist.planner import ConfigError, state_bytes
     from fbtriton_dist.storage import Storage
     from fbtriton_dist.train.config import job_from_dict
     from fbtriton_dist.train.job import _embedding_optimizer, _state_dtypes
+    from tests.fbgemm_config import GlobalWeightDecayDefinition, WeightDecayMode
 
     for kwargs, message in (
             ({"global_weight_decay": {"lower_bound": 1.5}},

@@ -207,7 +207,8 @@ def _fbgemm(tables, ftm, opt, pooling):
         EmbeddingLocation,
         PoolingMode,
     )
-    from fbgemm_gpu.tbe.config import EmainplaceModeDefinition
+
+    from tests.fbgemm_config import EmainplaceModeDefinition
 
     spec = optim.spec_of(opt)
     return tbe.SplitTableBatchedEmbeddingBagsCodegen(

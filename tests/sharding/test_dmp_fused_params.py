@@ -67,14 +67,14 @@ def test_fused_params_train_as_torchrecs_sharder(tmp_path):
 
 def test_every_optimizer_maps_and_unknown_keys_are_refused():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.tbe.config import (
+
+    from fbtriton_dist import optim
+    from fbtriton_dist.optim_fused_params import from_fused_params
+    from tests.fbgemm_config import (
         EmainplaceModeDefinition,
         EnsembleModeDefinition,
         WeightDecayMode,
     )
-
-    from fbtriton_dist import optim
-    from fbtriton_dist.optim_fused_params import from_fused_params
 
     def mapped(name, **keys):
         return from_fused_params({"optimizer": name, **keys})[0]

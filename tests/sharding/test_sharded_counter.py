@@ -16,14 +16,15 @@ from tests.sharding.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
 
 
 def _annotation(max_matters: bool):
-    from fbgemm_gpu.tbe.config import (
+    from torchrec.optim import RowWiseAdagrad
+
+    from tests.fbgemm_config import (
         CounterBasedRegularizationDefinition,
         CounterWeightDecayMode,
         LearningRateMode,
         TailIdThreshold,
         WeightDecayMode,
     )
-    from torchrec.optim import RowWiseAdagrad
 
     if max_matters:  # rows above half the largest counter get a rate scaled by max_counter
         definition = CounterBasedRegularizationDefinition(

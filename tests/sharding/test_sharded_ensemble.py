@@ -13,11 +13,11 @@ from tests.sharding.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
 
 
 def _run(rank, world):
-    from fbgemm_gpu.tbe.config import EnsembleModeDefinition
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import fbtriton_dist
     from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
+    from tests.fbgemm_config import EnsembleModeDefinition
 
     kwargs = {"lr": 0.2, "eps": 1e-6, "ensemble_mode": EnsembleModeDefinition(
         step_ema=2, step_swap=3, step_start=1, step_ema_coef=0.3)}
@@ -73,7 +73,6 @@ def test_dmp_fused_optimizer_names_the_slow_copy_as_torchrec(tmp_path):
     table is keyed as TorchRec keys FBGEMM's ENSEMBLE_ROWWISE_ADAGRAD states: ``momentum1``
     and ``sparse_ema`` (FBGEMM's ``get_optimizer_state`` name of its ``momentum2``)."""
     import torch.distributed as dist
-    from fbgemm_gpu.tbe.config import EnsembleModeDefinition
     from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
@@ -82,6 +81,7 @@ def test_dmp_fused_optimizer_names_the_slow_copy_as_torchrec(tmp_path):
     import fbtriton_dist
     from fbtriton_dist.modules.fused_optim import EnsembleRowWiseAdagrad
     from fbtriton_dist.sharding.dmp import EmbeddingBagCollectionSharder
+    from tests.fbgemm_config import EnsembleModeDefinition
     from tests.sharding.test_dmp import _batch, _Model
     from tests.sharding.test_dmp import _configs as dmp_configs
 

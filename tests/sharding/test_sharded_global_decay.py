@@ -14,8 +14,9 @@ from tests.sharding.test_sharded_ebc import BATCH, _configs, _global_batch, _kjt
 
 
 def _annotation():
-    from fbgemm_gpu.tbe.config import GlobalWeightDecayDefinition, WeightDecayMode
     from torchrec.optim import RowWiseAdagrad
+
+    from tests.fbgemm_config import GlobalWeightDecayDefinition, WeightDecayMode
 
     return RowWiseAdagrad, {"lr": 0.2, "eps": 1e-6, "weight_decay": 0.5,
                             "weight_decay_mode": WeightDecayMode.DECOUPLE_GLOBAL,
