@@ -93,3 +93,27 @@ def test_job_on_two_ranks_trains_its_shard_tiers_as_the_table_tier(tmp_path):
     (on,), (off,) = records(tmp_path / "on", "summary"), records(tmp_path / "off", "summary")
     c_on, c_off = on["caches"]["t_a"], off["caches"]["t_a"]
     assert 0 < c_on["fetched_per_step"] < c_off["fetched_per_step"]
+
+
+def test_a_shard_on_file_gets_the_runs_own_folder_and_is_checked(tmp_path):
+    """A plan file's shard on ``file`` (its own path): the run's folder in that path, as a
+    table's; a path that cannot be written is refused naming the shard."""
+    from fbtriton_dist.train.file_tier import check_file_dirs, run_folder, with_run_folders
+
+    plan = plan_job(job_from_dict(_data(tmp_path, "on", True), "x.yaml"), 2, 2).plan
+    rows = tmp_path / "rows"
+    plan = plan.with_shard_storage({"t_a": {1: {"tier": "file", "path": str(rows)}}})
+    run = with_run_folders(plan, str(tmp_path / "on"))
+    folder = rows / run_folder(str(tmp_path / "on"))
+    shards = run.table("t_a").shards
+    assert shards[1].storage.path == str(folder) and shards[0].storage == plan.table(
+        "t_a").shards[0].storage  # device: unchanged
+    check_file_dirs(run, {})
+    assert folder.is_dir()
+    (tmp_path / "a_file").write_text("")
+    bad = with_run_folders(plan.with_shard_storage({"t_a": {1: {
+        "tier": "file", "path": str(tmp_path / "a_file" / "rows")}}}), str(tmp_path / "on"))
+    with pytest.raises(ConfigError, match=r"<job>: sharding.plan: expected a writable directory "
+                                          r"for the files of table 't_a' shard 1 \(rank 1: rows "
+                                          r"336\.\.2000, cols 0\.\.8\) \(tier 'file'\)"):
+        check_file_dirs(bad, {})
