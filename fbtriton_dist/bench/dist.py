@@ -184,6 +184,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--storage: steps of the bit-for-bit check (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="--storage: rounds (default 3)")
     p.add_argument("--path", help="--storage: the file tier's folder (default: a temporary one)")
+    p.add_argument("--hot-budget-mb", type=float,
+                   help="--storage cached+hot / file+hot: device memory per rank (MiB) the hot "
+                        "shards may fill (95 %%), promoted by the planner's rule")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
@@ -243,6 +246,10 @@ def _storage_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if "torchrec" in args.providers or args.vbe > 1:
         p.error("--storage: expected our providers on fixed batches, got "
                 f"--providers {' '.join(args.providers)} --vbe {args.vbe}")
+    hot = [t for t in args.storage if t.endswith("+hot")]
+    if hot and not (args.hot_budget_mb or 0) > 0:
+        p.error(f"--storage {','.join(hot)}: expected --hot-budget-mb > 0 (device memory per "
+                f"rank the hot shards may fill), got {args.hot_budget_mb}")
     if not 0 < args.cache_load_factor <= 1 or min(args.repeats, args.check_steps) < 1:
         p.error("--storage: expected --cache-load-factor in (0, 1], --repeats and "
                 f"--check-steps >= 1, got {args.cache_load_factor}, {args.repeats}, "
@@ -432,7 +439,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "tiers": args.storage, "cache_load_factor": args.cache_load_factor,
             "policy": args.policy, "tier_min_rows": args.tier_min_rows,
             "check_steps": args.check_steps, "repeats": args.repeats,
-            "load_1min": os.getloadavg()[0]}
+            "hot_budget_mb": args.hot_budget_mb, "load_1min": os.getloadavg()[0]}
         run_storage(args, env, context, results)
         if rank == 0:
             results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)
