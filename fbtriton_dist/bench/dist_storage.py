@@ -63,14 +63,15 @@ def parse_tiers(text: str) -> list[str]:
 
 
 def tier_plan(plan: ShardingPlan, tier: str, *, load_factor: float, policy: str,
-              path: str | None, min_rows: int, hot_budget_bytes: float | None = None,
+              path: str | None, min_rows: int,
+              hot_budget_bytes: float | Sequence[float] | None = None,
               stats: Mapping[str, Any] | None = None,
               optimizer: str = "rowwise_adagrad") -> tuple[ShardingPlan, list[str]]:
     """``plan`` with its tables of at least ``min_rows`` rows on ``tier`` (None storage for
     ``device``), and their names. ``<tier>+hot``: then the shards of those tables with the
     most lookups per extra device byte (``stats``: id distributions by table, None: uniform)
-    back on ``device`` while their rank stays within 95 % of ``hot_budget_bytes``
-    (``planner.shard_tiers.promote_hot_shards``)."""
+    back on ``device`` while their rank stays within 95 % of ``hot_budget_bytes`` (one for
+    every rank, or one per rank; ``planner.shard_tiers.promote_hot_shards``)."""
     if tier.endswith("+hot"):
         from fbtriton_dist.planner import TableSpec
         from fbtriton_dist.planner.shard_tiers import promote_hot_shards
@@ -265,8 +266,9 @@ def run_storage(args, env, ctx_for, results: dict[str, Any]) -> dict[str, Any]:
     from .dist_providers import build, release
 
     tiers = args.storage
-    hot_budget = (args.hot_budget_mb * 2**20 if getattr(args, "hot_budget_mb", None) is not None
-                  else None)
+    mb = getattr(args, "hot_budget_mb", None)  # one per rank, or one for all
+    hot_budget = (None if mb is None else [x * 2**20 for x in mb] if len(mb) > 1
+                  else mb[0] * 2**20)
     base = args.path or tempfile.mkdtemp(prefix="fbtd-bench-dist-")
     folder = os.path.join(base, f"rank{env.rank}")
     samples_per_step = args.batch_size * env.world_size

@@ -77,6 +77,10 @@ def test_hot_tier_promotes_the_hot_shards_within_the_budget():
     assert names == ["t_0", "t_1"] and hot.table("t_1").storage.tier == "cached"
     assert device_shards(hot, names) == ["t_0[0] (rank 0: rows 0..500, cols 0..4)",
                                          "t_0[1] (rank 1: rows 500..1000, cols 0..4)"]
+    # one budget per rank: rank 0's hot shard alone, its table's rank-1 shard stays cached
+    one, _ = tier_plan(plan, "cached+hot", hot_budget_bytes=[16_000, 15_000], **kw)
+    assert device_shards(one, names) == ["t_0[0] (rank 0: rows 0..500, cols 0..4)"]
+    assert one.table("t_0").shards[1].storage is None  # the table's: cached
     cold, _ = tier_plan(plan, "cached+hot", hot_budget_bytes=15_000, **kw)  # 14,250 B: none
     assert cold == tier_plan(plan, "cached", **kw)[0] and device_shards(cold, names) == []
     with pytest.raises(ValueError, match=r"--storage cached\+hot: expected --hot-budget-mb"):
