@@ -87,6 +87,20 @@ def test_hot_tier_promotes_the_hot_shards_within_the_budget():
         tier_plan(plan, "cached+hot", **kw)
 
 
+def test_hot_tiers_need_a_budget_per_rank_or_one(capsys):
+    from fbtriton_dist.bench.dist import parse_args
+
+    base = ["--tiny", "--storage", "cached+hot"]
+    assert parse_args([*base, "--hot-budget-mb", "32,8"]).hot_budget_mb == [32.0, 8.0]
+    assert parse_args([*base, "--hot-budget-mb", "4"]).storage == ["device", "cached+hot"]
+    for bad in ([], ["--hot-budget-mb", "0"], ["--hot-budget-mb", "8,x"]):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *bad])
+    err = capsys.readouterr().err
+    assert "--storage cached+hot: expected --hot-budget-mb" in err
+    assert "expected MiB > 0, one or one per rank comma separated, got '8,x'" in err
+
+
 def test_the_check_flags_one_bit_and_passes_equal_states():
     want = {"w#0": torch.arange(6.0).reshape(2, 3), "fused.m": torch.ones(2)}
     same = {k: v.clone() for k, v in want.items()}
