@@ -90,7 +90,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                         "table without storage: (tables with storage: auto always get one)")
     p.add_argument("--shard-tiers", action="store_true",
                    help="with tiers chosen (--auto-tiers, storage: auto): a tier per shard, the "
-                        "hot shards of cached tables back on device where their rank has room")
+                        "hot shards of cached tables back on device where their rank has room "
+                        "(with a job file: its sharding.shard_tiers)")
     p.add_argument("--file-dir", metavar="DIR", default=None,
                    help="directory of the files of tables the planner puts on the file tier "
                         "(default: none, such a table is an error)")
@@ -247,15 +248,17 @@ def _run_plan_job(args: argparse.Namespace) -> int:
     from fbtriton_dist.train.config import load_job  # torch-free
     from fbtriton_dist.train.planning import plan_job
 
-    if args.auto_tiers or args.file_dir is not None or args.shard_tiers:
-        raise ValueError("--auto-tiers / --file-dir / --shard-tiers: a job's tables say their "
-                         "storage; give them "
-                         "storage: auto (the planner chooses) or a file tier with its path")
+    if args.auto_tiers or args.file_dir is not None:
+        raise ValueError("--auto-tiers / --file-dir: a job's tables say their storage; give "
+                         "them storage: auto (the planner chooses) or a file tier with its "
+                         "path (the job's sharding.file_dir)")
     if args.memory_tolerance is not None:
         raise ValueError("--memory-tolerance: a job plans with the planner's default "
                          "(the job file has no such key); drop it to see the job's plan")
     overrides = [f"{JOB_KEYS[k]}={getattr(args, k)}" for k in JOB_KEYS
                  if getattr(args, k) is not None]
+    if args.shard_tiers:  # a tier per shard: the job's key
+        overrides.append("sharding.shard_tiers=true")
     if args.group_size is not None:  # the job's replica groups (train/planning.py)
         overrides += [f"sharding.group_size={args.group_size}",
                       f"sharding.replica_sync={args.replica_sync}"]

@@ -184,6 +184,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="--storage: steps of the bit-for-bit check (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="--storage: rounds (default 3)")
     p.add_argument("--path", help="--storage: the file tier's folder (default: a temporary one)")
+    p.add_argument("--hot-budget-mb", type=_budgets,
+                   help="--storage cached+hot / file+hot: device memory per rank (MiB) the hot "
+                        "shards may fill (95 %%), promoted by the planner's rule; one number, "
+                        "or one per rank, comma separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results here (JSON, rank 0)")
     p.add_argument("--plot", metavar="JSON", help="draw a results file (no torchrun, no GPU)")
@@ -243,10 +247,26 @@ def _storage_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if "torchrec" in args.providers or args.vbe > 1:
         p.error("--storage: expected our providers on fixed batches, got "
                 f"--providers {' '.join(args.providers)} --vbe {args.vbe}")
+    hot = [t for t in args.storage if t.endswith("+hot")]
+    if hot and args.hot_budget_mb is None:
+        p.error(f"--storage {','.join(hot)}: expected --hot-budget-mb (device memory per "
+                "rank the hot shards may fill), got none")
     if not 0 < args.cache_load_factor <= 1 or min(args.repeats, args.check_steps) < 1:
         p.error("--storage: expected --cache-load-factor in (0, 1], --repeats and "
                 f"--check-steps >= 1, got {args.cache_load_factor}, {args.repeats}, "
                 f"{args.check_steps}")
+
+
+def _budgets(text: str) -> list[float]:
+    """``--hot-budget-mb``: MiB > 0, one number or one per rank, comma separated."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(0 < x < float("inf") for x in out):
+        raise argparse.ArgumentTypeError(f"expected MiB > 0, one or one per rank comma "
+                                         f"separated, got {text!r}")
+    return out
 
 
 def _bag_size(text: str) -> int | str:
@@ -432,7 +452,7 @@ def run(args: argparse.Namespace, env) -> dict[str, Any]:
             "tiers": args.storage, "cache_load_factor": args.cache_load_factor,
             "policy": args.policy, "tier_min_rows": args.tier_min_rows,
             "check_steps": args.check_steps, "repeats": args.repeats,
-            "load_1min": os.getloadavg()[0]}
+            "hot_budget_mb": args.hot_budget_mb, "load_1min": os.getloadavg()[0]}
         run_storage(args, env, context, results)
         if rank == 0:
             results["setup"]["total_s"] = round(time.perf_counter() - t0, 1)

@@ -40,10 +40,13 @@ from typing import Any
 
 import torch
 
-from fbtriton_dist.planner import ShardingPlan
+from fbtriton_dist.planner import IdDistribution, ShardingPlan
 from fbtriton_dist.storage import Storage
 
-TIERS = ("device", "host", "cached", "file")
+TIERS = ("device", "host", "cached", "file", "cached+hot", "file+hot")
+"""``<tier>+hot``: that tier with the hot shards promoted to ``device`` within
+``--hot-budget-mb`` per rank (the planner's ``shard_tiers.promote_hot_shards``: tiers per
+shard, ``docs/storage.md``)."""
 CACHE_KEYS = ("lookups", "misses", "evictions", "writebacks", "prefetched", "prefetch_used",
               "prefetch_us", "prefetch_wait_us")
 
@@ -60,9 +63,29 @@ def parse_tiers(text: str) -> list[str]:
 
 
 def tier_plan(plan: ShardingPlan, tier: str, *, load_factor: float, policy: str,
-              path: str | None, min_rows: int) -> tuple[ShardingPlan, list[str]]:
+              path: str | None, min_rows: int,
+              hot_budget_bytes: float | Sequence[float] | None = None,
+              stats: Mapping[str, Any] | None = None,
+              optimizer: str = "rowwise_adagrad") -> tuple[ShardingPlan, list[str]]:
     """``plan`` with its tables of at least ``min_rows`` rows on ``tier`` (None storage for
-    ``device``), and their names."""
+    ``device``), and their names. ``<tier>+hot``: then the shards of those tables with the
+    most lookups per extra device byte (``stats``: id distributions by table, None: uniform)
+    back on ``device`` while their rank stays within 95 % of ``hot_budget_bytes`` (one for
+    every rank, or one per rank; ``planner.shard_tiers.promote_hot_shards``)."""
+    if tier.endswith("+hot"):
+        from fbtriton_dist.planner import TableSpec
+        from fbtriton_dist.planner.shard_tiers import promote_hot_shards
+
+        if hot_budget_bytes is None:
+            raise ValueError(f"--storage {tier}: expected --hot-budget-mb (device memory per "
+                             "rank the hot shards may fill), got none")
+        base, names = tier_plan(plan, tier.removesuffix("+hot"), load_factor=load_factor,
+                                policy=policy, path=path, min_rows=min_rows)
+        specs = [TableSpec(name=t.name, num_embeddings=t.num_embeddings,
+                           embedding_dim=t.embedding_dim, features=(t.name,))
+                 for t in base.tables]
+        return promote_hot_shards(base, specs, stats, names, hot_budget_bytes,
+                                  optimizer), names
     if tier == "device":
         return plan, []
     storage = (Storage(tier="host") if tier == "host" else
@@ -72,6 +95,17 @@ def tier_plan(plan: ShardingPlan, tier: str, *, load_factor: float, policy: str,
     tables = tuple(dataclasses.replace(t, storage=storage) if t.name in names else t
                    for t in plan.tables)
     return dataclasses.replace(plan, tables=tables), names
+
+
+def device_shards(plan: ShardingPlan, names: Sequence[str]) -> list[str]:
+    """The shards of tables ``names`` that ``plan`` puts on ``device``
+    (``table[i] (rank r: rows a..b, ...)``; a table wholly on device: every shard)."""
+    out = []
+    for t in plan.tables:
+        if t.name in names:
+            out += [f"{t.name}[{i}] ({s.describe()})" for i, s in enumerate(t.shards)
+                    if (t.shard_storage(s) or Storage(tier="device")).tier == "device"]
+    return out
 
 
 def local_tensors(module: torch.nn.Module, sharded) -> dict[str, torch.Tensor]:
@@ -158,14 +192,14 @@ def format_rows(head: str, rows: Sequence[Mapping[str, Any]]) -> str:
 
     lines = [f"{head} (x device = tier ms / device ms, > 1: slower than device; pf: "
              "prefetch ms per step and rank)",
-             f"{'tier':>8} {'ms/step':>9} {'samples/s':>10} {'x device':>9} {'hit':>6} "
+             f"{'tier':>10} {'ms/step':>9} {'samples/s':>10} {'x device':>9} {'hit':>6} "
              f"{'fetch/st':>9} {'wrback/st':>9} {'pf hid':>6} {'pf exp':>6} "
              + " ".join(f"{s[:8]:>8}" for s in STAGES)]
     for r in rows:
         st = r.get("stages_ms", {})
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else "-"
         lines.append(
-            f"{r['tier']:>8} {r['ms_per_step']:>9.2f} {r['samples_per_s']:>10,.0f} "
+            f"{r['tier']:>10} {r['ms_per_step']:>9.2f} {r['samples_per_s']:>10,.0f} "
             f"{r['ratio']:>8.2f}x {hit:>6} {num(r.get('fetched_per_step'), 0):>9} "
             f"{num(r.get('written_back_per_step'), 0):>9} "
             f"{num(r.get('prefetch_hidden_ms')):>6} {num(r.get('prefetch_exposed_ms')):>6} "
@@ -232,6 +266,9 @@ def run_storage(args, env, ctx_for, results: dict[str, Any]) -> dict[str, Any]:
     from .dist_providers import build, release
 
     tiers = args.storage
+    mb = getattr(args, "hot_budget_mb", None)  # one per rank, or one for all
+    hot_budget = (None if mb is None else [x * 2**20 for x in mb] if len(mb) > 1
+                  else mb[0] * 2**20)
     base = args.path or tempfile.mkdtemp(prefix="fbtd-bench-dist-")
     folder = os.path.join(base, f"rank{env.rank}")
     samples_per_step = args.batch_size * env.world_size
@@ -241,18 +278,28 @@ def run_storage(args, env, ctx_for, results: dict[str, Any]) -> dict[str, Any]:
             for model in args.models:
                 ctx = ctx_for(plan_name, model)
                 for provider in args.providers:
-                    runners, tiered = {}, []
+                    runners, tiered, promoted = {}, [], {}
+                    # where the hot rows are: the first rows (Zipf over the row numbers) or
+                    # scattered over the table (every row block alike)
+                    hot = (IdDistribution(kind="zipf", alpha=args.zipf)
+                           if args.hot_rows == "first" and args.zipf > 0
+                           else IdDistribution(kind="uniform"))
                     for tier in tiers:
                         plan, tiered = tier_plan(
                             ctx.plan, tier, load_factor=args.cache_load_factor,
                             policy=args.policy, path=os.path.join(folder, tier),
-                            min_rows=args.tier_min_rows)
+                            min_rows=args.tier_min_rows, hot_budget_bytes=hot_budget,
+                            stats={t.name: hot for t in ctx.plan.tables})
+                        if tier.endswith("+hot"):
+                            promoted[tier] = device_shards(plan, tiered)
                         runners[tier] = build(provider, dataclasses.replace(ctx, plan=plan))
                     head = f"{plan_name}/{model}/{provider}"
                     bad = _check(runners, args.check_steps, env.process_group)
                     entry: dict[str, Any] = {"plan": plan_name, "model": model,
                                              "provider": provider, "tiered_tables": tiered,
                                              "check_steps": args.check_steps}
+                    if promoted:
+                        entry["promoted"] = promoted
                     if any(bad.values()):
                         for tier, lines in bad.items():
                             if lines:
@@ -277,6 +324,9 @@ def run_storage(args, env, ctx_for, results: dict[str, Any]) -> dict[str, Any]:
                         print(format_rows(f"{head}: tiered {len(tiered)} tables "
                                           f"(>= {args.tier_min_rows} rows), "
                                           f"{args.repeats} rounds", entry["rows"]), flush=True)
+                        for tier, shards in promoted.items():
+                            print(f"{tier}: on device {', '.join(shards) or 'none'}",
+                                  flush=True)
                     runners = {}
                     release(env.device)
     finally:

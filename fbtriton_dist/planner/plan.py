@@ -49,7 +49,7 @@ from .shards import Shard, TableSharding
 from .tables import TableSpec
 
 __all__ = ["PlanValidationError", "ShardingPlan", "check_group_size", "check_replica_sync",
-           "host_memory_problems", "memory_problems"]
+           "dmp_refusal", "host_memory_problems", "memory_problems"]
 
 PLAN_VERSION = 1
 
@@ -197,6 +197,15 @@ class ShardingPlan:
                 shards[i] = dataclasses.replace(shards[i], storage=st)
             tables.append(dataclasses.replace(t, shards=tuple(shards)) if given else t)
         return dataclasses.replace(self, tables=tuple(tables))
+
+    def get_plan_for_module(self, module_path: str) -> None:
+        """Refused with a ``ValueError`` that says why: TorchRec's
+        ``DistributedModelParallel`` (and ``sharding.dmp.DMPCollection``) call this method of
+        the plan they are given, which must be TorchRec's ``ShardingPlan``. Its
+        ``ParameterSharding`` has one ``compute_kernel`` per table, so a tier per shard
+        (``Shard.storage``) has no place in it and would become one tier; the message names
+        every such shard. ``fbtriton_dist.shard(model, plan)`` takes this plan."""
+        raise ValueError(dmp_refusal(self))
 
     def row_boundaries(self, name: str) -> tuple[int, ...]:
         """Row cuts ``(0, ..., E)`` of table ``name`` (see ``TableSharding.row_boundaries``)."""
@@ -480,3 +489,22 @@ def _pair(value: Any, key: str) -> tuple[int, int]:
     if not isinstance(value, list) or len(value) != 2:
         raise FieldError(key, f"expected [start, end], got {value!r}")
     return value[0], value[1]
+
+
+def dmp_refusal(plan: ShardingPlan) -> str:
+    """Why ``plan`` (ours) cannot be TorchRec's ``DistributedModelParallel``'s plan; with
+    per-shard tiers, each shard that names its own (``docs/storage.md``, "Tiers per shard")."""
+    text = ("DistributedModelParallel's plan: expected TorchRec's ShardingPlan (one "
+            "ParameterSharding per table, one compute kernel: one storage tier for all its "
+            "shards), got fbtriton_dist's ShardingPlan; shard the model with "
+            "fbtriton_dist.shard(model, plan), which takes it")
+    own = []
+    for t in plan.tables:
+        table_tier = repr(t.storage.tier) if t.storage is not None else "the module's own"
+        own += [f"table '{t.name}' shard {i} ({s.describe()}) on '{s.storage.tier}' (its "
+                f"table on {table_tier})"
+                for i, s in enumerate(t.shards) if s.storage is not None]
+    if own:
+        text += (" and builds every shard on its own tier; TorchRec's plan cannot carry the "
+                 f"tiers per shard of {'; '.join(own)}")
+    return text

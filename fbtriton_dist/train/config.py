@@ -26,6 +26,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
       multihot: {dir: /data/mh, train_days: 0-22, eval_days: [23], eval_part: val}
     sharding: {plan: null, hbm_gb: 80, host_budget_gb: null, disk_budget_gb: null, reserved: 0.1,
                file_dir: null,       # files of tables the planner puts on tier 'file'
+               shard_tiers: false,   # hot shards of storage: auto tables back on device
                row_cuts: balanced,
                local_world_size: null,
                gradient_division: true,           # embedding gradients / R, as TorchRec
@@ -331,6 +332,11 @@ class ShardingConfig:
     on the ``file`` tier (``storage: auto``; the planner's ``file_dir``); None: such a table
     is an error. Each run keeps its files in a folder of its own in it, as in a table's own
     ``storage.path`` (``train/file_tier.py``); not writable: refused before training."""
+    shard_tiers: bool = False
+    """A tier per shard (``plan --shard-tiers``, ``ShardingPlanner(shard_tiers=True)``): once
+    the plan is made, the hottest shards of the ``storage: auto`` tables the planner put
+    behind a cache (``cached`` / ``file``) go back on ``device`` while their rank's device
+    budget holds them (``planner/shard_tiers.py``); false: every shard on its table's tier."""
     reserved: float = 0.1
     """Share of it kept for the dense model and buffers."""
     row_cuts: Literal["balanced", "equal"] = "balanced"
@@ -367,6 +373,7 @@ class ShardingConfig:
         if self.disk_budget_gb is not None:
             check_number("disk_budget_gb", self.disk_budget_gb, 0.0, strict=True)
         _check_optional(check_name, "file_dir", self.file_dir)
+        _check_bool("shard_tiers", self.shard_tiers)
         check_number("reserved", self.reserved, 0.0)
         if self.reserved >= 1:
             raise FieldError("reserved", f"expected a number < 1, got {self.reserved}")

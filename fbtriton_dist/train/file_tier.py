@@ -34,34 +34,44 @@ def run_folder(run_dir: str) -> str:
 
 
 def with_run_folders(plan: ShardingPlan, run_dir: str) -> ShardingPlan:
-    """``plan`` with every ``file`` table's directory replaced by the run's folder in it."""
+    """``plan`` with every ``file`` directory replaced by the run's folder in it: a table's,
+    and a shard's of its own (a plan file's tier per shard)."""
     sub = run_folder(run_dir)
+
+    def moved(st):
+        if st is None or st.tier != "file":
+            return st
+        return dataclasses.replace(st, path=os.path.join(st.path, sub))
+
     tables = tuple(
-        dataclasses.replace(t, storage=dataclasses.replace(
-            t.storage, path=os.path.join(t.storage.path, sub)))
-        if t.storage is not None and t.storage.tier == "file" else t
+        dataclasses.replace(t, storage=moved(t.storage), shards=tuple(
+            dataclasses.replace(s, storage=moved(s.storage)) for s in t.shards))
         for t in plan.tables)
     return dataclasses.replace(plan, tables=tables)
 
 
 def check_file_dirs(plan: ShardingPlan, keys: Mapping[str, str], where: str = "<job>") -> None:
-    """Make the directory of every ``file`` table of ``plan`` (after
+    """Make the directory of every ``file`` table and shard of ``plan`` (after
     :func:`with_run_folders`) and check that a file can be written there; else a
     ``ConfigError`` naming the table's key (``keys``: table name -> its key, e.g.
-    ``sharding.file_dir``; default ``tables.<name>.storage.path``), the directory and why."""
+    ``sharding.file_dir``; default ``tables.<name>.storage.path``; a shard's own:
+    ``sharding.plan``), the directory and why."""
     for t in plan.tables:
-        if t.storage is None or t.storage.tier != "file":
-            continue
-        folder = t.storage.path
-        try:
-            os.makedirs(folder, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check.")
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            key = keys.get(t.name, f"tables.{t.name}.storage.path")
-            raise ConfigError(where, key, (
-                f"expected a writable directory for the files of table '{t.name}' (tier "
-                f"'file'), got {os.path.dirname(folder)!r} (this run's folder in it: "
-                f"{os.path.basename(folder)!r}): {type(e).__name__}: {e.strerror or e}")
-            ) from None
+        places = [(t.storage, keys.get(t.name, f"tables.{t.name}.storage.path"), "")]
+        places += [(s.storage, "sharding.plan", f" shard {i} ({s.describe()})")
+                   for i, s in enumerate(t.shards)]
+        for st, key, what in places:
+            if st is None or st.tier != "file":
+                continue
+            folder = st.path
+            try:
+                os.makedirs(folder, exist_ok=True)
+                fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check.")
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as e:
+                raise ConfigError(where, key, (
+                    f"expected a writable directory for the files of table '{t.name}'{what} "
+                    f"(tier 'file'), got {os.path.dirname(folder)!r} (this run's folder in it: "
+                    f"{os.path.basename(folder)!r}): {type(e).__name__}: {e.strerror or e}")
+                ) from None

@@ -400,7 +400,10 @@ def build(cfg: JobConfig, env: Env, plan: ShardingPlan, mode: str = "plain") -> 
     ``train.pipeline``) ``graph``: fixed-shape input dists with ``modes.max_ids_bound`` id
     slots and a capturable dense optimizer."""
     torch.manual_seed(cfg.seed)  # identical dense initial weights on every rank
-    model = build_model(cfg, env.device, env.world_size, storage=plan_storage(plan))
+    # several ranks: built on meta, each shard's storage goes from the plan to ``shard()``
+    # (a tier per shard, ``sharding.shard_tiers``, too); one process: each table whole on one
+    model = build_model(cfg, env.device, env.world_size,
+                        storage=plan_storage(plan) if env.world_size == 1 else None)
     emb_fqns = [n for n, m in model.named_modules()
                 if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     # ---- the one multi-rank step: replace every embedding collection by its sharded twin ----

@@ -2,8 +2,9 @@
 JOB.yaml`` both call, so that the command's preview is the plan the job makes.
 
 The job's settings that reach the planner: ``sharding.hbm_gb``, ``reserved``, ``row_cuts``,
-``local_world_size``, ``plan``, ``group_size`` (an int, or ``auto``: the planner proposes it)
-and ``replica_sync``; ``train.batch_size``; the embedding optimizer; the id
+``local_world_size``, ``plan``, ``group_size`` (an int, or ``auto``: the planner proposes it),
+``replica_sync``, the tiers' ``host_budget_gb``, ``disk_budget_gb``, ``file_dir`` and
+``shard_tiers``; ``train.batch_size``; the embedding optimizer; the id
 statistics (each table's ``id_distribution``, else ``data.synthetic.zipf`` for synthetic data;
 managed tables uniform) and the constraints (managed tables limited to
 :data:`MANAGED_SHARDINGS`). Never imports torch.
@@ -142,6 +143,7 @@ def plan_job(
         host_bytes_per_rank=s.host_budget_gb * GiB if s.host_budget_gb is not None else None,
         disk_bytes_per_rank=s.disk_budget_gb * GiB if s.disk_budget_gb is not None else None,
         file_dir=cfg.path(s.file_dir) if s.file_dir is not None else None,
+        shard_tiers=s.shard_tiers,
     )
     path = plan_path or (cfg.path(s.plan) if s.plan is not None else None)
     lines = []
