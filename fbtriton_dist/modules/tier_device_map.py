@@ -53,6 +53,15 @@ def host_values(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
+def _segment_sums(values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[K, m]``: the sums of ``values`` ``[K, n]`` (int64) over the column ranges
+    ``[starts[i], starts[i + 1])`` (``starts`` ``[m + 1]``, nondecreasing, within [0, n]), read
+    off a running sum at the bounds. No atomics: an ``index_add_`` of a million ids onto a few
+    per-table counters serialises on them on a GPU (5.5 ms a step on an H100)."""
+    run = torch.nn.functional.pad(values.cumsum(1), (1, 0))
+    return run.index_select(1, starts[1:]) - run.index_select(1, starts[:-1])
+
+
 @dataclass
 class Mapped:
     """A batch after ``DeviceMaps.map``: per id ``[N]`` its joint row number (clamped into
@@ -117,6 +126,7 @@ class DeviceMaps:
             torch.cat([torch.arange(c) for c in slots]),
             torch.repeat_interleave(sizes, sizes)]).to(device=device, dtype=torch.int32)
         self.slot_table, self.slot_local, self.slot_capacity = self.slot_info.unbind()
+        self.slot_starts = torch.tensor(self.slot_base, dtype=torch.int64, **kw)
         self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
@@ -185,11 +195,15 @@ class DeviceMaps:
         free = last < 0
         cand = (last < clock) & ~(free | used)
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
-        sums = torch.zeros(4, Tm, dtype=torch.int64, device=dev).index_add_(
-            1, self.slot_table, per_slot)
+        sums = _segment_sums(per_slot, self.slot_starts)  # a table's slots are contiguous
         per_id = torch.stack([first, live & ~in_range]).long()
+        # a feature's ids are contiguous (those before the first bound / after the last are
+        # the first / last feature's, as ``feature`` above): sums per feature, then per table
+        starts = bounds.clone()
+        starts[0], starts[T] = 0, N
+        per_feature = _segment_sums(per_id, starts.clamp_(0, N))
         misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(
-            1, table, per_id)
+            1, self.feature_info[0].clamp(min=0), per_feature)
         counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], sums[3], misses_bad[1]],
                              1)
         return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,

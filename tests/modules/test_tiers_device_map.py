@@ -174,13 +174,14 @@ def test_a_lookup_reads_the_host_once(on_device, monkeypatch):
     for reads_of_step, syncs, _ in seen:
         assert reads_of_step == [2 * K] and syncs == []
     ops = [n for _, _, n in seen]
-    assert max(ops) <= 160, ops  # one pass for all tables, ~25 per table with misses; any B
+    assert max(ops) <= 175, ops  # one pass for all tables, ~25 per table with misses; any B
 
 
 def test_launches_do_not_grow_with_the_tables_but_for_their_rows(monkeypatch):
     """Per training step with misses, evictions and dirty victims in every table, on 2 and
-    on 5 tables: the map's work is one pass and one placement for all tables (at most 100
-    launches, whatever the number of tables); each table adds only its rows' moves (per
+    on 5 tables: the map's work is one pass and one placement for all tables (at most 112
+    launches, whatever the number of tables; its per-table counts are running sums read at the
+    tables' bounds, about 12 launches, not atomics onto a few counters); each table adds only its rows' moves (per
     tensor of its rows, weights and the optimizer state: a gather and a scatter in, the same
     out: 4 x 2 = 8 launches), not a placement of its own (a per-table loop of map ops: about
     20 launches a table)."""
@@ -208,7 +209,7 @@ def test_launches_do_not_grow_with_the_tables_but_for_their_rows(monkeypatch):
         stats = m.cache_stats().values()
         assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats), stats
         per_step[T] = launches[0]  # the last step's: every table misses and evicts
-    assert per_step[2] <= 100 + 2 * 8, per_step
+    assert per_step[2] <= 112 + 2 * 8, per_step
     assert per_step[5] - per_step[2] <= 3 * 8, per_step
 
 
