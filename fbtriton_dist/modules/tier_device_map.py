@@ -53,13 +53,22 @@ def host_values(counts: torch.Tensor) -> list[int]:
     return counts.tolist()
 
 
-def _segment_sums(values: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+def _flat_bounds(starts: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """``_segment_sums``' positions of ``starts`` in each of ``rows`` flattened rows of
+    ``n``."""
+    return (starts + torch.arange(0, rows * n, n, device=starts.device).unsqueeze(1)).view(-1)
+
+
+def _segment_sums(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """``[K, m]``: the sums of ``values`` ``[K, n]`` (int64) over the column ranges
-    ``[starts[i], starts[i + 1])`` (``starts`` ``[m + 1]``, nondecreasing, within [0, n]), read
-    off a running sum at the bounds. No atomics: an ``index_add_`` of a million ids onto a few
-    per-table counters serialises on them on a GPU (5.5 ms a step on an H100)."""
-    run = torch.nn.functional.pad(values.cumsum(1), (1, 0))
-    return run.index_select(1, starts[1:]) - run.index_select(1, starts[:-1])
+    ``[starts[i], starts[i + 1])`` (``at = _flat_bounds(starts, K, n)``, ``starts`` ``[m + 1]``
+    nondecreasing within [0, n]), read off one running sum of the flattened rows at the
+    bounds. No atomics (an ``index_add_`` of a million ids onto a few per-table counters
+    serialises on them on a GPU: 5.5 ms a step on an H100) and a 1-D scan (a scan along each
+    of a few long rows takes 2 ms there)."""
+    run = torch.nn.functional.pad(values.view(-1).cumsum(0), (1, 0))
+    ends = run.index_select(0, at).view(values.shape[0], -1)
+    return ends[:, 1:] - ends[:, :-1]
 
 
 @dataclass
@@ -126,7 +135,8 @@ class DeviceMaps:
             torch.cat([torch.arange(c) for c in slots]),
             torch.repeat_interleave(sizes, sizes)]).to(device=device, dtype=torch.int32)
         self.slot_table, self.slot_local, self.slot_capacity = self.slot_info.unbind()
-        self.slot_starts = torch.tensor(self.slot_base, dtype=torch.int64, **kw)
+        self.slot_bounds = _flat_bounds(torch.tensor(self.slot_base, dtype=torch.int64, **kw),
+                                        4, S)  # ``map``'s per-slot sums: 4 rows of S
         self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
@@ -143,6 +153,9 @@ class DeviceMaps:
         self.feature_info = torch.tensor(  # [3, T]: gathered at once
             [index, [self.row_base[i] if i >= 0 else 0 for i in index],
              [self.caches[self.tables[i]].rows - 1 if i >= 0 else 0 for i in index]], **kw)
+        far = 2**62  # ``map``'s feature bounds clamped between these: first 0, last past N
+        self.feature_clamp = (torch.tensor([0] * len(index) + [far], **kw),
+                              torch.tensor([0] + [far] * len(index), **kw))
         live = [i for i in index if i >= 0]
         self.grouped = live == sorted(live)  # the ids come table by table
         self._features_of = key
@@ -195,13 +208,12 @@ class DeviceMaps:
         free = last < 0
         cand = (last < clock) & ~(free | used)
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
-        sums = _segment_sums(per_slot, self.slot_starts)  # a table's slots are contiguous
+        sums = _segment_sums(per_slot, self.slot_bounds)  # a table's slots are contiguous
         per_id = torch.stack([first, live & ~in_range]).long()
         # a feature's ids are contiguous (those before the first bound / after the last are
         # the first / last feature's, as ``feature`` above): sums per feature, then per table
-        starts = bounds.clone()
-        starts[0], starts[T] = 0, N
-        per_feature = _segment_sums(per_id, starts.clamp_(0, N))
+        starts = bounds.clamp(*self.feature_clamp).clamp_(0, N)  # 0, inner bounds, N
+        per_feature = _segment_sums(per_id, _flat_bounds(starts, 2, N))
         misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(
             1, self.feature_info[0].clamp(min=0), per_feature)
         counts = torch.stack([sums[0], misses_bad[0], sums[1], sums[2], sums[3], misses_bad[1]],
