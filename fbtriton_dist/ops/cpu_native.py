@@ -46,9 +46,10 @@ BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
 """The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
 COUNTER_SOURCE = CSRC / "tbe_cpu_counter.c"
 """Rowwise Adagrad with counter's row update: its ``CTR_*`` slots
-(``optim_counter.NATIVE_COUNTER_FIELDS``)."""
-SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, COUNTER_SOURCE, CSRC / "tbe_pool.c")
-HEADERS = (CSRC / "tbe_cpu.h",)
+(``optim_counter.NATIVE_COUNTER_FIELDS``). ``BACKWARD_SOURCE`` includes it (its row update
+inlined into the run loop), so it is built as a header is."""
+SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
+HEADERS = (CSRC / "tbe_cpu.h", COUNTER_SOURCE)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 """``-fno-math-errno``: sqrtf never sets errno, so that GCC vectorises the per-element updates
 (Adagrad's, Adam's sqrt; correctly rounded either way: the same bits)."""
