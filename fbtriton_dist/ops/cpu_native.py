@@ -46,9 +46,10 @@ BACKWARD_SOURCE = CSRC / "tbe_cpu_backward.c"
 """The backward and its fused optimizers: their ``OPT_*`` codes and ``HYPER_*`` slots."""
 COUNTER_SOURCE = CSRC / "tbe_cpu_counter.c"
 """Rowwise Adagrad with counter's row update: its ``CTR_*`` slots
-(``optim_counter.NATIVE_COUNTER_FIELDS``)."""
-SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, COUNTER_SOURCE, CSRC / "tbe_pool.c")
-HEADERS = (CSRC / "tbe_cpu.h",)
+(``optim_counter.NATIVE_COUNTER_FIELDS``). ``BACKWARD_SOURCE`` includes it (its row update
+inlined into the run loop), so it is built as a header is."""
+SOURCES = (CSRC / "tbe_cpu.c", BACKWARD_SOURCE, CSRC / "tbe_pool.c")
+HEADERS = (CSRC / "tbe_cpu.h", COUNTER_SOURCE)
 BASE_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 """``-fno-math-errno``: sqrtf never sets errno, so that GCC vectorises the per-element updates
 (Adagrad's, Adam's sqrt; correctly rounded either way: the same bits)."""
@@ -59,6 +60,10 @@ FLAG_SETS = (
 """Tried in order until one builds."""
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+BEFORE_LOOKUP_STATES = {("rowwise_adagrad_global_decay", "prev_iter")}
+"""(optimizer, state) pairs the backward neither reads nor writes: global decay's ``prev_iter``
+belongs to the module's catch-up decay before the lookup (``ops/global_decay.py``); its row
+update is rowwise Adagrad's on ``momentum1``."""
 
 
 def _header_optimizers() -> tuple[str, ...]:
@@ -368,11 +373,12 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     if spec is not None and spec.name not in OPT_CODES:
         return None  # the torch ops' step (the backend's capabilities refuse it earlier)
     counter = isinstance(optimizer, optim.RowWiseAdagradWithCounter)
-    states = [s for s in ((momentum1, prev_iter, row_counter) if counter
-                          else (momentum1, momentum2)) if s is not None]
-    if spec is not None and (len(states) < len(spec.states)
-                             or any(s.dtype != torch.float32 or not s.is_contiguous()
-                                    for s in states)):
+    buffers = {"momentum1": momentum1, "momentum2": momentum2, "prev_iter": prev_iter,
+               "row_counter": row_counter}
+    read = [s for s in spec.states if (spec.name, s.name) not in BEFORE_LOOKUP_STATES] \
+        if spec is not None else []
+    states = [buffers[s.name] for s in read]
+    if any(s is None or s.dtype != torch.float32 or not s.is_contiguous() for s in states):
         return None
     idx, idx32 = _ids(indices)
     off, off32 = _ids(offsets)
@@ -380,7 +386,7 @@ def backward(grad_output, weights, w_offsets, dims, row_offsets, D_offsets, indi
     B = (off.numel() - 1) // T
     w_offsets, dims, row_offsets = _long(w_offsets), _long(dims), _long(row_offsets)
     elem_limit, row_limit = weights.numel(), -1
-    for state, buffer in zip(spec.states if spec else (), states, strict=False):
+    for state, buffer in zip(read, states, strict=True):
         if state.per_row:
             row_limit = buffer.numel() if row_limit < 0 else min(row_limit, buffer.numel())
         else:

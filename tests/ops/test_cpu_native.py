@@ -48,6 +48,8 @@ OPTIMIZERS = {
     "adam": optim.Adam(lr=0.05, weight_decay=0.01),
     "ema": optim.EmaInplaceRowWiseAdagrad(lr=0.1, eps=1e-6, step_ema=2, step_start=1,
                                           step_ema_coef=0.3),
+    # the backward reads momentum1 only (the module's catch-up decay reads prev_iter)
+    "global-decay": optim.RowWiseAdagradGlobalDecay(lr=0.1, eps=1e-6, weight_decay=0.3),
 }
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
 CASES = [
@@ -59,6 +61,7 @@ CASES = [
     ("mixed", "rowwise-decoupled", "sum", torch.float32, torch.int64, False, True),
     ("mixed", "adagrad", "mean", torch.float32, torch.int64, True, True),
     ("mixed", "adam", "sum", torch.float32, torch.int32, True, True),
+    ("mixed", "global-decay", "mean", torch.float32, torch.int64, True, True),
     ("mixed", "rowwise", "none", torch.float32, torch.int64, True, True),
     ("mixed", "adam", "none", torch.float32, torch.int32, False, False),
     ("mixed", "rowwise", "sum", torch.float16, torch.int64, True, True),

@@ -1,6 +1,6 @@
 /* What the native CPU kernel files share (tbe_cpu.c: check, forward, per-sample weights;
- * tbe_cpu_backward.c: plan, backward; tbe_cpu_counter.c: the counter optimizer's row update;
- * tbe_pool.c: threads): the codes, id and offset loads,
+ * tbe_cpu_backward.c: plan, backward, with tbe_cpu_counter.c, the counter optimizer's row
+ * update, included; tbe_pool.c: threads): the codes, id and offset loads,
  * the rows' bounds, prefetching, fp16 / bf16 conversions, the 8-float vectors and the pool.
  * See tbe_cpu.c for the layout. */
 #ifndef TBE_CPU_H
@@ -10,21 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdatomic.h>
-
-/* tbe_cpu_counter.c: rowwise Adagrad with counter's row update (tbe_cpu_backward.c calls it),
- * its parameters read once per backward from the `counter` array (CTR_* slots) and the
- * hyper-parameters */
-typedef struct {
-    int cowclip, decay, lr_mode, enabled; /* enabled: the step is past adjustment_iter */
-    int64_t halflife;
-    float t, lr, eps, wd, halflife_f, decay_rate, ub, threshold, max_counter, coef, lower, base,
-        gap_cap;
-    double ub_d;
-} counter_args;
-void counter_setup(counter_args *c, const double *counter, double lr, double eps, double wd,
-                   double t);
-void counter_row(const counter_args *c, float *restrict w, const float *restrict g, int64_t D,
-                 float *m, float *prev, float *count);
 
 /* tbe_pool.c: fn(ctx, task, executor) for tasks 0 .. ntasks - 1 on up to nthreads threads
  * (executor: 0 .. nthreads - 1, the running thread, for its scratch memory only) */

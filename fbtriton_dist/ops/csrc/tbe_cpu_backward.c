@@ -13,6 +13,7 @@
  * A sorted id is packed as key << pos_bits | position, so that sorting the values sorts by key
  * and, within a key, by position (batch order). */
 #include "tbe_cpu.h"
+#include "tbe_cpu_counter.c" /* counter_row, inlined into bwd_runs' clones */
 
 /* The optimizers' codes and the hyper-parameters' slots are fbtriton_dist's Python tables
  * (tests/ops/test_native_tables.py parses this file and checks them): OPT_* the kernel codes

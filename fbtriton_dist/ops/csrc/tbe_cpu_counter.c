@@ -3,12 +3,20 @@
  * by tbe_cpu_backward.c's row update (OPT_ROWWISE_ADAGRAD_WITH_COUNTER). The formulas:
  * docs/optimizers_counter.md; the spec: reference/counter.py.
  *
+ * Not built alone: tbe_cpu_backward.c includes this file, so that the row update is inlined
+ * into the run loop's clones (built for their target, as the other optimizers' updates): a
+ * call per row into a separately built function, with its scalar sum of squares, made the
+ * counter's backward on C0 2.3 ms slower than rowwise Adagrad's; inlined and vectorised,
+ * 0.3 to 0.9 ms (docs/results/tbe-cpu-counter-2026-12-05.md).
+ *
  * Operation for operation the torch step's (ops/cpu.py, the reference's counter_rows) in fp32:
  * a Python number meets an fp32 tensor as an fp32 value, `x / tensor` is the tensor's
  * reciprocal times x (torch's __rtruediv__), `tensor ** p` takes torch's shortcuts for
  * p = 0, 0.5, 1, 2, 3. What can differ (within fp32 rounding): the order of the two sums over
  * D (the squared gradient, COWCLIP's row norm), exp / pow (libm here, SLEEF in torch's
  * vector loops), and the new row (written here, added as w + (new - w) by the torch step). */
+#ifndef TBE_CPU_COUNTER_C
+#define TBE_CPU_COUNTER_C
 #include "tbe_cpu.h"
 
 /* The slots of `const double *counter` (optim_counter.NATIVE_COUNTER_FIELDS: a test checks
@@ -20,8 +28,18 @@ enum { CTR_COWCLIP = 0, CTR_DECAY_MODE = 1, CTR_LEARNING_RATE_MODE = 2, CTR_HALF
 enum { DECAY_NONE = 0, DECAY_L2 = 1, DECAY_DECOUPLED = 2, DECAY_ADAGRADW = 3 };
 enum { LR_EQUAL = 0, LR_TAIL_ID_INCREASE = 1, LR_TAIL_ID_DECREASE = 2, LR_COUNTER_SGD = 3 };
 
-void counter_setup(counter_args *c, const double *counter, double lr, double eps, double wd,
-                   double t) {
+/* The parameters, read once per backward from the `counter` array (CTR_* slots) and the
+ * hyper-parameters */
+typedef struct {
+    int cowclip, decay, lr_mode, enabled; /* enabled: the step is past adjustment_iter */
+    int64_t halflife;
+    float t, lr, eps, wd, halflife_f, decay_rate, ub, threshold, max_counter, coef, lower, base,
+        gap_cap;
+    double ub_d;
+} counter_args;
+
+static void counter_setup(counter_args *c, const double *counter, double lr, double eps,
+                          double wd, double t) {
     const double adjustment_iter = counter[CTR_ADJUSTMENT_ITER];
     *c = (counter_args){
         .cowclip = counter[CTR_COWCLIP] != 0.0,
@@ -56,28 +74,33 @@ INLINE float clampf(float x, float lo, float hi) {
     return x < lo ? lo : (x > hi ? hi : x);
 }
 
-/* sum over D of (x + l2 w)^2 (l2: 0 skips w), LANES lanes (inlined: built for the caller's
- * target) */
+/* sum over D of (x + l2 w)^2 (l2: 0 skips w), LANES lanes, the same order either way; the
+ * branch outside the loops, so that both vectorise */
 INLINE float squares(const float *restrict x, const float *restrict w, float l2, int64_t D) {
     float lane[LANES] = {0};
     int64_t d = 0;
-    for (; d + LANES <= D; d += LANES)
-        for (int j = 0; j < LANES; ++j) {
-            const float v = l2 != 0.0f ? x[d + j] + l2 * w[d + j] : x[d + j];
+    if (l2 != 0.0f) {
+        for (; d + LANES <= D; d += LANES)
+            for (int j = 0; j < LANES; ++j) {
+                const float v = x[d + j] + l2 * w[d + j];
+                lane[j] += v * v;
+            }
+        for (int j = 0; d < D; ++d, ++j) {
+            const float v = x[d] + l2 * w[d];
             lane[j] += v * v;
         }
-    for (int j = 0; d < D; ++d, ++j) {
-        const float v = l2 != 0.0f ? x[d] + l2 * w[d] : x[d];
-        lane[j] += v * v;
+    } else {
+        for (; d + LANES <= D; d += LANES)
+            for (int j = 0; j < LANES; ++j) lane[j] += x[d + j] * x[d + j];
+        for (int j = 0; d < D; ++d, ++j) lane[j] += x[d] * x[d];
     }
     float s = 0.0f;
     for (int j = 0; j < LANES; ++j) s += lane[j];
     return s;
 }
 
-TBE_TARGETS
-void counter_row(const counter_args *c, float *restrict w, const float *restrict g, int64_t D,
-                 float *m, float *prev, float *count) {
+INLINE void counter_row(const counter_args *c, float *restrict w, const float *restrict g,
+                        int64_t D, float *m, float *prev, float *count) {
     const float gap = *prev == 0.0f ? 1.0f : c->t - *prev; /* steps since the row's last update */
     float n = *count;
     if (c->halflife > 0)
@@ -133,3 +156,4 @@ void counter_row(const counter_args *c, float *restrict w, const float *restrict
     *prev = c->t;
     *count = n;
 }
+#endif
