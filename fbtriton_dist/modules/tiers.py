@@ -203,7 +203,7 @@ class RowCache:
         self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
         self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
         self.batches = 0
-        self.scratch: torch.Tensor | None = None  # native LRU victims' counting sort
+        self.scratch: torch.Tensor | None = None  # the C helpers' work space (int64)
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
         self.on_device = False  # the map lives on the cache's device (``place_map``)
@@ -214,7 +214,7 @@ class RowCache:
 
     def __getstate__(self) -> dict:
         """A copy leaves the backing store's device views behind (made again when needed)."""
-        return {**self.__dict__, "_views_key": None, "_views": []}
+        return {**self.__dict__, "_views_key": None, "_views": [], "scratch": None}
 
     def place_map(self, device: torch.device | None) -> None:
         """The slot map's tensors onto ``device`` (the cache's device: ``tier_device_map``)
@@ -343,13 +343,23 @@ class RowCache:
         return first
 
     def assign(self, ids: torch.Tensor, clock: int, views: Views, train: bool,
-               pinned: bool, staged: Staged | None = None) -> torch.Tensor:
-        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, in range,
-        repeats allowed), loading the misses (after writing back the dirty rows they evict;
-        from ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``:
-        earlier batches' slots are still pinned (for the message)."""
+               pinned: bool, staged: Staged | None = None, out: torch.Tensor | None = None,
+               check: Callable[[], None] | None = None) -> torch.Tensor:
+        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, repeats
+        allowed), loading the misses (after writing back the dirty rows they evict; from
+        ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``: earlier
+        batches' slots are still pinned (for the message). ``check``: raises on ids out of
+        ``[0, rows)`` (naming them); None: they are in range. ``out``: an int64 contiguous
+        ``[N]`` the slots may be written into (then returned)."""
         C = self.slots
         lib = tier_native.library()
+        if lib is not None and staged is None and self.written is None:
+            pairs = self._pairs(views)
+            if all(tier_native.swappable(c, b) for b, c in pairs) and (
+                    C + 1 + ids.numel() < 2**31):
+                return self._assign_native(lib, ids, clock, pairs, train, pinned, out, check)
+        if check is not None:
+            check()
         if lib is not None:  # one pass in C
             ids = ids.contiguous()
             self.batches += 1
@@ -368,11 +378,7 @@ class RowCache:
         M = int(new.numel())
         U = H + M
         if U > C:
-            raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
-                f"rows, its cache has {C} slots (of {self.rows} rows); raise "
-                f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
-            )
+            self._too_many(U)
         self.stats["lookups"] += U
         if H and lib is not None:
             tier_native.touch(lib, self.stamp, self.batches, self.last_seen, self.counts, clock)
@@ -388,6 +394,57 @@ class RowCache:
             self.dirty.index_fill_(0, slots, True)
         return slots
 
+    def _assign_native(self, lib, ids: torch.Tensor, clock: int,
+                       pairs: list[tuple[torch.Tensor, torch.Tensor]], train: bool,
+                       pinned: bool, out: torch.Tensor | None,
+                       check: Callable[[], None] | None) -> torch.Tensor:
+        """``assign`` in one C call (``tier_native.assign``): no rows read ahead for this
+        table, every (backing store, cache) pair of one dtype and row shape. Its pass checks
+        the ids; ``check`` runs only when one is out of range (nothing has changed then)."""
+        ids = ids.contiguous()
+        need = tier_native.scratch_size(self.slots, ids.numel())
+        if self.scratch is None or self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.int64)
+        self.batches += 1
+        if out is None or not (out.dtype == torch.int64 and out.device.type == "cpu"
+                               and out.is_contiguous() and out.numel() == ids.numel()):
+            out = torch.empty(ids.numel(), dtype=torch.int64)
+        code, n = tier_native.assign(
+            lib, ids, out, slot_of_row=self.slot_of_row, row_of_slot=self.row_of_slot,
+            stamp=self.stamp, batch=self.batches, last_seen=self.last_seen, counts=self.counts,
+            dirty=self.dirty, clock=clock, lfu=self.lfu, train=train, pairs=pairs,
+            scratch=self.scratch)
+        if code == -1:
+            if check is not None:
+                check()
+            raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
+        U = n["hits"] + n["misses"]
+        if code == -2:
+            self._too_many(U)
+        self.stats["lookups"] += U
+        self.stats["evictions"] += n["victims"]
+        self.stats["misses"] += n["taken"]
+        self.stats["writebacks"] += n["written"]
+        if code == -3:
+            self._no_slot(n["misses"] - n["taken"], U, pinned)
+        return out
+
+    def _too_many(self, U: int) -> None:
+        raise ValueError(
+            f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
+            f"rows, its cache has {self.slots} slots (of {self.rows} rows); raise "
+            f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
+        )
+
+    def _no_slot(self, left: int, U: int, pinned: bool) -> None:
+        raise ValueError(
+            f"table '{self.name}' (tier {self.storage.tier!r}): {left} of "
+            f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
+            "rows of this batch"
+            + (" or rows pinned by training batches whose backward has not run" if pinned
+               else "") + "; raise cache_load_factor or cache_slots"
+        )
+
     def _take_slots(self, new: torch.Tensor, clock: int, views: Views, staged: Staged | None,
                     pinned: bool, U: int) -> None:
         """Slots for the rows ``new`` (not cached, in the order they first occur in the batch):
@@ -397,11 +454,12 @@ class RowCache:
         lib = tier_native.library()
         free = (self.last_seen < 0).nonzero().squeeze(1)
         victims = None
-        if M > free.numel() and lib is not None and not self.lfu:
-            if self.scratch is None:
-                self.scratch = torch.empty(4 * self.slots + 64, dtype=torch.int64)
-            victims = tier_native.lru_victims(lib, self.last_seen, clock, M - free.numel(),
-                                              self.scratch)
+        if M > free.numel() and lib is not None:
+            need = tier_native.scratch_size(self.slots, 0)
+            if self.scratch is None or self.scratch.numel() < need:
+                self.scratch = torch.empty(need, dtype=torch.int64)
+            victims = tier_native.victims(lib, self.last_seen, self.counts if self.lfu else None,
+                                          clock, M - free.numel(), self.scratch)
         if victims is None and M > free.numel():
             cand = ((self.last_seen >= 0) & (self.last_seen < clock)).nonzero().squeeze(1)
             need = min(M - free.numel(), cand.numel())
@@ -448,13 +506,7 @@ class RowCache:
             self.counts.index_fill_(0, targets, 1)
             self.dirty.index_fill_(0, targets, False)
         if targets.numel() < M:  # the slots given stay consistent: loaded above
-            raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "
-                f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
-                "rows of this batch"
-                + (" or rows pinned by training batches whose backward has not run" if pinned
-                   else "") + "; raise cache_load_factor or cache_slots"
-            )
+            self._no_slot(M - targets.numel(), U, pinned)
 
     def flush(self, views: Views) -> None:
         """Write every dirty slot back; they are clean afterwards."""
@@ -570,18 +622,27 @@ class TieredTables:
             return out
         out = out.clone() if out is indices else out
         slots_of = {}
+        direct = out.dtype == torch.int64 and out.device.type == "cpu"
         for t, (ids, parts) in per_table.items():
             cache = self.caches[t]
             ids = ids.to("cpu")
-            lo, hi = torch.aminmax(ids)
-            self._check_range(cache, int(lo), int(hi), indices, parts, names)
+
+            def check(cache=cache, ids=ids, parts=parts) -> None:
+                lo, hi = torch.aminmax(ids)
+                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+
+            # one feature: its slots may go straight into ``out``
+            into = out[parts[0][1] : parts[0][2]] if direct and len(parts) == 1 else None
             try:
                 slots_of[t] = cache.assign(ids, self.clock, views(t), train, pinned,
-                                           staged.get(t))
+                                           staged.get(t), out=into, check=check)
             finally:
                 cache.written = None
         for t, (_, parts) in per_table.items():
-            slots = slots_of[t].to(indices.device, indices.dtype)
+            slots = slots_of[t]
+            if len(parts) == 1 and slots.data_ptr() == out[parts[0][1]:].data_ptr():
+                continue  # written in place
+            slots = slots.to(indices.device, indices.dtype)
             at = 0
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]

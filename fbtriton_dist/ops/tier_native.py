@@ -34,10 +34,14 @@ _SIGNATURES = {
     "tier_touch": (None, [_P, _I64, _I64, _P, _P, _I64]),
     "tier_slots": (None, [_P, _I64, _P, _P, _P, _I32]),
     "tier_copy_rows": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64]),
-    "tier_lru_victims": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64]),
+    "tier_victims": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P]),
     "tier_swap_rows": (_I64, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64]),
     "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
+    "tier_assign": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I32,
+                           _I32, _I64, _P, _P, _P, _P, _P, _P]),
 }
+RADIX = 1 << 11
+"""``csrc/tier_cache.c``'s radix buckets (``tier_victims``' scratch)."""
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -119,15 +123,54 @@ def slots_of(lib, ids: torch.Tensor, slot_of_row: torch.Tensor, dirty: torch.Ten
     return out
 
 
-def lru_victims(lib, last_seen: torch.Tensor, clock: int, need: int,
-                scratch: torch.Tensor) -> torch.Tensor | None:
-    """The first ``need`` slots in ascending ``(last_seen, slot)`` order among those with
-    ``0 <= last_seen < clock`` (fewer if fewer are), as ``ops.id_remap.pick_victims`` orders
-    LRU victims; None where their ``last_seen`` span more than ``scratch`` holds."""
-    out = torch.empty(need, dtype=torch.int64)
-    k = lib.tier_lru_victims(last_seen.data_ptr(), last_seen.numel(), clock, need,
-                             out.data_ptr(), scratch.data_ptr(), scratch.numel())
-    return None if k < 0 else out[:k]
+def victims(lib, last_seen: torch.Tensor, counts: torch.Tensor | None, clock: int, need: int,
+            scratch: torch.Tensor) -> torch.Tensor:
+    """The first ``need`` slots among those with ``0 <= last_seen < clock`` (fewer if fewer
+    are) in ascending ``(last_seen, slot)`` order (LRU: ``counts`` None) or ``(counts,
+    last_seen, slot)`` (LFU), as ``ops.id_remap.pick_victims`` orders them. ``scratch``: int64
+    of at least ``scratch_size(slots, 0)``."""
+    out = torch.empty(max(need, 0), dtype=torch.int64)
+    slots = last_seen.numel()
+    k = lib.tier_victims(last_seen.data_ptr(), None if counts is None else counts.data_ptr(),
+                         slots, clock, need, out.data_ptr(), scratch.data_ptr(),
+                         scratch[2 * slots:].data_ptr())
+    return out[:k]
+
+
+def scratch_size(slots: int, ids: int) -> int:
+    """int64 scratch ``assign`` needs for a table of ``slots`` slots and a batch of ``ids``
+    ids (``victims``: ``ids`` 0)."""
+    return ids + 4 * slots + RADIX
+
+
+INFO = ("hits", "misses", "victims", "taken", "written")
+"""``assign``'s counts: distinct rows found cached, distinct rows not cached, slots evicted,
+slots taken (misses loaded), rows written back."""
+
+
+def assign(lib, ids: torch.Tensor, out: torch.Tensor, *, slot_of_row: torch.Tensor,
+           row_of_slot: torch.Tensor, stamp: torch.Tensor, batch: int,
+           last_seen: torch.Tensor, counts: torch.Tensor, dirty: torch.Tensor, clock: int,
+           lfu: bool, train: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+           scratch: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """One table's slot map for one batch in one C call (``tier_assign``): ``out`` ``[N]``
+    (int64, contiguous) = the slots of the host int64 ``ids`` ``[N]``, the misses loaded into
+    slots after the dirty victims' rows are written back, for every ``(backing store, cache)``
+    of ``pairs`` (each ``swappable``). ``scratch``: int64 of ``scratch_size(slots, N)``.
+    Returns the C code (0; -1 an id out of range, -2 more distinct rows than slots: nothing
+    changed; -3 some misses found no slot) and the counts (``INFO``)."""
+    k = len(pairs)
+    caches = (ctypes.c_void_p * k)(*(c.data_ptr() for _, c in pairs))
+    backs = (ctypes.c_void_p * k)(*(b.data_ptr() for b, _ in pairs))
+    row_bytes = (ctypes.c_int64 * k)(*(math.prod(c.shape[1:]) * c.element_size()
+                                       for _, c in pairs))
+    info = (ctypes.c_int64 * len(INFO))()
+    code = lib.tier_assign(ids.data_ptr(), ids.numel(), slot_of_row.data_ptr(),
+                           slot_of_row.numel(), row_of_slot.numel(), row_of_slot.data_ptr(),
+                           stamp.data_ptr(), batch, last_seen.data_ptr(), counts.data_ptr(),
+                           dirty.data_ptr(), clock, int(lfu), int(train), k, caches, backs,
+                           row_bytes, scratch.data_ptr(), out.data_ptr(), info)
+    return int(code), dict(zip(INFO, info, strict=True))
 
 
 def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor,
