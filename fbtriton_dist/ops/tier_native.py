@@ -40,8 +40,8 @@ _SIGNATURES = {
     "tier_assign": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I32,
                            _I32, _I64, _P, _P, _P, _P, _P, _P]),
 }
-RADIX = 1 << 11
-"""``csrc/tier_cache.c``'s radix buckets (``tier_victims``' scratch)."""
+RADIX = 4 << 8
+"""``csrc/tier_cache.c``'s radix buckets, ``WAYS * RADIX`` there (``tier_victims``' scratch)."""
 _lock = threading.Lock()
 _state: dict = {}
 

@@ -7,7 +7,7 @@
 #include <emmintrin.h>
 #endif
 
-#define AHEAD 16 /* ids ahead whose map entries are prefetched (the map's reads are random) */
+#define AHEAD 32 /* ids ahead whose map entries are prefetched (the map's reads are random) */
 #define AHEAD_ROWS 8 /* rows ahead whose lines are prefetched while rows are moved */
 
 /* Every cache line of a row of `bytes` bytes at p, for reading / for writing. */
@@ -112,26 +112,44 @@ int32_t tier_copy_rows(char *dst, const int64_t *dst_at, int64_t dst_rows, const
     return 0;
 }
 
-#define RADIX_BITS 11
+#define RADIX_BITS 8
 #define RADIX (1 << RADIX_BITS)
+#define WAYS 4 /* a radix pass runs over 4 quarters of its input at once: 4 chains of counts */
 
 /* Sort the slots in[n] stably by key[slot] - lo (each in [0, top]): LSD radix passes of
- * RADIX_BITS bits (none when top is 0), tmp[n] as the other buffer; returns the buffer that
- * holds the result (in or tmp). */
+ * RADIX_BITS bits (none when top is 0), tmp[n] as the other buffer; the last pass places only
+ * the first `limit` (the rest of the result is undefined). Returns the buffer that holds the
+ * result (in or tmp). hist: [WAYS * RADIX]. */
 static int64_t *radix_by(const int64_t *key, int64_t lo, uint64_t top, int64_t *in,
-                         int64_t *tmp, int64_t n, int64_t *hist) {
+                         int64_t *tmp, int64_t n, int64_t *hist, int64_t limit) {
+    const int64_t q = (n + WAYS - 1) / WAYS;
+    int64_t from[WAYS], to[WAYS];
+    for (int w = 0; w < WAYS; w++) {
+        from[w] = w * q < n ? w * q : n;
+        to[w] = (w + 1) * q < n ? (w + 1) * q : n;
+    }
     for (int shift = 0; shift < 64 && (top >> shift); shift += RADIX_BITS) {
-        memset(hist, 0, RADIX * sizeof(int64_t));
-        for (int64_t i = 0; i < n; i++)
-            hist[((uint64_t)(key[in[i]] - lo) >> shift) & (RADIX - 1)]++;
+        const int last = shift + RADIX_BITS >= 64 || !(top >> (shift + RADIX_BITS));
+        const int64_t keep = last ? limit : n;
+#define DIGIT(x) (((uint64_t)(key[x] - lo) >> shift) & (RADIX - 1))
+        memset(hist, 0, WAYS * RADIX * sizeof(int64_t));
+        for (int64_t i = 0; i < q; i++)
+            for (int w = 0; w < WAYS; w++)
+                if (from[w] + i < to[w]) hist[w * RADIX + DIGIT(in[from[w] + i])]++;
         int64_t at = 0;
-        for (int64_t b = 0; b < RADIX; b++) {
-            const int64_t c = hist[b];
-            hist[b] = at;
-            at += c;
-        }
-        for (int64_t i = 0; i < n; i++)
-            tmp[hist[((uint64_t)(key[in[i]] - lo) >> shift) & (RADIX - 1)]++] = in[i];
+        for (int64_t d = 0; d < RADIX; d++)
+            for (int w = 0; w < WAYS; w++) {
+                const int64_t c = hist[w * RADIX + d];
+                hist[w * RADIX + d] = at;
+                at += c;
+            }
+        for (int64_t i = 0; i < q; i++)
+            for (int w = 0; w < WAYS; w++)
+                if (from[w] + i < to[w]) {
+                    const int64_t x = in[from[w] + i], pos = hist[w * RADIX + DIGIT(x)]++;
+                    if (pos < keep) tmp[pos] = x;
+                }
+#undef DIGIT
         int64_t *t = in;
         in = tmp;
         tmp = t;
@@ -143,7 +161,7 @@ static int64_t *radix_by(const int64_t *key, int64_t lo, uint64_t top, int64_t *
  * (last_seen, slot) order (LRU: counts NULL) or (counts, last_seen, slot) order (LFU), into
  * out; returns how many (fewer when fewer are candidates). The order of
  * ops.id_remap.pick_victims, by stable LSD radix passes: O(slots) per RADIX_BITS bits of the
- * candidates' spans of last_seen and counts. buf [2 * slots], hist [RADIX]: scratch. */
+ * candidates' spans of last_seen and counts. buf [2 * slots], hist [WAYS * RADIX]: scratch. */
 int64_t tier_victims(const int64_t *last_seen, const int64_t *counts, int64_t slots,
                      int64_t clock, int64_t need, int64_t *out, int64_t *buf, int64_t *hist) {
     if (need <= 0) return 0;
@@ -161,12 +179,14 @@ int64_t tier_victims(const int64_t *last_seen, const int64_t *counts, int64_t sl
         }
     }
     if (n == 0) return 0;
-    int64_t *sorted = radix_by(last_seen, lo, (uint64_t)(hi - lo), buf, buf + slots, n, hist);
-    if (counts) {
-        int64_t *other = sorted == buf ? buf + slots : buf;
-        sorted = radix_by(counts, clo, (uint64_t)chi - (uint64_t)clo, sorted, other, n, hist);
-    }
     if (need > n) need = n;
+    const uint64_t ctop = counts ? (uint64_t)chi - (uint64_t)clo : 0;
+    int64_t *sorted = radix_by(last_seen, lo, (uint64_t)(hi - lo), buf, buf + slots, n, hist,
+                               ctop ? n : need);
+    if (ctop) {
+        int64_t *other = sorted == buf ? buf + slots : buf;
+        sorted = radix_by(counts, clo, ctop, sorted, other, n, hist, need);
+    }
     memcpy(out, sorted, (size_t)need * sizeof(int64_t));
     return need;
 }
@@ -228,7 +248,7 @@ int64_t tier_swap_rows(char *cache, int64_t cache_rows, char *back, int64_t back
  * = the ids' slots (marked dirty when `train`). As tier_map + tier_touch + tier_victims +
  * tier_swap_rows + tier_install + tier_slots, without the passes over every slot and id in
  * between: the misses' slots are filled into `out` by their position in the batch's misses.
- * Needs slots + 1 + n < 2^31. work: [n + 4 * slots + RADIX] int64 scratch. info [5]: distinct
+ * Needs slots + 1 + n < 2^31. work: [n + 4 * slots + WAYS * RADIX] int64 scratch. info [5]: distinct
  * hits, distinct misses, victims, slots taken, rows written back. Returns 0; -1: an id out of
  * range, -2: more distinct rows than slots (in both only stamps changed: nothing to undo);
  * -3: some misses found no slot (those that did are loaded and mapped, out unfinished). */
@@ -248,6 +268,7 @@ int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t
     /* a miss's entry holds C + 1 + its position among the misses while the pass runs; a hit
      * stamps its slot without a branch (most ids are hits: the rows are skewed) */
     for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) __builtin_prefetch(&slot_of_row[ids[i + AHEAD]], 1);
         const int64_t id = ids[i];
         const int32_t s = slot_of_row[id];
         if (__builtin_expect(s < C, 1)) {
