@@ -140,7 +140,7 @@ def victims(lib, last_seen: torch.Tensor, counts: torch.Tensor | None, clock: in
 def scratch_size(slots: int, ids: int) -> int:
     """int64 scratch ``assign`` needs for a table of ``slots`` slots and a batch of ``ids``
     ids (``victims``: ``ids`` 0)."""
-    return ids + 4 * slots + RADIX
+    return 2 * ids + 4 * slots + RADIX
 
 
 INFO = ("hits", "misses", "victims", "taken", "written")

@@ -246,22 +246,24 @@ int64_t tier_swap_rows(char *cache, int64_t cache_rows, char *back, int64_t back
  * and the miss's row loaded, for every tensor k of the table (caches[k]: its slots, backs[k]:
  * its backing store, rows of row_bytes[k] bytes), the map updated (tier_install), and out [n]
  * = the ids' slots (marked dirty when `train`). As tier_map + tier_touch + tier_victims +
- * tier_swap_rows + tier_install + tier_slots, without the passes over every slot and id in
- * between: the misses' slots are filled into `out` by their position in the batch's misses.
- * Needs slots + 1 + n < 2^31. work: [n + 4 * slots + WAYS * RADIX] int64 scratch. info [5]: distinct
- * hits, distinct misses, victims, slots taken, rows written back. Returns 0; -1: an id out of
- * range, -2: more distinct rows than slots (in both only stamps changed: nothing to undo);
- * -3: some misses found no slot (those that did are loaded and mapped, out unfinished). */
+ * tier_swap_rows + tier_install + tier_slots, without their passes over every slot and id in
+ * between: the pass records where the misses are and what they are, then only those places
+ * of `out` are filled. Needs slots + 1 + n < 2^31. work: [2 * n + 4 * slots + WAYS * RADIX]
+ * int64 scratch. info [5]: distinct hits, distinct misses, victims, slots taken, rows written
+ * back. Returns 0; -1: an id out of range (nothing changed); -2: more distinct rows than
+ * slots (only stamps changed: nothing to undo); -3: some misses found no slot (those that
+ * did are loaded and mapped, out unfinished). */
 int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t rows,
                     int64_t slots, int64_t *row_of_slot, int64_t *stamp, int64_t batch,
                     int64_t *last_seen, int64_t *counts, uint8_t *dirty, int64_t clock,
                     int32_t lfu, int32_t train, int64_t ntensors, char *const *caches,
                     char *const *backs, const int64_t *row_bytes, int64_t *work, int64_t *out,
                     int64_t *info) {
-    int64_t *new_rows = work, *hit = work + n, *targets = hit + slots, *buf = targets + slots;
+    int64_t *new_rows = work, *miss_at = work + n, *hit = miss_at + n, *targets = hit + slots;
+    int64_t *buf = targets + slots;
     int64_t *hist = buf + 2 * slots;
     const int32_t C = (int32_t)slots;
-    int64_t m = 0, h = 0;
+    int64_t m = 0, h = 0, q = 0;
     for (int k = 0; k < 5; k++) info[k] = 0;
     for (int64_t i = 0; i < n; i++)
         if ((uint64_t)ids[i] >= (uint64_t)rows) return -1;
@@ -275,14 +277,16 @@ int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t
             out[i] = s;
             const int64_t fresh = stamp[s] != batch;
             stamp[s] = batch;
-            hit[h] = s;
+            hit[h] = s; /* h <= slots: at h == slots this writes targets[0], unused yet */
             h += fresh;
         } else if (s == C) {
             slot_of_row[id] = C + 1 + (int32_t)m;
-            out[i] = ~m;
+            out[i] = m;
+            miss_at[q++] = i;
             new_rows[m++] = id;
         } else {
-            out[i] = ~(int64_t)(s - C - 1);
+            out[i] = s - C - 1;
+            miss_at[q++] = i;
         }
     }
     for (int64_t j = 0; j < m; j++) slot_of_row[new_rows[j]] = C;
@@ -340,9 +344,6 @@ int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t
         for (int64_t j = 0; j < h; j++) dirty[hit[j]] = 1;
         for (int64_t i = 0; i < t; i++) dirty[targets[i]] = 1;
     }
-    if (m) {
-        for (int64_t i = 0; i < n; i++)
-            if (out[i] < 0) out[i] = targets[~out[i]];
-    }
+    for (int64_t j = 0; j < q; j++) out[miss_at[j]] = targets[out[miss_at[j]]];
     return 0;
 }
