@@ -204,6 +204,7 @@ class RowCache:
         self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
         self.batches = 0
         self.scratch: torch.Tensor | None = None  # the C helpers' work space (int64)
+        self._assigner: tier_native.Assigner | None = None  # the one-call map's arguments
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
         self.on_device = False  # the map lives on the cache's device (``place_map``)
@@ -214,7 +215,8 @@ class RowCache:
 
     def __getstate__(self) -> dict:
         """A copy leaves the backing store's device views behind (made again when needed)."""
-        return {**self.__dict__, "_views_key": None, "_views": [], "scratch": None}
+        return {**self.__dict__, "_views_key": None, "_views": [], "scratch": None,
+                "_assigner": None}
 
     def place_map(self, device: torch.device | None) -> None:
         """The slot map's tensors onto ``device`` (the cache's device: ``tier_device_map``)
@@ -398,35 +400,39 @@ class RowCache:
                        pairs: list[tuple[torch.Tensor, torch.Tensor]], train: bool,
                        pinned: bool, out: torch.Tensor | None,
                        check: Callable[[], None] | None) -> torch.Tensor:
-        """``assign`` in one C call (``tier_native.assign``): no rows read ahead for this
+        """``assign`` in one C call (``tier_native.Assigner``): no rows read ahead for this
         table, every (backing store, cache) pair of one dtype and row shape. Its pass checks
         the ids; ``check`` runs only when one is out of range (nothing has changed then)."""
         ids = ids.contiguous()
         need = tier_native.scratch_size(self.slots, ids.numel())
         if self.scratch is None or self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.int64)
+        maps = {"slot_of_row": self.slot_of_row, "row_of_slot": self.row_of_slot,
+                "stamp": self.stamp, "last_seen": self.last_seen, "counts": self.counts,
+                "dirty": self.dirty}
+        if self._assigner is None or self._assigner.key != tier_native.key_of(
+                maps, pairs, self.scratch):
+            self._assigner = tier_native.Assigner(lib, maps, pairs, self.scratch, self.lfu)
         self.batches += 1
         if out is None or not (out.dtype == torch.int64 and out.device.type == "cpu"
                                and out.is_contiguous() and out.numel() == ids.numel()):
             out = torch.empty(ids.numel(), dtype=torch.int64)
-        code, n = tier_native.assign(
-            lib, ids, out, slot_of_row=self.slot_of_row, row_of_slot=self.row_of_slot,
-            stamp=self.stamp, batch=self.batches, last_seen=self.last_seen, counts=self.counts,
-            dirty=self.dirty, clock=clock, lfu=self.lfu, train=train, pairs=pairs,
-            scratch=self.scratch)
+        code, (hits, misses, victims, taken, written) = self._assigner(
+            ids, out, self.batches, clock, train)
         if code == -1:
             if check is not None:
                 check()
             raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
-        U = n["hits"] + n["misses"]
+        U = hits + misses
         if code == -2:
             self._too_many(U)
-        self.stats["lookups"] += U
-        self.stats["evictions"] += n["victims"]
-        self.stats["misses"] += n["taken"]
-        self.stats["writebacks"] += n["written"]
+        stats = self.stats
+        stats["lookups"] += U
+        stats["evictions"] += victims
+        stats["misses"] += taken
+        stats["writebacks"] += written
         if code == -3:
-            self._no_slot(n["misses"] - n["taken"], U, pinned)
+            self._no_slot(misses - taken, U, pinned)
         return out
 
     def _too_many(self, U: int) -> None:
@@ -623,6 +629,7 @@ class TieredTables:
         out = out.clone() if out is indices else out
         slots_of = {}
         direct = out.dtype == torch.int64 and out.device.type == "cpu"
+        into_of: dict[int, torch.Tensor | None] = {}
         for t, (ids, parts) in per_table.items():
             cache = self.caches[t]
             ids = ids.to("cpu")
@@ -633,6 +640,7 @@ class TieredTables:
 
             # one feature: its slots may go straight into ``out``
             into = out[parts[0][1] : parts[0][2]] if direct and len(parts) == 1 else None
+            into_of[t] = into
             try:
                 slots_of[t] = cache.assign(ids, self.clock, views(t), train, pinned,
                                            staged.get(t), out=into, check=check)
@@ -640,7 +648,7 @@ class TieredTables:
                 cache.written = None
         for t, (_, parts) in per_table.items():
             slots = slots_of[t]
-            if len(parts) == 1 and slots.data_ptr() == out[parts[0][1]:].data_ptr():
+            if slots is into_of.get(t):
                 continue  # written in place
             slots = slots.to(indices.device, indices.dtype)
             at = 0

@@ -148,29 +148,52 @@ INFO = ("hits", "misses", "victims", "taken", "written")
 slots taken (misses loaded), rows written back."""
 
 
-def assign(lib, ids: torch.Tensor, out: torch.Tensor, *, slot_of_row: torch.Tensor,
-           row_of_slot: torch.Tensor, stamp: torch.Tensor, batch: int,
-           last_seen: torch.Tensor, counts: torch.Tensor, dirty: torch.Tensor, clock: int,
-           lfu: bool, train: bool, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-           scratch: torch.Tensor) -> tuple[int, dict[str, int]]:
-    """One table's slot map for one batch in one C call (``tier_assign``): ``out`` ``[N]``
-    (int64, contiguous) = the slots of the host int64 ``ids`` ``[N]``, the misses loaded into
-    slots after the dirty victims' rows are written back, for every ``(backing store, cache)``
-    of ``pairs`` (each ``swappable``). ``scratch``: int64 of ``scratch_size(slots, N)``.
-    Returns the C code (0; -1 an id out of range, -2 more distinct rows than slots: nothing
-    changed; -3 some misses found no slot) and the counts (``INFO``)."""
-    k = len(pairs)
-    caches = (ctypes.c_void_p * k)(*(c.data_ptr() for _, c in pairs))
-    backs = (ctypes.c_void_p * k)(*(b.data_ptr() for b, _ in pairs))
-    row_bytes = (ctypes.c_int64 * k)(*(math.prod(c.shape[1:]) * c.element_size()
-                                       for _, c in pairs))
-    info = (ctypes.c_int64 * len(INFO))()
-    code = lib.tier_assign(ids.data_ptr(), ids.numel(), slot_of_row.data_ptr(),
-                           slot_of_row.numel(), row_of_slot.numel(), row_of_slot.data_ptr(),
-                           stamp.data_ptr(), batch, last_seen.data_ptr(), counts.data_ptr(),
-                           dirty.data_ptr(), clock, int(lfu), int(train), k, caches, backs,
-                           row_bytes, scratch.data_ptr(), out.data_ptr(), info)
-    return int(code), dict(zip(INFO, info, strict=True))
+class Assigner:
+    """One table's slot map for one batch in one C call (``tier_assign``), its fixed
+    arguments made once: the map's tensors (``slot_of_row`` ``[E]`` int32, ``row_of_slot``,
+    ``stamp``, ``last_seen``, ``counts`` ``[C]`` int64, ``dirty`` ``[C]`` bool), every
+    ``(backing store, cache)`` of ``pairs`` (each ``swappable``) and ``scratch`` (int64).
+    ``key`` names them (their addresses): a cache makes a new one when it differs."""
+
+    def __init__(self, lib, maps: dict[str, torch.Tensor],
+                 pairs: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor,
+                 lfu: bool) -> None:
+        self.key = key_of(maps, pairs, scratch)
+        k = len(pairs)
+        self.scratch_len = scratch.numel()
+        self._fn = lib.tier_assign
+        self._info = (ctypes.c_int64 * len(INFO))()
+        self._tensors = (maps, pairs, scratch)  # alive while their addresses are used
+        self._before = (maps["slot_of_row"].data_ptr(), maps["slot_of_row"].numel(),
+                        maps["row_of_slot"].numel(), maps["row_of_slot"].data_ptr(),
+                        maps["stamp"].data_ptr())
+        self._after = (maps["last_seen"].data_ptr(), maps["counts"].data_ptr(),
+                       maps["dirty"].data_ptr())
+        self._lfu = int(lfu)
+        self._tables = (k, (ctypes.c_void_p * k)(*(c.data_ptr() for _, c in pairs)),
+                        (ctypes.c_void_p * k)(*(b.data_ptr() for b, _ in pairs)),
+                        (ctypes.c_int64 * k)(*(math.prod(c.shape[1:]) * c.element_size()
+                                               for _, c in pairs)),
+                        scratch.data_ptr())
+
+    def __call__(self, ids: torch.Tensor, out: torch.Tensor, batch: int, clock: int,
+                 train: bool) -> tuple[int, list[int]]:
+        """``out`` ``[N]`` (int64, contiguous) = the slots of the host int64 contiguous
+        ``ids`` ``[N]`` (``scratch`` of at least ``scratch_size(C, N)``), the misses loaded
+        into slots after the dirty victims' rows are written back, stamps of ``batch``, uses
+        at ``clock``, dirty when ``train``. Returns the C code (0; -1 an id out of range:
+        nothing changed; -2 more distinct rows than slots: nothing to undo; -3 some misses
+        found no slot) and the counts (``INFO``'s order)."""
+        code = self._fn(ids.data_ptr(), ids.numel(), *self._before, batch, *self._after, clock,
+                        self._lfu, int(train), *self._tables, out.data_ptr(), self._info)
+        return int(code), list(self._info)
+
+
+def key_of(maps: dict[str, torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]],
+           scratch: torch.Tensor) -> tuple:
+    """What an ``Assigner`` is made of: the addresses (and sizes) of its tensors."""
+    return (*(t.data_ptr() for t in maps.values()),
+            *(t.data_ptr() for pair in pairs for t in pair), scratch.data_ptr(), scratch.numel())
 
 
 def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor,
