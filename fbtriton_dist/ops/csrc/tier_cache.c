@@ -310,18 +310,27 @@ int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t
         for (int64_t i = 0; i < t; i++) {
             const int64_t s = targets[i], got = new_rows[i], r = row_of_slot[s];
             if (i + AHEAD_ROWS < t) {
+                const int64_t s2 = targets[i + AHEAD_ROWS], r2 = row_of_slot[s2];
                 for (int64_t k = 0; k < ntensors; k++) {
-                    prefetch_row(backs[k] + new_rows[i + AHEAD_ROWS] * row_bytes[k], row_bytes[k]);
-                    prefetch_row_w(caches[k] + targets[i + AHEAD_ROWS] * row_bytes[k],
-                                   row_bytes[k]);
+                    const int64_t rb = row_bytes[k];
+                    prefetch_row(backs[k] + new_rows[i + AHEAD_ROWS] * rb, rb);
+                    prefetch_row_w(caches[k] + s2 * rb, rb);
+                    if (r2 >= 0 && (rb & 15)) /* written back without streaming stores */
+                        prefetch_row_w(backs[k] + r2 * rb, rb);
                 }
             }
             const int back = dirty[s] && r >= 0;
             for (int64_t k = 0; k < ntensors; k++) {
                 const int64_t rb = row_bytes[k];
                 char *slot = caches[k] + s * rb;
+                const char *from = backs[k] + got * rb;
+                if (rb == 4) { /* a per-row state of 4 bytes: no call to memcpy */
+                    if (back) memcpy(backs[k] + r * 4, slot, 4);
+                    memcpy(slot, from, 4);
+                    continue;
+                }
                 if (back) store_row(backs[k] + r * rb, slot, rb);
-                memcpy(slot, backs[k] + got * rb, (size_t)rb);
+                memcpy(slot, from, (size_t)rb);
             }
             written += back;
         }
