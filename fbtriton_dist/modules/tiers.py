@@ -626,7 +626,14 @@ class TieredTables:
             on_host) else {}
         if not per_table:
             return out
-        out = out.clone() if out is indices else out
+        if out is indices:  # a new tensor: the cached tables' ranges are written below
+            out = torch.empty_like(indices)
+            covered = sorted((a, b) for _, parts in per_table.values() for _, a, b in parts)
+            at = 0
+            for a, b in [*covered, (indices.numel(), indices.numel())]:
+                if a > at:
+                    out[at:a] = indices[at:a]
+                at = max(at, b)
         slots_of = {}
         direct = out.dtype == torch.int64 and out.device.type == "cpu"
         into_of: dict[int, torch.Tensor | None] = {}
