@@ -355,11 +355,16 @@ class RowCache:
         ``[N]`` the slots may be written into (then returned)."""
         C = self.slots
         lib = tier_native.library()
-        if lib is not None and staged is None and self.written is None:
+        if (lib is not None and staged is None and self.written is None
+                and C + 1 + ids.numel() < 2**31):
             pairs = self._pairs(views)
-            if all(tier_native.swappable(c, b) for b, c in pairs) and (
-                    C + 1 + ids.numel() < 2**31):
-                return self._assign_native(lib, ids, clock, pairs, train, pinned, out, check)
+            key = (self.slot_of_row.data_ptr(), self.row_of_slot.data_ptr(),
+                   self.stamp.data_ptr(), self.last_seen.data_ptr(), self.counts.data_ptr(),
+                   self.dirty.data_ptr(), *[t.data_ptr() for pair in pairs for t in pair])
+            if (self._assigner is not None and self._assigner.key == key) or all(
+                    tier_native.swappable(c, b) for b, c in pairs):
+                return self._assign_native(lib, ids, clock, pairs, key, train, pinned, out,
+                                           check)
         if check is not None:
             check()
         if lib is not None:  # one pass in C
@@ -397,22 +402,25 @@ class RowCache:
         return slots
 
     def _assign_native(self, lib, ids: torch.Tensor, clock: int,
-                       pairs: list[tuple[torch.Tensor, torch.Tensor]], train: bool,
-                       pinned: bool, out: torch.Tensor | None,
+                       pairs: list[tuple[torch.Tensor, torch.Tensor]], key: tuple,
+                       train: bool, pinned: bool, out: torch.Tensor | None,
                        check: Callable[[], None] | None) -> torch.Tensor:
         """``assign`` in one C call (``tier_native.Assigner``): no rows read ahead for this
-        table, every (backing store, cache) pair of one dtype and row shape. Its pass checks
-        the ids; ``check`` runs only when one is out of range (nothing has changed then)."""
+        table, every (backing store, cache) pair of one dtype and row shape; ``key``: the
+        addresses of the map's tensors and of ``pairs`` (a new ``Assigner`` when they
+        change). Its pass checks the ids; ``check`` runs only when one is out of range
+        (nothing has changed then)."""
         ids = ids.contiguous()
         need = tier_native.scratch_size(self.slots, ids.numel())
         if self.scratch is None or self.scratch.numel() < need:
             self.scratch = torch.empty(need, dtype=torch.int64)
-        maps = {"slot_of_row": self.slot_of_row, "row_of_slot": self.row_of_slot,
-                "stamp": self.stamp, "last_seen": self.last_seen, "counts": self.counts,
-                "dirty": self.dirty}
-        if self._assigner is None or self._assigner.key != tier_native.key_of(
-                maps, pairs, self.scratch):
-            self._assigner = tier_native.Assigner(lib, maps, pairs, self.scratch, self.lfu)
+            self._assigner = None
+        if self._assigner is None or self._assigner.key != key:
+            maps = {"slot_of_row": self.slot_of_row, "row_of_slot": self.row_of_slot,
+                    "stamp": self.stamp, "last_seen": self.last_seen, "counts": self.counts,
+                    "dirty": self.dirty}
+            self._assigner = tier_native.Assigner(lib, maps, pairs, self.scratch, self.lfu,
+                                                  key)
         self.batches += 1
         if out is None or not (out.dtype == torch.int64 and out.device.type == "cpu"
                                and out.is_contiguous() and out.numel() == ids.numel()):

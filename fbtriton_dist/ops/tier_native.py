@@ -153,14 +153,14 @@ class Assigner:
     arguments made once: the map's tensors (``slot_of_row`` ``[E]`` int32, ``row_of_slot``,
     ``stamp``, ``last_seen``, ``counts`` ``[C]`` int64, ``dirty`` ``[C]`` bool), every
     ``(backing store, cache)`` of ``pairs`` (each ``swappable``) and ``scratch`` (int64).
-    ``key`` names them (their addresses): a cache makes a new one when it differs."""
+    ``key``: the caller's name for them (their addresses), kept to tell when to make a new
+    one."""
 
     def __init__(self, lib, maps: dict[str, torch.Tensor],
                  pairs: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor,
-                 lfu: bool) -> None:
-        self.key = key_of(maps, pairs, scratch)
+                 lfu: bool, key: tuple) -> None:
+        self.key = key
         k = len(pairs)
-        self.scratch_len = scratch.numel()
         self._fn = lib.tier_assign
         self._info = (ctypes.c_int64 * len(INFO))()
         self._tensors = (maps, pairs, scratch)  # alive while their addresses are used
@@ -187,13 +187,6 @@ class Assigner:
         code = self._fn(ids.data_ptr(), ids.numel(), *self._before, batch, *self._after, clock,
                         self._lfu, int(train), *self._tables, out.data_ptr(), self._info)
         return int(code), list(self._info)
-
-
-def key_of(maps: dict[str, torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]],
-           scratch: torch.Tensor) -> tuple:
-    """What an ``Assigner`` is made of: the addresses (and sizes) of its tensors."""
-    return (*(t.data_ptr() for t in maps.values()),
-            *(t.data_ptr() for pair in pairs for t in pair), scratch.data_ptr(), scratch.numel())
 
 
 def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor,
