@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from fbtriton_dist import knobs
-from fbtriton_dist.modules import tier_device_map
+from fbtriton_dist.modules import tier_device_map, tier_host_map
 from fbtriton_dist.ops import host_mapped, tier_native
 from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
@@ -277,6 +277,10 @@ class RowCache:
         """The rows in the cache, ascending."""
         return sorted(self.row_of_slot[self.row_of_slot >= 0].tolist())
 
+    def pairs_of(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(backing store, cache) of the weights and of each optimizer state."""
+        return self._pairs(views)
+
     def _pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(backing store, cache) of the weights and of each optimizer state."""
         weight, states = views
@@ -425,23 +429,28 @@ class RowCache:
         if out is None or not (out.dtype == torch.int64 and out.device.type == "cpu"
                                and out.is_contiguous() and out.numel() == ids.numel()):
             out = torch.empty(ids.numel(), dtype=torch.int64)
-        code, (hits, misses, victims, taken, written) = self._assigner(
-            ids, out, self.batches, clock, train)
+        code, counts = self._assigner(ids, out, self.batches, clock, train)
+        self.count_native(code, dict(zip(tier_native.INFO, counts, strict=True)), check, pinned)
+        return out
+
+    def count_native(self, code: int, n: dict[str, int], check: Callable[[], None] | None,
+                     pinned: bool) -> None:
+        """After ``tier_assign`` of this table (its code and ``tier_native.INFO`` counts
+        ``n``): the stats counted, or the error raised (``check`` names an id out of range)."""
         if code == -1:
             if check is not None:
                 check()
             raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
-        U = hits + misses
+        U = n["hits"] + n["misses"]
         if code == -2:
             self._too_many(U)
         stats = self.stats
         stats["lookups"] += U
-        stats["evictions"] += victims
-        stats["misses"] += taken
-        stats["writebacks"] += written
+        stats["evictions"] += n["victims"]
+        stats["misses"] += n["taken"]
+        stats["writebacks"] += n["written"]
         if code == -3:
-            self._no_slot(misses - taken, U, pinned)
-        return out
+            self._no_slot(n["misses"] - n["taken"], U, pinned)
 
     def _too_many(self, U: int) -> None:
         raise ValueError(
@@ -551,13 +560,14 @@ class TieredTables:
         self._ahead_device: tuple[Future, object, tuple] | None = None
         self._stream = None  # CUDA: the prefetch's side stream
         self._maps: tier_device_map.DeviceMaps | None = None  # the maps on the device
+        self._host: tier_host_map.HostMaps | None = None  # the host maps' one call
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
         flight behind."""
         self.cancel_prefetch()
         return {**self.__dict__, "_worker": None, "_ahead": {}, "_ahead_device": None,
-                "_stream": None}
+                "_stream": None, "_host": None}
 
     def place(self, device) -> None:
         """The module is on ``device`` (built or moved there): on CUDA the backing stores
@@ -613,11 +623,13 @@ class TieredTables:
 
     def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
               names: Callable[[int], str], views: Callable[[int], Views],
-              train: bool) -> torch.Tensor:
+              train: bool, views_key: tuple | None = None) -> torch.Tensor:
         """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
         loading misses (from the prefetch in flight, if any: waited for here; its error is
         raised here). ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
-        for errors; ``views(t)``: table t's slots."""
+        for errors; ``views(t)``: table t's slots; ``views_key``: what they are made of (the
+        module's flat tensors' addresses: equal keys, equal views), which lets the host maps
+        run in one call (``tier_host_map``); None: table by table."""
         pinned = self._pending_now()
         if not pinned:  # while a batch is pending, its slots stay "used now": no tick
             self.clock += 1
@@ -630,18 +642,18 @@ class TieredTables:
             out = self._remap_on_device(indices, offsets, feature_table_map, names, views,
                                         train, pinned)
         on_host = {t: c for t, c in self.caches.items() if not c.on_device}
+        if on_host and out is indices and not staged and views_key is not None:
+            done = self._remap_at_once(indices, offsets, feature_table_map, names, views,
+                                       views_key, train, pinned, on_host)
+            if done is not None:
+                return done
         per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
             on_host) else {}
         if not per_table:
             return out
         if out is indices:  # a new tensor: the cached tables' ranges are written below
-            out = torch.empty_like(indices)
-            covered = sorted((a, b) for _, parts in per_table.values() for _, a, b in parts)
-            at = 0
-            for a, b in [*covered, (indices.numel(), indices.numel())]:
-                if a > at:
-                    out[at:a] = indices[at:a]
-                at = max(at, b)
+            out = self._fresh(indices, [(a, b) for _, parts in per_table.values()
+                                        for _, a, b in parts])
         slots_of = {}
         direct = out.dtype == torch.int64 and out.device.type == "cpu"
         into_of: dict[int, torch.Tensor | None] = {}
@@ -670,6 +682,56 @@ class TieredTables:
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
+        return out
+
+    @staticmethod
+    def _fresh(indices: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """A tensor like ``indices`` holding its values outside ``ranges`` (the cached
+        tables' ranges, written by the caller)."""
+        out = torch.empty_like(indices)
+        at = 0
+        for a, b in [*sorted(ranges), (indices.numel(), indices.numel())]:
+            if a > at:
+                out[at:a] = indices[at:a]
+            at = max(at, b)
+        return out
+
+    def _remap_at_once(self, indices, offsets, feature_table_map, names, views, views_key,
+                       train: bool, pinned: bool, on_host: dict) -> torch.Tensor | None:
+        """``remap``'s host maps in one C call (``tier_host_map.HostMaps``), or None where
+        it does not apply (no C helpers, ids not host int64 contiguous, a table with several
+        features, rows read ahead, a pair of tensors the call cannot move)."""
+        lib = tier_native.library()
+        if (lib is None or indices.device.type != "cpu" or indices.dtype != torch.int64
+                or not indices.is_contiguous()
+                or any(c.written is not None for c in on_host.values())):
+            return None
+        feature_of: dict[int, int] = {}
+        for f, t in enumerate(feature_table_map):
+            if t in on_host:
+                if t in feature_of:
+                    return None
+                feature_of[t] = f
+        caches = {t: on_host[t] for t in feature_of}
+        if not caches or any(c.slots + 1 + indices.numel() >= 2**31 for c in caches.values()):
+            return None
+        key = tier_host_map.key_of(caches, views_key)
+        if self._host is None or self._host.key != key or self._host.feature_of != feature_of:
+            self._host = tier_host_map.HostMaps(lib, caches, feature_of, views, key)
+        if not self._host.usable:
+            return None
+        B = (offsets.numel() - 1) // len(feature_table_map)
+        bounds = tier_device_map.host_values(offsets[::B])
+        out = self._fresh(indices, [(bounds[f], bounds[f + 1]) for f in feature_of.values()])
+
+        def fail(cache: RowCache, code: int, a: int, b: int, counts: dict) -> None:
+            def check() -> None:
+                lo, hi = torch.aminmax(indices[a:b])
+                f = feature_of[next(t for t, c in caches.items() if c is cache)]
+                self._check_range(cache, int(lo), int(hi), indices, [(f, a, b)], names)
+            cache.count_native(code, counts, check, pinned)
+
+        self._host.run(indices, out, bounds, self.clock, train, fail)
         return out
 
     @staticmethod

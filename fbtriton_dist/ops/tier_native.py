@@ -39,7 +39,10 @@ _SIGNATURES = {
     "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
     "tier_assign": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I32,
                            _I32, _I64, _P, _P, _P, _P, _P, _P]),
+    "tier_assign_tables": (_I64, [_I64, _P, _P]),
 }
+ASSIGN_ARGS = 20
+"""``tier_assign_tables``' int64 per table (``tier_assign``'s arguments in order)."""
 RADIX = 4 << 8
 """``csrc/tier_cache.c``'s radix buckets, ``WAYS * RADIX`` there (``tier_victims``' scratch)."""
 _lock = threading.Lock()

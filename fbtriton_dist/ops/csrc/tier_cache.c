@@ -356,3 +356,25 @@ int64_t tier_assign(const int64_t *ids, int64_t n, int32_t *slot_of_row, int64_t
     for (int64_t j = 0; j < q; j++) out[miss_at[j]] = targets[out[miss_at[j]]];
     return 0;
 }
+
+/* tier_assign for several tables in a row, each one's arguments ASSIGN_ARGS int64 of args
+ * (in tier_assign's order; pointers as integers) and its info at info + 5 k. Stops at the
+ * first table whose code is not 0 (info[5 * ntables] = its index) and returns that code. */
+#define ASSIGN_ARGS 20
+int64_t tier_assign_tables(int64_t ntables, const int64_t *args, int64_t *info) {
+    for (int64_t k = 0; k < ntables; k++) {
+        const int64_t *a = args + k * ASSIGN_ARGS;
+        const int64_t code = tier_assign(
+            (const int64_t *)(intptr_t)a[0], a[1], (int32_t *)(intptr_t)a[2], a[3], a[4],
+            (int64_t *)(intptr_t)a[5], (int64_t *)(intptr_t)a[6], a[7],
+            (int64_t *)(intptr_t)a[8], (int64_t *)(intptr_t)a[9], (uint8_t *)(intptr_t)a[10],
+            a[11], (int32_t)a[12], (int32_t)a[13], a[14], (char *const *)(intptr_t)a[15],
+            (char *const *)(intptr_t)a[16], (const int64_t *)(intptr_t)a[17],
+            (int64_t *)(intptr_t)a[18], (int64_t *)(intptr_t)a[19], info + 5 * k);
+        if (code) {
+            info[5 * ntables] = k;
+            return code;
+        }
+    }
+    return 0;
+}
