@@ -367,6 +367,12 @@ class TableBatchedEmbedding(nn.Module):
                 {s.name: getattr(self, s.name)[r0 : r0 + C] if s.per_row
                  else getattr(self, s.name)[e0 : e0 + C * D].view(C, D) for s in states})
 
+    def _slot_views_key(self) -> tuple:
+        """What ``_slot_views`` are made of: the flat weights' and states' addresses (the
+        tables' offsets in them are fixed)."""
+        states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
+        return (self.weights.data_ptr(), *(getattr(self, s.name).data_ptr() for s in states))
+
     def flush(self) -> None:
         """Write every dirty cached row (and its optimizer state) back to its backing store.
         Nothing to do without cached tables."""
@@ -540,7 +546,7 @@ class TableBatchedEmbedding(nn.Module):
             self._check_tier_grad(fused, grad_targets)
             indices = self._tiers.remap(
                 indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
-                train,
+                train, views_key=self._slot_views_key(),
             )
         if train and self.training and isinstance(self.optimizer, fused_optim.WHOLE_TABLE_STEP):
             # EMA in place, ensemble: their whole-table steps (reading the step syncs)

@@ -21,19 +21,17 @@ and on the CPU with ``FBTD_SLOT_MAP=device`` (``TieredTables.place``).
 """
 
 import contextlib
-import mmap
-import os
-import shutil
-import tempfile
+import shutil  # noqa: F401 - the file tier's disk check (tier_backing.py) uses it; tests patch it
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from fbtriton_dist import knobs
-from fbtriton_dist.modules import tier_device_map
+from fbtriton_dist.modules import tier_device_map, tier_host_map
+from fbtriton_dist.modules.tier_backing import Backing, copy_rows
 from fbtriton_dist.ops import host_mapped, tier_native
 from fbtriton_dist.ops.id_remap import pick_victims
 from fbtriton_dist.storage import Storage
@@ -41,126 +39,6 @@ from fbtriton_dist.storage import Storage
 Views = tuple[torch.Tensor, dict[str, torch.Tensor]]
 """A cached table's slots as the kernels read them: ``[C, D]`` weights and each optimizer
 state by name (``[C]`` per row, ``[C, D]`` per element)."""
-
-
-def _file_tensor(path: str, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A ``[numel]`` tensor mapped onto a new file ``path`` (zeros), shared: writes go to the
-    file. The file is made full size under a temporary name (space reserved with
-    ``posix_fallocate``) and renamed: it never exists half made."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    folder = os.path.dirname(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-        free = shutil.disk_usage(folder).free
-    except OSError as e:
-        raise ValueError(f"{what}: cannot use directory {folder!r} for {path!r} "
-                         f"({nbytes} bytes needed): {e}") from None
-    if free < nbytes:
-        raise ValueError(f"{what}: {path!r} needs {nbytes} bytes, {free} free on its disk")
-    fd, tmp = -1, None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as e:
-        raise ValueError(f"{what}: cannot create {path!r} ({nbytes} bytes): {e}") from None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    return _map_random(path, nbytes, numel, dtype)
-
-
-def _map_random(path: str, nbytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[numel]`` of ``dtype`` mapped shared onto ``path`` (writes go to the file), advised
-    ``MADV_RANDOM`` where the platform has it: a miss reads its row's page, not the
-    read-around window (``read_ahead_kb``, often MiBs) that a fault of a mapping reads by
-    default, which made every missed row of a table bigger than RAM cost a window of disk
-    reads (``docs/results/file-tier-1p5x-ram-2026-12-05.md``). The tensor holds the mapping."""
-    with open(path, "r+b") as f:
-        mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)
-    return torch.frombuffer(mapping, dtype=dtype, count=numel)
-
-
-class Backing:
-    """Every row of one cached table and its optimizer state: ``weight`` ``[E, D]`` and
-    ``states`` (name -> ``[E]`` or ``[E, D]``, each in its dtype: fp32, or the module's
-    ``optimizer_state_dtypes``), in host memory or files
-    ``<path>/<table>.<weight|state name>``."""
-
-    def __init__(self, name: str, storage: Storage, rows: int, dim: int, dtype: torch.dtype,
-                 pin: bool) -> None:
-        self.name, self.storage, self.rows, self.dim = name, storage, rows, dim
-        self.pin = pin
-        self.weight = self._tensor("weight", rows * dim, dtype).view(rows, dim)
-        self.states: dict[str, torch.Tensor] = {}
-
-    def file(self, part: str) -> str | None:
-        """The file of ``part`` (``weight`` or a state's name); None: host memory."""
-        if self.storage.tier != "file":
-            return None
-        return os.path.join(self.storage.path, f"{self.name}.{part}")
-
-    def _tensor(self, part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        path = self.file(part)
-        if path is not None:
-            return _file_tensor(path, numel, dtype, f"table '{self.name}' (tier 'file') {part}")
-        t = torch.zeros(numel, dtype=dtype)
-        return t.pin_memory() if self.pin and numel else t
-
-    def set_states(self, states: Sequence,
-                   dtypes: Mapping[str, torch.dtype] | None = None) -> None:
-        """Optimizer states (``optim.REGISTRY``'s ``StateSpec``s) at zero, each in its dtype
-        of ``dtypes`` (name -> dtype; fp32 where it names none), as the cache's slots keep
-        it: the copies between them are exact."""
-        dtypes = dtypes or {}
-        self.states = {
-            s.name: (self._tensor(s.name, self.rows, dtypes.get(s.name, torch.float32))
-                     if s.per_row else
-                     self._tensor(s.name, self.rows * self.dim,
-                                  dtypes.get(s.name, torch.float32)).view(self.rows, self.dim))
-            for s in states
-        }
-
-    def pin_now(self) -> None:
-        """The module moved to CUDA: host-memory rows become pinned (files stay mapped)."""
-        if self.storage.tier == "file" or self.pin:
-            return
-        self.pin = True
-        self.weight = self.weight.pin_memory()
-        self.states = {k: v.pin_memory() for k, v in self.states.items()}
-
-
-_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64)
-
-
-def copy_rows(dst: torch.Tensor, dst_at: torch.Tensor, src: torch.Tensor,
-              src_at: torch.Tensor | None) -> None:
-    """``dst[dst_at] = src[src_at]`` (``src_at`` None: every row of ``src``, in order), rows
-    of ``[n, D]`` or elements of ``[n]``; converted to ``dst``'s device and dtype. Host tensors
-    go through the native helper (``ops/tier_native.py``: a ``memcpy`` per row), else numpy
-    (about twice torch's ``index_copy_`` on the CPU), else torch."""
-    lib = tier_native.library() if dst.device.type == src.device.type == "cpu" else None
-    if lib is not None and tier_native.copy_rows(lib, dst, dst_at, src, src_at):
-        return
-    if (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.dtype in _NUMPY_DTYPES):
-        d, s = dst.detach().numpy(), src.detach().numpy()
-        d[dst_at.numpy()] = s if src_at is None else s[src_at.numpy()]
-        return
-    rows = src if src_at is None else src.index_select(0, src_at.to(src.device))
-    dst.index_copy_(0, dst_at.to(dst.device), rows.to(dst.device, dst.dtype))
 
 
 class Staged:
@@ -203,7 +81,8 @@ class RowCache:
         self.slot_of_row = torch.full((rows,), self.slots, dtype=torch.int32)
         self.stamp = torch.full((self.slots,), -1, dtype=torch.int64)  # native: batch of use
         self.batches = 0
-        self.scratch: torch.Tensor | None = None  # native LRU victims' counting sort
+        self.scratch: torch.Tensor | None = None  # the C helpers' work space (int64)
+        self._assigner: tier_native.Assigner | None = None  # the one-call map's arguments
         self.stats = dict.fromkeys(self.STATS, 0)
         self.written: list[torch.Tensor] | None = None  # rows written back while staging
         self.on_device = False  # the map lives on the cache's device (``place_map``)
@@ -214,7 +93,8 @@ class RowCache:
 
     def __getstate__(self) -> dict:
         """A copy leaves the backing store's device views behind (made again when needed)."""
-        return {**self.__dict__, "_views_key": None, "_views": []}
+        return {**self.__dict__, "_views_key": None, "_views": [], "scratch": None,
+                "_assigner": None}
 
     def place_map(self, device: torch.device | None) -> None:
         """The slot map's tensors onto ``device`` (the cache's device: ``tier_device_map``)
@@ -274,6 +154,10 @@ class RowCache:
     def resident(self) -> list[int]:
         """The rows in the cache, ascending."""
         return sorted(self.row_of_slot[self.row_of_slot >= 0].tolist())
+
+    def pairs_of(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(backing store, cache) of the weights and of each optimizer state."""
+        return self._pairs(views)
 
     def _pairs(self, views: Views) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(backing store, cache) of the weights and of each optimizer state."""
@@ -343,13 +227,28 @@ class RowCache:
         return first
 
     def assign(self, ids: torch.Tensor, clock: int, views: Views, train: bool,
-               pinned: bool, staged: Staged | None = None) -> torch.Tensor:
-        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, in range,
-        repeats allowed), loading the misses (after writing back the dirty rows they evict;
-        from ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``:
-        earlier batches' slots are still pinned (for the message)."""
+               pinned: bool, staged: Staged | None = None, out: torch.Tensor | None = None,
+               check: Callable[[], None] | None = None) -> torch.Tensor:
+        """Slots ``[N]`` (int64) of the rows ``ids`` ``[N]`` (int64 on the host, repeats
+        allowed), loading the misses (after writing back the dirty rows they evict; from
+        ``staged`` where it has them). ``train``: the slots become dirty. ``pinned``: earlier
+        batches' slots are still pinned (for the message). ``check``: raises on ids out of
+        ``[0, rows)`` (naming them); None: they are in range. ``out``: an int64 contiguous
+        ``[N]`` the slots may be written into (then returned)."""
         C = self.slots
         lib = tier_native.library()
+        if (lib is not None and staged is None and self.written is None
+                and C + 1 + ids.numel() < 2**31):
+            pairs = self._pairs(views)
+            key = (self.slot_of_row.data_ptr(), self.row_of_slot.data_ptr(),
+                   self.stamp.data_ptr(), self.last_seen.data_ptr(), self.counts.data_ptr(),
+                   self.dirty.data_ptr(), *[t.data_ptr() for pair in pairs for t in pair])
+            if (self._assigner is not None and self._assigner.key == key) or all(
+                    tier_native.swappable(c, b) for b, c in pairs):
+                return self._assign_native(lib, ids, clock, pairs, key, train, pinned, out,
+                                           check)
+        if check is not None:
+            check()
         if lib is not None:  # one pass in C
             ids = ids.contiguous()
             self.batches += 1
@@ -368,11 +267,7 @@ class RowCache:
         M = int(new.numel())
         U = H + M
         if U > C:
-            raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
-                f"rows, its cache has {C} slots (of {self.rows} rows); raise "
-                f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
-            )
+            self._too_many(U)
         self.stats["lookups"] += U
         if H and lib is not None:
             tier_native.touch(lib, self.stamp, self.batches, self.last_seen, self.counts, clock)
@@ -388,6 +283,69 @@ class RowCache:
             self.dirty.index_fill_(0, slots, True)
         return slots
 
+    def _assign_native(self, lib, ids: torch.Tensor, clock: int,
+                       pairs: list[tuple[torch.Tensor, torch.Tensor]], key: tuple,
+                       train: bool, pinned: bool, out: torch.Tensor | None,
+                       check: Callable[[], None] | None) -> torch.Tensor:
+        """``assign`` in one C call (``tier_native.Assigner``): no rows read ahead for this
+        table, every (backing store, cache) pair of one dtype and row shape; ``key``: the
+        addresses of the map's tensors and of ``pairs`` (a new ``Assigner`` when they
+        change). Its pass checks the ids; ``check`` runs only when one is out of range
+        (nothing has changed then)."""
+        ids = ids.contiguous()
+        need = tier_native.scratch_size(self.slots, ids.numel())
+        if self.scratch is None or self.scratch.numel() < need:
+            self.scratch = torch.empty(need, dtype=torch.int64)
+            self._assigner = None
+        if self._assigner is None or self._assigner.key != key:
+            maps = {"slot_of_row": self.slot_of_row, "row_of_slot": self.row_of_slot,
+                    "stamp": self.stamp, "last_seen": self.last_seen, "counts": self.counts,
+                    "dirty": self.dirty}
+            self._assigner = tier_native.Assigner(lib, maps, pairs, self.scratch, self.lfu,
+                                                  key)
+        self.batches += 1
+        if out is None or not (out.dtype == torch.int64 and out.device.type == "cpu"
+                               and out.is_contiguous() and out.numel() == ids.numel()):
+            out = torch.empty(ids.numel(), dtype=torch.int64)
+        code, counts = self._assigner(ids, out, self.batches, clock, train)
+        self.count_native(code, dict(zip(tier_native.INFO, counts, strict=True)), check, pinned)
+        return out
+
+    def count_native(self, code: int, n: dict[str, int], check: Callable[[], None] | None,
+                     pinned: bool) -> None:
+        """After ``tier_assign`` of this table (its code and ``tier_native.INFO`` counts
+        ``n``): the stats counted, or the error raised (``check`` names an id out of range)."""
+        if code == -1:
+            if check is not None:
+                check()
+            raise ValueError(f"table '{self.name}': expected ids in [0, {self.rows})")
+        U = n["hits"] + n["misses"]
+        if code == -2:
+            self._too_many(U)
+        stats = self.stats
+        stats["lookups"] += U
+        stats["evictions"] += n["victims"]
+        stats["misses"] += n["taken"]
+        stats["writebacks"] += n["written"]
+        if code == -3:
+            self._no_slot(n["misses"] - n["taken"], U, pinned)
+
+    def _too_many(self, U: int) -> None:
+        raise ValueError(
+            f"table '{self.name}' (tier {self.storage.tier!r}): a batch reads {U} distinct "
+            f"rows, its cache has {self.slots} slots (of {self.rows} rows); raise "
+            f"cache_load_factor or cache_slots to at least {U} / {U / self.rows:.3g}"
+        )
+
+    def _no_slot(self, left: int, U: int, pinned: bool) -> None:
+        raise ValueError(
+            f"table '{self.name}' (tier {self.storage.tier!r}): {left} of "
+            f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
+            "rows of this batch"
+            + (" or rows pinned by training batches whose backward has not run" if pinned
+               else "") + "; raise cache_load_factor or cache_slots"
+        )
+
     def _take_slots(self, new: torch.Tensor, clock: int, views: Views, staged: Staged | None,
                     pinned: bool, U: int) -> None:
         """Slots for the rows ``new`` (not cached, in the order they first occur in the batch):
@@ -397,11 +355,12 @@ class RowCache:
         lib = tier_native.library()
         free = (self.last_seen < 0).nonzero().squeeze(1)
         victims = None
-        if M > free.numel() and lib is not None and not self.lfu:
-            if self.scratch is None:
-                self.scratch = torch.empty(4 * self.slots + 64, dtype=torch.int64)
-            victims = tier_native.lru_victims(lib, self.last_seen, clock, M - free.numel(),
-                                              self.scratch)
+        if M > free.numel() and lib is not None:
+            need = tier_native.scratch_size(self.slots, 0)
+            if self.scratch is None or self.scratch.numel() < need:
+                self.scratch = torch.empty(need, dtype=torch.int64)
+            victims = tier_native.victims(lib, self.last_seen, self.counts if self.lfu else None,
+                                          clock, M - free.numel(), self.scratch)
         if victims is None and M > free.numel():
             cand = ((self.last_seen >= 0) & (self.last_seen < clock)).nonzero().squeeze(1)
             need = min(M - free.numel(), cand.numel())
@@ -448,13 +407,7 @@ class RowCache:
             self.counts.index_fill_(0, targets, 1)
             self.dirty.index_fill_(0, targets, False)
         if targets.numel() < M:  # the slots given stay consistent: loaded above
-            raise ValueError(
-                f"table '{self.name}' (tier {self.storage.tier!r}): {M - targets.numel()} of "
-                f"the batch's {U} distinct rows found no slot of {self.slots}: the others hold "
-                "rows of this batch"
-                + (" or rows pinned by training batches whose backward has not run" if pinned
-                   else "") + "; raise cache_load_factor or cache_slots"
-            )
+            self._no_slot(M - targets.numel(), U, pinned)
 
     def flush(self, views: Views) -> None:
         """Write every dirty slot back; they are clean afterwards."""
@@ -485,13 +438,14 @@ class TieredTables:
         self._ahead_device: tuple[Future, object, tuple] | None = None
         self._stream = None  # CUDA: the prefetch's side stream
         self._maps: tier_device_map.DeviceMaps | None = None  # the maps on the device
+        self._host: tier_host_map.HostMaps | None = None  # the host maps' one call
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
         flight behind."""
         self.cancel_prefetch()
         return {**self.__dict__, "_worker": None, "_ahead": {}, "_ahead_device": None,
-                "_stream": None}
+                "_stream": None, "_host": None}
 
     def place(self, device) -> None:
         """The module is on ``device`` (built or moved there): on CUDA the backing stores
@@ -547,11 +501,13 @@ class TieredTables:
 
     def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
               names: Callable[[int], str], views: Callable[[int], Views],
-              train: bool) -> torch.Tensor:
+              train: bool, views_key: tuple | None = None) -> torch.Tensor:
         """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
         loading misses (from the prefetch in flight, if any: waited for here; its error is
         raised here). ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
-        for errors; ``views(t)``: table t's slots."""
+        for errors; ``views(t)``: table t's slots; ``views_key``: what they are made of (the
+        module's flat tensors' addresses: equal keys, equal views), which lets the host maps
+        run in one call (``tier_host_map``); None: table by table."""
         pinned = self._pending_now()
         if not pinned:  # while a batch is pending, its slots stay "used now": no tick
             self.clock += 1
@@ -564,28 +520,96 @@ class TieredTables:
             out = self._remap_on_device(indices, offsets, feature_table_map, names, views,
                                         train, pinned)
         on_host = {t: c for t, c in self.caches.items() if not c.on_device}
+        if on_host and out is indices and not staged and views_key is not None:
+            done = self._remap_at_once(indices, offsets, feature_table_map, names, views,
+                                       views_key, train, pinned, on_host)
+            if done is not None:
+                return done
         per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
             on_host) else {}
         if not per_table:
             return out
-        out = out.clone() if out is indices else out
+        if out is indices:  # a new tensor: the cached tables' ranges are written below
+            out = self._fresh(indices, [(a, b) for _, parts in per_table.values()
+                                        for _, a, b in parts])
         slots_of = {}
+        direct = out.dtype == torch.int64 and out.device.type == "cpu"
+        into_of: dict[int, torch.Tensor | None] = {}
         for t, (ids, parts) in per_table.items():
             cache = self.caches[t]
             ids = ids.to("cpu")
-            lo, hi = torch.aminmax(ids)
-            self._check_range(cache, int(lo), int(hi), indices, parts, names)
+
+            def check(cache=cache, ids=ids, parts=parts) -> None:
+                lo, hi = torch.aminmax(ids)
+                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+
+            # one feature: its slots may go straight into ``out``
+            into = out[parts[0][1] : parts[0][2]] if direct and len(parts) == 1 else None
+            into_of[t] = into
             try:
                 slots_of[t] = cache.assign(ids, self.clock, views(t), train, pinned,
-                                           staged.get(t))
+                                           staged.get(t), out=into, check=check)
             finally:
                 cache.written = None
         for t, (_, parts) in per_table.items():
-            slots = slots_of[t].to(indices.device, indices.dtype)
+            slots = slots_of[t]
+            if slots is into_of.get(t):
+                continue  # written in place
+            slots = slots.to(indices.device, indices.dtype)
             at = 0
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
+        return out
+
+    @staticmethod
+    def _fresh(indices: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """A tensor like ``indices`` holding its values outside ``ranges`` (the cached
+        tables' ranges, written by the caller)."""
+        out = torch.empty_like(indices)
+        at = 0
+        for a, b in [*sorted(ranges), (indices.numel(), indices.numel())]:
+            if a > at:
+                out[at:a] = indices[at:a]
+            at = max(at, b)
+        return out
+
+    def _remap_at_once(self, indices, offsets, feature_table_map, names, views, views_key,
+                       train: bool, pinned: bool, on_host: dict) -> torch.Tensor | None:
+        """``remap``'s host maps in one C call (``tier_host_map.HostMaps``), or None where
+        it does not apply (no C helpers, ids not host int64 contiguous, a table with several
+        features, rows read ahead, a pair of tensors the call cannot move)."""
+        lib = tier_native.library()
+        if (lib is None or indices.device.type != "cpu" or indices.dtype != torch.int64
+                or not indices.is_contiguous()
+                or any(c.written is not None for c in on_host.values())):
+            return None
+        feature_of: dict[int, int] = {}
+        for f, t in enumerate(feature_table_map):
+            if t in on_host:
+                if t in feature_of:
+                    return None
+                feature_of[t] = f
+        caches = {t: on_host[t] for t in feature_of}
+        if not caches or any(c.slots + 1 + indices.numel() >= 2**31 for c in caches.values()):
+            return None
+        key = tier_host_map.key_of(caches, views_key)
+        if self._host is None or self._host.key != key or self._host.feature_of != feature_of:
+            self._host = tier_host_map.HostMaps(lib, caches, feature_of, views, key)
+        if not self._host.usable:
+            return None
+        B = (offsets.numel() - 1) // len(feature_table_map)
+        bounds = tier_device_map.host_values(offsets[::B])
+        out = self._fresh(indices, [(bounds[f], bounds[f + 1]) for f in feature_of.values()])
+
+        def fail(cache: RowCache, code: int, a: int, b: int, counts: dict) -> None:
+            def check() -> None:
+                lo, hi = torch.aminmax(indices[a:b])
+                f = feature_of[next(t for t, c in caches.items() if c is cache)]
+                self._check_range(cache, int(lo), int(hi), indices, [(f, a, b)], names)
+            cache.count_native(code, counts, check, pinned)
+
+        self._host.run(indices, out, bounds, self.clock, train, fail)
         return out
 
     @staticmethod

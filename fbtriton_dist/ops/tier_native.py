@@ -34,10 +34,17 @@ _SIGNATURES = {
     "tier_touch": (None, [_P, _I64, _I64, _P, _P, _I64]),
     "tier_slots": (None, [_P, _I64, _P, _P, _P, _I32]),
     "tier_copy_rows": (_I32, [_P, _P, _I64, _P, _P, _I64, _I64, _I64]),
-    "tier_lru_victims": (_I64, [_P, _I64, _I64, _I64, _P, _P, _I64]),
+    "tier_victims": (_I64, [_P, _P, _I64, _I64, _I64, _P, _P, _P]),
     "tier_swap_rows": (_I64, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64]),
     "tier_install": (None, [_P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I64]),
+    "tier_assign": (_I64, [_P, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I32,
+                           _I32, _I64, _P, _P, _P, _P, _P, _P]),
+    "tier_assign_tables": (_I64, [_I64, _P, _P]),
 }
+ASSIGN_ARGS = 20
+"""``tier_assign_tables``' int64 per table (``tier_assign``'s arguments in order)."""
+RADIX = 4 << 8
+"""``csrc/tier_cache.c``'s radix buckets, ``WAYS * RADIX`` there (``tier_victims``' scratch)."""
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -119,15 +126,70 @@ def slots_of(lib, ids: torch.Tensor, slot_of_row: torch.Tensor, dirty: torch.Ten
     return out
 
 
-def lru_victims(lib, last_seen: torch.Tensor, clock: int, need: int,
-                scratch: torch.Tensor) -> torch.Tensor | None:
-    """The first ``need`` slots in ascending ``(last_seen, slot)`` order among those with
-    ``0 <= last_seen < clock`` (fewer if fewer are), as ``ops.id_remap.pick_victims`` orders
-    LRU victims; None where their ``last_seen`` span more than ``scratch`` holds."""
-    out = torch.empty(need, dtype=torch.int64)
-    k = lib.tier_lru_victims(last_seen.data_ptr(), last_seen.numel(), clock, need,
-                             out.data_ptr(), scratch.data_ptr(), scratch.numel())
-    return None if k < 0 else out[:k]
+def victims(lib, last_seen: torch.Tensor, counts: torch.Tensor | None, clock: int, need: int,
+            scratch: torch.Tensor) -> torch.Tensor:
+    """The first ``need`` slots among those with ``0 <= last_seen < clock`` (fewer if fewer
+    are) in ascending ``(last_seen, slot)`` order (LRU: ``counts`` None) or ``(counts,
+    last_seen, slot)`` (LFU), as ``ops.id_remap.pick_victims`` orders them. ``scratch``: int64
+    of at least ``scratch_size(slots, 0)``."""
+    out = torch.empty(max(need, 0), dtype=torch.int64)
+    slots = last_seen.numel()
+    k = lib.tier_victims(last_seen.data_ptr(), None if counts is None else counts.data_ptr(),
+                         slots, clock, need, out.data_ptr(), scratch.data_ptr(),
+                         scratch[2 * slots:].data_ptr())
+    return out[:k]
+
+
+def scratch_size(slots: int, ids: int) -> int:
+    """int64 scratch ``assign`` needs for a table of ``slots`` slots and a batch of ``ids``
+    ids (``victims``: ``ids`` 0)."""
+    return 2 * ids + 4 * slots + RADIX
+
+
+INFO = ("hits", "misses", "victims", "taken", "written")
+"""``assign``'s counts: distinct rows found cached, distinct rows not cached, slots evicted,
+slots taken (misses loaded), rows written back."""
+
+
+class Assigner:
+    """One table's slot map for one batch in one C call (``tier_assign``), its fixed
+    arguments made once: the map's tensors (``slot_of_row`` ``[E]`` int32, ``row_of_slot``,
+    ``stamp``, ``last_seen``, ``counts`` ``[C]`` int64, ``dirty`` ``[C]`` bool), every
+    ``(backing store, cache)`` of ``pairs`` (each ``swappable``) and ``scratch`` (int64).
+    ``key``: the caller's name for them (their addresses), kept to tell when to make a new
+    one."""
+
+    def __init__(self, lib, maps: dict[str, torch.Tensor],
+                 pairs: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor,
+                 lfu: bool, key: tuple) -> None:
+        self.key = key
+        k = len(pairs)
+        self._fn = lib.tier_assign
+        self._info = (ctypes.c_int64 * len(INFO))()
+        self._tensors = (maps, pairs, scratch)  # alive while their addresses are used
+        self._before = (maps["slot_of_row"].data_ptr(), maps["slot_of_row"].numel(),
+                        maps["row_of_slot"].numel(), maps["row_of_slot"].data_ptr(),
+                        maps["stamp"].data_ptr())
+        self._after = (maps["last_seen"].data_ptr(), maps["counts"].data_ptr(),
+                       maps["dirty"].data_ptr())
+        self._lfu = int(lfu)
+        self._tables = (k, (ctypes.c_void_p * k)(*(c.data_ptr() for _, c in pairs)),
+                        (ctypes.c_void_p * k)(*(b.data_ptr() for b, _ in pairs)),
+                        (ctypes.c_int64 * k)(*(math.prod(c.shape[1:]) * c.element_size()
+                                               for _, c in pairs)),
+                        scratch.data_ptr())
+
+    def __call__(self, ids: torch.Tensor, out: torch.Tensor, batch: int, clock: int,
+                 train: bool) -> tuple[int, list[int]]:
+        """``out`` ``[N]`` (int64, contiguous) = the slots of the host int64 contiguous
+        ``ids`` ``[N]`` (``scratch`` of at least ``scratch_size(C, N)``), the misses loaded
+        into slots after the dirty victims' rows are written back, stamps of ``batch``, uses
+        at ``clock``, dirty when ``train``. Returns the C code (0; -1 an id out of range:
+        nothing changed; -2 more distinct rows than slots: nothing to undo; -3 some misses
+        found no slot) and the counts (``INFO``'s order)."""
+        code = self._fn(ids.data_ptr(), ids.numel(), *self._before, batch, *self._after, clock,
+                        self._lfu, int(train), *self._tables, out.data_ptr(), self._info)
+        return int(code), list(self._info)
 
 
 def install(lib, victims: torch.Tensor, targets: torch.Tensor, got: torch.Tensor,
