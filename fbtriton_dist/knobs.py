@@ -33,6 +33,9 @@ KNOBS: dict[str, tuple[str, str]] = {
     "FBTD_CPU_NATIVE": (
         "0: the CPU backend runs its torch ops only (ops/cpu.py), without building or calling "
         "its native C kernels (ops/cpu_native.py); read at every call", "1"),
+    "FBTD_CPU_HUGE_PAGES": (
+        "0: a CPU TBE's large flat weights and states (>= 32 MiB) get no madvise(MADV_HUGEPAGE) "
+        "(ops/cpu_memory.py); read when they are allocated", "1"),
     "FBTD_CPU_NATIVE_CACHE": (
         "directory where the native CPU kernels are compiled to (ops/cpu_native.py)",
         "~/.cache/fbtriton_dist"),
@@ -60,6 +63,11 @@ TBE_AHEAD: bool = _flag("FBTD_TBE_AHEAD")
 def cpu_native() -> bool:
     """``FBTD_CPU_NATIVE``, read at every call (tests turn it off and on)."""
     return _flag("FBTD_CPU_NATIVE")
+
+
+def cpu_huge_pages() -> bool:
+    """``FBTD_CPU_HUGE_PAGES``, read at every allocation it governs."""
+    return _flag("FBTD_CPU_HUGE_PAGES")
 
 
 def cpu_native_cache() -> str | None:

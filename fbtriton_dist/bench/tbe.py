@@ -42,13 +42,14 @@ FBGEMM copy inside libtorch_cpu, built with OpenMP: it runs on torch's OpenMP po
 count. On a CPU shared with other processes, libgomp's spinning barriers in that sort can make
 FBGEMM's backward 10-20x slower at 2 threads than at 1 (``OMP_WAIT_POLICY=passive``, set before
 torch is imported, avoids it); such repeats show in the spread. Each (provider, phase, count) is
-timed ``--repeats`` times (3 on CPU), the providers and the counts in an order rotated per
-repeat; a row is the median repeat, with the spread (max - min) / median of the repeats'
-medians (``!`` over 20%) and ``cpu_util`` (process CPU time / wall of the timed loop: the cores
-kept busy, spin-waits included). ``best``: per shape, phase and provider its time at each
-count, its best count, and each provider's time over ours' at each count and each at its best
-count (bold in the printed markdown table). The load average of the machine is recorded before
-and after each shape.
+timed ``--repeats`` times (3 on CPU; a repeat on CPU: 10 warm-up calls, then the median of 20
+to 200 calls, 0.25 s), the providers and counts in an order rotated per repeat; a row is the
+median repeat, with the spread (max - min) / median of the repeats' medians (``!`` over 20%;
+the targets read it), the interquartile one (``iqr``) and ``cpu_util`` (process CPU time /
+wall of the timed loop, spin-waits included). ``best``: per shape, phase and provider its time
+at each count, its best count, each provider's time over ours' at each count and each at its
+best (bold), and ``paired``: that ratio repeat by repeat (both timed back to back), median and
+range. The load average is recorded before and after each shape.
 
 Per (shape, provider, phase, count): median ms (L2 flushed, CUDA events), pipelined ms, GPU-busy ms
 (profiler), effective GB/s with the byte count beside it (BASELINES.md's model), % of the copy
@@ -98,7 +99,15 @@ from fbtriton_dist.bench.tbe_cases import (
     output_size,
     provider_cases,
 )
-from fbtriton_dist.bench.timing import SPREAD_FLAG, Timer, TimerConfig, copy_bandwidth, spread
+from fbtriton_dist.bench.timing import (
+    SPREAD_FLAG,
+    Timer,
+    TimerConfig,
+    copy_bandwidth,
+    iqr_spread,
+    paired_ratio,
+    spread,
+)
 
 __all__ = ["SHAPES", "PHASES", "PROVIDERS", "Batch", "Shape", "make_batch", "model_bytes", "main"]
 
@@ -213,6 +222,7 @@ def _row(base: dict, meta: dict, runs: list[dict], copy_gbs: float) -> dict:
     row["wall_s"] = sum(r["wall_s"] for r in runs)
     row["repeats_ms"] = repeats_ms
     row["spread"] = spread(repeats_ms)
+    row["iqr_spread"] = iqr_spread(repeats_ms)
     row["spread_flag"] = row["spread"] is not None and row["spread"] > SPREAD_FLAG
     if "note" in meta:
         row["note"] = meta["note"]
@@ -251,7 +261,8 @@ def best_counts(rows: list[dict], base: str = "ours") -> list[dict]:
         e = groups.setdefault((r["shape"], r["phase"], r["provider"]), dict(
             shape=r["shape"], phase=r["phase"], provider=r["provider"], by_threads={}))
         e["by_threads"][r["threads"]] = {
-            k: r.get(k) for k in ("median_ms", "spread", "spread_flag", "cpu_util")}
+            k: r.get(k) for k in ("median_ms", "spread", "spread_flag", "iqr_spread", "cpu_util",
+                                  "repeats_ms")}
     for e in groups.values():
         t, m = min(e["by_threads"].items(), key=lambda kv: kv[1]["median_ms"])
         e.update(best_threads=t, best_ms=m["median_ms"], best_spread=m["spread"])
@@ -264,6 +275,10 @@ def best_counts(rows: list[dict], base: str = "ours") -> list[dict]:
             "by_threads": {t: m["median_ms"] / b["by_threads"][t]["median_ms"]
                            for t, m in e["by_threads"].items() if t in b["by_threads"]},
         }
+        paired = paired_ratio(*({t: m.get("repeats_ms") or [] for t, m in g.items()}
+                                for g in (e["by_threads"], b["by_threads"])))
+        if paired:  # each at its best count within each repeat, then the median repeat
+            e["vs_" + base]["paired"] = paired
     return sorted(groups.values(), key=lambda e: PHASES.index(e["phase"]))  # stable: providers
 
 
@@ -372,7 +387,9 @@ def print_threads_table(best: list[dict], counts: list[int], base: str = "ours")
         cells = []
         for t in counts:
             m = e["by_threads"].get(t)
-            cells.append("-" if m is None else f"{m['median_ms']:.3f} {_spread(m)}")
+            iqr = m and m.get("iqr_spread")
+            cells.append("-" if m is None else f"{m['median_ms']:.3f} {_spread(m)}"
+                         + ("" if iqr is None else f" (iqr {100 * iqr:.0f}%)"))
         print(f"| {e['shape']} | {e['phase']} | {e['provider']} | " + " | ".join(cells)
               + f" | {e['best_ms']:.3f} @ {e['best_threads']} thr |")
     versus = [e for e in best if "vs_" + base in e]
@@ -387,10 +404,11 @@ def print_threads_table(best: list[dict], counts: list[int], base: str = "ours")
         v = e["vs_" + base]
         cells = [_fmt(v["by_threads"].get(t), ".2f") + ("x" if t in v["by_threads"] else "")
                  for t in counts]
-        b = bests[(e["shape"], e["phase"], base)]
+        b, p = bests[(e["shape"], e["phase"], base)], v.get("paired")
         print(f"| {e['shape']} | {e['phase']} | {e['provider']} / {base} | " + " | ".join(cells)
               + f" | **{v['best']:.2f}x** ({e['provider']} @ {e['best_threads']} / {base} @ "
-              f"{b['best_threads']}) |")
+              f"{b['best_threads']})" + (f"; per repeat {p['median']:.2f}x [{p['min']:.2f}-"
+                                         f"{p['max']:.2f}]" if p else "") + " |")
 
 
 def print_kernels(rows: list[dict], top: int = 12) -> None:
@@ -477,10 +495,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=60.0,
         help="skip torch modes whose weights + dense grad/state exceed this",
     )
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (10 GPU, 5 CPU)")
-    p.add_argument("--min-iters", type=int, default=None)
-    p.add_argument("--budget-s", type=float, default=1.5, help="per timed loop, after min-iters")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls (3 GPU, 10 CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (10 GPU, 200 CPU)")
+    p.add_argument("--min-iters", type=int, default=None, help="(5 GPU, 20 CPU)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="per timed loop, after min-iters (1.5 GPU, 0.25 CPU)")
     p.add_argument("--pipelined", type=int, default=None)
     p.add_argument("--profiled", type=int, default=5)
     p.add_argument("--pooling", choices=["sum", "none"], default="sum",
@@ -581,11 +600,11 @@ def _run(args: argparse.Namespace) -> dict:
     if repeats < 1:
         raise SystemExit(f"--repeats: expected a count >= 1, got {repeats}")
     torch.set_num_threads(max(counts))  # the checks, the copy bandwidth
-    cfg = TimerConfig(
-        warmup=args.warmup,
-        iters=args.iters if args.iters is not None else (5 if cpu else 10),
-        min_iters=args.min_iters if args.min_iters is not None else (2 if cpu else 5),
-        budget_s=args.budget_s,
+    cfg = TimerConfig(  # CPU: sub-ms calls on a shared machine want many iterations a repeat
+        warmup=args.warmup if args.warmup is not None else (10 if cpu else 3),
+        iters=args.iters if args.iters is not None else (200 if cpu else 10),
+        min_iters=args.min_iters if args.min_iters is not None else (20 if cpu else 5),
+        budget_s=args.budget_s if args.budget_s is not None else (0.25 if cpu else 1.5),
         pipelined=args.pipelined if args.pipelined is not None else (3 if cpu else 10),
         profiled=args.profiled,
     )

@@ -11,7 +11,11 @@ On CPU there is no device timeline: every time is wall time (``busy_source="wall
 process counted, spin-waiting included: about how many cores the step kept busy).
 
 ``spread`` is the benchmarks' measure of how much repeated measurements disagree:
-(max - min) / median.
+(max - min) / median; the targets read it. ``iqr_spread`` ((q75 - q25) / median, the middle
+half of the repeats) is printed beside it: one repeat that met another job's burst moves it
+little, so the two together tell an outlier from a spread-out set. ``paired_ratio`` compares
+two providers repeat by repeat (each repeat times them back to back, so both see the same
+machine state) instead of median against median.
 """
 
 import statistics
@@ -53,6 +57,30 @@ def spread(values: list[float]) -> float | None:
         return None
     mid = statistics.median(values)
     return (max(values) - min(values)) / mid if mid > 0 else None
+
+
+def iqr_spread(values: list[float]) -> float | None:
+    """(q75 - q25) / median of repeated measurements (quartiles interpolated between the
+    values, inclusive of the ends; ``None`` for fewer than three)."""
+    if len(values) < 3:
+        return None
+    q25, mid, q75 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q75 - q25) / mid if mid > 0 else None
+
+
+def paired_ratio(other: dict[int, list[float]], base: dict[int, list[float]]) -> dict | None:
+    """``other``'s time over ``base``'s, repeat by repeat: in repeat r each one's best over the
+    thread counts ({count: [ms of repeat 0, 1, ...]}), then their ratio; the ``median``,
+    ``min`` and ``max`` of those ratios and their count ``n`` (> 1: ``base`` faster). ``None``
+    unless both have the same number (>= 2) of repeats at every count."""
+    n = {len(v) for v in (*other.values(), *base.values())}
+    if len(n) != 1 or n.pop() < 2:
+        return None
+    reps = len(next(iter(base.values())))
+    ratios = [min(v[r] for v in other.values()) / min(v[r] for v in base.values())
+              for r in range(reps)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "n": reps}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

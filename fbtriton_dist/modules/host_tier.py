@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from fbtriton_dist import optim
-from fbtriton_dist.ops import host_mapped
+from fbtriton_dist.ops import cpu_memory, host_mapped
 from fbtriton_dist.storage import Storage
 
 __all__ = ["all_host", "check_mixed", "check_weights", "empty", "is_host", "maps_host_memory",
@@ -58,11 +58,18 @@ def check_mixed(names: Sequence[str], storage: Sequence[Storage], device) -> Non
             "EmbeddingBagCollection / EmbeddingCollection do that for you)")
 
 
+def _on_cpu(device) -> bool:
+    """``device`` (None: torch's default) is the CPU."""
+    return (torch.empty(0).device if device is None else torch.device(device)).type == "cpu"
+
+
 def zeros(numel: int, dtype: torch.dtype, device, storage: Sequence[Storage]) -> torch.Tensor:
     """A flat ``[numel]`` buffer of zeros for a TBE with tables ``storage`` on ``device``:
     mapped host memory when all are ``host`` and the device maps it, else ordinary."""
     if all_host(storage) and maps_host_memory(device):
         return host_mapped.empty(numel, dtype, device, fill=0)
+    if _on_cpu(device):  # large ones in huge pages (ops/cpu_memory.py)
+        return cpu_memory.zeros(numel, dtype)
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
@@ -70,6 +77,8 @@ def empty(numel: int, dtype: torch.dtype, device, storage: Sequence[Storage]) ->
     """As ``zeros``, uninitialised."""
     if all_host(storage) and maps_host_memory(device):
         return host_mapped.empty(numel, dtype, device)
+    if _on_cpu(device):
+        return cpu_memory.empty(numel, dtype)
     return torch.empty(numel, dtype=dtype, device=device)
 
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from fbtriton_dist.bench import tbe
-from fbtriton_dist.bench.timing import SPREAD_FLAG, spread, union_length
+from fbtriton_dist.bench.timing import (
+    SPREAD_FLAG,
+    iqr_spread,
+    paired_ratio,
+    spread,
+    union_length,
+)
 
 SHAPES = ["S2", "S5", "S6"]  # fp16, two D groups (torch_fused's two calls), Zipf ids
 FAST = ["--warmup", "1", "--iters", "1", "--min-iters", "1", "--pipelined", "1", "--repeats", "1"]
@@ -356,6 +362,24 @@ def test_spread_is_max_minus_min_over_the_median_and_the_row_is_the_median_repea
     calm = tbe._row({}, {"bytes": 1e6}, runs[:1] + runs[:1], copy_gbs=1.0)
     assert calm["spread"] == 0.0 and calm["spread_flag"] is False
     assert tbe._spread(row) == "±40%!" and tbe._spread(calm) == "±0%" and tbe._spread({}) == "-"
+
+
+def test_iqr_spread_and_the_per_repeat_ratio():
+    """The interquartile spread barely moves for one outlying repeat where max - min does;
+    the paired ratio takes each provider's best count within each repeat, then the median
+    repeat, and is left out unless both have the same repeats (>= 2) at every count."""
+    calm, burst = [10.0, 10.5, 11.0, 10.2, 10.8], [10.0, 10.5, 11.0, 10.2, 30.0]
+    assert iqr_spread(calm) == pytest.approx(0.6 / 10.5)
+    assert iqr_spread(burst) == pytest.approx(0.8 / 10.5) and spread(burst) > 1.9
+    assert iqr_spread([1.0, 2.0]) is None
+    ours = {1: [2.0, 4.0, 2.0], 2: [1.0, 5.0, 3.0]}  # best per repeat: 1, 4, 2
+    fb = {1: [3.0, 4.0, 3.0], 2: [6.0, 8.0, 1.0]}  # 3, 4, 1
+    assert paired_ratio(fb, ours) == {"median": 1.0, "min": 0.5, "max": 3.0, "n": 3}
+    assert paired_ratio({1: [3.0, 4.0]}, ours) is None and paired_ratio({1: [1.0]}, {1: [1.0]}) is None
+    rows = [dict(_timed(p, "fwd", t, sorted(v[t])[1]), repeats_ms=v[t])
+            for p, v in (("ours", ours), ("fbgemm", fb)) for t in (1, 2)]
+    vs = {e["provider"]: e for e in tbe.best_counts(rows)}["fbgemm"]["vs_ours"]
+    assert vs["paired"]["median"] == 1.0 and vs["best"] == pytest.approx(3.0 / 2.0)
 
 
 def test_threads_parsing_and_its_errors(monkeypatch):
