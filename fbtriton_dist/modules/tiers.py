@@ -21,7 +21,6 @@ and on the CPU with ``FBTD_SLOT_MAP=device`` (``TieredTables.place``).
 """
 
 import contextlib
-import shutil  # noqa: F401 - the file tier's disk check (tier_backing.py) uses it; tests patch it
 import time
 import weakref
 from collections.abc import Callable, Collection, Sequence

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import tiers as tiers_module
+from fbtriton_dist.modules import tier_backing
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.ops.backends.base import Capabilities
 from fbtriton_dist.storage import Storage, storage_of
@@ -329,7 +329,7 @@ def test_file_tier_bad_directory(tmp_path, monkeypatch):
     class Tiny:
         free = 100
 
-    monkeypatch.setattr(tiers_module.shutil, "disk_usage", lambda _: Tiny)
+    monkeypatch.setattr(tier_backing.shutil, "disk_usage", lambda _: Tiny)
     with pytest.raises(ValueError, match=r"table 't' \(tier 'file'\) weight: .*t.weight' needs "
                                          r"2560 bytes, 100 free on its disk"):
         TableBatchedEmbedding([(64, 10)], backend="cpu", table_names=["t"],
