@@ -456,7 +456,12 @@ class TableBatchedEmbedding(nn.Module):
 
     def resolved_backend(self) -> str:
         """What runs the lookups: ``backend`` with ``"auto"`` resolved for the weights' device."""
-        return backends.resolve(self.backend, self.weights.device)
+        device = self.weights.device
+        key = (self.backend, device)
+        cached = self.__dict__.get("_resolved_backend")
+        if cached is None or cached[0] != key:  # resolved again after a move or a new backend
+            cached = self._resolved_backend = (key, backends.resolve(self.backend, device))
+        return cached[1]
 
     def forward(
         self,
