@@ -540,7 +540,9 @@ class TableBatchedEmbedding(nn.Module):
                                  grad_targets)
             return vbe.vbe_output(padded, layout)
         backend = self.resolved_backend()
-        fused = self._fused()
+        # a lookup on the CPU without autograd never reaches the fused update: its state is not
+        # gathered (host time at every inference forward); on a device it is (capture checks)
+        fused = self._fused() if torch.is_grad_enabled() or not self.weights.is_cpu else None
         train = fused is not None and torch.is_grad_enabled()
         if self._tiers is not None:
             if capturing(self.weights.device):

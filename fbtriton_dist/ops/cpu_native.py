@@ -255,7 +255,7 @@ def _usable(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
     """The library, if every tensor given is on the CPU (and the weights, the first, of a dtype
     the kernels take); else None."""
     for t in tensors:  # a loop, not any(generator): this runs at every forward
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             return None
     if tensors[0].dtype not in DTYPES or not tensors[0].is_contiguous():
         return None
