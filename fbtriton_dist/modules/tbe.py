@@ -456,7 +456,12 @@ class TableBatchedEmbedding(nn.Module):
 
     def resolved_backend(self) -> str:
         """What runs the lookups: ``backend`` with ``"auto"`` resolved for the weights' device."""
-        return backends.resolve(self.backend, self.weights.device)
+        device = self.weights.device
+        key = (self.backend, device)
+        cached = self.__dict__.get("_resolved_backend")
+        if cached is None or cached[0] != key:  # resolved again after a move or a new backend
+            cached = self._resolved_backend = (key, backends.resolve(self.backend, device))
+        return cached[1]
 
     def forward(
         self,
@@ -535,7 +540,9 @@ class TableBatchedEmbedding(nn.Module):
                                  grad_targets)
             return vbe.vbe_output(padded, layout)
         backend = self.resolved_backend()
-        fused = self._fused()
+        # a lookup on the CPU without autograd never reaches the fused update: its state is not
+        # gathered (host time at every inference forward); on a device it is (capture checks)
+        fused = self._fused() if torch.is_grad_enabled() or not self.weights.is_cpu else None
         train = fused is not None and torch.is_grad_enabled()
         if self._tiers is not None:
             if capturing(self.weights.device):

@@ -254,8 +254,9 @@ def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
 def _usable(*tensors: torch.Tensor | None) -> ctypes.CDLL | None:
     """The library, if every tensor given is on the CPU (and the weights, the first, of a dtype
     the kernels take); else None."""
-    if any(t is not None and t.device.type != "cpu" for t in tensors):
-        return None
+    for t in tensors:  # a loop, not any(generator): this runs at every forward
+        if t is not None and not t.is_cpu:
+            return None
     if tensors[0].dtype not in DTYPES or not tensors[0].is_contiguous():
         return None
     return library()

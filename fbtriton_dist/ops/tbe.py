@@ -163,6 +163,34 @@ def _host_err() -> torch.Tensor:
     return err.zero_()
 
 
+def _backend_forward(impl, weights, indices, offsets, per_sample_weights, layout, pooling,
+                     output_dtype, err, check, linearize):
+    """The backend's forward of one batch: the output, or with ``linearize`` (output, keys,
+    bag ids, counts)."""
+    # only a backend that counts non-finite weights itself is asked to (weights_check)
+    extra = {"check_weights": True} if check is not None and check.weights else {}
+    return impl.tbe_forward(
+        weights,
+        layout.w_offsets,
+        layout.dims,
+        layout.D_offsets,
+        indices,
+        offsets,
+        per_sample_weights,
+        pooling=pooling,
+        max_D=layout.max_D,
+        total_D=layout.total_D,
+        output_dtype=output_dtype,
+        rows=layout.rows,
+        row_offsets=layout.row_offsets,
+        num_rows=layout.num_rows or 0,
+        err=err,
+        linearize=linearize,
+        row_align=layout.row_align,
+        **extra,
+    )
+
+
 class _TBELookup(torch.autograd.Function):
     """Glue: forward = lookup; backward = row-reduced gradient (or fused update in place)."""
 
@@ -194,31 +222,11 @@ class _TBELookup(torch.autograd.Function):
         linearize = training and layout.num_rows is not None
         ctx.plan, ctx.ahead_check = None, None
         ahead = linearize and plan_ahead and impl.capabilities.plan_ahead
-        # only a backend that counts non-finite weights itself is asked to (weights_check)
-        extra = {"check_weights": True} if check is not None and check.weights else {}
         if ahead:
             linearize = False  # the side stream writes the keys
             fork = tbe_ahead.fork(weights.device)  # the side stream starts here
-        result = impl.tbe_forward(
-            weights,
-            layout.w_offsets,
-            layout.dims,
-            layout.D_offsets,
-            indices,
-            offsets,
-            per_sample_weights,
-            pooling=pooling,
-            max_D=layout.max_D,
-            total_D=layout.total_D,
-            output_dtype=output_dtype,
-            rows=layout.rows,
-            row_offsets=layout.row_offsets,
-            num_rows=layout.num_rows or 0,
-            err=err,
-            linearize=linearize,
-            row_align=layout.row_align,
-            **extra,
-        )
+        result = _backend_forward(impl, weights, indices, offsets, per_sample_weights, layout,
+                                  pooling, output_dtype, err, check, linearize)
         out, saved = result, (None, None, None)
         if isinstance(result, tuple):
             out, saved = result[0], result[1:]
@@ -457,25 +465,30 @@ def tbe_lookup(
             monitor.replay_counts(weights.device)  # allocated now, before any capture
     if plan_ahead is None:
         plan_ahead = knobs.TBE_AHEAD and weights.device.type == "cuda"
-    out = _TBELookup.apply(
-        weights,
-        anchor,
-        per_sample_weights,
-        indices,
-        offsets,
-        layout,
-        pooling,
-        output_dtype,
-        backend,
-        fused,
-        sparse,
-        table_offsets,
-        err,
-        training,
-        plan_ahead,
-        check,
-        *targets,
-    )
+    if training:
+        out = _TBELookup.apply(
+            weights,
+            anchor,
+            per_sample_weights,
+            indices,
+            offsets,
+            layout,
+            pooling,
+            output_dtype,
+            backend,
+            fused,
+            sparse,
+            table_offsets,
+            err,
+            training,
+            plan_ahead,
+            check,
+            *targets,
+        )
+    else:  # no gradient to anyone: the autograd Function's bookkeeping is not needed
+        out = _backend_forward(backends.get(backend), weights, indices, offsets,
+                               per_sample_weights, layout, pooling, output_dtype, err, check,
+                               linearize=False)
     if err is not None and not in_capture:
         batch = (indices, offsets, per_sample_weights, layout, bounds_check)
         if defer:

@@ -86,8 +86,12 @@ class Backend:
         return f"Backend({self.name!r})"
 
     def module(self) -> ModuleType:
-        """The module holding this backend's twin of every op (imported when asked for)."""
-        return importlib.import_module(self._module_name)
+        """The module holding this backend's twin of every op (imported at the first ask, then
+        kept: every lookup asks)."""
+        found = self.__dict__.get("_module")
+        if found is None:
+            found = self._module = importlib.import_module(self._module_name)
+        return found
 
     def twin(self, op: str):
         """This backend's function for ``op``: its module's, else the reference's."""
