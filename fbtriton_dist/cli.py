@@ -126,6 +126,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         help="the memory pass may raise the step time by this share to even out memory "
              "(default 0.01; 0: only moves that keep the step time)",
     )
+    p.add_argument("--cost", metavar="COST.yaml", default=None,
+                   help="the cost model's bandwidths (bytes/s) from this file's cost: mapping, "
+                        "e.g. what `python -m fbtriton_dist.bench link --out` measured (with a "
+                        "job file: over its sharding.cost keys)")
     p.add_argument("--out", metavar="PLAN.yaml", help="write the plan here (atomically)")
     p.add_argument("--check", metavar="PLAN.yaml", help="evaluate this plan instead of planning")
     p.add_argument("--png", metavar="FILE.png",
@@ -157,6 +161,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         ShardingPlanner,
         load_tables,
     )
+    from fbtriton_dist.planner.cost_inputs import read_cost_file, with_cost
     from fbtriton_dist.planner.report import format_report
 
     for key, value in PLAN_DEFAULTS.items():
@@ -176,9 +181,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         local_world_size=H,
         hbm_bytes_per_rank=args.hbm_gb * GiB,
         reserved_fraction=args.reserved,
-        cost_model=CostModel.with_wire(args.wire_dtype, args.backward_wire_dtype,
-                                       batch_size=args.batch_size,
-                                       replica_sync_dtype=args.replica_sync_dtype or "fp32"),
+        cost_model=with_cost(CostModel.with_wire(args.wire_dtype, args.backward_wire_dtype,
+                                                 batch_size=args.batch_size,
+                                                 replica_sync_dtype=args.replica_sync_dtype
+                                                 or "fp32"),
+                             read_cost_file(args.cost) if args.cost else {}),
         optimizer=args.optimizer,
         row_cuts=args.row_cuts,
         memory_tolerance=args.memory_tolerance,
@@ -257,6 +264,10 @@ def _run_plan_job(args: argparse.Namespace) -> int:
                          "(the job file has no such key); drop it to see the job's plan")
     overrides = [f"{JOB_KEYS[k]}={getattr(args, k)}" for k in JOB_KEYS
                  if getattr(args, k) is not None]
+    if args.cost:  # the file's bandwidths over the job's sharding.cost keys
+        from fbtriton_dist.planner.cost_inputs import read_cost_file
+
+        overrides += [f"sharding.cost.{k}={v!r}" for k, v in read_cost_file(args.cost).items()]
     if args.shard_tiers:  # a tier per shard: the job's key
         overrides.append("sharding.shard_tiers=true")
     if args.group_size is not None:  # the job's replica groups (train/planning.py)
@@ -277,12 +288,15 @@ def _progress(line: str) -> None:
 
 def _plan_outputs(args, plan, planner, specs, stats, cost, report: str) -> int:
     """Print the report; write ``--out``, draw ``--png``, run ``--simulate``."""
+    from fbtriton_dist.planner.cost_inputs import cost_line
+
     print(report)
     flat = cost.as_plan_cost() if hasattr(cost, "as_plan_cost") else cost  # grouped: S ranks
     if args.out:
         header = (
             f"fbtriton_dist sharding plan for {args.tables}\n{planner.describe()}\n"
             f"estimated step {flat.max() * 1e3:.3f} ms, imbalance (max/mean) {flat.imbalance():.3f}"
+            f"\n{cost_line(planner.cost_model)}"
         )
         plan.save_yaml(args.out, header=header)
         print(f"wrote {args.out}")

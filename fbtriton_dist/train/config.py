@@ -33,6 +33,7 @@ A job file (``configs/jobs/*.yaml``; every section but ``tables`` is optional)::
                group_size: null,     # S: replica groups of S ranks (null: the world, flat; auto)
                replica_sync: step,   # step (= the flat plan) | N: average replicas every N
                replica_sync_dtype: fp32,   # with N: the weights averaged in fp32 .. int8
+               cost: {},             # CostModel bandwidths, bytes/s (bench link --out)
                comm: {wire_dtype: fp32,   # fp32 | bf16 | fp16 | fp8 | int8 on the wire
                       backward_wire_dtype: null,   # the gradients' (null: as wire_dtype)
                       dedup: false, fixed_shapes: false, max_ids: null}}  # no host sync
@@ -75,6 +76,7 @@ from fbtriton_dist.planner._yaml import (
     expect_mapping,
     read_yaml,
 )
+from fbtriton_dist.planner.cost_inputs import cost_values
 from fbtriton_dist.planner.tables import table_set_from_dict
 
 from . import mlperf_config as mlperf
@@ -364,6 +366,10 @@ class ShardingConfig:
     (``CommOptions.replica_sync_dtype``: two hops, each within ``wire_dtype``'s bound per
     hop; the optimizer state stays fp32); the planner costs the average in it. Only fp32
     with ``step``."""
+    cost: Mapping[str, float] = field(default_factory=dict)
+    """The planner's bandwidths in bytes/s by ``CostModel`` field name (``hbm_bandwidth``,
+    ``host_tier_bandwidth``, ``disk_bandwidth``, ...: ``planner/cost_inputs.py``), e.g. what
+    ``python -m fbtriton_dist.bench link`` measured; a key not given keeps the default."""
 
     def __post_init__(self) -> None:
         _check_optional(check_name, "plan", self.plan)
@@ -393,6 +399,7 @@ class ShardingConfig:
             raise FieldError("replica_sync_dtype", f"expected fp32 with replica_sync: step (its "
                              f"row gradients stay fp32; a format applies to replica_sync: N), "
                              f"got {self.replica_sync_dtype!r}")
+        cost_values(self.cost)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -692,7 +699,8 @@ def job_from_dict(data: Any, where: str = "<job>", base_dir: str = ".") -> JobCo
                 "multihot": _section(MultiHotConfig, where, mlperf.MULTIHOT_CONVERT),
             },
         ),
-        "sharding": _section(ShardingConfig, where, {"comm": _section(CommConfig, where)}),
+        "sharding": _section(ShardingConfig, where, {"comm": _section(CommConfig, where),
+                                                     "cost": cost_values}),
         "optimizer": _section(
             OptimizerConfig,
             where,

@@ -3,8 +3,8 @@ JOB.yaml`` both call, so that the command's preview is the plan the job makes.
 
 The job's settings that reach the planner: ``sharding.hbm_gb``, ``reserved``, ``row_cuts``,
 ``local_world_size``, ``plan``, ``group_size`` (an int, or ``auto``: the planner proposes it),
-``replica_sync``, the tiers' ``host_budget_gb``, ``disk_budget_gb``, ``file_dir`` and
-``shard_tiers``; ``train.batch_size``; the embedding optimizer; the id
+``replica_sync``, the bandwidths of ``cost``, the tiers' ``host_budget_gb``, ``disk_budget_gb``,
+``file_dir`` and ``shard_tiers``; ``train.batch_size``; the embedding optimizer; the id
 statistics (each table's ``id_distribution``, else ``data.synthetic.zipf`` for synthetic data;
 managed tables uniform) and the constraints (managed tables limited to
 :data:`MANAGED_SHARDINGS`). Never imports torch.
@@ -31,6 +31,7 @@ from fbtriton_dist.planner import (
     plan_grouped,
     propose_group_size,
 )
+from fbtriton_dist.planner.cost_inputs import with_cost
 from fbtriton_dist.planner.groups import format_candidates, format_grouped, group_size_candidates
 from fbtriton_dist.planner.plan import check_group_size
 from fbtriton_dist.planner.report import format_report
@@ -134,9 +135,10 @@ def plan_job(
         local_world_size=H,
         hbm_bytes_per_rank=s.hbm_gb * GiB,
         reserved_fraction=s.reserved,
-        cost_model=CostModel.with_wire(s.comm.wire_dtype, s.comm.backward_wire_dtype,
-                                       batch_size=cfg.train.batch_size,
-                                       replica_sync_dtype=s.replica_sync_dtype),
+        cost_model=with_cost(CostModel.with_wire(s.comm.wire_dtype, s.comm.backward_wire_dtype,
+                                                 batch_size=cfg.train.batch_size,
+                                                 replica_sync_dtype=s.replica_sync_dtype),
+                             s.cost),
         optimizer=optimizer,
         row_cuts=s.row_cuts,
         progress=progress,
