@@ -100,6 +100,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="where the file tier's temporary folder goes (default: the system's "
                         "temp dir; put it on the disk the file tables will use)")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (tests, CI)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's CPU threads (torch.set_num_threads; default: torch's, "
+                        f"{torch.get_num_threads()} here): the CPU gather runs on them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="COST.yaml", default=None,
                    help="write the cost: YAML block here")
@@ -112,7 +115,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.table_rows = args.table_rows or rows
     args.batch_rows = sorted(args.batch_rows or sizes)
     for name, value, low in (("--dim", args.dim, 1), ("--repeats", args.repeats, 1),
-                             ("--table-rows", args.table_rows, 1)):
+                             ("--table-rows", args.table_rows, 1),
+                             ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             p.error(f"{name}: expected an integer >= {low}, got {value}")
     if not 1 <= args.batch_rows[0] <= args.batch_rows[-1] <= args.table_rows:
@@ -320,7 +324,8 @@ def _machine(device: str) -> str:
     if device == "cuda":
         text += f", {torch.cuda.get_device_name()}"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{text}; load average {load:.2f}; torch {torch.__version__}"
+    return (f"{text}; load average {load:.2f}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} thread(s)")
 
 
 def format_table(results: Sequence[Result]) -> str:
@@ -347,6 +352,8 @@ def cost_yaml(cost: dict[str, float], results: Sequence[Result], header: Sequenc
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = _parse(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     command = "python -m fbtriton_dist.bench link " + " ".join(
         sys.argv[1:] if argv is None else argv)
