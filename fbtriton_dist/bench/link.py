@@ -119,6 +119,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                              ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < low:
             p.error(f"{name}: expected an integer >= {low}, got {value}")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        p.error(f"--dir: expected an existing directory, got {args.dir!r}")
     if not 1 <= args.batch_rows[0] <= args.batch_rows[-1] <= args.table_rows:
         p.error(f"--batch-rows: expected sizes in [1, --table-rows={args.table_rows}], got "
                 f"{args.batch_rows}")
