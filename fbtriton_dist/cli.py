@@ -288,9 +288,11 @@ def _progress(line: str) -> None:
 
 def _plan_outputs(args, plan, planner, specs, stats, cost, report: str) -> int:
     """Print the report; write ``--out``, draw ``--png``, run ``--simulate``."""
-    from fbtriton_dist.planner.cost_inputs import cost_line
+    from fbtriton_dist.planner.cost_inputs import cost_line, given_line
 
     print(report)
+    if given_line(planner.cost_model):  # plan --cost, a job's sharding.cost
+        print(given_line(planner.cost_model))
     flat = cost.as_plan_cost() if hasattr(cost, "as_plan_cost") else cost  # grouped: S ranks
     if args.out:
         header = (

@@ -22,7 +22,8 @@ from typing import Any
 from ._yaml import ConfigError, FieldError, choices_text, read_yaml
 from .cost import CostModel
 
-__all__ = ["COST_KEYS", "cost_line", "cost_values", "read_cost_file", "with_cost"]
+__all__ = ["COST_KEYS", "cost_line", "cost_values", "given_line", "read_cost_file",
+           "with_cost"]
 
 COST_KEYS: tuple[str, ...] = ("hbm_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth",
                               "host_tier_bandwidth", "disk_bandwidth")
@@ -82,3 +83,15 @@ def with_cost(model: CostModel, values: Mapping[str, float]) -> CostModel:
 def cost_line(model: CostModel) -> str:
     """The bandwidths ``model`` costs with, one line (a written plan's header says them)."""
     return "cost (bytes/s): " + ", ".join(f"{k} {getattr(model, k):.4g}" for k in COST_KEYS)
+
+
+def given_line(model: CostModel) -> str | None:
+    """The bandwidths of ``model`` that differ from :class:`CostModel`'s defaults, one line
+    (what ``plan`` prints under its report), or None when all are the defaults."""
+    default = CostModel()
+    given = [k for k in COST_KEYS if getattr(model, k) != getattr(default, k)]
+    if not given:
+        return None
+    return ("cost model, given (bytes/s): "
+            + ", ".join(f"{k} {getattr(model, k):.4g} (default {getattr(default, k):.4g})"
+                        for k in given))

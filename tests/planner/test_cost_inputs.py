@@ -49,7 +49,9 @@ def test_plan_cost_file_sets_the_model_and_the_plan_header(tmp_path, capsys):
     for name, extra in (("default", []), ("given", ["--cost", str(cost)])):
         out = tmp_path / f"{name}.yaml"
         assert main(["plan", str(tables), "--world-size", "1", "--out", str(out), *extra]) == 0
-        capsys.readouterr()
+        printed = capsys.readouterr().out
+        assert ("cost model, given (bytes/s): host_tier_bandwidth 8e+09 (default 2.5e+10), "
+                "disk_bandwidth 2.5e+08 (default 2e+09)" in printed) == (name == "given")
         outs[name] = out.read_text()
     assert "disk_bandwidth 2.5e+08" in outs["given"] and "host_tier_bandwidth 8e+09" in \
         outs["given"]
