@@ -11,6 +11,8 @@
 #                                      # GPU: the graphed pipeline at world size one)
 #   bash launch/gpu_check.sh bench     # bench dist, TorchRec DMP vs ours, same launch: every GPU
 #                                      # under torchrun, or --one-rank on a one-GPU machine
+#   bash launch/gpu_check.sh link      # bench link --device cuda: HBM gathers and the cached
+#                                      # tier's PCIe row traffic, $OUT/cost-cuda.yaml for plan --cost
 #
 # Dependencies the image lacks come from the repository, when present: .whl/ (torchrec and
 # friends, from ../shared/tools/device-wheels.sh) and .devcarry/ (FBGEMM's CUDA TBE, from
@@ -81,8 +83,13 @@ case $part in
       --out "$OUT/dist.json" 2>&1 | grep -v "Warning\|warn(\|_warn_once\|compat_table\|\[0m\|^ *$" \
       | tail -40 | tee "$OUT/bench.txt"
     ;;
+  link)
+    # shellcheck disable=SC2086  # BENCH_ARGS is a word list
+    timeout "${LIMIT:-540}" "$py" -m fbtriton_dist.bench link --device cuda ${BENCH_ARGS:-} \
+      --out "$OUT/cost-cuda.yaml" 2>&1 | tee "$OUT/link.txt" | tail -40
+    ;;
   *)
-    echo "usage: $0 kernels|train|dist|bench" >&2
+    echo "usage: $0 kernels|train|dist|bench|link" >&2
     exit 2
     ;;
 esac
