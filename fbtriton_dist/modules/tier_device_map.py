@@ -278,15 +278,10 @@ class DeviceMaps:
         its victims), the victims' rows written back and forgotten, the misses' rows gathered
         in (per table: its rows are its own tensors), the map updated."""
         key, lfu_ok = self._keys(mapped, clock)
-        take, got_at, victim_at, parts = [], [], [], []
-        for i, first, k, nfree in placed:
-            at = len(take)
-            take += range(self.slot_base[i], self.slot_base[i] + k)
-            got_at += range(first, first + k)
-            victim_at += range(at + nfree, at + k)
-            parts.append((i, at, k, nfree, len(victim_at) - (k - nfree)))
-        where = torch.tensor(take + got_at + victim_at, device=key.device)  # one copy there
-        K = len(take)
+        parts, K, V = [], 0, 0  # per table: (i, its first target, k, free ones, first victim)
+        for i, _, k, nfree in placed:
+            parts.append((i, K, k, nfree, V))
+            K, V = K + k, V + k - nfree
         if len(parts) == 1:  # one table: its first k by one topk
             (i, _, k, _, _), = parts
             s0 = self.slot_base[i]
@@ -296,19 +291,20 @@ class DeviceMaps:
             by_key = torch.argsort(key, stable=True)
             order = by_key.index_select(0, torch.argsort(
                 self.slot_table.index_select(0, by_key), stable=True))
-            targets = order.index_select(0, where[:K])
+            targets = torch.cat([order[self.slot_base[i] : self.slot_base[i] + k]
+                                 for i, _, k, _ in placed])
         for i, at, k, _, _ in parts:  # LFU keys too big for one int64: two stable sorts
             cache = self.caches[self.tables[i]]
             if cache.lfu and not lfu_ok:
                 s0, s1 = self.slot_base[i], self.slot_base[i + 1]
                 targets[at : at + k] = _sorted_victims(cache, mapped.used[s0:s1], k,
                                                        clock) + s0
-        got = mapped.new_rows.index_select(0, where[K : 2 * K])
+        got = torch.cat([mapped.new_rows[first : first + k] for _, first, k, _ in placed])
         ttable, local = self.slot_info[:2].index_select(1, targets).long().unbind()
         pairs = {i: self.caches[self.tables[i]].device_pairs(views(self.tables[i]))
                  for i, *_ in parts}
-        if victim_at:
-            victims = targets.index_select(0, where[2 * K :])
+        if V:
+            victims = torch.cat([targets[at + nfree : at + k] for _, at, k, nfree, _ in parts])
             vrows = self.row_of_slot.index_select(0, victims)
             vtable, vlocal, vslots = self.slot_info.index_select(1, victims).unbind()
             vdirty = self.dirty.index_select(0, victims)
