@@ -43,6 +43,11 @@ KNOBS: dict[str, tuple[str, str]] = {
         "where a cached table's slot map lives: auto (on the cache's device on CUDA, on the "
         "host elsewhere), device (on the cache's device everywhere: the CUDA path on the CPU) "
         "or host; read when a module is built or moved (modules/tiers.py)", "auto"),
+    "FBTD_HOST_MEMORY": (
+        "the host tier's memory on CUDA: managed (CUDA managed memory kept on the host, read "
+        "by the GPU through large pages; pinned where the device lacks concurrent managed "
+        "access) or pinned (page-locked host memory); read at each allocation "
+        "(ops/host_mapped.py)", "managed"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -80,6 +85,14 @@ def slot_map() -> str:
     raw = os.environ.get("FBTD_SLOT_MAP") or KNOBS["FBTD_SLOT_MAP"][1]
     if raw not in ("auto", "device", "host"):
         raise ValueError(f"FBTD_SLOT_MAP: expected one of ['auto', 'device', 'host'], got {raw!r}")
+    return raw
+
+
+def host_memory() -> str:
+    """``FBTD_HOST_MEMORY``: ``managed`` or ``pinned``; raises ValueError otherwise."""
+    raw = os.environ.get("FBTD_HOST_MEMORY") or KNOBS["FBTD_HOST_MEMORY"][1]
+    if raw not in ("managed", "pinned"):
+        raise ValueError(f"FBTD_HOST_MEMORY: expected one of ['managed', 'pinned'], got {raw!r}")
     return raw
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fbtriton_dist.ops import tier_native
+from fbtriton_dist.ops import host_mapped, tier_native
 from fbtriton_dist.storage import Storage
 
 
@@ -88,7 +88,7 @@ class Backing:
         if path is not None:
             return _file_tensor(path, numel, dtype, f"table '{self.name}' (tier 'file') {part}")
         t = torch.zeros(numel, dtype=dtype)
-        return t.pin_memory() if self.pin and numel else t
+        return host_mapped.host_copy(t, "cuda") if self.pin and numel else t
 
     def set_states(self, states: Sequence,
                    dtypes: Mapping[str, torch.dtype] | None = None) -> None:
@@ -105,12 +105,13 @@ class Backing:
         }
 
     def pin_now(self) -> None:
-        """The module moved to CUDA: host-memory rows become pinned (files stay mapped)."""
+        """The module moved to CUDA: host-memory rows move into memory the device addresses
+        (``ops/host_mapped.py``: managed or pinned; files stay mapped)."""
         if self.storage.tier == "file" or self.pin:
             return
         self.pin = True
-        self.weight = self.weight.pin_memory()
-        self.states = {k: v.pin_memory() for k, v in self.states.items()}
+        self.weight = host_mapped.host_copy(self.weight, "cuda")
+        self.states = {k: host_mapped.host_copy(v, "cuda") for k, v in self.states.items()}
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.int64)

@@ -121,7 +121,8 @@ class RowCache:
         and writes them over PCIe), elsewhere the tensors themselves. Made once per set of
         backing tensors."""
         if device.type == "cuda" and not all(
-                t.is_pinned() for t in (self.backing.weight, *self.backing.states.values())):
+                host_mapped.cuda_addressable(t)
+                for t in (self.backing.weight, *self.backing.states.values())):
             self.backing.pin = False  # a copy of the module holds pageable copies
             self.backing.pin_now()
         tensors = [self.backing.weight, *self.backing.states.values()]

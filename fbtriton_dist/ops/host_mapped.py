@@ -1,15 +1,17 @@
 """Tensors of a device whose memory is host memory (zero-copy): the ``host`` storage tier.
 
-``empty(shape, dtype, device)`` on a CUDA device allocates pinned host memory and hands torch
+``empty(shape, dtype, device)`` on a CUDA device allocates host memory the device can address
+(CUDA managed memory kept on the host, ``ops/cuda_managed.py``, read through large pages; or,
+with ``FBTD_HOST_MEMORY=pinned`` or where the device cannot, pinned memory) and hands torch
 a DLPack capsule that calls that memory CUDA memory of ``device``: with unified virtual
-addressing (every 64-bit CUDA platform) pinned host memory has the same address on the device,
+addressing (every 64-bit CUDA platform) that memory has the same address on the device,
 so every torch op and every Triton kernel reads and writes it in place, over PCIe, as FBGEMM's
 ``EmbeddingLocation.MANAGED`` rows (TorchRec's ``fused_uvm``). No compiled extension: the
 capsule is built with ctypes. On the CPU the same code wraps ordinary host memory with the
 DLPack CPU device type (tests run the very same capsule and deleter code there).
 
 The capsule's deleter drops the one reference that keeps the host tensor alive: the memory is
-freed (returned to torch's pinned allocator) when the last tensor viewing it dies.
+freed (to the driver, or to torch's pinned allocator) when the last tensor viewing it dies.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DL_CPU", "DL_CUDA", "copy_of", "empty", "host_of", "is_host_mapped", "live_count",
-           "wrap"]
+from fbtriton_dist import knobs
+from fbtriton_dist.ops import cuda_managed
+
+__all__ = ["DL_CPU", "DL_CUDA", "copy_of", "cuda_addressable", "empty", "host_copy", "host_of",
+           "is_host_mapped", "live_count", "wrap"]
 
 DL_CPU = 1
 """DLPack's ``kDLCPU``."""
@@ -85,8 +90,10 @@ def wrap(host: torch.Tensor, device_type: int, device_id: int = 0) -> torch.Tens
                          f"contiguous={host.is_contiguous()}")
     if host.dtype not in _CODES:
         raise ValueError(f"dtype: expected one of {list(_CODES)}, got {host.dtype}")
-    if device_type == DL_CUDA and host.numel() and not host.is_pinned():  # empty: no memory
-        raise ValueError("host: a CUDA mapping needs pinned host memory, got pageable memory")
+    if (device_type == DL_CUDA and host.numel()  # empty: no memory
+            and not cuda_addressable(host)):
+        raise ValueError("host: a CUDA mapping needs pinned or managed host memory, got "
+                         "pageable memory")
     n = host.dim()
     shape = (ctypes.c_int64 * max(n, 1))(*host.shape)
     strides = (ctypes.c_int64 * max(n, 1))(*host.stride())
@@ -105,6 +112,9 @@ def wrap(host: torch.Tensor, device_type: int, device_id: int = 0) -> torch.Tens
 
 def _host_memory(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if knobs.host_memory() == "managed" and cuda_managed.available(index):
+            return cuda_managed.empty(shape, dtype, device)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     if device.type != "cpu":
         raise ValueError(f"device: expected a CUDA or CPU device, got {device}")
@@ -133,10 +143,22 @@ def copy_of(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A copy of ``tensor`` (any device) on ``device`` in host memory, as ``empty``'s; the
     values are copied into the host memory before it is mapped."""
     device = torch.device(device)
-    host = _host_memory(tuple(tensor.shape), tensor.dtype, device)
+    return _map(host_copy(tensor, device), device)
+
+
+def host_copy(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor holding ``tensor``'s values in host memory that ``device`` addresses, as
+    ``empty``'s (on CUDA managed or pinned; ``wrap`` maps it)."""
+    host = _host_memory(tuple(tensor.shape), tensor.dtype, torch.device(device))
     with torch.no_grad():
         host.copy_(tensor)
-    return _map(host, device)
+    return host
+
+
+def cuda_addressable(tensor: torch.Tensor) -> bool:
+    """``tensor`` (a CPU tensor) lies in pinned or managed host memory: ``wrap`` maps it for
+    CUDA."""
+    return tensor.is_pinned() or cuda_managed.is_managed(tensor)
 
 
 def is_host_mapped(tensor: torch.Tensor) -> bool:

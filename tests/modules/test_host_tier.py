@@ -15,6 +15,7 @@ from fbtriton_dist.modules import host_tier
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.ops import cuda_managed
 from fbtriton_dist.ops.host_mapped import is_host_mapped
 from tests.conftest import TRITON_OK, requires_cuda
 from tests.helpers import device_for, make_batch, upstream_grad
@@ -189,8 +190,9 @@ def test_host_tier_on_cuda_is_zero_copy_and_trains_as_device():
             assert not is_host_mapped(tbe.weights)
             continue
         for t in (tbe.weights, tbe.momentum1, tbe.momentum2):
-            pinned = host_of(t)  # the pinned host tensor the CUDA tensor is
-            assert t.is_cuda and pinned is not None and pinned.is_pinned()
+            pinned = host_of(t)  # the host tensor the CUDA tensor is (managed or pinned)
+            assert t.is_cuda and pinned is not None
+            assert pinned.is_pinned() or cuda_managed.is_managed(pinned)
             assert pinned.data_ptr() == t.data_ptr()
             assert torch.equal(pinned, t.cpu())  # the kernels' updates landed in host memory
     assert_same(device, host)

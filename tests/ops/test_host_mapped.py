@@ -4,7 +4,8 @@ CPU the very same capsule and deleter code runs with DLPack's CPU device type.""
 import pytest
 import torch
 
-from fbtriton_dist.ops import host_mapped
+from fbtriton_dist import knobs
+from fbtriton_dist.ops import cuda_managed, host_mapped
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
@@ -48,7 +49,43 @@ def test_refusals():
         host_mapped.wrap(torch.zeros(3, 4).t(), host_mapped.DL_CPU)
     with pytest.raises(ValueError, match=r"dtype: expected one of .*, got torch.complex64"):
         host_mapped.wrap(torch.zeros(2, dtype=torch.complex64), host_mapped.DL_CPU)
-    with pytest.raises(ValueError, match="a CUDA mapping needs pinned host memory"):
+    with pytest.raises(ValueError, match="a CUDA mapping needs pinned or managed host memory"):
         host_mapped.wrap(torch.zeros(2), host_mapped.DL_CUDA)
     with pytest.raises(ValueError, match="device: expected a CUDA or CPU device, got meta"):
         host_mapped.empty(2, torch.float32, "meta")
+
+
+def test_host_memory_knob(monkeypatch):
+    monkeypatch.delenv("FBTD_HOST_MEMORY", raising=False)
+    assert knobs.host_memory() == "managed"
+    monkeypatch.setenv("FBTD_HOST_MEMORY", "pinned")
+    assert knobs.host_memory() == "pinned"
+    monkeypatch.setenv("FBTD_HOST_MEMORY", "uvm")
+    with pytest.raises(ValueError, match=r"FBTD_HOST_MEMORY: expected one of \['managed', "
+                       r"'pinned'\], got 'uvm'"):
+        knobs.host_memory()
+    assert not cuda_managed.is_managed(torch.zeros(3))  # ordinary memory
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("memory", ["managed", "pinned"])
+def test_cuda_host_memory_kinds(memory, monkeypatch):
+    """On CUDA: managed memory kept on the host by default (where the device allows it),
+    pinned memory with the knob; either way the CUDA tensor and its host tensor are the same
+    bytes, kernels write through, and the memory is freed with the last tensor."""
+    monkeypatch.setenv("FBTD_HOST_MEMORY", memory)
+    blocks = cuda_managed.live_blocks()
+    managed = memory == "managed" and cuda_managed.available(torch.cuda.current_device())
+    mapped = host_mapped.empty((1000, 8), torch.float32, "cuda", fill=0.5)
+    host = host_mapped.host_of(mapped)
+    assert mapped.is_cuda and host.data_ptr() == mapped.data_ptr()
+    assert cuda_managed.is_managed(host) == managed and host.is_pinned() == (not managed)
+    assert cuda_managed.live_blocks() == blocks + managed
+    rows = torch.tensor([999, 0, 7], device="cuda")
+    mapped.index_copy_(0, rows, torch.arange(24.0, device="cuda").view(3, 8))
+    torch.cuda.synchronize()
+    assert torch.equal(host[999], torch.arange(8.0)) and host[1].eq(0.5).all()
+    copy = host_mapped.copy_of(torch.randn(5, 3, dtype=torch.bfloat16), "cuda")
+    assert torch.equal(copy.cpu(), host_mapped.host_of(copy))
+    del mapped, host, copy
+    assert cuda_managed.live_blocks() == blocks
