@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fbtriton_dist import knobs
 from fbtriton_dist.modules.tier_backing import Backing, copy_rows
-from fbtriton_dist.ops import host_mapped
+from fbtriton_dist.ops import cuda_managed, host_mapped
 from fbtriton_dist.storage import Storage
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -103,6 +104,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch's CPU threads (torch.set_num_threads; default: torch's, "
                         f"{torch.get_num_threads()} here): the CPU gather runs on them")
+    p.add_argument("--host-memory", default=None, metavar="KIND[,KIND]",
+                   help="cuda: the backing store's host memory, managed and/or pinned "
+                        "(FBTD_HOST_MEMORY; default: its setting); the YAML takes the first. "
+                        "Pinned memory's small GPU pages show past a few GiB of --table-rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="COST.yaml", default=None,
                    help="write the cost: YAML block here")
@@ -111,6 +116,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: expected a CUDA device, torch sees none")
+    kinds = (knobs.host_memory() if args.host_memory is None else args.host_memory).split(",")
+    if not kinds or any(k not in ("managed", "pinned") for k in kinds) or len(set(kinds)) < len(
+            kinds):
+        p.error(f"--host-memory: expected managed, pinned or both (comma-separated), got "
+                f"{args.host_memory!r}")
+    args.host_memory = kinds
     rows, sizes = TINY if args.tiny else DEFAULTS[args.device]
     args.table_rows = args.table_rows or rows
     args.batch_rows = sorted(args.batch_rows or sizes)
@@ -238,12 +249,17 @@ def measure_cuda(args, gen) -> list[Result]:
     table = torch.randn(E, D, device=device).to(dtype)
     out = _gather(table, sizes, args.repeats, gen, sync, "hbm_bandwidth")
     del table
-    backing = Backing("link", Storage(tier="cached"), E, D, dtype, pin=True)
-    _fill(backing.weight, gen)
-    view = host_mapped.wrap(backing.weight, host_mapped.DL_CUDA, device.index)
     cache = torch.zeros(sizes[-1], D, dtype=dtype, device=device)
-    out += _round_trips(view, cache, sizes, args.repeats, gen, sync,
-                        "cached tier: pinned host <-> HBM (mapped view)", "host_tier_bandwidth")
+    for i, kind in enumerate(args.host_memory):  # the YAML takes the first
+        with knobs.set_for_now("FBTD_HOST_MEMORY", kind):
+            backing = Backing("link", Storage(tier="cached"), E, D, dtype, pin=True)
+        _fill(backing.weight, gen)
+        view = host_mapped.wrap(backing.weight, host_mapped.DL_CUDA, device.index)
+        made = "managed" if cuda_managed.is_managed(backing.weight) else "pinned"
+        out += _round_trips(view, cache, sizes, args.repeats, gen, sync,
+                            f"cached tier: {made} host <-> HBM (mapped view)",
+                            "host_tier_bandwidth" if i == 0 else None)
+        del view, backing
     return out
 
 

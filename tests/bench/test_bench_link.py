@@ -1,6 +1,8 @@
 """``bench link`` (``bench/link.py``): the ``cost:`` YAML it writes on the CPU loads back and
 feeds a plan."""
 
+import pytest
+
 from fbtriton_dist.bench import link
 from fbtriton_dist.cli import main
 from fbtriton_dist.planner.cost_inputs import read_cost_file
@@ -27,3 +29,10 @@ def test_cpu_cost_file_loads_back_and_feeds_a_plan(tmp_path, capsys):
     assert main(["plan", str(tables), "--world-size", "1", "--cost", str(cost),
                  "--out", str(plan)]) == 0
     assert f"disk_bandwidth {measured['disk_bandwidth']:.4g}" in plan.read_text()
+
+
+def test_host_memory_choice_is_checked(capsys):
+    for bad in ("uvm", "pinned,pinned", ""):
+        with pytest.raises(SystemExit):
+            link.main(["--device", "cpu", "--tiny", "--host-memory", bad])
+        assert "--host-memory: expected managed, pinned or both" in capsys.readouterr().err
