@@ -164,12 +164,13 @@ typedef struct {
  * better one (docs/results/tbe-cpu-forward-adaptive-2026-12-05.md). -1: never, REUSE_SAMPLE:
  * always. */
 #ifndef DEEP_TOUCH_MAX_REPEATS
-#define DEEP_TOUCH_MAX_REPEATS 40
+#define DEEP_TOUCH_MAX_REPEATS 10
 #endif
 #ifndef DEEP_TOUCH_BYTES
 #define DEEP_TOUCH_BYTES 256
 #endif
-#define REUSE_SAMPLE 256
+#define REUSE_SAMPLE_BITS 6
+#define REUSE_SAMPLE (1 << REUSE_SAMPLE_BITS)
 #define ID64(i) ((const int64_t *)a->indices)[i]
 #define ID32(i) (int64_t)((const int32_t *)a->indices)[i]
 #define IDANY(i) at(a->indices, a->idx32, i)
@@ -319,8 +320,9 @@ INLINE int64_t pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, floa
 /* Does the run of ids s..e repeat few rows (at most DEEP_TOUCH_MAX_REPEATS per REUSE_SAMPLE)?
  * Counted on a strided sample of up to REUSE_SAMPLE of its ids in a small open-addressing set
  * on the stack (~1 us; strided, so that ids in order are not all distinct by their first
- * ones). Repeats in 256 sampled ids of a C1 table's 10240 (E = 2e5): uniform 0-1, Zipf 0.8
- * 10-24, Zipf 1.0 58-78, Zipf 1.1 90-111, Zipf 1.4 175-189. */
+ * ones). Repeats in 64 sampled ids of a C1 table's 10240 (E = 2e5; in 256: ~4x): uniform 0,
+ * Zipf 0.8 0-3, Zipf 1.0 7-15, Zipf 1.1 13-21, Zipf 1.4 33-42 (a sample of 256 cost 1 % of
+ * C1 Zipf 1.1's module forward). */
 static int few_repeats(const fwd_args *a, int64_t s, int64_t e) {
     if (DEEP_TOUCH_MAX_REPEATS < 0 || s < 0 || e <= s) return 0;
     if (DEEP_TOUCH_MAX_REPEATS >= REUSE_SAMPLE) return 1;
@@ -331,7 +333,7 @@ static int few_repeats(const fwd_args *a, int64_t s, int64_t e) {
     int64_t repeats = 0;
     for (int64_t j = 0; j < m; ++j) {
         const uint64_t key = (uint64_t)at(a->indices, a->idx32, s + j * step) + 1;
-        uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 55; /* 9 bits: 2 * REUSE_SAMPLE slots */
+        uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> (63 - REUSE_SAMPLE_BITS); /* a slot */
         while (seen[h] && seen[h] != key) h = (h + 1) & (2 * REUSE_SAMPLE - 1);
         if (seen[h]) ++repeats;
         else seen[h] = key;
