@@ -164,7 +164,7 @@ typedef struct {
  * better one (docs/results/tbe-cpu-forward-adaptive-2026-12-05.md). -1: never, REUSE_SAMPLE:
  * always. */
 #ifndef DEEP_TOUCH_MAX_REPEATS
-#define DEEP_TOUCH_MAX_REPEATS 10
+#define DEEP_TOUCH_MAX_REPEATS 6
 #endif
 #ifndef DEEP_TOUCH_BYTES
 #define DEEP_TOUCH_BYTES 256
