@@ -317,22 +317,21 @@ INLINE int64_t pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, floa
     return pool_bag_dim(a, f, s, e, o, pf_end, deep, PLAIN, D);
 }
 
-/* Does the run of ids s..e repeat few rows (at most DEEP_TOUCH_MAX_REPEATS per REUSE_SAMPLE)?
- * Counted on a strided sample of up to REUSE_SAMPLE of its ids in a small open-addressing set
- * on the stack (~1 us; strided, so that ids in order are not all distinct by their first
- * ones). Repeats in 64 sampled ids of a C1 table's 10240 (E = 2e5; in 256: ~4x): uniform 0,
- * Zipf 0.8 0-3, Zipf 1.0 7-15, Zipf 1.1 13-21, Zipf 1.4 33-42 (a sample of 256 cost 1 % of
- * C1 Zipf 1.1's module forward). */
+/* Does the run of ids s..e repeat few rows (at most DEEP_TOUCH_MAX_REPEATS in its first
+ * REUSE_SAMPLE ids)? Counted in a small open-addressing set on the stack, on the run's first ids
+ * (the pass reads them next; a strided sample over the run cost 1-2 % more on C1 Zipf 1.1, one
+ * of 256 ids ~1 % of its module forward). Repeats in the first 64 ids of a C1 table's run (E =
+ * 2e5; 1 or 2 runs a table): uniform 0, Zipf 0.8 0-3, Zipf 0.9 2-10, Zipf 1.0 7-17, Zipf 1.1
+ * 13-23, Zipf 1.4 31-41. */
 static int few_repeats(const fwd_args *a, int64_t s, int64_t e) {
     if (DEEP_TOUCH_MAX_REPEATS < 0 || s < 0 || e <= s) return 0;
     if (DEEP_TOUCH_MAX_REPEATS >= REUSE_SAMPLE) return 1;
-    const int64_t n = e - s, step = n > REUSE_SAMPLE ? n / REUSE_SAMPLE : 1;
-    const int64_t m = n < REUSE_SAMPLE ? n : REUSE_SAMPLE;
+    const int64_t m = e - s < REUSE_SAMPLE ? e - s : REUSE_SAMPLE;
     uint64_t seen[2 * REUSE_SAMPLE]; /* id + 1; 0: empty */
     memset(seen, 0, sizeof seen);
     int64_t repeats = 0;
     for (int64_t j = 0; j < m; ++j) {
-        const uint64_t key = (uint64_t)at(a->indices, a->idx32, s + j * step) + 1;
+        const uint64_t key = (uint64_t)at(a->indices, a->idx32, s + j) + 1;
         uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> (63 - REUSE_SAMPLE_BITS); /* a slot */
         while (seen[h] && seen[h] != key) h = (h + 1) & (2 * REUSE_SAMPLE - 1);
         if (seen[h]) ++repeats;
