@@ -158,9 +158,9 @@ typedef struct {
 #endif
 /* A run of ids that repeats few rows (few_repeats: at most DEEP_TOUCH_MAX_REPEATS of
  * REUSE_SAMPLE sampled ids) touches the first DEEP_TOUCH_BYTES of that row instead (the lines
- * of the next bags' first pass): its rows are mostly in no cache. C1 (D = 128), 1 thread, huge
- * pages, kernel CPU time: the 4-line touch is 7-13% faster on uniform ids and 7-18% on Zipf
- * 0.8, even on Zipf 1.0, 5-10% slower on Zipf 1.1 than the one line; the sample picks the
+ * of the next bags' first pass): its rows are mostly in no cache. C1 (D = 128), 1-2 threads, huge
+ * pages, the kernel alone: the 4-line touch is 7-15 % faster than the one line on uniform and
+ * Zipf 0.8 ids, even on Zipf 1.0, 3-6 % slower on Zipf 1.1 and 1.4; the sample picks the
  * better one (docs/results/tbe-cpu-forward-adaptive-2026-12-05.md). -1: never, REUSE_SAMPLE:
  * always. */
 #ifndef DEEP_TOUCH_MAX_REPEATS
