@@ -9,6 +9,9 @@ random-batch comparison of ``test_cpu_native.py`` passing:
   under ``bounds_check="ignore"`` is refused, never read from the next table;
 * the forward's fp32 sums for D = 64 and 128 (constant-D copies of its code) and another D:
   rows added in id order, bit for bit, at 1, 2 and 3 threads, int64 and int32 ids;
+* the forward's two touch depths (a run of ids with almost no repeats touches more of the row
+  ahead than a repeat-heavy one): both in one batch, the last row of each table named, bags
+  shorter than the prefetch distance, the same bits as the rows added in id order;
 * fp16 / bf16 row writes round to nearest even: updates landing a quarter, a half (a tie)
   and three quarters of an ulp past a representable value."""
 
@@ -178,6 +181,49 @@ def test_fixed_width_rows_sum_in_id_order_at_any_thread_count(native):
                 assert torch.equal(got, want), (idt, threads)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_touch_depths_sum_in_id_order(wdt, native, threads):
+    """Features of D 128 (fp32: the constant-D copy) and 96 (the general code): one whose ids
+    are all distinct (the deep touch), one whose ids name 6 rows (the shallow one), bags of 0 ..
+    25 ids, the last row named; with per-sample weights too, at 1 and 2 threads."""
+    assert cpu_native.library() is not None
+    g = torch.Generator().manual_seed(5)
+    tables, B = [(2000, 128), (2000, 128), (900, 96), (900, 96)], 40
+    m = TableBatchedEmbedding(tables, backend="cpu", weights_dtype=wdt)
+    with torch.no_grad():
+        m.weights.copy_(torch.randn(m.weights.shape, generator=g))
+    lengths = torch.randint(0, 26, (len(tables) * B,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids = []
+    for f, (E, _) in enumerate(tables):
+        n = int(lengths[f * B: (f + 1) * B].sum())
+        if f % 2 == 0:  # distinct rows, the last one among them
+            x = torch.randperm(E, generator=g)[:n]
+            x[n // 2] = E - 1
+        else:  # 6 rows, the last one among them
+            x = torch.tensor([0, 7, 8, 9, 11, E - 1])[torch.randint(0, 6, (n,), generator=g)]
+        ids.append(x)
+    indices = torch.cat(ids)
+    psw = torch.rand(indices.numel(), generator=g) + 0.5
+    w, base, want, want_w = m.weights.detach().view(-1).float(), 0, [], []
+    for f, (E, D) in enumerate(tables):
+        rows = w[base: base + E * D].view(E, D)
+        for b in range(B):
+            acc, acc_w = torch.zeros(D), torch.zeros(D)
+            for i in range(int(offsets[f * B + b]), int(offsets[f * B + b + 1])):
+                acc, acc_w = acc + rows[indices[i]], acc_w + psw[i] * rows[indices[i]]
+            want.append(acc)
+            want_w.append(acc_w)
+        base += E * D
+    want, want_w = (torch.cat([torch.stack(v[f * B: (f + 1) * B]) for f in range(len(tables))], 1)
+                    for v in (want, want_w))
+    for n in (1, 2):
+        threads(n)
+        with torch.no_grad():
+            assert torch.equal(m(indices, offsets), want), n
+            assert torch.equal(m(indices, offsets, psw), want_w), n
 
 
 # ---------------------------------------------------------------- fp16 / bf16 row writes

@@ -156,6 +156,21 @@ typedef struct {
 #ifndef TOUCH_IDS
 #define TOUCH_IDS 30
 #endif
+/* A run of ids that repeats few rows (few_repeats: at most DEEP_TOUCH_MAX_REPEATS of
+ * REUSE_SAMPLE sampled ids) touches the first DEEP_TOUCH_BYTES of that row instead (the lines
+ * of the next bags' first pass): its rows are mostly in no cache. C1 (D = 128), 1-2 threads, huge
+ * pages, the kernel alone: the 4-line touch is 7-15 % faster than the one line on uniform and
+ * Zipf 0.8 ids, even on Zipf 1.0, 3-6 % slower on Zipf 1.1 and 1.4; the sample picks the
+ * better one (docs/results/tbe-cpu-forward-adaptive-2026-12-05.md). -1: never, REUSE_SAMPLE:
+ * always. */
+#ifndef DEEP_TOUCH_MAX_REPEATS
+#define DEEP_TOUCH_MAX_REPEATS 6
+#endif
+#ifndef DEEP_TOUCH_BYTES
+#define DEEP_TOUCH_BYTES 256
+#endif
+#define REUSE_SAMPLE_BITS 6
+#define REUSE_SAMPLE (1 << REUSE_SAMPLE_BITS)
 #define ID64(i) ((const int64_t *)a->indices)[i]
 #define ID32(i) (int64_t)((const int32_t *)a->indices)[i]
 #define IDANY(i) at(a->indices, a->idx32, i)
@@ -163,7 +178,7 @@ typedef struct {
     INLINE int64_t pool_##NV##_##DT##_##W##_##ID##_##LN(const fwd_args *a, const char *tab,     \
                                              int64_t D,                                          \
                                              uint64_t E, int64_t s, int64_t e, int64_t d0,       \
-                                             float *o, int64_t pf_end, int first) {              \
+                                             float *o, int64_t pf_end, int first, int deep) {    \
         enum { LINES = LN && ES == 4 && NV % 2 == 0 }; /* fp32 rows in 16-float vectors */      \
         const int64_t bytes = D * ES;                                                            \
         const char *col = tab + d0 * ES;                                                         \
@@ -180,7 +195,12 @@ typedef struct {
             }                                                                                    \
             if (!first && i + TOUCH_IDS < pf_end) { /* a later pass: start a page walk */       \
                 const uint64_t r = (uint64_t)ID(i + TOUCH_IDS);                                  \
-                if (r < E) __builtin_prefetch(tab + r * bytes, 0, 3);                            \
+                if (r < E) {                                                                     \
+                    __builtin_prefetch(tab + r * bytes, 0, 3);                                   \
+                    if (deep) /* and fetch the first pass's lines */                             \
+                        for (int64_t c = 64; c < DEEP_TOUCH_BYTES && c < bytes; c += 64)         \
+                            __builtin_prefetch(tab + r * bytes + c, 0, 3);                       \
+                }                                                                                \
             }                                                                                    \
             const uint64_t id = (uint64_t)ID(i);                                                 \
             if (id >= E) {                                                                       \
@@ -251,22 +271,22 @@ INLINE int64_t pool_tail(const fwd_args *a, const char *tab, int64_t D, uint64_t
 #define POOL_PASSES(DT, W, ID, LN)                                                                 \
     do {                                                                                         \
         for (; d0 + 64 <= D; d0 += 64, first = 0)                                                \
-            bad = pool_8_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first);           \
+            bad = pool_8_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first, deep); \
         if (D - d0 >= 32)                                                                        \
-            bad = pool_4_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_4_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first, deep), \
                 d0 += 32, first = 0;                                                             \
         if (D - d0 >= 16)                                                                        \
-            bad = pool_2_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_2_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first, deep), \
                 d0 += 16, first = 0;                                                             \
         if (D - d0 >= 8)                                                                         \
-            bad = pool_1_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first),           \
+            bad = pool_1_##DT##_##W##_##ID##_##LN(a, tab, D, E, s, e, d0, o, pf_end, first, deep), \
                 d0 += 8, first = 0;                                                              \
     } while (0)
 
 /* PLAIN: fp32 rows, no per-sample weights (the other cases are not built in); D: a->dims[f].
  * Returns the ids skipped (out of range). */
 INLINE int64_t pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
-                            int64_t pf_end, int PLAIN, const int64_t D) {
+                            int64_t pf_end, int deep, int PLAIN, const int64_t D) {
     const uint64_t E = (uint64_t)a->rows[f];
     const char *tab = (const char *)a->weights + a->w_offsets[f] * (a->dtype == F32 ? 4 : 2);
     int64_t bad = 0;
@@ -290,11 +310,34 @@ INLINE int64_t pool_bag_dim(const fwd_args *a, int64_t f, int64_t s, int64_t e, 
  * unrolled, each id's prefetches and row address without a loop or a multiply (C1, D = 128:
  * ~10% less CPU time per forward on an AMD EPYC; the same sums) */
 INLINE int64_t pool_bag(const fwd_args *a, int64_t f, int64_t s, int64_t e, float *o,
-                        int64_t pf_end, int PLAIN) {
+                        int64_t pf_end, int deep, int PLAIN) {
     const int64_t D = a->dims[f];
-    if (PLAIN && D == 128) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 128);
-    if (PLAIN && D == 64) return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, 64);
-    return pool_bag_dim(a, f, s, e, o, pf_end, PLAIN, D);
+    if (PLAIN && D == 128) return pool_bag_dim(a, f, s, e, o, pf_end, deep, PLAIN, 128);
+    if (PLAIN && D == 64) return pool_bag_dim(a, f, s, e, o, pf_end, deep, PLAIN, 64);
+    return pool_bag_dim(a, f, s, e, o, pf_end, deep, PLAIN, D);
+}
+
+/* Does the run of ids s..e repeat few rows (at most DEEP_TOUCH_MAX_REPEATS in its first
+ * REUSE_SAMPLE ids)? Counted in a small open-addressing set on the stack, on the run's first ids
+ * (the pass reads them next; a strided sample over the run cost 1-2 % more on C1 Zipf 1.1, one
+ * of 256 ids ~1 % of its module forward). Repeats in the first 64 ids of a C1 table's run (E =
+ * 2e5; 1 or 2 runs a table): uniform 0, Zipf 0.8 0-3, Zipf 0.9 2-10, Zipf 1.0 7-17, Zipf 1.1
+ * 13-23, Zipf 1.4 31-41. */
+static int few_repeats(const fwd_args *a, int64_t s, int64_t e) {
+    if (DEEP_TOUCH_MAX_REPEATS < 0 || s < 0 || e <= s) return 0;
+    if (DEEP_TOUCH_MAX_REPEATS >= REUSE_SAMPLE) return 1;
+    const int64_t m = e - s < REUSE_SAMPLE ? e - s : REUSE_SAMPLE;
+    uint64_t seen[2 * REUSE_SAMPLE]; /* id + 1; 0: empty */
+    memset(seen, 0, sizeof seen);
+    int64_t repeats = 0;
+    for (int64_t j = 0; j < m; ++j) {
+        const uint64_t key = (uint64_t)at(a->indices, a->idx32, s + j) + 1;
+        uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> (63 - REUSE_SAMPLE_BITS); /* a slot */
+        while (seen[h] && seen[h] != key) h = (h + 1) & (2 * REUSE_SAMPLE - 1);
+        if (seen[h]) ++repeats;
+        else seen[h] = key;
+    }
+    return repeats * REUSE_SAMPLE <= (int64_t)DEEP_TOUCH_MAX_REPEATS * m;
 }
 
 /* the first id of s..e that feature f's table does not hold (a bag that dropped some) */
@@ -304,56 +347,67 @@ static int64_t first_dropped(const fwd_args *a, int64_t f, int64_t s, int64_t e)
     return e;
 }
 
+/* fwd_bags' bags k0 .. hi of feature f (end: where prefetching stops; deep: as few_repeats
+ * says, a constant where the caller can make it one) */
+INLINE int fwd_run(const fwd_args *a, int64_t f, int64_t k0, int64_t hi, int64_t end, int deep,
+                   int PLAIN, fwd_counts *c) {
+    int bad = 0;
+    const int64_t last = a->T * a->B - 1, D = a->dims[f];
+    for (int64_t k = k0; k < hi; ++k) {
+        const int64_t s = at(a->offsets, a->off32, k), e = at(a->offsets, a->off32, k + 1);
+        float *o = a->out + (k - f * a->B) * a->stride + a->D_offsets[f];
+        if (s < 0 || e < s || e > a->N ||
+            (a->check && ((k == 0 && s != 0) || (k == last && e != a->N)))) {
+            if (a->pooling != POOL_NONE) memset(o, 0, sizeof(float) * D);
+            bad |= BAD_ORDER;
+            c->malformed++;
+            continue;
+        }
+        if (a->check_weights) { /* the bag's weights, in cache: read again below */
+            int64_t nonfinite = 0;
+            for (int64_t i = s; i < e; ++i) nonfinite += !isfinite(a->psw[i]);
+            if (nonfinite) bad |= BAD_WEIGHT, c->malformed += nonfinite;
+        }
+        if (a->pooling == POOL_NONE) {
+            for (int64_t i = s; i < e; ++i)
+                if (pool_bag(a, f, i, i + 1, a->out + i * a->stride, end, deep, PLAIN)) {
+                    bad |= BAD_ID;
+                    c->dropped++;
+                    if (i < c->first) c->first = i;
+                }
+            continue;
+        }
+        const int64_t dropped = pool_bag(a, f, s, e, o, end, deep, PLAIN);
+        if (dropped) {
+            bad |= BAD_ID;
+            c->dropped += dropped;
+            if (s < c->first) {
+                const int64_t i = first_dropped(a, f, s, e);
+                if (i < c->first) c->first = i;
+            }
+        }
+        if (a->pooling == POOL_MEAN && e - s > dropped) {
+            const float n = (float)(e - s - dropped);
+            for (int64_t d = 0; d < D; ++d) o[d] /= n;
+        }
+    }
+    return bad;
+}
+
 /* Bags k0 .. k1 (feature-major: bag k of feature k / B); returns BAD_* bits (bad bags and ids
  * skipped, non-finite weights), and with a->check counts them in c (a bag is also malformed if it is the first
  * and does not start at 0, or the last and does not end at N, as the Triton kernel's check).
  * Skipped ids are dropped: a mean divides by the ids kept. PLAIN: as pool_bag's. */
 INLINE int fwd_bags(const fwd_args *a, int64_t k0, int64_t k1, int PLAIN, fwd_counts *c) {
     int bad = 0;
-    const int64_t last = a->T * a->B - 1;
     while (k0 < k1) {
         const int64_t f = k0 / a->B, hi = (f + 1) * a->B < k1 ? (f + 1) * a->B : k1;
-        const int64_t D = a->dims[f];
         int64_t end = at(a->offsets, a->off32, hi); /* prefetching stops here */
         if (end > a->N) end = a->N;
-        for (int64_t k = k0; k < hi; ++k) {
-            const int64_t s = at(a->offsets, a->off32, k), e = at(a->offsets, a->off32, k + 1);
-            float *o = a->out + (k - f * a->B) * a->stride + a->D_offsets[f];
-            if (s < 0 || e < s || e > a->N ||
-                (a->check && ((k == 0 && s != 0) || (k == last && e != a->N)))) {
-                if (a->pooling != POOL_NONE) memset(o, 0, sizeof(float) * D);
-                bad |= BAD_ORDER;
-                c->malformed++;
-                continue;
-            }
-            if (a->check_weights) { /* the bag's weights, in cache: read again below */
-                int64_t nonfinite = 0;
-                for (int64_t i = s; i < e; ++i) nonfinite += !isfinite(a->psw[i]);
-                if (nonfinite) bad |= BAD_WEIGHT, c->malformed += nonfinite;
-            }
-            if (a->pooling == POOL_NONE) {
-                for (int64_t i = s; i < e; ++i)
-                    if (pool_bag(a, f, i, i + 1, a->out + i * a->stride, end, PLAIN)) {
-                        bad |= BAD_ID;
-                        c->dropped++;
-                        if (i < c->first) c->first = i;
-                    }
-                continue;
-            }
-            const int64_t dropped = pool_bag(a, f, s, e, o, end, PLAIN);
-            if (dropped) {
-                bad |= BAD_ID;
-                c->dropped += dropped;
-                if (s < c->first) {
-                    const int64_t i = first_dropped(a, f, s, e);
-                    if (i < c->first) c->first = i;
-                }
-            }
-            if (a->pooling == POOL_MEAN && e - s > dropped) {
-                const float n = (float)(e - s - dropped);
-                for (int64_t d = 0; d < D; ++d) o[d] /= n;
-            }
-        }
+        const int deep = a->dims[f] > 64 && few_repeats(a, at(a->offsets, a->off32, k0), end);
+        /* the common case's two depths built apart: a run-time flag in its inner loop cost */
+        if (PLAIN && deep) bad |= fwd_run(a, f, k0, hi, end, 1, PLAIN, c);
+        else bad |= fwd_run(a, f, k0, hi, end, PLAIN ? 0 : deep, PLAIN, c);
         k0 = hi;
     }
     return bad;
