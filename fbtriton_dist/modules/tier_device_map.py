@@ -38,6 +38,8 @@ from itertools import accumulate
 
 import torch
 
+from fbtriton_dist import knobs
+
 __all__ = ["DeviceMaps", "Mapped", "check", "check_codes", "flush", "host_values"]
 
 _BIG = torch.iinfo(torch.int64).max
@@ -140,6 +142,9 @@ class DeviceMaps:
         self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
+        mode = knobs.slot_map_kernels()  # the fused path (``kernels/slot_map.py``) or torch
+        self.kernels = mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+        self._row_plan: tuple | None = None  # (its key, ``RowPlan``): where the rows are
 
     def _features(self, feature_table_map: list[int], device) -> None:
         """Per feature (made once per feature-table map): its table's index here (-1: its
@@ -170,6 +175,8 @@ class DeviceMaps:
         N, B, dev = indices.numel(), (offsets.numel() - 1) // T, indices.device
         S, Tm = self.slot_base[-1], len(self.tables)
         self._features(feature_table_map, dev)
+        if self.kernels:
+            return self._map_fused(indices, offsets, T, B, clock)
         bounds = offsets[::B].contiguous().long()
         feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
         feature = feature.clamp_(0, T - 1)
@@ -221,6 +228,32 @@ class DeviceMaps:
         return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
                       counts=counts)
 
+    def _map_fused(self, indices: torch.Tensor, offsets: torch.Tensor, T: int, B: int,
+                   clock: int) -> Mapped:
+        """``map`` in two kernel launches (and the misses' compaction: a cumulative sum and a
+        scatter), the same ``Mapped`` bit for bit (``new_rows`` past ``sum(M)`` aside)."""
+        from fbtriton_dist.ops import slot_map as fused
+
+        N, dev = indices.numel(), indices.device
+        S, Tm = self.slot_base[-1], len(self.tables)
+        C_max = max(c.slots for c in self.caches.values())
+        check_codes(C_max, N)
+        used = torch.zeros(S, dtype=torch.bool, device=dev)
+        counts = torch.zeros(Tm, Mapped.COUNTS, dtype=torch.int64, device=dev)
+        rows, live, local, code, table = fused.map_ids(
+            indices, offsets.contiguous(), B, T, self.feature_info, self.table_slots,
+            self.slot_of_row, used, counts, C_max + 1 + N)
+        first, free, cand = fused.map_first(rows, code, table, self.table_slots,
+                                            self.slot_of_row, used, self.last_seen, self.dirty,
+                                            self.slot_table, counts, clock)
+        if self.grouped:
+            new_rows = fused.compact(first, local)
+        else:  # grouped by table, id order within each
+            order = torch.argsort(torch.where(first, table, Tm), stable=True)
+            new_rows = local.index_select(0, order)
+        return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
+                      counts=counts)
+
     def split(self, values: list[int]) -> dict[int, list[int]]:
         """``host_values(mapped.counts)`` per table."""
         K = Mapped.COUNTS
@@ -235,8 +268,12 @@ class DeviceMaps:
         ``train``)."""
         if lookup:
             if any(c[0] for c in counts.values()):
-                self.last_seen.masked_fill_(mapped.used, clock)
-                self.counts.add_(mapped.used)
+                if self.kernels:  # stamped and marked dirty (no target is a used slot)
+                    self._fused().stamp(mapped.used, self.last_seen, self.counts, self.dirty,
+                                        clock, train)
+                else:
+                    self.last_seen.masked_fill_(mapped.used, clock)
+                    self.counts.add_(mapped.used)
             for t, c in counts.items():
                 self.caches[t].stats["lookups"] += c[0] + c[1]
                 self.caches[t].touches += 1
@@ -265,6 +302,8 @@ class DeviceMaps:
             raise error
         if not lookup:
             return None
+        if self.kernels:
+            return self._fused().slots_of(mapped.rows, mapped.live, self.slot_of_row, indices)
         if train:
             self.dirty.logical_or_(mapped.used)
         slots = self.slot_of_row.index_select(0, mapped.rows).to(indices.dtype)
@@ -303,6 +342,9 @@ class DeviceMaps:
                 s0, s1 = self.slot_base[i], self.slot_base[i + 1]
                 targets[at : at + k] = _sorted_victims(cache, mapped.used[s0:s1], k,
                                                        clock) + s0
+        if self.kernels and self._fused_rows(mapped, targets, where, K, len(victim_at), parts,
+                                             views, clock, lookup, train):
+            return
         got = mapped.new_rows.index_select(0, where[K : 2 * K])
         ttable, local = self.slot_info[:2].index_select(1, targets).long().unbind()
         pairs = {i: self.caches[self.tables[i]].device_pairs(views(self.tables[i]))
@@ -335,19 +377,56 @@ class DeviceMaps:
         self.counts.index_fill_(0, targets, 1 if lookup else 0)  # prefetched: 1 at its lookup
         self.dirty.index_fill_(0, targets, train)
 
+    @staticmethod
+    def _fused():
+        from fbtriton_dist.ops import slot_map
+
+        return slot_map
+
+    def _fused_rows(self, mapped: Mapped, targets: torch.Tensor, where: torch.Tensor, K: int,
+                    V: int, parts: list, views, clock: int, lookup: bool, train: bool) -> bool:
+        """``_place``'s moves and map updates in one launch per direction (per dtype pair of
+        the tensors), for every table and tensor: the dirty victims' rows back (a clean one
+        holds its row's bytes: ``_write``'s result), their entries forgotten, the misses'
+        rows in, the targets' entries. False (nothing done): some tensor's rows are not
+        contiguous or of a dtype the kernels know (the torch moves then)."""
+        fused = self._fused()
+        pairs = [self.caches[t].device_pairs(views(t)) for t in self.tables]
+        key = fused.RowPlan.key(pairs)
+        if self._row_plan is None or self._row_plan[0] != key:
+            if not fused.RowPlan.fits(pairs):
+                return False
+            self._row_plan = (key, fused.RowPlan(pairs, targets.device))
+        plan = self._row_plan[1]
+        for i, _, k, nfree, _ in parts:
+            stats = self.caches[self.tables[i]].stats
+            stats["evictions"] += k - nfree
+            stats["misses"] += k
+        if V:
+            fused.rows_out(plan, where, targets, K, V, self.row_of_slot, self.dirty,
+                           self.slot_info, self.table_row_base, self.slot_of_row, self.written)
+        fused.rows_in(plan, where, targets, K, mapped.new_rows, self.slot_info,
+                      self.table_row_base, self.row_of_slot, self.slot_of_row, self.last_seen,
+                      self.counts, self.dirty, clock, lookup, train)
+        return True
+
     def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their
         table's eviction order, the others last; and whether the LFU tables' keys fit an
         int64 (else their slots are keyed LRU here and ``_sorted_victims`` orders them)."""
         last, at, C = self.last_seen, self.slot_local, self.slot_capacity
-        lru = (last + 1) * C + at  # > every free slot's key
-        order, lfu_ok = lru, True
+        lfu_ok = True
         lfu = [c for c in self.caches.values() if c.lfu]
         if lfu:
             C_max = max(c.slots for c in lfu)
             lfu_ok = (max(c.touches for c in lfu) + 2) * (clock + 1) * C_max < _LFU_KEY_LIMIT
-            if lfu_ok:
-                order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
+        if self.kernels:  # one launch, the same keys
+            return self._fused().keys(last, self.counts, at, C, self.lfu, mapped.free,
+                                      mapped.cand, clock, bool(lfu) and lfu_ok, _BIG), lfu_ok
+        lru = (last + 1) * C + at  # > every free slot's key
+        order = lru
+        if lfu and lfu_ok:
+            order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
         return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
 
 
