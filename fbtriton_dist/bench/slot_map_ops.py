@@ -1,6 +1,6 @@
 """What one training step of ``cached`` tables with their slot maps on the device issues
 (``modules/tier_device_map.py``), counted on the CPU: aten ops under a ``TorchDispatchMode``
-(the same torch ops a CUDA step runs; a view is no kernel) and Triton launches (through
+(the same torch ops a CUDA step runs; a view or an allocation is no kernel) and Triton launches (through
 ``kernels/launch.py``), split by where they come from: ``map`` (the pass over the batch),
 ``finish`` (stamps, placement, the map's updates), ``rows`` (ops on the rows themselves:
 weights and optimizer state moved between the cache and the backing store).
@@ -20,6 +20,7 @@ import statistics
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+ALLOCS = ("empty",)  # allocations: no kernel on CUDA
 VIEWS = ("slice", "select", "view", "detach", "alias", "lift_fresh", "_unsafe_view", "unbind",
          "unsqueeze", "squeeze", "expand", "as_strided", "t.", "permute")
 
@@ -49,7 +50,7 @@ class Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.quiet:
-            self.add(self.part(args), not func.__name__.startswith(VIEWS))
+            self.add(self.part(args), not func.__name__.startswith(VIEWS + ALLOCS))
         return func(*args, **(kwargs or {}))
 
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(rows)} of {args.steps} steps evict (mean {statistics.mean(r[2] for r in rows):.0f}"
           f" rows); per step (mean over them), FBTD_SLOT_MAP_KERNELS={args.kernels}, "
           f"{args.optimizer}:")
-    print("| part | aten ops | launches (ops not views + Triton kernels) |")
+    print("| part | aten ops | launches (ops not views or allocations; Triton kernels) |")
     print("| --- | --- | --- |")
     parts = ["map", "finish", "rows", "kernels", "other"]
     for part in parts:
