@@ -236,11 +236,12 @@ def _rows_out_kernel(
         src = (tl.load(at + 2) + local * tl.load(at + 3)).to(tl.pointer_type(SRC))
         dst = (tl.load(at) + row * tl.load(at + 1)).to(tl.pointer_type(DST))
         _copy_row(src, dst, n, BLOCK_D)
-    if MAP and p == 0:
-        if dirty:
-            tl.atomic_add(written_ptr + table, 1)
-        capacity = tl.load(slot_info_ptr + 2 * S + slot)
-        tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), capacity)
+    if MAP:  # the map: once per victim
+        if p == 0:
+            if dirty:
+                tl.atomic_add(written_ptr + table, 1)
+            capacity = tl.load(slot_info_ptr + 2 * S + slot)
+            tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), capacity)
 
 
 @triton.jit(do_not_specialize=["K", "clock"])
@@ -268,12 +269,13 @@ def _rows_in_kernel(
         src = (tl.load(at) + row * tl.load(at + 1)).to(tl.pointer_type(SRC))
         dst = (tl.load(at + 2) + local.to(tl.int64) * tl.load(at + 3)).to(tl.pointer_type(DST))
         _copy_row(src, dst, n, BLOCK_D)
-    if MAP and p == 0:
-        tl.store(row_of_slot_ptr + slot, row)
-        tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), local)
-        tl.store(last_seen_ptr + slot, clock.to(tl.int64))
-        tl.store(counts_ptr + slot, tl.full([], LOOKUP, tl.int64))
-        tl.store(dirty_ptr + slot, tl.full([], TRAIN, tl.uint8))
+    if MAP:  # the map: once per target
+        if p == 0:
+            tl.store(row_of_slot_ptr + slot, row)
+            tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), local)
+            tl.store(last_seen_ptr + slot, clock.to(tl.int64))
+            tl.store(counts_ptr + slot, tl.full([], LOOKUP, tl.int64))
+            tl.store(dirty_ptr + slot, tl.full([], TRAIN, tl.uint8))
 
 
 @triton.jit(do_not_specialize=["N"])
