@@ -1,9 +1,10 @@
 """What one training step of ``cached`` tables with their slot maps on the device issues
 (``modules/tier_device_map.py``), counted on the CPU: aten ops under a ``TorchDispatchMode``
-(the same torch ops a CUDA step runs; a view or an allocation is no kernel) and Triton launches (through
-``kernels/launch.py``), split by where they come from: ``map`` (the pass over the batch),
-``finish`` (stamps, placement, the map's updates), ``rows`` (ops on the rows themselves:
-weights and optimizer state moved between the cache and the backing store).
+(the same torch ops a CUDA step runs; a view or an allocation is no kernel) and Triton
+launches (through ``kernels/launch.py``), split by where they come from: ``map`` (the pass
+over the batch), ``finish`` (stamps, placement, the map's updates), ``rows`` (ops on the rows
+themselves: weights and optimizer state moved between the cache and the backing store),
+``kernels`` (Triton launches, wherever they come from), ``other`` (the rest of the step).
 
 ``python -m fbtriton_dist.bench.slot_map_ops [--kernels auto|0|1]`` (``FBTD_SLOT_MAP=device``
 is set here; ``--kernels`` sets ``FBTD_SLOT_MAP_KERNELS``; ``1`` on the CPU needs
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     remap = tiers.TieredTables.remap
     rows = []
     try:
-        for step in range(args.steps):
+        for _ in range(args.steps):
             u = torch.rand(T, B * L, generator=g, dtype=torch.float64)
             rank = torch.searchsorted(cdf, u).clamp_(max=E - 1)
             indices = torch.cat([perms[t][rank[t]] for t in range(T)])

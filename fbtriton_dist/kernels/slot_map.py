@@ -209,23 +209,44 @@ def _copy_row(src, dst, n, BLOCK_D: tl.constexpr):
         tl.store(dst + d, x.to(dst.dtype.element_ty), mask=d < n)
 
 
-@triton.jit(do_not_specialize=["K", "V"])
+@triton.jit
+def _part_of(parts_ptr, n_parts, x, col, SEARCH: tl.constexpr):
+    """The last part ``p`` (of ``n_parts`` rows of 6) with ``parts[p, col] <= x``: the
+    part of target (col 0) or victim (col 1) ``x`` (parts without victims share the next
+    one's first victim and are passed over)."""
+    lo = n_parts * 0
+    hi = n_parts
+    for _ in range(SEARCH):
+        go = lo < hi
+        mid = (lo + hi) // 2
+        start = tl.load(parts_ptr + mid * 6 + col, mask=go, other=0)
+        below = start <= x
+        lo = tl.where(go & below, mid + 1, lo)
+        hi = tl.where(go & ~below, mid, hi)
+    return parts_ptr + (lo - 1) * 6
+
+
+@triton.jit(do_not_specialize=["V", "n_parts"])
 def _rows_out_kernel(
-    where_ptr,  # [2K + V] int64: the victims' positions in targets at 2K..
-    targets_ptr,  # [K] int64 joint slots
+    parts_ptr,  # [n_parts, 6] int64: first target, first victim, k, free ones, first miss,
+    # where the part's targets start in order
+    order_ptr,  # int64 joint slots: target j of part p is order[start + j - first target]
     row_of_slot_ptr, dirty_ptr, slot_info_ptr,  # slot_info [3, S] int32: table, local, C
     table_row_base_ptr,  # [Tm] int64
     slot_of_row_ptr,  # [R] int32: the victims' entries forgotten (pair 0)
     written_ptr,  # [Tm] int64: dirty victims counted (pair 0)
     plan_ptr,  # [Tm, P, 5] int64: backing address, row stride (bytes), cache's, row length
-    K, V, S, P,
+    V, S, P, n_parts,
+    SEARCH: tl.constexpr,  # binary search steps over the parts
     MAP: tl.constexpr,  # this launch updates the map (the first of the dtype groups)
     SRC: tl.constexpr, DST: tl.constexpr,  # the cache's and the backing store's dtypes
     BLOCK_D: tl.constexpr,
 ):
     v = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
-    slot = tl.load(targets_ptr + tl.load(where_ptr + 2 * K + v))
+    part = _part_of(parts_ptr, n_parts, v, 1, SEARCH)
+    j = tl.load(part + 3) + v - tl.load(part + 1)  # its place among its part's targets
+    slot = tl.load(order_ptr + tl.load(part + 5) + j)
     row = tl.load(row_of_slot_ptr + slot)
     table = tl.load(slot_info_ptr + slot).to(tl.int64)
     local = tl.load(slot_info_ptr + S + slot).to(tl.int64)
@@ -244,23 +265,25 @@ def _rows_out_kernel(
             tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), capacity)
 
 
-@triton.jit(do_not_specialize=["K", "clock"])
+@triton.jit(do_not_specialize=["K", "n_parts", "clock"])
 def _rows_in_kernel(
-    where_ptr,  # [2K + V] int64: the misses' positions in new_rows at K..2K
-    targets_ptr,  # [K] int64 joint slots
+    parts_ptr, order_ptr,  # as ``_rows_out_kernel``'s
     new_rows_ptr,  # [N] int64 the misses' rows, table by table
     slot_info_ptr, table_row_base_ptr,
     row_of_slot_ptr, slot_of_row_ptr, last_seen_ptr, counts_ptr, dirty_ptr,  # map, written
     plan_ptr,  # [Tm, P, 5] int64 as ``_rows_out_kernel``'s
-    K, S, P, clock,
+    K, S, P, n_parts, clock,
+    SEARCH: tl.constexpr,
     MAP: tl.constexpr, LOOKUP: tl.constexpr, TRAIN: tl.constexpr,
     SRC: tl.constexpr, DST: tl.constexpr,  # the backing store's and the cache's dtypes
     BLOCK_D: tl.constexpr,
 ):
-    j = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(0).to(tl.int64)  # target g of all
     p = tl.program_id(1)
-    slot = tl.load(targets_ptr + j)
-    row = tl.load(new_rows_ptr + tl.load(where_ptr + K + j))
+    part = _part_of(parts_ptr, n_parts, g, 0, SEARCH)
+    j = g - tl.load(part)
+    slot = tl.load(order_ptr + tl.load(part + 5) + j)
+    row = tl.load(new_rows_ptr + tl.load(part + 4) + j)
     table = tl.load(slot_info_ptr + slot).to(tl.int64)
     local = tl.load(slot_info_ptr + S + slot)
     at = plan_ptr + (table * P + p) * 5
@@ -401,25 +424,32 @@ class RowPlan:
                       c.dtype, c.shape) for table_pairs in pairs for b, c in table_pairs)
 
 
-def rows_out(plan: RowPlan, where, targets, K: int, V: int, row_of_slot, dirty, slot_info,
+def _search(tables: int) -> int:
+    """Binary search steps over at most ``tables`` parts (fixed per module: one compile)."""
+    return max(1, (tables + 1).bit_length())
+
+
+def rows_out(plan: RowPlan, parts, order, V: int, row_of_slot, dirty, slot_info,
              table_row_base, slot_of_row, written) -> None:
-    """The victims (``targets[where[2K:]]``): dirty rows back, counted; entries forgotten."""
-    S = row_of_slot.numel()
+    """The ``V`` victims (each part's targets past its free ones): dirty rows back,
+    counted; their entries forgotten."""
+    S, n = row_of_slot.numel(), parts.shape[0]
     for g, (back, cache, table, block) in enumerate(plan.groups):
-        _rows_out((V, plan.P), where, targets, row_of_slot, _u8(dirty), slot_info,
-                  table_row_base, slot_of_row, written, table, K, V, S, plan.P, g == 0,
-                  cache, back, block)
+        _rows_out((V, plan.P), parts, order, row_of_slot, _u8(dirty), slot_info,
+                  table_row_base, slot_of_row, written, table, V, S, plan.P, n, _search(table_row_base.numel()),
+                  g == 0, cache, back, block)
 
 
-def rows_in(plan: RowPlan, where, targets, K: int, new_rows, slot_info, table_row_base,
+def rows_in(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_base,
             row_of_slot, slot_of_row, last_seen, counts, dirty, clock: int, lookup: bool,
             train: bool) -> None:
-    """The misses' rows (``new_rows[where[K:2K]]``) into ``targets``; their map entries."""
-    S = row_of_slot.numel()
+    """The ``K`` misses' rows (each part's from its first miss in ``new_rows``) into their
+    targets; the targets' map entries."""
+    S, n = row_of_slot.numel(), parts.shape[0]
     for g, (back, cache, table, block) in enumerate(plan.groups):
-        _rows_in((K, plan.P), where, targets, new_rows, slot_info, table_row_base,
+        _rows_in((K, plan.P), parts, order, new_rows, slot_info, table_row_base,
                  row_of_slot, slot_of_row, last_seen, counts, _u8(dirty), table, K, S, plan.P,
-                 clock, g == 0, int(lookup), int(train), back, cache, block)
+                 n, clock, _search(table_row_base.numel()), g == 0, int(lookup), int(train), back, cache, block)
 
 
 def slots_of(rows, live, slot_of_row, indices) -> torch.Tensor:

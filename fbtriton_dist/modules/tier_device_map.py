@@ -317,6 +317,9 @@ class DeviceMaps:
         its victims), the victims' rows written back and forgotten, the misses' rows gathered
         in (per table: its rows are its own tensors), the map updated."""
         key, lfu_ok = self._keys(mapped, clock)
+        if self.kernels and self._place_fused(mapped, key, lfu_ok, placed, clock, views, lookup,
+                                              train):
+            return
         take, got_at, victim_at, parts = [], [], [], []
         for i, first, k, nfree in placed:
             at = len(take)
@@ -342,9 +345,6 @@ class DeviceMaps:
                 s0, s1 = self.slot_base[i], self.slot_base[i + 1]
                 targets[at : at + k] = _sorted_victims(cache, mapped.used[s0:s1], k,
                                                        clock) + s0
-        if self.kernels and self._fused_rows(mapped, targets, where, K, len(victim_at), parts,
-                                             views, clock, lookup, train):
-            return
         got = mapped.new_rows.index_select(0, where[K : 2 * K])
         ttable, local = self.slot_info[:2].index_select(1, targets).long().unbind()
         pairs = {i: self.caches[self.tables[i]].device_pairs(views(self.tables[i]))
@@ -383,29 +383,66 @@ class DeviceMaps:
 
         return slot_map
 
-    def _fused_rows(self, mapped: Mapped, targets: torch.Tensor, where: torch.Tensor, K: int,
-                    V: int, parts: list, views, clock: int, lookup: bool, train: bool) -> bool:
-        """``_place``'s moves and map updates in one launch per direction (per dtype pair of
-        the tensors), for every table and tensor: the dirty victims' rows back (a clean one
-        holds its row's bytes: ``_write``'s result), their entries forgotten, the misses'
-        rows in, the targets' entries. False (nothing done): some tensor's rows are not
-        contiguous or of a dtype the kernels know (the torch moves then)."""
+    def _row_plan_of(self, views, device: torch.device):
+        """The fused moves' ``RowPlan`` of every table's tensor pairs (made again when an
+        address changes), or None: some tensor's rows are not contiguous or of a dtype the
+        kernels know (the torch moves then)."""
         fused = self._fused()
         pairs = [self.caches[t].device_pairs(views(t)) for t in self.tables]
         key = fused.RowPlan.key(pairs)
         if self._row_plan is None or self._row_plan[0] != key:
             if not fused.RowPlan.fits(pairs):
-                return False
-            self._row_plan = (key, fused.RowPlan(pairs, targets.device))
-        plan = self._row_plan[1]
-        for i, _, k, nfree, _ in parts:
+                return None
+            self._row_plan = (key, fused.RowPlan(pairs, device))
+        return self._row_plan[1]
+
+    def _place_fused(self, mapped: Mapped, key: torch.Tensor, lfu_ok: bool, placed: list,
+                     clock: int, views, lookup: bool, train: bool) -> bool:
+        """``_place`` with the kernels: the same targets (one ``topk``, or every table's
+        slots in key order), then one launch per direction (per dtype pair of the tensors)
+        for every table and tensor: the dirty victims' rows back (a clean one holds its row's
+        bytes: ``_write``'s result), their entries forgotten, the misses' rows in, the
+        targets' entries. The kernels find each row's table in a ``[parts, 6]`` table of
+        ``(first target, first victim, k, free ones, first miss, where its targets start in
+        order)``: O(tables) host work and copy, not O(rows). False (nothing done): the rows
+        are not the kernels' (``_row_plan_of``)."""
+        plan = self._row_plan_of(views, key.device)
+        if plan is None:
+            return False
+        fused = self._fused()
+        one = len(placed) == 1
+        if one:  # one table: its first k by one topk
+            (i, _, k, _), = placed
+            s0 = self.slot_base[i]
+            order = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
+                               sorted=True).indices + s0
+        else:  # every table's slots in its key's order (the keys of a table are distinct)
+            by_key = torch.argsort(key, stable=True)
+            order = by_key.index_select(0, torch.argsort(
+                self.slot_table.index_select(0, by_key), stable=True))
+        rows, K, V = [], 0, 0
+        for i, first, k, nfree in placed:
+            rows.append([K, V, k, nfree, first, 0 if one else self.slot_base[i]])
             stats = self.caches[self.tables[i]].stats
             stats["evictions"] += k - nfree
             stats["misses"] += k
+            K, V = K + k, V + k - nfree
+        if any(self.caches[self.tables[i]].lfu for i, *_ in placed) and not lfu_ok:
+            # LFU keys too big for one int64: those tables' targets by two stable sorts
+            targets = torch.empty(K, dtype=torch.int64, device=key.device)
+            for (i, _, k, _), (at, _, _, _, _, src) in zip(placed, rows, strict=True):
+                cache = self.caches[self.tables[i]]
+                s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+                targets[at : at + k] = (_sorted_victims(cache, mapped.used[s0:s1], k, clock)
+                                        + s0 if cache.lfu else order[src : src + k])
+            order = targets
+            for row in rows:
+                row[5] = row[0]
+        parts = torch.tensor(rows, dtype=torch.int64, device=key.device)  # one small copy
         if V:
-            fused.rows_out(plan, where, targets, K, V, self.row_of_slot, self.dirty,
+            fused.rows_out(plan, parts, order, V, self.row_of_slot, self.dirty,
                            self.slot_info, self.table_row_base, self.slot_of_row, self.written)
-        fused.rows_in(plan, where, targets, K, mapped.new_rows, self.slot_info,
+        fused.rows_in(plan, parts, order, K, mapped.new_rows, self.slot_info,
                       self.table_row_base, self.row_of_slot, self.slot_of_row, self.last_seen,
                       self.counts, self.dirty, clock, lookup, train)
         return True

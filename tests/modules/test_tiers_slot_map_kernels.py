@@ -66,16 +66,20 @@ def recorded(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("policy,opt,ftm", [
-    ("lru", "adam", [0, 2, 0, 1]), ("lfu", "rowwise_adagrad", [1, 0, 2, 1]),
+@pytest.mark.parametrize("policy,opt,ftm,lfu_sort", [
+    ("lru", "adam", [0, 2, 0, 1], False), ("lfu", "rowwise_adagrad", [1, 0, 2, 1], False),
+    ("lfu", "adam", [0, 1, 2], True),
 ])
-def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, monkeypatch):
+def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, lfu_sort, monkeypatch):
     """Two cached tables of different dims (Adam: two states; rowwise Adagrad: one per row)
     and a device table whose ids the map leaves alone (``live`` False), a table's features
     contiguous or not: every pass (slots used, free, candidates, counts, misses in order),
     the map after every placement, the outputs, rows moved (weights and states), resident
-    rows and stats are the torch path's, over steps that evict dirty rows."""
+    rows and stats are the torch path's, over steps that evict dirty rows. ``lfu_sort``: the
+    LFU victims by two stable sorts (very long runs) before the kernels move the rows."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
+    if lfu_sort:
+        monkeypatch.setattr(tier_device_map, "_LFU_KEY_LIMIT", 0)
     seen = recorded(monkeypatch)
     g = torch.Generator().manual_seed(3)
     data = [make_batch(TABLES, ftm, 4, 3, hot=True, generator=g)[:2] for _ in range(6)]
