@@ -238,8 +238,10 @@ class DeviceMaps:
         S, Tm = self.slot_base[-1], len(self.tables)
         C_max = max(c.slots for c in self.caches.values())
         check_codes(C_max, N)
-        used = torch.zeros(S, dtype=torch.bool, device=dev)
-        counts = torch.zeros(Tm, Mapped.COUNTS, dtype=torch.int64, device=dev)
+        K = Mapped.COUNTS  # the counts (int64) and the used marks (bool): one zeroed buffer
+        zeroed = torch.zeros(8 * Tm * K + S, dtype=torch.uint8, device=dev)
+        counts = zeroed[: 8 * Tm * K].view(torch.int64).view(Tm, K)
+        used = zeroed[8 * Tm * K :].view(torch.bool)
         rows, live, local, code, table = fused.map_ids(
             indices, offsets.contiguous(), B, T, self.feature_info, self.table_slots,
             self.slot_of_row, used, counts, C_max + 1 + N)
@@ -438,7 +440,11 @@ class DeviceMaps:
             order = targets
             for row in rows:
                 row[5] = row[0]
-        parts = torch.tensor(rows, dtype=torch.int64, device=key.device)  # one small copy
+        if key.is_cuda:  # one small copy, from pinned memory: no wait for the stream
+            parts = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(
+                key.device, non_blocking=True)
+        else:
+            parts = torch.tensor(rows, dtype=torch.int64)
         if V:
             fused.rows_out(plan, parts, order, V, self.row_of_slot, self.dirty,
                            self.slot_info, self.table_row_base, self.slot_of_row, self.written)
