@@ -3,6 +3,8 @@ under ``TRITON_INTERPRET=1`` on CPU tensors here) against its torch path (the CP
 the reference): the same passes over the batches, maps, rows moved and stats, bit for bit,
 and a step's launches counted so that a regression fails."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,21 +13,22 @@ from fbtriton_dist.kernels import launch
 from fbtriton_dist.modules import tier_device_map, tiers
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import Storage
-from tests.conftest import TRITON_OK
+from tests.conftest import requires_cuda
 from tests.helpers import make_batch, upstream_grad
 from tests.modules import test_tiers as base
 from tests.modules import test_tiers_device_map as device_map
 
-pytestmark = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the kernels on CPU tensors: TRITON_INTERPRET=1")
 
 TABLES = [(64, 4), (40, 3), (30, 2)]  # two cached (D 4 and 3), one on the device: not mapped
 MAP_FIELDS = ("rows", "live", "used", "free", "cand", "counts")
 STATE = ("row_of_slot", "slot_of_row", "last_seen", "counts", "dirty", "written")
 
 
-def build(opt, policy, ftm):
+def build(opt, policy, ftm, backend="cpu"):
     storage = [Storage(tier="cached", cache_slots=s, policy=policy) for s in (12, 9)]
-    return TableBatchedEmbedding(TABLES, feature_table_map=ftm, optimizer=opt, backend="cpu",
+    return TableBatchedEmbedding(TABLES, feature_table_map=ftm, optimizer=opt, backend=backend,
                                  seed=7, storage=[*storage, Storage(tier="device")])
 
 
@@ -66,6 +69,7 @@ def recorded(monkeypatch):
     return seen
 
 
+@interpreted
 @pytest.mark.parametrize("policy,opt,ftm,lfu_sort", [
     ("lru", "adam", [0, 2, 0, 1], False), ("lfu", "rowwise_adagrad", [1, 0, 2, 1], False),
     ("lfu", "adam", [0, 1, 2], True),
@@ -108,6 +112,7 @@ def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, lfu_sort, monkey
     assert all(torch.equal(d0[k], d1[k]) for k in d0 if isinstance(d0[k], torch.Tensor))
 
 
+@interpreted
 @pytest.mark.parametrize("check", [
     base.test_out_of_range_id, base.test_cache_smaller_than_a_batch,
     base.test_lfu_evicts_the_least_used_row,
@@ -121,6 +126,7 @@ def test_the_tier_rules_hold_on_the_kernels(check, monkeypatch):
     assert kernels and all(kernels)
 
 
+@interpreted
 def test_a_half_cache_converts_rows_as_torch(monkeypatch):
     """fp16 slots, fp32 backing store: the kernels round rows in and widen them out as
     ``.to`` does (the device-map test's module, host map against the kernels)."""
@@ -143,6 +149,7 @@ def test_the_knob(monkeypatch):
         knobs.slot_map_kernels()
 
 
+@interpreted
 def test_a_fused_step_issues_few_launches(monkeypatch):
     """A training step whose every table misses and evicts dirty rows, on 2 and 4 cached
     tables (rowwise Adagrad: 2 tensors a table): the lookup issues 8 Triton kernels (map: 2,
@@ -198,3 +205,35 @@ def test_a_fused_step_issues_few_launches(monkeypatch):
         per_step[T] = (aten, kernels)
     assert per_step[2] == per_step[4], per_step
     assert per_step[2][1] == 8 and per_step[2][0] <= 8, per_step
+
+
+@requires_cuda
+def test_the_kernels_train_as_torch_on_cuda(monkeypatch):
+    """On a GPU (the kernels compiled, the backing store mapped host memory): training with
+    the kernels (``auto``) equals the torch ops (``FBTD_SLOT_MAP_KERNELS=0``) bit for bit,
+    LRU and LFU, with evictions and write-backs."""
+    monkeypatch.setenv("FBTD_SLOT_MAP", "auto")
+    ftm = [0, 2, 0, 1]
+    g = torch.Generator().manual_seed(5)
+    data = [tuple(x.cuda() for x in make_batch(TABLES, ftm, 4, 3, hot=True, generator=g)[:2])
+            for _ in range(6)]
+    for policy in ("lru", "lfu"):
+        models, kernels = {}, paths(monkeypatch)
+        for k in ("0", "auto"):
+            monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", k)
+            models[k] = build(optim.Adam(lr=0.1), policy, ftm, backend="auto").cuda()
+        assert kernels == [False, True]
+        models["auto"].load_state_dict(models["0"].state_dict())
+        runs = {}
+        for k, m in models.items():
+            outs = []
+            for step, batch in enumerate(data):
+                out = m(*batch)
+                (out * upstream_grad(out, step)).sum().backward()
+                outs.append(out.detach())
+            runs[k] = (outs, m.resident_rows(), m.cache_stats(), m.state_dict())
+        (o0, r0, s0, d0), (o1, r1, s1, d1) = runs["0"], runs["auto"]
+        assert all(torch.equal(x, y) for x, y in zip(o0, o1, strict=True))
+        assert r0 == r1 and s0 == s1, (s0, s1)
+        assert all(s["evictions"] > 0 for s in list(s1.values())[:2]), s1
+        assert all(torch.equal(d0[k], d1[k]) for k in d0 if isinstance(d0[k], torch.Tensor))
