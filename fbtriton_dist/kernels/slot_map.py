@@ -332,6 +332,7 @@ def map_ids(indices, offsets, B: int, T: int, feature_info, table_slots, slot_of
     """The first launch of ``DeviceMaps.map``: ``(rows, live (bool), local, code, table)``
     ``[N]``; ``used`` (bool ``[S]``) and ``counts`` (``[Tm, 6]``) zeros, filled."""
     N, dev = indices.numel(), indices.device
+    indices = indices.contiguous()
     rows = torch.empty(N, dtype=torch.int64, device=dev)
     live = torch.empty(N, dtype=torch.bool, device=dev)
     local = torch.empty(N, dtype=torch.int64, device=dev)
@@ -368,12 +369,14 @@ def compact(first, local) -> torch.Tensor:
 
 
 def stamp(used, last_seen, counts, dirty, clock: int, train: bool) -> None:
+    """The slots ``used``: ``last_seen = clock``, ``counts += 1``, dirty when ``train``."""
     S = used.numel()
     _stamp((cdiv(S, BLOCK),), _u8(used), last_seen, counts, _u8(dirty), S, clock, train, BLOCK)
 
 
 def keys(last_seen, counts, slot_local, slot_capacity, lfu, free, cand, clock: int,
          with_lfu: bool, big: int) -> torch.Tensor:
+    """``DeviceMaps._keys``' key per slot (``with_lfu``: the LFU tables' packed keys)."""
     S = last_seen.numel()
     key = torch.empty(S, dtype=torch.int64, device=last_seen.device)
     _keys((cdiv(S, BLOCK),), last_seen, counts, slot_local, slot_capacity, _u8(lfu), _u8(free),
@@ -453,6 +456,9 @@ def rows_in(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_
 
 
 def slots_of(rows, live, slot_of_row, indices) -> torch.Tensor:
+    """``indices`` with the ids of the tables mapped here (``live``) replaced by their
+    slots (``slot_of_row[rows]``)."""
+    indices = indices.contiguous()
     N = indices.numel()
     out = torch.empty_like(indices)
     _slots((cdiv(N, BLOCK),), rows, _u8(live), slot_of_row, indices, out, N, BLOCK)
