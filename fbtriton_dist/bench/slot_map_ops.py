@@ -65,13 +65,15 @@ def _tagged(counter: Counter, name: str, fn):
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernels", choices=["auto", "0", "1"], default="auto")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table")
     p.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad", "adam"],
                    default="rowwise_adagrad")
     args = p.parse_args(argv)
+    saved_env = {k: os.environ.get(k) for k in ("FBTD_SLOT_MAP", "FBTD_SLOT_MAP_KERNELS")}
     os.environ["FBTD_SLOT_MAP"] = "device"
     os.environ["FBTD_SLOT_MAP_KERNELS"] = args.kernels
     from fbtriton_dist import optim
@@ -80,11 +82,18 @@ def main(argv: list[str] | None = None) -> None:
     from fbtriton_dist.modules.tbe import TableBatchedEmbedding
     from fbtriton_dist.storage import Storage
 
-    T, E, D, B, L, zipf = 8, 20_000, 16, 64, 5, 1.1
+    T, E, D, B, L, zipf = 8, args.rows, 16, 64, 5, 1.1
     opt = {"sgd": optim.SGD(lr=0.1), "rowwise_adagrad": optim.RowWiseAdagrad(lr=0.1),
            "adam": optim.Adam(lr=0.1)}[args.optimizer]
-    m = TableBatchedEmbedding([(E, D)] * T, optimizer=opt, backend="cpu",
-                              storage=[Storage(tier="cached", cache_load_factor=0.1)] * T)
+    try:
+        m = TableBatchedEmbedding([(E, D)] * T, optimizer=opt, backend="cpu",
+                                  storage=[Storage(tier="cached", cache_load_factor=0.1)] * T)
+    finally:  # read when the module is built
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     g = torch.Generator().manual_seed(0)
     cdf = torch.cumsum(torch.arange(1, E + 1, dtype=torch.float64).pow(-zipf), 0)
     cdf /= cdf[-1].clone()
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
             setattr(obj, attr, fn)
         launch.Launcher.__call__ = call
         tiers.TieredTables.remap = remap
+    if not rows:
+        raise SystemExit(f"none of {args.steps} steps evicts: raise --steps")
     print(f"{len(rows)} of {args.steps} steps evict (mean {statistics.mean(r[2] for r in rows):.0f}"
           f" rows); per step (mean over them), FBTD_SLOT_MAP_KERNELS={args.kernels}, "
           f"{args.optimizer}:")
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     tier = [sum(r[1].get(p, 0) for p in parts[:4]) for r in rows]
     print(f"| map + finish + rows + kernels | | {statistics.mean(tier):.1f} "
           f"(min {min(tier)}, max {max(tier)}) |")
+    return {"launches": statistics.mean(tier), "steps": len(rows)}
 
 
 if __name__ == "__main__":
