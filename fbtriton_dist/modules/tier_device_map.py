@@ -262,12 +262,13 @@ class DeviceMaps:
         return {t: values[i * K : (i + 1) * K] for i, t in enumerate(self.tables)}
 
     def finish(self, mapped: Mapped, counts: dict[int, list[int]], clock: int, views,
-               indices: torch.Tensor, *, lookup: bool, train: bool,
-               pinned: bool) -> torch.Tensor | None:
+               indices: torch.Tensor, *, lookup: bool, train: bool, pinned: bool,
+               views_key: tuple | None = None) -> torch.Tensor | None:
         """Step 3 (for a lookup the caller checked ranges and sizes): place each table's
         misses (a prefetch places those that find a slot); for a lookup, stamp the hits and
         return ``indices`` with the ids of these tables replaced by their slots (dirty when
-        ``train``)."""
+        ``train``). ``views_key``: what ``views`` are made of (equal keys, equal views), None:
+        unknown (the fused moves then look at the views every time)."""
         if lookup:
             if any(c[0] for c in counts.values()):
                 if self.kernels:  # stamped and marked dirty (no target is a used slot)
@@ -299,7 +300,7 @@ class DeviceMaps:
                 )
                 break
         if placed:
-            self._place(mapped, counts, placed, clock, views, lookup, train)
+            self._place(mapped, counts, placed, clock, views, lookup, train, views_key)
         if error is not None:
             raise error
         if not lookup:
@@ -312,7 +313,7 @@ class DeviceMaps:
         return torch.where(mapped.live, slots, indices)
 
     def _place(self, mapped: Mapped, counts: dict[int, list[int]], placed: list, clock: int,
-               views, lookup: bool, train: bool) -> None:
+               views, lookup: bool, train: bool, views_key: tuple | None = None) -> None:
         """The misses of the tables in ``placed`` (``(i, first miss, k, free ones)``) into
         their slots, for all tables at once: one order of every slot (by table, then the
         table's key: ``_keys``), the targets (each table's first ``k``: its free slots, then
@@ -320,7 +321,7 @@ class DeviceMaps:
         in (per table: its rows are its own tensors), the map updated."""
         key, lfu_ok = self._keys(mapped, clock)
         if self.kernels and self._place_fused(mapped, key, lfu_ok, placed, clock, views, lookup,
-                                              train):
+                                              train, views_key):
             return
         take, got_at, victim_at, parts = [], [], [], []
         for i, first, k, nfree in placed:
@@ -385,21 +386,33 @@ class DeviceMaps:
 
         return slot_map
 
-    def _row_plan_of(self, views, device: torch.device):
+    def _row_plan_of(self, views, device: torch.device, views_key: tuple | None):
         """The fused moves' ``RowPlan`` of every table's tensor pairs (made again when an
         address changes), or None: some tensor's rows are not contiguous or of a dtype the
-        kernels know (the torch moves then)."""
+        kernels know (the torch moves then). With ``views_key``, a step whose views and
+        backing stores are what they were takes the plan without making the views."""
+        quick = None
+        if views_key is not None:
+            quick = (views_key, device, tuple(
+                (t.data_ptr(), t.dtype, t.shape) for c in self.caches.values()
+                for t in (c.backing.weight, *c.backing.states.values())))
+            if self._row_plan is not None and self._row_plan[2] == quick:
+                return self._row_plan[1]
         fused = self._fused()
         pairs = [self.caches[t].device_pairs(views(t)) for t in self.tables]
         key = fused.RowPlan.key(pairs)
         if self._row_plan is None or self._row_plan[0] != key:
             if not fused.RowPlan.fits(pairs):
+                self._row_plan = None
                 return None
-            self._row_plan = (key, fused.RowPlan(pairs, device))
+            self._row_plan = (key, fused.RowPlan(pairs, device), quick)
+        elif quick is not None:  # the same plan, now known by this key too
+            self._row_plan = (key, self._row_plan[1], quick)
         return self._row_plan[1]
 
     def _place_fused(self, mapped: Mapped, key: torch.Tensor, lfu_ok: bool, placed: list,
-                     clock: int, views, lookup: bool, train: bool) -> bool:
+                     clock: int, views, lookup: bool, train: bool,
+                     views_key: tuple | None) -> bool:
         """``_place`` with the kernels: the same targets (one ``topk``, or every table's
         slots in key order), then one launch per direction (per dtype pair of the tensors)
         for every table and tensor: the dirty victims' rows back (a clean one holds its row's
@@ -408,7 +421,7 @@ class DeviceMaps:
         ``(first target, first victim, k, free ones, first miss, where its targets start in
         order)``: O(tables) host work and copy, not O(rows). False (nothing done): the rows
         are not the kernels' (``_row_plan_of``)."""
-        plan = self._row_plan_of(views, key.device)
+        plan = self._row_plan_of(views, key.device, views_key)
         if plan is None:
             return False
         fused = self._fused()
