@@ -45,6 +45,7 @@ COUNTS = 6  # per table: hits, misses, free, candidates, dirty candidates, out o
 def _add_per_table(counts_ptr, col, table, value, valid, COUNTS: tl.constexpr):
     """``counts[t, col] += sum(value)`` over the lanes of table ``t``, for each table of the
     block: one sum and one atomic per table between its smallest and largest."""
+    table = table.to(tl.int32)
     lo = tl.min(tl.where(valid, table, 2**30), axis=0)
     hi = tl.max(tl.where(valid, table, -1), axis=0)
     for t in range(lo, hi + 1):

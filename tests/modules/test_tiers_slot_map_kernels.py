@@ -153,10 +153,10 @@ def test_the_knob(monkeypatch):
 def test_a_fused_step_issues_few_launches(monkeypatch):
     """A training step whose every table misses and evicts dirty rows, on 2 and 4 cached
     tables (rowwise Adagrad: 2 tensors a table): the lookup issues 8 Triton kernels (map: 2,
-    compact; stamp, keys, rows out, rows in, slots) and at most 8 torch launches (one zeroed
-    buffer, the cumulative sum, two stable sorts and their gathers, the parts' copy), no
-    sync but the one read of the counts, whatever the number of tables (the torch path:
-    about 110 launches, 8 more a table)."""
+    compact; stamp, keys, rows out, rows in, slots) and 6 torch launches (one zeroed buffer,
+    the cumulative sum, two stable sorts and their gathers; the parts' table made on the host,
+    on CUDA one copy more), no sync but the one read of the counts, whatever the number of
+    tables (the torch path: about 110 launches, 8 more a table)."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
     monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
     remap, call = tiers.TieredTables.remap, launch.Launcher.__call__
@@ -204,7 +204,7 @@ def test_a_fused_step_issues_few_launches(monkeypatch):
         assert syncs == [], syncs
         per_step[T] = (aten, kernels)
     assert per_step[2] == per_step[4], per_step
-    assert per_step[2][1] == 8 and per_step[2][0] <= 8, per_step
+    assert per_step[2] == (6, 8), per_step
 
 
 @requires_cuda
