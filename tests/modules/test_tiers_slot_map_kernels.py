@@ -17,6 +17,7 @@ from tests.conftest import requires_cuda
 from tests.helpers import make_batch, upstream_grad
 from tests.modules import test_tiers as base
 from tests.modules import test_tiers_device_map as device_map
+from tests.modules.test_tiers_device_map import on_device  # noqa: F401  (a fixture)
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the kernels on CPU tensors: TRITON_INTERPRET=1")
@@ -115,10 +116,12 @@ def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, lfu_sort, monkey
 @interpreted
 @pytest.mark.parametrize("check", [
     base.test_out_of_range_id, base.test_cache_smaller_than_a_batch,
-    base.test_lfu_evicts_the_least_used_row,
+    base.test_lfu_evicts_the_least_used_row, base.test_a_row_in_use_is_never_evicted,
+    base.test_eval_does_not_change_state_and_writes_nothing_back, base.test_tier_vbe,
 ], ids=lambda f: f.__name__[5:])
 def test_the_tier_rules_hold_on_the_kernels(check, monkeypatch):
-    """Errors with their messages (raised before anything changes) and LFU's order."""
+    """Errors with their messages (raised before anything changes), LFU's order, pinned
+    rows, eval (nothing changes, nothing written back), variable batch sizes."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
     monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
     kernels = paths(monkeypatch)
@@ -132,6 +135,14 @@ def test_a_half_cache_converts_rows_as_torch(monkeypatch):
     ``.to`` does (the device-map test's module, host map against the kernels)."""
     monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
     device_map.test_a_half_cache_never_rounds_a_clean_row_back(monkeypatch)
+
+
+@interpreted
+def test_prefetch_is_exact_on_the_kernels(on_device, monkeypatch):  # noqa: F811
+    """A prefetch's placement (no stamps, counts 0, clean) on the kernels: training with
+    prefetch equals ``device`` bit for bit."""
+    monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
+    device_map.test_prefetch_is_exact(on_device)
 
 
 def test_the_knob(monkeypatch):
