@@ -184,8 +184,10 @@ def _stamp_kernel(used_ptr, last_seen_ptr, counts_ptr, dirty_ptr, S, clock,
 
 @triton.jit(do_not_specialize=["S", "clock"])
 def _keys_kernel(last_seen_ptr, counts_ptr, slot_local_ptr, slot_capacity_ptr, lfu_ptr,
-                 free_ptr, cand_ptr, key_ptr, S, clock, BIG,
-                 LFU: tl.constexpr, BLOCK: tl.constexpr):
+                 free_ptr, cand_ptr, slot_table_ptr, key_ptr, S, clock, BIG,
+                 LFU: tl.constexpr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """``SHIFT`` > 0: the key joint, ``table << SHIFT | min(key, 2**SHIFT - 1)`` (every free
+    and candidate key below the cap: one sort orders all tables)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < S
     last = tl.load(last_seen_ptr + i, mask=valid, other=0)
@@ -199,6 +201,9 @@ def _keys_kernel(last_seen_ptr, counts_ptr, slot_local_ptr, slot_capacity_ptr, l
     free = tl.load(free_ptr + i, mask=valid, other=0) != 0
     cand = tl.load(cand_ptr + i, mask=valid, other=0) != 0
     key = tl.where(free, at, tl.where(cand, order, BIG))
+    if SHIFT > 0:
+        table = tl.load(slot_table_ptr + i, mask=valid, other=0).to(tl.int64)
+        key = (table << SHIFT) | tl.minimum(key, (1 << SHIFT) - 1)
     tl.store(key_ptr + i, key, mask=valid)
 
 
@@ -375,13 +380,14 @@ def stamp(used, last_seen, counts, dirty, clock: int, train: bool) -> None:
     _stamp((cdiv(S, BLOCK),), _u8(used), last_seen, counts, _u8(dirty), S, clock, train, BLOCK)
 
 
-def keys(last_seen, counts, slot_local, slot_capacity, lfu, free, cand, clock: int,
-         with_lfu: bool, big: int) -> torch.Tensor:
-    """``DeviceMaps._keys``' key per slot (``with_lfu``: the LFU tables' packed keys)."""
+def keys(last_seen, counts, slot_local, slot_capacity, lfu, free, cand, slot_table,
+         clock: int, with_lfu: bool, big: int, shift: int) -> torch.Tensor:
+    """``DeviceMaps._keys``' key per slot (``with_lfu``: the LFU tables' packed keys;
+    ``shift`` > 0: joint with the slot's table, the table in the bits from ``shift``)."""
     S = last_seen.numel()
     key = torch.empty(S, dtype=torch.int64, device=last_seen.device)
     _keys((cdiv(S, BLOCK),), last_seen, counts, slot_local, slot_capacity, _u8(lfu), _u8(free),
-          _u8(cand), key, S, clock, big, with_lfu, BLOCK)
+          _u8(cand), slot_table, key, S, clock, big, with_lfu, shift, BLOCK)
     return key
 
 

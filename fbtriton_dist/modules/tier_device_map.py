@@ -319,9 +319,9 @@ class DeviceMaps:
         table's key: ``_keys``), the targets (each table's first ``k``: its free slots, then
         its victims), the victims' rows written back and forgotten, the misses' rows gathered
         in (per table: its rows are its own tensors), the map updated."""
-        key, lfu_ok = self._keys(mapped, clock)
-        if self.kernels and self._place_fused(mapped, key, lfu_ok, placed, clock, views, lookup,
-                                              train, views_key):
+        key, lfu_ok, joint = self._keys(mapped, clock)
+        if self.kernels and self._place_fused(mapped, key, lfu_ok, joint, placed, clock, views,
+                                              lookup, train, views_key):
             return
         take, got_at, victim_at, parts = [], [], [], []
         for i, first, k, nfree in placed:
@@ -410,8 +410,8 @@ class DeviceMaps:
             self._row_plan = (key, self._row_plan[1], quick)
         return self._row_plan[1]
 
-    def _place_fused(self, mapped: Mapped, key: torch.Tensor, lfu_ok: bool, placed: list,
-                     clock: int, views, lookup: bool, train: bool,
+    def _place_fused(self, mapped: Mapped, key: torch.Tensor, lfu_ok: bool, joint: bool,
+                     placed: list, clock: int, views, lookup: bool, train: bool,
                      views_key: tuple | None) -> bool:
         """``_place`` with the kernels: the same targets (one ``topk``, or every table's
         slots in key order), then one launch per direction (per dtype pair of the tensors)
@@ -431,7 +431,9 @@ class DeviceMaps:
             s0 = self.slot_base[i]
             order = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
                                sorted=True).indices + s0
-        else:  # every table's slots in its key's order (the keys of a table are distinct)
+        elif joint:  # every table's slots in its key's order: one sort of the joint keys
+            order = torch.argsort(key)  # each table's first k distinct: no ties among them
+        else:  # by key, then by table (the keys of a table are distinct)
             by_key = torch.argsort(key, stable=True)
             order = by_key.index_select(0, torch.argsort(
                 self.slot_table.index_select(0, by_key), stable=True))
@@ -466,24 +468,41 @@ class DeviceMaps:
                       self.counts, self.dirty, clock, lookup, train)
         return True
 
-    def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
+    def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their
-        table's eviction order, the others last; and whether the LFU tables' keys fit an
-        int64 (else their slots are keyed LRU here and ``_sorted_victims`` orders them)."""
+        table's eviction order, the others last; whether the LFU tables' keys fit an int64
+        (else their slots are keyed LRU here and ``_sorted_victims`` orders them); and
+        whether the keys are joint (the kernels: ``table << shift | key``, every free and
+        candidate key below ``2**shift - 1``, the others capped there: one sort orders every
+        table's slots as sorting by key, then by table, does)."""
         last, at, C = self.last_seen, self.slot_local, self.slot_capacity
         lfu_ok = True
         lfu = [c for c in self.caches.values() if c.lfu]
         if lfu:
             C_max = max(c.slots for c in lfu)
             lfu_ok = (max(c.touches for c in lfu) + 2) * (clock + 1) * C_max < _LFU_KEY_LIMIT
-        if self.kernels:  # one launch, the same keys
-            return self._fused().keys(last, self.counts, at, C, self.lfu, mapped.free,
-                                      mapped.cand, clock, bool(lfu) and lfu_ok, _BIG), lfu_ok
+        if self.kernels:  # one launch, the same keys (joint where they fit)
+            bound = (clock + 1) * max(  # above every free and candidate key
+                (c.touches + 2 if c.lfu and lfu_ok else 1) * c.slots
+                for c in self.caches.values())
+            shift = _joint_shift(len(self.tables), bound)
+            key = self._fused().keys(last, self.counts, at, C, self.lfu, mapped.free,
+                                     mapped.cand, self.slot_table, clock,
+                                     bool(lfu) and lfu_ok, _BIG, shift)
+            return key, lfu_ok, shift > 0
         lru = (last + 1) * C + at  # > every free slot's key
         order = lru
         if lfu and lfu_ok:
             order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
-        return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
+        return (torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok,
+                False)
+
+
+def _joint_shift(tables: int, bound: int) -> int:
+    """Where the table goes in a joint key (``table << shift | key``) of ``tables`` tables
+    whose free and candidate keys are below ``bound``; 0: they do not fit (two sorts)."""
+    shift = 63 - max(1, (tables - 1).bit_length())
+    return shift if bound < 2**shift - 1 else 0
 
 
 def check_codes(slots: int, ids: int) -> None:

@@ -71,20 +71,24 @@ def recorded(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("policy,opt,ftm,lfu_sort", [
-    ("lru", "adam", [0, 2, 0, 1], False), ("lfu", "rowwise_adagrad", [1, 0, 2, 1], False),
-    ("lfu", "adam", [0, 1, 2], True),
+@pytest.mark.parametrize("policy,opt,ftm,sort", [
+    ("lru", "adam", [0, 2, 0, 1], "joint"), ("lfu", "rowwise_adagrad", [1, 0, 2, 1], "joint"),
+    ("lfu", "adam", [0, 1, 2], "lfu_sort"), ("lru", "rowwise_adagrad", [0, 1, 2], "two_sorts"),
 ])
-def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, lfu_sort, monkeypatch):
+def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, sort, monkeypatch):
     """Two cached tables of different dims (Adam: two states; rowwise Adagrad: one per row)
     and a device table whose ids the map leaves alone (``live`` False), a table's features
     contiguous or not: every pass (slots used, free, candidates, counts, misses in order),
     the map after every placement, the outputs, rows moved (weights and states), resident
-    rows and stats are the torch path's, over steps that evict dirty rows. ``lfu_sort``: the
-    LFU victims by two stable sorts (very long runs) before the kernels move the rows."""
+    rows and stats are the torch path's, over steps that evict dirty rows. ``sort``: every
+    table's slots ordered by one sort of the joint keys (table, key); by two stable sorts
+    (keys too large to share an int64 with the table); the LFU victims by two stable sorts
+    per table (LFU keys too large for an int64: very long runs)."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
-    if lfu_sort:
+    if sort == "lfu_sort":
         monkeypatch.setattr(tier_device_map, "_LFU_KEY_LIMIT", 0)
+    if sort == "two_sorts":
+        monkeypatch.setattr(tier_device_map, "_joint_shift", lambda tables, bound: 0)
     seen = recorded(monkeypatch)
     g = torch.Generator().manual_seed(3)
     data = [make_batch(TABLES, ftm, 4, 3, hot=True, generator=g)[:2] for _ in range(6)]
@@ -164,9 +168,9 @@ def test_the_knob(monkeypatch):
 def test_a_fused_step_issues_few_launches(monkeypatch):
     """A training step whose every table misses and evicts dirty rows, on 2 and 4 cached
     tables (rowwise Adagrad: 2 tensors a table): the lookup issues 8 Triton kernels (map: 2,
-    compact; stamp, keys, rows out, rows in, slots) and 6 torch launches (one zeroed buffer,
-    the cumulative sum, two stable sorts and their gathers; the parts' table made on the host,
-    on CUDA one copy more), no sync but the one read of the counts, whatever the number of
+    compact; stamp, keys, rows out, rows in, slots) and 3 torch launches (one zeroed buffer,
+    the cumulative sum, one sort of the joint keys; the parts' table made on the host, on
+    CUDA one copy more), no sync but the one read of the counts, whatever the number of
     tables (the torch path: about 110 launches, 8 more a table)."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
     monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
@@ -215,7 +219,7 @@ def test_a_fused_step_issues_few_launches(monkeypatch):
         assert syncs == [], syncs
         per_step[T] = (aten, kernels)
     assert per_step[2] == per_step[4], per_step
-    assert per_step[2] == (6, 8), per_step
+    assert per_step[2] == (3, 8), per_step
 
 
 @requires_cuda
