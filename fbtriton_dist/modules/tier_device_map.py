@@ -26,6 +26,12 @@ is one read of a few counts per table for all tables together (``host_values``):
    (per table: its rows are tensors of their own), the map is updated for all tables at
    once, the ids become slots.
 
+On CUDA (``FBTD_SLOT_MAP_KERNELS``: ``auto``) the same steps run as Triton kernels
+(``kernels/slot_map.py`` through ``ops/slot_map.py``; ``DeviceMaps.kernels``): the pass in two
+launches, the stamps, the keys (joint with the table where they fit: one sort), every table's
+and tensor's rows out and in one launch per direction, the slots; the torch ops here are the
+CPU path and the kernels' reference, bit for bit.
+
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
 ``ops/host_mapped.py``): a kernel reads or writes each row over PCIe once, no host staging.
