@@ -2,7 +2,7 @@
 ops are the CPU path and the reference of these kernels; ``docs/storage.md``, "The slot map
 on the device"). A step of a module's cached tables:
 
-* ``map_ids`` (``DeviceMaps.map``), two launches over the batch's ids (and its slots): per
+* ``map_ids`` and ``map_first`` (``DeviceMaps.map``), two launches over the batch's ids (and its slots): per
   id its feature (a binary search of the feature bounds ``offsets[f * B]``), table, row, in
   range, slot, hit, the ``used`` marks of the slots hit, and for a miss a code of its
   position written into its row's ``slot_of_row`` entry with ``atomic_max`` (the first
@@ -13,13 +13,15 @@ on the device"). A step of a module's cached tables:
   with integer atomics onto ``[T, 6]`` counters, so their order does not matter.
   ``compact`` puts the first occurrences in id order (a cumulative sum, one scatter).
 * ``stamp``: the hits' ``last_seen`` / ``counts`` (and ``dirty`` for a training batch).
-* ``keys``: each slot's eviction key (``DeviceMaps._keys``).
+* ``keys``: each slot's eviction key (``DeviceMaps._keys``), joint with its table where
+  the keys fit (one sort then orders every table's slots).
 * ``rows_out`` / ``rows_in``: the victims' rows of every table and every tensor pair
   (weights, each optimizer state) back to the backing store (the dirty ones: a clean slot
   holds its row's bytes), their map entries forgotten; then the misses' rows into their slots
   and the map's entries of the targets: one launch per direction and per pair of dtypes.
   A table of base addresses, row strides and row lengths per (table, tensor) (``RowPlan``)
-  says where the rows are; a kernel casts the int64 addresses to pointers.
+  says where the rows are; a kernel casts the int64 addresses to pointers. Each row finds
+  its table's part of the placement by a binary search of a ``[parts, 6]`` table.
 * ``slots_of``: the batch's ids of these tables replaced by their slots.
 
 Races: the codes are integers maxed atomically and read by the next launch only (stream
