@@ -209,6 +209,25 @@ def _keys_kernel(last_seen_ptr, counts_ptr, slot_local_ptr, slot_capacity_ptr, l
     tl.store(key_ptr + i, key, mask=valid)
 
 
+@triton.jit(do_not_specialize=["S"])
+def _free_targets_kernel(free_ptr, cum_ptr, slot_table_ptr, table_slots_ptr, parts_ptr,
+                         targets_ptr, S, Tm, BLOCK: tl.constexpr):
+    """Each table's first ``k`` free slots, ascending, at its targets (``parts[t]``: first
+    target, k): a free slot's rank in its table is the running count of free slots
+    (``cum``, inclusive) less the count before the table's first slot."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < S
+    free = valid & (tl.load(free_ptr + i, mask=valid, other=0) != 0)
+    table = tl.load(slot_table_ptr + i, mask=free, other=0).to(tl.int64)
+    s0 = tl.load(table_slots_ptr + Tm + table, mask=free, other=0).to(tl.int64)
+    before = tl.load(cum_ptr + s0 - 1, mask=free & (s0 > 0), other=0)
+    rank = tl.load(cum_ptr + i, mask=free, other=0) - before - 1
+    k = tl.load(parts_ptr + table * 6 + 2, mask=free, other=0)
+    at = tl.load(parts_ptr + table * 6, mask=free, other=0)
+    take = free & (rank < k)
+    tl.store(targets_ptr + at + rank, i, mask=take)
+
+
 @triton.jit
 def _copy_row(src, dst, n, BLOCK_D: tl.constexpr):
     for d0 in range(0, n, BLOCK_D):
@@ -321,6 +340,7 @@ def _slots_kernel(rows_ptr, live_ptr, slot_of_row_ptr, indices_ptr, out_ptr, N,
     tl.store(out_ptr + i, tl.where(live, slot.to(ids.dtype), ids), mask=valid)
 
 
+_free_targets = Launcher(_free_targets_kernel)
 _map_ids = Launcher(_map_ids_kernel)
 _map_first = Launcher(_map_first_kernel)
 _compact = Launcher(_compact_kernel)
@@ -391,6 +411,17 @@ def keys(last_seen, counts, slot_local, slot_capacity, lfu, free, cand, slot_tab
     _keys((cdiv(S, BLOCK),), last_seen, counts, slot_local, slot_capacity, _u8(lfu), _u8(free),
           _u8(cand), slot_table, key, S, clock, big, with_lfu, shift, BLOCK)
     return key
+
+
+def free_targets(free, slot_table, table_slots, parts, K: int) -> torch.Tensor:
+    """``[K]``: each table's first ``parts[t, 2]`` free slots (joint numbers, ascending)
+    from ``parts[t, 0]`` on (``parts``: one row per table)."""
+    S = free.numel()
+    targets = torch.empty(K, dtype=torch.int64, device=free.device)
+    cum = free.cumsum(0)
+    _free_targets((cdiv(S, BLOCK),), _u8(free), cum, slot_table, table_slots, parts, targets,
+                  S, table_slots.shape[1], BLOCK)
+    return targets
 
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,

@@ -325,10 +325,10 @@ class DeviceMaps:
         table's key: ``_keys``), the targets (each table's first ``k``: its free slots, then
         its victims), the victims' rows written back and forgotten, the misses' rows gathered
         in (per table: its rows are its own tensors), the map updated."""
-        key, lfu_ok, joint = self._keys(mapped, clock)
-        if self.kernels and self._place_fused(mapped, key, lfu_ok, joint, placed, clock, views,
-                                              lookup, train, views_key):
+        if self.kernels and self._place_fused(mapped, placed, clock, views, lookup, train,
+                                              views_key):
             return
+        key, lfu_ok, _ = self._keys(mapped, clock)
         take, got_at, victim_at, parts = [], [], [], []
         for i, first, k, nfree in placed:
             at = len(take)
@@ -416,56 +416,48 @@ class DeviceMaps:
             self._row_plan = (key, self._row_plan[1], quick)
         return self._row_plan[1]
 
-    def _place_fused(self, mapped: Mapped, key: torch.Tensor, lfu_ok: bool, joint: bool,
-                     placed: list, clock: int, views, lookup: bool, train: bool,
-                     views_key: tuple | None) -> bool:
-        """``_place`` with the kernels: the same targets (one ``topk``, or every table's
-        slots in key order), then one launch per direction (per dtype pair of the tensors)
-        for every table and tensor: the dirty victims' rows back (a clean one holds its row's
-        bytes: ``_write``'s result), their entries forgotten, the misses' rows in, the
-        targets' entries. The kernels find each row's table in a ``[parts, 6]`` table of
-        ``(first target, first victim, k, free ones, first miss, where its targets start in
-        order)``: O(tables) host work and copy, not O(rows). False (nothing done): the rows
-        are not the kernels' (``_row_plan_of``)."""
-        plan = self._row_plan_of(views, key.device, views_key)
+    def _place_fused(self, mapped: Mapped, placed: list, clock: int, views, lookup: bool,
+                     train: bool, views_key: tuple | None) -> bool:
+        """``_place`` with the kernels: the same targets, then one launch per direction (per
+        dtype pair of the tensors) for every table and tensor: the dirty victims' rows back
+        (a clean one holds its row's bytes: ``_write``'s result), their entries forgotten,
+        the misses' rows in, the targets' entries. Without victims the targets are each
+        table's first free slots (a cumulative sum of the free marks and one scatter, no
+        keys, no sort); else by the keys: one ``topk``, or every table's slots in key order.
+        The kernels find each row's table in a ``[T, 6]`` table of ``(first target, first
+        victim, k, free ones, first miss, where its targets start in order)`` per table:
+        O(tables) host work and copy, not O(rows). False (nothing done): the rows are not
+        the kernels' (``_row_plan_of``)."""
+        dev = self.last_seen.device
+        plan = self._row_plan_of(views, dev, views_key)
         if plan is None:
             return False
         fused = self._fused()
-        one = len(placed) == 1
-        if one:  # one table: its first k by one topk
-            (i, _, k, _), = placed
-            s0 = self.slot_base[i]
-            order = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
-                               sorted=True).indices + s0
-        elif joint:  # every table's slots in its key's order: one sort of the joint keys
-            order = torch.argsort(key)  # each table's first k distinct: no ties among them
-        else:  # by key, then by table (the keys of a table are distinct)
-            by_key = torch.argsort(key, stable=True)
-            order = by_key.index_select(0, torch.argsort(
-                self.slot_table.index_select(0, by_key), stable=True))
+        of = {i: (first, k, nfree) for i, first, k, nfree in placed}
         rows, K, V = [], 0, 0
-        for i, first, k, nfree in placed:
-            rows.append([K, V, k, nfree, first, 0 if one else self.slot_base[i]])
-            stats = self.caches[self.tables[i]].stats
-            stats["evictions"] += k - nfree
-            stats["misses"] += k
+        for i, t in enumerate(self.tables):
+            first, k, nfree = of.get(i, (0, 0, 0))
+            rows.append([K, V, k, nfree, first, self.slot_base[i]])
+            if k:
+                stats = self.caches[t].stats
+                stats["evictions"] += k - nfree
+                stats["misses"] += k
             K, V = K + k, V + k - nfree
-        if any(self.caches[self.tables[i]].lfu for i, *_ in placed) and not lfu_ok:
-            # LFU keys too big for one int64: those tables' targets by two stable sorts
-            targets = torch.empty(K, dtype=torch.int64, device=key.device)
-            for (i, _, k, _), (at, _, _, _, _, src) in zip(placed, rows, strict=True):
-                cache = self.caches[self.tables[i]]
-                s0, s1 = self.slot_base[i], self.slot_base[i + 1]
-                targets[at : at + k] = (_sorted_victims(cache, mapped.used[s0:s1], k, clock)
-                                        + s0 if cache.lfu else order[src : src + k])
-            order = targets
+        order = None
+        if V:  # by the keys; where each table's targets start in the order
+            order, start = self._victims_order(mapped, placed, clock)
+            for i, row in enumerate(rows):
+                row[5] = start.get(i, 0)
+        else:  # free slots only: each table's first k, ascending; the order is the targets
             for row in rows:
                 row[5] = row[0]
-        if key.is_cuda:  # one small copy, from pinned memory: no wait for the stream
+        if dev.type == "cuda":  # one small copy, from pinned memory: no wait for the stream
             parts = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(
-                key.device, non_blocking=True)
+                dev, non_blocking=True)
         else:
             parts = torch.tensor(rows, dtype=torch.int64)
+        if order is None:
+            order = fused.free_targets(mapped.free, self.slot_table, self.table_slots, parts, K)
         if V:
             fused.rows_out(plan, parts, order, V, self.row_of_slot, self.dirty,
                            self.slot_info, self.table_row_base, self.slot_of_row, self.written)
@@ -473,6 +465,35 @@ class DeviceMaps:
                       self.table_row_base, self.row_of_slot, self.slot_of_row, self.last_seen,
                       self.counts, self.dirty, clock, lookup, train)
         return True
+
+    def _victims_order(self, mapped: Mapped, placed: list, clock: int
+                       ) -> tuple[torch.Tensor, dict[int, int]]:
+        """The fused placement's order of slots when some table evicts, and where each
+        placed table's first ``k`` (its targets) start in it."""
+        key, lfu_ok, joint = self._keys(mapped, clock)
+        start = {i: self.slot_base[i] for i, *_ in placed}
+        if len(placed) == 1:  # one table: its first k by one topk
+            (i, _, k, _), = placed
+            s0 = self.slot_base[i]
+            order = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
+                               sorted=True).indices + s0
+            start[i] = 0
+        elif joint:  # every table's slots in its key's order: one sort of the joint keys
+            order = torch.argsort(key)  # each table's first k distinct: no ties among them
+        else:  # by key, then by table (the keys of a table are distinct)
+            by_key = torch.argsort(key, stable=True)
+            order = by_key.index_select(0, torch.argsort(
+                self.slot_table.index_select(0, by_key), stable=True))
+        if any(self.caches[self.tables[i]].lfu for i, *_ in placed) and not lfu_ok:
+            # LFU keys too big for one int64: those tables' targets by two stable sorts
+            order = order.clone()
+            for i, _, k, _ in placed:
+                cache = self.caches[self.tables[i]]
+                if cache.lfu:
+                    s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+                    order[start[i] : start[i] + k] = _sorted_victims(
+                        cache, mapped.used[s0:s1], k, clock) + s0
+        return order, start
 
     def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their

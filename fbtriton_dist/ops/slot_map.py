@@ -5,6 +5,7 @@ twin, the CPU path, is ``tier_device_map``'s own ops."""
 from fbtriton_dist.kernels.slot_map import (  # noqa: F401
     RowPlan,
     compact,
+    free_targets,
     keys,
     map_first,
     map_ids,
@@ -14,5 +15,5 @@ from fbtriton_dist.kernels.slot_map import (  # noqa: F401
     stamp,
 )
 
-__all__ = ["RowPlan", "compact", "keys", "map_first", "map_ids", "rows_in", "rows_out",
-           "slots_of", "stamp"]
+__all__ = ["RowPlan", "compact", "free_targets", "keys", "map_first", "map_ids", "rows_in",
+           "rows_out", "slots_of", "stamp"]
