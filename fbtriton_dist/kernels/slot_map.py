@@ -21,7 +21,7 @@ on the device"). A step of a module's cached tables:
   and the map's entries of the targets: one launch per direction and per pair of dtypes.
   A table of base addresses, row strides and row lengths per (table, tensor) (``RowPlan``)
   says where the rows are; a kernel casts the int64 addresses to pointers. Each row finds
-  its table's part of the placement by a binary search of a ``[parts, 6]`` table.
+  its table's part of the placement by a binary search of a ``[T, 6]`` table (a row per table).
 * ``slots_of``: the batch's ids of these tables replaced by their slots.
 
 Races: the codes are integers maxed atomically and read by the next launch only (stream
@@ -255,7 +255,7 @@ def _part_of(parts_ptr, n_parts, x, col, SEARCH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["V", "n_parts"])
 def _rows_out_kernel(
-    parts_ptr,  # [n_parts, 6] int64: first target, first victim, k, free ones, first miss,
+    parts_ptr,  # [T, 6] int64 per table: first target, first victim, k, free ones, first miss,
     # where the part's targets start in order
     order_ptr,  # int64 joint slots: target j of part p is order[start + j - first target]
     row_of_slot_ptr, dirty_ptr, slot_info_ptr,  # slot_info [3, S] int32: table, local, C
