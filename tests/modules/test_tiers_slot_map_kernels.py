@@ -78,7 +78,8 @@ def recorded(monkeypatch):
 def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, sort, monkeypatch):
     """Two cached tables of different dims (Adam: two states; rowwise Adagrad: one per row)
     and a device table whose ids the map leaves alone (``live`` False), a table's features
-    contiguous or not: every pass (slots used, free, candidates, counts, misses in order),
+    contiguous or not, and a batch refused for ids out of range (counted in the pass, nothing
+    changed): every pass (slots used, free, candidates, counts, misses in order),
     the map after every placement, the outputs, rows moved (weights and states), resident
     rows and stats are the torch path's, over steps that evict dirty rows. ``sort``: every
     table's slots ordered by one sort of the joint keys (table, key); by two stable sorts
@@ -105,8 +106,15 @@ def test_the_kernels_map_as_torch_bit_for_bit(policy, opt, ftm, sort, monkeypatc
             (out * upstream_grad(out, step)).sum().backward()
             outs.append(out.detach())
             rows.append(m.resident_rows())
+        indices, offsets = data[0]
+        bad = indices.clone()
+        bad[0], bad[-1] = 1000, -1  # out of range in the first and the last feature
+        with pytest.raises(ValueError, match="out of range"):  # refused, nothing changed
+            m(bad, offsets)
+        rows.append(m.resident_rows())
         runs[k] = (outs, rows, m.cache_stats(), m.state_dict())
-    assert len(seen[True]) == len(seen[False]) == len(data)
+    assert len(seen[True]) == len(seen[False]) == len(data) + 1  # the refused batch's pass
+    assert int(seen[True][-1]["counts"][:, 5].sum()) > 0
     for a, b in zip(seen[False], seen[True], strict=True):
         for name, value in a.items():
             assert torch.equal(value, b[name]), name
