@@ -351,6 +351,11 @@ _rows_in = Launcher(_rows_in_kernel)
 _slots = Launcher(_slots_kernel)
 
 
+def interpreted() -> bool:
+    """These kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: on CPU tensors)."""
+    return getattr(_map_ids_kernel, "params", None) is None
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 

@@ -150,6 +150,12 @@ class DeviceMaps:
             sizes).to(device)
         mode = knobs.slot_map_kernels()  # the fused path (``kernels/slot_map.py``) or torch
         self.kernels = mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+        if self.kernels and torch.device(device).type != "cuda" and not (
+                self._fused().interpreted()):
+            raise ValueError(
+                f"FBTD_SLOT_MAP_KERNELS=1 with the slot maps on {torch.device(device)}: "
+                "expected TRITON_INTERPRET=1 (the kernels on CPU tensors), got compiled "
+                "Triton kernels; use FBTD_SLOT_MAP_KERNELS=auto or 0")
         self._row_plan: tuple | None = None  # (its key, ``RowPlan``): where the rows are
 
     def _features(self, feature_table_map: list[int], device) -> None:

@@ -6,6 +6,7 @@ from fbtriton_dist.kernels.slot_map import (  # noqa: F401
     RowPlan,
     compact,
     free_targets,
+    interpreted,
     keys,
     map_first,
     map_ids,
@@ -15,5 +16,5 @@ from fbtriton_dist.kernels.slot_map import (  # noqa: F401
     stamp,
 )
 
-__all__ = ["RowPlan", "compact", "free_targets", "keys", "map_first", "map_ids", "rows_in",
-           "rows_out", "slots_of", "stamp"]
+__all__ = ["RowPlan", "compact", "free_targets", "interpreted", "keys", "map_first",
+           "map_ids", "rows_in", "rows_out", "slots_of", "stamp"]

@@ -12,6 +12,7 @@ from fbtriton_dist import knobs, optim
 from fbtriton_dist.kernels import launch
 from fbtriton_dist.modules import tier_device_map, tiers
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.ops import slot_map
 from fbtriton_dist.storage import Storage
 from tests.conftest import requires_cuda
 from tests.helpers import make_batch, upstream_grad
@@ -157,8 +158,10 @@ def test_prefetch_is_exact_on_the_kernels(on_device, monkeypatch):  # noqa: F811
     device_map.test_prefetch_is_exact(on_device)
 
 
+@interpreted
 def test_the_knob(monkeypatch):
-    """``auto``: the kernels on CUDA only; ``0`` / ``1`` force; a bad value names the knob."""
+    """``auto``: the kernels on CUDA only; ``0`` / ``1`` force (``1`` on the CPU needs the
+    interpreter); a bad value names the knob."""
     monkeypatch.setenv("FBTD_SLOT_MAP", "device")
     kernels = paths(monkeypatch)
     for value in ("auto", "1", "0"):
@@ -166,6 +169,11 @@ def test_the_knob(monkeypatch):
         m = build(optim.SGD(lr=0.1), "lru", [0, 1, 2])
         assert m.slot_maps_on_device() == {"table_0": True, "table_1": True}
     assert kernels == [False, True, False]
+    monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "1")
+    monkeypatch.setattr(slot_map, "interpreted", lambda: False)  # compiled Triton, CPU maps
+    with pytest.raises(ValueError, match=r"FBTD_SLOT_MAP_KERNELS=1 with the slot maps on cpu: "
+                                         r"expected TRITON_INTERPRET=1"):
+        build(optim.SGD(lr=0.1), "lru", [0, 1, 2])
     monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", "yes")
     with pytest.raises(ValueError, match=r"FBTD_SLOT_MAP_KERNELS: expected one of \['auto', "
                                          r"'0', '1'\], got 'yes'"):
