@@ -48,6 +48,11 @@ KNOBS: dict[str, tuple[str, str]] = {
         "by the GPU through large pages; pinned where the device lacks concurrent managed "
         "access) or pinned (page-locked host memory); read at each allocation "
         "(ops/host_mapped.py)", "managed"),
+    "FBTD_SLOT_MAP_KERNELS": (
+        "the device slot map's ops: auto (Triton kernels on CUDA, torch ops elsewhere), 1 "
+        "(the kernels everywhere: under TRITON_INTERPRET=1 on the CPU), 0 (torch ops "
+        "everywhere); read when a module is built or moved (modules/tier_device_map.py)",
+        "auto"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -78,6 +83,14 @@ def cpu_huge_pages() -> bool:
 def cpu_native_cache() -> str | None:
     """``FBTD_CPU_NATIVE_CACHE``, or None (unset: ``cpu_native.cache_dir``'s default)."""
     return os.environ.get("FBTD_CPU_NATIVE_CACHE") or None
+
+
+def slot_map_kernels() -> str:
+    """``FBTD_SLOT_MAP_KERNELS``: ``auto``, ``0`` or ``1``; raises ValueError otherwise."""
+    raw = os.environ.get("FBTD_SLOT_MAP_KERNELS") or KNOBS["FBTD_SLOT_MAP_KERNELS"][1]
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"FBTD_SLOT_MAP_KERNELS: expected one of ['auto', '0', '1'], got {raw!r}")
+    return raw
 
 
 def slot_map() -> str:

@@ -26,6 +26,12 @@ is one read of a few counts per table for all tables together (``host_values``):
    (per table: its rows are tensors of their own), the map is updated for all tables at
    once, the ids become slots.
 
+On CUDA (``FBTD_SLOT_MAP_KERNELS``: ``auto``) the same steps run as Triton kernels
+(``kernels/slot_map.py`` through ``ops/slot_map.py``; ``DeviceMaps.kernels``): the pass in two
+launches, the stamps, the keys (joint with the table where they fit: one sort), every table's
+and tensor's rows out and in one launch per direction, the slots; the torch ops here are the
+CPU path and the kernels' reference, bit for bit.
+
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
 ``ops/host_mapped.py``): a kernel reads or writes each row over PCIe once, no host staging.
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+
+from fbtriton_dist import knobs
 
 __all__ = ["DeviceMaps", "Mapped", "check", "check_codes", "flush", "host_values"]
 
@@ -140,6 +148,15 @@ class DeviceMaps:
         self._features_of: tuple | None = None
         self.lfu = torch.tensor([c.lfu for c in caches.values()]).repeat_interleave(
             sizes).to(device)
+        mode = knobs.slot_map_kernels()  # the fused path (``kernels/slot_map.py``) or torch
+        self.kernels = mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+        if self.kernels and torch.device(device).type != "cuda" and not (
+                self._fused().interpreted()):
+            raise ValueError(
+                f"FBTD_SLOT_MAP_KERNELS=1 with the slot maps on {torch.device(device)}: "
+                "expected TRITON_INTERPRET=1 (the kernels on CPU tensors), got compiled "
+                "Triton kernels; use FBTD_SLOT_MAP_KERNELS=auto or 0")
+        self._row_plan: tuple | None = None  # (its key, ``RowPlan``): where the rows are
 
     def _features(self, feature_table_map: list[int], device) -> None:
         """Per feature (made once per feature-table map): its table's index here (-1: its
@@ -170,6 +187,8 @@ class DeviceMaps:
         N, B, dev = indices.numel(), (offsets.numel() - 1) // T, indices.device
         S, Tm = self.slot_base[-1], len(self.tables)
         self._features(feature_table_map, dev)
+        if self.kernels:
+            return self._map_fused(indices, offsets, T, B, clock)
         bounds = offsets[::B].contiguous().long()
         feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
         feature = feature.clamp_(0, T - 1)
@@ -221,22 +240,55 @@ class DeviceMaps:
         return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
                       counts=counts)
 
+    def _map_fused(self, indices: torch.Tensor, offsets: torch.Tensor, T: int, B: int,
+                   clock: int) -> Mapped:
+        """``map`` in two kernel launches (and the misses' compaction: a cumulative sum and a
+        scatter), the same ``Mapped`` bit for bit (``new_rows`` past ``sum(M)`` aside)."""
+        from fbtriton_dist.ops import slot_map as fused
+
+        N, dev = indices.numel(), indices.device
+        S, Tm = self.slot_base[-1], len(self.tables)
+        C_max = max(c.slots for c in self.caches.values())
+        check_codes(C_max, N)
+        K = Mapped.COUNTS  # the counts (int64) and the used marks (bool): one zeroed buffer
+        zeroed = torch.zeros(8 * Tm * K + S, dtype=torch.uint8, device=dev)
+        counts = zeroed[: 8 * Tm * K].view(torch.int64).view(Tm, K)
+        used = zeroed[8 * Tm * K :].view(torch.bool)
+        rows, live, local, code, table = fused.map_ids(
+            indices, offsets.contiguous(), B, T, self.feature_info, self.table_slots,
+            self.slot_of_row, used, counts, C_max + 1 + N)
+        first, free, cand = fused.map_first(rows, code, table, self.table_slots,
+                                            self.slot_of_row, used, self.last_seen, self.dirty,
+                                            self.slot_table, counts, clock)
+        if self.grouped:
+            new_rows = fused.compact(first, local)
+        else:  # grouped by table, id order within each
+            order = torch.argsort(torch.where(first, table, Tm), stable=True)
+            new_rows = local.index_select(0, order)
+        return Mapped(rows=rows, live=live, used=used, new_rows=new_rows, free=free, cand=cand,
+                      counts=counts)
+
     def split(self, values: list[int]) -> dict[int, list[int]]:
         """``host_values(mapped.counts)`` per table."""
         K = Mapped.COUNTS
         return {t: values[i * K : (i + 1) * K] for i, t in enumerate(self.tables)}
 
     def finish(self, mapped: Mapped, counts: dict[int, list[int]], clock: int, views,
-               indices: torch.Tensor, *, lookup: bool, train: bool,
-               pinned: bool) -> torch.Tensor | None:
+               indices: torch.Tensor, *, lookup: bool, train: bool, pinned: bool,
+               views_key: tuple | None = None) -> torch.Tensor | None:
         """Step 3 (for a lookup the caller checked ranges and sizes): place each table's
         misses (a prefetch places those that find a slot); for a lookup, stamp the hits and
         return ``indices`` with the ids of these tables replaced by their slots (dirty when
-        ``train``)."""
+        ``train``). ``views_key``: what ``views`` are made of (equal keys, equal views), None:
+        unknown (the fused moves then look at the views every time)."""
         if lookup:
             if any(c[0] for c in counts.values()):
-                self.last_seen.masked_fill_(mapped.used, clock)
-                self.counts.add_(mapped.used)
+                if self.kernels:  # stamped and marked dirty (no target is a used slot)
+                    self._fused().stamp(mapped.used, self.last_seen, self.counts, self.dirty,
+                                        clock, train)
+                else:
+                    self.last_seen.masked_fill_(mapped.used, clock)
+                    self.counts.add_(mapped.used)
             for t, c in counts.items():
                 self.caches[t].stats["lookups"] += c[0] + c[1]
                 self.caches[t].touches += 1
@@ -260,24 +312,29 @@ class DeviceMaps:
                 )
                 break
         if placed:
-            self._place(mapped, counts, placed, clock, views, lookup, train)
+            self._place(mapped, counts, placed, clock, views, lookup, train, views_key)
         if error is not None:
             raise error
         if not lookup:
             return None
+        if self.kernels:
+            return self._fused().slots_of(mapped.rows, mapped.live, self.slot_of_row, indices)
         if train:
             self.dirty.logical_or_(mapped.used)
         slots = self.slot_of_row.index_select(0, mapped.rows).to(indices.dtype)
         return torch.where(mapped.live, slots, indices)
 
     def _place(self, mapped: Mapped, counts: dict[int, list[int]], placed: list, clock: int,
-               views, lookup: bool, train: bool) -> None:
+               views, lookup: bool, train: bool, views_key: tuple | None = None) -> None:
         """The misses of the tables in ``placed`` (``(i, first miss, k, free ones)``) into
         their slots, for all tables at once: one order of every slot (by table, then the
         table's key: ``_keys``), the targets (each table's first ``k``: its free slots, then
         its victims), the victims' rows written back and forgotten, the misses' rows gathered
         in (per table: its rows are its own tensors), the map updated."""
-        key, lfu_ok = self._keys(mapped, clock)
+        if self.kernels and self._place_fused(mapped, placed, clock, views, lookup, train,
+                                              views_key):
+            return
+        key, lfu_ok, _ = self._keys(mapped, clock)
         parts, K, V = [], 0, 0  # per table: (i, its first target, k, free ones, first victim)
         for i, _, k, nfree in placed:
             parts.append((i, K, k, nfree, V))
@@ -331,20 +388,150 @@ class DeviceMaps:
         self.counts.index_fill_(0, targets, 1 if lookup else 0)  # prefetched: 1 at its lookup
         self.dirty.index_fill_(0, targets, train)
 
-    def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool]:
+    @staticmethod
+    def _fused():
+        from fbtriton_dist.ops import slot_map
+
+        return slot_map
+
+    def _row_plan_of(self, views, device: torch.device, views_key: tuple | None):
+        """The fused moves' ``RowPlan`` of every table's tensor pairs (made again when an
+        address changes), or None: some tensor's rows are not contiguous or of a dtype the
+        kernels know (the torch moves then). With ``views_key``, a step whose views and
+        backing stores are what they were takes the plan without making the views."""
+        quick = None
+        if views_key is not None:
+            quick = (views_key, device, tuple(
+                (t.data_ptr(), t.dtype, t.shape) for c in self.caches.values()
+                for t in (c.backing.weight, *c.backing.states.values())))
+            if self._row_plan is not None and self._row_plan[2] == quick:
+                return self._row_plan[1]
+        fused = self._fused()
+        pairs = [self.caches[t].device_pairs(views(t)) for t in self.tables]
+        key = fused.RowPlan.key(pairs)
+        if self._row_plan is None or self._row_plan[0] != key:
+            if not fused.RowPlan.fits(pairs):
+                self._row_plan = None
+                return None
+            self._row_plan = (key, fused.RowPlan(pairs, device), quick)
+        elif quick is not None:  # the same plan, now known by this key too
+            self._row_plan = (key, self._row_plan[1], quick)
+        return self._row_plan[1]
+
+    def _place_fused(self, mapped: Mapped, placed: list, clock: int, views, lookup: bool,
+                     train: bool, views_key: tuple | None) -> bool:
+        """``_place`` with the kernels: the same targets, then one launch per direction (per
+        dtype pair of the tensors) for every table and tensor: the dirty victims' rows back
+        (a clean one holds its row's bytes: ``_write``'s result), their entries forgotten,
+        the misses' rows in, the targets' entries. Without victims the targets are each
+        table's first free slots (a cumulative sum of the free marks and one scatter, no
+        keys, no sort); else by the keys: one ``topk``, or every table's slots in key order.
+        The kernels find each row's table in a ``[T, 6]`` table of ``(first target, first
+        victim, k, free ones, first miss, where its targets start in order)`` per table:
+        O(tables) host work and copy, not O(rows). False (nothing done): the rows are not
+        the kernels' (``_row_plan_of``)."""
+        dev = self.last_seen.device
+        plan = self._row_plan_of(views, dev, views_key)
+        if plan is None:
+            return False
+        fused = self._fused()
+        of = {i: (first, k, nfree) for i, first, k, nfree in placed}
+        rows, K, V = [], 0, 0
+        for i, t in enumerate(self.tables):
+            first, k, nfree = of.get(i, (0, 0, 0))
+            rows.append([K, V, k, nfree, first, self.slot_base[i]])
+            if k:
+                stats = self.caches[t].stats
+                stats["evictions"] += k - nfree
+                stats["misses"] += k
+            K, V = K + k, V + k - nfree
+        order = None
+        if V:  # by the keys; where each table's targets start in the order
+            order, start = self._victims_order(mapped, placed, clock)
+            for i, row in enumerate(rows):
+                row[5] = start.get(i, 0)
+        else:  # free slots only: each table's first k, ascending; the order is the targets
+            for row in rows:
+                row[5] = row[0]
+        if dev.type == "cuda":  # one small copy, from pinned memory: no wait for the stream
+            parts = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(
+                dev, non_blocking=True)
+        else:
+            parts = torch.tensor(rows, dtype=torch.int64)
+        if order is None:
+            order = fused.free_targets(mapped.free, self.slot_table, self.table_slots, parts, K)
+        if V:
+            fused.rows_out(plan, parts, order, V, self.row_of_slot, self.dirty,
+                           self.slot_info, self.table_row_base, self.slot_of_row, self.written)
+        fused.rows_in(plan, parts, order, K, mapped.new_rows, self.slot_info,
+                      self.table_row_base, self.row_of_slot, self.slot_of_row, self.last_seen,
+                      self.counts, self.dirty, clock, lookup, train)
+        return True
+
+    def _victims_order(self, mapped: Mapped, placed: list, clock: int
+                       ) -> tuple[torch.Tensor, dict[int, int]]:
+        """The fused placement's order of slots when some table evicts, and where each
+        placed table's first ``k`` (its targets) start in it."""
+        key, lfu_ok, joint = self._keys(mapped, clock)
+        start = {i: self.slot_base[i] for i, *_ in placed}
+        if len(placed) == 1:  # one table: its first k by one topk
+            (i, _, k, _), = placed
+            s0 = self.slot_base[i]
+            order = torch.topk(key[s0 : self.slot_base[i + 1]], k, largest=False,
+                               sorted=True).indices + s0
+            start[i] = 0
+        elif joint:  # every table's slots in its key's order: one sort of the joint keys
+            order = torch.argsort(key)  # each table's first k distinct: no ties among them
+        else:  # by key, then by table (the keys of a table are distinct)
+            by_key = torch.argsort(key, stable=True)
+            order = by_key.index_select(0, torch.argsort(
+                self.slot_table.index_select(0, by_key), stable=True))
+        if any(self.caches[self.tables[i]].lfu for i, *_ in placed) and not lfu_ok:
+            # LFU keys too big for one int64: those tables' targets by two stable sorts
+            order = order.clone()
+            for i, _, k, _ in placed:
+                cache = self.caches[self.tables[i]]
+                if cache.lfu:
+                    s0, s1 = self.slot_base[i], self.slot_base[i + 1]
+                    order[start[i] : start[i] + k] = _sorted_victims(
+                        cache, mapped.used[s0:s1], k, clock) + s0
+        return order, start
+
+    def _keys(self, mapped: Mapped, clock: int) -> tuple[torch.Tensor, bool, bool]:
         """Per slot ``[S]``: free slots first (by number), then the candidates in their
-        table's eviction order, the others last; and whether the LFU tables' keys fit an
-        int64 (else their slots are keyed LRU here and ``_sorted_victims`` orders them)."""
+        table's eviction order, the others last; whether the LFU tables' keys fit an int64
+        (else their slots are keyed LRU here and ``_sorted_victims`` orders them); and
+        whether the keys are joint (the kernels: ``table << shift | key``, every free and
+        candidate key below ``2**shift - 1``, the others capped there: one sort orders every
+        table's slots as sorting by key, then by table, does)."""
         last, at, C = self.last_seen, self.slot_local, self.slot_capacity
-        lru = (last + 1) * C + at  # > every free slot's key
-        order, lfu_ok = lru, True
+        lfu_ok = True
         lfu = [c for c in self.caches.values() if c.lfu]
         if lfu:
             C_max = max(c.slots for c in lfu)
             lfu_ok = (max(c.touches for c in lfu) + 2) * (clock + 1) * C_max < _LFU_KEY_LIMIT
-            if lfu_ok:
-                order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
-        return torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok
+        if self.kernels:  # one launch, the same keys (joint where they fit)
+            bound = (clock + 1) * max(  # above every free and candidate key
+                (c.touches + 2 if c.lfu and lfu_ok else 1) * c.slots
+                for c in self.caches.values())
+            shift = _joint_shift(len(self.tables), bound)
+            key = self._fused().keys(last, self.counts, at, C, self.lfu, mapped.free,
+                                     mapped.cand, self.slot_table, clock,
+                                     bool(lfu) and lfu_ok, _BIG, shift)
+            return key, lfu_ok, shift > 0
+        lru = (last + 1) * C + at  # > every free slot's key
+        order = lru
+        if lfu and lfu_ok:
+            order = torch.where(self.lfu, (self.counts + 1) * ((clock + 1) * C) + lru, lru)
+        return (torch.where(mapped.free, at, torch.where(mapped.cand, order, _BIG)), lfu_ok,
+                False)
+
+
+def _joint_shift(tables: int, bound: int) -> int:
+    """Where the table goes in a joint key (``table << shift | key``) of ``tables`` tables
+    whose free and candidate keys are below ``bound``; 0: they do not fit (two sorts)."""
+    shift = 63 - max(1, (tables - 1).bit_length())
+    return shift if bound < 2**shift - 1 else 0
 
 
 def check_codes(slots: int, ids: int) -> None:

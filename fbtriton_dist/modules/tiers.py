@@ -518,7 +518,7 @@ class TieredTables:
         out = indices
         if self._maps is not None:  # one pass for the tables whose maps are on the device
             out = self._remap_on_device(indices, offsets, feature_table_map, names, views,
-                                        train, pinned)
+                                        train, pinned, views_key)
         on_host = {t: c for t, c in self.caches.items() if not c.on_device}
         if on_host and out is indices and not staged and views_key is not None:
             done = self._remap_at_once(indices, offsets, feature_table_map, names, views,
@@ -628,7 +628,7 @@ class TieredTables:
         )
 
     def _remap_on_device(self, indices, offsets, feature_table_map, names, views, train: bool,
-                         pinned: bool) -> torch.Tensor:
+                         pinned: bool, views_key: tuple | None = None) -> torch.Tensor:
         """``indices`` with the ids of the tables whose maps are on the device replaced by
         slots (``tier_device_map``): one pass for all of them, one host read of their counts,
         the checks (before anything changed; a bad id is found on the host then), then every
@@ -644,7 +644,7 @@ class TieredTables:
                 self._check_range(cache, int(lo), int(hi), indices, parts, names)
             tier_device_map.check(cache, c)
         return maps.finish(mapped, counts, self.clock, views, indices, lookup=True,
-                           train=train, pinned=pinned)
+                           train=train, pinned=pinned, views_key=views_key)
 
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  feature_table_map: list[int], tiers: Collection[str] | None = None,
