@@ -30,7 +30,10 @@ What ``fn`` must be (the usual CUDA-graph contract, PyTorch's "CUDA Graphs" note
   on the host by the step count before each training lookup, so a captured training lookup
   refuses it (ValueError) rather than replay one step's choice;
 - host-side effects of ``fn`` (Python counters, logging) happen once, at capture, not at
-  replays;
+  replays; what must run on the host at every step registers itself at capture with
+  ``before_each_replay`` (a TBE lookup of cached storage tiers does: its slot map runs
+  eagerly on the step's ids before each replay, the lookup and fused update on the slots are
+  replayed);
 - the tensors it returns are static: the next replay overwrites them (clone to keep one);
   its tensor arguments are data (copied into the static inputs; no gradient reaches them).
 
@@ -46,11 +49,15 @@ optimizer, a new torch optimizer).
 
 import collections
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# What a ``GraphedStep`` capture runs before each replay, with the tensors it may read (the
+# step's static inputs): the innermost ``_prepared_before_replays`` scope collects it.
+_PREPARE_SCOPES: list[tuple[list[Any], list[Callable[[object], None]]]] = []
 
 # Side-stream work a captured step forked and has not joined yet (a TBE lookup's backward
 # plan, joined by its backward): the innermost ``joined_at_exit`` scope collects it.
@@ -92,11 +99,51 @@ def defer_join(device: torch.device, event) -> bool:
     return True
 
 
+def before_each_replay(reads: Sequence[torch.Tensor], prepare: Callable[[object], None],
+                       what: str) -> None:
+    """Under a ``GraphedStep`` capture: run ``prepare(replay)`` eagerly, on the current stream,
+    before every replay of the graph being captured (after the call's tensors are copied into
+    its static inputs; a raise there skips the replay), in the order of registration;
+    ``replay``: an object new at each replay, the same for all of that replay's prepares.
+    ``reads``: the tensors ``prepare`` reads, which must hold their values before the replay:
+    the step's tensor arguments or views of them, not tensors the graph computes. ``what``
+    names the caller in errors. RuntimeError outside a ``GraphedStep`` capture, or for a
+    tensor computed in the graph."""
+    if not _PREPARE_SCOPES:
+        raise RuntimeError(
+            f"{what}: needs work on the host before each replay of a CUDA graph; only "
+            "fbtriton_dist.graphs.GraphedStep runs it (a torch.cuda.graph capture, or "
+            "TrainPipeline(cuda_graph=True), cannot): capture it with GraphedStep, or run it "
+            "eagerly")
+    inputs, prepares = _PREPARE_SCOPES[-1]
+    given = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+    for t in reads:
+        if t.untyped_storage().data_ptr() not in given:
+            raise RuntimeError(
+                f"{what}: in a GraphedStep its ids must be the step's own tensor arguments "
+                f"(or views of them): a {tuple(t.shape)} {t.dtype} tensor computed inside the "
+                "step has no value before the replay that computes it; pass the lookup's "
+                "indices and offsets to the step")
+    prepares.append(prepare)
+
+
+@contextlib.contextmanager
+def _prepared_before_replays(inputs: list[Any]) -> Iterator[list[Callable[[object], None]]]:
+    """The scope of one capture: yields the list ``before_each_replay`` fills."""
+    prepares: list[Callable[[object], None]] = []
+    _PREPARE_SCOPES.append((inputs, prepares))
+    try:
+        yield prepares
+    finally:
+        _PREPARE_SCOPES.pop()
+
+
 @dataclass(eq=False)
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     inputs: list[Any]  # static copies of the tensor arguments (others as given)
     output: Any
+    prepares: list[Callable[[object], None]]  # run before each replay (``before_each_replay``)
 
 
 class GraphedStep:
@@ -162,6 +209,9 @@ class GraphedStep:
                 for static, arg in zip(captured.inputs, args, strict=True):
                     if isinstance(arg, torch.Tensor) and arg.data_ptr() != static.data_ptr():
                         static.copy_(arg)
+        replay = object()
+        for prepare in captured.prepares:
+            prepare(replay)
         captured.graph.replay()
         self.replays += 1
         return captured.output
@@ -207,7 +257,7 @@ class GraphedStep:
         inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         graph = torch.cuda.CUDAGraph()
         try:
-            with (torch.cuda.device(device),
+            with (torch.cuda.device(device), _prepared_before_replays(inputs) as prepares,
                   torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE), joined_at_exit()):
                 output = self.fn(*inputs)
         except Exception as e:
@@ -218,7 +268,7 @@ class GraphedStep:
                 "pass enabled=False to run it eagerly"
             ) from e
         self.captures += 1
-        return _Captured(graph, inputs, output)
+        return _Captured(graph, inputs, output, prepares)
 
 
 def _signature(args: tuple) -> Hashable:

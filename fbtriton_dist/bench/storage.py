@@ -33,6 +33,12 @@ row's ``ratio`` is its time over our ``device``'s; the pairs ours ``device`` / `
 ``host`` against ``fbgemm_device`` / ``fbgemm_managed_caching`` / ``fbgemm_managed`` print
 fbgemm ms / ours ms (> 1: ours faster).
 
+``--graph``: each of our tiers also as a CUDA-graph step, rows ``<tier> (graph)``: the step
+(lookup, fused backward) replayed by ``graphs.GraphedStep`` after one eager warm-up step; a
+cached tier's slot map runs eagerly before each replay (``graphs.before_each_replay``), its
+lookup and update on the slots are replayed. Checked bit for bit like the others (the check
+steps replay it), paired with FBGEMM's eager modules. On the CPU the step runs eagerly.
+
 ``--slot-map``: where the ``cached`` tier's slot map lives (``FBTD_SLOT_MAP`` while the modules
 are built): ``auto`` (the default: on the cache's device on CUDA, on the host on the CPU),
 ``host``, ``device`` (the CUDA path, also on the CPU), or ``both``: the cached tier twice,
@@ -54,6 +60,7 @@ import torch
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.bench import storage_fbgemm
 from fbtriton_dist.bench.timing import SPREAD_FLAG, spread
+from fbtriton_dist.graphs import GraphedStep
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import TIERS, Storage
 
@@ -123,8 +130,33 @@ def build(setup: Setup, tier: str, load_factor: float, policy: str, folder: str,
                                  device=device)
 
 
+class GraphedTier:
+    """Our module whose training step is replayed from a CUDA graph (``GraphedStep``, one
+    eager warm-up step): a ``--graph`` row. ``upcoming`` batches are prefetched after the
+    replay."""
+
+    def __init__(self, module: TableBatchedEmbedding) -> None:
+        self.module = module
+        self.step = GraphedStep(self._step, warmup=1)
+
+    def _step(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.module(indices, offsets).sum().backward()
+
+
+def tbe_of(m) -> TableBatchedEmbedding | None:
+    """Our module behind a timed entry (None: FBGEMM's)."""
+    m = m.module if isinstance(m, GraphedTier) else m
+    return m if isinstance(m, TableBatchedEmbedding) else None
+
+
 def train_step(module, batch, upcoming=None) -> None:
-    """One training step; ``upcoming``: the next batch, prefetched before the backward."""
+    """One training step; ``upcoming``: the next batch, prefetched before the backward (after
+    the replay of a ``GraphedTier``)."""
+    if isinstance(module, GraphedTier):
+        module.step(*batch)
+        if upcoming is not None:
+            module.module.prefetch(*upcoming)
+        return
     out = module(*batch)
     if upcoming is not None:
         module.prefetch(*upcoming)
@@ -142,6 +174,7 @@ def check(setup: Setup, modules: dict[str, TableBatchedEmbedding], batches, step
     want = modules["device"].state_dict()
     out = {}
     for tier, m in modules.items():
+        m = tbe_of(m)
         got = m.state_dict()
         out[tier] = [f"{k}: {_diff(want[k], got[k])}" for k in want
                      if isinstance(want[k], torch.Tensor) and not torch.equal(want[k], got[k])]
@@ -170,7 +203,7 @@ def time_tiers(modules: dict[str, TableBatchedEmbedding], batches, *, steps: int
         k = rep % len(tiers)
         for tier in tiers[k:] + tiers[:k]:
             m = modules[tier]
-            ahead = prefetch and isinstance(m, TableBatchedEmbedding)
+            ahead = prefetch and tbe_of(m) is not None
             times = []
             for s in range(warmup + steps):
                 nxt = batches[(i + 1) % len(batches)] if ahead else None
@@ -270,6 +303,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fbgemm", action="store_true",
                    help="add FBGEMM's fbgemm_device, fbgemm_managed (UVM) and "
                    "fbgemm_managed_caching (--device cuda only)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time each of our tiers as a CUDA-graph step (rows '<tier> (graph)')")
     p.add_argument("--slot-map", choices=["auto", "host", "device", "both"], default="auto",
                    help="where the cached tier's slot map lives (both: time the two)")
     p.add_argument("--path", default=None,
@@ -339,7 +374,7 @@ def _run(args, setup: Setup, folder: str) -> dict:
     if args.fbgemm:
         timed.update(_build_fbgemm(args, setup, folder, batches, initial, report))
     del initial
-    ours = {t: m for t, m in timed.items() if isinstance(m, TableBatchedEmbedding)}
+    ours = {t: tbe_of(m) for t, m in timed.items() if tbe_of(m) is not None}
     before = {t: dict(_sum_stats(m)) for t, m in ours.items()}
     for m in timed.values():
         storage_fbgemm.reset_stats(m)
@@ -367,28 +402,39 @@ def _run(args, setup: Setup, folder: str) -> dict:
 
 
 def _build_ours(args, setup: Setup, folder: str) -> tuple[dict, dict[str, str]]:
-    """Our module per tier, each from the device module's state; the tiers the module refuses
-    on ``args.device`` (tier -> why) instead of a module."""
+    """Our module per tier (and with ``--graph`` a second one per tier in a ``GraphedTier``),
+    each from the device module's state; the tiers the module refuses on ``args.device``
+    (tier -> why) instead of a module."""
     device = build(setup, "device", args.cache_load_factor, args.policy, folder,
                    device=args.device)
     modules, refused = {"device": device}, {}
+    if args.graph:
+        os.makedirs(os.path.join(folder, "graph"), exist_ok=True)
+        graphed = build(setup, "device", args.cache_load_factor, args.policy, folder,
+                        device=args.device)
+        graphed.load_state_dict(device.state_dict())
+        modules["device (graph)"] = GraphedTier(graphed)
     for tier in args.tiers[1:]:
         maps = ["host", "device"] if args.slot_map == "both" and tier == "cached" else [
             args.slot_map]
         for where in maps:
             name = tier if len(maps) == 1 else f"{tier} ({where} map)"
-            try:
-                with knobs.set_for_now("FBTD_SLOT_MAP", where):
-                    m = build(setup, tier, args.cache_load_factor, args.policy, folder,
-                              device=args.device)
-            except ValueError as e:
-                refused[name] = str(e)
-                print(f"  {name}: refused on {args.device}: {e}", flush=True)
-                continue
-            m.load_state_dict(device.state_dict())
-            modules[name] = m
+            for graph in (False, True) if args.graph else (False,):
+                try:
+                    with knobs.set_for_now("FBTD_SLOT_MAP", where):
+                        m = build(setup, tier, args.cache_load_factor, args.policy,
+                                  os.path.join(folder, "graph") if graph else folder,
+                                  device=args.device)
+                except ValueError as e:
+                    refused[name] = str(e)
+                    print(f"  {name}: refused on {args.device}: {e}", flush=True)
+                    break
+                m.load_state_dict(device.state_dict())
+                if graph:
+                    modules[f"{name} (graph)"] = GraphedTier(m)
+                else:
+                    modules[name] = m
     return modules, refused
-
 
 
 def _build_fbgemm(args, setup: Setup, folder: str, batches, initial, report) -> dict:

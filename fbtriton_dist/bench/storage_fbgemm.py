@@ -27,7 +27,8 @@ PROVIDERS = {
 }
 """Provider -> FBGEMM's ``EmbeddingLocation`` member."""
 PAIRS = (("device", "fbgemm_device"), ("cached", "fbgemm_managed_caching"),
-         ("host", "fbgemm_managed"))
+         ("host", "fbgemm_managed"), ("device (graph)", "fbgemm_device"),
+         ("cached (graph)", "fbgemm_managed_caching"), ("host (graph)", "fbgemm_managed"))
 """(our tier, FBGEMM's provider) compared in the printed pairs: fbgemm ms / ours ms."""
 UNIQUE_INDICES, UNIQUE_MISSES = 2, 3
 """Positions in FBGEMM's ``get_uvm_cache_stats()`` (its ``UVMCacheStatsIndex``:
@@ -156,8 +157,8 @@ def pair_ratios(rows: list[dict]) -> list[dict]:
 def print_pairs(pairs: list[dict]) -> None:
     if not pairs:
         return
-    print(f"  {'ours':<8} {'fbgemm':<24} {'ours ms':>9} {'fbgemm ms':>9}  "
+    print(f"  {'ours':<16} {'fbgemm':<24} {'ours ms':>9} {'fbgemm ms':>9}  "
           "fbgemm ms / ours ms (> 1: ours faster)")
     for p in pairs:
-        print(f"  {p['ours']:<8} {p['fbgemm']:<24} {p['ours_ms']:9.3f} {p['fbgemm_ms']:9.3f}  "
+        print(f"  {p['ours']:<16} {p['fbgemm']:<24} {p['ours_ms']:9.3f} {p['fbgemm_ms']:9.3f}  "
               f"{p['fbgemm_over_ours']:.2f}x")

@@ -15,10 +15,12 @@ on the device"). A step of a module's cached tables:
 * ``stamp``: the hits' ``last_seen`` / ``counts`` (and ``dirty`` for a training batch).
 * ``keys``: each slot's eviction key (``DeviceMaps._keys``), joint with its table where
   the keys fit (one sort then orders every table's slots).
-* ``rows_out`` / ``rows_in``: the victims' rows of every table and every tensor pair
+* ``rows_swap`` (or ``rows_out`` / ``rows_in``): the victims' rows of every table and every tensor pair
   (weights, each optimizer state) back to the backing store (the dirty ones: a clean slot
   holds its row's bytes), their map entries forgotten; then the misses' rows into their slots
-  and the map's entries of the targets: one launch per direction and per pair of dtypes.
+  and the map's entries of the targets: one launch per pair of dtypes (each program a
+  target: its victim's row out, then its miss's row in, so both directions of the link are
+  busy at once), or one per direction.
   A table of base addresses, row strides and row lengths per (table, tensor) (``RowPlan``)
   says where the rows are; a kernel casts the int64 addresses to pointers. Each row finds
   its table's part of the placement by a binary search of a ``[T, 6]`` table (a row per table).
@@ -328,6 +330,59 @@ def _rows_in_kernel(
             tl.store(dirty_ptr + slot, tl.full([], TRAIN, tl.uint8))
 
 
+@triton.jit(do_not_specialize=["K", "P", "n_parts", "clock"])
+def _rows_swap_kernel(
+    parts_ptr, order_ptr, new_rows_ptr,  # as ``_rows_in_kernel``'s
+    slot_info_ptr, table_row_base_ptr,
+    row_of_slot_ptr, slot_of_row_ptr, last_seen_ptr, counts_ptr, dirty_ptr,  # map, read first
+    written_ptr,  # [Tm] int64: dirty victims counted
+    plan_ptr,  # [Tm, P, 5] int64 as ``_rows_out_kernel``'s
+    K, S, P, n_parts, clock,
+    SEARCH: tl.constexpr,
+    MAP: tl.constexpr,  # this launch updates the map (the last of the dtype groups)
+    LOOKUP: tl.constexpr, TRAIN: tl.constexpr,
+    CACHE: tl.constexpr, BACK: tl.constexpr,  # the cache's and the backing store's dtypes
+    BLOCK_D: tl.constexpr,
+):
+    """``_rows_out_kernel`` then ``_rows_in_kernel`` of one target in one program: a victim's
+    dirty row goes back and the miss's row comes in, every tensor pair in turn, so that the
+    writes to host memory and the reads from it of different targets overlap on the link
+    (both directions at once). The map is read before it changes: earlier dtype groups'
+    launches do not update it, and in this one each program reads then writes its own slot."""
+    g = tl.program_id(0).to(tl.int64)  # target g of all
+    part = _part_of(parts_ptr, n_parts, g, 0, SEARCH)
+    j = g - tl.load(part)
+    slot = tl.load(order_ptr + tl.load(part + 5) + j)
+    row = tl.load(new_rows_ptr + tl.load(part + 4) + j)
+    table = tl.load(slot_info_ptr + slot).to(tl.int64)
+    local = tl.load(slot_info_ptr + S + slot).to(tl.int64)
+    victim = j >= tl.load(part + 3)  # past its part's free targets
+    old = tl.load(row_of_slot_ptr + slot, mask=victim, other=0)
+    dirty = victim & (tl.load(dirty_ptr + slot) != 0)
+    for p in range(P):
+        at = plan_ptr + (table * P + p) * 5
+        n = tl.load(at + 4)
+        if n > 0:
+            cached = (tl.load(at + 2) + local * tl.load(at + 3)).to(tl.pointer_type(CACHE))
+            if dirty:
+                _copy_row(cached, (tl.load(at) + old * tl.load(at + 1)).to(
+                    tl.pointer_type(BACK)), n, BLOCK_D)
+                tl.debug_barrier()  # the slot's bytes out before the new row's in
+            _copy_row((tl.load(at) + row * tl.load(at + 1)).to(tl.pointer_type(BACK)),
+                      cached, n, BLOCK_D)
+    if MAP:
+        base = tl.load(table_row_base_ptr + table)
+        if victim:
+            if dirty:
+                tl.atomic_add(written_ptr + table, 1)
+            tl.store(slot_of_row_ptr + old + base, tl.load(slot_info_ptr + 2 * S + slot))
+        tl.store(row_of_slot_ptr + slot, row)
+        tl.store(slot_of_row_ptr + row + base, local.to(tl.int32))
+        tl.store(last_seen_ptr + slot, clock.to(tl.int64))
+        tl.store(counts_ptr + slot, tl.full([], LOOKUP, tl.int64))
+        tl.store(dirty_ptr + slot, tl.full([], TRAIN, tl.uint8))
+
+
 @triton.jit(do_not_specialize=["N"])
 def _slots_kernel(rows_ptr, live_ptr, slot_of_row_ptr, indices_ptr, out_ptr, N,
                   BLOCK: tl.constexpr):
@@ -348,6 +403,7 @@ _stamp = Launcher(_stamp_kernel)
 _keys = Launcher(_keys_kernel)
 _rows_out = Launcher(_rows_out_kernel)
 _rows_in = Launcher(_rows_in_kernel)
+_rows_swap = Launcher(_rows_swap_kernel)
 _slots = Launcher(_slots_kernel)
 
 
@@ -498,6 +554,21 @@ def rows_in(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_
         _rows_in((K, plan.P), parts, order, new_rows, slot_info, table_row_base,
                  row_of_slot, slot_of_row, last_seen, counts, _u8(dirty), table, K, S, plan.P,
                  n, clock, _search(table_row_base.numel()), g == 0, int(lookup), int(train), back, cache, block)
+
+
+def rows_swap(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_base,
+              row_of_slot, slot_of_row, last_seen, counts, dirty, written, clock: int,
+              lookup: bool, train: bool) -> None:
+    """``rows_out`` and ``rows_in`` in one launch per dtype group: per target, its victim's
+    dirty row back (if it is one), then the miss's row in; the map's entries in the last
+    group's launch."""
+    S, n = row_of_slot.numel(), parts.shape[0]
+    last = len(plan.groups) - 1
+    for g, (back, cache, table, block) in enumerate(plan.groups):
+        _rows_swap((K,), parts, order, new_rows, slot_info, table_row_base, row_of_slot,
+                   slot_of_row, last_seen, counts, _u8(dirty), written, table, K, S, plan.P,
+                   n, clock, _search(table_row_base.numel()), g == last, int(lookup),
+                   int(train), cache, back, block)
 
 
 def slots_of(rows, live, slot_of_row, indices) -> torch.Tensor:

@@ -545,16 +545,16 @@ class TableBatchedEmbedding(nn.Module):
         fused = self._fused() if torch.is_grad_enabled() or not self.weights.is_cpu else None
         train = fused is not None and torch.is_grad_enabled()
         if self._tiers is not None:
-            if capturing(self.weights.device):
-                raise RuntimeError(
-                    "TableBatchedEmbedding: cached storage tiers cannot be captured in a CUDA "
-                    "graph (the cache maps each batch's ids on the host)"
-                )
             self._check_tier_grad(fused, grad_targets)
-            indices = self._tiers.remap(
-                indices, offsets, self.feature_table_map, self._feature_name, self._slot_views,
-                train, views_key=self._slot_views_key(),
-            )
+
+            def remap(indices=indices, offsets=offsets, train=train, hold=False):
+                return self._tiers.remap(indices, offsets, self.feature_table_map,
+                                         self._feature_name, self._slot_views, train,
+                                         views_key=self._slot_views_key(), hold=hold)
+
+            # captured (GraphedStep): the map runs before each replay, on the step's ids
+            indices = (self._tiers.slots_in_graph(indices, offsets, remap)
+                       if capturing(self.weights.device) else remap())
         if train and self.training and isinstance(self.optimizer, fused_optim.WHOLE_TABLE_STEP):
             # EMA in place, ensemble: their whole-table steps (reading the step syncs)
             if capturing(self.weights.device):

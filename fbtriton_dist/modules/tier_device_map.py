@@ -29,8 +29,8 @@ is one read of a few counts per table for all tables together (``host_values``):
 On CUDA (``FBTD_SLOT_MAP_KERNELS``: ``auto``) the same steps run as Triton kernels
 (``kernels/slot_map.py`` through ``ops/slot_map.py``; ``DeviceMaps.kernels``): the pass in two
 launches, the stamps, the keys (joint with the table where they fit: one sort), every table's
-and tensor's rows out and in one launch per direction, the slots; the torch ops here are the
-CPU path and the kernels' reference, bit for bit.
+and tensor's rows out and in (one launch: each target's victim out, then its miss in), the
+slots; the torch ops here are the CPU path and the kernels' reference, bit for bit.
 
 The rows move as device gathers and scatters through the backing store's device view
 (``RowCache.backing_views``: on CUDA the pinned host tensors seen as CUDA tensors,
@@ -425,7 +425,8 @@ class DeviceMaps:
         (a clean one holds its row's bytes: ``_write``'s result), their entries forgotten,
         the misses' rows in, the targets' entries. Without victims the targets are each
         table's first free slots (a cumulative sum of the free marks and one scatter, no
-        keys, no sort); else by the keys: one ``topk``, or every table's slots in key order.
+        keys, no sort); else by the keys: one ``topk``, or every table's slots in key order,
+        and the rows out and in by one launch (``rows_swap``).
         The kernels find each row's table in a ``[T, 6]`` table of ``(first target, first
         victim, k, free ones, first miss, where its targets start in order)`` per table:
         O(tables) host work and copy, not O(rows). False (nothing done): the rows are not
@@ -460,12 +461,15 @@ class DeviceMaps:
             parts = torch.tensor(rows, dtype=torch.int64)
         if order is None:
             order = fused.free_targets(mapped.free, self.slot_table, self.table_slots, parts, K)
-        if V:
-            fused.rows_out(plan, parts, order, V, self.row_of_slot, self.dirty,
-                           self.slot_info, self.table_row_base, self.slot_of_row, self.written)
-        fused.rows_in(plan, parts, order, K, mapped.new_rows, self.slot_info,
-                      self.table_row_base, self.row_of_slot, self.slot_of_row, self.last_seen,
-                      self.counts, self.dirty, clock, lookup, train)
+        if V:  # each target's victim out and miss in, by one program
+            fused.rows_swap(plan, parts, order, K, mapped.new_rows, self.slot_info,
+                            self.table_row_base, self.row_of_slot, self.slot_of_row,
+                            self.last_seen, self.counts, self.dirty, self.written, clock,
+                            lookup, train)
+        else:
+            fused.rows_in(plan, parts, order, K, mapped.new_rows, self.slot_info,
+                          self.table_row_base, self.row_of_slot, self.slot_of_row,
+                          self.last_seen, self.counts, self.dirty, clock, lookup, train)
         return True
 
     def _victims_order(self, mapped: Mapped, placed: list, clock: int

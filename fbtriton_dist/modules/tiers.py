@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fbtriton_dist import knobs
+from fbtriton_dist import graphs, knobs
 from fbtriton_dist.modules import tier_device_map, tier_host_map
 from fbtriton_dist.modules.tier_backing import Backing, copy_rows
 from fbtriton_dist.ops import host_mapped, tier_native
@@ -439,13 +439,14 @@ class TieredTables:
         self._stream = None  # CUDA: the prefetch's side stream
         self._maps: tier_device_map.DeviceMaps | None = None  # the maps on the device
         self._host: tier_host_map.HostMaps | None = None  # the host maps' one call
+        self._replay: object | None = None  # the GraphedStep replay mapped last
 
     def __getstate__(self) -> dict:
         """A copy (``copy.deepcopy``, pickling) leaves the worker and the prefetch in
         flight behind."""
         self.cancel_prefetch()
         return {**self.__dict__, "_worker": None, "_ahead": {}, "_ahead_device": None,
-                "_stream": None, "_host": None}
+                "_stream": None, "_host": None, "_replay": None}
 
     def place(self, device) -> None:
         """The module is on ``device`` (built or moved there): on CUDA the backing stores
@@ -501,14 +502,16 @@ class TieredTables:
 
     def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
               names: Callable[[int], str], views: Callable[[int], Views],
-              train: bool, views_key: tuple | None = None) -> torch.Tensor:
+              train: bool, views_key: tuple | None = None, hold: bool = False
+              ) -> torch.Tensor:
         """``indices`` ``[N]`` with every cached table's ids replaced by slots (a copy),
         loading misses (from the prefetch in flight, if any: waited for here; its error is
         raised here). ``offsets`` ``[T*B+1]`` feature-major; ``names(f)``: feature f's name
         for errors; ``views(t)``: table t's slots; ``views_key``: what they are made of (the
         module's flat tensors' addresses: equal keys, equal views), which lets the host maps
-        run in one call (``tier_host_map``); None: table by table."""
-        pinned = self._pending_now()
+        run in one call (``tier_host_map``); None: table by table. ``hold``: the clock stays
+        (an earlier lookup of the same step is pending, as for a tracked batch)."""
+        pinned = self._pending_now() or hold
         if not pinned:  # while a batch is pending, its slots stay "used now": no tick
             self.clock += 1
         staged = self._collect()
@@ -626,6 +629,25 @@ class TieredTables:
             f"feature '{names(f)}' of table '{cache.name}' (tier {cache.storage.tier!r}): id "
             f"{bad} out of range [0, {cache.rows}) (cached tiers always check ids)"
         )
+
+    def slots_in_graph(self, indices: torch.Tensor, offsets: torch.Tensor,
+                       remap: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Under a ``GraphedStep`` capture of a lookup: the tensor the graph reads as the
+        slots of ``indices``, filled eagerly by ``remap(hold=...)`` (the lookup's ``remap``)
+        before each replay (``graphs.before_each_replay``: ``indices`` and ``offsets`` must be
+        the step's arguments). The lookups of one replay are one batch for the clock: a later
+        one holds it, so it cannot evict the slots an earlier one mapped; the replayed
+        backward is over before the next replay's map."""
+        slots = torch.empty_like(indices)
+
+        def prepare(replay: object) -> None:
+            hold = self._replay is replay
+            self._replay = replay
+            slots.copy_(remap(hold=hold))
+
+        graphs.before_each_replay((indices, offsets), prepare,
+                                  "TableBatchedEmbedding with cached storage tiers")
+        return slots
 
     def _remap_on_device(self, indices, offsets, feature_table_map, names, views, train: bool,
                          pinned: bool, views_key: tuple | None = None) -> torch.Tensor:

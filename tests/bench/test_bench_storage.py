@@ -76,3 +76,17 @@ def test_both_slot_maps_are_checked_and_timed():
     rows = {r["tier"]: r for r in report["rows"]}
     assert list(rows) == names
     assert rows[names[1]]["hit_rate"] == rows[names[2]]["hit_rate"] < 1
+
+
+def test_graph_rows_are_checked_and_timed():
+    """``--graph``: every tier again as a GraphedStep (eager on the CPU), each checked equal
+    to device before timing, each with its row."""
+    report = storage.main(["--storage", "cached,host", "--graph", "--tables", "2",
+                           "--rows", "300", "--dim", "4", "--batch", "8", "--bag", "3",
+                           "--batches", "3", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                           "--check-steps", "3"])
+    names = ["device", "device (graph)", "cached", "cached (graph)", "host", "host (graph)"]
+    assert report["check"] == {n: [] for n in names}
+    rows = {r["tier"]: r for r in report["rows"]}
+    assert list(rows) == names
+    assert 0 < rows["cached (graph)"]["hit_rate"] < 1

@@ -31,10 +31,12 @@ def test_pairs_are_fbgemms_time_over_ours(capsys):
             {"tier": "fbgemm_device", "median_ms": 0.5},
             {"tier": "fbgemm_managed_caching", "median_ms": 6.0},
             {"tier": "fbgemm_managed", "median_ms": 9.0},
-            {"tier": "host", "refused": "not built yet"}]
+            {"tier": "host", "refused": "not built yet"},
+            {"tier": "cached (graph)", "median_ms": 4.0}]
     pairs = storage_fbgemm.pair_ratios(rows)
     got = {(p["ours"], p["fbgemm"]): p["fbgemm_over_ours"] for p in pairs}
-    assert got == {("device", "fbgemm_device"): 0.5, ("cached", "fbgemm_managed_caching"): 3.0}
+    assert got == {("device", "fbgemm_device"): 0.5, ("cached", "fbgemm_managed_caching"): 3.0,
+                   ("cached (graph)", "fbgemm_managed_caching"): 1.5}
     storage_fbgemm.print_pairs(pairs)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].endswith("fbgemm ms / ours ms (> 1: ours faster)")
