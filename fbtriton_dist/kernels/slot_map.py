@@ -15,12 +15,13 @@ on the device"). A step of a module's cached tables:
 * ``stamp``: the hits' ``last_seen`` / ``counts`` (and ``dirty`` for a training batch).
 * ``keys``: each slot's eviction key (``DeviceMaps._keys``), joint with its table where
   the keys fit (one sort then orders every table's slots).
-* ``rows_swap`` (or ``rows_out`` / ``rows_in``): the victims' rows of every table and every tensor pair
-  (weights, each optimizer state) back to the backing store (the dirty ones: a clean slot
-  holds its row's bytes), their map entries forgotten; then the misses' rows into their slots
-  and the map's entries of the targets: one launch per pair of dtypes (each program a
-  target: its victim's row out, then its miss's row in, so both directions of the link are
-  busy at once), or one per direction.
+* ``rows_swap``: per target slot, its victim's row (every tensor pair: weights, each
+  optimizer state) back to the backing store (a dirty one: a clean slot holds its row's
+  bytes) and its map entry forgotten, then the miss's row in and the target's map entries:
+  one launch per pair of dtypes, a program per target, so that the writes to host memory
+  and the reads from it share the link at once (two launches, all out then all in, took
+  3.9 ms a step where this takes 3.3 on an H100: ``docs/storage.md``). ``rows_in`` the same
+  without victims (free slots only).
   A table of base addresses, row strides and row lengths per (table, tensor) (``RowPlan``)
   says where the rows are; a kernel casts the int64 addresses to pointers. Each row finds
   its table's part of the placement by a binary search of a ``[T, 6]`` table (a row per table).
@@ -255,52 +256,15 @@ def _part_of(parts_ptr, n_parts, x, col, SEARCH: tl.constexpr):
     return parts_ptr + (lo - 1) * 6
 
 
-@triton.jit(do_not_specialize=["V", "n_parts"])
-def _rows_out_kernel(
+@triton.jit(do_not_specialize=["K", "n_parts", "clock"])
+def _rows_in_kernel(
     parts_ptr,  # [T, 6] int64 per table: first target, first victim, k, free ones, first miss,
     # where the part's targets start in order
     order_ptr,  # int64 joint slots: target j of part p is order[start + j - first target]
-    row_of_slot_ptr, dirty_ptr, slot_info_ptr,  # slot_info [3, S] int32: table, local, C
-    table_row_base_ptr,  # [Tm] int64
-    slot_of_row_ptr,  # [R] int32: the victims' entries forgotten (pair 0)
-    written_ptr,  # [Tm] int64: dirty victims counted (pair 0)
-    plan_ptr,  # [Tm, P, 5] int64: backing address, row stride (bytes), cache's, row length
-    V, S, P, n_parts,
-    SEARCH: tl.constexpr,  # binary search steps over the parts
-    MAP: tl.constexpr,  # this launch updates the map (the first of the dtype groups)
-    SRC: tl.constexpr, DST: tl.constexpr,  # the cache's and the backing store's dtypes
-    BLOCK_D: tl.constexpr,
-):
-    v = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    part = _part_of(parts_ptr, n_parts, v, 1, SEARCH)
-    j = tl.load(part + 3) + v - tl.load(part + 1)  # its place among its part's targets
-    slot = tl.load(order_ptr + tl.load(part + 5) + j)
-    row = tl.load(row_of_slot_ptr + slot)
-    table = tl.load(slot_info_ptr + slot).to(tl.int64)
-    local = tl.load(slot_info_ptr + S + slot).to(tl.int64)
-    dirty = tl.load(dirty_ptr + slot) != 0
-    at = plan_ptr + (table * P + p) * 5
-    n = tl.load(at + 4)
-    if dirty & (n > 0):
-        src = (tl.load(at + 2) + local * tl.load(at + 3)).to(tl.pointer_type(SRC))
-        dst = (tl.load(at) + row * tl.load(at + 1)).to(tl.pointer_type(DST))
-        _copy_row(src, dst, n, BLOCK_D)
-    if MAP:  # the map: once per victim
-        if p == 0:
-            if dirty:
-                tl.atomic_add(written_ptr + table, 1)
-            capacity = tl.load(slot_info_ptr + 2 * S + slot)
-            tl.store(slot_of_row_ptr + row + tl.load(table_row_base_ptr + table), capacity)
-
-
-@triton.jit(do_not_specialize=["K", "n_parts", "clock"])
-def _rows_in_kernel(
-    parts_ptr, order_ptr,  # as ``_rows_out_kernel``'s
     new_rows_ptr,  # [N] int64 the misses' rows, table by table
     slot_info_ptr, table_row_base_ptr,
     row_of_slot_ptr, slot_of_row_ptr, last_seen_ptr, counts_ptr, dirty_ptr,  # map, written
-    plan_ptr,  # [Tm, P, 5] int64 as ``_rows_out_kernel``'s
+    plan_ptr,  # [Tm, P, 5] int64: backing address, row stride (bytes), cache's, row length
     K, S, P, n_parts, clock,
     SEARCH: tl.constexpr,
     MAP: tl.constexpr, LOOKUP: tl.constexpr, TRAIN: tl.constexpr,
@@ -336,7 +300,7 @@ def _rows_swap_kernel(
     slot_info_ptr, table_row_base_ptr,
     row_of_slot_ptr, slot_of_row_ptr, last_seen_ptr, counts_ptr, dirty_ptr,  # map, read first
     written_ptr,  # [Tm] int64: dirty victims counted
-    plan_ptr,  # [Tm, P, 5] int64 as ``_rows_out_kernel``'s
+    plan_ptr,  # [Tm, P, 5] int64 as ``_rows_in_kernel``'s
     K, S, P, n_parts, clock,
     SEARCH: tl.constexpr,
     MAP: tl.constexpr,  # this launch updates the map (the last of the dtype groups)
@@ -344,11 +308,12 @@ def _rows_swap_kernel(
     CACHE: tl.constexpr, BACK: tl.constexpr,  # the cache's and the backing store's dtypes
     BLOCK_D: tl.constexpr,
 ):
-    """``_rows_out_kernel`` then ``_rows_in_kernel`` of one target in one program: a victim's
-    dirty row goes back and the miss's row comes in, every tensor pair in turn, so that the
-    writes to host memory and the reads from it of different targets overlap on the link
-    (both directions at once). The map is read before it changes: earlier dtype groups'
-    launches do not update it, and in this one each program reads then writes its own slot."""
+    """One target in one program: its victim's dirty row goes back (its map entry
+    forgotten), then the miss's row comes in (``_rows_in_kernel``'s work), every tensor pair
+    in turn, so that the writes to host memory and the reads from it of different targets
+    overlap on the link (both directions at once). The map is read before it changes:
+    earlier dtype groups' launches do not update it, and in this one each program reads
+    then writes its own slot."""
     g = tl.program_id(0).to(tl.int64)  # target g of all
     part = _part_of(parts_ptr, n_parts, g, 0, SEARCH)
     j = g - tl.load(part)
@@ -401,7 +366,6 @@ _map_first = Launcher(_map_first_kernel)
 _compact = Launcher(_compact_kernel)
 _stamp = Launcher(_stamp_kernel)
 _keys = Launcher(_keys_kernel)
-_rows_out = Launcher(_rows_out_kernel)
 _rows_in = Launcher(_rows_in_kernel)
 _rows_swap = Launcher(_rows_swap_kernel)
 _slots = Launcher(_slots_kernel)
@@ -533,17 +497,6 @@ def _search(tables: int) -> int:
     return max(1, (tables + 1).bit_length())
 
 
-def rows_out(plan: RowPlan, parts, order, V: int, row_of_slot, dirty, slot_info,
-             table_row_base, slot_of_row, written) -> None:
-    """The ``V`` victims (each part's targets past its free ones): dirty rows back,
-    counted; their entries forgotten."""
-    S, n = row_of_slot.numel(), parts.shape[0]
-    for g, (back, cache, table, block) in enumerate(plan.groups):
-        _rows_out((V, plan.P), parts, order, row_of_slot, _u8(dirty), slot_info,
-                  table_row_base, slot_of_row, written, table, V, S, plan.P, n, _search(table_row_base.numel()),
-                  g == 0, cache, back, block)
-
-
 def rows_in(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_base,
             row_of_slot, slot_of_row, last_seen, counts, dirty, clock: int, lookup: bool,
             train: bool) -> None:
@@ -559,9 +512,9 @@ def rows_in(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_
 def rows_swap(plan: RowPlan, parts, order, K: int, new_rows, slot_info, table_row_base,
               row_of_slot, slot_of_row, last_seen, counts, dirty, written, clock: int,
               lookup: bool, train: bool) -> None:
-    """``rows_out`` and ``rows_in`` in one launch per dtype group: per target, its victim's
-    dirty row back (if it is one), then the miss's row in; the map's entries in the last
-    group's launch."""
+    """The victims out and the ``K`` misses in, one launch per dtype group: per target, its
+    victim's dirty row back (if it is one), then the miss's row in; the map's entries in the
+    last group's launch."""
     S, n = row_of_slot.numel(), parts.shape[0]
     last = len(plan.groups) - 1
     for g, (back, cache, table, block) in enumerate(plan.groups):

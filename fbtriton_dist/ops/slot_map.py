@@ -11,11 +11,10 @@ from fbtriton_dist.kernels.slot_map import (  # noqa: F401
     map_first,
     map_ids,
     rows_in,
-    rows_out,
     rows_swap,
     slots_of,
     stamp,
 )
 
 __all__ = ["RowPlan", "compact", "free_targets", "interpreted", "keys", "map_first",
-           "map_ids", "rows_in", "rows_out", "rows_swap", "slots_of", "stamp"]
+           "map_ids", "rows_in", "rows_swap", "slots_of", "stamp"]
