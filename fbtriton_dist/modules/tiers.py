@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from fbtriton_dist import graphs, knobs
-from fbtriton_dist.modules import tier_device_map, tier_host_map
+from fbtriton_dist.modules import tier_device_map, tier_host_map, tier_ids
 from fbtriton_dist.modules.tier_backing import Backing, copy_rows
 from fbtriton_dist.ops import host_mapped, tier_native
 from fbtriton_dist.ops.id_remap import pick_victims
@@ -476,30 +476,6 @@ class TieredTables:
                          if not done[0] and node() is not None]
         return bool(self._pending)
 
-    @staticmethod
-    def _table_ids(indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
-                   tables) -> dict[int, tuple[torch.Tensor, list[tuple[int, int, int]]]]:
-        """Per table of ``tables``: its ids of the batch (int64, where ``indices`` are; one
-        host read of the feature bounds) and the (feature, start,
-        end) ranges of ``indices`` they come from; tables without ids are left out."""
-        T = len(feature_table_map)
-        B = (offsets.numel() - 1) // T
-        if B == 0 or indices.numel() == 0:
-            return {}
-        bounds = tier_device_map.host_values(offsets[::B])
-        out = {}
-        for t in tables:
-            parts = [(f, bounds[f], bounds[f + 1]) for f in range(T)
-                     if feature_table_map[f] == t and bounds[f + 1] > bounds[f]]
-            if not parts:
-                continue
-            if len(parts) == 1:
-                ids = indices[parts[0][1] : parts[0][2]]
-            else:
-                ids = torch.cat([indices[a:b] for _, a, b in parts])
-            out[t] = (ids.to(torch.int64), parts)
-        return out
-
     def remap(self, indices: torch.Tensor, offsets: torch.Tensor, feature_table_map: list[int],
               names: Callable[[int], str], views: Callable[[int], Views],
               train: bool, views_key: tuple | None = None, hold: bool = False
@@ -528,12 +504,12 @@ class TieredTables:
                                        views_key, train, pinned, on_host)
             if done is not None:
                 return done
-        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+        per_table = tier_ids.table_ids(indices, offsets, feature_table_map, on_host) if (
             on_host) else {}
         if not per_table:
             return out
         if out is indices:  # a new tensor: the cached tables' ranges are written below
-            out = self._fresh(indices, [(a, b) for _, parts in per_table.values()
+            out = tier_ids.fresh_copy(indices, [(a, b) for _, parts in per_table.values()
                                         for _, a, b in parts])
         slots_of = {}
         direct = out.dtype == torch.int64 and out.device.type == "cpu"
@@ -544,7 +520,7 @@ class TieredTables:
 
             def check(cache=cache, ids=ids, parts=parts) -> None:
                 lo, hi = torch.aminmax(ids)
-                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+                tier_ids.check_range(cache, int(lo), int(hi), indices, parts, names)
 
             # one feature: its slots may go straight into ``out``
             into = out[parts[0][1] : parts[0][2]] if direct and len(parts) == 1 else None
@@ -563,18 +539,6 @@ class TieredTables:
             for _, a, b in parts:
                 out[a:b] = slots[at : at + b - a]
                 at += b - a
-        return out
-
-    @staticmethod
-    def _fresh(indices: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """A tensor like ``indices`` holding its values outside ``ranges`` (the cached
-        tables' ranges, written by the caller)."""
-        out = torch.empty_like(indices)
-        at = 0
-        for a, b in [*sorted(ranges), (indices.numel(), indices.numel())]:
-            if a > at:
-                out[at:a] = indices[at:a]
-            at = max(at, b)
         return out
 
     def _remap_at_once(self, indices, offsets, feature_table_map, names, views, views_key,
@@ -603,32 +567,18 @@ class TieredTables:
             return None
         B = (offsets.numel() - 1) // len(feature_table_map)
         bounds = tier_device_map.host_values(offsets[::B])
-        out = self._fresh(indices, [(bounds[f], bounds[f + 1]) for f in feature_of.values()])
+        out = tier_ids.fresh_copy(indices, [(bounds[f], bounds[f + 1])
+                                            for f in feature_of.values()])
 
         def fail(cache: RowCache, code: int, a: int, b: int, counts: dict) -> None:
             def check() -> None:
                 lo, hi = torch.aminmax(indices[a:b])
                 f = feature_of[next(t for t, c in caches.items() if c is cache)]
-                self._check_range(cache, int(lo), int(hi), indices, [(f, a, b)], names)
+                tier_ids.check_range(cache, int(lo), int(hi), indices, [(f, a, b)], names)
             cache.count_native(code, counts, check, pinned)
 
         self._host.run(indices, out, bounds, self.clock, train, fail)
         return out
-
-    @staticmethod
-    def _check_range(cache: RowCache, lo: int, hi: int, indices: torch.Tensor, parts,
-                     names: Callable[[int], str]) -> None:
-        """Refuse ids outside ``[0, rows)`` (``lo``, ``hi``: the table's smallest and largest
-        id of the batch), naming the first feature that has one."""
-        if lo >= 0 and hi < cache.rows:
-            return
-        bad = lo if lo < 0 else hi
-        f = next(f for f, a, b in parts
-                 if bool(((indices[a:b] < 0) | (indices[a:b] >= cache.rows)).any()))
-        raise ValueError(
-            f"feature '{names(f)}' of table '{cache.name}' (tier {cache.storage.tier!r}): id "
-            f"{bad} out of range [0, {cache.rows}) (cached tiers always check ids)"
-        )
 
     def slots_in_graph(self, indices: torch.Tensor, offsets: torch.Tensor,
                        remap: Callable[..., torch.Tensor]) -> torch.Tensor:
@@ -661,9 +611,9 @@ class TieredTables:
         for t, c in counts.items():
             cache = self.caches[t]
             if c[5]:
-                ids, parts = self._table_ids(indices, offsets, feature_table_map, [t])[t]
+                ids, parts = tier_ids.table_ids(indices, offsets, feature_table_map, [t])[t]
                 lo, hi = torch.aminmax(ids)
-                self._check_range(cache, int(lo), int(hi), indices, parts, names)
+                tier_ids.check_range(cache, int(lo), int(hi), indices, parts, names)
             tier_device_map.check(cache, c)
         return maps.finish(mapped, counts, self.clock, views, indices, lookup=True,
                            train=train, pinned=pinned, views_key=views_key)
@@ -687,7 +637,7 @@ class TieredTables:
                                  "views of their slots (views=)")
             self._prefetch_on_device(indices, offsets, feature_table_map, on_device, views)
         on_host = {t: c for t, c in chosen.items() if not c.on_device}
-        per_table = self._table_ids(indices, offsets, feature_table_map, on_host) if (
+        per_table = tier_ids.table_ids(indices, offsets, feature_table_map, on_host) if (
             on_host) else {}
         if not per_table:
             return
