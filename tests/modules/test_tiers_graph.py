@@ -10,6 +10,7 @@ from fbtriton_dist.graphs import GraphedStep
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import Storage
 from tests.conftest import requires_cuda
+from tests.test_graphs import _step
 
 TABLES, FTM = [(300, 8), (1, 16), (120, 4)], [0, 1, 0, 2]  # a one-row table too
 B, L = 6, 3
@@ -34,15 +35,6 @@ def _batches(k, device, seed=0):
         grad = torch.randn(B, sum(TABLES[t][1] for t in FTM), generator=g)
         out.append(tuple(x.to(device) for x in (torch.cat(ids), offsets, grad)))
     return out
-
-
-def _step(module):
-    def step(indices, offsets, grad):
-        out = module(indices, offsets)
-        out.backward(grad)
-        return out.detach()
-
-    return step
 
 
 def _same(a, b):
