@@ -420,13 +420,13 @@ class DeviceMaps:
 
     def _place_fused(self, mapped: Mapped, placed: list, clock: int, views, lookup: bool,
                      train: bool, views_key: tuple | None) -> bool:
-        """``_place`` with the kernels: the same targets, then one launch per direction (per
-        dtype pair of the tensors) for every table and tensor: the dirty victims' rows back
-        (a clean one holds its row's bytes: ``_write``'s result), their entries forgotten,
-        the misses' rows in, the targets' entries. Without victims the targets are each
-        table's first free slots (a cumulative sum of the free marks and one scatter, no
-        keys, no sort); else by the keys: one ``topk``, or every table's slots in key order,
-        and the rows out and in by one launch (``rows_swap``).
+        """``_place`` with the kernels: the same targets, then one launch (per dtype pair
+        of the tensors) for every table and tensor: per target, its victim's row back if
+        dirty (a clean one holds its row's bytes: ``_write``'s result) and its entry
+        forgotten, then the miss's row in and the target's entries (``rows_swap``; without
+        victims ``rows_in``). Without victims the targets are each table's first free slots
+        (a cumulative sum of the free marks and one scatter, no keys, no sort); else by the
+        keys: one ``topk``, or every table's slots in key order.
         The kernels find each row's table in a ``[T, 6]`` table of ``(first target, first
         victim, k, free ones, first miss, where its targets start in order)`` per table:
         O(tables) host work and copy, not O(rows). False (nothing done): the rows are not
