@@ -53,6 +53,11 @@ KNOBS: dict[str, tuple[str, str]] = {
         "(the kernels everywhere: under TRITON_INTERPRET=1 on the CPU), 0 (torch ops "
         "everywhere); read when a module is built or moved (modules/tier_device_map.py)",
         "auto"),
+    "FBTD_HOST_STAGE": (
+        "the host tier's training lookups: auto (each batch's distinct rows staged in device "
+        "memory where the tier is mapped host memory: CUDA), 1 (staged wherever a TBE's "
+        "tables are all host: the CPU path of the tests), 0 (never: every row read over "
+        "the link where it lies); read at each lookup (modules/host_stage.py)", "auto"),
     "FBTD_PG_TIMEOUT_S": (
         "seconds a collective of the training job waits before the process group fails "
         "(train/job.py)", "600"),
@@ -90,6 +95,14 @@ def slot_map_kernels() -> str:
     raw = os.environ.get("FBTD_SLOT_MAP_KERNELS") or KNOBS["FBTD_SLOT_MAP_KERNELS"][1]
     if raw not in ("auto", "0", "1"):
         raise ValueError(f"FBTD_SLOT_MAP_KERNELS: expected one of ['auto', '0', '1'], got {raw!r}")
+    return raw
+
+
+def host_stage() -> str:
+    """``FBTD_HOST_STAGE``: ``auto``, ``0`` or ``1``; raises ValueError otherwise."""
+    raw = os.environ.get("FBTD_HOST_STAGE") or KNOBS["FBTD_HOST_STAGE"][1]
+    if raw not in ("auto", "0", "1"):
+        raise ValueError(f"FBTD_HOST_STAGE: expected one of ['auto', '0', '1'], got {raw!r}")
     return raw
 
 

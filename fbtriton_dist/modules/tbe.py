@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import fused_optim, host_tier, tbe_args
+from fbtriton_dist.modules import fused_optim, host_stage, host_tier, tbe_args
 from fbtriton_dist.modules.fused_optim import check_ema_tables
 from fbtriton_dist.modules.tiers import RowCache, TieredTables, Views
 from fbtriton_dist.ops import backends, vbe
@@ -162,6 +162,7 @@ class TableBatchedEmbedding(nn.Module):
         self.row_counter_max: torch.Tensor | None = None
         """[1] fp32: the largest row counter the ``max_counter`` refreshes take instead of this
         module's own (``fused_optim.set_row_counter_max``); None: its own."""
+        self._stager = host_stage.Stager()  # host tables' training lookups on CUDA
         self._hyper: torch.Tensor | None = None  # optim.hyper_parameters on the device
         self._hyper_of: optim.Optimizer | None = None
         # drawn on the CPU (host metadata: also under ``with torch.device("meta")``)
@@ -565,12 +566,20 @@ class TableBatchedEmbedding(nn.Module):
             fused_optim.global_decay(self, indices, offsets)  # FBGEMM's DECOUPLE_GLOBAL
         if self.max_norm is not None:
             self._renorm(indices, offsets)
+        weights, layout = self.weights, self._layout()
+        staged = self._stager.stage(
+            storage=self.storage, weights=weights, indices=indices, offsets=offsets,
+            layout=layout, fused=fused, optimizer=self.optimizer, max_norm=self.max_norm,
+            table_offsets=self.table_offsets) if train else None
+        if staged is not None:  # host tables: the batch's rows in device memory
+            weights, indices, layout, fused = (staged.weights, staged.indices, staged.layout,
+                                               staged.fused)
         out = tbe_lookup(
-            self.weights,
+            weights,
             indices,
             offsets,
             per_sample_weights,
-            layout=self._layout(),
+            layout=layout,
             pooling=int(PoolingMode.of(self.pooling)),
             output_dtype=self.output_dtype,
             backend=backend,
@@ -585,6 +594,8 @@ class TableBatchedEmbedding(nn.Module):
         )
         if self._tiers is not None and train:
             self._tiers.track(out)
+        if staged is not None:
+            staged.attach(out)  # the rows back after the update
         return out
 
     def _feature_name(self, f: int) -> str:
