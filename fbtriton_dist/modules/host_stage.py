@@ -110,6 +110,10 @@ class Stage:
     clock: Clock
     seen: int = 0
 
+    def lookup_arguments(self) -> tuple[torch.Tensor, torch.Tensor, TBELayout, FusedOptimizer]:
+        """(weights, indices, layout, fused) of the lookup on the stage."""
+        return self.weights, self.indices, self.layout, self.fused
+
     def copy(self, to_stage: bool) -> None:
         row_stage.stage_rows(self.count, self.host_elem, self.stage_elem, self.dims,
                              self.host_key, self.pairs, self.kinds, self.layout.max_D, to_stage)
@@ -201,22 +205,23 @@ class Stager:
         self.clock = Clock()
         self._plan: tuple[TBELayout, TablePlan] | None = None
 
-    def stage(self, *, storage, weights: torch.Tensor, indices: torch.Tensor,
-              offsets: torch.Tensor, layout: TBELayout, fused: FusedOptimizer, optimizer,
-              max_norm, table_offsets) -> Stage | None:
-        """The training lookup's stage, or None where it looks up unstaged: not all tables
-        ``host``, not mapped host memory (``FBTD_HOST_STAGE=auto``), staging off, an empty
-        batch, under ``torch.compile`` / export, or what ``stageable`` refuses."""
+    def stage(self, tbe, indices: torch.Tensor, offsets: torch.Tensor, layout: TBELayout,
+              fused: FusedOptimizer) -> Stage | None:
+        """The training lookup's stage of TableBatchedEmbedding ``tbe`` (its ``layout`` and
+        ``fused``), or None where it looks up unstaged: not all tables ``host``, not mapped
+        host memory (``FBTD_HOST_STAGE=auto``), staging off, an empty batch, under
+        ``torch.compile`` / export, or what ``stageable`` refuses."""
         mode = knobs.host_stage()
-        if mode == "0" or not host_tier.all_host(storage) or not indices.numel():
+        weights = tbe.weights
+        if mode == "0" or not host_tier.all_host(tbe.storage) or not indices.numel():
             return None
         if mode == "auto" and not host_tier.maps_host_memory(weights.device):
             return None
         if layout.num_rows is None or torch.compiler.is_compiling():
             return None
-        if not stageable(optimizer, fused, weights, max_norm):
+        if not stageable(tbe.optimizer, fused, weights, tbe.max_norm):
             return None
         if self._plan is None or self._plan[0] is not layout:
-            self._plan = (layout, TablePlan.of(layout, table_offsets, weights.device))
-        return stage(weights, indices, offsets, layout, fused, optimizer, self._plan[1],
+            self._plan = (layout, TablePlan.of(layout, tbe.table_offsets, weights.device))
+        return stage(weights, indices, offsets, layout, fused, tbe.optimizer, self._plan[1],
                      self.clock)

@@ -481,31 +481,11 @@ class TableBatchedEmbedding(nn.Module):
         ``B[t][r]`` bags of feature ``t`` from rank ``r``), ``offsets`` has ``sum(B) + 1``
         entries and the output is FBGEMM's 1-D VBE layout (``ops.vbe``)."""
         if feature_requires_grad is not None and per_sample_weights is not None:
-            per_sample_weights = self._weights_without_grad(
-                indices, offsets, per_sample_weights, feature_requires_grad,
+            per_sample_weights = tbe_args.weights_without_grad(
+                offsets, per_sample_weights, feature_requires_grad, len(self.feature_table_map),
                 batch_size_per_feature_per_rank)
         return self.lookup(indices, offsets, per_sample_weights,
                            batch_size_per_feature_per_rank=batch_size_per_feature_per_rank)
-
-    def _weights_without_grad(self, indices, offsets, per_sample_weights, feature_requires_grad,
-                              batch_size_per_feature_per_rank) -> torch.Tensor:
-        """``per_sample_weights`` whose entries of the features flagged 0 in
-        ``feature_requires_grad`` are detached (no gradient flows to them)."""
-        T = len(self.feature_table_map)
-        if feature_requires_grad.dim() != 1 or feature_requires_grad.numel() != T:
-            raise ValueError(f"feature_requires_grad: expected a 1-D tensor of {T} flags (one "
-                             f"per feature), got shape {tuple(feature_requires_grad.shape)}")
-        if not per_sample_weights.requires_grad:
-            return per_sample_weights
-        if batch_size_per_feature_per_rank is None:
-            bags = [(offsets.numel() - 1) // T] * T
-        else:
-            bags = [sum(b) for b in batch_size_per_feature_per_rank]
-        bounds = torch.tensor([0, *accumulate(bags)], device=offsets.device)
-        per_feature = offsets[bounds].diff()
-        flags = feature_requires_grad.to(offsets.device, torch.bool)
-        keep = flags.repeat_interleave(per_feature, output_size=indices.numel())
-        return torch.where(keep, per_sample_weights, per_sample_weights.detach())
 
     def vbe_layout(self, batch_size_per_feature_per_rank: Sequence[Sequence[int]]) -> VBELayout:
         """The padded layout of these batch sizes (kept for the last few seen)."""
@@ -567,13 +547,9 @@ class TableBatchedEmbedding(nn.Module):
         if self.max_norm is not None:
             self._renorm(indices, offsets)
         weights, layout = self.weights, self._layout()
-        staged = self._stager.stage(
-            storage=self.storage, weights=weights, indices=indices, offsets=offsets,
-            layout=layout, fused=fused, optimizer=self.optimizer, max_norm=self.max_norm,
-            table_offsets=self.table_offsets) if train else None
+        staged = self._stager.stage(self, indices, offsets, layout, fused) if train else None
         if staged is not None:  # host tables: the batch's rows in device memory
-            weights, indices, layout, fused = (staged.weights, staged.indices, staged.layout,
-                                               staged.fused)
+            weights, indices, layout, fused = staged.lookup_arguments()
         out = tbe_lookup(
             weights,
             indices,

@@ -1,7 +1,8 @@
-"""``TableBatchedEmbedding``'s constructor arguments checked and normalised (host metadata
-only): each raises ``ValueError("<argument>: expected X, got Y")``."""
+"""``TableBatchedEmbedding``'s arguments checked and normalised (the constructor's: host
+metadata only): each raises ``ValueError("<argument>: expected X, got Y")``."""
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -85,3 +86,24 @@ def row_align(slot_tables: Sequence[tuple[int, int]], table_offsets: Sequence[in
         while align > 1 and (D % align or start % align):
             align //= 2
     return align
+
+
+def weights_without_grad(offsets: torch.Tensor, per_sample_weights: torch.Tensor,
+                         feature_requires_grad: torch.Tensor, T: int,
+                         batch_size_per_feature_per_rank) -> torch.Tensor:
+    """``per_sample_weights`` of a lookup of ``T`` features whose entries of the features
+    flagged 0 in ``feature_requires_grad`` are detached (no gradient flows to them)."""
+    if feature_requires_grad.dim() != 1 or feature_requires_grad.numel() != T:
+        raise ValueError(f"feature_requires_grad: expected a 1-D tensor of {T} flags (one "
+                         f"per feature), got shape {tuple(feature_requires_grad.shape)}")
+    if not per_sample_weights.requires_grad:
+        return per_sample_weights
+    if batch_size_per_feature_per_rank is None:
+        bags = [(offsets.numel() - 1) // T] * T
+    else:
+        bags = [sum(b) for b in batch_size_per_feature_per_rank]
+    bounds = torch.tensor([0, *accumulate(bags)], device=offsets.device)
+    per_feature = offsets[bounds].diff()
+    flags = feature_requires_grad.to(offsets.device, torch.bool)
+    keep = flags.repeat_interleave(per_feature, output_size=per_sample_weights.numel())
+    return torch.where(keep, per_sample_weights, per_sample_weights.detach())
