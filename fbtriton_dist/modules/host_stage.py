@@ -160,12 +160,12 @@ def stage(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
     row_key = torch.full((N + 1,), sentinel, dtype=torch.int64, device=dev)
     row_key[torch.where(first, rank, N)] = sorted_keys
     row_key = row_key[:N]  # linear row of each stage row; the sentinel past count
-    live = pos < count
-    table = (torch.searchsorted(tables.row_start, row_key, right=True) - 1).clamp_(min=0)
-    per_table = torch.zeros(tables.num_tables, dtype=torch.int64, device=dev)
-    per_table.scatter_add_(0, table, live.to(torch.int64))
-    seg_rows = torch.cumsum(per_table, 0) - per_table  # R_t: each table's first stage row
+    # the stage rows are in key order, so each table's segment starts where its first row
+    # would sort (a search, not a count: N adds onto a few counters serialise)
+    seg_rows = torch.searchsorted(row_key, tables.row_start)  # R_t: each table's first stage row
+    per_table = torch.diff(seg_rows, append=count)
     seg_elems = torch.cumsum(per_table * tables.dims, 0) - per_table * tables.dims  # S_t
+    table = (torch.searchsorted(tables.row_start, row_key, right=True) - 1).clamp_(min=0)
     D = tables.dims[table]
     local = pos - seg_rows[table]  # j: the row's place in its table's segment
     host_elem = tables.elem_start[table] + (row_key - tables.row_start[table]) * D

@@ -12,7 +12,8 @@ from fbtriton_dist.graphs import GraphedStep
 from fbtriton_dist.kernels import row_stage
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.storage import Storage
-from tests.conftest import TRITON_OK, requires_cuda
+from tests.conftest import DEVICE, TRITON_OK, requires_cuda
+from tests.helpers import device_for
 
 TABLES, FTM = [(30, 4), (1, 8), (20, 12)], [0, 0, 1, 2]  # mixed D, a one-row table
 ROWS = [TABLES[t][0] for t in FTM]
@@ -88,8 +89,9 @@ def test_staged_trains_as_device(backend, opt, monkeypatch):
     monkeypatch.setenv("FBTD_HOST_STAGE", "1")
     if backend == "triton" and not isinstance(opt, (optim.RowWiseAdagrad, optim.Adam)):
         pytest.skip("interpreted Triton: two optimizers (per-row and per-element states)")
-    a, b = pair(opt, backend)
-    train_same(a, b, 3, torch.int32 if isinstance(opt, optim.SGD) else torch.int64)
+    device = device_for(backend)
+    a, b = pair(opt, backend, device)
+    train_same(a, b, 3, torch.int32 if isinstance(opt, optim.SGD) else torch.int64, device)
     assert b._stager.clock.writes == 3
 
 
@@ -161,15 +163,16 @@ def test_stage_rows_kernel_equals_torch(kinds):
     results = []
     for use_kernel in (True, False):
         g.manual_seed(1)
-        pairs = [(flat(k, 800), torch.zeros(800 if k == 1 else cap)) for k in kinds]
-        row_stage.stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, list(kinds),
-                             300, True, triton_kernel=use_kernel)
-        staged = [s.clone() for _, s in pairs]
+        dev = DEVICE if use_kernel else "cpu"
+        pairs = [(flat(k, 800).to(dev), torch.zeros(800 if k == 1 else cap, device=dev))
+                 for k in kinds]
+        meta = [t.to(dev) for t in (count, host_elem, stage_elem, dims, host_key)]
+        row_stage.stage_rows(*meta, pairs, list(kinds), 300, True, triton_kernel=use_kernel)
+        staged = [s.cpu() for _, s in pairs]
         for _, s in pairs:
             s.mul_(2)
-        row_stage.stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, list(kinds),
-                             300, False, triton_kernel=use_kernel)
-        results.append((staged, [f for f, _ in pairs]))
+        row_stage.stage_rows(*meta, pairs, list(kinds), 300, False, triton_kernel=use_kernel)
+        results.append((staged, [f.cpu() for f, _ in pairs]))
     for x, y in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
         assert torch.equal(x, y)
     w = results[1][1][0]
