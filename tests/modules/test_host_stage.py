@@ -168,7 +168,7 @@ def test_stage_rows_kernel_equals_torch(kinds):
                  for k in kinds]
         meta = [t.to(dev) for t in (count, host_elem, stage_elem, dims, host_key)]
         row_stage.stage_rows(*meta, pairs, list(kinds), 300, True, triton_kernel=use_kernel)
-        staged = [s.cpu() for _, s in pairs]
+        staged = [s.cpu().clone() for _, s in pairs]
         for _, s in pairs:
             s.mul_(2)
         row_stage.stage_rows(*meta, pairs, list(kinds), 300, False, triton_kernel=use_kernel)
