@@ -6,8 +6,8 @@ device: no host sync, so a CUDA graph can record it), the row's elements (``dims
 them, at ``host_elem[r]`` in the flat buffer and ``stage_elem[r]`` in the stage) of the
 weights and of each per-element optimizer state, and the one element of each per-row state
 (at ``host_key[r]``, stage row ``r``): into the stage (``to_stage``) or back. A program
-copies ROWS rows side by side, BLOCK_D columns at a time. Off CUDA (the tests' reference, and
-the CPU where the tier is not mapped) the same copy is a few torch ops.
+copies ROWS rows side by side, BLOCK_D columns at a time. ``ops/row_stage.py`` calls it on
+CUDA and has its torch twin (the CPU path and the tests' reference).
 """
 
 from __future__ import annotations
@@ -84,48 +84,12 @@ def _stage_rows_kernel(
 _stage_rows = Launcher(_stage_rows_kernel)
 
 
-def _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, kinds, max_D,
-                      to_stage):
-    """The same copy with torch ops (reads ``count`` on the host)."""
-    n = int(count)
-    cols = torch.arange(max_D, device=dims.device)
-    inside = cols[None, :] < dims[:n, None]
-    h = (host_elem[:n, None] + cols[None, :])[inside]
-    s = (stage_elem[:n, None] + cols[None, :])[inside]
-    r = torch.arange(n, device=dims.device)
-    for (flat, stage), kind in zip(pairs, kinds, strict=True):
-        a, b = (h, s) if kind == PER_ELEMENT else (host_key[:n], r)
-        if to_stage:
-            stage[b] = flat[a]
-        else:
-            flat[a] = stage[b]
-
-
-def stage_rows(
-    count: torch.Tensor,
-    host_elem: torch.Tensor,
-    stage_elem: torch.Tensor,
-    dims: torch.Tensor,
-    host_key: torch.Tensor,
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    kinds: Sequence[int],
-    max_D: int,
-    to_stage: bool,
-    triton_kernel: bool | None = None,
-) -> None:
-    """Copy the first ``count`` rows of every ``(flat buffer, stage)`` pair (the weights'
-    first, ``kinds[0] == PER_ELEMENT``; then at most two states, each ``PER_ELEMENT`` or
-    ``PER_ROW``) into the stage (``to_stage``) or back. ``triton_kernel``: None picks the
-    kernel on CUDA tensors and torch ops elsewhere."""
-    if len(pairs) != len(kinds) or not 1 <= len(pairs) <= 3 or kinds[0] != PER_ELEMENT:
-        raise ValueError(f"stage_rows: the weights then at most two states, got kinds {kinds}")
+def stage_rows(count: torch.Tensor, host_elem: torch.Tensor, stage_elem: torch.Tensor,
+               dims: torch.Tensor, host_key: torch.Tensor,
+               pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], kinds: Sequence[int],
+               max_D: int, to_stage: bool) -> None:
+    """The copy (``ops.row_stage.stage_rows``'s arguments, checked there) in one launch."""
     cap = host_elem.numel()
-    if triton_kernel is None:
-        triton_kernel = host_elem.is_cuda
-    if not triton_kernel:
-        _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, kinds, max_D,
-                          to_stage)
-        return
     if cap == 0:
         return
     (w, w_stage), *states = pairs

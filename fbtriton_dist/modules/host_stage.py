@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from fbtriton_dist import knobs, optim
-from fbtriton_dist.kernels import row_stage
 from fbtriton_dist.modules import fused_optim, host_tier
+from fbtriton_dist.ops import row_stage
 from fbtriton_dist.ops.tbe import FusedOptimizer, TBELayout
 
 __all__ = ["Clock", "Stage", "Stager", "TablePlan", "stage", "stageable"]

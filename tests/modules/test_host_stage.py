@@ -9,8 +9,8 @@ import torch
 
 from fbtriton_dist import optim
 from fbtriton_dist.graphs import GraphedStep
-from fbtriton_dist.kernels import row_stage
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
+from fbtriton_dist.ops import row_stage
 from fbtriton_dist.storage import Storage
 from tests.conftest import DEVICE, TRITON_OK, requires_cuda
 from tests.helpers import device_for
