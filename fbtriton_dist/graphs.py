@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-# What a ``GraphedStep`` capture runs before each replay, with the tensors it may read (the
-# step's static inputs): the innermost ``_prepared_before_replays`` scope collects it.
+# What a capture runs before each replay, with the tensors it may read (the step's static
+# inputs): the innermost ``prepared_before_replays`` scope collects it.
 _PREPARE_SCOPES: list[tuple[list[Any], list[Callable[[object], None]]]] = []
 
 # Side-stream work a captured step forked and has not joined yet (a TBE lookup's backward
@@ -101,20 +101,22 @@ def defer_join(device: torch.device, event) -> bool:
 
 def before_each_replay(reads: Sequence[torch.Tensor], prepare: Callable[[object], None],
                        what: str) -> None:
-    """Under a ``GraphedStep`` capture: run ``prepare(replay)`` eagerly, on the current stream,
-    before every replay of the graph being captured (after the call's tensors are copied into
+    """Under a capture that runs work before its replays (``GraphedStep``; the overlapped
+    ``TrainPipeline(cuda_graph=True)``): run ``prepare(replay)`` eagerly, on the current
+    stream, before every replay of the graph being captured (after the call's tensors are in
     its static inputs; a raise there skips the replay), in the order of registration;
     ``replay``: an object new at each replay, the same for all of that replay's prepares.
     ``reads``: the tensors ``prepare`` reads, which must hold their values before the replay:
-    the step's tensor arguments or views of them, not tensors the graph computes. ``what``
-    names the caller in errors. RuntimeError outside a ``GraphedStep`` capture, or for a
-    tensor computed in the graph."""
+    the step's static inputs or views of them, not tensors the graph computes. ``what`` names
+    the caller in errors. RuntimeError outside such a capture, or for a tensor computed in the
+    graph."""
     if not _PREPARE_SCOPES:
         raise RuntimeError(
             f"{what}: needs work on the host before each replay of a CUDA graph; only "
-            "fbtriton_dist.graphs.GraphedStep runs it (a torch.cuda.graph capture, or "
-            "TrainPipeline(cuda_graph=True), cannot): capture it with GraphedStep, or run it "
-            "eagerly")
+            "fbtriton_dist.graphs.GraphedStep and TrainPipeline(cuda_graph=True) with its "
+            "overlapped input dist (overlap_input=True, own_group=True) run it (a bare "
+            "torch.cuda.graph capture, or the pipeline's graph of the input dist and the step "
+            "together, cannot): capture it so, or run it eagerly")
     inputs, prepares = _PREPARE_SCOPES[-1]
     given = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
     for t in reads:
@@ -128,14 +130,23 @@ def before_each_replay(reads: Sequence[torch.Tensor], prepare: Callable[[object]
 
 
 @contextlib.contextmanager
-def _prepared_before_replays(inputs: list[Any]) -> Iterator[list[Callable[[object], None]]]:
-    """The scope of one capture: yields the list ``before_each_replay`` fills."""
+def prepared_before_replays(inputs: list[Any]) -> Iterator[list[Callable[[object], None]]]:
+    """The scope of one capture whose replays ``run_prepares`` precedes: yields the list
+    ``before_each_replay`` fills. ``inputs``: the tensors that hold their values before each
+    replay (the step's static inputs)."""
     prepares: list[Callable[[object], None]] = []
     _PREPARE_SCOPES.append((inputs, prepares))
     try:
         yield prepares
     finally:
         _PREPARE_SCOPES.pop()
+
+
+def run_prepares(prepares: Sequence[Callable[[object], None]]) -> None:
+    """What a capture registered with ``before_each_replay``, before one replay."""
+    replay = object()
+    for prepare in prepares:
+        prepare(replay)
 
 
 @dataclass(eq=False)
@@ -209,9 +220,7 @@ class GraphedStep:
                 for static, arg in zip(captured.inputs, args, strict=True):
                     if isinstance(arg, torch.Tensor) and arg.data_ptr() != static.data_ptr():
                         static.copy_(arg)
-        replay = object()
-        for prepare in captured.prepares:
-            prepare(replay)
+        run_prepares(captured.prepares)
         captured.graph.replay()
         self.replays += 1
         return captured.output
@@ -257,7 +266,7 @@ class GraphedStep:
         inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
         graph = torch.cuda.CUDAGraph()
         try:
-            with (torch.cuda.device(device), _prepared_before_replays(inputs) as prepares,
+            with (torch.cuda.device(device), prepared_before_replays(inputs) as prepares,
                   torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE), joined_at_exit()):
                 output = self.fn(*inputs)
         except Exception as e:

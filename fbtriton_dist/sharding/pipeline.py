@@ -48,7 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fbtriton_dist.graphs import CAPTURE_MODE, joined_at_exit
+from fbtriton_dist.graphs import (
+    CAPTURE_MODE,
+    joined_at_exit,
+    prepared_before_replays,
+    run_prepares,
+)
 from fbtriton_dist.host_flags import HostFlags
 from fbtriton_dist.modules.fused_optim import refuse_whole_table_steps
 from fbtriton_dist.sharding.dist.input_dist import InputDistOut
@@ -112,8 +117,9 @@ class TrainPipeline:
         prefetch_rows: read the next batch's missing rows of the tiered shards ahead (after
             this batch's forward; see above); a collection of tier names (``{"file"}``):
             only the shards on those tiers; False: none. Only where some sharded collection
-            has a tiered local shard; eager steps only (a CUDA graph step with cached tables
-            is refused). The job passes ``train.prefetch_rows`` (``train/modes.py``)."""
+            has a tiered local shard; eager steps only (a CUDA graph step maps the rows of
+            cached tables before each replay instead, ``GraphedTrainStep``). The job passes
+            ``train.prefetch_rows`` (``train/modes.py``)."""
 
     def __init__(
         self,
@@ -306,7 +312,11 @@ class GraphedTrainStep:
     static buffers (``_cur``), filled eagerly for the first batch after the warm-up and, at
     the end of every replay, copied from what the replay's input dist made (tens of µs);
     the dense fields of the next batch move to the current slot the same way. The last batch
-    trains eagerly from those buffers (there is no next batch to overlap with).
+    trains eagerly from those buffers (there is no next batch to overlap with). Since batch
+    i's ids are in those buffers before the replay that trains it, a lookup of cached tables
+    maps them then, eagerly (``graphs.before_each_replay``: the slot map, its one host read,
+    the row moves), and the replay looks up and updates the slots, as ``GraphedStep`` does;
+    without ``overlap_input`` the input dist is inside the graph and such a lookup is refused.
     """
 
     KEEP = 4  # recent batches kept to name a bad id in
@@ -325,6 +335,7 @@ class GraphedTrainStep:
         self.loss = None
         self.recent: list = []
         self._flags = None  # HostFlags: the last replay's input flags, on the host
+        self._prepares: list = []  # overlap_input: run before each replay (cached tables)
 
     def __call__(self, batch) -> torch.Tensor:
         self._check_flags(wait=False)
@@ -381,6 +392,7 @@ class GraphedTrainStep:
         _copy_batch(self._next, upcoming, self.sparse)
         if self.graph is None:
             self._capture_overlapped()
+        run_prepares(self._prepares)  # cached tables: their slot maps, on batch i's ids
         self.graph.replay()
         self.calls += 1
         self._watch_flags()
@@ -420,7 +432,11 @@ class GraphedTrainStep:
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
-        with torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_MODE), joined_at_exit():
+        # batch i's input dist outputs hold their ids before the replay that trains it: a
+        # lookup of cached tables maps them then (graphs.before_each_replay)
+        ready = [b for cur in outs for _, b in _dist_tensors(cur, cur)]
+        with (prepared_before_replays(ready) as self._prepares,
+              torch.cuda.graph(self.graph, capture_error_mode=CAPTURE_MODE), joined_at_exit()):
             main = torch.cuda.current_stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):  # batch i + 1's input dist ...

@@ -121,10 +121,12 @@ def graph_blockers(cfg: JobConfig, device_type: str, grouped: bool) -> list[str]
     table_step = _whole_table_step_blocker(cfg)
     if table_step:
         why.append(table_step)
-    cached = [t.name for t in cfg.tables.tables if t.storage is not None and t.storage.cached]
-    if cached:
-        why.append(f"tables {cached} on a cached storage tier (cached / file): their cache "
-                   "maps each batch's ids on the host, which a CUDA graph cannot capture")
+    ahead = [t.name for t in cfg.tables.tables if t.storage is not None and t.storage.cached
+             and t.storage.tier in prefetch_tiers(cfg)]
+    if ahead:
+        why.append(f"tables {ahead} read their rows ahead (train.prefetch_rows) on a worker "
+                   "thread beside eager steps; a CUDA graph step maps them before each "
+                   "replay instead (set train.prefetch_rows: false)")
     if cfg.model.kind == "sequence":
         why.append(f"model.kind: {cfg.model.kind} (the sharded EmbeddingCollection has no "
                    "fixed shapes)")

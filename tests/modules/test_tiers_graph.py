@@ -48,10 +48,10 @@ def _same(a, b):
 
 
 def test_before_each_replay_needs_a_graphed_step_and_its_arguments():
-    with pytest.raises(RuntimeError, match="only fbtriton_dist.graphs.GraphedStep runs it"):
+    with pytest.raises(RuntimeError, match="only fbtriton_dist.graphs.GraphedStep and TrainPipeline"):
         graphs.before_each_replay((torch.zeros(2),), lambda replay: None, "a lookup")
     a, b = torch.zeros(8, dtype=torch.int64), torch.arange(3)
-    with graphs._prepared_before_replays([a, b, 5]) as prepares:
+    with graphs.prepared_before_replays([a, b, 5]) as prepares:
         graphs.before_each_replay((a[2:], b), lambda replay: None, "a lookup")  # views: fine
         assert len(prepares) == 1
         with pytest.raises(RuntimeError, match="a lookup: in a GraphedStep its ids must be the "

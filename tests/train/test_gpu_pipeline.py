@@ -77,6 +77,29 @@ def test_gpu_graph_pipeline_trains_like_the_plain_loop(tmp_path):
     assert train[-1]["ms"]["step"] > 0
 
 
+def test_gpu_graph_pipeline_with_cached_tables(tmp_path):
+    """A table on the cached tier, its cache a third of its rows (evictions every step): the
+    graph step maps its rows before each replay and trains as the plain loop; ``auto`` picks
+    the graph."""
+    def job(name, pipeline):
+        path = gpu_job(tmp_path, name, pipeline)
+        data = yaml.safe_load(path.read_text())
+        data["tables"][0]["storage"] = {"tier": "cached", "cache_load_factor": 0.34}
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    one_rank(job("plain", "plain"))
+    one_rank(job("graph", "auto"))
+    want, got = losses(tmp_path / "plain"), losses(tmp_path / "graph")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(close(want[s], got[s]) for s in want), (want, got)
+    s, p = summary(tmp_path / "graph"), summary(tmp_path / "plain")
+    assert s["pipeline"] == "graph"
+    caches, plain_caches = s["caches"]["t_a"], p["caches"]["t_a"]
+    assert 0 < caches["hit_rate"] < 1 and caches["evicted_per_step"] > 0, caches
+    assert abs(caches["hit_rate"] - plain_caches["hit_rate"]) < 0.05, (caches, plain_caches)
+
+
 def test_gpu_auto_picks_the_graph_and_resumes_into_it(tmp_path):
     """As the shipped jobs: dense Adagrad (``CapturableAdagrad`` in the graph) and
     ``deterministic: true``."""

@@ -55,21 +55,28 @@ def test_auto_falls_back_to_overlap_on_cuda_when_the_step_cannot_be_captured(cha
     assert any(reason in why for why in graph_blockers(c, "cuda", True))
 
 
-def test_tables_on_a_cached_tier_keep_the_step_out_of_a_cuda_graph():
-    """Their lookup maps ids on the host (it refuses a capture): ``auto`` runs overlap on
-    CUDA with a process group, the plain loop without (``run`` then starts no group of one);
-    an explicit ``graph`` is refused naming the tables."""
-    tables = [{**TABLES[0], "storage": {"tier": "cached", "cache_load_factor": 0.5}}, TABLES[1]]
+@pytest.mark.parametrize("tier, prefetch, blocked", [
+    ("cached", "auto", False), ("cached", True, True), ("file", "auto", True),
+    ("file", False, False)])
+def test_cached_tables_run_in_the_graph_unless_their_rows_are_read_ahead(tier, prefetch,
+                                                                         blocked):
+    """A CUDA graph step maps cached tables' rows before each replay, so they run in it;
+    reading their rows ahead (``train.prefetch_rows``: ``auto`` reads ``file`` tables) is an
+    eager pipeline's, so it keeps ``auto`` on overlap and refuses an explicit ``graph``."""
+    storage = {"tier": tier, "cache_load_factor": 0.5}
+    if tier == "file":
+        storage["path"] = "/tmp/fbtd-mode-test"
+    tables = [{**TABLES[0], "storage": storage}, TABLES[1]]
     c = job_from_dict({"tables": tables, "model": {"dense_arch": [8], "over_arch": [4, 1]},
-                       "train": {"steps": 10, "batch_size": 32}})
-    assert resolve_pipeline(c, "cuda", True) == "overlap"
-    assert any("['t0'] on a cached storage tier" in why
-               for why in graph_blockers(c, "cuda", True))
-    assert not any("cached" in why for why in graph_blockers(cfg(), "cuda", True))
-    with pytest.raises(ConfigError, match=r"tables \['t0'\] on a cached storage tier"):
-        resolve_pipeline(job_from_dict({"tables": tables, "model": {
-            "dense_arch": [8], "over_arch": [4, 1]}, "train": {"steps": 10, "pipeline": "graph"}}),
-            "cuda", True)
+                       "train": {"steps": 10, "batch_size": 32, "prefetch_rows": prefetch}})
+    assert resolve_pipeline(c, "cuda", True) == ("overlap" if blocked else "graph")
+    reason = "tables ['t0'] read their rows ahead (train.prefetch_rows)"
+    assert any(reason in why for why in graph_blockers(c, "cuda", True)) == blocked
+    if blocked:
+        explicit = job_from_dict({"tables": tables, "model": {"dense_arch": [8], "over_arch": [
+            4, 1]}, "train": {"steps": 10, "pipeline": "graph", "prefetch_rows": prefetch}})
+        with pytest.raises(ConfigError, match=r"tables \['t0'\] read their rows ahead"):
+            resolve_pipeline(explicit, "cuda", True)
 
 
 def test_nonfinite_skip_keeps_auto_plain():
