@@ -78,13 +78,13 @@ def test_gpu_graph_pipeline_trains_like_the_plain_loop(tmp_path):
 
 
 def test_gpu_graph_pipeline_with_cached_tables(tmp_path):
-    """A table on the cached tier, its cache a third of its rows (evictions every step): the
+    """A table on the cached tier, its cache 60 % of its rows (evictions every step): the
     graph step maps its rows before each replay and trains as the plain loop; ``auto`` picks
     the graph."""
     def job(name, pipeline):
         path = gpu_job(tmp_path, name, pipeline)
         data = yaml.safe_load(path.read_text())
-        data["tables"][0]["storage"] = {"tier": "cached", "cache_load_factor": 0.34}
+        data["tables"][0]["storage"] = {"tier": "cached", "cache_load_factor": 0.6}
         path.write_text(yaml.safe_dump(data))
         return path
 
