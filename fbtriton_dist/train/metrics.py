@@ -302,6 +302,8 @@ class CacheMetrics:
         if self.group is not None:
             import torch.distributed as dist
 
+            if dist.get_backend(self.group) == "nccl":  # NCCL reduces device tensors only
+                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
             dist.all_reduce(flat, group=self.group)
         return {t: dict(zip(self.KEYS, map(int, row), strict=True))
                 for t, row in zip(self.tables, flat.tolist(), strict=True)}
