@@ -80,7 +80,8 @@ def test_gpu_graph_pipeline_trains_like_the_plain_loop(tmp_path):
 def test_gpu_graph_pipeline_with_cached_tables(tmp_path):
     """A table on the cached tier, its cache 60 % of its rows (evictions every step): the
     graph step maps its rows before each replay and trains as the plain loop; ``auto`` picks
-    the graph."""
+    the graph; its checkpoint (the cached shard's backing store in host memory, placed on
+    the CPU in the ShardedTensor under NCCL) saves and resumes."""
     def job(name, pipeline):
         path = gpu_job(tmp_path, name, pipeline)
         data = yaml.safe_load(path.read_text())
@@ -89,7 +90,9 @@ def test_gpu_graph_pipeline_with_cached_tables(tmp_path):
         return path
 
     one_rank(job("plain", "plain"))
-    one_rank(job("graph", "auto"))
+    path = job("graph", "auto")
+    one_rank(path, "--steps", "6")
+    assert "resumed from" in one_rank(path, "--resume")
     want, got = losses(tmp_path / "plain"), losses(tmp_path / "graph")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert all(close(want[s], got[s]) for s in want), (want, got)

@@ -295,6 +295,13 @@ class ShardedCollection(nn.Module):
         (``Shard.storage``, per-shard tiers), else its table's (``self.storage``)."""
         return t.storage if t.storage is not None else self.storage[self._configs[t.table].name]
 
+    def storage_of_piece(self, table: int, rows: tuple[int, int], cols: tuple[int, int]
+                         ) -> Storage:
+        """Where the shard of ``table`` over ``rows`` x ``cols`` lives, on whichever rank:
+        its own storage in the plan, else its table's."""
+        own = self.layout.shard_storage.get((table, *rows, *cols))
+        return own if own is not None else self.storage[self._configs[table].name]
+
     def tiered(self) -> bool:
         """Some local shard lives behind a row cache (``cached`` / ``file``)."""
         return any(tbe.tiered for tbe in self.tbes)

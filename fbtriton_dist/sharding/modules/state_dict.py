@@ -32,11 +32,14 @@ def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: 
 
     kind = ebc.device.type
     metas = []
-    for sf_rank, offsets, sizes in _global_pieces(ebc, t, rowwise):
+    for sf, sf_rank, offsets, sizes in _global_pieces(ebc, t, rowwise):
         if ebc.group is not None:  # a placement names a global rank (replica groups: a group's)
             sf_rank = dist.get_global_rank(ebc.group, sf_rank)
         local_rank = sf_rank % ebc.layout.local_world_size
-        where = (f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda"
+        # a shard behind a row cache is its backing store, in host memory (on any rank)
+        cached = kind == "cuda" and ebc.storage_of_piece(
+            t, (sf.row_start, sf.row_end), (sf.col_start, sf.col_end)).cached
+        where = (f"rank:{sf_rank}/cuda:{local_rank}" if kind == "cuda" and not cached
                  else f"rank:{sf_rank}/{'meta' if kind == 'meta' else 'cpu'}")
         metas.append(ShardMetadata(list(offsets), list(sizes), where))
     local = [
@@ -51,15 +54,15 @@ def _sharded(ebc, t: int, tensors: list[tuple], size: tuple[int, ...], rowwise: 
 
 
 def _global_pieces(ebc, t: int, rowwise: bool):
-    """(rank, offsets, sizes) of every shard of table ``t``, for weights ([E, D]) or a
-    rowwise state ([E, number of column slices])."""
+    """(shard-feature, rank, offsets, sizes) of every shard of table ``t``, for weights
+    ([E, D]) or a rowwise state ([E, number of column slices])."""
     slices = sorted({(sf.col_start, sf.col_end) for sf in _table_shards(ebc, t)})
     for sf in _table_shards(ebc, t):
         if not rowwise:
-            yield sf.rank, (sf.row_start, sf.col_start), (sf.row_end - sf.row_start, sf.dim)
+            yield sf, sf.rank, (sf.row_start, sf.col_start), (sf.row_end - sf.row_start, sf.dim)
         else:
             col = slices.index((sf.col_start, sf.col_end))
-            yield sf.rank, (sf.row_start, col), (sf.row_end - sf.row_start, 1)
+            yield sf, sf.rank, (sf.row_start, col), (sf.row_end - sf.row_start, 1)
 
 
 def _table_shards(ebc, t: int):
