@@ -96,7 +96,7 @@ def _map_ids_kernel(
     last_row = tl.load(feature_info_ptr + 2 * T + feature, mask=valid, other=0)
     ids = tl.load(indices_ptr + i, mask=valid, other=0).to(tl.int64)
     in_range = (ids >= 0) & (ids <= last_row)
-    live = table >= 0
+    live = (table >= 0) & (lo <= T)  # lo == T + 1: padding past the last bag, no lookup
     take = live & in_range
     local = tl.minimum(tl.maximum(ids, 0), last_row)
     rows = local + base

@@ -170,6 +170,10 @@ class DeviceMaps:
         self.feature_info = torch.tensor(  # [3, T]: gathered at once
             [index, [self.row_base[i] if i >= 0 else 0 for i in index],
              [self.caches[self.tables[i]].rows - 1 if i >= 0 else 0 for i in index]], **kw)
+        # the torch ops' copy with a feature T past the last: padding after the last bag,
+        # whose table is not here (no lookup)
+        none = torch.tensor([[-1], [0], [0]], **kw)
+        self.feature_info_padded = torch.cat([self.feature_info, none], 1)
         far = 2**62  # ``map``'s feature bounds clamped between these: first 0, last past N
         self.feature_clamp = (torch.tensor([0] * len(index) + [far], **kw),
                               torch.tensor([0] + [far] * len(index), **kw))
@@ -191,8 +195,8 @@ class DeviceMaps:
             return self._map_fused(indices, offsets, T, B, clock)
         bounds = offsets[::B].contiguous().long()
         feature = torch.searchsorted(bounds, torch.arange(N, device=dev), right=True) - 1
-        feature = feature.clamp_(0, T - 1)
-        table, base, last_row = self.feature_info.index_select(1, feature).unbind()
+        feature = feature.clamp_(0, T)  # T: padding past the last bag, no lookup
+        table, base, last_row = self.feature_info_padded.index_select(1, feature).unbind()
         ids = indices.long()
         in_range = (ids >= 0) & (ids <= last_row)
         live = table >= 0
@@ -229,8 +233,9 @@ class DeviceMaps:
         per_slot = torch.stack([used, free, cand, cand & self.dirty]).long()
         sums = _segment_sums(per_slot, self.slot_bounds)  # a table's slots are contiguous
         per_id = torch.stack([first, live & ~in_range]).long()
-        # a feature's ids are contiguous (those before the first bound / after the last are
-        # the first / last feature's, as ``feature`` above): sums per feature, then per table
+        # a feature's ids are contiguous (those before the first bound are the first
+        # feature's; the padding after the last counts nothing, not being live): sums per
+        # feature, then per table
         starts = bounds.clamp(*self.feature_clamp).clamp_(0, N)  # 0, inner bounds, N
         per_feature = _segment_sums(per_id, _flat_bounds(starts, 2, N))
         misses_bad = torch.zeros(2, Tm, dtype=torch.int64, device=dev).index_add_(

@@ -43,10 +43,10 @@ def on_device(monkeypatch):
     return calls
 
 
-def build(opt, policy="lru", storage=True, pooling="sum", ftm=FTM):
+def build(opt, policy="lru", storage=True, pooling="sum", ftm=FTM, **kw):
     s = [Storage(tier="cached", cache_slots=SLOTS, policy=policy)] * 2 if storage else None
     return TableBatchedEmbedding(TABLES, feature_table_map=ftm, optimizer=opt, backend="cpu",
-                                 seed=7, storage=s, pooling=pooling)
+                                 seed=7, storage=s, pooling=pooling, **kw)
 
 
 def batches(n=6, seed=4, ftm=FTM):
@@ -116,6 +116,32 @@ def test_trains_as_device_and_as_the_host_map(policy, opt, lfu_sort, ftm, on_dev
     stats = mapped.cache_stats()
     assert all(s["evictions"] > 0 and s["writebacks"] > 0 for s in stats.values()), stats
     assert same_state(device, mapped) and device.step == mapped.step == len(data)
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])
+def test_padding_past_the_last_bag_is_no_lookup(kernels, on_device, monkeypatch):
+    """A fixed-shape batch (the pipeline's graph step) carries zeros after its last bag: they
+    are no lookup of the last feature's table (no slot, no hit, no miss), on the device map
+    (torch ops and kernels) as on the host map; training stays exact."""
+    monkeypatch.setenv("FBTD_SLOT_MAP_KERNELS", kernels)
+    data = [(torch.cat([i, torch.zeros(7, dtype=i.dtype)]), o) for i, o in batches()]
+    device = build(optim.RowWiseAdagrad(lr=0.1), storage=False, bounds_check="ignore")
+    monkeypatch.setenv("FBTD_SLOT_MAP", "host")
+    host = build(optim.RowWiseAdagrad(lr=0.1), bounds_check="ignore")
+    monkeypatch.setenv("FBTD_SLOT_MAP", "device")
+    mapped = build(optim.RowWiseAdagrad(lr=0.1), bounds_check="ignore")
+    for m in (host, mapped):
+        m.load_state_dict(device.state_dict())
+    train(device, data)
+    assert train(host, data) == train(mapped, data)
+    assert host.cache_stats() == mapped.cache_stats()
+    distinct = 0  # "lookups" counts each batch's distinct rows of a table
+    for i, o in data:
+        bounds = o[:: (o.numel() - 1) // len(FTM)].tolist()
+        pairs = {(FTM[f], int(x)) for f in range(len(FTM)) for x in i[bounds[f]:bounds[f + 1]]}
+        distinct += len(pairs)
+    assert sum(s["lookups"] for s in mapped.cache_stats().values()) == distinct
+    assert same_state(device, mapped)
 
 
 class SyncCounter(TorchDispatchMode):
