@@ -174,13 +174,14 @@ def stage(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
     stage_ids[perm] = local[rank.clamp(min=0)]
     stage_ids = torch.where(valid, stage_ids, ids).to(indices.dtype)
 
-    cap = N * layout.max_D
+    distinct = min(N, sentinel)  # at most one stage row per id, and per row of the tables
+    cap = distinct * layout.max_D
     pairs = [(weights.detach(), torch.empty(cap, dtype=weights.dtype, device=dev))]
     kinds = [row_stage.PER_ELEMENT]
     states = {}
     for s in optim.spec_of(optimizer).states:
         flat = getattr(fused, s.name)
-        rows = N if s.per_row else cap
+        rows = distinct if s.per_row else cap
         states[s.name] = torch.empty(rows, dtype=flat.dtype, device=dev)
         pairs.append((flat, states[s.name]))
         kinds.append(row_stage.PER_ROW if s.per_row else row_stage.PER_ELEMENT)

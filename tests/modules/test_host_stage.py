@@ -95,6 +95,21 @@ def test_staged_trains_as_device(backend, opt, monkeypatch):
     assert b._stager.clock.writes == 3
 
 
+def test_more_ids_than_rows(monkeypatch):
+    """A batch of more ids than the tables have rows (every row, many times): the stage holds
+    one row per table row, not one per id."""
+    monkeypatch.setenv("FBTD_HOST_STAGE", "1")
+    a, b = pair(optim.RowWiseAdagrad(lr=0.1))
+    g = torch.Generator().manual_seed(5)
+    offsets = torch.arange(len(FTM) * B + 1) * 40
+    ids = torch.cat([torch.randint(0, ROWS[f], (B * 40,), generator=g) for f in range(len(FTM))])
+    assert ids.numel() > sum(E for E, _ in TABLES)
+    for m in (a, b):
+        (m(ids, offsets) ** 2).sum().backward()
+    assert b._stager.clock.writes == 1
+    assert_same(a, b)
+
+
 def test_two_lookups_before_their_backwards(monkeypatch):
     """The second backward writes rows back first: the first copies them in again before its
     update (the rows overlap), as the unstaged backward reads them in place."""
