@@ -54,7 +54,8 @@ from .stats import IdDistribution, cdf_array
 from .tables import TableSpec
 
 __all__ = ["EXACT_ROWS", "GROWTH", "STEP_MARGIN", "CacheEstimate", "TierTraffic", "block_traffic",
-           "estimate_hit_rates", "fill_steps", "hit_rate", "row_buckets"]
+           "distinct_rows", "estimate_hit_rates", "fill_steps", "hit_rate", "row_buckets",
+           "staged_traffic"]
 
 EXACT_ROWS = 1024
 """Rows ``[0, EXACT_ROWS)`` of a Zipf table are buckets of one row each."""
@@ -166,6 +167,15 @@ def estimate_hit_rates(dist: IdDistribution, num_rows: int, ids_per_step: float,
     rate = np.where(full | (used <= 0), 1.0, np.clip(hits / np.maximum(used, 1e-300), 0.0, 1.0))
     return [CacheEstimate(float(h), float(u), float(u * (1.0 - h)), bool(f))
             for h, u, f in zip(rate, used, fits, strict=True)]
+
+
+def distinct_rows(dist: IdDistribution, num_rows: int, ids_per_step: float,
+                  row_start: Sequence[int], row_end: Sequence[int]) -> np.ndarray:
+    """U per block ``[row_start[s], row_end[s])``: the expected distinct rows of one step of
+    ``ids_per_step`` ids over the whole table (the module docstring's ``sum_i q_i``)."""
+    block, rows, share = row_buckets(dist, num_rows, row_start, row_end)
+    q = -np.expm1(ids_per_step * np.log1p(-np.minimum(share, 1.0 - 1e-16)))
+    return np.bincount(block, weights=rows * q, minlength=len(row_start))
 
 
 def _fill_time(block: np.ndarray, rows: np.ndarray, log1m: np.ndarray, cap: np.ndarray,
@@ -284,3 +294,16 @@ def block_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
                           U, float(misses.sum()), float(moved.sum()),
                           not bool(short.any()))
     return moved, summary
+
+
+def staged_traffic(spec: TableSpec, dist: IdDistribution, ids_per_step: float,
+                   row_start: np.ndarray, row_end: np.ndarray, cols: np.ndarray,
+                   optimizer: str) -> np.ndarray:
+    """Bytes each block of a ``host`` table (rows in host memory the device reads over the
+    link) moves per training step: its batch's distinct rows and their optimizer state copied
+    into device memory and back (``modules/host_stage.py``), ``2 x U x (row + state)``."""
+    U = distinct_rows(dist, spec.num_embeddings, ids_per_step, list(row_start), list(row_end))
+    cols = np.asarray(cols, dtype=np.float64)
+    row_bytes = cols * spec.dtype_bytes + np.array(
+        [table_state_bytes(spec, 1, int(c), optimizer) for c in cols.tolist()], dtype=np.float64)
+    return 2.0 * U * row_bytes

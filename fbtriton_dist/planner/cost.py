@@ -31,7 +31,9 @@ the table's :class:`IdDistribution`). Every term below is per rank, per step.
 * ``host_tier_bytes`` / ``disk_tier_bytes`` (a ``cached`` / ``file`` shard): the rows its
   cache loads per step and the dirty rows it writes back (as many: training updates every row
   it looks up), misses x 2 x (c·s + the state of one row), the misses from the table's id
-  distribution (``cache_model``: the steady-state hit rate of the shard's cache)
+  distribution (``cache_model``: the steady-state hit rate of the shard's cache); a ``host``
+  shard: its step's distinct rows U copied into device memory and back (the staged
+  training lookup), U x 2 x (c·s + the state of one row) in ``host_tier_bytes``
 * ``time_s`` = lookup_bytes·(1 + backward_factor)/hbm_bandwidth
   + intra-host bytes/intra_host_bandwidth + inter_host_bytes/inter_host_bandwidth
   + host_tier_bytes/host_tier_bandwidth + disk_tier_bytes/disk_bandwidth
@@ -56,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from ._yaml import check_choice, check_int, check_number
-from .cache_model import TierTraffic, block_traffic
+from .cache_model import TierTraffic, block_traffic, staged_traffic
 from .memory import as_planned, device_rows, table_state_bytes
 from .plan import ShardingPlan
 from .shards import Shard, TableSharding
@@ -119,7 +121,8 @@ class CostModel:
     every N steps (``CommOptions.replica_sync_dtype``; the optimizer state: fp32)."""
     host_tier_bandwidth: float = 25e9
     """Bytes/s between a ``cached`` table's cache and its backing store in host memory (rows
-    in and dirty rows out: gathered copies over PCIe Gen5 x16, about 40 % of its 64 GB/s)."""
+    in and dirty rows out: gathered copies over PCIe Gen5 x16, about 40 % of its 64 GB/s), and
+    of a ``host`` table's staged rows (in and back)."""
     disk_bandwidth: float = 2e9
     """Bytes/s between a ``file`` table's cache and its files (random row-sized reads and
     write-backs through the page cache of one NVMe drive)."""
@@ -209,7 +212,8 @@ class RankCost:
     time_s: float
     """Estimated seconds per step spent on embeddings by this rank."""
     host_tier_bytes: float = 0.0
-    """Rows (+ state) its ``cached`` shards' caches load and write back per step."""
+    """Rows (+ state) its ``cached`` shards' caches load and write back per step, and its
+    ``host`` shards' distinct rows copied in and back."""
     disk_tier_bytes: float = 0.0
     """The same for its ``file`` shards."""
     slot_map_bytes: int = 0
@@ -488,8 +492,12 @@ class CostAccumulator:
                  state_bytes=table_state_bytes(spec, held, cols, optimizer))
         if spec.storage is not None and spec.storage.map_on_device:
             self.add(blocks.rank, slot_map_bytes=spec.storage.device_map_bytes(rows, held))
+        n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
+        if spec.tier == "host":  # a training batch's distinct rows in and back over the link
+            self.add(blocks.rank, host_tier_bytes=staged_traffic(
+                spec, dist, n * spec.ids_per_sample, blocks.row_start, blocks.row_end, cols,
+                optimizer))
         if spec.storage is not None and spec.storage.cached:  # the misses' rows in and out
-            n = (1 if sharding == "data_parallel" else self.R) * self.model.batch_size
             moved, summary = block_traffic(spec, dist, n * spec.ids_per_sample,
                                            blocks.row_start, blocks.row_end, cols, optimizer)
             term = "disk_tier_bytes" if spec.tier == "file" else "host_tier_bytes"

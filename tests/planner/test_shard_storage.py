@@ -259,3 +259,20 @@ def test_cli_shard_tiers_writes_the_shard_tier_and_reports_its_cache(tmp_path, c
     assert "big[1]" in text and "cached" in text
     assert main(args) == 0  # without it: one tier for the table
     assert not ShardingPlan.load_yaml(out).table("big").per_shard_storage
+
+
+def test_host_shards_cost_their_distinct_rows_both_ways():
+    """A ``host`` shard's training step copies its batch's distinct rows and their state into
+    device memory and back: 2 x U x (row + state) bytes on the host link, U the expected
+    distinct rows of its R x B uniform ids (by hand), nothing for the device shard."""
+    spec = _spec()
+    plan = _plan().with_shard_storage({"t": {1: "host"}})
+    cost = evaluate(plan, [spec], optimizer="rowwise_adagrad")
+    r0, r1 = cost.ranks
+    n = 2 * 512  # R x the cost model's batch, one id per sample
+    rows = E // 2
+    U = rows * (1 - (1 - 1 / E) ** n)  # rank 1's half of the table, uniform ids
+    assert r0.host_tier_bytes == 0.0
+    assert r1.host_tier_bytes == pytest.approx(2 * U * (D * 4 + 4), rel=1e-9)
+    assert r1.weight_bytes == 0 and cost.ranks[1].time_s > evaluate(
+        _plan(), [spec], optimizer="rowwise_adagrad").ranks[1].time_s
