@@ -122,6 +122,9 @@ class Stage:
         """Copy the rows back after ``out``'s backward (the fused update), and in again
         before it if another staged backward wrote rows since they were copied."""
         node = out.grad_fn
+        if node is None or "TBELookup" not in node.name():  # the update's own node, not after
+            raise RuntimeError(f"host stage: expected the TBE lookup's output, got one of "
+                               f"{node.name() if node is not None else 'no autograd node'}")
 
         def before(grad_outputs):
             if self.seen != self.clock.writes:
