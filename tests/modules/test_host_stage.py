@@ -14,6 +14,7 @@ from fbtriton_dist.ops import row_stage
 from fbtriton_dist.storage import Storage
 from tests.conftest import DEVICE, TRITON_OK, requires_cuda
 from tests.helpers import device_for
+from tests.test_graphs import _step as graph_step
 
 TABLES, FTM = [(30, 4), (1, 8), (20, 12)], [0, 0, 1, 2]  # mixed D, a one-row table
 ROWS = [TABLES[t][0] for t in FTM]
@@ -205,21 +206,13 @@ def test_cuda_host_tier_stages_by_default(opt):
     a, b = pair(opt, device="cuda")
     train_same(a, b, 3, device="cuda")
     assert b._stager.clock.writes == 3
-
-    def step(module):
-        def run(ids, offsets, grad):
-            out = module(ids, offsets)
-            out.backward(grad)
-            return out.detach()
-        return run
-
-    graphed = GraphedStep(step(b), warmup=1)
+    graphed = GraphedStep(graph_step(b), warmup=1)
     g = torch.Generator().manual_seed(7)
     for _ in range(4):
         ids = torch.cat([torch.randint(0, ROWS[f], (B * 2,), generator=g) for f in range(4)])
         offsets = torch.arange(len(FTM) * B + 1) * 2
         grad = torch.randn(B, sum(TABLES[t][1] for t in FTM), generator=g)
         args = [x.cuda() for x in (ids, offsets, grad)]
-        assert torch.equal(graphed(*args), step(a)(*args))
+        assert torch.equal(graphed(*args), graph_step(a)(*args))
     assert graphed.replays == 3
     assert_same(a, b)
