@@ -404,10 +404,14 @@ class TableBatchedEmbedding(nn.Module):
         tables do not hold, with their optimizer state, from the backing stores on a worker
         thread while this step computes; the next lookup loads them from there, waiting only
         for what is not read yet (``modules/tiers.py``). Exact whatever happens in between: a
-        row written back after its copy was read is loaded from the backing store. Nothing to
-        do without cached tables. ``tiers``: only the tables on these tiers (e.g.
-        ``("file",)``); None: every cached table."""
+        row written back after its copy was read is loaded from the backing store.
+        ``tiers``: only the tables on these tiers (e.g. ``("file",)``); None: every cached
+        table. With ``host`` tables only: the batch's stage for its training lookup
+        (``modules/host_stage.py``), its rows copied in on a side stream; that lookup must
+        pass these very ``indices`` / ``offsets`` (fixed batch sizes)."""
         if self._tiers is None:
+            if batch_size_per_feature_per_rank is None and (tiers is None or "host" in tiers):
+                self._stager.prefetch(self, indices, offsets, self._layout(), self._fused())
             return
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
@@ -571,7 +575,7 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is not None and train:
             self._tiers.track(out)
         if staged is not None:
-            staged.attach(out)  # the rows back after the update
+            staged.attach(out, self._stager)  # the rows back after the update
         return out
 
     def _feature_name(self, f: int) -> str:
