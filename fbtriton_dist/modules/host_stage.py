@@ -30,11 +30,11 @@ both directions at once. Rows the next batch shares with a stage not yet written
 not read then; that stage's write-back copies them across from its updated stage (device to
 device), and every later write-back of this module does the same for the rows it shares, so
 the stage ahead holds what the host would. The next lookup takes it when its ``indices`` and
-``offsets`` are the tensors given to ``prefetch`` (unchanged since: their version counters)
-and the module's buffers were not written since (theirs); anything else drops it (after its
-copy) and stages as above. A stage whose skipped rows' stage never wrote back reads them
-from the host then. The host rows themselves are never stale: the side stream only writes
-the stage ahead.
+``offsets`` are those given to ``prefetch`` (the same tensors or equal ones; those unchanged
+since: their version counters) and the module's buffers were not written since but by its
+staged write-backs (theirs); anything else drops it (after its copy) and stages as above.
+Rows skipped for a stage that never wrote back are read from the host then. The host rows
+themselves are never stale: the side stream only writes the stage ahead.
 
 Only what this can reproduce exactly is staged: a fused optimizer whose states are
 ``momentum1`` / ``momentum2`` (not the counter's, global decay's or the whole-table steps'),
@@ -327,14 +327,21 @@ class Stager:
         return staged
 
     def _takes(self, ahead: Ahead, indices, offsets, layout, fused) -> bool:
-        """This lookup is the batch ``ahead`` was made for, nothing written since but by
-        this module's staged write-backs."""
-        return (ahead.indices is indices and ahead.offsets is offsets
-                and self._plan is not None and self._plan[0] is layout
-                and ahead.versions == _batch_versions(indices, offsets)
-                and ahead.buffers == _buffer_versions(
-                    [ahead.stage.pairs[0][0], *(getattr(fused, name) for name in
-                                                _state_names(ahead.stage, fused))]))
+        """This lookup is of the batch ``ahead`` was made for (the same tensors, unchanged
+        since, or equal ones: a compare that waits for the device), and nothing but this
+        module's staged write-backs wrote its buffers since."""
+        if self._plan is None or self._plan[0] is not layout:
+            return False
+        names = _state_names(ahead.stage, fused)
+        if (ahead.versions != _batch_versions(ahead.indices, ahead.offsets)
+                or ahead.buffers != _buffer_versions(
+                    [ahead.stage.pairs[0][0], *(getattr(fused, n) for n in names)])):
+            return False
+        if ahead.indices is indices and ahead.offsets is offsets:
+            return True
+        return all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                   and torch.equal(a, b)
+                   for a, b in ((ahead.indices, indices), (ahead.offsets, offsets)))
 
     def prefetch(self, tbe, indices: torch.Tensor, offsets: torch.Tensor, layout: TBELayout,
                  fused: FusedOptimizer | None) -> None:

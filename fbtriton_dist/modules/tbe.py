@@ -355,6 +355,12 @@ class TableBatchedEmbedding(nn.Module):
 
     # -- storage tiers (modules/tiers.py)
     @property
+    def prefetches(self) -> bool:
+        """``prefetch`` can read a coming batch's rows ahead: some table is ``cached`` or
+        ``file``, or every table is ``host`` (its training lookups' stage)."""
+        return self._tiers is not None or host_tier.all_host(self.storage)
+
+    @property
     def tiered(self) -> bool:
         """Some table is ``cached`` or ``file`` (its rows behind a row cache)."""
         return self._tiers is not None
@@ -408,7 +414,7 @@ class TableBatchedEmbedding(nn.Module):
         ``tiers``: only the tables on these tiers (e.g. ``("file",)``); None: every cached
         table. With ``host`` tables only: the batch's stage for its training lookup
         (``modules/host_stage.py``), its rows copied in on a side stream; that lookup must
-        pass these very ``indices`` / ``offsets`` (fixed batch sizes)."""
+        pass these ``indices`` / ``offsets`` or equal ones (fixed batch sizes)."""
         if self._tiers is None:
             if batch_size_per_feature_per_rank is None and (tiers is None or "host" in tiers):
                 self._stager.prefetch(self, indices, offsets, self._layout(), self._fused())

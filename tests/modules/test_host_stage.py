@@ -243,11 +243,12 @@ def test_prefetched_stage_trains_as_device(backend, opt, monkeypatch):
     assert_same(a, b)
 
 
-@pytest.mark.parametrize("case", ["other batch", "no backward", "load", "ids written"])
-def test_prefetched_stage_dropped_or_refilled(case, monkeypatch):
-    """A lookup of another batch, or after a load or a write to the prefetched ids, drops
-    the stage made ahead; rows skipped for a stage that never wrote back are read then.
-    Every way, the weights equal the device tier's."""
+@pytest.mark.parametrize("case", ["equal ids", "other batch", "no backward", "load",
+                                  "ids written"])
+def test_prefetched_stage_taken_dropped_or_refilled(case, monkeypatch):
+    """A lookup of equal ids (other tensors) takes the stage made ahead; of another batch,
+    or after a load or a write to the prefetched ids, drops it; rows skipped for a stage that
+    never wrote back are read then. Every way, the weights equal the device tier's."""
     monkeypatch.setenv("FBTD_HOST_STAGE", "1")
     a, b = pair(optim.Adam(lr=0.1))
     x, y, z = batch(0), batch(1), batch(2)
@@ -261,6 +262,9 @@ def test_prefetched_stage_dropped_or_refilled(case, monkeypatch):
             used = 1
         else:
             out.sum().backward()
+        if case == "equal ids":
+            y = tuple(t.clone() for t in y)
+            used = 1
         if case == "load":
             m.load_state_dict(start)
         if case == "ids written":

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
+from fbtriton_dist.storage import Storage
 from tests.modules.test_tiers_collections import (
     BAGS,
     SEQS,
@@ -83,3 +84,18 @@ def test_ebc_vbe_prefetch_trains_as_without(tmp_path):
     assert_same(plain, ahead)
     stats = prefetch_stats(ahead)
     assert stats["evictions"] > 0 and 0 < stats["prefetch_used"] <= stats["prefetched"]
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_host_tables_prefetch_their_stage(kind, monkeypatch):
+    """``host`` tables: the collection's ``prefetch`` makes each TBE's next training stage
+    ahead (its lookup passes equal, not the same, tensors), every lookup after the first
+    takes it, and training is bit for bit the training without it."""
+    monkeypatch.setenv("FBTD_HOST_STAGE", "1")
+    host = {"t0": Storage(tier="host"), "t1": Storage(tier="host")}
+    plain, ahead = (ebc(host), ebc(host)) if kind == "ebc" else (ec(host), ec(host))
+    train(plain, ahead, [kjt(BAGS if kind == "ebc" else SEQS, step) for step in range(STEPS + 1)])
+    assert_same(plain, ahead)
+    stagers = [tbe._stager for tbe, _ in ahead.tbe_groups() if tbe.prefetches]
+    assert stagers and all((s.prefetched, s.prefetch_used) == (STEPS, STEPS - 1) for s in stagers)
+    assert all(tbe._stager.prefetched == 0 for tbe, _ in plain.tbe_groups())
