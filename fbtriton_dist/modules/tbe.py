@@ -414,14 +414,14 @@ class TableBatchedEmbedding(nn.Module):
         ``tiers``: only the tables on these tiers (e.g. ``("file",)``); None: every cached
         table. With ``host`` tables only: the batch's stage for its training lookup
         (``modules/host_stage.py``), its rows copied in on a side stream; that lookup must
-        pass these ``indices`` / ``offsets`` or equal ones (fixed batch sizes)."""
-        if self._tiers is None:
-            if batch_size_per_feature_per_rank is None and (tiers is None or "host" in tiers):
-                self._stager.prefetch(self, indices, offsets, self._layout(), self._fused())
-            return
+        pass these ``indices`` / ``offsets`` or equal ones."""
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             offsets = vbe.padded_offsets(offsets, layout)
+        if self._tiers is None:
+            if tiers is None or "host" in tiers:
+                self._stager.prefetch(self, indices, offsets, self._layout(), self._fused())
+            return
         self._tiers.prefetch(indices, offsets, self.feature_table_map, tiers=tiers,
                              views=self._slot_views)
 

@@ -3,6 +3,8 @@
 forward and its backward; training is bit for bit the training without it, while the caches
 evict every step and the lookups load rows from the prefetch."""
 
+from functools import partial
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -86,15 +88,22 @@ def test_ebc_vbe_prefetch_trains_as_without(tmp_path):
     assert stats["evictions"] > 0 and 0 < stats["prefetch_used"] <= stats["prefetched"]
 
 
-@pytest.mark.parametrize("kind", ["ebc", "ec"])
+@pytest.mark.parametrize("kind", ["ebc", "ebc vbe", "ec"])
 def test_host_tables_prefetch_their_stage(kind, monkeypatch):
     """``host`` tables: the collection's ``prefetch`` makes each TBE's next training stage
-    ahead (its lookup passes equal, not the same, tensors), every lookup after the first
-    takes it, and training is bit for bit the training without it."""
+    ahead (its lookup passes equal, not the same, tensors; a batch size per feature too),
+    every lookup after the first takes it, and training is bit for bit the training without
+    it."""
     monkeypatch.setenv("FBTD_HOST_STAGE", "1")
     host = {"t0": Storage(tier="host"), "t1": Storage(tier="host")}
-    plain, ahead = (ebc(host), ebc(host)) if kind == "ebc" else (ec(host), ec(host))
-    train(plain, ahead, [kjt(BAGS if kind == "ebc" else SEQS, step) for step in range(STEPS + 1)])
+    if kind == "ec":
+        plain, ahead = ec(host), ec(host)
+        batches = [kjt(SEQS, step) for step in range(STEPS + 1)]
+    else:
+        vbe = kind == "ebc vbe"
+        plain, ahead = ebc(host, weighted=vbe), ebc(host, weighted=vbe)
+        batches = [(vbe_kjt if vbe else partial(kjt, BAGS))(step) for step in range(STEPS + 1)]
+    train(plain, ahead, batches)
     assert_same(plain, ahead)
     stagers = [tbe._stager for tbe, _ in ahead.tbe_groups() if tbe.prefetches]
     assert stagers and all((s.prefetched, s.prefetch_used) == (STEPS, STEPS - 1) for s in stagers)
