@@ -249,6 +249,7 @@ class Ahead:
     offsets: torch.Tensor
     versions: tuple  # the ids' and offsets' version counters (``_batch_versions``)
     buffers: tuple  # the module buffers' addresses and version counters (``_buffer_versions``)
+    copied: torch.Tensor  # [N] int64 D of each row read ahead, else 0 (the copy's argument)
     skipped: torch.Tensor  # [N] int64 D of each row not read (a live stage held it), else 0
     waiting_on: set[int]  # serials of the live stages whose rows were skipped, not written back
     done: torch.cuda.Event | None
@@ -374,8 +375,9 @@ class Stager:
                 done.record()
         else:
             staged.copy(to_stage=True, dims=dims)
+        # every tensor the side stream reads lives until the current stream waited for it
         self.ahead = Ahead(staged, indices, offsets, _batch_versions(indices, offsets),
-                           _buffer_versions([flat for flat, _ in staged.pairs]),
+                           _buffer_versions([flat for flat, _ in staged.pairs]), dims,
                            staged.dims - dims, {other.serial for other in live}, done)
         self.prefetched += 1
 
