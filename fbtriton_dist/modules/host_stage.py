@@ -272,7 +272,8 @@ class Stager:
         self.clock = Clock()
         self.live: weakref.WeakSet[Stage] = weakref.WeakSet()
         self.ahead: Ahead | None = None
-        self.prefetched = 0  # stages made ahead, and those their lookup took
+        self.staged = 0  # training lookups staged; stages made ahead, and those taken
+        self.prefetched = 0
         self.prefetch_used = 0
         self._plan: tuple[TBELayout, TablePlan] | None = None
         self._side: torch.cuda.Stream | None = None
@@ -321,11 +322,19 @@ class Stager:
                     fused, **{n: st for n, (_, st) in zip(names, staged.pairs[1:], strict=True)})
                 staged.seen = self.clock.writes
                 self.prefetch_used += 1
+                self.staged += 1
                 return staged
         staged = stage(tbe.weights, indices, offsets, layout, fused, tbe.optimizer,
                        self._tables(tbe, layout), self.clock)
         staged.copy(to_stage=True)
+        self.staged += 1
         return staged
+
+    def stats(self) -> dict[str, int]:
+        """Training lookups staged, stages made ahead by ``prefetch``, and those a lookup
+        took (cumulative)."""
+        return {"staged": self.staged, "prefetched": self.prefetched,
+                "prefetch_used": self.prefetch_used}
 
     def _takes(self, ahead: Ahead, indices, offsets, layout, fused) -> bool:
         """This lookup is of the batch ``ahead`` was made for (the same tensors, unchanged

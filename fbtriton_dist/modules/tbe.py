@@ -375,8 +375,7 @@ class TableBatchedEmbedding(nn.Module):
                  else getattr(self, s.name)[e0 : e0 + C * D].view(C, D) for s in states})
 
     def _slot_views_key(self) -> tuple:
-        """What ``_slot_views`` are made of: the flat weights' and states' addresses (the
-        tables' offsets in them are fixed)."""
+        """What ``_slot_views`` are made of: the flat weights' and states' addresses."""
         states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
         return (self.weights.data_ptr(), *(getattr(self, s.name).data_ptr() for s in states))
 
@@ -406,15 +405,13 @@ class TableBatchedEmbedding(nn.Module):
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
                  tiers: Collection[str] | None = None) -> None:
-        """Start reading the rows of a coming batch (``forward``'s arguments) that the cached
-        tables do not hold, with their optimizer state, from the backing stores on a worker
-        thread while this step computes; the next lookup loads them from there, waiting only
-        for what is not read yet (``modules/tiers.py``). Exact whatever happens in between: a
-        row written back after its copy was read is loaded from the backing store.
-        ``tiers``: only the tables on these tiers (e.g. ``("file",)``); None: every cached
-        table. With ``host`` tables only: the batch's stage for its training lookup
-        (``modules/host_stage.py``), its rows copied in on a side stream; that lookup must
-        pass these ``indices`` / ``offsets`` or equal ones."""
+        """Start reading a coming batch's (``forward``'s arguments) rows the caches miss, with
+        their state, on a worker thread while this step computes; its lookup loads them,
+        waiting only for what is not read yet. Exact whatever comes between: a row written
+        back after its copy was read is loaded again (``modules/tiers.py``). ``host`` tables:
+        the batch's training stage, copied in on a side stream, for a lookup of these or equal
+        ``indices`` / ``offsets`` (``modules/host_stage.py``). ``tiers``: only the tables on
+        these tiers (e.g. ``("file",)``); None: every one."""
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             offsets = vbe.padded_offsets(offsets, layout)
@@ -431,6 +428,11 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is None:
             return {}
         return {self.table_names[t]: v for t, v in self._tiers.stats().items()}
+
+    def stage_stats(self) -> dict[str, int]:
+        """``host`` tables: training lookups staged in device memory, stages made ahead by
+        ``prefetch`` and those taken (``modules/host_stage.py``; cumulative)."""
+        return self._stager.stats()
 
     def _layout(self) -> TBELayout:
         """The lookup's layout, made again only when ``set_layout_buffers`` made new buffers
