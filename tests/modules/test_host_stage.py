@@ -239,7 +239,7 @@ def test_prefetched_stage_trains_as_device(backend, opt, monkeypatch):
     out.sum().backward()
     a(*batches[0]).sum().backward()
     prefetching_steps(a, b, batches[1:])
-    assert (b._stager.prefetched, b._stager.prefetch_used) == (3, 3)
+    assert b.stage_stats() == {"staged": 4, "prefetched": 3, "prefetch_used": 3}
     assert_same(a, b)
 
 
@@ -272,7 +272,8 @@ def test_prefetched_stage_taken_dropped_or_refilled(case, monkeypatch):
         m(*(z if case == "other batch" else y)).pow(2).sum().backward()
         if case == "ids written" and m is a:
             y[0][0] = (y[0][0] - 1) % ROWS[0]  # b sees what a saw
-    assert (b._stager.prefetched, b._stager.prefetch_used) == (1, used)
+    stats = b.stage_stats()
+    assert (stats["prefetched"], stats["prefetch_used"], stats["staged"]) == (1, used, 2)
     assert_same(a, b)
 
 

@@ -105,6 +105,7 @@ def test_host_tables_prefetch_their_stage(kind, monkeypatch):
         batches = [(vbe_kjt if vbe else partial(kjt, BAGS))(step) for step in range(STEPS + 1)]
     train(plain, ahead, batches)
     assert_same(plain, ahead)
-    stagers = [tbe._stager for tbe, _ in ahead.tbe_groups() if tbe.prefetches]
-    assert stagers and all((s.prefetched, s.prefetch_used) == (STEPS, STEPS - 1) for s in stagers)
-    assert all(tbe._stager.prefetched == 0 for tbe, _ in plain.tbe_groups())
+    stats = [tbe.stage_stats() for tbe, _ in ahead.tbe_groups() if tbe.prefetches]
+    assert stats and all(s == {"staged": STEPS, "prefetched": STEPS, "prefetch_used": STEPS - 1}
+                         for s in stats)
+    assert all(tbe.stage_stats()["prefetched"] == 0 for tbe, _ in plain.tbe_groups())
