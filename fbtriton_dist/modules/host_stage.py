@@ -377,9 +377,8 @@ class Stager:
             if self._side is None:
                 self._side = torch.cuda.Stream(indices.device)
             self._side.wait_stream(torch.cuda.current_stream(indices.device))
-            sms = torch.cuda.get_device_properties(indices.device).multi_processor_count
             with torch.cuda.stream(self._side):
-                staged.copy(to_stage=True, dims=dims, programs=sms * self.PROGRAMS_PER_SM)
+                staged.copy(to_stage=True, dims=dims, programs=self._programs(indices.device))
                 done = torch.cuda.Event()
                 done.record()
         else:
@@ -390,12 +389,19 @@ class Stager:
                            staged.dims - dims, {other.serial for other in live}, done)
         self.prefetched += 1
 
+    def _programs(self, device: torch.device) -> int:
+        """The grid of a copy that runs beside another one (``PROGRAMS_PER_SM`` per SM)."""
+        return torch.cuda.get_device_properties(device).multi_processor_count * (
+            self.PROGRAMS_PER_SM)
+
     def write_back(self, staged: Stage) -> None:
         """Copy ``staged``'s rows back (after its update); the stage ahead takes the rows it
         shares."""
         flats = [flat for flat, _ in staged.pairs]
         before = _buffer_versions(flats)
-        staged.copy(to_stage=False)
+        beside = self.ahead is not None and self.ahead.done is not None  # a copy in runs
+        staged.copy(to_stage=False, programs=self._programs(staged.weights.device) if beside
+                    else None)
         self.clock.writes += 1
         staged.seen = self.clock.writes
         self.live.discard(staged)
