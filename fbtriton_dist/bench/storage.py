@@ -275,9 +275,6 @@ def print_rows(rows: list[dict]) -> None:
                    f"{r['prefetch_used_per_step']:.0f} used; worker "
                    f"{r['prefetch_ms_per_step']:.3f} ms, waited for "
                    f"{r['prefetch_exposed_ms_per_step']:.3f} ms (hidden {hidden:.3f} ms)")
-        if "staged_per_step" in r:
-            pre = (f"{r['staged_per_step']:.2f} lookups staged, "
-                   f"{r['stage_ahead_taken_per_step']:.2f} from the stage made ahead")
         print(f"  {r['tier']:<22} {r['median_ms']:9.3f} {sp:>7} {r['ratio']:10.2f}x {hit:>8} "
               f"{fetched:>12} {written:>12}  {pre}")
 
@@ -379,7 +376,6 @@ def _run(args, setup: Setup, folder: str) -> dict:
     del initial
     ours = {t: tbe_of(m) for t, m in timed.items() if tbe_of(m) is not None}
     before = {t: dict(_sum_stats(m)) for t, m in ours.items()}
-    staged_before = {t: m.stage_stats() for t, m in ours.items()}
     for m in timed.values():
         storage_fbgemm.reset_stats(m)
     runs = time_tiers(timed, batches, steps=args.steps, warmup=args.warmup,
@@ -389,13 +385,6 @@ def _run(args, setup: Setup, folder: str) -> dict:
              for t, m in ours.items() if m.tiered}
     n = args.repeats * (args.warmup + args.steps)
     rows = summarise(runs, stats, {t: n for t in stats})
-    for r in rows:  # host tables: lookups staged and stages taken from a prefetch, per step
-        if r["tier"] in ours and not ours[r["tier"]].tiered:
-            now, was = ours[r["tier"]].stage_stats(), staged_before[r["tier"]]
-            if now["staged"] > was["staged"]:
-                r["staged_per_step"] = (now["staged"] - was["staged"]) / n
-                r["stage_ahead_taken_per_step"] = (now["prefetch_used"]
-                                                   - was["prefetch_used"]) / n
     for r in rows:
         if r["tier"] in timed and r["tier"] not in ours:
             r["hit_rate"] = storage_fbgemm.hit_rate(timed[r["tier"]])

@@ -5,11 +5,9 @@
 device: no host sync, so a CUDA graph can record it), the row's elements (``dims[r]`` of
 them, at ``host_elem[r]`` in the flat buffer and ``stage_elem[r]`` in the stage) of the
 weights and of each per-element optimizer state, and the one element of each per-row state
-(at ``host_key[r]``, stage row ``stage_key[r]``, or ``r`` without ``stage_key``): into the
-stage (``to_stage``) or back. A row whose ``dims`` is 0 is skipped. A program copies ROWS
-rows side by side, BLOCK_D columns at a time, and strides on by the grid (``programs``
-caps it: a copy that runs beside other work leaves it room). ``ops/row_stage.py`` calls it
-on CUDA and has its torch twin (the CPU path and the tests' reference).
+(at ``host_key[r]``, stage row ``r``): into the stage (``to_stage``) or back. A program
+copies ROWS rows side by side, BLOCK_D columns at a time. ``ops/row_stage.py`` calls it on
+CUDA and has its torch twin (the CPU path and the tests' reference).
 """
 
 from __future__ import annotations
@@ -47,9 +45,8 @@ def _stage_rows_kernel(
     count_ptr,  # [1] int64 stage rows in use
     host_elem_ptr,  # [cap] int64 first element of each row in the flat buffers
     stage_elem_ptr,  # [cap] int64 first element of each row in the stage
-    dims_ptr,  # [cap] int64 D of each row (0: skipped)
+    dims_ptr,  # [cap] int64 D of each row
     host_key_ptr,  # [cap] int64 linear row of each row (per-row states)
-    stage_key_ptr,  # [cap] int64 stage row of each row's per-row states (STAGE_KEY)
     w_ptr, w_stage_ptr,  # weights
     s1_ptr, s1_stage_ptr,  # state 1 (S1: its layout)
     s2_ptr, s2_stage_ptr,  # state 2
@@ -57,51 +54,41 @@ def _stage_rows_kernel(
     TO_STAGE: tl.constexpr,
     S1: tl.constexpr,
     S2: tl.constexpr,
-    STAGE_KEY: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MAX_D: tl.constexpr,
 ):
-    n = tl.minimum(tl.load(count_ptr), cap)
-    stride = tl.num_programs(0).to(tl.int64) * ROWS
-    for r0 in range(tl.program_id(0).to(tl.int64) * ROWS, n, stride):
-        r = r0 + tl.arange(0, ROWS)
-        live = r < n
-        he = tl.load(host_elem_ptr + r, mask=live, other=0)
-        se = tl.load(stage_elem_ptr + r, mask=live, other=0)
-        D = tl.load(dims_ptr + r, mask=live, other=0)
-        for d0 in tl.static_range(0, MAX_D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            m = live[:, None] & (d[None, :] < D[:, None])
-            h = he[:, None] + d[None, :]
-            s = se[:, None] + d[None, :]
-            _pair(w_ptr, w_stage_ptr, h, s, m, TO_STAGE)
-            if S1 == 1:
-                _pair(s1_ptr, s1_stage_ptr, h, s, m, TO_STAGE)
-            if S2 == 1:
-                _pair(s2_ptr, s2_stage_ptr, h, s, m, TO_STAGE)
-        if S1 == 2 or S2 == 2:
-            keep = live & (D > 0)
-            hk = tl.load(host_key_ptr + r, mask=keep, other=0)
-            if STAGE_KEY:
-                sk = tl.load(stage_key_ptr + r, mask=keep, other=0)
-            else:
-                sk = r
-            if S1 == 2:
-                _pair(s1_ptr, s1_stage_ptr, hk, sk, keep, TO_STAGE)
-            if S2 == 2:
-                _pair(s2_ptr, s2_stage_ptr, hk, sk, keep, TO_STAGE)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = r < tl.minimum(tl.load(count_ptr), cap)
+    he = tl.load(host_elem_ptr + r, mask=live, other=0)
+    se = tl.load(stage_elem_ptr + r, mask=live, other=0)
+    D = tl.load(dims_ptr + r, mask=live, other=0)
+    for d0 in tl.static_range(0, MAX_D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = live[:, None] & (d[None, :] < D[:, None])
+        h = he[:, None] + d[None, :]
+        s = se[:, None] + d[None, :]
+        _pair(w_ptr, w_stage_ptr, h, s, m, TO_STAGE)
+        if S1 == 1:
+            _pair(s1_ptr, s1_stage_ptr, h, s, m, TO_STAGE)
+        if S2 == 1:
+            _pair(s2_ptr, s2_stage_ptr, h, s, m, TO_STAGE)
+    if S1 == 2 or S2 == 2:
+        hk = tl.load(host_key_ptr + r, mask=live, other=0)
+        if S1 == 2:
+            _pair(s1_ptr, s1_stage_ptr, hk, r, live, TO_STAGE)
+        if S2 == 2:
+            _pair(s2_ptr, s2_stage_ptr, hk, r, live, TO_STAGE)
 
 
 _stage_rows = Launcher(_stage_rows_kernel)
 
 
 def stage_rows(count: torch.Tensor, host_elem: torch.Tensor, stage_elem: torch.Tensor,
-               dims: torch.Tensor, host_key: torch.Tensor, stage_key: torch.Tensor | None,
+               dims: torch.Tensor, host_key: torch.Tensor,
                pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], kinds: Sequence[int],
-               max_D: int, to_stage: bool, programs: int | None = None) -> None:
-    """The copy (``ops.row_stage.stage_rows``'s arguments, checked there) in one launch of
-    at most ``programs`` programs (None: one per ROWS rows of ``cap``)."""
+               max_D: int, to_stage: bool) -> None:
+    """The copy (``ops.row_stage.stage_rows``'s arguments, checked there) in one launch."""
     cap = host_elem.numel()
     if cap == 0:
         return
@@ -110,9 +97,7 @@ def stage_rows(count: torch.Tensor, host_elem: torch.Tensor, stage_elem: torch.T
     codes = list(kinds[1:]) + [NONE] * (3 - len(kinds))
     block_d = min(next_power_of_2(max_D), 256)
     rows = max(1, _TILE // block_d)
-    grid = cdiv(cap, rows) if programs is None else max(1, min(cdiv(cap, rows), programs))
-    _stage_rows((grid,), count, host_elem, stage_elem, dims, host_key,
-                host_key if stage_key is None else stage_key, w, w_stage,
+    _stage_rows((cdiv(cap, rows),), count, host_elem, stage_elem, dims, host_key, w, w_stage,
                 states[0][0], states[0][1], states[1][0], states[1][1], cap, to_stage,
-                codes[0], codes[1], stage_key is not None, rows, block_d,
-                cdiv(max_D, block_d) * block_d, num_warps=4)
+                codes[0], codes[1], rows, block_d, cdiv(max_D, block_d) * block_d,
+                num_warps=4)

@@ -404,11 +404,10 @@ class EmbeddingBagCollection(TableGroups):
         thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
         there. Call it after the current batch's forward, e.g. before its backward: a lookup
         takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
-        A TBE of ``host`` tables only makes the batch's training stage ahead instead
-        (``TableBatchedEmbedding.prefetch``). Nothing to do without either; managed tables
-        (``managed=``) stay on ``device``, so their raw ids are not mapped here. ``tiers``:
-        only the tables on these tiers (e.g. ``("file",)``); None: every cached table."""
-        if not any(tbe.prefetches for tbe in self._tbes):
+        Nothing to do without cached tables; managed tables (``managed=``) stay on
+        ``device``, so their raw ids are not mapped here. ``tiers``: only the tables on these
+        tiers (e.g. ``("file",)``); None: every cached table."""
+        if not any(tbe.tiered for tbe in self._tbes):
             return
         sizes = None
         if features.variable_stride_per_key():
@@ -422,7 +421,7 @@ class EmbeddingBagCollection(TableGroups):
         f0 = 0
         for _, tbe, indices, offsets, _, _ in self._group_slices(batch):
             T = tbe.num_features
-            if tbe.prefetches:
+            if tbe.tiered:
                 tbe.prefetch(indices, offsets, None if sizes is None
                              else [[n] for n in sizes[f0:f0 + T]], tiers=tiers)
             f0 += T

@@ -299,16 +299,14 @@ class EmbeddingCollection(TableGroups):
         thread (``TableBatchedEmbedding.prefetch``); that batch's lookup loads them from
         there. Call it after the current batch's forward, e.g. before its backward: a lookup
         takes the prefetch in flight. Exact whatever comes between (``modules/tiers.py``).
-        A TBE of ``host`` tables only makes the batch's training stage ahead instead
-        (``TableBatchedEmbedding.prefetch``). Nothing to do without either; managed tables
-        stay on ``device``. ``tiers``: only the tables on these tiers (e.g. ``("file",)``);
-        None: every cached table."""
-        if not any(tbe.prefetches for tbe in self._tbes):
+        Nothing to do without cached tables; managed tables stay on ``device``. ``tiers``:
+        only the tables on these tiers (e.g. ``("file",)``); None: every cached table."""
+        if not any(tbe.tiered for tbe in self._tbes):
             return
         seqs = kjt_sequences(features, self._feature_order)
         ids = [seqs.values[a:b] for a, b in (seqs.ids(f) for f in self._feature_order)]
         for tbe, _, indices, offsets, _, _ in self._group_ids(ids):
-            if tbe.prefetches:
+            if tbe.tiered:
                 tbe.prefetch(indices, offsets, tiers=tiers)
 
     def lookup(self, ids: list[torch.Tensor], autograd: bool = True,

@@ -23,19 +23,6 @@ arithmetic on the same values. A backward that runs after another one of this mo
 rows back (two lookups before their backwards, a pipeline's lookup ahead) first copies its
 rows in again, so it updates what the unstaged backward would read.
 
-With ``prefetch`` (``TableBatchedEmbedding.prefetch``: the next batch's ids, given before the
-current batch's backward) the next batch's stage is made ahead and its rows are copied in on
-a side stream while the current step computes and copies its own rows back: the link carries
-both directions at once. Rows the next batch shares with a stage not yet written back are
-not read then; that stage's write-back copies them across from its updated stage (device to
-device), and every later write-back of this module does the same for the rows it shares, so
-the stage ahead holds what the host would. The next lookup takes it when its ``indices`` and
-``offsets`` are those given to ``prefetch`` (the same tensors or equal ones; those unchanged
-since: their version counters) and the module's buffers were not written since but by its
-staged write-backs (theirs); anything else drops it (after its copy) and stages as above.
-Rows skipped for a stage that never wrote back are read from the host then. The host rows
-themselves are never stale: the side stream only writes the stage ahead.
-
 Only what this can reproduce exactly is staged: a fused optimizer whose states are
 ``momentum1`` / ``momentum2`` (not the counter's, global decay's or the whole-table steps'),
 no ``max_norm``, no stochastic rounding of half rows (its noise is drawn per row key);
@@ -46,7 +33,6 @@ everywhere (the CPU tests).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -54,18 +40,17 @@ import torch
 from fbtriton_dist import knobs, optim
 from fbtriton_dist.modules import fused_optim, host_tier
 from fbtriton_dist.ops import row_stage
-from fbtriton_dist.ops.tbe import FusedOptimizer, TBELayout, capturing
+from fbtriton_dist.ops.tbe import FusedOptimizer, TBELayout
 
-__all__ = ["Ahead", "Clock", "Stage", "Stager", "TablePlan", "stage", "stageable"]
+__all__ = ["Clock", "Stage", "Stager", "TablePlan", "stage", "stageable"]
 
 
 class Clock:
-    """Rows written back by a module's staged backwards so far (a stage made before the last
-    write is copied in again before its backward), and stages made."""
+    """Rows written back by a module's staged backwards so far: a stage made before the last
+    write is copied in again before its backward."""
 
     def __init__(self) -> None:
         self.writes = 0
-        self.made = 0
 
 
 @dataclass(eq=False)
@@ -119,60 +104,36 @@ class Stage:
     host_elem: torch.Tensor
     stage_elem: torch.Tensor
     dims: torch.Tensor
-    host_key: torch.Tensor  # [N] int64 linear row of each stage row, ascending; then sentinels
+    host_key: torch.Tensor
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     kinds: list[int]
     clock: Clock
     seen: int = 0
-    serial: int = 0  # its place among the module's stages
 
     def lookup_arguments(self) -> tuple[torch.Tensor, torch.Tensor, TBELayout, FusedOptimizer]:
         """(weights, indices, layout, fused) of the lookup on the stage."""
         return self.weights, self.indices, self.layout, self.fused
 
-    def copy(self, to_stage: bool, dims: torch.Tensor | None = None,
-             programs: int | None = None) -> None:
-        """Its rows in from the module's buffers or back (``dims``: the rows' D, 0 for a row
-        not to copy; ``programs``: the kernel's grid at most)."""
-        row_stage.stage_rows(self.count, self.host_elem, self.stage_elem,
-                             self.dims if dims is None else dims, self.host_key, self.pairs,
-                             self.kinds, self.layout.max_D, to_stage, programs=programs)
+    def copy(self, to_stage: bool) -> None:
+        row_stage.stage_rows(self.count, self.host_elem, self.stage_elem, self.dims,
+                             self.host_key, self.pairs, self.kinds, self.layout.max_D, to_stage)
 
-    def shared_with(self, other: Stage) -> tuple[torch.Tensor, torch.Tensor]:
-        """(in_other, place): whether each stage row of this stage is a row ``other`` holds,
-        and its stage row there (on the device; no host sync)."""
-        place = torch.searchsorted(other.host_key, self.host_key)
-        place.clamp_(max=other.host_key.numel() - 1)
-        rows = torch.arange(self.host_key.numel(), device=self.host_key.device)
-        in_other = ((rows < self.count) & (place < other.count)
-                    & (other.host_key[place] == self.host_key))
-        return in_other, place
-
-    def take_from(self, other: Stage) -> None:
-        """Copy the rows this stage shares with ``other`` from ``other``'s stage (after its
-        update: device to device)."""
-        in_other, place = self.shared_with(other)
-        row_stage.stage_rows(self.count, other.stage_elem[place], self.stage_elem,
-                             torch.where(in_other, self.dims, 0), place,
-                             [(o, s) for (_, o), (_, s) in zip(other.pairs, self.pairs,
-                                                               strict=True)],
-                             self.kinds, self.layout.max_D, True)
-
-    def attach(self, out: torch.Tensor, stager: Stager) -> None:
+    def attach(self, out: torch.Tensor) -> None:
         """Copy the rows back after ``out``'s backward (the fused update), and in again
         before it if another staged backward wrote rows since they were copied."""
         node = out.grad_fn
         if node is None or "TBELookup" not in node.name():  # the update's own node, not after
             raise RuntimeError(f"host stage: expected the TBE lookup's output, got one of "
                                f"{node.name() if node is not None else 'no autograd node'}")
-        stager.live.add(self)
 
         def before(grad_outputs):
             if self.seen != self.clock.writes:
                 self.copy(to_stage=True)
 
         def after(grad_inputs, grad_outputs):
-            stager.write_back(self)
+            self.copy(to_stage=False)
+            self.clock.writes += 1
+            self.seen = self.clock.writes
 
         node.register_prehook(before)
         node.register_hook(after)
@@ -181,8 +142,8 @@ class Stage:
 def stage(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
           layout: TBELayout, fused: FusedOptimizer, optimizer, tables: TablePlan,
           clock: Clock) -> Stage:
-    """Find the batch's distinct rows and make their stage (not copied in yet): what the
-    lookup reads instead (module docstring)."""
+    """Find the batch's distinct rows, copy them and their states into a new stage, and
+    return what the lookup reads instead (module docstring)."""
     dev = indices.device
     N = indices.numel()
     T = layout.num_features
@@ -228,211 +189,43 @@ def stage(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
         pairs.append((flat, states[s.name]))
         kinds.append(row_stage.PER_ROW if s.per_row else row_stage.PER_ELEMENT)
     ftab = tables.feature_table
-    clock.made += 1
-    return Stage(
+    staged = Stage(
         weights=pairs[0][1],
         indices=stage_ids,
         layout=dataclasses.replace(layout, w_offsets=seg_elems[ftab], row_offsets=seg_rows[ftab]),
         fused=dataclasses.replace(fused, **states),
         count=count, host_elem=host_elem, stage_elem=stage_elem, dims=D, host_key=row_key,
-        pairs=pairs, kinds=kinds, clock=clock, seen=clock.writes, serial=clock.made,
+        pairs=pairs, kinds=kinds, clock=clock, seen=clock.writes,
     )
-
-
-@dataclass(eq=False)
-class Ahead:
-    """A coming batch's stage, made by ``Stager.prefetch``, its rows being copied in (on a
-    side stream on CUDA: ``done``, the copy's event, None once waited for or on the CPU)."""
-
-    stage: Stage
-    indices: torch.Tensor
-    offsets: torch.Tensor
-    versions: tuple  # the ids' and offsets' version counters (``_batch_versions``)
-    buffers: tuple  # the module buffers' addresses and version counters (``_buffer_versions``)
-    copied: torch.Tensor  # [N] int64 D of each row read ahead, else 0 (the copy's argument)
-    skipped: torch.Tensor  # [N] int64 D of each row not read (a live stage held it), else 0
-    waiting_on: set[int]  # serials of the live stages whose rows were skipped, not written back
-    done: torch.cuda.Event | None
-
-    def wait(self) -> None:
-        """The current stream waits for the copy in."""
-        if self.done is not None:
-            torch.cuda.current_stream(self.stage.weights.device).wait_event(self.done)
-            self.done = None
+    staged.copy(to_stage=True)
+    return staged
 
 
 class Stager:
     """A module's staging: whether a training lookup is staged, its tables' plan (per
-    layout), its clock, the stages not written back yet and the one made ahead."""
-
-    PROGRAMS_PER_SM = 4
-    """The side stream's copy in: programs per SM at most (room for the step beside it)."""
+    layout), its clock."""
 
     def __init__(self) -> None:
         self.clock = Clock()
-        self.live: weakref.WeakSet[Stage] = weakref.WeakSet()
-        self.ahead: Ahead | None = None
-        self.staged = 0  # training lookups staged; stages made ahead, and those taken
-        self.prefetched = 0
-        self.prefetch_used = 0
         self._plan: tuple[TBELayout, TablePlan] | None = None
-        self._side: torch.cuda.Stream | None = None
-        self._captured = False
-
-    def _applies(self, tbe, indices: torch.Tensor, layout: TBELayout,
-                 fused: FusedOptimizer | None) -> bool:
-        mode = knobs.host_stage()
-        weights = tbe.weights
-        if fused is None or mode == "0" or not host_tier.all_host(tbe.storage):
-            return False
-        if not indices.numel() or (mode == "auto"
-                                   and not host_tier.maps_host_memory(weights.device)):
-            return False
-        if layout.num_rows is None or torch.compiler.is_compiling():
-            return False
-        return stageable(tbe.optimizer, fused, weights, tbe.max_norm)
-
-    def _tables(self, tbe, layout: TBELayout) -> TablePlan:
-        if self._plan is None or self._plan[0] is not layout:
-            self._plan = (layout, TablePlan.of(layout, tbe.table_offsets, tbe.weights.device))
-        return self._plan[1]
 
     def stage(self, tbe, indices: torch.Tensor, offsets: torch.Tensor, layout: TBELayout,
               fused: FusedOptimizer) -> Stage | None:
         """The training lookup's stage of TableBatchedEmbedding ``tbe`` (its ``layout`` and
-        ``fused``), its rows copied in, or None where it looks up unstaged: not all tables
-        ``host``, not mapped host memory (``FBTD_HOST_STAGE=auto``), staging off, an empty
-        batch, under ``torch.compile`` / export, or what ``stageable`` refuses. The stage
-        made ahead by ``prefetch`` where this is its batch (module docstring)."""
-        if capturing(indices.device):
-            self.ahead = None  # the capture began with a device sync: its copy is done
-            self._captured = True
-        if not self._applies(tbe, indices, layout, fused):
-            self.drop_ahead()
+        ``fused``), or None where it looks up unstaged: not all tables ``host``, not mapped
+        host memory (``FBTD_HOST_STAGE=auto``), staging off, an empty batch, under
+        ``torch.compile`` / export, or what ``stageable`` refuses."""
+        mode = knobs.host_stage()
+        weights = tbe.weights
+        if mode == "0" or not host_tier.all_host(tbe.storage) or not indices.numel():
             return None
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            ahead.wait()
-            if self._takes(ahead, indices, offsets, layout, fused):
-                staged = ahead.stage
-                if ahead.waiting_on:  # a stage whose rows were skipped did not write back
-                    staged.copy(to_stage=True, dims=ahead.skipped)
-                names = [s.name for s in optim.spec_of(tbe.optimizer).states]
-                staged.fused = dataclasses.replace(
-                    fused, **{n: st for n, (_, st) in zip(names, staged.pairs[1:], strict=True)})
-                staged.seen = self.clock.writes
-                self.prefetch_used += 1
-                self.staged += 1
-                return staged
-        staged = stage(tbe.weights, indices, offsets, layout, fused, tbe.optimizer,
-                       self._tables(tbe, layout), self.clock)
-        staged.copy(to_stage=True)
-        self.staged += 1
-        return staged
-
-    def stats(self) -> dict[str, int]:
-        """Training lookups staged, stages made ahead by ``prefetch``, and those a lookup
-        took (cumulative)."""
-        return {"staged": self.staged, "prefetched": self.prefetched,
-                "prefetch_used": self.prefetch_used}
-
-    def _takes(self, ahead: Ahead, indices, offsets, layout, fused) -> bool:
-        """This lookup is of the batch ``ahead`` was made for (the same tensors, unchanged
-        since, or equal ones: a compare that waits for the device), and nothing but this
-        module's staged write-backs wrote its buffers since."""
+        if mode == "auto" and not host_tier.maps_host_memory(weights.device):
+            return None
+        if layout.num_rows is None or torch.compiler.is_compiling():
+            return None
+        if not stageable(tbe.optimizer, fused, weights, tbe.max_norm):
+            return None
         if self._plan is None or self._plan[0] is not layout:
-            return False
-        names = _state_names(ahead.stage, fused)
-        if (ahead.versions != _batch_versions(ahead.indices, ahead.offsets)
-                or ahead.buffers != _buffer_versions(
-                    [ahead.stage.pairs[0][0], *(getattr(fused, n) for n in names)])):
-            return False
-        if ahead.indices is indices and ahead.offsets is offsets:
-            return True
-        return all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                   and torch.equal(a, b)
-                   for a, b in ((ahead.indices, indices), (ahead.offsets, offsets)))
-
-    def prefetch(self, tbe, indices: torch.Tensor, offsets: torch.Tensor, layout: TBELayout,
-                 fused: FusedOptimizer | None) -> None:
-        """Make the stage of a coming batch and start copying its rows in: on a side stream
-        on CUDA (at most ``PROGRAMS_PER_SM`` programs per SM), at once on the CPU; rows a
-        live stage holds are left to its write-back (module docstring). Nothing where its
-        lookup would not be staged, under a capture, or once a capture recorded a staged
-        lookup of this module (its replays stage their own rows)."""
-        self.drop_ahead()
-        if self._captured or capturing(indices.device):
-            return
-        if not self._applies(tbe, indices, layout, fused):
-            return
-        staged = stage(tbe.weights, indices, offsets, layout, fused, tbe.optimizer,
-                       self._tables(tbe, layout), self.clock)
-        dims = staged.dims
-        live = list(self.live)
-        for other in live:
-            in_other, _ = staged.shared_with(other)
-            dims = torch.where(in_other, 0, dims)
-        done = None
-        if indices.is_cuda:
-            if self._side is None:
-                self._side = torch.cuda.Stream(indices.device)
-            self._side.wait_stream(torch.cuda.current_stream(indices.device))
-            with torch.cuda.stream(self._side):
-                staged.copy(to_stage=True, dims=dims, programs=self._programs(indices.device))
-                done = torch.cuda.Event()
-                done.record()
-        else:
-            staged.copy(to_stage=True, dims=dims)
-        # every tensor the side stream reads lives until the current stream waited for it
-        self.ahead = Ahead(staged, indices, offsets, _batch_versions(indices, offsets),
-                           _buffer_versions([flat for flat, _ in staged.pairs]), dims,
-                           staged.dims - dims, {other.serial for other in live}, done)
-        self.prefetched += 1
-
-    def _programs(self, device: torch.device) -> int:
-        """The grid of a copy that runs beside another one (``PROGRAMS_PER_SM`` per SM)."""
-        return torch.cuda.get_device_properties(device).multi_processor_count * (
-            self.PROGRAMS_PER_SM)
-
-    def write_back(self, staged: Stage) -> None:
-        """Copy ``staged``'s rows back (after its update); the stage ahead takes the rows it
-        shares."""
-        flats = [flat for flat, _ in staged.pairs]
-        before = _buffer_versions(flats)
-        beside = self.ahead is not None and self.ahead.done is not None  # a copy in runs
-        staged.copy(to_stage=False, programs=self._programs(staged.weights.device) if beside
-                    else None)
-        self.clock.writes += 1
-        staged.seen = self.clock.writes
-        self.live.discard(staged)
-        ahead = self.ahead
-        if ahead is None:
-            return
-        if ahead.buffers == before:  # the torch copy moved the counters: only this write
-            ahead.buffers = _buffer_versions(flats)
-        ahead.wait()
-        ahead.stage.take_from(staged)
-        ahead.stage.seen = self.clock.writes
-        ahead.waiting_on.discard(staged.serial)
-
-    def drop_ahead(self) -> None:
-        """Forget the stage made ahead (after its copy: its buffers are freed on this
-        stream)."""
-        if self.ahead is not None:
-            self.ahead.wait()
-            self.ahead = None
-
-
-def _batch_versions(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
-    """A batch's ids' and offsets' version counters (an in-place write moves them)."""
-    return indices._version, offsets._version
-
-
-def _buffer_versions(flats) -> tuple[tuple[int, int], ...]:
-    """A module's weights' and states' addresses and version counters."""
-    return tuple((t.data_ptr(), t._version) for t in flats)
-
-
-def _state_names(staged: Stage, fused: FusedOptimizer) -> list[str]:
-    """The states ``staged`` holds, in its pairs' order (the optimizer's)."""
-    return [s.name for s in optim.spec_of(fused.optimizer).states][: len(staged.pairs) - 1]
+            self._plan = (layout, TablePlan.of(layout, tbe.table_offsets, weights.device))
+        return stage(weights, indices, offsets, layout, fused, tbe.optimizer, self._plan[1],
+                     self.clock)

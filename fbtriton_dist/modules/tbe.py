@@ -355,12 +355,6 @@ class TableBatchedEmbedding(nn.Module):
 
     # -- storage tiers (modules/tiers.py)
     @property
-    def prefetches(self) -> bool:
-        """``prefetch`` can read a coming batch's rows ahead: some table is ``cached`` or
-        ``file``, or every table is ``host`` (its training lookups' stage)."""
-        return self._tiers is not None or host_tier.all_host(self.storage)
-
-    @property
     def tiered(self) -> bool:
         """Some table is ``cached`` or ``file`` (its rows behind a row cache)."""
         return self._tiers is not None
@@ -375,7 +369,8 @@ class TableBatchedEmbedding(nn.Module):
                  else getattr(self, s.name)[e0 : e0 + C * D].view(C, D) for s in states})
 
     def _slot_views_key(self) -> tuple:
-        """What ``_slot_views`` are made of: the flat weights' and states' addresses."""
+        """What ``_slot_views`` are made of: the flat weights' and states' addresses (the
+        tables' offsets in them are fixed)."""
         states = optim.spec_of(self.optimizer).states if self.optimizer is not None else ()
         return (self.weights.data_ptr(), *(getattr(self, s.name).data_ptr() for s in states))
 
@@ -405,20 +400,18 @@ class TableBatchedEmbedding(nn.Module):
     def prefetch(self, indices: torch.Tensor, offsets: torch.Tensor,
                  batch_size_per_feature_per_rank: Sequence[Sequence[int]] | None = None,
                  tiers: Collection[str] | None = None) -> None:
-        """Start reading a coming batch's (``forward``'s arguments) rows the caches miss, with
-        their state, on a worker thread while this step computes; its lookup loads them,
-        waiting only for what is not read yet. Exact whatever comes between: a row written
-        back after its copy was read is loaded again (``modules/tiers.py``). ``host`` tables:
-        the batch's training stage, copied in on a side stream, for a lookup of these or equal
-        ``indices`` / ``offsets`` (``modules/host_stage.py``). ``tiers``: only the tables on
-        these tiers (e.g. ``("file",)``); None: every one."""
+        """Start reading the rows of a coming batch (``forward``'s arguments) that the cached
+        tables do not hold, with their optimizer state, from the backing stores on a worker
+        thread while this step computes; the next lookup loads them from there, waiting only
+        for what is not read yet (``modules/tiers.py``). Exact whatever happens in between: a
+        row written back after its copy was read is loaded from the backing store. Nothing to
+        do without cached tables. ``tiers``: only the tables on these tiers (e.g.
+        ``("file",)``); None: every cached table."""
+        if self._tiers is None:
+            return
         if batch_size_per_feature_per_rank is not None:
             layout = self.vbe_layout(batch_size_per_feature_per_rank)
             offsets = vbe.padded_offsets(offsets, layout)
-        if self._tiers is None:
-            if tiers is None or "host" in tiers:
-                self._stager.prefetch(self, indices, offsets, self._layout(), self._fused())
-            return
         self._tiers.prefetch(indices, offsets, self.feature_table_map, tiers=tiers,
                              views=self._slot_views)
 
@@ -428,11 +421,6 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is None:
             return {}
         return {self.table_names[t]: v for t, v in self._tiers.stats().items()}
-
-    def stage_stats(self) -> dict[str, int]:
-        """``host`` tables: training lookups staged in device memory, stages made ahead by
-        ``prefetch`` and those taken (``modules/host_stage.py``; cumulative)."""
-        return self._stager.stats()
 
     def _layout(self) -> TBELayout:
         """The lookup's layout, made again only when ``set_layout_buffers`` made new buffers
@@ -583,7 +571,7 @@ class TableBatchedEmbedding(nn.Module):
         if self._tiers is not None and train:
             self._tiers.track(out)
         if staged is not None:
-            staged.attach(out, self._stager)  # the rows back after the update
+            staged.attach(out)  # the rows back after the update
         return out
 
     def _feature_name(self, f: int) -> str:

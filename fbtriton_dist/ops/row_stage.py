@@ -15,18 +15,17 @@ from fbtriton_dist.kernels.row_stage import NONE, PER_ELEMENT, PER_ROW  # noqa: 
 __all__ = ["NONE", "PER_ELEMENT", "PER_ROW", "stage_rows"]
 
 
-def _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, stage_key, pairs, kinds,
-                      max_D, to_stage):
+def _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, kinds, max_D,
+                      to_stage):
     """The same copy with torch ops (reads ``count`` on the host)."""
-    n = min(int(count), host_elem.numel())
+    n = int(count)
     cols = torch.arange(max_D, device=dims.device)
     inside = cols[None, :] < dims[:n, None]
     h = (host_elem[:n, None] + cols[None, :])[inside]
     s = (stage_elem[:n, None] + cols[None, :])[inside]
-    keep = dims[:n] > 0
-    r = torch.arange(n, device=dims.device) if stage_key is None else stage_key[:n]
+    r = torch.arange(n, device=dims.device)
     for (flat, stage), kind in zip(pairs, kinds, strict=True):
-        a, b = (h, s) if kind == PER_ELEMENT else (host_key[:n][keep], r[keep])
+        a, b = (h, s) if kind == PER_ELEMENT else (host_key[:n], r)
         if to_stage:
             stage[b] = flat[a]
         else:
@@ -44,24 +43,18 @@ def stage_rows(
     max_D: int,
     to_stage: bool,
     triton_kernel: bool | None = None,
-    stage_key: torch.Tensor | None = None,
-    programs: int | None = None,
 ) -> None:
     """Copy the first ``count`` rows of every ``(flat buffer, stage)`` pair (the weights'
     first, ``kinds[0] == PER_ELEMENT``; then at most two states, each ``PER_ELEMENT`` or
-    ``PER_ROW``) into the stage (``to_stage``) or back: row ``r``'s ``dims[r]`` elements at
-    ``host_elem[r]`` / ``stage_elem[r]``, a per-row state's element at ``host_key[r]`` /
-    ``stage_key[r]`` (None: ``r``); a row of ``dims`` 0 is skipped. The "flat buffer" may be
-    another stage (a copy between two stages). ``triton_kernel``: None picks the kernel on
-    CUDA tensors and torch ops elsewhere; ``programs``: the kernel's grid at most (it strides
-    over the rows), to leave room for work on another stream."""
+    ``PER_ROW``) into the stage (``to_stage``) or back. ``triton_kernel``: None picks the
+    kernel on CUDA tensors and torch ops elsewhere."""
     if len(pairs) != len(kinds) or not 1 <= len(pairs) <= 3 or kinds[0] != PER_ELEMENT:
         raise ValueError(f"stage_rows: the weights then at most two states, got kinds {kinds}")
     if triton_kernel is None:
         triton_kernel = host_elem.is_cuda
     if triton_kernel:
-        _kernel.stage_rows(count, host_elem, stage_elem, dims, host_key, stage_key, pairs,
-                           kinds, max_D, to_stage, programs)
+        _kernel.stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, kinds, max_D,
+                           to_stage)
     else:
-        _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, stage_key, pairs, kinds,
-                          max_D, to_stage)
+        _torch_stage_rows(count, host_elem, stage_elem, dims, host_key, pairs, kinds, max_D,
+                          to_stage)

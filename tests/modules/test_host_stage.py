@@ -4,8 +4,6 @@ They train as the ``device`` tier bit for bit. On the CPU ``FBTD_HOST_STAGE=1`` 
 host tables there too (the copies by torch ops; the kernel under the interpreter); on CUDA
 the default stages the mapped host tables."""
 
-import copy
-
 import pytest
 import torch
 
@@ -163,12 +161,10 @@ def test_bad_id_error_names_the_id_and_its_table(monkeypatch):
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("programs", [None, 1])
 @pytest.mark.parametrize("kinds", [(1,), (1, 2), (1, 1, 2)])
-def test_stage_rows_kernel_equals_torch(kinds, programs):
+def test_stage_rows_kernel_equals_torch(kinds):
     """The copy kernel in and back (mixed D above and below a vector, rows past ``count``
-    and rows of D 0 untouched, per-row states at ``stage_key``; one program striding over
-    every row) equals the torch ops, per-element and per-row states alike."""
+    untouched) equals the torch ops, per-element and per-row states alike."""
     g = torch.Generator().manual_seed(0)
     dims = torch.tensor([4, 12, 4, 300, 8, 12])
     cap = dims.numel()
@@ -176,8 +172,6 @@ def test_stage_rows_kernel_equals_torch(kinds, programs):
     host_elem = torch.tensor([0, 40, 8, 100, 52, 400])
     stage_elem = torch.cat([torch.zeros(1, dtype=torch.int64), dims.cumsum(0)[:-1]])
     host_key = torch.tensor([0, 7, 2, 11, 9, 3])
-    stage_key = torch.tensor([4, 3, 5, 1, 0, 2])
-    copied = torch.where(torch.arange(cap) == 2, 0, dims)  # row 2 skipped
 
     def flat(kind, n):
         return torch.randn(n if kind == row_stage.PER_ELEMENT else 16, generator=g)
@@ -188,93 +182,17 @@ def test_stage_rows_kernel_equals_torch(kinds, programs):
         dev = DEVICE if use_kernel else "cpu"
         pairs = [(flat(k, 800).to(dev), torch.zeros(800 if k == 1 else cap, device=dev))
                  for k in kinds]
-        meta = [t.to(dev) for t in (count, host_elem, stage_elem, copied, host_key)]
-        key = stage_key.to(dev)
-        row_stage.stage_rows(*meta, pairs, list(kinds), 300, True, triton_kernel=use_kernel,
-                             stage_key=key, programs=programs)
+        meta = [t.to(dev) for t in (count, host_elem, stage_elem, dims, host_key)]
+        row_stage.stage_rows(*meta, pairs, list(kinds), 300, True, triton_kernel=use_kernel)
         staged = [s.cpu().clone() for _, s in pairs]
         for _, s in pairs:
-            s.add_(1).mul_(2)
-        row_stage.stage_rows(*meta, pairs, list(kinds), 300, False, triton_kernel=use_kernel,
-                             stage_key=key, programs=programs)
+            s.mul_(2)
+        row_stage.stage_rows(*meta, pairs, list(kinds), 300, False, triton_kernel=use_kernel)
         results.append((staged, [f.cpu() for f, _ in pairs]))
     for x, y in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
         assert torch.equal(x, y)
-    w_stage, w = results[1][0][0], results[1][1][0]
+    w = results[1][1][0]
     assert w[400:412].abs().sum() > 0 and not torch.equal(w[100:400], w[100:400] * 0)
-    assert not w_stage[16:20].any() and w_stage[4:16].all()  # row 2 skipped, row 1 not
-    if len(kinds) > 1 and kinds[1] == row_stage.PER_ROW:
-        per_row = results[1][0][1]
-        assert per_row[5] == 0 and per_row[4] != 0  # rows 2 (skipped) and 0 at their keys
-
-
-def prefetching_steps(a, b, batches, prefetch_ahead=True):
-    """Train both modules on ``batches``, each step prefetching the next batch between the
-    forward and the backward."""
-    for i, (ids, offsets, psw) in enumerate(batches):
-        outs = []
-        for m in (a, b):
-            out = m(ids, offsets, psw)
-            if prefetch_ahead and i + 1 < len(batches):
-                m.prefetch(*batches[i + 1][:2])
-            (out * torch.arange(out.numel(), device=out.device).view(out.shape)).sum().backward()
-            outs.append(out.detach())
-        assert torch.equal(outs[0], outs[1]), i
-
-
-@pytest.mark.filterwarnings("ignore:.*out of range")
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("opt", OPTIMIZERS[:2], ids=lambda o: type(o).__name__)
-def test_prefetched_stage_trains_as_device(backend, opt, monkeypatch):
-    """``prefetch`` of the next batch before the backward: every lookup after the first takes
-    the stage made ahead (rows the current stage holds skipped, then taken from it after its
-    update) and trains as the device tier bit for bit."""
-    monkeypatch.setenv("FBTD_HOST_STAGE", "1")
-    device = device_for(backend)
-    a, b = pair(opt, backend, device)
-    batches = [batch(step, device=device, bad=step == 1) for step in range(4)]
-    out = b(*batches[0])
-    b.prefetch(*batches[1][:2])
-    assert b._stager.ahead.skipped.any()  # row 0 of table 0 is in both batches
-    out.sum().backward()
-    a(*batches[0]).sum().backward()
-    prefetching_steps(a, b, batches[1:])
-    assert b.stage_stats() == {"staged": 4, "prefetched": 3, "prefetch_used": 3}
-    assert_same(a, b)
-
-
-@pytest.mark.parametrize("case", ["equal ids", "other batch", "no backward", "load",
-                                  "ids written"])
-def test_prefetched_stage_taken_dropped_or_refilled(case, monkeypatch):
-    """A lookup of equal ids (other tensors) takes the stage made ahead; of another batch,
-    or after a load or a write to the prefetched ids, drops it; rows skipped for a stage that
-    never wrote back are read then. Every way, the weights equal the device tier's."""
-    monkeypatch.setenv("FBTD_HOST_STAGE", "1")
-    a, b = pair(optim.Adam(lr=0.1))
-    x, y, z = batch(0), batch(1), batch(2)
-    used = 0
-    start = copy.deepcopy(a.state_dict())
-    for m in (a, b):
-        out = m(*x)
-        m.prefetch(*y[:2])
-        if case == "no backward":
-            del out
-            used = 1
-        else:
-            out.sum().backward()
-        if case == "equal ids":
-            y = tuple(t.clone() for t in y)
-            used = 1
-        if case == "load":
-            m.load_state_dict(start)
-        if case == "ids written":
-            y[0][0] = (y[0][0] + 1) % ROWS[0]
-        m(*(z if case == "other batch" else y)).pow(2).sum().backward()
-        if case == "ids written" and m is a:
-            y[0][0] = (y[0][0] - 1) % ROWS[0]  # b sees what a saw
-    stats = b.stage_stats()
-    assert (stats["prefetched"], stats["prefetch_used"], stats["staged"]) == (1, used, 2)
-    assert_same(a, b)
 
 
 # ------------------------------------------------------------------------ GPU only

@@ -3,13 +3,10 @@
 forward and its backward; training is bit for bit the training without it, while the caches
 evict every step and the lookups load rows from the prefetch."""
 
-from functools import partial
-
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from fbtriton_dist.storage import Storage
 from tests.modules.test_tiers_collections import (
     BAGS,
     SEQS,
@@ -86,26 +83,3 @@ def test_ebc_vbe_prefetch_trains_as_without(tmp_path):
     assert_same(plain, ahead)
     stats = prefetch_stats(ahead)
     assert stats["evictions"] > 0 and 0 < stats["prefetch_used"] <= stats["prefetched"]
-
-
-@pytest.mark.parametrize("kind", ["ebc", "ebc vbe", "ec"])
-def test_host_tables_prefetch_their_stage(kind, monkeypatch):
-    """``host`` tables: the collection's ``prefetch`` makes each TBE's next training stage
-    ahead (its lookup passes equal, not the same, tensors; a batch size per feature too),
-    every lookup after the first takes it, and training is bit for bit the training without
-    it."""
-    monkeypatch.setenv("FBTD_HOST_STAGE", "1")
-    host = {"t0": Storage(tier="host"), "t1": Storage(tier="host")}
-    if kind == "ec":
-        plain, ahead = ec(host), ec(host)
-        batches = [kjt(SEQS, step) for step in range(STEPS + 1)]
-    else:
-        vbe = kind == "ebc vbe"
-        plain, ahead = ebc(host, weighted=vbe), ebc(host, weighted=vbe)
-        batches = [(vbe_kjt if vbe else partial(kjt, BAGS))(step) for step in range(STEPS + 1)]
-    train(plain, ahead, batches)
-    assert_same(plain, ahead)
-    stats = [tbe.stage_stats() for tbe, _ in ahead.tbe_groups() if tbe.prefetches]
-    assert stats and all(s == {"staged": STEPS, "prefetched": STEPS, "prefetch_used": STEPS - 1}
-                         for s in stats)
-    assert all(tbe.stage_stats()["prefetched"] == 0 for tbe, _ in plain.tbe_groups())
