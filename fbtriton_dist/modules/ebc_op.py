@@ -64,6 +64,23 @@ def traced(features) -> bool:
     return values.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(values)
 
 
+def compiling_around(module) -> bool:
+    """Is Dynamo compiling (``torch.compile``, not export) a collection whose lookup keeps
+    Python state (``needs_eager_lookup``: cached tables, managed tables)? The lookup then runs
+    eagerly, through ``run_eagerly``: one graph break."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and module.needs_eager_lookup())
+
+
+run_eagerly = torch.compiler.disable(
+    lambda forward, features: forward(features),
+    reason="fbtriton_dist: the lookup of cached / file tier tables or managed tables (their "
+           "slot and id maps are Python state) runs eagerly between compiled graphs; "
+           "fullgraph=True cannot hold it",
+)
+"""``run_eagerly(forward, features)``: ``forward(features)`` outside Dynamo's graphs."""
+
+
 @torch.jit.unused
 def _eager_kjt_inputs(
     features: KeyedJaggedTensor, feature_names: list[str], weighted: bool

@@ -244,6 +244,12 @@ class EmbeddingCollection(TableGroups):
 
     @torch.jit.unused
     def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if ebc_op.compiling_around(self):
+            return ebc_op.run_eagerly(self._forward_body, features)
+        return self._forward_body(features)
+
+    @torch.jit.unused
+    def _forward_body(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if self.id_managers is not None:
             features = managed_forward(self, features)
         if ebc_op.traced(features):

@@ -278,11 +278,22 @@ class TableGroups(nn.Module):
                 for tbe, members in zip(self._tbes, self._groups.values(), strict=True)
                 for i, t in enumerate(members)}
 
+    def has_cached_tables(self) -> bool:
+        """Does a table sit on a tier with a row cache (``cached``, ``file``)?"""
+        return any(tbe.tiered for tbe in self._tbes)
+
+    def needs_eager_lookup(self) -> bool:
+        """Does the lookup keep Python state a graph cannot hold: a row cache's slot map or
+        managed tables' id maps? ``torch.compile`` then runs it between its graphs."""
+        return self.has_cached_tables() or getattr(self, "id_managers", None) is not None
+
     def _refuse_traced_tiers(self) -> None:
-        if any(tbe.tiered for tbe in self._tbes):
+        if self.has_cached_tables():
             raise NotImplementedError(
-                "cached storage tiers under torch.fx / torch.compile / export or on meta "
-                "tensors: not supported yet; look up eagerly"
+                "cached storage tiers (cached, file) under torch.fx, torch.export or on meta "
+                "tensors: their row cache's slot map is Python state a graph cannot hold; "
+                "look up eagerly (torch.compile without fullgraph=True does: the lookup runs "
+                "between its graphs)"
             )
 
     def _key(self, t: int) -> str:

@@ -295,3 +295,43 @@ def test_deepcopy_remaps_alike():
     for features in batches[3:]:
         torch.testing.assert_close(ebc(features).values(), twin(features).values(), rtol=0, atol=0)
     assert ebc.id_managers.metrics() == twin.id_managers.metrics()
+
+
+def test_torch_compile_remaps_between_graphs():
+    """``torch.compile`` of a collection with managed tables: the remap and lookup run eagerly
+    (one graph break) and train as the eager module, bit for bit, evicting; ``fullgraph=True``
+    and ``torch.fx`` refuse it, saying why."""
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=5, embedding_dim=4,
+                                 feature_names=["user", "friend"]),
+              EmbeddingBagConfig(name="t_ad", num_embeddings=7, embedding_dim=3,
+                                 feature_names=["ad"])]
+
+    def build():
+        torch.manual_seed(4)
+        ebc = EmbeddingBagCollection(tables, managed=MANAGED)
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.5})
+        return ebc
+
+    eager, compiled_ebc = build(), build()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda f: (compiled_ebc(f).values() * 2).sum(), backend=backend)
+    for features in stream(steps=6, seed=5):
+        (eager(features).values() * 2).sum().backward()
+        compiled(features).backward()
+    assert graphs
+    for (k, a), (_, b) in zip(eager.state_dict().items(), compiled_ebc.state_dict().items(),
+                              strict=True):
+        assert torch.equal(a, b), k
+    assert compiled_ebc.id_managers.metrics() == eager.id_managers.metrics()
+    assert eager.id_managers.metrics()["t_user"]["total_evicted"] > 0
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="managed tables .* runs eagerly between compiled "
+                                        "graphs; fullgraph=True cannot hold it"):
+        torch.compile(compiled_ebc, backend="eager", fullgraph=True)(next(stream(1)))
+    with pytest.raises(NotImplementedError, match="id maps are Python state"):
+        torch.fx.symbolic_trace(compiled_ebc)

@@ -207,6 +207,59 @@ def test_to_moves_the_cache_not_the_backing_store(tmp_path):
     assert_same(device, tiered)
 
 
+class _Head(torch.nn.Module):
+    """A collection and a dense layer over its output: something for Dynamo to compile."""
+
+    def __init__(self, collection) -> None:
+        super().__init__()
+        self.collection = collection
+        torch.manual_seed(1)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, features):
+        out = self.collection(features)
+        if isinstance(out, dict):  # EmbeddingCollection
+            return {k: self.linear(jt.values()[:, :4].relu()) for k, jt in out.items()
+                    if jt.values().shape[1] == 4}
+        return self.linear(out.values()[:, :4].relu())
+
+
+@pytest.mark.parametrize("make", [ebc, ec])
+def test_torch_compile_looks_up_cached_tables_between_graphs(make, tmp_path):
+    """``torch.compile`` of a model holding cached tables: their lookup runs eagerly (one graph
+    break), the dense layers compile, and training equals the eager ``device`` model bit for
+    bit; ``fullgraph=True``, ``torch.export`` and ``torch.fx`` refuse it, saying why."""
+    configs = BAGS if make is ebc else SEQS
+    device, tiered = _Head(make(None)), _Head(make(storage_for("cached", tmp_path)))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(tiered, backend=backend)
+    for step in range(STEPS):
+        batch = kjt(configs, step)
+        for model in (device, compiled):
+            out = model(batch)
+            sum(o.sum() for o in out.values()).backward() if isinstance(out, dict) \
+                else out.sum().backward()
+    assert graphs  # the dense part compiled
+    assert_same(device.collection, tiered.collection)
+    torch.testing.assert_close(tiered.linear.weight.grad, device.linear.weight.grad,
+                               rtol=1e-6, atol=1e-6)
+    assert evictions(tiered.collection) >= STEPS
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cached / file tier tables or managed tables .* runs eagerly between "
+                                        "compiled graphs; fullgraph=True cannot hold it"):
+        torch.compile(tiered, backend="eager", fullgraph=True)(kjt(configs, 0))
+    with pytest.raises(NotImplementedError, match=r"cached storage tiers \(cached, file\) "
+                                                  "under torch.fx, torch.export"):
+        torch.export.export(tiered, (kjt(configs, 0),), strict=False)
+    with pytest.raises(NotImplementedError, match="slot map is Python state"):
+        torch.fx.symbolic_trace(tiered)
+
+
 def test_bad_storage_arguments():
     with pytest.raises(ValueError, match=r"storage: unknown tables \['nope', 'tx'\], expected "
                                          r"some of \['t0', 't1', 't2'\]"):
