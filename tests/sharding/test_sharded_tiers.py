@@ -454,20 +454,66 @@ def _plan_puts_cached_tables_on_device(rank, world, folder):
     return not m.tiered() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _compiled_vs_eager(rank, world, folder):
+    """``torch.compile`` of a sharded model with cached shards (their lookup runs eagerly
+    between the graphs) against the eager one, pooled and sequence: per case, whether outputs,
+    full weights and fused optimizer states are equal bit for bit, the evictions and the
+    number of graphs compiled."""
+    import fbtriton_dist
+
+    lo, hi = sum(BATCH[:rank]), sum(BATCH[: rank + 1])
+    report = []
+    for sequence in (False, True):
+        configs = _configs(sequence)
+        storage = _storage("cached", "lru", folder, rank)
+        eager, tiered = (fbtriton_dist.shard(_collection(configs, sequence, "adam"),
+                                             _plan("mixed", world, storage)) for _ in range(2))
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(lambda kjt, m=tiered, s=sequence: _flat(m(kjt), s) * 2,
+                                 backend=backend)
+        same = True
+        for step in range(4):
+            kjt = _batch(configs, lo, hi, step)
+            outs = [_flat(eager(kjt), sequence) * 2, compiled(kjt)]
+            for out in outs:
+                g = torch.Generator().manual_seed(100 + step)
+                (out * torch.randn(out.shape, generator=g)).sum().backward()
+            same &= torch.equal(outs[0].detach(), outs[1].detach())
+        full = [m.gather_full_state_dict() for m in (eager, tiered)]
+        same &= all(torch.equal(full[0][k], full[1][k]) for k in full[0])
+        states = [_local_states(m) for m in (eager, tiered)]
+        same &= all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+        evicted = sum(s["evictions"] for s in tiered.cache_stats().values())
+        report.append((sequence, same, evicted, len(graphs)))
+    return report
+
+
 def _on_two_ranks(rank, world, folder):
     return (_pipeline_vs_plain(rank, world, f"{folder}/pipeline"), _dp_on_a_tier(rank, world),
             _dmp(rank, world, f"{folder}/dmp"),
-            _plan_puts_cached_tables_on_device(rank, world, f"{folder}/plan"))
+            _plan_puts_cached_tables_on_device(rank, world, f"{folder}/plan"),
+            _compiled_vs_eager(rank, world, f"{folder}/compile"))
 
 
-def test_pipeline_ahead_refused_dp_tier_dmp_and_plan_storage_on_one_start_up(tmp_path):
-    """Four checks on one start-up of 2 ranks: TrainPipeline reads rows ahead and matches the
+def test_pipeline_ahead_refused_dp_tier_dmp_plan_storage_and_compile_on_one_start_up(tmp_path):
+    """Five checks on one start-up of 2 ranks: TrainPipeline reads rows ahead and matches the
     plain loop bit for bit; a data-parallel table on a cached tier is refused naming it; DMP
     shards cached tables from the module or TorchRec's kernels; the plan's storage wins over
-    the collection's (whole tables copied)."""
-    pipeline, dp, dmp, plan = zip(*run_ranks(_on_two_ranks, 2, str(tmp_path), timeout=500),
-                                  strict=True)
+    the collection's (whole tables copied); ``torch.compile`` trains cached shards as the
+    eager model does, bit for bit."""
+    pipeline, dp, dmp, plan, compiled = zip(
+        *run_ranks(_on_two_ranks, 2, str(tmp_path), timeout=500), strict=True)
     _check_train_pipeline_reads_rows_ahead_and_matches_the_plain_loop_bit_for_bit(pipeline)
     _check_a_data_parallel_table_on_a_cached_tier_is_refused_naming_it(dp)
     _check_dmp_shards_cached_tables_from_the_module_or_torchrec_kernels(dmp)
     assert all(plan)
+    for rank, report in enumerate(compiled):
+        for sequence, same, _, graphs in report:
+            assert same and graphs > 0, (rank, sequence)
+    for i in range(2):  # the caches evicted somewhere
+        assert sum(r[i][2] for r in compiled) > 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fbtriton_dist import optim
-from fbtriton_dist.modules import fused_optim
+from fbtriton_dist.modules import ebc_op, fused_optim
 from fbtriton_dist.modules.tbe import TableBatchedEmbedding
 from fbtriton_dist.planner import ShardingPlan
 from fbtriton_dist.sharding.comm.options import CommOptions
@@ -305,6 +305,13 @@ class ShardedCollection(nn.Module):
     def tiered(self) -> bool:
         """Some local shard lives behind a row cache (``cached`` / ``file``)."""
         return any(tbe.tiered for tbe in self.tbes)
+
+    def compute_step(self, lookup: LookupBatch):
+        """``compute(lookup)``; under ``torch.compile`` with tiered local shards it runs
+        eagerly between the graphs (their slot maps are Python state): one graph break."""
+        if self.tiered() and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return ebc_op.run_eagerly(self.compute, lookup)
+        return self.compute(lookup)
 
     def input_dist_is_pure(self) -> bool:
         """Whether ``input_dist`` only reads this module (writes no weights, caches or id

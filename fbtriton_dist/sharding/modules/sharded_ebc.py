@@ -114,5 +114,5 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         dist_out = self._take_prefetched(features)
         if dist_out is None:
             dist_out = self.input_dist(features)
-        return self.output_dist(self.compute(dist_out.lookup), dist_out.lengths,
+        return self.output_dist(self.compute_step(dist_out.lookup), dist_out.lengths,
                                 dist_out.batch_sizes, dist_out.vbe)

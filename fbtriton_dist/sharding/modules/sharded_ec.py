@@ -124,4 +124,4 @@ class ShardedEmbeddingCollection(ShardedCollection):
         dist_out = self._take_prefetched(features)
         if dist_out is None:
             dist_out = self.input_dist(features)
-        return self.output_dist(self.compute(dist_out.lookup), dist_out.lookup, features)
+        return self.output_dist(self.compute_step(dist_out.lookup), dist_out.lookup, features)
