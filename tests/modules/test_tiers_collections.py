@@ -13,6 +13,7 @@ from fbtriton_dist.id_manager import IdManagerConfig
 from fbtriton_dist.modules.ebc import EmbeddingBagCollection
 from fbtriton_dist.modules.ec import EmbeddingCollection
 from fbtriton_dist.storage import Storage
+from tests.conftest import requires_cuda
 
 BAGS = [
     EmbeddingBagConfig(name="t0", num_embeddings=60, embedding_dim=4, feature_names=["f0", "f1"]),
@@ -39,18 +40,18 @@ def storage_for(tier, tmp_path):
             "t1": {"tier": tier, "cache_load_factor": 0.3, "policy": "lfu", **path}}
 
 
-def ebc(storage, opt="adam", backend="cpu", weighted=False, configs=BAGS):
+def ebc(storage, opt="adam", backend="cpu", weighted=False, configs=BAGS, device="cpu"):
     torch.manual_seed(0)
     m = EmbeddingBagCollection(copy.deepcopy(configs), is_weighted=weighted, backend=backend,
-                               storage=storage)
+                               storage=storage, device=device)
     if opt is not None:
         apply_optimizer_in_backward(OPTIMIZERS[opt][0], m.parameters(), OPTIMIZERS[opt][1])
     return m
 
 
-def ec(storage, opt="adagrad", backend="cpu"):
+def ec(storage, opt="adagrad", backend="cpu", device="cpu"):
     torch.manual_seed(0)
-    m = EmbeddingCollection(copy.deepcopy(SEQS), backend=backend, storage=storage)
+    m = EmbeddingCollection(copy.deepcopy(SEQS), backend=backend, storage=storage, device=device)
     apply_optimizer_in_backward(OPTIMIZERS[opt][0], m.parameters(), OPTIMIZERS[opt][1])
     return m
 
@@ -210,11 +211,11 @@ def test_to_moves_the_cache_not_the_backing_store(tmp_path):
 class _Head(torch.nn.Module):
     """A collection and a dense layer over its output: something for Dynamo to compile."""
 
-    def __init__(self, collection) -> None:
+    def __init__(self, collection, device="cpu") -> None:
         super().__init__()
         self.collection = collection
         torch.manual_seed(1)
-        self.linear = torch.nn.Linear(4, 1)
+        self.linear = torch.nn.Linear(4, 1, device=device)
 
     def forward(self, features):
         out = self.collection(features)
@@ -224,13 +225,17 @@ class _Head(torch.nn.Module):
         return self.linear(out.values()[:, :4].relu())
 
 
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("make", [ebc, ec])
-def test_torch_compile_looks_up_cached_tables_between_graphs(make, tmp_path):
+def test_torch_compile_looks_up_cached_tables_between_graphs(make, where, tmp_path):
     """``torch.compile`` of a model holding cached tables: their lookup runs eagerly (one graph
     break), the dense layers compile, and training equals the eager ``device`` model bit for
-    bit; ``fullgraph=True``, ``torch.export`` and ``torch.fx`` refuse it, saying why."""
+    bit; ``fullgraph=True``, ``torch.export`` and ``torch.fx`` refuse it, saying why. On a GPU:
+    the Triton kernels and the slot map on the device."""
     configs = BAGS if make is ebc else SEQS
-    device, tiered = _Head(make(None)), _Head(make(storage_for("cached", tmp_path)))
+    backend = "triton" if where == "cuda" else "cpu"
+    device, tiered = (_Head(make(s, backend=backend, device=where), where)
+                      for s in (None, storage_for("cached", tmp_path)))
     graphs = []
 
     def backend(gm, example_inputs):
@@ -239,7 +244,7 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, tmp_path):
 
     compiled = torch.compile(tiered, backend=backend)
     for step in range(STEPS):
-        batch = kjt(configs, step)
+        batch = kjt(configs, step).to(torch.device(where))
         for model in (device, compiled):
             out = model(batch)
             sum(o.sum() for o in out.values()).backward() if isinstance(out, dict) \
@@ -252,10 +257,10 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, tmp_path):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="cached / file tier tables or managed tables .* runs eagerly between "
                                         "compiled graphs; fullgraph=True cannot hold it"):
-        torch.compile(tiered, backend="eager", fullgraph=True)(kjt(configs, 0))
+        torch.compile(tiered, backend="eager", fullgraph=True)(kjt(configs, 0).to(where))
     with pytest.raises(NotImplementedError, match=r"cached storage tiers \(cached, file\) "
                                                   "under torch.fx, torch.export"):
-        torch.export.export(tiered, (kjt(configs, 0),), strict=False)
+        torch.export.export(tiered, (kjt(configs, 0).to(where),), strict=False)
     with pytest.raises(NotImplementedError, match="slot map is Python state"):
         torch.fx.symbolic_trace(tiered)
 
