@@ -66,16 +66,24 @@ def traced(features) -> bool:
 
 def compiling_around(module) -> bool:
     """Is Dynamo compiling (``torch.compile``, not export) a collection whose lookup keeps
-    Python state (``needs_eager_lookup``: cached tables, managed tables)? The lookup then runs
-    eagerly, through ``run_eagerly``: one graph break."""
+    Python state (``needs_eager_lookup``: cached tables, managed tables) or trains with an
+    optimizer the registered ops lack (``op_spec.OPS_LACK``)? The lookup then runs eagerly,
+    through ``run_eagerly``: one graph break."""
     return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and module.needs_eager_lookup())
+            and (module.needs_eager_lookup() or _lacks_ops_of_id(id(module))))
+
+
+@torch.compiler.assume_constant_result
+def _lacks_ops_of_id(key: int) -> bool:
+    module = live_collection(key)
+    return module is not None and op_spec.lacks_ops(module)
 
 
 run_eagerly = torch.compiler.disable(
     lambda forward, features: forward(features),
     reason="fbtriton_dist: the lookup of cached / file tier tables or managed tables (their "
-           "slot and id maps are Python state) runs eagerly between compiled graphs; "
+           "slot and id maps are Python state), or with a fused optimizer the registered ops "
+           "lack (counter, EMA, ensemble, global decay), runs eagerly between compiled graphs; "
            "fullgraph=True cannot hold it",
 )
 """``run_eagerly(forward, features)``: ``forward(features)`` outside Dynamo's graphs."""

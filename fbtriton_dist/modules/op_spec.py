@@ -159,6 +159,19 @@ def _flat(params: list[Tensor]) -> Tensor | None:
     return p0.detach().as_strided((total,), (1,), p0.storage_offset())
 
 
+OPS_LACK = {optim.RowWiseAdagradWithCounter: "carry its prev_iter / row_counter",
+            optim.EmaInplaceRowWiseAdagrad: "run its whole-table step before the lookup",
+            optim.EnsembleRowWiseAdagrad: "run its whole-table step before the lookup",
+            optim.RowWiseAdagradGlobalDecay: "carry its prev_iter"}
+"""Fused optimizers the registered lookup ops cannot train, with what they would miss."""
+
+
+def lacks_ops(module) -> bool:
+    """Does a group of ``module`` (a collection) train with an optimizer of ``OPS_LACK``?"""
+    return any(type(module.sync_optimizer(tbe, members)) in OPS_LACK
+               for tbe, members in module.tbe_groups())
+
+
 def bind(module, params: list[Tensor], states: list[Tensor]):
     """Point ``module``'s (a skeleton's) TBEs at ``params`` (one per table, config order) and
     ``states`` (``OP_STATES`` of each group with a fused optimizer). Returns (``bound`` for
@@ -172,14 +185,11 @@ def bind(module, params: list[Tensor], states: list[Tensor]):
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             packed.append((tbe, ps))
         tbe.weights = nn.Parameter(flat, requires_grad=False)
-        lacks = {optim.RowWiseAdagradWithCounter: "carry its prev_iter / row_counter",
-                 optim.EmaInplaceRowWiseAdagrad: "run its whole-table step before the lookup",
-                 optim.EnsembleRowWiseAdagrad: "run its whole-table step before the lookup",
-                 optim.RowWiseAdagradGlobalDecay: "carry its prev_iter"}
-        if type(tbe.optimizer) in lacks:
+        if type(tbe.optimizer) in OPS_LACK:
             raise ValueError(f"{optim.spec_of(tbe.optimizer).name}: expected an eager collection "
-                             "(the registered lookup ops of FX / torch.compile / torch.export do "
-                             f"not {lacks[type(tbe.optimizer)]}), got a traced one")
+                             "(the registered lookup ops of FX / torch.export do not "
+                             f"{OPS_LACK[type(tbe.optimizer)]}; torch.compile looks it up "
+                             "eagerly between its graphs), got a traced one")
         if tbe.optimizer is not None:
             for name, state in zip(OP_STATES, states[g * n : (g + 1) * n], strict=True):
                 setattr(tbe, name, state)

@@ -209,6 +209,58 @@ def test_compile_fullgraph_matches_torchrec(compiler, weighted, fused):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=n)
 
 
+def _ops_lacking_optimizers():
+    from fbtriton_dist import optim
+    from fbtriton_dist.optim_counter import CounterBasedRegularization
+    from fbtriton_dist.optim_gwd import GlobalWeightDecay
+
+    return {
+        "counter": optim.RowWiseAdagradWithCounter(
+            lr=0.3, eps=1e-6, weight_decay=0.2,
+            counter_based_regularization=CounterBasedRegularization()),
+        "ema": optim.EmaInplaceRowWiseAdagrad(lr=0.3, step_ema=2),
+        "ensemble": optim.EnsembleRowWiseAdagrad(lr=0.3, step_ema=1, step_swap=3),
+        "global_decay": optim.RowWiseAdagradGlobalDecay(
+            lr=0.3, eps=1e-6, weight_decay=0.1,
+            global_weight_decay=GlobalWeightDecay(start_iter=1, lower_bound=0.3)),
+    }
+
+
+@pytest.mark.parametrize("name", ["counter", "ema", "ensemble", "global_decay"])
+def test_compile_looks_up_eagerly_where_the_ops_lack_the_optimizer(name):
+    """Fused optimizers the registered ops cannot train (per-row counters, whole-table steps,
+    the global decay's catch-up): under ``torch.compile`` the lookup runs eagerly between the
+    graphs and trains as the eager model, bit for bit (FX refuses: test_tbe_optim_*.py)."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from fbtriton_dist import optim
+
+    cls, kwargs = optim.torch_equivalent(_ops_lacking_optimizers()[name])
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                  feature_names=["f1"]),
+               EmbeddingBagConfig(name="t2", embedding_dim=6, num_embeddings=6,
+                                  feature_names=["f2", "f3"], pooling=PoolingType.MEAN)]
+    eager = _Model(fbtriton_dist.EmbeddingBagCollection(tables=configs))
+    eager.head = torch.nn.Linear(16, 1)  # D even: EMA's second half averages the first
+    compiled_model = copy.deepcopy(eager)
+    for m in (eager, compiled_model):
+        apply_optimizer_in_backward(cls, m.ebc.parameters(), kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    for step, B in enumerate((3, 4, 3, 5, 4)):
+        kjt = _kjt(B, step, False)
+        a, b = eager(kjt), compiled(kjt)
+        assert torch.equal(a, b), step
+        a.backward()
+        b.backward()
+    for (n, a), (_, b) in zip(eager.state_dict().items(), compiled_model.state_dict().items(),
+                              strict=True):
+        assert torch.equal(a, b), n
+    fa, fb = (m.ebc.fused_optimizer_state_dict() for m in (eager, compiled_model))
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
 def test_export_non_strict_with_a_dynamic_batch_matches_torchrec():
     theirs, ours = _pair(True)
     kjt = _kjt(4, 0, True)
