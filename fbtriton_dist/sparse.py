@@ -75,8 +75,9 @@ def kjt_parts(
     if features.variable_stride_per_key():
         raise ValueError(
             "KeyedJaggedTensor: a batch size per feature (variable stride per key) is taken by "
-            "the eager EmbeddingBagCollection and by shard() without fixed shapes, not yet "
-            "under FX / compile / export; give every feature the same number of samples there"
+            "the eager EmbeddingBagCollection (torch.compile looks it up eagerly between its "
+            "graphs) and by shard() without fixed shapes, not under FX / export / "
+            "fullgraph=True; give every feature the same number of samples there"
         )
     values, weights = _values_and_weights(features, weighted)
     T, B = len(keys), features.stride()

@@ -316,7 +316,7 @@ class EmbeddingBagCollection(TableGroups):
 
     @torch.jit.unused
     def _forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if ebc_op.compiling_around(self):
+        if ebc_op.compiling_around(self, features):
             return ebc_op.run_eagerly(self._forward_body, features)
         return self._forward_body(features)
 

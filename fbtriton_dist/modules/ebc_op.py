@@ -64,13 +64,15 @@ def traced(features) -> bool:
     return values.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(values)
 
 
-def compiling_around(module) -> bool:
-    """Is Dynamo compiling (``torch.compile``, not export) a collection whose lookup keeps
-    Python state (``needs_eager_lookup``: cached tables, managed tables) or trains with an
-    optimizer the registered ops lack (``op_spec.OPS_LACK``)? The lookup then runs eagerly,
-    through ``run_eagerly``: one graph break."""
+def compiling_around(module, features) -> bool:
+    """Is Dynamo compiling (``torch.compile``, not export) a lookup the registered ops cannot
+    make: a collection whose lookup keeps Python state (``needs_eager_lookup``: cached tables,
+    managed tables), a batch size per feature (VBE), or a fused optimizer the ops lack
+    (``op_spec.OPS_LACK``)? The lookup then runs eagerly, through ``run_eagerly``: one graph
+    break."""
     return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and (module.needs_eager_lookup() or _lacks_ops_of_id(id(module))))
+            and (module.needs_eager_lookup() or features.variable_stride_per_key()
+                 or _lacks_ops_of_id(id(module))))
 
 
 @torch.compiler.assume_constant_result
@@ -82,9 +84,9 @@ def _lacks_ops_of_id(key: int) -> bool:
 run_eagerly = torch.compiler.disable(
     lambda forward, features: forward(features),
     reason="fbtriton_dist: the lookup of cached / file tier tables or managed tables (their "
-           "slot and id maps are Python state), or with a fused optimizer the registered ops "
-           "lack (counter, EMA, ensemble, global decay), runs eagerly between compiled graphs; "
-           "fullgraph=True cannot hold it",
+           "slot and id maps are Python state), of a batch size per feature (VBE), or with a "
+           "fused optimizer the registered ops lack (counter, EMA, ensemble, global decay), "
+           "runs eagerly between compiled graphs; fullgraph=True cannot hold it",
 )
 """``run_eagerly(forward, features)``: ``forward(features)`` outside Dynamo's graphs."""
 

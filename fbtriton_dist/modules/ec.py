@@ -244,7 +244,7 @@ class EmbeddingCollection(TableGroups):
 
     @torch.jit.unused
     def _forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        if ebc_op.compiling_around(self):
+        if ebc_op.compiling_around(self, features):
             return ebc_op.run_eagerly(self._forward_body, features)
         return self._forward_body(features)
 
