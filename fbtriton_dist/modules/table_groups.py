@@ -282,6 +282,19 @@ class TableGroups(nn.Module):
         """Does a table sit on a tier with a row cache (``cached``, ``file``)?"""
         return any(tbe.tiered for tbe in self._tbes)
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls it first: a cached table's parameter holds its cache's
+        slots, not its rows, so a script of it would read the wrong rows: refused."""
+        cached = [name for name, s in self.table_storage().items() if s.tier in ("cached", "file")]
+        if cached:
+            raise NotImplementedError(
+                f"torch.jit.script of a collection with cached tables {cached}: their "
+                "parameters hold the caches' slots, not the tables' rows; build the collection "
+                "without storage=, load this one's state_dict() (the whole tables) into it and "
+                "script that"
+            )
+        return self
+
     def needs_eager_lookup(self) -> bool:
         """Does the lookup keep Python state a graph cannot hold: a row cache's slot map or
         managed tables' id maps? ``torch.compile`` then runs it between its graphs."""

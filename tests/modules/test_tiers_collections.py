@@ -265,6 +265,32 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, where, tmp_pa
         torch.fx.symbolic_trace(tiered)
 
 
+@pytest.mark.parametrize("make", [ebc, ec])
+def test_jit_script_is_refused_and_the_whole_tables_script(make, tmp_path):
+    """A cached table's parameter holds its cache's slots: ``torch.jit.script`` refuses the
+    collection, naming the tables (a script would read slots for rows); the recipe it gives
+    (a collection without ``storage=`` loading the whole tables) scripts and looks up as the
+    cached one does."""
+    configs = BAGS if make is ebc else SEQS
+    tiered = make(storage_for("cached", tmp_path))
+    train([tiered], configs)
+    with pytest.raises(NotImplementedError, match=r"torch.jit.script of a collection with "
+                                                  r"cached tables \['t0', 't1'\]"):
+        torch.jit.script(tiered)
+    plain = make(None)
+    plain.load_state_dict(tiered.state_dict())
+    scripted = torch.jit.script(plain.eval())
+    tiered.eval()
+    batch = kjt(configs, 9)
+    with torch.no_grad():
+        a, b = scripted(batch), tiered(batch)
+    if make is ebc:
+        torch.testing.assert_close(a.values(), b.values(), rtol=1e-6, atol=1e-6)
+    else:
+        for k in b:
+            assert torch.equal(a[k].values(), b[k].values()), k
+
+
 def test_bad_storage_arguments():
     with pytest.raises(ValueError, match=r"storage: unknown tables \['nope', 'tx'\], expected "
                                          r"some of \['t0', 't1', 't2'\]"):
