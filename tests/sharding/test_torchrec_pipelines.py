@@ -210,3 +210,52 @@ def test_torchrec_pipeline_over_ours_matches_it_over_torchrec(kind, pipeline_nam
         assert len({round(x, 6) for x in want}) == STEPS, want  # no constant or repeated loss
         for step, (a, b) in enumerate(zip(want, got, strict=True)):
             assert abs(a - b) <= 1e-5, f"rank {rank} {pipeline_name} step {step}: {a} vs {b}"
+
+
+def _cached_vs_device(rank, world):
+    """TorchRec's ``TrainPipelineSparseDist`` over DMP holding our collection, its tables on
+    ``device`` and then on ``cached`` (half-size caches that evict): the losses, full weights
+    and the caches' counts."""
+    import dataclasses
+
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import train_pipelines as tp
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    import fbtriton_dist
+    from fbtriton_dist.sharding import dmp as ours
+    from fbtriton_dist.storage import Storage
+
+    tables = [dataclasses.replace(c, num_embeddings=40) for c in _tables("ebc")]
+    features = [f for c in tables for f in c.feature_names]
+    out = []
+    for storage in (None, Storage(tier="cached", cache_load_factor=0.5)):
+        torch.manual_seed(0)
+        module = fbtriton_dist.EmbeddingBagCollection(
+            tables=copy.deepcopy(tables), device=device(),
+            storage={c.name: storage for c in tables} if storage else None)
+        sharder = ours.EmbeddingBagCollectionSharder(local_world_size=world)
+        model = _EBCModel(module, features)
+        apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": 0.5})
+        dmp = DistributedModelParallel(model, sharders=[sharder],
+                                       plan=_plan(model.ebc, sharder, "ebc", world),
+                                       device=device())
+        opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "ebc." not in n], lr=0.5)
+        pipeline = tp.TrainPipelineSparseDist(dmp, opt, device())
+        it = iter(_batches(features, tables, rank))
+        losses = [float(pipeline.progress(it).sum()) for _ in range(STEPS)]
+        sharded = dmp.module.ebc.sharded
+        evictions = sum(s["evictions"] for s in sharded.cache_stats().values())
+        out.append((losses, sharded.gather_full_state_dict(), evictions))
+    (want, full_d, _), (got, full_c, evicted) = out
+    return want, got, all(torch.equal(full_d[k], full_c[k]) for k in full_d), evicted
+
+
+def test_torchrec_pipeline_trains_cached_tables_as_device_bit_for_bit():
+    """TorchRec's pipeline runs the next batch's input dist during the step: cached shards
+    (rows evicted and written back) train as on ``device``, bit for bit."""
+    results = run_ranks(_cached_vs_device, _world())
+    for rank, (want, got, same, _) in enumerate(results):
+        assert got == want and same, (rank, want, got)
+        assert len({round(x, 6) for x in want}) == STEPS, want
+    assert sum(r[3] for r in results) > 0
