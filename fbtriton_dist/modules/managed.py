@@ -388,8 +388,9 @@ def managed_forward(collection, features: KeyedJaggedTensor) -> KeyedJaggedTenso
     the fresh rows reset: the KJT its lookup then reads."""
     if ebc_op.traced(features) or torch.jit.is_scripting():
         raise NotImplementedError(
-            "managed tables (id_managers) under torch.fx, torch.export, torch.jit.script or "
-            "on meta tensors: their id maps are Python state a graph cannot hold; remap "
+            "managed tables (id_managers) under torch.fx, torch.export, torch.jit.script, "
+            "torch.compile(fullgraph=True) or on meta tensors: their id maps are Python state "
+            "a graph cannot hold; remap "
             "eagerly (torch.compile without fullgraph=True does: the lookup runs between its "
             "graphs)"
         )

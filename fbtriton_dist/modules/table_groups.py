@@ -303,10 +303,10 @@ class TableGroups(nn.Module):
     def _refuse_traced_tiers(self) -> None:
         if self.has_cached_tables():
             raise NotImplementedError(
-                "cached storage tiers (cached, file) under torch.fx, torch.export or on meta "
-                "tensors: their row cache's slot map is Python state a graph cannot hold; "
-                "look up eagerly (torch.compile without fullgraph=True does: the lookup runs "
-                "between its graphs)"
+                "cached storage tiers (cached, file) under torch.fx, torch.export, "
+                "torch.compile(fullgraph=True) or on meta tensors: their row cache's slot map "
+                "is Python state a graph cannot hold; look up eagerly (torch.compile without "
+                "fullgraph=True does: the lookup runs between its graphs)"
             )
 
     def _key(self, t: int) -> str:

@@ -236,6 +236,7 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, where, tmp_pa
     backend = "triton" if where == "cuda" else "cpu"
     device, tiered = (_Head(make(s, backend=backend, device=where), where)
                       for s in (None, storage_for("cached", tmp_path)))
+    tiered.collection.load_state_dict(device.collection.state_dict())  # CUDA: other draws
     graphs = []
 
     def backend(gm, example_inputs):
@@ -255,8 +256,9 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, where, tmp_pa
                                rtol=1e-6, atol=1e-6)
     assert evictions(tiered.collection) >= STEPS
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="cached / file tier tables or managed tables .* runs eagerly between "
-                                        "compiled graphs; fullgraph=True cannot hold it"):
+    # (Dynamo's graph break names our reason; torch 2.11 traces the disabled call, which then
+    # refuses as FX does)
+    with pytest.raises(Exception, match="cached.*fullgraph=True"):
         torch.compile(tiered, backend="eager", fullgraph=True)(kjt(configs, 0).to(where))
     with pytest.raises(NotImplementedError, match=r"cached storage tiers \(cached, file\) "
                                                   "under torch.fx, torch.export"):

@@ -228,12 +228,15 @@ def _cached_vs_device(rank, world):
 
     tables = [dataclasses.replace(c, num_embeddings=40) for c in _tables("ebc")]
     features = [f for c in tables for f in c.feature_names]
-    out = []
+    out, initial = [], None
     for storage in (None, Storage(tier="cached", cache_load_factor=0.5)):
         torch.manual_seed(0)
         module = fbtriton_dist.EmbeddingBagCollection(
             tables=copy.deepcopy(tables), device=device(),
             storage={c.name: storage for c in tables} if storage else None)
+        # (on CUDA a cached table draws its rows on the host's generator, device on the GPU's)
+        initial = initial or {k: v.cpu().clone() for k, v in module.state_dict().items()}
+        module.load_state_dict(initial)
         sharder = ours.EmbeddingBagCollectionSharder(local_world_size=world)
         model = _EBCModel(module, features)
         apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": 0.5})
