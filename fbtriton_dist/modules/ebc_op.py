@@ -65,14 +65,16 @@ def traced(features) -> bool:
 
 
 def compiling_around(module, features) -> bool:
-    """Is Dynamo compiling (``torch.compile``, not export) a lookup the registered ops cannot
-    make: a collection whose lookup keeps Python state (``needs_eager_lookup``: cached tables,
-    managed tables), a batch size per feature (VBE), or a fused optimizer the ops lack
+    """Is Dynamo compiling (``torch.compile``) a lookup the registered ops cannot make: a
+    collection whose lookup keeps Python state (``needs_eager_lookup``: cached tables, managed
+    tables), a batch size per feature (VBE), or a fused optimizer the ops lack
     (``op_spec.OPS_LACK``)? The lookup then runs eagerly, through ``run_eagerly``: one graph
-    break."""
-    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and (module.needs_eager_lookup() or features.variable_stride_per_key()
-                 or _lacks_ops_of_id(id(module))))
+    break. (Strict ``torch.export`` then refuses the break naming the reason; non-strict export
+    does not run Dynamo. Not ``is_compiling() and not is_exporting()``: torch 2.11 took that
+    as false under ``torch.compile``.)"""
+    return torch.compiler.is_dynamo_compiling() and (
+        module.needs_eager_lookup() or features.variable_stride_per_key()
+        or _lacks_ops_of_id(id(module)))
 
 
 @torch.compiler.assume_constant_result

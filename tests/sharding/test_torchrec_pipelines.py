@@ -238,6 +238,7 @@ def _cached_vs_device(rank, world):
         initial = initial or {k: v.cpu().clone() for k, v in module.state_dict().items()}
         module.load_state_dict(initial)
         sharder = ours.EmbeddingBagCollectionSharder(local_world_size=world)
+        torch.manual_seed(1)  # the dense layer alike (the draws above use other generators)
         model = _EBCModel(module, features)
         apply_optimizer_in_backward(torch.optim.Adam, model.ebc.parameters(), {"lr": 0.5})
         dmp = DistributedModelParallel(model, sharders=[sharder],

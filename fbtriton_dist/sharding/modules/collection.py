@@ -309,7 +309,7 @@ class ShardedCollection(nn.Module):
     def compute_step(self, lookup: LookupBatch):
         """``compute(lookup)``; under ``torch.compile`` with tiered local shards it runs
         eagerly between the graphs (their slot maps are Python state): one graph break."""
-        if self.tiered() and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        if self.tiered() and torch.compiler.is_dynamo_compiling():
             return ebc_op.run_eagerly(self.compute, lookup)
         return self.compute(lookup)
 
