@@ -256,8 +256,8 @@ def test_torch_compile_looks_up_cached_tables_between_graphs(make, where, tmp_pa
                                rtol=1e-6, atol=1e-6)
     assert evictions(tiered.collection) >= STEPS
     torch._dynamo.reset()
-    # (Dynamo's graph break names our reason; torch 2.11 traces the disabled call, which then
-    # refuses as FX does)
+    # (Dynamo stops at the graph break naming our reason; a torch that traced into the call
+    # instead would meet our own refusal, which names fullgraph=True too)
     with pytest.raises(Exception, match="cached.*fullgraph=True"):
         torch.compile(tiered, backend="eager", fullgraph=True)(kjt(configs, 0).to(where))
     with pytest.raises(NotImplementedError, match=r"cached storage tiers \(cached, file\) "
