@@ -285,7 +285,7 @@ class TableGroups(nn.Module):
     def __prepare_scriptable__(self):
         """``torch.jit.script`` calls it first: a cached table's parameter holds its cache's
         slots, not its rows, so a script of it would read the wrong rows: refused."""
-        cached = [name for name, s in self.table_storage().items() if s.tier in ("cached", "file")]
+        cached = [name for name, s in self.table_storage().items() if s.cached]
         if cached:
             raise NotImplementedError(
                 f"torch.jit.script of a collection with cached tables {cached}: their "
